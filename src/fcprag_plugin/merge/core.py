@@ -1,0 +1,110 @@
+"""Merge registry, input validation and the ``WeightedAdapterMerger`` front end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..adapter import LoraAdapter
+from ..errors import MergeError
+
+MergeFn = Callable[..., "MergeResult"]
+MERGE_MODES: dict[str, MergeFn] = {}
+
+
+@dataclass
+class MergeResult:
+    """The merged adapter plus what produced it. ``info`` holds mode-specific facts (e.g. svd errors)."""
+
+    adapter: LoraAdapter
+    weights: torch.Tensor  # w~ [N], float32
+    mode: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def register_merge_mode(name: str) -> Callable[[MergeFn], MergeFn]:
+    """Register ``fn(adapters, weights, **options) -> MergeResult`` under ``name``."""
+
+    def deco(fn: MergeFn) -> MergeFn:
+        MERGE_MODES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_merge_mode(name: str) -> MergeFn:
+    try:
+        return MERGE_MODES[name]
+    except KeyError:
+        raise MergeError(f"unknown merge mode '{name}'; expected one of {sorted(MERGE_MODES)}") from None
+
+
+def weight_vector(weights: Any, n: int) -> torch.Tensor:
+    """Validate merge weights: finite, 1-D, length ``n`` (the number of adapters), ``n >= 1``."""
+    if n == 0:
+        raise MergeError("no adapters to merge (N == 0)")
+    w = torch.as_tensor(weights, dtype=torch.float32).detach().cpu()
+    if w.ndim != 1 or w.shape[0] != n:
+        raise MergeError(f"merge weights have shape {list(w.shape)}, expected [{n}] (one per adapter)")
+    if not bool(torch.isfinite(w).all()):
+        raise MergeError(f"merge weights must be finite, got {w.tolist()}")
+    return w
+
+
+def check_compatible(adapters: Sequence[LoraAdapter]) -> list[str]:
+    """All adapters must target the same modules with the same in/out shapes. Returns the module names."""
+    if not adapters:
+        raise MergeError("no adapters to merge (N == 0)")
+    ref = adapters[0]
+    names = ref.target_modules
+    for i, ad in enumerate(adapters[1:], start=1):
+        if set(ad.modules) != set(ref.modules):
+            missing = sorted(set(ref.modules) - set(ad.modules))
+            extra = sorted(set(ad.modules) - set(ref.modules))
+            raise MergeError(
+                f"adapter {i} ({ad.source}) and adapter 0 ({ref.source}) target different modules: "
+                f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, extra {extra[:3]}{'...' if len(extra) > 3 else ''}"
+            )
+        for name in names:
+            a, b = ref.modules[name], ad.modules[name]
+            if (a.in_features, a.out_features) != (b.in_features, b.out_features):
+                raise MergeError(
+                    f"module '{name}': adapter {i} ({ad.source}) has [out, in] = [{b.out_features}, {b.in_features}] "
+                    f"but adapter 0 ({ref.source}) has [{a.out_features}, {a.in_features}]"
+                )
+    return names
+
+
+def merge_adapters(adapters: Sequence[LoraAdapter], weights: Any, mode: str = "cat", **options: Any) -> MergeResult:
+    """Merge ``adapters`` with merge weights ``w~`` (length N) using ``mode``; see the package docstring."""
+    fn = get_merge_mode(mode)
+    adapters = list(adapters)
+    w = weight_vector(weights, len(adapters))
+    check_compatible(adapters)
+    return fn(adapters, w, **options)
+
+
+class WeightedAdapterMerger:
+    """Merge N adapters with weights ``w~`` (length N). ``mode`` is a registered merge mode.
+
+    >>> merger = WeightedAdapterMerger("cat")
+    >>> result = merger.merge([a0, a1, a2], [1.12, 0.89, 0.99])   # doctest: +SKIP
+    >>> result.adapter.save_pretrained("merged")                   # doctest: +SKIP
+    """
+
+    def __init__(self, mode: str = "cat", **options: Any) -> None:
+        get_merge_mode(mode)  # fail early on a typo
+        self.mode = mode
+        self.options = options
+
+    def merge(self, adapters: Sequence[LoraAdapter], weights: Any | None = None) -> MergeResult:
+        """``weights=None`` means uniform ``[1]*N`` (PRAG's merge)."""
+        adapters = list(adapters)
+        if weights is None:
+            weights = [1.0] * len(adapters)
+        return merge_adapters(adapters, weights, self.mode, **self.options)
+
+    def __repr__(self) -> str:
+        return f"WeightedAdapterMerger(mode={self.mode!r}, options={self.options})"
