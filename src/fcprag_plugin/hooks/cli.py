@@ -1,0 +1,36 @@
+"""``fcprag run {prag,dyprag} [options] -- SCRIPT ARGS...``: run an unmodified host script with a shim installed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+_SHIMS = {"prag": "fcprag_plugin.hooks.prag", "dyprag": "fcprag_plugin.hooks.dyprag"}
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    rest = list(args.rest)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest:
+        raise SystemExit(f"fcprag run {args.host}: give the host script after '--', e.g. "
+                         f"fcprag run {args.host} --controller DIR -- src/inference.py ARGS...")
+    shim = importlib.import_module(_SHIMS[args.host])
+    options = {k: v for k, v in vars(args).items()
+               if k in {"controller", "encoder", "mode", "log", "data_file", "use_slot"} and v is not None}
+    return int(shim.launch(rest[0], rest[1:], **options) or 0)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("run", help="run PRAG's or DyPRAG's unmodified inference script with learned fusion",
+                       description="Everything after '--' is the host script and its own arguments.")
+    r.add_argument("host", choices=sorted(_SHIMS))
+    r.add_argument("--controller", help="controller directory (omit for the uniform baseline)")
+    r.add_argument("--encoder", help="embedding model name or path (default: the controller's)")
+    r.add_argument("--mode", help="merge mode: prag: cat (default) | separate | svd; dyprag: separate (default) | delta")
+    r.add_argument("--log", help="per-question JSON Lines log")
+    r.add_argument("--data-file", dest="data_file",
+                   help="prag: PRAG's augmented data file, to map adapter paths back to questions")
+    r.add_argument("--use-slot", dest="use_slot", action="store_const", const=True,
+                   help="use the pre-allocated fused slot (fcprag_plugin.fast) instead of rebuilding modules")
+    r.set_defaults(func=_cmd_run, accepts_rest=True)

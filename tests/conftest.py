@@ -1,0 +1,30 @@
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from helpers import hash_encoder, make_adapter_dir  # noqa: E402
+
+
+@pytest.fixture
+def adapter_dirs(tmp_path):
+    """Three real PEFT adapters (r=2, alpha=32, gate/up/down_proj) for the tiny Llama."""
+    return [make_adapter_dir(tmp_path / f"passage_{i}", seed=i) for i in range(3)]
+
+
+@pytest.fixture
+def encoder16():
+    return hash_encoder(16)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog):
+    caplog.set_level(logging.INFO, logger="fcprag_plugin")
+    yield

@@ -1,0 +1,90 @@
+"""Shared test helpers: tiny random Llama / Qwen2 models, real PEFT adapters on disk, a cheap text encoder."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+TARGETS = ["gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_config(kind: str = "llama", **overrides):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    common.update(overrides)
+    return (LlamaConfig if kind == "llama" else Qwen2Config)(**common)
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, **overrides):
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cls = LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM
+    return cls(tiny_config(kind, **overrides)).eval()
+
+
+def make_adapter_dir(path: str | os.PathLike, kind: str = "llama", *, r: int = 2, alpha: float = 32, seed: int = 0,
+                     targets: Sequence[str] = TARGETS, use_rslora: bool = False, zero_b: bool = False,
+                     dtype: torch.dtype = torch.float32, **lora_kwargs) -> Path:
+    """Save a real PEFT LoRA adapter (random, non-zero B unless ``zero_b``) for the tiny model at ``path``."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model(kind, seed=1234)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, task_type="CAUSAL_LM",
+                     use_rslora=use_rslora, **lora_kwargs)
+    model = get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_A" in n or "lora_B" in n:
+                if "lora_B" in n and zero_b:
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    path = Path(path)
+    model.save_pretrained(str(path))
+    return path
+
+
+def hash_embed(texts: list[str], dim: int = 16) -> torch.Tensor:
+    """Deterministic bag-of-words embedding: similar texts get similar vectors."""
+    out = torch.zeros(len(texts), dim)
+    for i, t in enumerate(texts):
+        for w in t.lower().split():
+            h = int(hashlib.sha256(w.encode()).hexdigest(), 16)
+            g = torch.Generator().manual_seed(h % (2**31))
+            out[i] += torch.randn(dim, generator=g)
+        if not t.split():
+            out[i, 0] = 1.0
+    return out
+
+
+def hash_encoder(dim: int = 16):
+    from fcprag_plugin.encoding import TextEncoder
+
+    return TextEncoder.from_function(lambda texts: hash_embed(texts, dim), dim, name=f"hash-{dim}")
+
+
+def dense_reference(adapters, weights, module: str) -> torch.Tensor:
+    """Independent reference: ``sum_i w_i * s_i * B_i @ A_i`` in float64."""
+    return sum(float(w) * a.modules[module].scaling * (a.modules[module].B.double() @ a.modules[module].A.double())
+               for w, a in zip(weights, adapters))
+
+
+def state_snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bit_identical(model, snapshot) -> None:
+    now = model.state_dict()
+    assert set(now) == set(snapshot)
+    for k, v in snapshot.items():
+        assert torch.equal(now[k], v), f"parameter {k} changed"
