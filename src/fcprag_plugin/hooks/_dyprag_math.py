@@ -1,0 +1,161 @@
+"""The math of the DyPRAG shim: check that captured translator outputs line up with DyPRAG's average, then
+re-aggregate them with per-passage weights ``u`` (``[N]``, summing to 1).
+
+A translator output is a dict of PEFT-style keys: ``...{module}.lora_A.weight`` ``[r, in]`` and
+``...{module}.lora_B.weight`` ``[out, r]`` (a leading batch dimension is allowed: ``[..., r, in]``). DyPRAG
+sets ``delta = lora_B @ lora_A`` per module (no alpha/r scaling), so
+
+- ``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i`` -> ``delta = B* A*`` (DyPRAG's own aggregation,
+  cross terms included; uniform ``u`` is DyPRAG's average);
+- ``delta``: ``A = cat_i(u_i A_i)`` ``[sum r, in]``, ``B = cat_i(B_i)`` ``[out, sum r]`` -> ``delta = B A =
+  sum_i u_i B_i A_i``, the exact weighted mean of the passage updates, through the same ``delta_inject`` contract.
+
+Weighted sums are accumulated in float32 (float64 for float64 inputs) and cast back to the input dtype, so the
+dict handed on has the dtypes, devices and keys of the one DyPRAG built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..errors import HookError
+
+A_SUFFIX = ".lora_A.weight"
+B_SUFFIX = ".lora_B.weight"
+DYPRAG_MODES = ("separate", "delta")
+
+
+def _shape(t: Any) -> list[int] | str:
+    return list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, scale: float) -> tuple[bool, float]:
+    """Equal, or equal up to a few ulps of the dtype at the inputs' ``scale`` (a host may average in another
+    summation order); a capture that is out of step differs by far more. NaNs must sit at the same places."""
+    a, b = a.detach(), b.detach()
+    if torch.equal(a, b):
+        return True, 0.0
+    eps = torch.finfo(b.dtype).eps if b.dtype.is_floating_point else 0.0
+    ok = bool(torch.isclose(a.double(), b.double(), rtol=0.0, atol=8 * eps * scale, equal_nan=True).all())
+    diff = float((a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max()) if a.numel() else 0.0
+    return ok, diff
+
+
+def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passages: int, question: str = "") -> None:
+    """Raise :class:`HookError` unless ``outputs`` are ``n_passages`` dicts whose plain mean is ``merged``.
+
+    Args:
+        outputs: the captured translator outputs of this question, in call order.
+        merged: the dict DyPRAG passed to ``delta_inject``.
+        n_passages: ``len(passages)`` of the question.
+    """
+    q = f" (question {question[:80]!r})" if question else ""
+    if not isinstance(merged, Mapping) or not merged:
+        raise HookError(f"fcprag dyprag: delta_inject got a {type(merged).__name__} "
+                        f"{'(empty)' if isinstance(merged, Mapping) else ''}; expected a non-empty dict of "
+                        f"'...lora_A.weight' / '...lora_B.weight' tensors")
+    if len(outputs) != n_passages:
+        raise HookError(
+            f"fcprag dyprag: captured {len(outputs)} ParameterTranslator output(s) since the last delta_inject, but "
+            f"the question has {n_passages} passage(s){q}. The capture is out of step with the passages (an extra "
+            f"or warm-up translator call, or a skipped passage); refusing to merge")
+    keys = set(merged)
+    for i, out in enumerate(outputs):
+        if not isinstance(out, Mapping):
+            raise HookError(f"fcprag dyprag: ParameterTranslator call {i} returned a {type(out).__name__}; "
+                            "expected a dict of LoRA factors")
+        if set(out) != keys:
+            missing, extra = sorted(keys - set(out)), sorted(set(out) - keys)
+            raise HookError(
+                f"fcprag dyprag: ParameterTranslator output {i} does not have the keys of the dict given to "
+                f"delta_inject{q}: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected "
+                f"{extra[:3]}{'...' if len(extra) > 3 else ''}")
+    for key, m in merged.items():
+        if not isinstance(m, torch.Tensor):
+            raise HookError(f"fcprag dyprag: key '{key}' given to delta_inject is a {type(m).__name__}, expected a tensor")
+        for i, out in enumerate(outputs):
+            t = out[key]
+            if not isinstance(t, torch.Tensor) or t.shape != m.shape:
+                raise HookError(f"fcprag dyprag: key '{key}': ParameterTranslator output {i} has shape {_shape(t)} "
+                                f"but delta_inject got {list(m.shape)}{q}")
+        stacked = torch.stack([out[key].detach().to(m.device) for out in outputs])
+        scale = float(stacked.abs().nan_to_num(nan=0.0).max()) if stacked.numel() else 0.0
+        ok, diff = _close(stacked.mean(dim=0).to(m.dtype), m, scale)
+        if not ok:
+            raise HookError(
+                f"fcprag dyprag: key '{key}': the dict given to delta_inject is not the plain mean of the "
+                f"{len(outputs)} captured ParameterTranslator outputs (max abs difference {diff:.3g}){q}. The "
+                f"capture is out of step with DyPRAG's merge; refusing to merge")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _weights_for(u: torch.Tensor | Sequence[float], n: int, like: torch.Tensor) -> torch.Tensor:
+    u = torch.as_tensor(u, dtype=_acc_dtype(like.dtype), device=like.device)
+    if u.shape != (n,):
+        raise HookError(f"fcprag dyprag: got {u.numel()} weights for {n} passages")
+    return u
+
+
+def aggregate_separate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float]
+                       ) -> dict[str, torch.Tensor]:
+    """``{key: sum_i u_i * outputs[i][key]}`` for every key (``A* = sum u_i A_i``, ``B* = sum u_i B_i``)."""
+    first = outputs[0]
+    out: dict[str, torch.Tensor] = {}
+    for key, t0 in first.items():
+        w = _weights_for(u, len(outputs), t0)
+        stacked = torch.stack([o[key].to(w.dtype) for o in outputs])  # [N, *shape]
+        out[key] = torch.tensordot(w, stacked, dims=1).to(t0.dtype)
+    return out
+
+
+def lora_pairs(keys: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """``{module: (A key, B key)}``; every key must be one half of a complete pair."""
+    mods: dict[str, dict[str, str]] = {}
+    for k in keys:
+        if k.endswith(A_SUFFIX):
+            mods.setdefault(k[: -len(A_SUFFIX)], {})["A"] = k
+        elif k.endswith(B_SUFFIX):
+            mods.setdefault(k[: -len(B_SUFFIX)], {})["B"] = k
+        else:
+            raise HookError(f"fcprag dyprag: key '{k}' is neither '...{A_SUFFIX}' nor '...{B_SUFFIX}'; "
+                            "mode 'delta' needs LoRA factor pairs (use mode 'separate' for other keys)")
+    pairs = {}
+    for mod, d in mods.items():
+        if "A" not in d or "B" not in d:
+            have = d.get("A") or d.get("B")
+            raise HookError(f"fcprag dyprag: module '{mod}' has only '{have}'; mode 'delta' needs both its "
+                            f"'{A_SUFFIX[1:]}' and '{B_SUFFIX[1:]}'")
+        pairs[mod] = (d["A"], d["B"])
+    return pairs
+
+
+def aggregate_delta(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float]
+                    ) -> dict[str, torch.Tensor]:
+    """Rank-stacked factors with ``B A = sum_i u_i B_i A_i``: ``A = cat(u_i A_i)`` ``[..., N r, in]``,
+    ``B = cat(B_i)`` ``[..., out, N r]``, so ``delta_inject``'s ``B @ A`` is the exact weighted mean update."""
+    first = outputs[0]
+    out: dict[str, torch.Tensor] = {}
+    for mod, (ka, kb) in lora_pairs(list(first)).items():
+        a0, b0 = first[ka], first[kb]
+        if a0.ndim < 2 or b0.ndim < 2 or a0.shape[-2] != b0.shape[-1]:
+            raise HookError(f"fcprag dyprag: module '{mod}': lora_A {list(a0.shape)} and lora_B {list(b0.shape)} "
+                            "do not form B @ A (expected A [r, in], B [out, r])")
+        w = _weights_for(u, len(outputs), a0)
+        out[ka] = torch.cat([(w[i] * o[ka].to(w.dtype)).to(a0.dtype) for i, o in enumerate(outputs)], dim=-2)
+        out[kb] = torch.cat([o[kb] for o in outputs], dim=-1)
+    return {k: out[k] for k in first}  # keep DyPRAG's key order
+
+
+def aggregate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float], mode: str
+              ) -> dict[str, torch.Tensor]:
+    """Dispatch on ``mode`` (``separate`` | ``delta``)."""
+    if mode == "separate":
+        return aggregate_separate(outputs, u)
+    if mode == "delta":
+        return aggregate_delta(outputs, u)
+    raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(DYPRAG_MODES)}")

@@ -1,0 +1,325 @@
+"""DyPRAG shim: replace DyPRAG's per-question average of translator-generated LoRA factors with a
+controller-weighted aggregation, without changing DyPRAG's code.
+
+DyPRAG's ``src/inference_dyprag.py`` calls ``projector(embedding)`` (a ``ParameterTranslator``) once per passage,
+averages every key over the passages and calls ``delta_inject(model, merged)``, which sets ``delta = B @ A`` on
+each module. The shim
+
+1. wraps ``ParameterTranslator.forward`` at class level and captures every output, in call order;
+2. wraps ``utils.delta_inject``: it checks that the captured outputs line up with ``merged`` (N = len(passages)
+   dicts with the same keys whose plain mean is ``merged``; otherwise :class:`HookError`), gets the merge weights
+   ``w~`` from the controller on the question and passage texts (:func:`set_context`, else the caller's locals
+   ``question`` / ``passages``), and hands DyPRAG's own ``delta_inject`` the re-aggregated dict with ``u = w~/N``:
+
+   - ``separate``: ``A* = sum u_i A_i``, ``B* = sum u_i B_i`` (uniform weights: DyPRAG's dict, unchanged);
+   - ``delta``: ``A = cat(u_i A_i)``, ``B = cat(B_i)`` along rank, so ``B @ A = sum u_i B_i A_i``.
+
+The capture buffer is emptied at every ``delta_inject`` (one question) and on every error.
+
+Use: ``fcprag run dyprag --controller DIR -- src/inference_dyprag.py ARGS...`` (see :func:`launch`), or
+``install(...)`` at the top of the script (before ``from utils import ...``) / ``with installed(...):``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Mapping, Sequence
+
+from ..errors import HookError
+from . import _dyprag_math as dm
+from .base import MergeHook, PatchSet, clear_context, explicit_context, get_context, run_script
+
+logger = logging.getLogger(__name__)
+
+UTILS_MODULE = "utils"
+PROJECTOR_MODULE = "projector"
+TRANSLATOR_CLASS = "ParameterTranslator"
+MODES = dm.DYPRAG_MODES
+_WARN_PENDING = 1000  # captured outputs without a delta_inject: the inject patch is probably not in effect
+
+
+class DyPragShim:
+    """The installed shim: patches, the capture buffer, the weight hook. Use :func:`install` to make one.
+
+    Attributes:
+        mode: ``separate`` or ``delta``.
+        hook: the :class:`MergeHook` (controller, encoder, log).
+        questions: how many ``delta_inject`` calls were re-weighted.
+    """
+
+    def __init__(self, hook: MergeHook, mode: str, utils: ModuleType, projector: ModuleType) -> None:
+        self.hook = hook
+        self.mode = mode
+        self.utils = utils
+        self.projector = projector
+        self.patches = PatchSet("dyprag")
+        self.questions = 0
+        self._captured: list[Any] = []
+        self._lock = threading.Lock()
+        self._warned = False
+
+    # ------------------------------------------------------------------ capture
+    @property
+    def captured(self) -> list[Any]:
+        """A copy of the translator outputs captured since the last ``delta_inject``."""
+        with self._lock:
+            return list(self._captured)
+
+    def clear(self) -> None:
+        """Drop the captured translator outputs (done automatically per question and on errors)."""
+        with self._lock:
+            self._captured.clear()
+
+    def _capture(self, output: Any) -> None:
+        with self._lock:
+            self._captured.append(output)  # a reference: DyPRAG keeps these alive until its merge anyway
+            pending = len(self._captured)
+        if pending > _WARN_PENDING and not self._warned:
+            self._warned = True
+            logger.warning("fcprag dyprag: %d ParameterTranslator outputs captured without a delta_inject call; is "
+                           "delta_inject bound before the shim was installed (install before 'from utils import')?",
+                           pending)
+
+    def _take(self) -> list[Any]:
+        with self._lock:
+            outs, self._captured = self._captured, []
+        return outs
+
+    # ------------------------------------------------------------------ the merge
+    def reaggregate(self, merged: Mapping[str, Any]) -> dict[str, Any]:
+        """Check the captured outputs against DyPRAG's ``merged`` and return the weighted dict (same keys).
+
+        Consumes the capture buffer (also when it raises). The question and passages come from
+        :func:`set_context` (used once, then cleared) or the caller's locals ``question`` / ``passages``.
+        """
+        outs = self._take()
+        ctx = self._context()
+        q_text, p_texts = ctx["question"], ctx["passages"]
+        dm.check_alignment(outs, merged, len(p_texts), q_text)
+        t0 = MergeHook.timer()
+        cw = self.hook.weights(q_text, p_texts)
+        t1 = MergeHook.timer()
+        n = len(p_texts)
+        u = [float(w) / n for w in cw["merge_weights"]]
+        if self.mode == "separate" and all(float(w) == 1.0 for w in cw["merge_weights"]):
+            new = dict(merged)  # uniform: exactly DyPRAG's average (checked equal to the capture above)
+        else:
+            new = dm.aggregate(outs, u, self.mode)
+        t2 = MergeHook.timer()
+        self.questions += 1
+        tau = float(cw["tau"])
+        self.hook.log({
+            "shim": "dyprag", "call": self.questions, "question": q_text, "n": n, "mode": self.mode,
+            "merge_weights": cw["merge_weights"], "weights": cw["weights"], "u": u, "scores": cw["scores"],
+            "g": cw["g"], "tau": None if tau != tau else tau,  # NaN (no controller) is not valid JSON
+            "controller_mode": cw["controller_mode"], "context": ctx["source"], "keys": len(merged),
+            "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
+        })
+        logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", n, self.mode, cw["merge_weights"],
+                     (t2 - t1) * 1e3)
+        return new
+
+    @staticmethod
+    def _context() -> dict[str, Any]:
+        used_explicit = explicit_context() is not None
+        try:
+            ctx = get_context(what="DyPRAG delta_inject merge")
+        except HookError:
+            raise HookError(
+                "fcprag dyprag: cannot tell which question and passages this delta_inject call is for: call "
+                "fcprag_plugin.hooks.set_context(question, passages) before delta_inject, or call delta_inject from "
+                "a function with local variables 'question' (a str) and 'passages' (a list of str), as DyPRAG's "
+                "inference_dyprag.py main() does") from None
+        if used_explicit:
+            clear_context()  # one question per set_context: a stale context must not weight the next question
+        return ctx
+
+    # ------------------------------------------------------------------ patching
+    def _apply(self) -> None:
+        cls = getattr(self.projector, TRANSLATOR_CLASS)
+        orig_inject = self.utils.delta_inject
+
+        def make_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(orig)
+            def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    out = orig(module, *args, **kwargs)
+                except BaseException:
+                    self.clear()  # this question's capture is incomplete: never let it reach the next one
+                    raise
+                self._capture(out)
+                return out
+
+            forward.__fcprag_original__ = orig  # type: ignore[attr-defined]
+            return forward
+
+        def make_inject(orig: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(orig)
+            def delta_inject(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
+                new = self.reaggregate(adapter_weights)
+                return orig(model, new, *args, **kwargs)
+
+            delta_inject.__fcprag_original__ = orig  # type: ignore[attr-defined]
+            return delta_inject
+
+        self.patches.patch(cls, "forward", make_forward)
+        self.patches.patch(self.utils, "delta_inject", make_inject)
+        patched = self.utils.delta_inject
+        main = sys.modules.get("__main__")
+        # A script that imported delta_inject before install() holds the original: re-point that name too.
+        if main is not None and main is not self.utils and getattr(main, "delta_inject", None) is orig_inject:
+            self.patches.patch(main, "delta_inject", lambda _orig: patched)
+            logger.info("fcprag dyprag: also patched __main__.delta_inject (imported before install)")
+
+    def uninstall(self) -> None:
+        """Restore ``ParameterTranslator.forward`` and ``delta_inject`` exactly, and drop the capture."""
+        self.patches.revert()
+        self.clear()
+
+    @property
+    def active(self) -> bool:
+        return self.patches.active
+
+    def __enter__(self) -> "DyPragShim":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if _current is self:
+            uninstall()
+        else:
+            self.uninstall()
+
+
+_current: DyPragShim | None = None
+
+
+def _resolve_module(mod: ModuleType | str | None, default: str, what: str) -> ModuleType:
+    if isinstance(mod, ModuleType):
+        return mod
+    name = mod or default
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise HookError(
+            f"fcprag dyprag: cannot import DyPRAG's '{name}' module ({what}): {e}. Run from DyPRAG's src/ "
+            f"directory, put it on sys.path, or use `fcprag run dyprag -- src/inference_dyprag.py ...`") from e
+
+
+def _check_host(utils: ModuleType, projector: ModuleType) -> None:
+    if not callable(getattr(utils, "delta_inject", None)):
+        raise HookError(f"fcprag dyprag: {getattr(utils, '__file__', utils.__name__)} has no function 'delta_inject'; "
+                        "expected DyPRAG's src/utils.py")
+    cls = getattr(projector, TRANSLATOR_CLASS, None)
+    if not isinstance(cls, type) or not callable(getattr(cls, "forward", None)):
+        raise HookError(f"fcprag dyprag: {getattr(projector, '__file__', projector.__name__)} has no class "
+                        f"'{TRANSLATOR_CLASS}' with a forward(); expected DyPRAG's src/projector.py")
+
+
+def install(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
+            utils: ModuleType | str | None = None, projector: ModuleType | str | None = None) -> DyPragShim:
+    """Patch DyPRAG's ``utils.delta_inject`` and ``projector.ParameterTranslator.forward``.
+
+    Args:
+        controller: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (uniform:
+            DyPRAG's own average in ``separate`` mode).
+        encoder: a :class:`~fcprag_plugin.encoding.TextEncoder` or model name/path (default: the controller's).
+        mode: ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i B_i``) or ``delta`` (exact ``sum u_i B_i A_i``).
+        log: JSON Lines file, one record per question.
+        utils, projector: the host modules (or their import names); default: import ``utils`` / ``projector``.
+
+    Install before the script runs ``from utils import delta_inject`` (the launcher does). Installing again
+    replaces the previous shim. Returns the shim (also a context manager that uninstalls).
+    """
+    global _current
+    if mode not in MODES:
+        raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
+    if _current is not None:
+        logger.info("fcprag dyprag: replacing the installed shim")
+        uninstall()
+    utils_mod = _resolve_module(utils, UTILS_MODULE, "delta_inject")
+    projector_mod = _resolve_module(projector, PROJECTOR_MODULE, TRANSLATOR_CLASS)
+    _check_host(utils_mod, projector_mod)
+    if isinstance(encoder, (str, Path)):
+        from ..encoding import TextEncoder
+
+        encoder = TextEncoder(encoder)
+    hook = MergeHook(controller, encoder, mode=mode, log=log)
+    shim = DyPragShim(hook, mode, utils_mod, projector_mod)
+    shim._apply()
+    _current = shim
+    logger.info("fcprag dyprag: installed (mode=%s, controller=%s)", mode,
+                "uniform" if hook.controller is None else hook.controller.config.mode)
+    return shim
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (no-op when not installed)."""
+    global _current
+    if _current is not None:
+        _current.uninstall()
+        _current = None
+
+
+def installed(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None,
+              **kwargs: Any) -> DyPragShim:
+    """``with installed(...):`` -- :func:`install` for the duration of a block."""
+    return install(controller, encoder, mode, log, **kwargs)
+
+
+def current() -> DyPragShim | None:
+    """The installed shim, or None."""
+    return _current
+
+
+def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
+           mode: str | None = None, log: str | Path | None = None, use_slot: bool | None = None,
+           **options: Any) -> int:
+    """``fcprag run dyprag``: run DyPRAG's unmodified ``script`` as ``__main__`` with the shim installed.
+
+    Puts the script's directory first on sys.path, imports (fresh) and patches its ``utils`` and ``projector``,
+    runs the script, then uninstalls and restores sys.path and those sys.modules entries.
+    """
+    if use_slot:
+        raise HookError("fcprag run dyprag: --use-slot is not available for DyPRAG yet (the pre-allocated fused slot "
+                        "is not wired into this shim); run without --use-slot")
+    if options:
+        raise HookError(f"fcprag run dyprag: option(s) {sorted(options)} do not apply to DyPRAG "
+                        f"(--data-file is for prag); use --controller, --encoder, --mode, --log")
+    script = Path(script)
+    if not script.is_file():
+        raise HookError(f"fcprag run dyprag: {script}: script not found (expected DyPRAG's src/inference_dyprag.py)")
+    src = script.resolve().parent
+    names = (UTILS_MODULE, PROJECTOR_MODULE)
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}  # another directory's 'utils' must not win
+    old_path = sys.path[:]
+    sys.path.insert(0, str(src))
+    try:
+        utils_mod = _resolve_module(None, UTILS_MODULE, "delta_inject")
+        projector_mod = _resolve_module(None, PROJECTOR_MODULE, TRANSLATOR_CLASS)
+        for m in (utils_mod, projector_mod):
+            f = getattr(m, "__file__", None)
+            if f is None or Path(f).resolve().parent != src:
+                raise HookError(f"fcprag run dyprag: '{m.__name__}' was imported from {f}, not from {src}")
+        install(controller, encoder, mode or "separate", log, utils=utils_mod, projector=projector_mod)
+        try:
+            run_script(script, list(script_args))
+        finally:
+            shim = _current
+            uninstall()
+            if shim is not None:
+                logger.info("fcprag dyprag: re-weighted %d question(s)", shim.questions)
+    finally:
+        sys.path[:] = old_path
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
+    return 0
+
+
+__all__ = ["DyPragShim", "install", "uninstall", "installed", "current", "launch", "MODES"]
