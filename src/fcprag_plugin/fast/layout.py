@@ -1,0 +1,199 @@
+"""Packed adapters: each adapter held as a few contiguous per-layer stacks, so a merge is a handful of big ops.
+
+Target modules are grouped by *pattern* (the module path with its layer numbers replaced by ``*``) and shape:
+``model.layers.0.mlp.gate_proj`` ... ``model.layers.29.mlp.gate_proj`` form one group of ``L = 30`` modules.
+Per group an adapter is stored as
+
+    A  [L, r, in]    the raw ``lora_A`` weights, stacked over layers
+    BT [L, r, out]   ``lora_B`` transposed, so one adapter's rank rows are contiguous like A's
+    scales [L]       the per-module LoRA scaling (``alpha / r``), float64
+
+``r`` is the largest rank in the group; a module of smaller rank is zero-padded (zero rows of A, zero rows of
+BT), which leaves its update ``B @ A`` unchanged. The layout (groups and module order) depends only on the module
+names and shapes, so every adapter of the same model and target modules gets the *same* layout object.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..adapter import LoraAdapter, LoraModule
+from ..errors import AdapterError, MergeError
+
+_NUM = re.compile(r"^\d+$")
+
+
+@dataclass(frozen=True)
+class LayoutGroup:
+    """Modules sharing one path pattern and one ``[out, in]`` shape, in layer order."""
+
+    pattern: str
+    in_features: int
+    out_features: int
+    names: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An ordered set of :class:`LayoutGroup` s; interned, so equal layouts are usually the same object."""
+
+    groups: tuple[LayoutGroup, ...]
+
+    @property
+    def module_names(self) -> list[str]:
+        return [n for g in self.groups for n in g.names]
+
+    @property
+    def num_modules(self) -> int:
+        return sum(g.size for g in self.groups)
+
+    def describe_difference(self, other: "Layout") -> str:
+        """A short human-readable reason why ``other`` does not match this layout."""
+        mine, theirs = set(self.module_names), set(other.module_names)
+        missing, extra = sorted(mine - theirs), sorted(theirs - mine)
+        if missing or extra:
+            return (f"missing modules {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                    f"extra modules {extra[:3]}{'...' if len(extra) > 3 else ''}")
+        shapes = {n: (g.out_features, g.in_features) for g in self.groups for n in g.names}
+        for g in other.groups:
+            for n in g.names:
+                if shapes[n] != (g.out_features, g.in_features):
+                    return f"module '{n}' is [out, in] = {list(shapes[n])} here but {[g.out_features, g.in_features]} there"
+        return "same modules in a different grouping"
+
+
+_INTERNED: dict[Layout, Layout] = {}
+
+
+def _split(name: str) -> tuple[str, tuple[int, ...]]:
+    parts = name.split(".")
+    idx = tuple(int(p) for p in parts if _NUM.match(p))
+    return ".".join("*" if _NUM.match(p) else p for p in parts), idx
+
+
+def layout_from_shapes(shapes: Mapping[str, tuple[int, int]]) -> Layout:
+    """Build (and intern) the layout of modules ``name -> (out_features, in_features)``."""
+    if not shapes:
+        raise MergeError("no target modules: a layout needs at least one module")
+    buckets: dict[tuple[str, int, int], list[tuple[tuple[int, ...], str]]] = {}
+    for name, (out_f, in_f) in shapes.items():
+        pattern, idx = _split(name)
+        buckets.setdefault((pattern, int(in_f), int(out_f)), []).append((idx, name))
+    groups = tuple(
+        LayoutGroup(pattern, in_f, out_f, tuple(n for _, n in sorted(members)))
+        for (pattern, in_f, out_f), members in sorted(buckets.items())
+    )
+    layout = Layout(groups)
+    return _INTERNED.setdefault(layout, layout)
+
+
+def layout_of(adapter: LoraAdapter) -> Layout:
+    return layout_from_shapes({k: (m.out_features, m.in_features) for k, m in adapter.modules.items()})
+
+
+@dataclass
+class PackedGroup:
+    """One adapter's share of one layout group (see the module docstring for the shapes)."""
+
+    A: torch.Tensor  # [L, r, in]
+    BT: torch.Tensor  # [L, r, out]
+    scales: torch.Tensor  # [L] float64, on the CPU
+    ranks: tuple[int, ...]  # the true rank of each module (<= r)
+    scale: float | None = None  # the common scaling if all modules share one (the usual case)
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[1])
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter as per-group contiguous stacks (:class:`PackedGroup`), ready to be written into a slot.
+
+    Build with :func:`pack_adapter` or :class:`~fcprag_plugin.fast.store.AdapterStore`. Read-only by convention:
+    slots copy from it and never write to it.
+    """
+
+    layout: Layout
+    groups: tuple[PackedGroup, ...]
+    source: str = "<memory>"
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_rank(self) -> int:
+        return max(g.rank for g in self.groups)
+
+    @property
+    def device(self) -> torch.device:
+        return self.groups[0].A.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.groups[0].A.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for g in self.groups for t in (g.A, g.BT))
+
+    def uniform_rank(self) -> int | None:
+        """The rank if every module has the same one, else ``None``."""
+        ranks = {r for g in self.groups for r in g.ranks}
+        return ranks.pop() if len(ranks) == 1 else None
+
+    def to_lora(self) -> LoraAdapter:
+        """Unpack into a :class:`LoraAdapter` (copies; for checks and interop, not for the hot path)."""
+        modules = {}
+        for lg, pg in zip(self.layout.groups, self.groups):
+            for l, name in enumerate(lg.names):
+                r = pg.ranks[l]
+                modules[name] = LoraModule(pg.A[l, :r].clone(), pg.BT[l, :r].T.contiguous(), float(pg.scales[l]))
+        return LoraAdapter(modules, dict(self.config), self.source)
+
+    def __repr__(self) -> str:
+        return (f"PackedAdapter(source={self.source!r}, groups={len(self.groups)}, modules={self.layout.num_modules}, "
+                f"max_rank={self.max_rank}, dtype={self.dtype}, device={self.device}, bytes={self.nbytes})")
+
+
+def pack_adapter(adapter: LoraAdapter, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> PackedAdapter:
+    """Copy ``adapter`` into per-group stacks on ``device`` (default: where it is) in ``dtype`` (default: its own)."""
+    if not adapter.modules:
+        raise AdapterError(f"{adapter.source}: the adapter has no LoRA modules to pack")
+    layout = layout_of(adapter)
+    first = next(iter(adapter.modules.values()))
+    dev = torch.device(device) if device is not None else first.A.device
+    dt = dtype or first.A.dtype
+    groups = []
+    for lg in layout.groups:
+        mods: list[LoraModule] = [adapter.modules[n] for n in lg.names]
+        ranks = tuple(m.rank for m in mods)
+        r = max(ranks)
+        if len(set(ranks)) == 1:
+            A = torch.stack([m.A for m in mods]).to(device=dev, dtype=dt)
+            BT = torch.stack([m.B.T for m in mods]).to(device=dev, dtype=dt)
+        else:  # rank_pattern: zero-pad the smaller ranks, which keeps B @ A unchanged
+            A = torch.zeros(len(mods), r, lg.in_features, device=dev, dtype=dt)
+            BT = torch.zeros(len(mods), r, lg.out_features, device=dev, dtype=dt)
+            for l, m in enumerate(mods):
+                A[l, :m.rank] = m.A
+                BT[l, :m.rank] = m.B.T
+        scales = torch.tensor([m.scaling for m in mods], dtype=torch.float64)
+        common = {m.scaling for m in mods}
+        groups.append(PackedGroup(A.contiguous(), BT.contiguous(), scales, ranks,
+                                  common.pop() if len(common) == 1 else None))
+    return PackedAdapter(layout, tuple(groups), adapter.source, dict(adapter.config))
+
+
+def check_layouts(reference: Layout, packed: Iterable[PackedAdapter], where: str) -> None:
+    """Every packed adapter must have ``reference``'s layout; name the first that does not."""
+    for i, p in enumerate(packed):
+        if p.layout is not reference and p.layout != reference:
+            raise MergeError(f"{where}: adapter {i} ({p.source}) does not fit: {reference.describe_difference(p.layout)}")

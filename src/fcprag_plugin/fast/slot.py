@@ -1,0 +1,508 @@
+"""``FusedSlot``: a LoRA slot injected once into a live model; per query only its buffers are rewritten.
+
+PRAG builds PEFT modules for every question. A slot instead registers one forward hook per target module at
+construction and preallocates, per layout group (see :mod:`fcprag_plugin.fast.layout`),
+
+    A  [L, K*R, in]    rank rows of up to K adapters of rank <= R (adapter i owns rows i*R .. i*R+R)
+    BT [L, K*R, out]   lora_B transposed, same row layout
+
+A query writes ``w~_i * s_i * A_i`` and ``B_i^T`` into the rows (``cat``: the exact ``sum_i w~_i s_i B_i A_i``) or
+the DyPRAG ``separate`` sums into the first R rows, zeroes rows left over from a larger previous query, and turns
+the hook on: ``y = W x + BT^T (A x)``. Shapes never change (``torch.compile`` friendly), no module is created,
+and no parameter of the model is ever written: ``remove()`` leaves it exactly as it was.
+
+>>> slot = FusedSlot(model, adapters[0], max_adapters=10)           # doctest: +SKIP
+>>> with slot.fused(adapters, weights):                             # doctest: +SKIP
+...     out = model.generate(**inputs)
+>>> slot.remove()                                                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..adapter import LoraAdapter
+from ..adapter_io import PEFT_PREFIX
+from ..errors import MergeError
+from ..merge.core import weight_vector
+from ..merge.live import resolve_module
+from .layout import Layout, PackedAdapter, check_layouts, layout_from_shapes, pack_adapter
+
+logger = logging.getLogger(__name__)
+
+SLOT_MODES = ("cat", "separate")
+DEFAULT_MAX_RANK = 8
+
+# A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (used by mixed batches).
+RankTransform = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+@dataclass
+class _Segment:
+    """The slot buffers of one layout group's consecutive modules living on one device."""
+
+    group: int  # index into layout.groups
+    l0: int  # first layer (index within the group)
+    l1: int
+    A: torch.Tensor  # [l1-l0, K*R, in]
+    BT: torch.Tensor  # [l1-l0, K*R, out]
+    dirty: int = 0  # rows [dirty:] of A are known to be zero
+    views: dict = field(default_factory=dict)  # (kind, start, stop) -> cached row views
+    scratch: dict = field(default_factory=dict)  # for 'separate': f32 accumulators / products
+
+    def rows(self, kind: str, start: int, stop: int) -> torch.Tensor:
+        key = (kind, start, stop)
+        v = self.views.get(key)
+        if v is None:
+            v = self.views[key] = (self.A if kind == "A" else self.BT)[:, start:stop]
+        return v
+
+
+class _Entry:
+    """What one module's hook reads: its views into the segment buffers (swapped on resize)."""
+
+    __slots__ = ("name", "A", "BT")
+
+    def __init__(self, name: str, A: torch.Tensor, BT: torch.Tensor) -> None:
+        self.name, self.A, self.BT = name, A, BT
+
+
+class _State:
+    __slots__ = ("active", "transform")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.transform: RankTransform | None = None
+
+
+def _make_hook(entry: _Entry, state: _State):
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if not state.active:
+            return None  # output untouched: the base model, bit for bit
+        A = entry.A
+        h = inputs[0].to(A.dtype) @ A.T  # [..., K*R]
+        if state.transform is not None:
+            h = state.transform(h, entry.name)
+        return output + (h @ entry.BT).to(output.dtype)
+
+    return hook
+
+
+def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, coef: float | torch.Tensor) -> None:
+    """``dst[...] = coef * src`` in one pass (the product rounds exactly like ``coef * src`` in the merge modes)."""
+    if src.device == dst.device and (not isinstance(coef, torch.Tensor) or coef.device == dst.device):
+        torch.mul(src, coef, out=dst)
+    else:
+        dst.copy_(src)
+        dst.mul_(coef.to(dst.device) if isinstance(coef, torch.Tensor) else coef)
+
+
+def _strip(name: str) -> str:
+    while name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    return name
+
+
+def _target_shapes(model: nn.Module, targets: Any) -> dict[str, tuple[int, int]]:
+    """``targets`` -> ``{module path: (out, in)}``; paths use the base model's names (no PEFT prefix)."""
+    if isinstance(targets, PackedAdapter):
+        return {n: (g.out_features, g.in_features) for g in targets.layout.groups for n in g.names}
+    if isinstance(targets, LoraAdapter):
+        return {k: (m.out_features, m.in_features) for k, m in targets.modules.items()}
+    if isinstance(targets, str) or not isinstance(targets, Sequence) or not targets:
+        raise MergeError(f"targets must be a LoraAdapter, a PackedAdapter or a non-empty list of module names, "
+                         f"got {targets!r}")
+    table = dict(model.named_modules())
+    out: dict[str, tuple[int, int]] = {}
+    suffixes = {t for t in targets if "." not in t}
+    for t in targets:
+        if "." in t:  # a full path
+            mod = resolve_module(model, t, table)
+            w = getattr(mod, "weight", None)
+            if w is None or w.ndim != 2:
+                raise MergeError(f"target module '{t}' has no 2-D weight (got {type(mod).__name__})")
+            out[t] = (int(w.shape[0]), int(w.shape[1]))
+    if suffixes:
+        found = set()
+        for name, mod in table.items():
+            parts = name.split(".")
+            if "base_layer" in parts or any(p.startswith("lora_") for p in parts) or parts[-1] not in suffixes:
+                continue
+            base = getattr(mod, "base_layer", None)
+            mod = base if isinstance(base, nn.Module) else mod
+            w = getattr(mod, "weight", None)
+            if isinstance(w, torch.Tensor) and w.ndim == 2:
+                out[_strip(name)] = (int(w.shape[0]), int(w.shape[1]))
+                found.add(parts[-1])
+        missing = sorted(suffixes - found)
+        if missing:
+            raise MergeError(f"target module name(s) {missing} match no module with a 2-D weight in the model")
+    return out
+
+
+_SLOTS: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDictionary()
+
+
+class FusedSlot:
+    """A reusable LoRA slot for up to ``max_adapters`` adapters of rank <= ``max_rank`` on a live model.
+
+    Args:
+        model: a transformers model or a ``PeftModel`` (the slot hooks the frozen base layers).
+        targets: what the slot covers: an adapter (:class:`LoraAdapter` / :class:`PackedAdapter`) whose modules
+            every later adapter must share, or module names (full paths, or bare names like ``"gate_proj"``).
+        max_adapters: K, the most adapters one query may merge. More is a :class:`MergeError`; see :meth:`resize`.
+        max_rank: R, the largest adapter rank (default: the template's, else 8).
+        dtype: buffer dtype (default: each target weight's dtype).
+        store: an :class:`~fcprag_plugin.fast.store.AdapterStore` used when adapters are given as paths.
+    """
+
+    def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
+                 dtype: torch.dtype | None = None, store: Any = None) -> None:
+        if not isinstance(max_adapters, int) or max_adapters < 1:
+            raise MergeError(f"max_adapters must be a positive integer, got {max_adapters!r}")
+        if max_rank is None:
+            if isinstance(targets, PackedAdapter):
+                max_rank = targets.max_rank
+            elif isinstance(targets, LoraAdapter):
+                max_rank = max(targets.ranks.values())
+            else:
+                max_rank = DEFAULT_MAX_RANK
+        if not isinstance(max_rank, int) or max_rank < 1:
+            raise MergeError(f"max_rank must be a positive integer, got {max_rank!r}")
+        self.model = model
+        self.layout: Layout = layout_from_shapes(_target_shapes(model, targets))
+        self.max_adapters = max_adapters
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.store = store
+        self.mode: str | None = None
+        self.n_active = 0
+        self._state = _State()
+        self._in_context = False
+        self._removed = False
+        self._handles: list[Any] = []
+        self._entries: list[list[_Entry]] = []  # per group, per layer
+        self._modules: list[list[nn.Module]] = []
+        table = dict(model.named_modules())
+        for g in self.layout.groups:
+            mods = []
+            for name in g.names:
+                mod = resolve_module(model, name, table)
+                w = getattr(mod, "weight", None)
+                if w is None or tuple(w.shape) != (g.out_features, g.in_features):
+                    shape = None if w is None else list(w.shape)
+                    raise MergeError(f"module '{name}': model weight is {shape}, the slot's targets expect "
+                                     f"[{g.out_features}, {g.in_features}]")
+                mods.append(mod)
+            self._modules.append(mods)
+        self._allocate()
+        try:
+            for gi, mods in enumerate(self._modules):
+                for entry, mod in zip(self._entries[gi], mods):
+                    self._handles.append(mod.register_forward_hook(_make_hook(entry, self._state)))
+        except Exception:
+            self.remove()
+            raise
+        logger.debug("FusedSlot: %d modules in %d groups, K=%d, R=%d, %d bytes", self.layout.num_modules,
+                     len(self.layout.groups), max_adapters, max_rank, self.nbytes)
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def for_model(cls, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
+                  **kwargs: Any) -> "FusedSlot":
+        """The model's existing slot if it covers ``targets``, grown to ``max_adapters`` / ``max_rank`` when
+        needed (a documented resize); otherwise a new one (an old, incompatible slot is removed first)."""
+        slot = _SLOTS.get(model)
+        if slot is not None and not slot._removed:
+            want = layout_from_shapes(_target_shapes(model, targets))
+            if want is slot.layout or want == slot.layout:
+                if max_rank is None:
+                    max_rank = (targets.max_rank if isinstance(targets, PackedAdapter) else
+                                max(targets.ranks.values()) if isinstance(targets, LoraAdapter) else slot.max_rank)
+                if max_adapters > slot.max_adapters or max_rank > slot.max_rank:
+                    slot.resize(max(max_adapters, slot.max_adapters), max(max_rank, slot.max_rank))
+                return slot
+            slot.remove()
+        slot = cls(model, targets, max_adapters=max_adapters, max_rank=max_rank, **kwargs)
+        _SLOTS[model] = slot
+        return slot
+
+    def _allocate(self) -> None:
+        KR = self.max_adapters * self.max_rank
+        self._segments: list[_Segment] = []
+        new_entries: list[list[_Entry]] = []
+        for gi, (g, mods) in enumerate(zip(self.layout.groups, self._modules)):
+            # consecutive layers on the same device share one buffer (one segment per group without device_map)
+            runs: list[tuple[int, int]] = []
+            for l, mod in enumerate(mods):
+                if runs and mods[runs[-1][0]].weight.device == mod.weight.device \
+                        and mods[runs[-1][0]].weight.dtype == mod.weight.dtype:
+                    runs[-1] = (runs[-1][0], l + 1)
+                else:
+                    runs.append((l, l + 1))
+            entries: list[_Entry] = []
+            for l0, l1 in runs:
+                w = mods[l0].weight
+                dt = self.dtype or w.dtype
+                seg = _Segment(gi, l0, l1, torch.zeros(l1 - l0, KR, g.in_features, device=w.device, dtype=dt),
+                               torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt))
+                self._segments.append(seg)
+                for l in range(l0, l1):
+                    entries.append(_Entry(g.names[l], seg.A[l - l0], seg.BT[l - l0]))
+            new_entries.append(entries)
+        if self._entries:  # resize: keep the entry objects the hooks hold, point them at the new buffers
+            for old, new in zip(self._entries, new_entries):
+                for o, n in zip(old, new):
+                    o.A, o.BT = n.A, n.BT
+        else:
+            self._entries = new_entries
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def active(self) -> bool:
+        return self._state.active
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self._segments for t in (s.A, s.BT))
+
+    def __repr__(self) -> str:
+        return (f"FusedSlot(modules={self.layout.num_modules}, max_adapters={self.max_adapters}, "
+                f"max_rank={self.max_rank}, active={self.active}, n_active={self.n_active}, mode={self.mode})")
+
+    # ------------------------------------------------------------------ inputs
+    def _check_usable(self) -> None:
+        if self._removed:
+            raise MergeError("this FusedSlot was removed from its model; create a new one")
+
+    def prepare(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
+        """Adapters (``PackedAdapter``, ``LoraAdapter`` or adapter directories) -> packed, checked against the slot."""
+        if isinstance(adapters, (str, Path, LoraAdapter, PackedAdapter)):
+            raise MergeError("adapters must be a list (one per passage), got a single adapter")
+        n = len(adapters)
+        if n == 0:
+            raise MergeError("no adapters to merge (N == 0)")
+        if n > self.max_adapters:
+            raise MergeError(f"{n} adapters do not fit this slot (max_adapters K={self.max_adapters}); create the slot "
+                             f"with max_adapters>={n} or call slot.resize({n})")
+        packed: list[PackedAdapter] = []
+        for i, a in enumerate(adapters):
+            if isinstance(a, PackedAdapter):
+                packed.append(a)
+            elif isinstance(a, LoraAdapter):
+                packed.append(pack_adapter(a))
+            elif isinstance(a, (str, Path)):
+                if self.store is None:
+                    from .store import AdapterStore
+
+                    self.store = AdapterStore()
+                packed.append(self.store.get(a))
+            else:
+                raise MergeError(f"adapter {i} is a {type(a).__name__}; expected a PackedAdapter, a LoraAdapter "
+                                 "or an adapter directory")
+        check_layouts(self.layout, packed, "FusedSlot")
+        for i, p in enumerate(packed):
+            if p.max_rank > self.max_rank:
+                raise MergeError(f"adapter {i} ({p.source}) has rank {p.max_rank} > the slot's max_rank "
+                                 f"R={self.max_rank}; create the slot with max_rank>={p.max_rank} or call "
+                                 f"slot.resize(max_rank={p.max_rank})")
+        return packed
+
+    # ------------------------------------------------------------------ writing
+    def _zero_tail(self, seg: _Segment, used: int) -> None:
+        if seg.dirty > used:
+            seg.rows("A", used, seg.dirty).zero_()
+        seg.dirty = used
+
+    @torch.no_grad()
+    def _write_cat(self, packed: Sequence[PackedAdapter], coefs: Sequence[float]) -> None:
+        """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T`` (one op each per segment)."""
+        R = self.max_rank
+        for seg in self._segments:
+            for i, p in enumerate(packed):
+                pg = p.groups[seg.group]
+                r, start = pg.rank, i * R
+                src_A, src_B = pg.A, pg.BT
+                if seg.l0 != 0 or seg.l1 != src_A.shape[0]:
+                    src_A, src_B = src_A[seg.l0:seg.l1], src_B[seg.l0:seg.l1]
+                if pg.scale is not None:
+                    coef: float | torch.Tensor = coefs[i] * pg.scale
+                else:
+                    coef = (coefs[i] * pg.scales[seg.l0:seg.l1]).to(torch.float32).view(-1, 1, 1)
+                _scaled_copy(seg.rows("A", start, start + r), src_A, coef)
+                seg.rows("BT", start, start + r).copy_(src_B)
+                if r < R and seg.dirty > start + r:
+                    seg.rows("A", start + r, start + R).zero_()
+            self._zero_tail(seg, len(packed) * R)
+
+    @torch.no_grad()
+    def _write_separate(self, packed: Sequence[PackedAdapter], u: Sequence[float]) -> None:
+        """Rows ``0 .. r``: ``A = sum_i u_i s_i A_i``, ``BT = sum_i u_i B_i^T`` (summed in float32, in order)."""
+        for gi in range(len(self.layout.groups)):
+            ranks = [p.groups[gi].ranks for p in packed]
+            if any(rk != ranks[0] for rk in ranks):
+                name = self.layout.groups[gi].names[0]
+                raise MergeError(f"mode 'separate' needs equal ranks per module; modules '{name}'... have ranks "
+                                 f"{[p.groups[gi].rank for p in packed]} (adapters {[p.source for p in packed]}); "
+                                 "use mode 'cat'")
+        for seg in self._segments:
+            r = packed[0].groups[seg.group].rank
+            for kind in ("A", "BT"):
+                dst = seg.rows(kind, 0, r)
+                acc = dst if dst.dtype == torch.float32 else self._scratch(seg, "acc" + kind, dst)
+                tmp = self._scratch(seg, "tmp" + kind, dst)
+                for i, p in enumerate(packed):
+                    pg = p.groups[seg.group]
+                    src = pg.A if kind == "A" else pg.BT
+                    if seg.l0 != 0 or seg.l1 != src.shape[0]:
+                        src = src[seg.l0:seg.l1]
+                    if kind == "BT":
+                        coef: float | torch.Tensor = u[i]
+                    elif pg.scale is not None:
+                        coef = u[i] * pg.scale
+                    else:
+                        coef = (u[i] * pg.scales[seg.l0:seg.l1]).to(torch.float32).view(-1, 1, 1)
+                    _scaled_copy(acc if i == 0 else tmp, src, coef)
+                    if i:
+                        acc.add_(tmp)
+                if acc is not dst:
+                    dst.copy_(acc)
+            self._zero_tail(seg, r)
+
+    def _scratch(self, seg: _Segment, key: str, like: torch.Tensor) -> torch.Tensor:
+        t = seg.scratch.get(key)
+        if t is None or t.shape != like.shape:
+            t = seg.scratch[key] = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        return t
+
+    @torch.no_grad()
+    def write_union(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
+        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches).
+
+        Does not activate the slot. Returns the packed adapters.
+        """
+        self._check_usable()
+        packed = self.prepare(adapters)
+        self.deactivate()
+        self._write_cat(packed, [1.0] * len(packed))
+        self.n_active, self.mode = len(packed), "union"
+        return packed
+
+    # ------------------------------------------------------------------ activation
+    def activate(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> "FusedSlot":
+        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) and switch it on.
+
+        ``mode='cat'`` is the exact ``sum_i w~_i s_i B_i A_i`` (:func:`~fcprag_plugin.merge.modes.merge_cat`);
+        ``mode='separate'`` is DyPRAG's ``(sum u_i B_i)(sum u_i s_i A_i)``, ``u = w~/N``. Replaces whatever the slot
+        held before. Returns the slot.
+        """
+        self._check_usable()
+        if mode not in SLOT_MODES:
+            raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "
+                             "(use fcprag_plugin.merge for 'svd')")
+        packed = self.prepare(adapters)
+        w = weight_vector([1.0] * len(packed) if weights is None else weights, len(packed))  # float32, like the merges
+        self._state.active = False
+        self._state.transform = None
+        if mode == "cat":
+            self._write_cat(packed, w.tolist())
+        else:
+            self._write_separate(packed, (w / len(packed)).tolist())
+        self.n_active, self.mode = len(packed), mode
+        self._state.active = True
+        return self
+
+    def activate_transform(self, transform: RankTransform) -> None:
+        """Switch the slot on with a rank-space transform between A and B (see :mod:`fcprag_plugin.fast.mixed`)."""
+        self._check_usable()
+        if self.mode != "union":
+            raise MergeError("activate_transform needs the adapters written with write_union() first")
+        self._state.transform = transform
+        self._state.active = True
+
+    def deactivate(self) -> None:
+        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept)."""
+        self._state.active = False
+        self._state.transform = None
+
+    @contextmanager
+    def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> Iterator["FusedSlot"]:
+        """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
+        if self._in_context:
+            raise MergeError("FusedSlot.fused() blocks cannot be nested: the slot holds one merge at a time")
+        self.activate(adapters, weights, mode)
+        self._in_context = True
+        try:
+            yield self
+        finally:
+            self._in_context = False
+            self.deactivate()
+
+    @torch.no_grad()
+    def clear(self) -> None:
+        """Deactivate and zero every buffer."""
+        self.deactivate()
+        for seg in self._segments:
+            seg.A.zero_()
+            seg.BT.zero_()
+            seg.dirty = 0
+        self.n_active, self.mode = 0, None
+
+    def resize(self, max_adapters: int | None = None, max_rank: int | None = None) -> None:
+        """Reallocate for a new K and/or R (content is cleared; the hooks stay, pointed at the new buffers)."""
+        self._check_usable()
+        if self._in_context:
+            raise MergeError("cannot resize a FusedSlot inside a fused() block")
+        k = self.max_adapters if max_adapters is None else max_adapters
+        r = self.max_rank if max_rank is None else max_rank
+        for key, v in (("max_adapters", k), ("max_rank", r)):
+            if not isinstance(v, int) or v < 1:
+                raise MergeError(f"{key} must be a positive integer, got {v!r}")
+        self.deactivate()
+        self.max_adapters, self.max_rank = k, r
+        self._allocate()
+        self.n_active, self.mode = 0, None
+        logger.info("FusedSlot resized to K=%d, R=%d (%d bytes)", k, r, self.nbytes)
+
+    def current_adapter(self) -> LoraAdapter:
+        """The slot's current merge as a :class:`LoraAdapter` (scaling 1; copies, for checks and saving)."""
+        from ..adapter import LoraModule
+
+        if self.mode not in SLOT_MODES:
+            raise MergeError(f"the slot holds no weighted merge (mode {self.mode!r}); call activate() first")
+        rows = self.n_active * self.max_rank if self.mode == "cat" else self.max_rank
+        modules = {}
+        for seg in self._segments:
+            g = self.layout.groups[seg.group]
+            for l in range(seg.l0, seg.l1):
+                A = seg.A[l - seg.l0, :rows].float().cpu().clone()
+                B = seg.BT[l - seg.l0, :rows].T.float().cpu().contiguous()
+                modules[g.names[l]] = LoraModule(A, B, 1.0)
+        return LoraAdapter(modules, {"r": rows, "lora_alpha": rows}, f"FusedSlot[{self.mode},N={self.n_active}]")
+
+    def remove(self) -> None:
+        """Remove the hooks and free the buffers: the model is exactly as before the slot was created."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._state.active = False
+        self._state.transform = None
+        self._segments = []
+        self._entries = []
+        self._removed = True
+        if _SLOTS.get(self.model) is self:
+            del _SLOTS[self.model]
+
+    def __enter__(self) -> "FusedSlot":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
