@@ -1,0 +1,246 @@
+"""The label builder's input: a JSON Lines manifest, and its conversion from PRAG's on-disk layout.
+
+One manifest record per line::
+
+    {"id": "q1", "question": "...", "answer": "Paris" | ["Paris", "City of Paris"],
+     "passages": ["text 1", "text 2"], "adapters": ["dir/passage_0", "dir/passage_1"]}
+
+Optional ``group`` / ``split`` are carried into the label records (the trainer splits by ``group``).
+Relative adapter paths are resolved against the manifest file's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..adapter_io import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
+from ..errors import LabelFileError
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
+PASS_THROUGH_FIELDS = ("group", "split")
+
+
+@dataclass
+class ManifestRecord:
+    """One training question: its gold answers and its N passages with their adapter directories (same order)."""
+
+    id: str
+    question: str
+    answers: list[str]
+    passages: list[str]
+    adapters: list[Path]
+    line: int = 0
+    source: str = "<memory>"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.passages)
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}" if self.line else self.source
+
+
+def _fail(where: str, field_name: str, expected: str, got: Any) -> LabelFileError:
+    shown = repr(got)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return LabelFileError(f"{where}: field '{field_name}': expected {expected}, got {shown}")
+
+
+def _str_list(value: Any, where: str, name: str, *, min_len: int = 1) -> list[str]:
+    if not isinstance(value, list) or len(value) < min_len:
+        raise _fail(where, name, f"a list of at least {min_len} non-empty strings", value)
+    for i, v in enumerate(value):
+        if not isinstance(v, str) or not v.strip():
+            raise _fail(where, f"{name}[{i}]", "a non-empty string", v)
+    return list(value)
+
+
+def parse_answers(value: Any, where: str, name: str = "answer") -> list[str]:
+    """``answer`` is a string or a non-empty list of aliases; returns the aliases."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise _fail(where, name, "a non-empty string or a list of non-empty strings (aliases)", value)
+        return [value]
+    return _str_list(value, where, name)
+
+
+def parse_record(obj: Any, where: str, base_dir: Path | None = None, *, line: int = 0, source: str = "") -> ManifestRecord:
+    """Validate one manifest object; errors name ``where`` (``file:line``) and the field."""
+    if not isinstance(obj, dict):
+        raise LabelFileError(f"{where}: expected a JSON object with fields {list(REQUIRED_FIELDS)}, "
+                             f"got {type(obj).__name__}")
+    for name in REQUIRED_FIELDS:
+        if name not in obj:
+            raise LabelFileError(f"{where}: field '{name}' is missing (required: {list(REQUIRED_FIELDS)})")
+    rid = obj["id"]
+    if not isinstance(rid, str) or not rid.strip():
+        raise _fail(where, "id", "a non-empty string", rid)
+    question = obj["question"]
+    if not isinstance(question, str) or not question.strip():
+        raise _fail(where, "question", "a non-empty string", question)
+    answers = parse_answers(obj["answer"], where)
+    passages = _str_list(obj["passages"], where, "passages")
+    adapters = _str_list(obj["adapters"], where, "adapters")
+    if len(adapters) != len(passages):
+        raise LabelFileError(f"{where}: field 'adapters' has {len(adapters)} entries but 'passages' has "
+                             f"{len(passages)}; expected one adapter per passage, same order")
+    paths = [Path(a) if Path(a).is_absolute() or base_dir is None else base_dir / a for a in adapters]
+    extra = {k: obj[k] for k in PASS_THROUGH_FIELDS if k in obj}
+    return ManifestRecord(rid, question, answers, passages, paths, line=line, source=source, extra=extra)
+
+
+def read_manifest(path: str | Path) -> list[ManifestRecord]:
+    """Read and validate a JSON Lines manifest (blank lines allowed). Raises ``LabelFileError`` naming file/line/field.
+
+    Duplicate ids are rejected (both lines are named): labels are keyed by id when resuming and merging.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise LabelFileError(f"{path}: manifest not found")
+    records: list[ManifestRecord] = []
+    seen: dict[str, int] = {}
+    base = path.resolve().parent
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise LabelFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+            rec = parse_record(obj, where, base, line=lineno, source=str(path))
+            if rec.id in seen:
+                raise LabelFileError(f"{where}: field 'id': duplicate id '{rec.id}' (first on line {seen[rec.id]})")
+            seen[rec.id] = lineno
+            records.append(rec)
+    if not records:
+        raise LabelFileError(f"{path}: the manifest has no records")
+    return records
+
+
+def record_to_json(rec: ManifestRecord) -> dict[str, Any]:
+    return {"id": rec.id, "question": rec.question, "answer": rec.answers[0] if len(rec.answers) == 1 else rec.answers,
+            "passages": rec.passages, "adapters": [str(a) for a in rec.adapters], **rec.extra}
+
+
+# ----------------------------------------------------------------------------- PRAG layout
+def adapter_present(path: Path) -> bool:
+    """A usable PEFT adapter dir: a config and a weights file (what PRAG's encode step writes)."""
+    return (path / CONFIG_NAME).is_file() and ((path / SAFETENSORS_NAME).is_file() or (path / LEGACY_BIN_NAME).is_file())
+
+
+def read_data_aug(path: str | Path) -> list[tuple[int, Any]]:
+    """PRAG's augmented data file: a JSON array (PRAG writes these) or JSON Lines. Returns ``(line, record)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise LabelFileError(f"{path}: augmented data file not found")
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+        return [(0, r) for r in data]
+    out = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                out.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+    return out
+
+
+@dataclass
+class FromPragResult:
+    """``records`` have every adapter present; ``missing`` lists ``(record id, passage index, adapter dir)``."""
+
+    records: list[dict[str, Any]]
+    missing: list[tuple[str, int, Path]]
+    incomplete_ids: list[str]
+    total: int
+
+
+def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str | None = None,
+              limit: int | None = None) -> FromPragResult:
+    """Build manifest records from PRAG's layout: record ``i`` (its index = PRAG's ``test_id``) of ``data_aug``
+    has adapters ``{adapters_root}/data_{i}/passage_{pid}`` for ``pid < len(passages)``.
+
+    ``limit`` keeps the first records only (PRAG's ``--sample``). Records with a missing adapter are returned in
+    ``incomplete_ids`` and every missing directory in ``missing``; the caller decides to fail or to drop them.
+    Ids are ``{id_prefix}{test_id}`` (default prefix: the data file's stem and a dash), so files of several
+    question types (PRAG keeps one per type) do not collide.
+    """
+    data_aug, root = Path(data_aug), Path(adapters_root).resolve()
+    if not root.is_dir():
+        raise LabelFileError(f"{root}: adapters root is not a directory (expected {{root}}/data_{{test_id}}/passage_{{pid}})")
+    prefix = f"{data_aug.stem}-" if id_prefix is None else id_prefix
+    items = read_data_aug(data_aug)
+    if limit is not None:
+        items = items[:limit]
+    records, missing, incomplete = [], [], []
+    for test_id, (lineno, obj) in enumerate(items):
+        where = f"{data_aug}:{lineno}" if lineno else f"{data_aug}: record {test_id}"
+        if not isinstance(obj, dict):
+            raise LabelFileError(f"{where}: expected a JSON object with 'question', 'answer', 'passages', "
+                                 f"got {type(obj).__name__}")
+        for name in ("question", "answer", "passages"):
+            if name not in obj:
+                raise LabelFileError(f"{where}: field '{name}' is missing")
+        question = obj["question"]
+        if not isinstance(question, str) or not question.strip():
+            raise _fail(where, "question", "a non-empty string", question)
+        answers = parse_answers(obj["answer"], where)
+        passages = _str_list(obj["passages"], where, "passages")
+        augment = obj.get("augment")
+        if isinstance(augment, list) and len(augment) != len(passages):
+            raise LabelFileError(f"{where}: field 'augment' has {len(augment)} entries but 'passages' has "
+                                 f"{len(passages)}; PRAG trains one adapter per augmented passage")
+        rid = f"{prefix}{test_id}"
+        dirs = [root / f"data_{test_id}" / f"passage_{pid}" for pid in range(len(passages))]
+        absent = [(rid, pid, d) for pid, d in enumerate(dirs) if not adapter_present(d)]
+        if absent:
+            missing.extend(absent)
+            incomplete.append(rid)
+            continue
+        rec: dict[str, Any] = {"id": rid, "question": question, "answer": obj["answer"], "passages": passages,
+                               "adapters": [str(d) for d in dirs], "test_id": test_id}
+        for key in ("id", "_id", "qid"):
+            if key in obj and isinstance(obj[key], (str, int)):
+                rec["source_id"] = str(obj[key])
+                break
+        if "type" in obj and isinstance(obj["type"], str):
+            rec["type"] = obj["type"]
+        records.append(rec)
+    return FromPragResult(records, missing, incomplete, len(items))
+
+
+def write_manifest(records: Iterable[dict[str, Any]], out: str | Path) -> int:
+    """Write manifest records as JSON Lines (via a temp file and rename, so a crash leaves no half file)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    n = 0
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            n += 1
+    tmp.replace(out)
+    return n
+
+
+def check_finite(value: float, where: str, name: str) -> float:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(where, name, "a finite number", value)
+    return float(value)

@@ -1,0 +1,111 @@
+"""Label metrics: answer log-probability under teacher forcing, greedy generation, and SQuAD-style F1 / EM.
+
+Text metrics follow the usual open-domain QA convention (and PRAG's): lower-case, drop punctuation and the
+articles a/an/the, collapse whitespace; token F1 with the HotpotQA rule that a yes/no/noanswer prediction or
+gold scores 0 unless both are equal; the max over gold aliases.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from typing import Any, Sequence
+
+import torch
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = set(string.punctuation)
+_SPECIAL = {"yes", "no", "noanswer"}
+ANSWER_MARKER = "the answer is"
+STOPS = (".", "\n", ",")
+
+
+# ----------------------------------------------------------------------------- text metrics
+def normalize_answer(text: str) -> str:
+    """Lower-case, remove punctuation, remove articles, collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _f1_one(pred: str, gold: str) -> float:
+    p, g = normalize_answer(pred), normalize_answer(gold)
+    if (p in _SPECIAL or g in _SPECIAL) and p != g:
+        return 0.0
+    pt, gt = p.split(), g.split()
+    common = sum((Counter(pt) & Counter(gt)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pt), common / len(gt)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(prediction: str, answers: Sequence[str]) -> float:
+    """Token F1 of ``prediction`` against the best of the gold ``answers`` (aliases)."""
+    return max(_f1_one(prediction, a) for a in answers)
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> float:
+    """1.0 when the normalised prediction equals a normalised gold alias, else 0.0."""
+    p = normalize_answer(prediction)
+    return float(any(p == normalize_answer(a) for a in answers))
+
+
+def extract_answer(text: str, cot: bool = False) -> str:
+    """The short answer in a generation.
+
+    With chain-of-thought, the text after the first "the answer is" (case-insensitive; the whole text when the
+    marker is absent). Then, in both cases, the text up to the first '.', newline or ',' (PRAG's convention).
+    """
+    if cot:
+        pos = text.lower().find(ANSWER_MARKER)
+        if pos >= 0:
+            text = text[pos + len(ANSWER_MARKER):]
+    text = text.strip()
+    for stop in STOPS:
+        cut = text.find(stop)
+        if cut != -1:
+            text = text[:cut].strip()
+    return text
+
+
+# ----------------------------------------------------------------------------- model scoring
+@torch.no_grad()
+def answer_logprob(model: Any, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> float:
+    """Mean log-probability of the answer tokens ``[T]`` after the prompt ``[P]`` under teacher forcing.
+
+    One forward pass over ``[1, P + T]``; the logits at positions ``P-1 .. P+T-2`` predict the answer tokens.
+    Log-softmax in float32 so half-precision models do not lose the small differences between subsets.
+    """
+    if not prompt_ids or not answer_ids:
+        raise ValueError("answer_logprob needs a non-empty prompt and answer")
+    device = _model_device(model)
+    ids = torch.tensor([list(prompt_ids) + list(answer_ids)], dtype=torch.long, device=device)
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits  # [1, P+T, V]
+    p, t = len(prompt_ids), len(answer_ids)
+    logp = torch.log_softmax(logits[0, p - 1: p + t - 1].float(), dim=-1)  # [T, V]
+    target = ids[0, p:].unsqueeze(1)  # [T, 1]
+    return float(logp.gather(1, target).mean())
+
+
+def best_answer_logprob(model: Any, prompt_ids: Sequence[int], answers_ids: Sequence[Sequence[int]]) -> float:
+    """``answer_logprob`` maximised over gold aliases."""
+    return max(answer_logprob(model, prompt_ids, a) for a in answers_ids)
+
+
+@torch.no_grad()
+def greedy_generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> str:
+    """Greedy continuation of the prompt, decoded without special tokens."""
+    device = _model_device(model)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, num_beams=1, pad_token_id=pad if pad is not None else 0)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def _model_device(model: Any) -> torch.device:
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    return next(model.parameters()).device

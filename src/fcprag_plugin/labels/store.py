@@ -1,0 +1,122 @@
+"""JSON Lines label output: crash-safe appends and the resume scan.
+
+Each finished record is appended with one ``write`` of a full line, then flushed and fsync'ed, so a crash can
+only leave a partial *last* line; the resume scan drops it (and only it) before appending again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import LabelFileError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StoredLine:
+    """One complete line of a label file: its parsed record, its raw text (with newline) and its line number."""
+
+    record: dict[str, Any]
+    raw: str
+    line: int
+
+
+def read_label_lines(path: str | Path, *, partial: str = "error") -> tuple[list[StoredLine], int]:
+    """Read the complete lines of a JSON Lines label file.
+
+    ``partial``: what to do with a trailing line without its newline (an interrupted append): ``"error"``,
+    ``"ignore"`` or ``"truncate"`` (cut it off the file). Returns the lines and the byte length of the complete part.
+    Every complete line must be a JSON object with a string ``id``; errors name the file and line.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1  # bytes up to and including the last newline
+    if cut < len(data):
+        tail = data[cut:]
+        if partial == "error":
+            lineno = data[:cut].count(b"\n") + 1
+            raise LabelFileError(f"{path}:{lineno}: the last line is incomplete "
+                                 f"({len(tail)} bytes without a newline; an interrupted run?). Re-run "
+                                 "'fcprag labels build' on it to resume, which drops the partial line")
+        if partial == "truncate":
+            logger.warning("%s: dropping a partial last line (%d bytes) left by an interrupted run", path, len(tail))
+            with path.open("r+b") as f:
+                f.truncate(cut)
+                f.flush()
+                os.fsync(f.fileno())
+    lines: list[StoredLine] = []
+    for lineno, raw in enumerate(data[:cut].decode("utf-8").splitlines(keepends=True), start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+            raise LabelFileError(f"{path}:{lineno}: field 'id': expected a JSON object with a string 'id'")
+        lines.append(StoredLine(obj, raw if raw.endswith("\n") else raw + "\n", lineno))
+    return lines, cut
+
+
+def done_ids(path: str | Path, *, repair: bool) -> dict[str, int]:
+    """Ids already in a label file (id -> line). ``repair`` drops a partial last line from the file.
+
+    A duplicate id inside one file is an error: the file was not written by this tool alone.
+    """
+    path = Path(path)
+    if not path.exists():
+        return {}
+    lines, _ = read_label_lines(path, partial="truncate" if repair else "ignore")
+    seen: dict[str, int] = {}
+    for sl in lines:
+        rid = sl.record["id"]
+        if rid in seen:
+            raise LabelFileError(f"{path}:{sl.line}: field 'id': duplicate id '{rid}' (first on line {seen[rid]})")
+        seen[rid] = sl.line
+    return seen
+
+
+class JsonlAppender:
+    """Append records to a JSON Lines file, each as one ``os.write`` of a full line, then fsync."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, record: dict[str, Any]) -> None:
+        data = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+        view = memoryview(data)
+        while view:  # os.write may write less than asked for huge lines; a crash in between leaves a partial line
+            n = os.write(self._fd, view)
+            view = view[n:]
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "JsonlAppender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_atomic(path: str | Path, lines: list[str]) -> None:
+    """Write a whole file through a temp file and ``os.replace`` (readers never see a half-written file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
