@@ -1,0 +1,76 @@
+"""fuse(): adapters from paths / objects / live names, controller weights, merged update, input errors."""
+
+import pytest
+import torch
+
+from fcprag_plugin import FusionController, FusionInputError, LoraAdapter, fuse
+from helpers import dense_reference, tiny_model
+
+GATE = "model.layers.0.mlp.gate_proj"
+PASSAGES = ["paris is the capital of france", "bananas are yellow fruit", "the eiffel tower is in paris"]
+QUERY = "what is the capital of france"
+
+
+def test_uniform_by_default_is_prags_sum(adapter_dirs):
+    res = fuse(adapter_dirs, QUERY, PASSAGES)
+    ads = [LoraAdapter.from_pretrained(d) for d in adapter_dirs]
+    assert res.merge_weights == [1.0, 1.0, 1.0] and res.g == 0.0 and res.controller_mode == "uniform"
+    for name in ads[0].modules:
+        torch.testing.assert_close(res.adapter[name].delta(torch.float64), dense_reference(ads, [1, 1, 1], name))
+
+
+def test_controller_weights_drive_the_merge(adapter_dirs, encoder16, tmp_path):
+    ctrl = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16)
+    res = fuse(adapter_dirs, QUERY, PASSAGES, controller=ctrl, encoder=encoder16)
+    # independent: recompute weights from the encoder embeddings by hand
+    e_q = encoder16.encode([QUERY])[0]
+    E = encoder16.encode(PASSAGES)
+    s = (1 + E @ e_q) / 2
+    w = 0.9 * torch.softmax(s / 0.05, 0) + 0.1 / 3
+    wt = 3 * w / w.sum()
+    torch.testing.assert_close(torch.tensor(res.merge_weights), wt, rtol=1e-5, atol=1e-6)
+    assert abs(sum(res.merge_weights) - 3) < 1e-4 and max(res.merge_weights) > 1.2
+    ads = [LoraAdapter.from_pretrained(d) for d in adapter_dirs]
+    torch.testing.assert_close(res.adapter[GATE].delta(torch.float64), dense_reference(ads, wt.tolist(), GATE),
+                               rtol=1e-5, atol=1e-6)
+    # a controller directory works the same as the object
+    ctrl.save_pretrained(tmp_path / "ctrl")
+    again = fuse(adapter_dirs, QUERY, PASSAGES, controller=tmp_path / "ctrl", encoder=encoder16)
+    assert again.merge_weights == res.merge_weights
+
+
+def test_adapter_objects_and_live_names(adapter_dirs):
+    from peft import PeftModel
+
+    pm = PeftModel.from_pretrained(tiny_model(), str(adapter_dirs[0]), adapter_name="0")
+    pm.load_adapter(str(adapter_dirs[1]), adapter_name="1")
+    obj = LoraAdapter.from_pretrained(adapter_dirs[2])
+    res = fuse(["0", "1", obj], QUERY, PASSAGES, model=pm)
+    ref = fuse(adapter_dirs, QUERY, PASSAGES)
+    torch.testing.assert_close(res.adapter[GATE].delta(), ref.adapter[GATE].delta())
+
+
+def test_separate_and_svd_modes(adapter_dirs):
+    sep = fuse(adapter_dirs, QUERY, PASSAGES, mode="separate")
+    assert sep.mode == "separate" and sep.adapter[GATE].rank == 2
+    svd = fuse(adapter_dirs, QUERY, PASSAGES, mode="svd", rank=3)
+    assert svd.adapter[GATE].rank == 3 and 0 <= svd.info["rel_error"] < 1
+
+
+@pytest.mark.parametrize("adapters,query,passages,msg", [
+    (["a", "b"], QUERY, ["x"], r"2 adapters but 1 passages"),
+    ([], QUERY, [], r"adapters is empty"),
+    (["a"], "", ["x"], r"query must be a non-empty string"),
+    (["a"], "   ", ["x"], r"query must be a non-empty string"),
+    (["a", "b"], QUERY, ["x", " "], r"passage 1 must be a non-empty string"),
+    (["a"], QUERY, "x", r"passages must be a list"),
+    ("a", QUERY, ["x"], r"adapters must be a list"),
+])
+def test_input_errors(adapters, query, passages, msg):
+    with pytest.raises(FusionInputError, match=msg):
+        fuse(adapters, query, passages)
+
+
+def test_bad_adapter_type():
+    with pytest.raises(FusionInputError, match=r"adapter 0 is a int"):
+        fuse([3], QUERY, ["x"])
