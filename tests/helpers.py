@@ -88,3 +88,48 @@ def assert_bit_identical(model, snapshot) -> None:
     assert set(now) == set(snapshot)
     for k, v in snapshot.items():
         assert torch.equal(now[k], v), f"parameter {k} changed"
+
+
+# ----------------------------------------------------------------------------- label builder (issue 7)
+TINY_SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>"]
+TINY_WORDS = (
+    "answer the question with a short using passages below and your own knowledge passage is what who where "
+    "when which capital of france paris city river seine berlin germany rome italy born in year writer wrote "
+    "book film director old new first last name one two three four five think step by then finish followed "
+    "yes no red blue green tower bridge king queen war peace 1 2 3 4 5 : . , ? \" ( )"
+).split()
+
+
+def tiny_tokenizer():
+    """An offline word-level tokenizer (lower-cased, whitespace/punctuation split) for the tiny models: ids < 128.
+
+    ``[PAD]`` = 0, ``[UNK]`` = 1, ``<s>`` = 2 (prepended), ``</s>`` = 3.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = list(dict.fromkeys(TINY_WORDS))
+    vocab = {t: i for i, t in enumerate(TINY_SPECIALS + words)}
+    assert len(vocab) <= 128
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.normalizer = normalizers.Lowercase()
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="[PAD]",
+                                   unk_token="[UNK]")
+
+
+def save_tiny_lm(path, kind: str = "llama", seed: int = 0, *, zero_lm_head: bool = False, **overrides):
+    """Save a tiny random causal LM with :func:`tiny_tokenizer` at ``path`` (loadable with ``from_pretrained``).
+
+    ``zero_lm_head``: all logits equal, so greedy decoding always picks token 0 (``[PAD]``): an empty generation.
+    """
+    model = tiny_model(kind, seed=seed, bos_token_id=2, eos_token_id=3, pad_token_id=0, **overrides)
+    if zero_lm_head:
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
+    path = Path(path)
+    model.save_pretrained(str(path))
+    tiny_tokenizer().save_pretrained(str(path))
+    return path

@@ -3,7 +3,8 @@
 For a record with N adapters the builder evaluates N + 1 subsets: all adapters, then each one left out (for
 N == 1 the empty set, i.e. the base model). Each subset is merged through the library with uniform weights
 (``merge_adapters(subset, [1]*k, "cat")``, PRAG's sum of the passage updates) and applied with
-``merge.activate`` (forward hooks; the base weights are never written). Per subset it measures
+``merge.activate`` (forward hooks; the base weights are never written), or, with ``use_slot``, written into
+one pre-allocated :class:`fcprag_plugin.fast.FusedSlot` (no per-subset modules or hook churn). Per subset it measures
 ``answer_logprob`` (teacher forcing) and, with generation on, ``f1`` / ``em`` of the greedy answer.
 
 Label record (the trainer's format, see issue 3): ``id``, ``query``, ``passages``, ``adapters``, ``answer``,
@@ -51,6 +52,7 @@ class BuildOptions:
     max_new_tokens: int = 32
     empty_generation: str = "fail"  # "fail": a record error; "zero": f1 = em = 0 and counted in the record
     merge_mode: str = "cat"
+    use_slot: bool = False  # fcprag_plugin.fast.FusedSlot instead of merge + activate per subset
     model_name: str | None = None
 
     def validate(self) -> None:
@@ -107,6 +109,26 @@ class LabelBuilder:
         self.options = options or BuildOptions()
         self.options.validate()
         self.device = next(model.parameters()).device
+        self._slot: Any = None
+        self._reserve = 1
+
+    def reserve(self, max_adapters: int) -> None:
+        """Size the fused slot for records of up to ``max_adapters`` adapters (avoids resizes mid-run)."""
+        self._reserve = max(self._reserve, int(max_adapters))
+
+    def close(self) -> None:
+        """Remove the fused slot (if any) from the model: it is exactly as before."""
+        if self._slot is not None:
+            self._slot.remove()
+            self._slot = None
+
+    def _slot_for(self, adapters: Sequence[LoraAdapter]) -> Any:
+        from ..fast import FusedSlot
+
+        k = max(self._reserve, len(adapters))
+        r = max(max(a.ranks.values()) for a in adapters)
+        self._slot = FusedSlot.for_model(self.model, adapters[0], max_adapters=k, max_rank=r)
+        return self._slot
 
     # ----------------------------------------------------------------- pieces
     def prompts(self, rec: ManifestRecord) -> tuple[EncodedPrompt, EncodedPrompt, list[list[int]]]:
@@ -128,15 +150,19 @@ class LabelBuilder:
                 raise LabelBuildError(f"record '{rec.id}' ({rec.where}): adapter {i} at {path} failed to load: {e}") from e
         return out
 
-    def evaluate(self, rec: ManifestRecord, adapters: Sequence[LoraAdapter], subset: Sequence[int],
-                 score_prompt: EncodedPrompt, gen_prompt: EncodedPrompt, answers_ids: Sequence[Sequence[int]]) -> SubsetResult:
+    def evaluate(self, rec: ManifestRecord, adapters: Sequence[Any], subset: Sequence[int],
+                 score_prompt: EncodedPrompt, gen_prompt: EncodedPrompt, answers_ids: Sequence[Sequence[int]],
+                 slot: Any = None) -> SubsetResult:
+        """Measure one subset. ``adapters`` are ``LoraAdapter`` s, or ``PackedAdapter`` s when ``slot`` is given."""
         o = self.options
         chosen = [adapters[i] for i in subset]
-        if chosen:
-            merged = merge_adapters(chosen, [1.0] * len(chosen), o.merge_mode).adapter
-            ctx: Any = activate(self.model, merged)
+        if not chosen:
+            ctx: Any = contextlib.nullcontext()  # the base model
+        elif slot is not None:
+            ctx = slot.fused(chosen, [1.0] * len(chosen), o.merge_mode)
         else:
-            ctx = contextlib.nullcontext()
+            merged = merge_adapters(chosen, [1.0] * len(chosen), o.merge_mode).adapter
+            ctx = activate(self.model, merged)
         values: dict[str, float] = {}
         generation = prediction = None
         empty = False
@@ -169,11 +195,20 @@ class LabelBuilder:
             score_prompt, gen_prompt, answers_ids = self.prompts(rec)
         except FcpragError as e:
             raise LabelBuildError(f"record '{rec.id}' ({rec.where}): {e}") from e
-        adapters = self.load_adapters(rec)
+        adapters: list[Any] = self.load_adapters(rec)
+        slot = None
+        if o.use_slot:
+            from ..fast import pack_adapter
+
+            try:
+                slot = self._slot_for(adapters)
+                adapters = [pack_adapter(a) for a in adapters]  # packed once, reused by the N + 1 subsets
+            except FcpragError as e:
+                raise LabelBuildError(f"record '{rec.id}' ({rec.where}): fused slot: {e}") from e
         results = []
         for subset in leave_one_out_subsets(rec.n):
             try:
-                results.append(self.evaluate(rec, adapters, subset, score_prompt, gen_prompt, answers_ids))
+                results.append(self.evaluate(rec, adapters, subset, score_prompt, gen_prompt, answers_ids, slot))
             except LabelBuildError:
                 raise
             except FcpragError as e:  # an incompatible adapter: name the record and the subset
@@ -235,6 +270,8 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
         raise FcpragError(f"on_error '{on_error}': expected 'fail' or 'skip'")
     out = Path(out)
     records = list(records)
+    if records:
+        builder.reserve(max(r.n for r in records))
     present = set(done_ids(out, repair=True)) | set(skip_ids)
     todo = [r for r in records if r.id not in present]
     done_before = len(records) - len(todo)

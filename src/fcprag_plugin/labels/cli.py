@@ -26,7 +26,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
     options = BuildOptions(prompt_mode=args.prompt_mode, template=template, use_chat_template=chat, cot=args.cot,
                            metric=args.metric, generate=not args.no_generation, max_new_tokens=args.max_new_tokens,
-                           empty_generation=args.empty_generation,
+                           empty_generation=args.empty_generation, use_slot=args.use_slot,
                            model_name=args.model + (f"::{args.gguf_file}" if args.gguf_file else ""))
     options.validate()
     if args.threads:
@@ -42,8 +42,11 @@ def _cmd_build(args: argparse.Namespace) -> int:
                                 device=args.device, local_rank=shard.local_rank)
         builder = LabelBuilder(model, tok, options)
         desc = f"labels rank {shard.rank}/{shard.world}" if shard.distributed else "labels"
-        summary = build_labels(mine, builder, target, on_error=args.on_error, progress=not args.no_progress,
-                               skip_ids=skip, desc=desc)
+        try:
+            summary = build_labels(mine, builder, target, on_error=args.on_error, progress=not args.no_progress,
+                                   skip_ids=skip, desc=desc)
+        finally:
+            builder.close()
         print(f"{desc}: {summary.written} written, {summary.already_done} already done, {len(summary.failed)} failed "
               f"of {summary.assigned} -> {target} ({summary.records_per_s:.3f} records/s)")
         for rid, msg in summary.failed:
@@ -127,6 +130,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a record that fails (adapter does not load, empty generation): stop, or log and skip it")
     b.add_argument("--empty-generation", dest="empty_generation", default="fail", choices=["fail", "zero"],
                    help="an empty answer is a record error (fail) or scores f1 = em = 0 (zero)")
+    b.add_argument("--use-slot", dest="use_slot", action="store_true",
+                   help="evaluate subsets in one pre-allocated fused slot (fcprag_plugin.fast.FusedSlot) instead of "
+                        "a merged adapter + hooks per subset")
     b.add_argument("--threads", type=int, help="torch CPU threads per process")
     b.add_argument("--no-merge", dest="no_merge", action="store_true",
                    help="under torchrun: leave the part files, do not merge them into --out at the end")
