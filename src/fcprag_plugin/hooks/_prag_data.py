@@ -1,0 +1,131 @@
+"""Map PRAG adapter paths back to the question and passages in PRAG's augmented data file.
+
+PRAG saves the adapter of passage ``pid`` of question ``test_id`` of data file ``{group}.json`` at
+``.../{group}/data_{test_id}/passage_{pid}``; ``test_id`` indexes the records of that file (a JSON list of
+objects with ``question`` and ``passages``). JSON Lines files (one record per line) work too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import HookError
+
+logger = logging.getLogger(__name__)
+
+_DATA_RE = re.compile(r"^data_(\d+)$")
+_PASSAGE_RE = re.compile(r"^passage_(\d+)$")
+
+
+@dataclass(frozen=True)
+class PragAdapterPath:
+    """The parts of ``.../{group}/data_{test_id}/passage_{pid}``."""
+
+    path: str
+    group: str
+    test_id: int
+    pid: int
+
+
+def parse_adapter_path(path: str | Path | None) -> PragAdapterPath | None:
+    """``PragAdapterPath`` when ``path`` follows PRAG's layout, else None."""
+    if path is None:
+        return None
+    parts = Path(str(path).rstrip("/\\")).parts
+    if len(parts) < 3:
+        return None
+    p, d = _PASSAGE_RE.match(parts[-1]), _DATA_RE.match(parts[-2])
+    if p is None or d is None:
+        return None
+    return PragAdapterPath(str(path), parts[-3], int(d.group(1)), int(p.group(1)))
+
+
+def common_test_id(paths: Sequence[PragAdapterPath | None]) -> int | None:
+    """The ``test_id`` all parsed paths agree on, else None."""
+    ids = {p.test_id for p in paths if p is not None}
+    return ids.pop() if len(ids) == 1 and all(p is not None for p in paths) else None
+
+
+class PragDataFile:
+    """PRAG's augmented data: one file, or a directory of ``{group}.json`` / ``{group}.jsonl`` files."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise HookError(f"{self.path}: PRAG data file not found (expected PRAG's augmented data: a JSON list of "
+                            "records with 'question' and 'passages', or the directory holding such files)")
+        self._cache: dict[Path, list[Any]] = {}
+
+    # ----------------------------------------------------------------- files
+    def file_for(self, group: str, adapter_path: str) -> Path:
+        if self.path.is_file():
+            if self.path.stem != group:
+                raise HookError(
+                    f"adapter {adapter_path} belongs to data file '{group}' but the PRAG data file given is "
+                    f"{self.path} (stem '{self.path.stem}'); pass the data directory or the file '{group}.json'"
+                )
+            return self.path
+        for ext in (".json", ".jsonl"):
+            cand = self.path / f"{group}{ext}"
+            if cand.is_file():
+                return cand
+        raise HookError(f"adapter {adapter_path}: no data file '{group}.json' or '{group}.jsonl' in {self.path}")
+
+    def records(self, file: Path) -> list[Any]:
+        if file not in self._cache:
+            self._cache[file] = _read_records(file)
+        return self._cache[file]
+
+    # ----------------------------------------------------------------- lookup
+    def context(self, parsed: Sequence[PragAdapterPath]) -> dict[str, Any]:
+        """``{"question", "passages" (one per adapter, in adapter order), "test_id", "data_file"}``."""
+        first = parsed[0]
+        for p in parsed[1:]:
+            if (p.group, p.test_id) != (first.group, first.test_id):
+                raise HookError(f"the adapters being merged come from different questions: {first.path} and {p.path}")
+        file = self.file_for(first.group, first.path)
+        recs = self.records(file)
+        if first.test_id >= len(recs):
+            raise HookError(f"adapter {first.path}: test_id {first.test_id} is out of range for {file} "
+                            f"({len(recs)} records)")
+        rec = recs[first.test_id]
+        where = f"{file}: record {first.test_id}"
+        if not isinstance(rec, dict):
+            raise HookError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        question, passages = rec.get("question"), rec.get("passages")
+        if not isinstance(question, str):
+            raise HookError(f"{where}: key 'question' must be a string, got {question!r:.80}")
+        if not isinstance(passages, list) or not all(isinstance(t, str) for t in passages):
+            raise HookError(f"{where}: key 'passages' must be a list of strings")
+        picked = []
+        for p in parsed:
+            if p.pid >= len(passages):
+                raise HookError(f"adapter {p.path}: passage {p.pid} does not exist, {where} has "
+                                f"{len(passages)} passages")
+            picked.append(passages[p.pid])
+        return {"question": question, "passages": picked, "test_id": first.test_id, "data_file": str(file)}
+
+
+def _read_records(file: Path) -> list[Any]:
+    text = file.read_text(encoding="utf-8")
+    if file.suffix == ".jsonl":
+        out = []
+        for i, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise HookError(f"{file}: line {i} is not valid JSON ({e})") from e
+        return out
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HookError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(data, list):
+        raise HookError(f"{file}: expected a JSON list of records (PRAG's augmented data), got {type(data).__name__}")
+    return data
