@@ -23,7 +23,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int = 1) -> torch.Tens
 
 def masked_std(x: torch.Tensor, mask: torch.Tensor, dim: int = 1) -> torch.Tensor:
     mu = masked_mean(x, mask, dim)
-    return masked_mean((x - mu.unsqueeze(dim)) ** 2, mask, dim).clamp_min(0).sqrt()
+    var = masked_mean((x - mu.unsqueeze(dim)) ** 2, mask, dim)
+    # sqrt'(0) is infinite: a zero variance (N = 1, or tied values) would turn every gradient into NaN.
+    # Same values as sqrt(var); only the gradient at var == 0 becomes 0.
+    return torch.where(var > 0, var.clamp_min(torch.finfo(var.dtype).tiny).sqrt(), torch.zeros_like(var))
 
 
 def masked_max(x: torch.Tensor, mask: torch.Tensor, dim: int = 1) -> torch.Tensor:
