@@ -145,8 +145,11 @@ class LoraAdapter:
             out[k] = {"A": float(a.norm()), "B": float(b.norm()), "delta": float(m.scaling * math.sqrt(float(dw2)))}
         return out
 
-    def validate(self) -> "LoraAdapter":
-        """Check shapes and values; raise :class:`AdapterError` naming the source and module."""
+    def validate(self, *, values: bool = True) -> "LoraAdapter":
+        """Check shapes and values; raise :class:`AdapterError` naming the source and module.
+
+        ``values=False`` checks only shapes and dtypes (for callers that check finiteness in bulk afterwards).
+        """
         if not self.modules:
             raise AdapterError(f"{self.source}: the adapter has no LoRA modules (no lora_A/lora_B weights found)")
         for name, m in self.modules.items():
@@ -157,7 +160,7 @@ class LoraAdapter:
                     )
                 if not t.is_floating_point():
                     raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has dtype {t.dtype}, expected float")
-                if not bool(torch.isfinite(t).all()):
+                if values and not bool(torch.isfinite(t).all()):
                     bad = int((~torch.isfinite(t)).sum())
                     raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has {bad} non-finite values (NaN/inf)")
             if m.A.shape[0] != m.B.shape[1]:

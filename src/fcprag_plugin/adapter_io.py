@@ -81,9 +81,14 @@ def _strip_prefix(key: str) -> tuple[str, int]:
 
 
 def adapter_from_state_dict(
-    state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *, source: str = "<state_dict>"
+    state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *, source: str = "<state_dict>",
+    check_values: bool = True,
 ) -> LoraAdapter:
-    """Parse PEFT-layout keys into per-module ``A``/``B``; repair PRAG's doubled prefix with a warning."""
+    """Parse PEFT-layout keys into per-module ``A``/``B``; repair PRAG's doubled prefix with a warning.
+
+    ``check_values=False`` skips the per-tensor finiteness check and the all-zero warning (the caller does
+    both in bulk, e.g. :class:`fcprag_plugin.fast.AdapterStore` on its packed stacks).
+    """
     cfg = dict(config)
     check_config(cfg, source)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -129,8 +134,9 @@ def adapter_from_state_dict(
             )
         rank = int(A.shape[0]) if A.ndim == 2 else -1
         modules[name] = LoraModule(A, B, module_scaling(cfg, name, rank, source) if rank > 0 else 1.0)
-    adapter = LoraAdapter(modules, cfg, source).validate()
-    adapter.warn_if_zero()
+    adapter = LoraAdapter(modules, cfg, source).validate(values=check_values)
+    if check_values:
+        adapter.warn_if_zero()
     return adapter
 
 
