@@ -57,11 +57,12 @@ def random_controller_dir(path: Path) -> Path:
     return ctrl.save_pretrained(path)
 
 
-def launch_double(world: World, tmp: Path, *, context: str = "locals", **options) -> tuple[Path, list[dict]]:
+def launch_double(world: World, tmp: Path, *, context: str = "locals", sample: int = -1, **options
+                  ) -> tuple[Path, list[dict]]:
     cap = tmp / "cap"
     cap.mkdir(exist_ok=True)
     log = tmp / "fusion.jsonl"
-    rc = prag.launch(str(DOUBLE_SCRIPT), world.args(cap, context), log=log, **options)
+    rc = prag.launch(str(DOUBLE_SCRIPT), world.args(cap, context, sample), log=log, **options)
     assert rc == 0
     assert not prag.is_installed()  # launch uninstalls afterwards
     return cap, [json.loads(line) for line in log.read_text().splitlines()]
@@ -79,7 +80,7 @@ def assert_merged(world: World, cap: Path, t: int, weights: dict[int, float], *,
 
 
 def check_log(world: World, records: list[dict], expected_w: list[list[float]], source: str, mode: str = "cat"):
-    assert len(records) == len(world.records)
+    assert len(records) == len(expected_w)
     for t, (rec, w) in enumerate(zip(records, expected_w)):
         n = len(world.records[t]["passages"])
         assert rec["test_id"] == t
@@ -179,8 +180,8 @@ def test_uniform_equals_prags_merge(world, tmp_path):
 
 
 def test_uniform_controller_object_matches_none(world, tmp_path):
-    cap, records = launch_double(world, tmp_path, controller=FusionController.uniform(16))
-    assert all(r["merge_weights"] == [1.0] * r["n"] for r in records)
+    cap, records = launch_double(world, tmp_path, controller=FusionController.uniform(16), sample=2)
+    assert [r["merge_weights"] for r in records] == [[1.0] * 3, [1.0] * 4]
     assert_merged(world, cap, 1, {p: 1.0 for p in range(4)})
 
 
@@ -201,27 +202,27 @@ def test_svd_mode_is_the_best_rank_k_approximation(world, tmp_path):
 
 # ----------------------------------------------------------------------------- where the question comes from
 def test_context_from_set_context(world, tmp_path):
-    cap, records = launch_double(world, tmp_path, context="set_context", controller=fixed_controller(),
+    cap, records = launch_double(world, tmp_path, sample=2, context="set_context", controller=fixed_controller(),
                                  encoder=hash_encoder(16))
-    expected = [fixed_weights_by_hand(r["question"], r["passages"]) for r in world.records]
+    expected = [fixed_weights_by_hand(r["question"], r["passages"]) for r in world.records[:2]]
     for t, w in enumerate(expected):
         assert_merged(world, cap, t, dict(enumerate(w)))
     check_log(world, records, expected, "set_context")
 
 
 def test_context_from_data_file(world, tmp_path):
-    cap, records = launch_double(world, tmp_path, context="none", controller=fixed_controller(),
+    cap, records = launch_double(world, tmp_path, sample=2, context="none", controller=fixed_controller(),
                                  encoder=hash_encoder(16), data_file=world.data_file)
-    expected = [fixed_weights_by_hand(r["question"], r["passages"]) for r in world.records]
+    expected = [fixed_weights_by_hand(r["question"], r["passages"]) for r in world.records[:2]]
     for t, w in enumerate(expected):
         assert_merged(world, cap, t, dict(enumerate(w)))
     check_log(world, records, expected, "data_file")
 
 
 def test_context_from_data_directory(world, tmp_path):
-    cap, records = launch_double(world, tmp_path, context="none", controller=None, data_file=world.root)
-    assert [r["context_source"] for r in records] == ["data_file"] * 4
-    assert_merged(world, cap, 3, {0: 1.0, 1: 1.0, 2: 1.0})
+    cap, records = launch_double(world, tmp_path, context="none", controller=None, data_file=world.root, sample=2)
+    assert [r["context_source"] for r in records] == ["data_file"] * 2
+    assert_merged(world, cap, 1, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
 
 
 def test_no_context_is_an_error_not_a_uniform_merge(world, tmp_path):
@@ -280,6 +281,33 @@ def test_adapter_without_layers_is_named(adapter_dirs):
             pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
     assert str(adapter_dirs[1]) in str(e.value) and "adapter '1'" in str(e.value)
     assert "merge" not in pm.peft_config
+
+
+@pytest.mark.skipif(not STALE, reason="needs peft < 0.19 (the stale peft_config bug)")
+def test_shim_installed_after_an_unload_repairs_at_from_pretrained(adapter_dirs):
+    """A base model unloaded before the shim was installed still carries the stale config: cleared on reuse."""
+    from peft import PeftModel
+
+    first = _peft_model(adapter_dirs)  # a question answered before the shim was installed
+    base = first.unload()
+    assert set(vars(base)["peft_config"]) == {"0", "1", "2"}  # peft 0.13.2 left it behind
+    question, passages = "violin opera", ["a b", "c d", "e f"]  # noqa: F841
+    with prag.installed(controller=None):
+        pm = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name="0")
+        for i in (1, 2):
+            pm.load_adapter(str(adapter_dirs[i]), adapter_name=str(i))
+        pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
+    got, ref = _live_dw(pm, "merge"), _files_reference(adapter_dirs, [1.0, 1.0, 1.0])
+    for m in ref:
+        torch.testing.assert_close(got[m], ref[m], rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_dimension_is_checked_at_install():
+    from fcprag_plugin.errors import ControllerError
+
+    with pytest.raises(ControllerError, match="8-d embeddings but the controller expects 16-d"):
+        prag.install(controller=fixed_controller(), encoder=hash_encoder(8))
+    assert not prag.is_installed()
 
 
 def test_n_zero_is_an_error(adapter_dirs):

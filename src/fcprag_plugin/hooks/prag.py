@@ -86,6 +86,7 @@ class PragShim:
         get_merge_mode(mode)  # a typo fails now, not at the first question
         self.mode = mode
         self.hook = MergeHook(controller, _resolve_encoder(controller, encoder), mode=mode, log=log)
+        _ = self.hook.encoder  # load it and check its dimension now, before the host script runs for hours
         self.data = PragDataFile(data_file) if data_file is not None else None
         self.repair = repair
         self.merges = 0
