@@ -91,7 +91,7 @@ def test_weighted_run_matches_reference(double, tmp_path, encoder16, mode, make_
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["question"] for r in lines] == [q["question"] for q in questions]
     for r, q, u in zip(lines, questions, us):
-        assert r["n"] == len(q["passages"]) and r["mode"] == mode and r["context"] == "caller_locals"
+        assert r["n"] == len(q["passages"]) and r["mode"] == mode and r["context_source"] == "caller_locals"
         assert r["u"] == pytest.approx(u, rel=1e-6)
         assert sum(r["u"]) == pytest.approx(1.0, abs=1e-6)
         assert {"g", "tau", "scores", "merge_weights", "merge_time_s"} <= set(r)
@@ -154,6 +154,15 @@ def test_missing_context_in_script_is_an_error(tmp_path, encoder16):
     data = H.write_data(tmp_path / "data.jsonl", H.make_questions((2,)))
     with pytest.raises(HookError, match="set_context"):
         dyprag.launch(script, ["--data", str(data)], controller=peaked_controller(), encoder=encoder16)
+
+
+def test_script_exit_status_is_returned(double, tmp_path):
+    script, data, _ = double
+    script.write_text(script.read_text().replace("    main(parser.parse_args())", "    main(parser.parse_args())\n"
+                                                 "    raise SystemExit(3)"))
+    rec = tmp_path / "rec.pt"
+    assert dyprag.launch(script, ["--data", str(data), "--record", str(rec)]) == 3
+    assert rec.is_file()  # the run itself completed
 
 
 def test_cli_in_process(double, tmp_path):

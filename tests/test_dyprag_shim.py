@@ -87,10 +87,16 @@ def test_uninstall_restores_exactly(host):
     assert host.utils.delta_inject is orig_inject and vars(cls)["forward"] is orig_fwd
 
     dyprag.install(utils=host.utils, projector=host.projector)
-    dyprag.install(mode="delta", utils=host.utils, projector=host.projector)  # replaces, never stacks
+    outer = dyprag.install(mode="delta", utils=host.utils, projector=host.projector)  # replaces, never stacks
     assert host.utils.delta_inject.__fcprag_original__ is orig_inject
+    with dyprag.installed(utils=host.utils, projector=host.projector) as inner:  # restores the outer one after
+        assert dyprag.current() is inner and host.utils.delta_inject.__fcprag_original__ is orig_inject
+    assert dyprag.current() is outer and outer.active and dyprag.is_installed()
+    assert host.utils.delta_inject.__fcprag_original__ is orig_inject
+    assert vars(cls)["forward"].__fcprag_original__ is orig_fwd
     dyprag.uninstall()
     assert host.utils.delta_inject is orig_inject and vars(cls)["forward"] is orig_fwd
+    assert not dyprag.is_installed()
 
 
 def test_install_by_import_name(host):
@@ -118,6 +124,7 @@ def test_reweights_a_live_model(host, encoder16, tmp_path, mode):
     log = tmp_path / "log.jsonl"
     with dyprag.install(ctrl, encoder16, mode, log, utils=host.utils, projector=host.projector) as shim:
         outs, _ = dyprag_question(host, QUESTION, TEXTS)
+        assert shim.merges == 1 and shim.last_record["n"] == 3
         assert shim.captured == []  # consumed by this question
         got = injected(host.model)
         u = H.controller_u(ctrl, encoder16, QUESTION, TEXTS)
@@ -128,7 +135,7 @@ def test_reweights_a_live_model(host, encoder16, tmp_path, mode):
         host.utils.delta_remove(host.model, outs[0])
         assert injected(host.model) == {}
     rec = json.loads(log.read_text())
-    assert rec["question"] == QUESTION and rec["n"] == 3 and rec["context"] == "caller_locals"
+    assert rec["question"] == QUESTION and rec["n"] == 3 and rec["context_source"] == "caller_locals"
     assert rec["u"] == pytest.approx(u, rel=1e-6)
 
 
@@ -172,7 +179,7 @@ def test_explicit_context_wins_and_is_used_once(host, encoder16, tmp_path):
         set_context("an explicit question about the famous bridge", TEXTS[1:])
         dyprag_question(host, QUESTION, TEXTS[1:])  # explicit beats the caller's locals
     recs = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["context"] for r in recs] == ["set_context", "set_context"]
+    assert [r["context_source"] for r in recs] == ["set_context", "set_context"]
     assert recs[1]["question"] == "an explicit question about the famous bridge"
 
 

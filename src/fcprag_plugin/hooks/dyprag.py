@@ -22,6 +22,7 @@ Use: ``fcprag run dyprag --controller DIR -- src/inference_dyprag.py ARGS...`` (
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -29,11 +30,12 @@ import sys
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import HookError
 from . import _dyprag_math as dm
 from .base import MergeHook, PatchSet, clear_context, explicit_context, get_context, run_script
+from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,8 @@ class DyPragShim:
     Attributes:
         mode: ``separate`` or ``delta``.
         hook: the :class:`MergeHook` (controller, encoder, log).
-        questions: how many ``delta_inject`` calls were re-weighted.
+        merges: how many ``delta_inject`` calls (questions) were re-weighted.
+        last_record: the last per-question log record.
     """
 
     def __init__(self, hook: MergeHook, mode: str, utils: ModuleType, projector: ModuleType) -> None:
@@ -59,7 +62,8 @@ class DyPragShim:
         self.utils = utils
         self.projector = projector
         self.patches = PatchSet("dyprag")
-        self.questions = 0
+        self.merges = 0
+        self.last_record: dict[str, Any] | None = None
         self._captured: list[Any] = []
         self._lock = threading.Lock()
         self._warned = False
@@ -112,15 +116,17 @@ class DyPragShim:
         else:
             new = dm.aggregate(outs, u, self.mode)
         t2 = MergeHook.timer()
-        self.questions += 1
+        self.merges += 1
         tau = float(cw["tau"])
-        self.hook.log({
-            "shim": "dyprag", "call": self.questions, "question": q_text, "n": n, "mode": self.mode,
+        record = {
+            "shim": "dyprag", "call": self.merges, "question": q_text, "n": n, "mode": self.mode,
             "merge_weights": cw["merge_weights"], "weights": cw["weights"], "u": u, "scores": cw["scores"],
             "g": cw["g"], "tau": None if tau != tau else tau,  # NaN (no controller) is not valid JSON
-            "controller_mode": cw["controller_mode"], "context": ctx["source"], "keys": len(merged),
+            "controller_mode": cw["controller_mode"], "context_source": ctx["source"], "keys": len(merged),
             "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
-        })
+        }
+        self.last_record = record
+        self.hook.log(record)
         logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", n, self.mode, cw["merge_weights"],
                      (t2 - t1) * 1e3)
         return new
@@ -266,10 +272,24 @@ def uninstall() -> None:
         _current = None
 
 
+@contextlib.contextmanager
 def installed(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None,
-              **kwargs: Any) -> DyPragShim:
-    """``with installed(...):`` -- :func:`install` for the duration of a block."""
-    return install(controller, encoder, mode, log, **kwargs)
+              **kwargs: Any) -> Iterator[DyPragShim]:
+    """``with dyprag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
+    global _current
+    previous = _current
+    shim = install(controller, encoder, mode, log, **kwargs)
+    try:
+        yield shim
+    finally:
+        uninstall()
+        if previous is not None:
+            previous._apply()
+            _current = previous
+
+
+def is_installed() -> bool:
+    return _current is not None
 
 
 def current() -> DyPragShim | None:
@@ -283,7 +303,8 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
     """``fcprag run dyprag``: run DyPRAG's unmodified ``script`` as ``__main__`` with the shim installed.
 
     Puts the script's directory first on sys.path, imports (fresh) and patches its ``utils`` and ``projector``,
-    runs the script, then uninstalls and restores sys.path and those sys.modules entries.
+    runs the script, then uninstalls and restores sys.path and those sys.modules entries. Returns the script's
+    exit status (``sys.exit`` inside the script is caught and returned).
     """
     if use_slot:
         raise HookError("fcprag run dyprag: --use-slot is not available for DyPRAG yet (the pre-allocated fused slot "
@@ -309,17 +330,25 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
         install(controller, encoder, mode or "separate", log, utils=utils_mod, projector=projector_mod)
         try:
             run_script(script, list(script_args))
+            code = 0
+        except SystemExit as e:  # the script's own exit status, as `python script` would give it
+            if e.code is None or isinstance(e.code, int):
+                code = int(e.code or 0)
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
         finally:
             shim = _current
             uninstall()
             if shim is not None:
-                logger.info("fcprag dyprag: re-weighted %d question(s)", shim.questions)
+                logger.info("fcprag dyprag: re-weighted %d question(s)", shim.merges)
     finally:
         sys.path[:] = old_path
         for n in names:
             sys.modules.pop(n, None)
         sys.modules.update(saved)
-    return 0
+    return code
 
 
-__all__ = ["DyPragShim", "install", "uninstall", "installed", "current", "launch", "MODES"]
+__all__ = ["DyPragShim", "install", "uninstall", "installed", "is_installed", "current", "launch", "set_context",
+           "clear_context", "MODES"]
