@@ -44,6 +44,8 @@ def test_reads_records_and_resolves_relative_adapters(tmp_path):
     (dict(GOOD, adapters=["a0"]), r"manifest\.jsonl:2: field 'adapters' has 1 entries but 'passages' has 2"),
     (dict(GOOD, passages="one"), r"manifest\.jsonl:2: field 'passages': expected a list"),
     (dict(GOOD, id="q0"), r"manifest\.jsonl:2: field 'id': duplicate id 'q0' \(first on line 1\)"),
+    (dict(GOOD, split="tran"), r"manifest\.jsonl:2: field 'split': expected one of \['train'"),
+    (dict(GOOD, group=[1]), r"manifest\.jsonl:2: field 'group': expected a string or an integer"),
 ])
 def test_bad_manifest_lines_name_file_line_field(tmp_path, obj, match):
     p = _manifest(tmp_path, dict(GOOD, id="q0"), obj)

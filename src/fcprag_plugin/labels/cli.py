@@ -48,7 +48,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         finally:
             builder.close()
         print(f"{desc}: {summary.written} written, {summary.already_done} already done, {len(summary.failed)} failed "
-              f"of {summary.assigned} -> {target} ({summary.records_per_s:.3f} records/s)")
+              f"of {summary.assigned} -> {target} ({summary.records_per_s:.3f} records/s, {summary.seconds:.2f} s)")
         for rid, msg in summary.failed:
             print(f"  failed {rid}: {msg}", file=sys.stderr)
         merged_ok = True

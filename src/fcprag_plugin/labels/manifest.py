@@ -96,7 +96,23 @@ def parse_record(obj: Any, where: str, base_dir: Path | None = None, *, line: in
                              f"{len(passages)}; expected one adapter per passage, same order")
     paths = [Path(a) if Path(a).is_absolute() or base_dir is None else base_dir / a for a in adapters]
     extra = {k: obj[k] for k in PASS_THROUGH_FIELDS if k in obj}
+    _check_pass_through(extra, where)
     return ManifestRecord(rid, question, answers, passages, paths, line=line, source=source, extra=extra)
+
+
+def _check_pass_through(extra: dict[str, Any], where: str) -> None:
+    """``group`` / ``split`` end up in the label file: reject what the trainer would reject, before the expensive run."""
+    group = extra.get("group")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
+        raise _fail(where, "group", "a string or an integer", group)
+    if "split" in extra:
+        known: tuple[str, ...] = ("train", "val", "validation", "dev", "test")
+        try:
+            from ..training.labels import KNOWN_SPLITS as known  # the trainer's list, when it is installed
+        except ImportError:  # pragma: no cover - the trainer ships with the package
+            pass
+        if extra["split"] not in known:
+            raise _fail(where, "split", f"one of {list(known)}", extra["split"])
 
 
 def read_manifest(path: str | Path) -> list[ManifestRecord]:
