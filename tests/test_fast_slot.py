@@ -282,3 +282,20 @@ def test_errors():
     slot.remove()
     with pytest.raises(MergeError, match="was removed"):
         slot.activate(ads[:1], None)
+
+
+@pytest.mark.parametrize("form", ["list", "tensor", "tuple"])
+def test_weights_round_like_the_merger(form):
+    """Weights that are not float32 numbers: the slot must use the merger's float32 values, bit for bit."""
+    model = tiny_model("llama")
+    ads = [random_adapter(model, 2, seed=i, alpha=3 + i) for i in range(3)]
+    w = [0.1, 1 / 3, 2 / 7]
+    given = {"list": w, "tensor": torch.tensor(w, dtype=torch.float64), "tuple": tuple(w)}[form]
+    slot = FusedSlot(model, ads[0], max_adapters=3)
+    for mode in ("cat", "separate"):
+        slot.activate(ads, given, mode=mode)
+        assert_same_adapter(slot.current_adapter(), WeightedAdapterMerger(mode).merge(ads, w).adapter)
+    with pytest.raises(MergeError, match="must be finite"):
+        slot.activate(ads, [1.0, 1e39, 1.0])
+    with pytest.raises(MergeError, match=r"merge weights have shape \[1, 3\], expected \[3\]"):
+        slot.activate(ads, [[1.0, 1.0, 1.0]])

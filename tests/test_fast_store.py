@@ -8,6 +8,7 @@ import torch
 
 from fcprag_plugin import AdapterError, LoraAdapter
 from fcprag_plugin.fast import AdapterStore, pack_adapter, read_adapter_dir
+from fcprag_plugin.fast.store import _mmap_tensors
 from helpers import make_adapter_dir
 
 
@@ -117,3 +118,49 @@ def test_errors_name_the_file(tmp_path, dirs):
     with pytest.raises(AdapterError, match="budget_bytes must be a non-negative integer, got -1"):
         AdapterStore(budget_bytes=-1)
     assert len(store) == 0
+
+
+def _rewrite(d, edit):
+    from safetensors.torch import load_file, save_file
+
+    f = d / "adapter_model.safetensors"
+    sd = load_file(str(f))
+    edit(sd)
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+def test_bulk_value_checks_name_the_key(tmp_path, caplog):
+    key = "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    bad = make_adapter_dir(tmp_path / "nan", seed=1)
+    _rewrite(bad, lambda sd: sd[key].__setitem__((3, 1), float("nan")))
+    with pytest.raises(AdapterError, match=r"nan: key 'model.layers.1.mlp.up_proj.lora_B.weight' has 1 non-finite"):
+        AdapterStore().get(bad)
+    inf = make_adapter_dir(tmp_path / "inf", seed=1)
+    _rewrite(inf, lambda sd: sd[key.replace("lora_B", "lora_A")].__setitem__((0, 0), float("-inf")))
+    with pytest.raises(AdapterError, match=r"key 'model.layers.1.mlp.up_proj.lora_A.weight' has 1 non-finite"):
+        AdapterStore().get(inf)
+    big = make_adapter_dir(tmp_path / "big", seed=1)
+    _rewrite(big, lambda sd: sd[key].__setitem__((0, 0), 1e30))
+    with pytest.raises(AdapterError, match=r"big: modules 'model.layers.\*.mlp.up_proj' overflow torch.float16"):
+        AdapterStore(dtype=torch.float16).get(big)
+    zero = make_adapter_dir(tmp_path / "zero", seed=1, zero_b=True)
+    with caplog.at_level(logging.WARNING, logger="fcprag_plugin"):
+        AdapterStore().get(zero)
+    assert "zero: every lora_B is zero" in caplog.text
+
+
+def test_mapped_reader_equals_library_loader(tmp_path):
+    """The memory-mapped fast path and the safe_open fallback give the library loader's tensors."""
+    for name, kw in {"bf16": dict(dtype=torch.bfloat16), "f32": {}}.items():
+        d = make_adapter_dir(tmp_path / name, seed=4, **kw)
+        got = read_adapter_dir(d)
+        assert_equal_adapters(got, LoraAdapter.from_pretrained(d))
+        mapped = _mmap_tensors(d / "adapter_model.safetensors")  # the fast path, not a silent fallback
+        assert len(mapped) == 12 and len({t.untyped_storage().data_ptr() for t in mapped.values()}) == 1
+        assert got.dtype == (torch.bfloat16 if name == "bf16" else torch.float32)
+    # an integer tensor is not for the fast path: the fallback loads it and the loader names it
+    d = make_adapter_dir(tmp_path / "int", seed=4)
+    key = "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"
+    _rewrite(d, lambda sd: sd.__setitem__(key, torch.ones(2, 32, dtype=torch.int64)))
+    with pytest.raises(AdapterError, match=r"key 'model.layers.0.mlp.gate_proj.lora_A.weight' has dtype torch.int64"):
+        AdapterStore().get(d)

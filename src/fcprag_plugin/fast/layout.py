@@ -15,7 +15,6 @@ names and shapes, so every adapter of the same model and target modules gets the
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -24,7 +23,6 @@ import torch
 from ..adapter import LoraAdapter, LoraModule
 from ..errors import AdapterError, MergeError
 
-_NUM = re.compile(r"^\d+$")
 
 
 @dataclass(frozen=True)
@@ -75,14 +73,28 @@ _INTERNED: dict[Layout, Layout] = {}
 
 def _split(name: str) -> tuple[str, tuple[int, ...]]:
     parts = name.split(".")
-    idx = tuple(int(p) for p in parts if _NUM.match(p))
-    return ".".join("*" if _NUM.match(p) else p for p in parts), idx
+    idx = tuple(int(p) for p in parts if p.isdigit())
+    return ".".join("*" if p.isdigit() else p for p in parts), idx
+
+
+_BY_SHAPES: dict[tuple, Layout] = {}  # (name, out, in) items in the order seen -> layout: skips regrouping
 
 
 def layout_from_shapes(shapes: Mapping[str, tuple[int, int]]) -> Layout:
     """Build (and intern) the layout of modules ``name -> (out_features, in_features)``."""
     if not shapes:
         raise MergeError("no target modules: a layout needs at least one module")
+    key = tuple((k, int(v[0]), int(v[1])) for k, v in shapes.items())
+    hit = _BY_SHAPES.get(key)
+    if hit is not None:
+        return hit
+    layout = _build_layout(shapes)
+    if len(_BY_SHAPES) < 256:  # a handful of models per process; bounded all the same
+        _BY_SHAPES[key] = layout
+    return layout
+
+
+def _build_layout(shapes: Mapping[str, tuple[int, int]]) -> Layout:
     buckets: dict[tuple[str, int, int], list[tuple[tuple[int, ...], str]]] = {}
     for name, (out_f, in_f) in shapes.items():
         pattern, idx = _split(name)

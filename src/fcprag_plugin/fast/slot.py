@@ -20,7 +20,9 @@ and no parameter of the model is ever written: ``remove()`` leaves it exactly as
 from __future__ import annotations
 
 import logging
+import math
 import weakref
+from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,9 +56,17 @@ class _Segment:
     l1: int
     A: torch.Tensor  # [l1-l0, K*R, in]
     BT: torch.Tensor  # [l1-l0, K*R, out]
+    R: int = 1  # rank rows per adapter position
     dirty: int = 0  # rows [dirty:] of A are known to be zero
     views: dict = field(default_factory=dict)  # (kind, start, stop) -> cached row views
     scratch: dict = field(default_factory=dict)  # for 'separate': f32 accumulators / products
+    a_chunks: list = field(default_factory=list)  # position i -> A[:, i*R:(i+1)*R]
+    bt_chunks: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        K = self.A.shape[1] // self.R
+        self.a_chunks = [self.A[:, i * self.R:(i + 1) * self.R] for i in range(K)]
+        self.bt_chunks = [self.BT[:, i * self.R:(i + 1) * self.R] for i in range(K)]
 
     def rows(self, kind: str, start: int, stop: int) -> torch.Tensor:
         key = (kind, start, stop)
@@ -146,6 +156,24 @@ def _target_shapes(model: nn.Module, targets: Any) -> dict[str, tuple[int, int]]
         if missing:
             raise MergeError(f"target module name(s) {missing} match no module with a 2-D weight in the model")
     return out
+
+
+def merge_weights(weights: Any, n: int) -> list[float]:
+    """Validated ``w~`` as float32-rounded Python floats (the values :func:`~fcprag_plugin.merge.merge_adapters`
+    computes with), without tensor ops for the common list input. ``None`` is ``[1] * n``."""
+    if weights is None:
+        return [1.0] * n
+    vals: list[float] | None = None
+    if isinstance(weights, (list, tuple)):
+        try:
+            vals = array("f", [float(v) for v in weights]).tolist()  # rounds to float32 like torch does
+        except (TypeError, ValueError, OverflowError):
+            vals = None
+    if vals is None or len(vals) != n:
+        vals = weight_vector(weights, n).tolist()  # tensors, arrays, and its error messages
+    if not all(map(math.isfinite, vals)):
+        raise MergeError(f"merge weights must be finite, got {vals}")
+    return vals
 
 
 _SLOTS: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDictionary()
@@ -253,7 +281,7 @@ class FusedSlot:
                 w = mods[l0].weight
                 dt = self.dtype or w.dtype
                 seg = _Segment(gi, l0, l1, torch.zeros(l1 - l0, KR, g.in_features, device=w.device, dtype=dt),
-                               torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt))
+                               torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt), self.max_rank)
                 self._segments.append(seg)
                 for l in range(l0, l1):
                     entries.append(_Entry(g.names[l], seg.A[l - l0], seg.BT[l - l0]))
@@ -295,7 +323,7 @@ class FusedSlot:
                              f"with max_adapters>={n} or call slot.resize({n})")
         packed: list[PackedAdapter] = []
         for i, a in enumerate(adapters):
-            if isinstance(a, PackedAdapter):
+            if type(a) is PackedAdapter or isinstance(a, PackedAdapter):
                 packed.append(a)
             elif isinstance(a, LoraAdapter):
                 packed.append(pack_adapter(a))
@@ -327,20 +355,26 @@ class FusedSlot:
         """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T`` (one op each per segment)."""
         R = self.max_rank
         for seg in self._segments:
+            whole = seg.l0 == 0
             for i, p in enumerate(packed):
                 pg = p.groups[seg.group]
-                r, start = pg.rank, i * R
+                r = pg.rank
                 src_A, src_B = pg.A, pg.BT
-                if seg.l0 != 0 or seg.l1 != src_A.shape[0]:
+                if not whole or seg.l1 != src_A.shape[0]:
                     src_A, src_B = src_A[seg.l0:seg.l1], src_B[seg.l0:seg.l1]
                 if pg.scale is not None:
                     coef: float | torch.Tensor = coefs[i] * pg.scale
                 else:
                     coef = (coefs[i] * pg.scales[seg.l0:seg.l1]).to(torch.float32).view(-1, 1, 1)
-                _scaled_copy(seg.rows("A", start, start + r), src_A, coef)
-                seg.rows("BT", start, start + r).copy_(src_B)
-                if r < R and seg.dirty > start + r:
-                    seg.rows("A", start + r, start + R).zero_()
+                if r == R:
+                    _scaled_copy(seg.a_chunks[i], src_A, coef)
+                    seg.bt_chunks[i].copy_(src_B)
+                else:
+                    start = i * R
+                    _scaled_copy(seg.rows("A", start, start + r), src_A, coef)
+                    seg.rows("BT", start, start + r).copy_(src_B)
+                    if seg.dirty > start + r:
+                        seg.rows("A", start + r, start + R).zero_()
             self._zero_tail(seg, len(packed) * R)
 
     @torch.no_grad()
@@ -409,13 +443,14 @@ class FusedSlot:
             raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "
                              "(use fcprag_plugin.merge for 'svd')")
         packed = self.prepare(adapters)
-        w = weight_vector([1.0] * len(packed) if weights is None else weights, len(packed))  # float32, like the merges
+        n = len(packed)
+        w = merge_weights(weights, n)
         self._state.active = False
         self._state.transform = None
         if mode == "cat":
-            self._write_cat(packed, w.tolist())
+            self._write_cat(packed, w)
         else:
-            self._write_separate(packed, (w / len(packed)).tolist())
+            self._write_separate(packed, array("f", [v / n for v in w]).tolist())  # = float32 w / N
         self.n_active, self.mode = len(packed), mode
         self._state.active = True
         return self

@@ -9,7 +9,9 @@ noticed on the next ``get`` and reloaded.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -53,8 +55,69 @@ def _fingerprint(path: Path) -> Fingerprint:
     return weights + (cfg.st_mtime_ns, cfg.st_size)
 
 
-def read_adapter_dir(path: str | Path, *, device: str | torch.device | None = None) -> LoraAdapter:
-    """Load a PEFT adapter directory, reading ``adapter_model.safetensors`` memory-mapped (``safe_open``)."""
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class _NotFastPath(Exception):
+    """The file is not a plain float safetensors file we can map directly: use ``safe_open`` instead."""
+
+
+def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a zero-copy view into one private memory map of the file.
+
+    The format is an 8-byte little-endian header length, a JSON header ``{key: {dtype, shape, data_offsets}}``
+    and the raw data. ``safe_open`` builds each tensor by slicing a storage in Python (~30 us a key); mapping the
+    file once and taking views costs ~2 us a key. Anything unusual raises :class:`_NotFastPath`.
+    """
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _NotFastPath
+        n = int.from_bytes(head, "little")
+        if n <= 0 or 8 + n > size:
+            raise _NotFastPath
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            raise _NotFastPath from None
+    if not isinstance(header, dict):
+        raise _NotFastPath
+    buf = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
+    base = 8 + n
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out = {}
+    try:
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            dt = _ST_DTYPES.get(info["dtype"])
+            if dt is None:
+                raise _NotFastPath  # integer tensors etc.: the regular loader reports them
+            isz = torch.finfo(dt).bits // 8
+            start, end = (int(v) for v in info["data_offsets"])
+            shape = [int(v) for v in info["shape"]]
+            if end - start != math.prod(shape) * isz or base + end > size or start < 0 or start % isz:
+                raise _NotFastPath
+            flat = typed.get(dt)
+            if flat is None:  # the whole data region as one typed view (needs an aligned start: else fall back)
+                flat = typed[dt] = buf[base:base + (size - base) // isz * isz].view(dt)
+            strides = [1] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                strides[i] = strides[i + 1] * shape[i + 1]
+            out[key] = flat.as_strided(shape, strides, flat.storage_offset() + start // isz)
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        raise _NotFastPath from None
+    return out
+
+
+def read_adapter_dir(path: str | Path, *, device: str | torch.device | None = None,
+                     check_values: bool = True) -> LoraAdapter:
+    """Load a PEFT adapter directory, reading ``adapter_model.safetensors`` memory-mapped.
+
+    ``check_values=False`` leaves the finiteness check to the caller (see :meth:`AdapterStore.load`); the tensors
+    may then be views into the file's memory map, so copy them before the file is rewritten.
+    """
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -63,13 +126,34 @@ def read_adapter_dir(path: str | Path, *, device: str | torch.device | None = No
         return load_adapter_dir(path, device=device or "cpu")  # legacy .bin, or the loader's clear error
     cfg = read_config(path / CONFIG_NAME)
     try:
-        with safe_open(str(file), framework="pt", device=str(device or "cpu")) as f:
-            state = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise AdapterError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
-    adapter = adapter_from_state_dict(state, cfg, source=str(file))
+        state = _mmap_tensors(file)
+        if device is not None and torch.device(device).type != "cpu":
+            state = {k: v.to(device) for k, v in state.items()}
+    except (_NotFastPath, OSError):
+        try:
+            with safe_open(str(file), framework="pt", device=str(device or "cpu")) as f:
+                state = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise AdapterError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
+    adapter = adapter_from_state_dict(state, cfg, source=str(file), check_values=check_values)
     adapter.source = str(path)
     return adapter
+
+
+def pack_checked(adapter: LoraAdapter, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> PackedAdapter:
+    """Pack and check the values in bulk: finite (a few big ``isfinite`` instead of one per tensor), not all zero."""
+    packed = pack_adapter(adapter, device=device, dtype=dtype)
+    for lg, pg in zip(packed.layout.groups, packed.groups):
+        # sum(x * 0) is NaN exactly when x holds a NaN or an inf (and 25x faster here than isfinite().all())
+        if not (math.isfinite(float((pg.A * 0).sum())) and math.isfinite(float((pg.BT * 0).sum()))):
+            adapter.validate()  # raises, naming the key
+            raise AdapterError(f"{adapter.source}: modules '{lg.pattern}' overflow {packed.dtype} when packed "
+                               f"(finite in the file as {adapter.dtype})")
+    if not any(bool(pg.BT.any()) for pg in packed.groups):
+        logger.warning("%s: every lora_B is zero, so this adapter does nothing (was it saved before training?)",
+                       adapter.source)
+    return packed
 
 
 class AdapterStore:
@@ -135,8 +219,8 @@ class AdapterStore:
 
     def load(self, path: str | Path) -> PackedAdapter:
         """Read and pack without touching the cache (the cold path)."""
-        adapter = read_adapter_dir(path)
-        return pack_adapter(adapter, device=self.device, dtype=self.dtype)
+        adapter = read_adapter_dir(path, check_values=False)
+        return pack_checked(adapter, device=self.device, dtype=self.dtype)
 
     # ------------------------------------------------------------------ bookkeeping
     def _insert(self, key: str, fp: Fingerprint, packed: PackedAdapter) -> None:
