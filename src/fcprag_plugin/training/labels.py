@@ -1,0 +1,368 @@
+"""Leave-one-out label files: parsing and validation (JSON Lines or a JSON array).
+
+A record describes one training query and its N passages (one adapter each)::
+
+    {"id": "q1", "query": "...", "passages": ["...", "..."], "deltas": [0.4, -0.1]}
+    {"id": "q2", "query": "...", "passages": ["...", "..."], "metric_all": 0.8, "metric_without": [0.2, 0.8]}
+
+``delta_i = metric_all - metric_without_i``: how much the answer got worse when passage i's adapter was left out.
+The full format is in ``docs/label-format.md`` and ``schemas/labels.schema.json``.
+
+Every problem is reported as ``FILE:LINE: field 'NAME': what is wrong (expected ...)``. With ``on_error="fail"``
+(the default) the first bad record raises :class:`LabelFileError`; with ``"skip"`` bad records are left out and
+listed in :attr:`LabelSet.skipped` (nothing is changed silently: a record is either kept exactly or skipped).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from ..errors import LabelFileError
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR = ("fail", "skip")
+REQUIRED = ("id", "query", "passages")
+OPTIONAL = ("deltas", "metric_all", "metric_without", "adapters", "answer", "metric", "group", "split")
+# split values understood by the trainer; anything else is an error (a typo must not move data silently)
+TRAIN_SPLITS = ("train",)
+VAL_SPLITS = ("val", "validation", "dev")
+IGNORED_SPLITS = ("test",)
+KNOWN_SPLITS = TRAIN_SPLITS + VAL_SPLITS + IGNORED_SPLITS
+DELTA_TOLERANCE = 1e-6  # when both deltas and metric_all/metric_without are given they must agree
+
+
+@dataclass
+class LabelRecord:
+    """One validated record. ``deltas`` is always filled (computed from the metrics when needed)."""
+
+    id: str
+    query: str
+    passages: list[str]
+    deltas: list[float]
+    file: str = ""
+    line: int = 0
+    metric_all: float | None = None
+    metric_without: list[float] | None = None
+    adapters: list[str] | None = None
+    answer: Any = None
+    metric: str | None = None
+    group: str | None = None
+    split: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.passages)
+
+    @property
+    def group_key(self) -> str:
+        """What the train/validation split keeps together: the ``group`` when given, else the ``id``."""
+        return f"group:{self.group}" if self.group is not None else f"id:{self.id}"
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass
+class SkippedRecord:
+    file: str
+    line: int
+    field: str | None
+    message: str  # the full message, as it would have been raised
+
+
+@dataclass
+class LabelSet:
+    """Records read from one label file, plus what was skipped and why (``on_error="skip"``)."""
+
+    path: str
+    records: list[LabelRecord]
+    skipped: list[SkippedRecord] = field(default_factory=list)
+    sha256: str = ""
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[LabelRecord]:
+        return iter(self.records)
+
+    def skip_counts(self) -> dict[str, int]:
+        """Number of skipped records per offending field (``"<json>"`` for unparsable lines)."""
+        return dict(Counter(s.field or "<json>" for s in self.skipped))
+
+    def summary(self) -> str:
+        s = f"{self.path}: {len(self.records)} records"
+        if self.skipped:
+            parts = ", ".join(f"{k}: {v}" for k, v in sorted(self.skip_counts().items()))
+            s += f", {len(self.skipped)} skipped ({parts})"
+        return s
+
+
+class _RecordError(Exception):
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def _fmt(path: str, line: int, fld: str | None, message: str) -> str:
+    return f"{path}:{line}: field '{fld}': {message}" if fld else f"{path}:{line}: {message}"
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else {bool: "bool", int: "int", float: "float", str: "str", list: "list",
+                                     dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number(v: Any, fld: str) -> float:
+    if not _is_number(v):
+        raise _RecordError(fld, f"is a {_type_name(v)} ({v!r:.60}), expected a finite number")
+    if not math.isfinite(v):
+        raise _RecordError(fld, f"is {v}, expected a finite number")
+    return float(v)
+
+
+def _number_list(v: Any, fld: str, n: int) -> list[float]:
+    if not isinstance(v, list):
+        raise _RecordError(fld, f"is a {_type_name(v)}, expected a list of {n} numbers (one per passage)")
+    if len(v) != n:
+        raise _RecordError(fld, f"has {len(v)} values but 'passages' has {n}; expected one per passage")
+    return [_number(x, f"{fld}[{i}]") for i, x in enumerate(v)]
+
+
+def _nonempty_str(v: Any, fld: str) -> str:
+    if not isinstance(v, str):
+        raise _RecordError(fld, f"is a {_type_name(v)} ({v!r:.60}), expected a non-empty string")
+    if not v.strip():
+        raise _RecordError(fld, "is empty, expected a non-empty string")
+    return v
+
+
+def validate_record(obj: Any) -> LabelRecord:
+    """Check one parsed JSON value; raises ``_RecordError(field, message)`` (no file/line yet)."""
+    if not isinstance(obj, dict):
+        raise _RecordError(None, f"record is a {_type_name(obj)}, expected a JSON object with keys "
+                                 f"{list(REQUIRED)} and 'deltas' (or 'metric_all' + 'metric_without')")
+    for k in REQUIRED:
+        if k not in obj:
+            raise _RecordError(k, "is missing (required)")
+    rid = _nonempty_str(obj["id"], "id")
+    query = _nonempty_str(obj["query"], "query")
+    ps = obj["passages"]
+    if not isinstance(ps, list):
+        raise _RecordError("passages", f"is a {_type_name(ps)}, expected a list of non-empty strings")
+    if not ps:
+        raise _RecordError("passages", "is empty, expected at least one passage")
+    passages = [_nonempty_str(p, f"passages[{i}]") for i, p in enumerate(ps)]
+    n = len(passages)
+
+    has_deltas = "deltas" in obj
+    has_all, has_without = "metric_all" in obj, "metric_without" in obj
+    if not has_deltas and not (has_all and has_without):
+        missing = "metric_without" if has_all else "metric_all" if has_without else "deltas"
+        raise _RecordError(missing, "is missing; expected 'deltas' (N numbers) or both 'metric_all' (a number) "
+                                    "and 'metric_without' (N numbers)")
+    if has_all != has_without:
+        missing = "metric_without" if has_all else "metric_all"
+        raise _RecordError(missing, "is missing; 'metric_all' and 'metric_without' must be given together")
+    metric_all = metric_without = None
+    if has_all:
+        metric_all = _number(obj["metric_all"], "metric_all")
+        metric_without = _number_list(obj["metric_without"], "metric_without", n)
+    if has_deltas:
+        deltas = _number_list(obj["deltas"], "deltas", n)
+        if metric_all is not None:
+            for i, (d, mw) in enumerate(zip(deltas, metric_without)):
+                if abs(d - (metric_all - mw)) > DELTA_TOLERANCE * max(1.0, abs(d)):
+                    raise _RecordError(f"deltas[{i}]", f"is {d} but metric_all - metric_without[{i}] = "
+                                                       f"{metric_all - mw}; expected them to agree (or give only one)")
+    else:
+        deltas = [metric_all - mw for mw in metric_without]
+        if not all(math.isfinite(d) for d in deltas):  # finite inputs can still overflow
+            raise _RecordError("metric_without", "metric_all - metric_without is not finite")
+
+    adapters = obj.get("adapters")
+    if adapters is not None:
+        if not isinstance(adapters, list) or len(adapters) != n:
+            got = f"{len(adapters)} entries" if isinstance(adapters, list) else f"a {_type_name(adapters)}"
+            raise _RecordError("adapters", f"is {got}, expected a list of {n} paths (one per passage)")
+        for i, a in enumerate(adapters):
+            _nonempty_str(a, f"adapters[{i}]")
+    answer = obj.get("answer")
+    if answer is not None and not (isinstance(answer, str) or
+                                   (isinstance(answer, list) and all(isinstance(a, str) for a in answer))):
+        raise _RecordError("answer", f"is a {_type_name(answer)}, expected a string or a list of strings")
+    metric = obj.get("metric")
+    if metric is not None:
+        metric = _nonempty_str(metric, "metric")
+    group = obj.get("group")
+    if group is not None:
+        if isinstance(group, bool) or not isinstance(group, (str, int)):
+            raise _RecordError("group", f"is a {_type_name(group)}, expected a string or an integer")
+        group = str(group)
+    split = obj.get("split")
+    if split is not None:
+        split = _nonempty_str(split, "split")
+        if split not in KNOWN_SPLITS:
+            raise _RecordError("split", f"is '{split}', expected one of {list(KNOWN_SPLITS)}")
+    extra = {k: v for k, v in obj.items() if k not in REQUIRED and k not in OPTIONAL}
+    return LabelRecord(id=rid, query=query, passages=passages, deltas=deltas, metric_all=metric_all,
+                       metric_without=metric_without, adapters=adapters, answer=answer, metric=metric,
+                       group=group, split=split, extra=extra)
+
+
+# ---------------------------------------------------------------------------------------------- raw parsing
+def _iter_jsonl(text: str, path: str) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield ``(line, value, parse_error)`` per non-blank line."""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line), None
+        except json.JSONDecodeError as e:
+            yield lineno, None, f"not valid JSON ({e.msg} at column {e.colno})"
+
+
+def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield ``(line, value, None)`` per element of a top-level JSON array, with the line each element starts on.
+
+    A syntax error cannot be skipped inside an array (the rest cannot be resynchronised): it always raises.
+    """
+    newlines = [i for i, ch in enumerate(text) if ch == "\n"]
+
+    def line_of(pos: int) -> int:
+        return bisect.bisect_left(newlines, pos) + 1
+
+    dec = json.JSONDecoder()
+    n = len(text)
+
+    def skip_ws(i: int) -> int:
+        while i < n and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    i = skip_ws(0)
+    assert text[i] == "["
+    i = skip_ws(i + 1)
+    if i < n and text[i] == "]":
+        return
+    while True:
+        start = i
+        try:
+            value, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}); a JSON-array "
+                                 f"file cannot skip a broken element, fix it or use JSON Lines") from e
+        yield line_of(start), value, None
+        i = skip_ws(i)
+        if i < n and text[i] == ",":
+            i = skip_ws(i + 1)
+            continue
+        if i < n and text[i] == "]":
+            tail = skip_ws(i + 1)
+            if tail != n:
+                raise LabelFileError(f"{path}:{line_of(tail)}: unexpected text after the closing ']' of the array")
+            return
+        raise LabelFileError(f"{path}:{line_of(min(i, n - 1))}: not valid JSON (expected ',' or ']' after the "
+                             f"array element that starts on line {line_of(start)})")
+
+
+def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
+    """Read and validate a label file (JSON Lines, or one JSON array of records).
+
+    Args:
+        path: the label file.
+        on_error: ``"fail"`` raises :class:`LabelFileError` at the first bad record; ``"skip"`` leaves bad records
+            out and lists them in ``LabelSet.skipped`` (a warning with the counts is logged).
+
+    Duplicate ids within the file are errors (the second occurrence is the bad record).
+    """
+    if on_error not in ON_ERROR:
+        raise LabelFileError(f"on_error is '{on_error}', expected one of {list(ON_ERROR)}")
+    p = Path(path)
+    if not p.is_file():
+        raise LabelFileError(f"{p}: label file not found")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise LabelFileError(f"{p}:{line}: not valid UTF-8 (byte {e.start})") from e
+    spath = str(p)
+    stripped = text.lstrip("\ufeff \t\r\n")
+    if stripped.startswith("\ufeff"):
+        stripped = stripped[1:]
+    if not stripped:
+        raise LabelFileError(f"{p}: label file is empty; expected JSON Lines or a JSON array of records")
+    text = text.lstrip("\ufeff")
+    items = _iter_json_array(text, spath) if stripped.startswith("[") else _iter_jsonl(text, spath)
+
+    records: list[LabelRecord] = []
+    skipped: list[SkippedRecord] = []
+    seen: dict[str, int] = {}
+    for lineno, value, parse_error in items:
+        try:
+            if parse_error is not None:
+                raise _RecordError(None, parse_error)
+            rec = validate_record(value)
+            if rec.id in seen:
+                raise _RecordError("id", f"'{rec.id}' is a duplicate (first seen on line {seen[rec.id]}); "
+                                         "expected unique ids")
+        except _RecordError as e:
+            msg = _fmt(spath, lineno, e.field, e.message)
+            if on_error == "fail":
+                raise LabelFileError(msg) from None
+            skipped.append(SkippedRecord(spath, lineno, e.field, msg))
+            continue
+        rec.file, rec.line = spath, lineno
+        seen[rec.id] = lineno
+        records.append(rec)
+    ls = LabelSet(spath, records, skipped, hashlib.sha256(raw).hexdigest())
+    if skipped:
+        logger.warning("%s", ls.summary())
+        for s in skipped[:5]:
+            logger.warning("  skipped %s", s.message)
+    if not records:
+        raise LabelFileError(f"{p}: no valid records" + (f" ({len(skipped)} skipped: {ls.skip_counts()})"
+                                                         if skipped else ""))
+    return ls
+
+
+def record_to_json(rec: LabelRecord) -> dict[str, Any]:
+    """The record as it would be written to a label file (inverse of :func:`validate_record`)."""
+    out: dict[str, Any] = {"id": rec.id, "query": rec.query, "passages": list(rec.passages)}
+    if rec.metric_all is not None:
+        out["metric_all"] = rec.metric_all
+        out["metric_without"] = list(rec.metric_without or [])
+    else:
+        out["deltas"] = list(rec.deltas)
+    for k in ("adapters", "answer", "metric", "group", "split"):
+        v = getattr(rec, k)
+        if v is not None:
+            out[k] = v
+    out.update(rec.extra)
+    return out
+
+
+def write_labels(records: Sequence[LabelRecord | dict], path: str | Path) -> Path:
+    """Write records as JSON Lines (dicts are written as given)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(record_to_json(r) if isinstance(r, LabelRecord) else r, ensure_ascii=False) + "\n")
+    return path
