@@ -1,0 +1,115 @@
+"""Label records -> tensors: a table of unique text embeddings plus index tensors, and padded batches with a mask.
+
+Texts are embedded once (through the on-disk cache); a batch is a gather from the table, so an epoch costs no
+encoding and no Python work per record.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .embed_cache import EmbeddingCache, embed_texts
+from .labels import LabelRecord
+from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, make_targets
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """A padded batch. ``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]``, ``deltas``/``y [B, N]``,
+    ``omega``/``flat [B]``, ``index [B]`` (rows of the dataset)."""
+
+    e_q: torch.Tensor
+    E_p: torch.Tensor
+    mask: torch.Tensor
+    deltas: torch.Tensor
+    y: torch.Tensor
+    omega: torch.Tensor
+    flat: torch.Tensor
+    index: torch.Tensor
+
+
+@dataclass
+class LabelTensors:
+    """A whole label set as tensors (R records, at most ``N_max`` passages, U unique texts).
+
+    Attributes:
+        table: ``[U, d]`` embeddings of the unique texts
+        q_idx: ``[R]`` row of each query in ``table``
+        p_idx: ``[R, N_max]`` rows of the passages (0 on padding)
+        mask: ``[R, N_max]`` True for real passages
+        deltas: ``[R, N_max]`` (0 on padding); ``y`` the soft targets; ``omega``/``flat`` ``[R]``
+        ids, groups: per record, for reports
+    """
+
+    table: torch.Tensor
+    q_idx: torch.Tensor
+    p_idx: torch.Tensor
+    mask: torch.Tensor
+    deltas: torch.Tensor
+    y: torch.Tensor
+    omega: torch.Tensor
+    flat: torch.Tensor
+    ids: list[str]
+    groups: list[str]
+
+    def __len__(self) -> int:
+        return int(self.q_idx.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.table.shape[1])
+
+    def batch(self, index: torch.Tensor) -> Batch:
+        """Gather rows ``index`` and trim padding to the longest record in the batch."""
+        mask = self.mask[index]
+        n = int(mask.sum(1).max())
+        mask = mask[:, :n]
+        return Batch(self.table[self.q_idx[index]], self.table[self.p_idx[index, :n]], mask,
+                     self.deltas[index, :n], self.y[index, :n], self.omega[index], self.flat[index], index)
+
+    def batches(self, batch_size: int, shuffle: bool = False, generator: torch.Generator | None = None
+                ) -> Iterator[Batch]:
+        order = torch.randperm(len(self), generator=generator) if shuffle else torch.arange(len(self))
+        for i in range(0, len(self), batch_size):
+            yield self.batch(order[i:i + batch_size])
+
+    def subset(self, rows: Sequence[int] | torch.Tensor) -> "LabelTensors":
+        rows_t = torch.as_tensor(rows, dtype=torch.long)
+        rl = rows_t.tolist()
+        return LabelTensors(self.table, self.q_idx[rows_t], self.p_idx[rows_t], self.mask[rows_t],
+                            self.deltas[rows_t], self.y[rows_t], self.omega[rows_t], self.flat[rows_t],
+                            [self.ids[i] for i in rl], [self.groups[i] for i in rl])
+
+
+def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: EmbeddingCache | None = None, *,
+                  t_label: float = DEFAULT_T_LABEL, flat_eps: float = DEFAULT_FLAT_EPS,
+                  flat_weight: float = DEFAULT_FLAT_WEIGHT, progress: bool = False) -> LabelTensors:
+    """Embed every distinct text of ``records`` (via ``cache``) and build :class:`LabelTensors`."""
+    if not records:
+        raise ValueError("build_tensors: no records")
+    texts: dict[str, int] = {}
+    for r in records:
+        texts.setdefault(r.query, len(texts))
+        for p in r.passages:
+            texts.setdefault(p, len(texts))
+    table = embed_texts(list(texts), encoder, cache, progress=progress)
+    R, N = len(records), max(r.n for r in records)
+    q_idx = torch.tensor([texts[r.query] for r in records], dtype=torch.long)
+    lens = torch.tensor([r.n for r in records], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(R), lens)  # one flat scatter instead of a loop per record
+    cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    p_idx = torch.zeros(R, N, dtype=torch.long)
+    mask = torch.zeros(R, N, dtype=torch.bool)
+    deltas = torch.zeros(R, N, dtype=torch.float32)
+    p_idx[rows, cols] = torch.tensor([texts[p] for r in records for p in r.passages], dtype=torch.long)
+    mask[rows, cols] = True
+    deltas[rows, cols] = torch.tensor([d for r in records for d in r.deltas], dtype=torch.float32)
+    y, omega, flat = make_targets(deltas, mask, t_label, flat_eps, flat_weight)
+    return LabelTensors(table.float().contiguous(), q_idx, p_idx, mask, deltas, y, omega, flat,
+                        [r.id for r in records], [r.group_key for r in records])

@@ -1,0 +1,179 @@
+"""On-disk embedding cache: safetensors shards keyed by ``sha256(text)`` per embedding model.
+
+Layout of a cache directory::
+
+    <dir>/<slug>-<model hash>/shard-<n>.safetensors     keys [M, 32] uint8 (sha256 of the text), emb [M, d] float32
+
+Each run that encodes new texts appends one shard (written atomically), so epochs and re-runs never re-encode and
+never rewrite old data. The model name (and dimension) is in every shard's metadata and is checked on load.
+Only the hashes are stored, never the texts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import EncoderError
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = "fcprag-embeddings-v1"
+ENV_CACHE_DIR = "FCPRAG_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """``$FCPRAG_CACHE_DIR``, else ``$XDG_CACHE_HOME/fcprag/embeddings``, else ``~/.cache/fcprag/embeddings``."""
+    if os.environ.get(ENV_CACHE_DIR):
+        return Path(os.environ[ENV_CACHE_DIR])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fcprag" / "embeddings"
+
+
+def text_key(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+def _model_dir_name(model_name: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name)[-60:].strip("._") or "model"
+    return f"{slug}-{hashlib.sha256(model_name.encode('utf-8')).hexdigest()[:12]}"
+
+
+class EmbeddingCache:
+    """Embeddings of one model, persisted under ``root``.
+
+    Args:
+        root: the cache directory (shared by all models).
+        model_name: the encoder's name; different names never share entries.
+        dim: the embedding size, when known (checked against stored shards; else taken from them).
+    """
+
+    def __init__(self, root: str | Path, model_name: str, dim: int | None = None) -> None:
+        self.root = Path(root)
+        self.model_name = model_name
+        self.dir = self.root / _model_dir_name(model_name)
+        self.dim = dim
+        self._index: dict[bytes, tuple[int, int]] = {}  # key -> (shard, row)
+        self._shards: list[torch.Tensor] = []
+        self._load()
+
+    def _load(self) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        if not self.dir.is_dir():
+            return
+        for f in sorted(self.dir.glob("shard-*.safetensors"), key=lambda p: (len(p.name), p.name)):
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    meta = st.metadata() or {}
+                    keys, emb = st.get_tensor("keys"), st.get_tensor("emb")
+            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+                raise EncoderError(f"{f}: corrupt or unreadable embedding cache shard ({e}); delete it to re-encode") from e
+            if meta.get("format") != CACHE_FORMAT or meta.get("model") != self.model_name:
+                raise EncoderError(f"{f}: metadata says format {meta.get('format')!r}, model {meta.get('model')!r}; "
+                                   f"expected {CACHE_FORMAT!r} and {self.model_name!r}")
+            if keys.ndim != 2 or keys.shape[1] != 32 or emb.ndim != 2 or emb.shape[0] != keys.shape[0]:
+                raise EncoderError(f"{f}: tensors 'keys' {list(keys.shape)} / 'emb' {list(emb.shape)} are malformed; "
+                                   "expected [M, 32] and [M, d]")
+            if self.dim is None:
+                self.dim = int(emb.shape[1])
+            elif emb.shape[1] != self.dim:
+                raise EncoderError(f"{f}: embeddings are {emb.shape[1]}-d but model '{self.model_name}' gives "
+                                   f"{self.dim}-d; delete the cache directory {self.dir}")
+            s = len(self._shards)
+            self._shards.append(emb.float())
+            blob = keys.contiguous().numpy().tobytes()
+            for row in range(keys.shape[0]):
+                self._index[blob[32 * row:32 * row + 32]] = (s, row)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, text: str) -> bool:
+        return text_key(text) in self._index
+
+    def missing(self, texts: Sequence[str]) -> list[str]:
+        """Distinct texts (first-seen order) that are not cached yet."""
+        return [t for t in dict.fromkeys(texts) if text_key(t) not in self._index]
+
+    def get(self, texts: Sequence[str]) -> torch.Tensor:
+        """``[n, d]`` embeddings of cached texts (KeyError names the first missing one)."""
+        rows = []
+        for t in texts:
+            loc = self._index.get(text_key(t))
+            if loc is None:
+                raise KeyError(f"text not in the embedding cache: {t[:60]!r}")
+            rows.append(self._shards[loc[0]][loc[1]])
+        return torch.stack(rows) if rows else torch.empty(0, self.dim or 0)
+
+    def add(self, texts: Sequence[str], emb: torch.Tensor) -> Path | None:
+        """Store new embeddings ``emb [n, d]`` as one new shard; already cached texts are ignored."""
+        from safetensors.torch import save_file
+
+        if emb.ndim != 2 or emb.shape[0] != len(texts):
+            raise EncoderError(f"cache add: {len(texts)} texts but embeddings of shape {list(emb.shape)}")
+        if self.dim is not None and emb.shape[1] != self.dim:
+            raise EncoderError(f"cache add: embeddings are {emb.shape[1]}-d, the cache for '{self.model_name}' "
+                               f"holds {self.dim}-d")
+        self.dim = int(emb.shape[1])
+        new: dict[bytes, int] = {}
+        for i, t in enumerate(texts):
+            k = text_key(t)
+            if k not in self._index and k not in new:
+                new[k] = i
+        if not new:
+            return None
+        keys = torch.frombuffer(bytearray(b"".join(new)), dtype=torch.uint8).view(len(new), 32)
+        rows = emb[list(new.values())].detach().float().cpu().contiguous()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        n = len(list(self.dir.glob("shard-*.safetensors")))
+        while (self.dir / f"shard-{n}.safetensors").exists():
+            n += 1
+        path = self.dir / f"shard-{n}.safetensors"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file({"keys": keys, "emb": rows}, str(tmp),
+                  metadata={"format": CACHE_FORMAT, "model": self.model_name, "dim": str(self.dim)})
+        os.replace(tmp, path)  # readers never see a half-written shard
+        s = len(self._shards)
+        self._shards.append(rows)
+        for row, k in enumerate(new):
+            self._index[k] = (s, row)
+        return path
+
+
+def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None = None, *,
+                batch_size: int = 256, progress: bool = False) -> torch.Tensor:
+    """Embeddings ``[len(texts), d]`` of ``texts``; only texts missing from ``cache`` are sent to ``encoder``.
+
+    ``encoder`` is a :class:`~fcprag_plugin.encoding.TextEncoder` or a zero-argument callable returning one
+    (so a fully cached run never even loads the model).
+    """
+    texts = list(texts)
+    missing = cache.missing(texts) if cache is not None else list(dict.fromkeys(texts))
+    fresh = torch.empty(0, 0)
+    if missing:
+        enc = encoder() if callable(encoder) and not hasattr(encoder, "encode") else encoder
+        if cache is not None and enc.name != cache.model_name:
+            raise EncoderError(f"encoder '{enc.name}' does not match the cache's model '{cache.model_name}'")
+        chunks = range(0, len(missing), batch_size)
+        if progress:
+            from tqdm.auto import tqdm
+
+            chunks = tqdm(chunks, desc=f"embedding {len(missing)} texts", unit="batch")
+        fresh = torch.cat([enc.encode(missing[i:i + batch_size]) for i in chunks]).float()
+        if cache is not None:
+            cache.add(missing, fresh)
+            logger.info("embedded %d new texts with '%s' (cache: %d entries in %s)", len(missing), enc.name,
+                        len(cache), cache.dir)
+    elif cache is not None and texts:
+        logger.info("all %d distinct texts found in the embedding cache %s", len(set(texts)), cache.dir)
+    if cache is not None:
+        return cache.get(texts)
+    lookup = dict(zip(missing, fresh))
+    return torch.stack([lookup[t] for t in texts]) if texts else fresh

@@ -1,0 +1,87 @@
+"""The on-disk embedding cache: no re-encoding across runs, per-model separation, clear errors."""
+
+import pytest
+import torch
+
+from fcprag_plugin.errors import EncoderError
+from fcprag_plugin.training.data import build_tensors
+from fcprag_plugin.training.embed_cache import EmbeddingCache, embed_texts
+from fcprag_plugin.training.labels import LabelRecord
+from helpers import hash_embed
+
+
+def counting_encoder(calls, dim=16, name="hash-16"):
+    from fcprag_plugin.encoding import TextEncoder
+
+    def fn(texts):
+        calls.extend(texts)
+        return hash_embed(texts, dim)
+
+    return TextEncoder.from_function(fn, dim, name=name)
+
+
+def test_second_run_encodes_nothing_and_returns_identical_embeddings(tmp_path):
+    texts = ["alpha beta", "gamma", "alpha beta", "delta epsilon zeta"]
+    calls = []
+    first = embed_texts(texts, counting_encoder(calls), EmbeddingCache(tmp_path, "hash-16"))
+    assert sorted(calls) == sorted(set(texts))  # each distinct text once
+    ref = torch.nn.functional.normalize(hash_embed(texts, 16), dim=-1)
+    assert torch.allclose(first, ref, atol=1e-6)
+
+    calls2 = []  # a new process: fresh encoder (empty in-memory LRU), cache re-read from disk
+    again = embed_texts(texts, counting_encoder(calls2), EmbeddingCache(tmp_path, "hash-16"))
+    assert calls2 == []
+    assert torch.equal(again, first)
+
+    calls3 = []  # only the new text is encoded, and the cache grows by one shard
+    embed_texts(texts + ["brand new"], counting_encoder(calls3), EmbeddingCache(tmp_path, "hash-16"))
+    assert calls3 == ["brand new"]
+    cache = EmbeddingCache(tmp_path, "hash-16")
+    assert len(cache) == 4 and len(list(cache.dir.glob("shard-*.safetensors"))) == 2
+
+
+def test_fully_cached_run_never_builds_the_encoder(tmp_path):
+    embed_texts(["a b", "c"], counting_encoder([]), EmbeddingCache(tmp_path, "hash-16"))
+
+    def factory():
+        raise AssertionError("the encoder must not be loaded when everything is cached")
+
+    out = embed_texts(["c", "a b"], factory, EmbeddingCache(tmp_path, "hash-16"))
+    assert out.shape == (2, 16)
+    assert EmbeddingCache(tmp_path, "hash-16").dim == 16  # the dimension comes from the shards
+
+
+def test_models_do_not_share_entries_and_names_must_match(tmp_path):
+    embed_texts(["same text"], counting_encoder([]), EmbeddingCache(tmp_path, "hash-16"))
+    calls = []
+    embed_texts(["same text"], counting_encoder(calls, name="other-model"), EmbeddingCache(tmp_path, "other-model"))
+    assert calls == ["same text"]
+    with pytest.raises(EncoderError, match="encoder 'other-model' does not match the cache's model 'hash-16'"):
+        embed_texts(["unseen"], counting_encoder([], name="other-model"), EmbeddingCache(tmp_path, "hash-16"))
+
+
+def test_dimension_mismatch_and_corrupt_shard_name_the_file(tmp_path):
+    embed_texts(["x"], counting_encoder([]), EmbeddingCache(tmp_path, "hash-16"))
+    shard = next(EmbeddingCache(tmp_path, "hash-16").dir.glob("shard-*.safetensors"))
+    with pytest.raises(EncoderError, match=rf"{shard.name}: embeddings are 16-d but model 'hash-16' gives 32-d"):
+        EmbeddingCache(tmp_path, "hash-16", dim=32)
+    shard.write_bytes(b"not a safetensors file")
+    with pytest.raises(EncoderError, match=rf"{shard.name}: corrupt or unreadable embedding cache shard"):
+        EmbeddingCache(tmp_path, "hash-16")
+
+
+def test_build_tensors_uses_the_cache_and_pads(tmp_path):
+    recs = [LabelRecord("a", "q one", ["p1", "p2", "p3"], [0.1, 0.5, 0.0]),
+            LabelRecord("b", "q two", ["p2"], [0.2])]
+    calls = []
+    t = build_tensors(recs, counting_encoder(calls), EmbeddingCache(tmp_path, "hash-16"))
+    assert sorted(calls) == sorted({"q one", "q two", "p1", "p2", "p3"})
+    assert t.mask.tolist() == [[True, True, True], [True, False, False]]
+    assert torch.allclose(t.deltas, torch.tensor([[0.1, 0.5, 0.0], [0.2, 0.0, 0.0]]))
+    ref = torch.nn.functional.normalize(hash_embed(["q two", "p2"], 16), dim=-1)
+    b = t.batch(torch.tensor([1]))
+    assert b.E_p.shape == (1, 1, 16)  # trimmed to the longest record in the batch
+    assert torch.allclose(b.e_q[0], ref[0], atol=1e-6) and torch.allclose(b.E_p[0, 0], ref[1], atol=1e-6)
+    calls.clear()
+    build_tensors(recs, counting_encoder(calls), EmbeddingCache(tmp_path, "hash-16"))
+    assert calls == []
