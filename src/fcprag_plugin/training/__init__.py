@@ -1,0 +1,30 @@
+"""Train a :class:`~fcprag_plugin.controller.FusionController` from leave-one-out label files.
+
+Modules: ``labels`` (parse + validate), ``targets`` (soft targets, flat samples, the loss), ``embed_cache``
+(on-disk embeddings), ``data`` (padded batches), ``trainer`` (the loop, checkpoints, outputs), ``metrics``,
+``plots``, ``cli`` (``fcprag train`` / ``fcprag eval``).
+"""
+
+from __future__ import annotations
+
+from .labels import LabelRecord, LabelSet, load_labels, write_labels
+from .metrics import evaluate, format_table
+from .targets import make_targets, weighted_kl
+from .trainer import EvalResult, TrainArgs, Trainer, TrainResult, evaluate_controller, train_controller
+
+__all__ = [
+    "train_controller",
+    "evaluate_controller",
+    "EvalResult",
+    "Trainer",
+    "TrainArgs",
+    "TrainResult",
+    "LabelRecord",
+    "LabelSet",
+    "load_labels",
+    "write_labels",
+    "make_targets",
+    "weighted_kl",
+    "evaluate",
+    "format_table",
+]

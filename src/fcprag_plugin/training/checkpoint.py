@@ -1,0 +1,90 @@
+"""Pickle-free training checkpoints: controller + AdamW state + RNG states + history, in safetensors and JSON.
+
+    <out>/checkpoint/config.json, model.safetensors     the controller after the last finished epoch
+    <out>/checkpoint/optimizer.safetensors              optimizer tensors; param groups in the metadata
+    <out>/checkpoint/state.json                         epoch, history, the training arguments, RNG note
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..controller import FusionController
+from ..errors import FcpragError
+
+CHECKPOINT_DIR = "checkpoint"
+STATE_NAME = "state.json"
+OPTIM_NAME = "optimizer.safetensors"
+
+
+def save_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,
+                    shuffle_gen: torch.Generator, state: dict[str, Any]) -> Path:
+    """Write the checkpoint into a temporary folder, then swap it in (a crash never leaves half a checkpoint)."""
+    from safetensors.torch import save_file
+
+    final = out / CHECKPOINT_DIR
+    tmp = out / f".{CHECKPOINT_DIR}.tmp{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    controller.save_pretrained(tmp)
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            tensors[f"state.{idx}.{k}"] = t.detach().cpu().contiguous()
+    tensors["rng.torch"] = torch.get_rng_state()
+    tensors["rng.shuffle"] = shuffle_gen.get_state()
+    save_file(tensors, str(tmp / OPTIM_NAME), metadata={"param_groups": json.dumps(sd["param_groups"])})
+    (tmp / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+    old = out / f".{CHECKPOINT_DIR}.old{os.getpid()}"
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def read_checkpoint_state(out: Path) -> dict[str, Any] | None:
+    path = out / CHECKPOINT_DIR / STATE_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise FcpragError(f"{path}: corrupt checkpoint state ({e}); delete {path.parent} to start over") from e
+
+
+def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,
+                    shuffle_gen: torch.Generator) -> dict[str, Any]:
+    """Restore controller weights, optimizer state and RNG states in place; return the saved state dict."""
+    from safetensors import safe_open
+
+    ckpt = out / CHECKPOINT_DIR
+    state = read_checkpoint_state(out)
+    if state is None:
+        raise FcpragError(f"{ckpt}: no checkpoint to resume from ({STATE_NAME} missing)")
+    saved = FusionController.from_pretrained(ckpt)
+    if saved.config != controller.config:
+        raise FcpragError(f"{ckpt / 'config.json'}: the checkpoint's controller config differs from this run's "
+                          f"({saved.config} vs {controller.config})")
+    controller.load_state_dict(saved.state_dict())
+    with safe_open(str(ckpt / OPTIM_NAME), framework="pt") as f:
+        groups = json.loads(f.metadata()["param_groups"])
+        opt_state: dict[int, dict[str, torch.Tensor]] = {}
+        for key in f.keys():
+            if key.startswith("state."):
+                _, idx, name = key.split(".", 2)
+                opt_state.setdefault(int(idx), {})[name] = f.get_tensor(key)
+        torch_rng, shuffle_rng = f.get_tensor("rng.torch"), f.get_tensor("rng.shuffle")
+    optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+    torch.set_rng_state(torch_rng)
+    shuffle_gen.set_state(shuffle_rng)
+    return state

@@ -1,0 +1,511 @@
+"""Train a :class:`FusionController` on leave-one-out label files (orchestration; math in ``targets``/``metrics``).
+
+Notebook use::
+
+    from fcprag_plugin.training import train_controller
+    result = train_controller("labels.jsonl", "runs/ctrl", epochs=10)
+    print(result.table)            # validation metrics next to the uniform / random baselines
+    result.controller              # the trained FusionController (also saved in runs/ctrl)
+
+Output directory::
+
+    config.json, model.safetensors   the trained controller (load with FusionController.from_pretrained)
+    training_args.json               every argument, the label files' sha256, sizes, library versions
+    metrics.json                     validation (and training) metrics with the baselines, skipped records
+    train_log.jsonl                  one line per epoch: losses, val top-1, mean g, seconds
+    checkpoint/                      the last finished epoch (for resume=True)
+    plots/*.png                      with plots=True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..controller import ControllerConfig, FusionController
+from ..errors import FcpragError, LabelFileError
+from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
+from .data import LabelTensors, build_tensors
+from .embed_cache import EmbeddingCache, default_cache_dir
+from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
+from .precision import mixed_precision
+from .metrics import collect_outputs, evaluate, format_table, metrics_from_outputs
+from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, weighted_kl
+
+logger = logging.getLogger(__name__)
+
+LOG_NAME = "train_log.jsonl"
+ARGS_NAME = "training_args.json"
+METRICS_NAME = "metrics.json"
+PRECISIONS = ("fp32", "bf16")
+# arguments that may change between a run and its resume (they do not change what is learned)
+_RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads"}
+
+
+@dataclass
+class TrainArgs:
+    """Training hyper-parameters (the defaults follow the paper: AdamW 1e-4, wd 0.01, batch 32, 10 epochs)."""
+
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    seed: int = 0
+    t_label: float = DEFAULT_T_LABEL
+    flat_eps: float = DEFAULT_FLAT_EPS
+    flat_weight: float = DEFAULT_FLAT_WEIGHT
+    val_fraction: float = 0.1
+    on_error: str = "fail"
+    precision: str = "fp32"  # bf16: autocast the controller's matmuls (mixed precision; fp32 master weights)
+    grad_clip: float | None = None
+    eval_batch_size: int = 512
+    cache_dir: str | None = None  # None: default_cache_dir(); "" : no disk cache
+    threads: int | None = None  # torch intra-op threads for this run (None: torch's default)
+    plots: bool = False
+    controller: dict[str, Any] = field(default_factory=dict)  # ControllerConfig overrides, e.g. score_hidden
+
+    def validate(self) -> "TrainArgs":
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise FcpragError(f"training argument {what}")
+
+        need(isinstance(self.epochs, int) and self.epochs >= 1, f"'epochs' is {self.epochs!r}, expected an int >= 1")
+        need(isinstance(self.batch_size, int) and self.batch_size >= 1,
+             f"'batch_size' is {self.batch_size!r}, expected an int >= 1")
+        need(self.lr > 0, f"'lr' is {self.lr}, expected > 0")
+        need(self.weight_decay >= 0, f"'weight_decay' is {self.weight_decay}, expected >= 0")
+        need(0 <= self.val_fraction < 1, f"'val_fraction' is {self.val_fraction}, expected 0 <= f < 1")
+        need(self.precision in PRECISIONS, f"'precision' is {self.precision!r}, expected one of {list(PRECISIONS)}")
+        need(self.grad_clip is None or self.grad_clip > 0, f"'grad_clip' is {self.grad_clip}, expected > 0 or None")
+        need(self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
+             f"'threads' is {self.threads!r}, expected an int >= 1 or None")
+        known = {f.name for f in dataclasses.fields(ControllerConfig)} - {"embed_dim", "embedding_model", "mode",
+                                                                          "seed", "format_version"}
+        bad = sorted(set(self.controller) - known)
+        need(not bad, f"'controller' has unknown key(s) {bad}; expected among {sorted(known)}")
+        check_target_args(self.t_label, self.flat_eps, self.flat_weight)
+        return self
+
+
+@dataclass
+class TrainResult:
+    controller: FusionController
+    out: Path
+    metrics: dict[str, Any]
+    history: list[dict[str, Any]]
+    n_train: int
+    n_val: int
+
+    @property
+    def table(self) -> str:
+        val = self.metrics.get("val")
+        return format_table(val, "validation") if val else format_table(self.metrics["train"], "training set")
+
+
+@dataclass
+class EvalResult:
+    """``metrics[name]`` per controller (the evaluated one first, then ``uniform``, ``random``), their raw
+    ``outputs[name]`` (``w, g, tau``), the tensors and the label set."""
+
+    metrics: dict[str, dict[str, Any]]
+    outputs: dict[str, dict[str, torch.Tensor]]
+    data: LabelTensors
+    label_set: LabelSet
+
+    @property
+    def table(self) -> str:
+        return format_table(self.metrics)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def _as_label_set(labels: Any, on_error: str, what: str) -> LabelSet:
+    if isinstance(labels, LabelSet):
+        return labels
+    if isinstance(labels, (str, Path)):
+        return load_labels(labels, on_error)
+    if isinstance(labels, (list, tuple)) and all(isinstance(r, LabelRecord) for r in labels):
+        return LabelSet(f"<{what} records>", list(labels))
+    raise FcpragError(f"{what}: expected a label file path, a LabelSet or a list of LabelRecord, got "
+                      f"{type(labels).__name__}")
+
+
+def _drop_test(records: list[LabelRecord], what: str) -> list[LabelRecord]:
+    kept = [r for r in records if r.split not in IGNORED_SPLITS]
+    if len(kept) < len(records):
+        logger.info("%s: %d records with split 'test' are left out of training and validation", what,
+                    len(records) - len(kept))
+    return kept
+
+
+def check_no_leak(train: Sequence[LabelRecord], val: Sequence[LabelRecord]) -> None:
+    """Raise :class:`LabelFileError` if a validation record shares its id or group with a training record."""
+    by_id = {r.id: r for r in train}
+    by_group = {r.group: r for r in train if r.group is not None}
+    for r in val:
+        if r.id in by_id:
+            t = by_id[r.id]
+            raise LabelFileError(f"{r.where}: field 'id': '{r.id}' is also a training record ({t.where}); "
+                                 "expected disjoint train and validation queries")
+        if r.group is not None and r.group in by_group:
+            t = by_group[r.group]
+            raise LabelFileError(f"{r.where}: field 'group': '{r.group}' also has training records ({t.where}); "
+                                 "expected every group entirely in train or in validation")
+
+
+def split_records(records: Sequence[LabelRecord], val_fraction: float, seed: int
+                  ) -> tuple[list[LabelRecord], list[LabelRecord], str]:
+    """Train/validation split that keeps each ``group`` (else each ``id``) on one side.
+
+    Records' own ``split`` fields win when any record has one (records without it train). Otherwise a seeded
+    permutation of the groups puts ``round(val_fraction * groups)`` groups (at least one) in validation.
+    Returns ``(train, val, how)``.
+    """
+    records = list(records)
+    if any(r.split is not None for r in records):
+        val = [r for r in records if r.split in VAL_SPLITS]
+        train = [r for r in records if r.split not in VAL_SPLITS]
+        check_no_leak(train, val)
+        return train, val, "split field"
+    if val_fraction <= 0:
+        return records, [], "none"
+    keys = list(dict.fromkeys(r.group_key for r in records))
+    if len(keys) < 2:
+        logger.warning("only one group/id: no validation split possible")
+        return records, [], "none"
+    n_val = min(len(keys) - 1, max(1, round(val_fraction * len(keys))))
+    perm = torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed)).tolist()
+    val_keys = {keys[i] for i in perm[:n_val]}
+    train = [r for r in records if r.group_key not in val_keys]
+    val = [r for r in records if r.group_key in val_keys]
+    return train, val, f"by group/id, {n_val} of {len(keys)} groups"
+
+
+def resolve_encoder(encoder: Any) -> tuple[str, Any]:
+    """``(name, encoder_or_factory)``: a TextEncoder passes through; a name or None is loaded lazily (only if
+    some text is not in the embedding cache)."""
+    if encoder is not None and hasattr(encoder, "encode"):
+        return str(encoder.name), encoder
+    from ..encoding import TextEncoder, resolve_model
+
+    name, _ = resolve_model(encoder)
+    return name, (lambda: TextEncoder(encoder))
+
+
+def open_cache(cache_dir: str | Path | None, model_name: str, dim: int | None) -> EmbeddingCache | None:
+    if cache_dir == "":
+        return None
+    return EmbeddingCache(default_cache_dir() if cache_dir is None else cache_dir, model_name, dim)
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("fcprag-plugin", "torch", "transformers", "peft", "sentence-transformers"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, allow_nan=False, default=str) + "\n", encoding="utf-8")
+
+
+def _clean(obj: Any) -> Any:
+    """NaN/inf -> None so the JSON stays standard."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def make_optimizer(controller: FusionController, args: TrainArgs) -> torch.optim.Optimizer:
+    """AdamW; the fused CPU kernel when this torch has it (one pass over memory instead of ~10 per step, which
+    is most of a step's time for a 5M-parameter net at batch 32)."""
+    try:
+        return torch.optim.AdamW(controller.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(controller.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+class Trainer:
+    """Holds the data, the controller and the optimizer; :meth:`fit` runs (or resumes) the epochs.
+
+    Args:
+        train: training data (see :func:`build_tensors`); ``val`` may be None.
+        out: output directory.
+        args: :class:`TrainArgs`.
+        embedding_model: the encoder's name, recorded in the controller config.
+        info: extra provenance written to ``training_args.json``.
+    """
+
+    def __init__(self, train: LabelTensors, val: LabelTensors | None, out: str | Path, args: TrainArgs,
+                 embedding_model: str, info: dict[str, Any] | None = None) -> None:
+        self.train_data, self.val_data, self.args = train, val, args.validate()
+        self.out = Path(out)
+        self.info = info or {}
+        torch.manual_seed(args.seed)
+        cfg = ControllerConfig(embed_dim=train.dim, embedding_model=embedding_model, seed=args.seed,
+                               **args.controller).validate()
+        self.controller = FusionController(cfg)
+        self.optimizer = make_optimizer(self.controller, args)
+        self.shuffle_gen = torch.Generator().manual_seed(args.seed)
+        self.history: list[dict[str, Any]] = []
+        self.epoch = 0
+        self._amp = torch.bfloat16 if args.precision == "bf16" else None
+
+    # -------------------------------------------------------------------- one epoch
+    def train_epoch(self, progress: Any = None) -> float:
+        """One pass over the training data; returns the omega-weighted mean loss."""
+        self.controller.train()
+        with mixed_precision(self.controller, self._amp):
+            return self._epoch_loop(progress)
+
+    def _epoch_loop(self, progress: Any) -> float:
+        total, weight = 0.0, 0.0
+        for b in self.train_data.batches(self.args.batch_size, shuffle=True, generator=self.shuffle_gen):
+            out = self.controller(b.e_q, b.E_p, b.mask)
+            loss = weighted_kl(b.y, out.weights, b.mask, b.omega)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.args.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.controller.parameters(), self.args.grad_clip)
+            self.optimizer.step()
+            w = float(b.omega.sum())
+            total += float(loss.detach()) * w
+            weight += w
+            if progress is not None:
+                progress.update(len(b.index))
+                progress.set_postfix(loss=f"{float(loss.detach()):.4f}", refresh=False)
+        return total / weight if weight > 0 else 0.0
+
+    def validate(self) -> dict[str, Any]:
+        if self.val_data is None or len(self.val_data) == 0:
+            return {}
+        o = collect_outputs(self.controller, self.val_data, self.args.eval_batch_size, self._amp)
+        m = metrics_from_outputs(o["w"], o["g"], o["tau"], self.val_data)
+        return {"val_loss": m["kl"], "val_top1": m["top1"], "val_g_mean": m["g_mean"]}
+
+    # -------------------------------------------------------------------- state
+    def _args_dict(self) -> dict[str, Any]:
+        return asdict(self.args)
+
+    def _state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "history": self.history, "args": self._args_dict(), "info_label_sha256":
+                self.info.get("label_sha256")}
+
+    def resume(self) -> bool:
+        """Load the checkpoint in ``out`` when there is one; returns whether it did."""
+        state = read_checkpoint_state(self.out)
+        if state is None:
+            logger.warning("%s: no checkpoint found, training from scratch", self.out / CHECKPOINT_DIR)
+            return False
+        old, new = state.get("args", {}), self._args_dict()
+        diff = sorted(k for k in set(old) | set(new) if k not in _RESUME_FREE and old.get(k) != new.get(k))
+        if diff:
+            raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, argument(s) {diff} differ from the "
+                              f"checkpoint ({', '.join(f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in diff)})")
+        if state.get("info_label_sha256") != self.info.get("label_sha256"):
+            raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the label file(s) changed since the "
+                              "checkpoint (sha256 differs)")
+        state = load_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen)
+        self.epoch, self.history = int(state["epoch"]), list(state["history"])
+        logger.info("resumed from %s at epoch %d", self.out / CHECKPOINT_DIR, self.epoch)
+        return True
+
+    # -------------------------------------------------------------------- loop
+    def fit(self, progress: bool = True) -> list[dict[str, Any]]:
+        """Train from ``self.epoch`` up to ``args.epochs``, checkpointing and logging after every epoch."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        log_path = self.out / LOG_NAME
+        # the log always mirrors the checkpoint's history (an epoch after the checkpoint never happened)
+        log_path.write_text("".join(json.dumps(_clean(h)) + "\n" for h in self.history), encoding="utf-8")
+        if self.epoch >= self.args.epochs:
+            return self.history
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            n = len(self.train_data)
+            bar = tqdm(total=n * (self.args.epochs - self.epoch), unit="rec", desc="training", dynamic_ncols=True)
+        try:
+            while self.epoch < self.args.epochs:
+                t0 = time.perf_counter()
+                if bar is not None:
+                    bar.set_description(f"epoch {self.epoch + 1}/{self.args.epochs}")
+                train_loss = self.train_epoch(bar)
+                train_s = time.perf_counter() - t0
+                row = {"epoch": self.epoch + 1, "train_loss": train_loss, **self.validate(),
+                       "seconds": round(time.perf_counter() - t0, 3),
+                       "records_per_s": round(len(self.train_data) / max(train_s, 1e-9), 1), "lr": self.args.lr}
+                self.epoch += 1
+                self.history.append(_clean(row))
+                save_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen, self._state())
+                with log_path.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(_clean(row)) + "\n")
+                logger.info("epoch %d: %s", self.epoch, {k: v for k, v in row.items() if k != "epoch"})
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.history
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: Any = None, resume: bool = False,
+                     overwrite: bool = False, progress: bool = True, **kwargs: Any) -> TrainResult:
+    """Train a controller from a label file and write it (plus args, metrics, log, checkpoint) to ``out``.
+
+    Args:
+        labels: label file path (JSON Lines or JSON array), a :class:`LabelSet` or a list of records.
+        out: output directory.
+        val: an explicit validation label file / set (else a group-based split of ``labels``).
+        encoder: a ``TextEncoder``, a model name/path, or None for the default model (loaded only when a text is
+            not in the embedding cache).
+        resume: continue from ``out/checkpoint`` (the arguments must match, except ``epochs`` and a few others).
+        overwrite: allow training into a directory that already holds a run.
+        progress: tqdm progress bars.
+        **kwargs: :class:`TrainArgs` fields (epochs, batch_size, lr, weight_decay, seed, t_label, flat_eps,
+            flat_weight, val_fraction, on_error, precision, grad_clip, cache_dir, threads, plots, controller).
+    """
+    unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(TrainArgs)})
+    if unknown:
+        raise FcpragError(f"train_controller: unknown argument(s) {unknown}; expected TrainArgs fields "
+                          f"{[f.name for f in dataclasses.fields(TrainArgs)]}")
+    if "cache_dir" in kwargs and kwargs["cache_dir"] is not None:
+        kwargs["cache_dir"] = str(kwargs["cache_dir"])
+    args = TrainArgs(**kwargs).validate()
+    prev_threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _train(labels, Path(out), val, encoder, resume, overwrite, progress, args)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwrite: bool, progress: bool,
+           args: TrainArgs) -> TrainResult:
+    if not resume and not overwrite and (out / CHECKPOINT_DIR).exists():
+        raise FcpragError(f"{out}: already holds a training run; pass resume=True (--resume) to continue it or "
+                          "overwrite=True (--overwrite) to start over")
+    if args.plots:
+        from .plots import _pyplot
+
+        _pyplot()  # a missing matplotlib should stop the run before training, not after
+    t_start = time.perf_counter()
+
+    train_set = _as_label_set(labels, args.on_error, "labels")
+    records = _drop_test(train_set.records, train_set.path)
+    if val is not None:
+        val_set = _as_label_set(val, args.on_error, "val")
+        train_recs, val_recs, how = records, _drop_test(val_set.records, val_set.path), f"file {val_set.path}"
+        check_no_leak(train_recs, val_recs)
+    else:
+        val_set = None
+        train_recs, val_recs, how = split_records(records, args.val_fraction, args.seed)
+    if not train_recs:
+        raise LabelFileError(f"{train_set.path}: no training records left after the split ({how})")
+    logger.info("%d training and %d validation records (split: %s)", len(train_recs), len(val_recs), how)
+
+    name, enc = resolve_encoder(encoder)
+    cache = open_cache(args.cache_dir, name, getattr(enc, "dim", None))
+    tkw = dict(t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, progress=progress)
+    train_t = build_tensors(train_recs, enc, cache, **tkw)
+    val_t = build_tensors(val_recs, enc, cache, **tkw) if val_recs else None
+    t_data = time.perf_counter() - t_start
+
+    sha = train_set.sha256 + (("+" + val_set.sha256) if val_set is not None else "")
+    info = {
+        "labels": train_set.path, "val": val_set.path if val_set is not None else None, "label_sha256": sha,
+        "split": how, "n_train": len(train_recs), "n_val": len(val_recs),
+        "n_train_flat": int(train_t.flat.sum()), "embedding_model": name, "embed_dim": train_t.dim,
+        "cache_dir": str(cache.dir) if cache is not None else None,
+        "skipped": {"labels": len(train_set.skipped), **({"val": len(val_set.skipped)} if val_set else {})},
+        "versions": _versions(),
+    }
+    trainer = Trainer(train_t, val_t, out, args, name, info)
+    if resume:
+        trainer.resume()
+    elif (out / CHECKPOINT_DIR).exists():
+        logger.warning("%s: overwriting the previous run", out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / ARGS_NAME, _clean({**asdict(args), "resume": resume, **info}))
+    t_fit = time.perf_counter()
+    history = trainer.fit(progress)
+    t_fit = time.perf_counter() - t_fit
+
+    controller = trainer.controller.eval()
+    controller.save_pretrained(out)
+    metrics: dict[str, Any] = {}
+    outputs: dict[str, Any] = {}
+    if val_t is not None:
+        metrics["val"], outputs = evaluate(controller, val_t, seed=args.seed, batch_size=args.eval_batch_size,
+                                           autocast_dtype=trainer._amp)
+    metrics["train"], train_outputs = evaluate(controller, train_t, seed=args.seed,
+                                               batch_size=args.eval_batch_size, autocast_dtype=trainer._amp)
+    metrics.update({
+        "epochs": trainer.epoch, "n_train": len(train_recs), "n_val": len(val_recs), "split": how,
+        "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
+                             "records": [{"line": k.line, "field": k.field, "message": k.message}
+                                         for k in s.skipped]}
+                    for s in (train_set, val_set) if s is not None and s.skipped},
+        "timing_s": {"data": round(t_data, 3), "fit": round(t_fit, 3), "total": round(time.perf_counter() - t_start, 3)},
+    })
+    metrics = _clean(metrics)
+    _write_json(out / METRICS_NAME, metrics)
+    if args.plots:
+        from .plots import write_training_plots
+
+        write_training_plots(out / "plots", history, outputs or train_outputs, val_t or train_t)
+    result = TrainResult(controller, out, metrics, history, len(train_recs), len(val_recs))
+    logger.info("wrote %s\n%s", out, result.table)
+    return result
+
+
+def evaluate_controller(controller: FusionController | str | Path, labels: Any, *, encoder: Any = None,
+                        cache_dir: str | Path | None = None, on_error: str = "fail", t_label: float | None = None,
+                        flat_eps: float | None = None, flat_weight: float | None = None, seed: int = 0,
+                        batch_size: int = 512, progress: bool = False) -> "EvalResult":
+    """Metrics of a saved controller on any label file, next to the uniform and random baselines.
+
+    Target settings (``t_label``, ``flat_eps``, ``flat_weight``) default to the controller's
+    ``training_args.json`` when it sits next to it, else to the library defaults.
+    """
+    saved_args: dict[str, Any] = {}
+    if not isinstance(controller, FusionController):
+        cdir = Path(controller)
+        controller = FusionController.from_pretrained(cdir)
+        if (cdir / ARGS_NAME).is_file():
+            saved_args = json.loads((cdir / ARGS_NAME).read_text(encoding="utf-8"))
+    t_label = t_label if t_label is not None else saved_args.get("t_label", DEFAULT_T_LABEL)
+    flat_eps = flat_eps if flat_eps is not None else saved_args.get("flat_eps", DEFAULT_FLAT_EPS)
+    flat_weight = flat_weight if flat_weight is not None else saved_args.get("flat_weight", DEFAULT_FLAT_WEIGHT)
+    label_set = _as_label_set(labels, on_error, "labels")
+    records = label_set.records
+    if encoder is None:
+        encoder = controller.config.embedding_model
+    name, enc = resolve_encoder(encoder)
+    if getattr(enc, "dim", None) is not None:
+        controller.check_encoder(enc)
+    cache = open_cache(None if cache_dir is None else str(cache_dir), name, getattr(enc, "dim", None))
+    data = build_tensors(records, enc, cache, t_label=t_label, flat_eps=flat_eps, flat_weight=flat_weight,
+                         progress=progress)
+    if data.dim != controller.config.embed_dim:
+        raise FcpragError(f"encoder '{name}' gives {data.dim}-d embeddings but the controller expects "
+                          f"{controller.config.embed_dim}-d (trained with '{controller.config.embedding_model}')")
+    metrics, outputs = evaluate(controller, data, seed=seed, batch_size=batch_size)
+    return EvalResult(_clean(metrics), outputs, data, label_set)
