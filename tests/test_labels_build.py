@@ -311,6 +311,12 @@ def test_merge_orders_by_manifest_and_reports_culprits(world, tmp_path):
     with pytest.raises(LabelFileError, match=r"x\.part1-of2\.jsonl:2: field 'id': duplicate id 'q0' "
                                              r"\(also at .*x\.part0-of2\.jsonl:2\)"):
         merge_parts([p0, p1], records, out)
+    # a re-run of an auto-merge sees its parts again next to the merged file: identical lines are accepted
+    assert merge_parts([out, p0, p1], records, out, allow_identical_duplicates=True).written == 4
+    assert [r["id"] for r in _read(out)] == ["q0", "q1", "q2", "q3"]
+    p1.write_text(_labels_line("q3", 3).replace("0.0,", "0.5,", 1) + _labels_line("q1", 1))
+    with pytest.raises(LabelFileError, match=r"x\.part1-of2\.jsonl:1: field 'id': duplicate id 'q3' \(also at .*x\.jsonl:4\)"):
+        merge_parts([out, p0, p1], records, out, allow_identical_duplicates=True)
     p1.write_text(_labels_line("zz", 1))
     with pytest.raises(LabelFileError, match=r"x\.part1-of2\.jsonl:1: field 'id': 'zz' is not in the manifest"):
         merge_parts([p0, p1], records, out)

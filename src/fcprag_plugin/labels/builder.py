@@ -259,7 +259,7 @@ class BuildSummary:
 
 def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: str | Path, *,
                  on_error: str = "fail", progress: bool = True, skip_ids: Iterable[str] = (),
-                 desc: str = "labels") -> BuildSummary:
+                 desc: str = "labels", position: int = 0) -> BuildSummary:
     """Label ``records`` into ``out`` (JSON Lines), resuming: ids already in ``out`` (or in ``skip_ids``) are
     skipped, and a partial last line left by a crash is dropped first. Each record is appended atomically.
 
@@ -281,7 +281,7 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
     written = 0
     t0 = time.perf_counter()
     with JsonlAppender(out) as app, tqdm(total=len(records), initial=done_before, unit="rec", desc=desc,
-                                         disable=not progress, dynamic_ncols=True) as bar:
+                                         disable=not progress, dynamic_ncols=True, position=position) as bar:
         for rec in todo:
             try:
                 label = builder.label(rec)

