@@ -191,7 +191,10 @@ def split_records(records: Sequence[LabelRecord], val_fraction: float, seed: int
 def resolve_encoder(encoder: Any) -> tuple[str, Any]:
     """``(name, encoder_or_factory)``: a TextEncoder passes through; a name or None is loaded lazily (only if
     some text is not in the embedding cache)."""
-    if encoder is not None and hasattr(encoder, "encode"):
+    if encoder is not None and not isinstance(encoder, (str, Path)):
+        if not (hasattr(encoder, "encode") and hasattr(encoder, "name")):
+            raise FcpragError(f"encoder: expected a TextEncoder, a model name/path or None, got "
+                              f"{type(encoder).__name__}")
         return str(encoder.name), encoder
     from ..encoding import TextEncoder, resolve_model
 
