@@ -43,6 +43,9 @@ def test_cli_train_then_eval(labelled, capsys):
     assert (args["epochs"], args["lr"], args["batch_size"], args["seed"]) == (3, 1e-3, 16, 2)
     assert (args["t_label"], args["flat_eps"], args["flat_weight"]) == (0.2, 1e-4, 0.5)
     assert args["controller"] == {"score_hidden": [32], "calib_hidden": 16}
+    from fcprag_plugin.training.precision import native_bf16
+
+    assert args["precision"] == "auto" and args["precision_used"] == ("bf16" if native_bf16() else "fp32")
     assert len((out / "train_log.jsonl").read_text().splitlines()) == 3
 
     rc = main(["eval", str(out), str(tmp / "val.jsonl"), "--cache-dir", str(cache), "--json", str(tmp / "m.json"),

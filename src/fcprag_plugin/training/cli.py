@@ -98,7 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--on-error", dest="on_error", choices=ON_ERROR, default="fail",
                    help="fail at the first bad record (default) or skip bad records and report them")
     t.add_argument("--precision", choices=PRECISIONS, default=d.precision,
-                   help="bf16: mixed precision matmuls (much faster on CPUs with AVX512-BF16/AMX)")
+                   help="auto (default): bf16 on CPUs with native bfloat16 (AVX512-BF16/AMX), else fp32; bf16: the "
+                        "controller's MLPs in bfloat16 with fp32 master weights")
     t.add_argument("--score-hidden", dest="score_hidden", help="score net hidden sizes, e.g. 2048,1024 (default)")
     t.add_argument("--calib-hidden", dest="calib_hidden", type=int, help="calibration net hidden size (256)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint (the last finished epoch)")

@@ -36,7 +36,7 @@ from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, 
 from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
-from .precision import mixed_precision
+from .precision import mixed_precision, resolve_precision
 from .metrics import collect_outputs, evaluate, format_table, metrics_from_outputs
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, weighted_kl
 
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 LOG_NAME = "train_log.jsonl"
 ARGS_NAME = "training_args.json"
 METRICS_NAME = "metrics.json"
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 # arguments that may change between a run and its resume (they do not change what is learned)
 _RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads"}
 
@@ -64,7 +64,9 @@ class TrainArgs:
     flat_weight: float = DEFAULT_FLAT_WEIGHT
     val_fraction: float = 0.1
     on_error: str = "fail"
-    precision: str = "fp32"  # bf16: autocast the controller's matmuls (mixed precision; fp32 master weights)
+    # bf16: the controller's two MLPs run in bfloat16 (fp32 master weights, optimizer and loss); auto: bf16 where
+    # the CPU has native bfloat16 (AVX512-BF16/AMX), else fp32. The resolved choice is in training_args.json.
+    precision: str = "auto"
     grad_clip: float | None = None
     eval_batch_size: int = 512
     cache_dir: str | None = None  # None: default_cache_dir(); "" : no disk cache
@@ -269,7 +271,8 @@ class Trainer:
         self.shuffle_gen = torch.Generator().manual_seed(args.seed)
         self.history: list[dict[str, Any]] = []
         self.epoch = 0
-        self._amp = torch.bfloat16 if args.precision == "bf16" else None
+        self.precision = resolve_precision(args.precision)
+        self._amp = torch.bfloat16 if self.precision == "bf16" else None
 
     # -------------------------------------------------------------------- one epoch
     def train_epoch(self, progress: Any = None) -> float:
@@ -299,7 +302,8 @@ class Trainer:
     def validate(self) -> dict[str, Any]:
         if self.val_data is None or len(self.val_data) == 0:
             return {}
-        o = collect_outputs(self.controller, self.val_data, self.args.eval_batch_size, self._amp)
+        # evaluation always in float32: these are the numbers `fuse` / `fcprag eval` will reproduce
+        o = collect_outputs(self.controller, self.val_data, self.args.eval_batch_size)
         m = metrics_from_outputs(o["w"], o["g"], o["tau"], self.val_data)
         return {"val_loss": m["kl"], "val_top1": m["top1"], "val_g_mean": m["g_mean"]}
 
@@ -308,8 +312,8 @@ class Trainer:
         return asdict(self.args)
 
     def _state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "history": self.history, "args": self._args_dict(), "info_label_sha256":
-                self.info.get("label_sha256")}
+        return {"epoch": self.epoch, "history": self.history, "args": self._args_dict(), "precision": self.precision,
+                "info_label_sha256": self.info.get("label_sha256")}
 
     def resume(self) -> bool:
         """Load the checkpoint in ``out`` when there is one; returns whether it did."""
@@ -322,6 +326,10 @@ class Trainer:
         if diff:
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, argument(s) {diff} differ from the "
                               f"checkpoint ({', '.join(f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in diff)})")
+        if state.get("precision", self.precision) != self.precision:
+            raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the checkpoint trained in "
+                              f"{state.get('precision')} but this run would use {self.precision}; pass "
+                              f"precision='{state.get('precision')}' (--precision)")
         if state.get("info_label_sha256") != self.info.get("label_sha256"):
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the label file(s) changed since the "
                               "checkpoint (sha256 differs)")
@@ -446,7 +454,8 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     elif (out / CHECKPOINT_DIR).exists():
         logger.warning("%s: overwriting the previous run", out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / ARGS_NAME, _clean({**asdict(args), "resume": resume, **info}))
+    _write_json(out / ARGS_NAME, _clean({**asdict(args), "resume": resume, "precision_used": trainer.precision,
+                                         **info}))
     t_fit = time.perf_counter()
     history = trainer.fit(progress)
     t_fit = time.perf_counter() - t_fit
@@ -456,10 +465,8 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     metrics: dict[str, Any] = {}
     outputs: dict[str, Any] = {}
     if val_t is not None:
-        metrics["val"], outputs = evaluate(controller, val_t, seed=args.seed, batch_size=args.eval_batch_size,
-                                           autocast_dtype=trainer._amp)
-    metrics["train"], train_outputs = evaluate(controller, train_t, seed=args.seed,
-                                               batch_size=args.eval_batch_size, autocast_dtype=trainer._amp)
+        metrics["val"], outputs = evaluate(controller, val_t, seed=args.seed, batch_size=args.eval_batch_size)
+    metrics["train"], train_outputs = evaluate(controller, train_t, seed=args.seed, batch_size=args.eval_batch_size)
     metrics.update({
         "epochs": trainer.epoch, "n_train": len(train_recs), "n_val": len(val_recs), "split": how,
         "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
