@@ -299,3 +299,82 @@ def test_weights_round_like_the_merger(form):
         slot.activate(ads, [1.0, 1e39, 1.0])
     with pytest.raises(MergeError, match=r"merge weights have shape \[1, 3\], expected \[3\]"):
         slot.activate(ads, [[1.0, 1.0, 1.0]])
+
+
+def test_torch_compile_does_not_recompile_per_query():
+    """Stable shapes: new adapters, N, weights and modes reuse the compiled graph (only 'off' is a second one)."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = tiny_model("llama")
+    ads = [random_adapter(model, 2, seed=i) for i in range(4)]
+    slot = FusedSlot(model, ads[0], max_adapters=4)
+    x = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    counter = CompileCounter()  # counts compiled frames (older transformers add graph breaks: > 1 per call)
+    compiled = torch.compile(lambda inp: model(inp).logits, backend=counter)
+    frames = []
+    with torch.no_grad():
+        for adapters, w, mode in [(ads[:2], [1.0, 0.5], "cat"), (ads[1:], [0.3, 0.5, 2.0], "cat"),
+                                  (ads[:3], [1.0, 2.0, 0.5], "separate")]:
+            slot.activate(adapters, w, mode=mode)
+            got = compiled(x)
+            frames.append(counter.frame_count)
+            # cat: the independent dense model; separate: the same slot run eagerly
+            want = logits(dense_model(model, adapters, w), x) if mode == "cat" else model(x).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert frames[0] >= 1 and frames == [frames[0]] * 3  # no recompilation for new adapters / N / w / mode
+        slot.deactivate()
+        torch.testing.assert_close(compiled(x), model(x).logits, rtol=0, atol=0)
+        off = counter.frame_count
+        assert off > frames[0]  # 'off' is one more specialisation...
+        slot.activate(ads[:1], None)
+        compiled(x)
+        slot.deactivate()
+        compiled(x)
+    assert counter.frame_count == off  # ...compiled once, then both states are reused
+    torch._dynamo.reset()
+
+
+def test_bfloat16_model(x):
+    """Buffers follow the model's dtype; the values are the float32 merge rounded once, like activate()."""
+    model = tiny_model("qwen2").to(torch.bfloat16)
+    ads = [random_adapter(model, r, seed=i, alpha=8) for i, r in enumerate([2, 1, 2])]
+    w = [0.7, 1.2, 1.1]
+    slot = FusedSlot(model, ads[0], max_adapters=3)
+    assert all(s.A.dtype == torch.bfloat16 for s in slot._segments)
+    with slot.fused(ads, w):
+        got = logits(model, x)
+        cur = slot.current_adapter()
+    ref = WeightedAdapterMerger("cat").merge(ads, w).adapter
+    for k in ref.modules:  # bf16 rounding of the same float32 merge, adapter by adapter
+        row = 0
+        for i, a in enumerate(ads):
+            r = a.modules[k].rank
+            assert torch.equal(cur[k].A[i * 2:i * 2 + r], ref[k].A[row:row + r].bfloat16().float())
+            row += r
+    with activate(model, ref):
+        want = logits(model, x)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # separate with bfloat16 adapters: summed in float32 scratch, rounded once
+    b16 = [a.to(dtype=torch.bfloat16) for a in ads[::2]]
+    with slot.fused(b16, w[::2], mode="separate"):
+        got = logits(model, x)
+        cur = slot.current_adapter()
+    ref = WeightedAdapterMerger("separate").merge(b16, w[::2]).adapter
+    for k in ref.modules:
+        assert torch.equal(cur[k].A[:2], ref[k].A.bfloat16().float())
+        assert torch.equal(cur[k].B[:, :2], ref[k].B.bfloat16().float())
+    with activate(model, ref):
+        want = logits(model, x)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("mode", ["cat", "separate"])
+def test_adapter_dtypes_round_like_the_merger(dtype, mode):
+    """Adapters stored in another dtype: the float32 slot holds exactly the merger's float32 result."""
+    model = tiny_model("llama")
+    ads = [random_adapter(model, 2, seed=i, alpha=5 + i).to(dtype=dtype) for i in range(3)]
+    w = [0.1, 1 / 3, 1.7]
+    slot = FusedSlot(model, ads[0], max_adapters=3)
+    slot.activate([pack_adapter(a) for a in ads], w, mode=mode)
+    assert_same_adapter(slot.current_adapter(), WeightedAdapterMerger(mode).merge(ads, w).adapter)

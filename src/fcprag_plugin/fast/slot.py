@@ -107,12 +107,19 @@ def _make_hook(entry: _Entry, state: _State):
 
 
 def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, coef: float | torch.Tensor) -> None:
-    """``dst[...] = coef * src`` in one pass (the product rounds exactly like ``coef * src`` in the merge modes)."""
-    if src.device == dst.device and (not isinstance(coef, torch.Tensor) or coef.device == dst.device):
-        torch.mul(src, coef, out=dst)
+    """``dst[...] = coef * src`` rounded once from the float32 product, exactly like the merge modes
+    (``coef * A.float()``, then the cast to the buffer dtype); one pass in the usual same-device float32 case."""
+    if isinstance(coef, torch.Tensor) and coef.device != dst.device:
+        coef = coef.to(dst.device)
+    if src.device != dst.device:
+        src = src.to(dst.device)  # place the AdapterStore on the model's device to skip this
+    if src.dtype == torch.float32 or (src.dtype == dst.dtype and src.dtype in (torch.bfloat16, torch.float16)):
+        torch.mul(src, coef, out=dst)  # computed in float32 (opmath), rounded once to dst's dtype
+    elif dst.dtype == torch.float32:
+        dst.copy_(src)  # widening is exact; a direct mul would round the product to src's dtype
+        dst.mul_(coef)
     else:
-        dst.copy_(src)
-        dst.mul_(coef.to(dst.device) if isinstance(coef, torch.Tensor) else coef)
+        torch.mul(src.float(), coef, out=dst)
 
 
 def _strip(name: str) -> str:
