@@ -378,3 +378,17 @@ def test_adapter_dtypes_round_like_the_merger(dtype, mode):
     slot = FusedSlot(model, ads[0], max_adapters=3)
     slot.activate([pack_adapter(a) for a in ads], w, mode=mode)
     assert_same_adapter(slot.current_adapter(), WeightedAdapterMerger(mode).merge(ads, w).adapter)
+
+
+def test_slot_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    ad = random_adapter(model, 2, seed=0)
+    slot = FusedSlot.for_model(model, ad, max_adapters=2)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and slot.model is None
+    slot.remove()  # still safe

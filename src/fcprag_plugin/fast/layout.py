@@ -104,6 +104,8 @@ def _build_layout(shapes: Mapping[str, tuple[int, int]]) -> Layout:
         for (pattern, in_f, out_f), members in sorted(buckets.items())
     )
     layout = Layout(groups)
+    if len(_INTERNED) >= 256 and layout not in _INTERNED:
+        return layout  # bounded: equal layouts still compare equal, just not by identity
     return _INTERNED.setdefault(layout, layout)
 
 

@@ -212,7 +212,7 @@ class FusedSlot:
                 max_rank = DEFAULT_MAX_RANK
         if not isinstance(max_rank, int) or max_rank < 1:
             raise MergeError(f"max_rank must be a positive integer, got {max_rank!r}")
-        self.model = model
+        self._model_ref = weakref.ref(model)  # the hooks live on the modules; the slot must not keep a model alive
         self.layout: Layout = layout_from_shapes(_target_shapes(model, targets))
         self.max_adapters = max_adapters
         self.max_rank = max_rank
@@ -301,6 +301,10 @@ class FusedSlot:
             self._entries = new_entries
 
     # ------------------------------------------------------------------ properties
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model_ref()
+
     @property
     def active(self) -> bool:
         return self._state.active
@@ -527,6 +531,7 @@ class FusedSlot:
             for l in range(seg.l0, seg.l1):
                 A = seg.A[l - seg.l0, :rows].float().cpu().clone()
                 B = seg.BT[l - seg.l0, :rows].T.float().cpu().contiguous()
+                B[:, (A == 0).all(1)] = 0  # padding rows: B may hold leftovers there (harmless: A is zero)
                 modules[g.names[l]] = LoraModule(A, B, 1.0)
         return LoraAdapter(modules, {"r": rows, "lora_alpha": rows}, f"FusedSlot[{self.mode},N={self.n_active}]")
 
@@ -540,8 +545,9 @@ class FusedSlot:
         self._segments = []
         self._entries = []
         self._removed = True
-        if _SLOTS.get(self.model) is self:
-            del _SLOTS[self.model]
+        model = self.model
+        if model is not None and _SLOTS.get(model) is self:
+            del _SLOTS[model]
 
     def __enter__(self) -> "FusedSlot":
         return self
