@@ -305,14 +305,20 @@ def bench_mixed(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     outs.append(model(x[b:b + 1]).logits)
         res["looped"] = torch.cat(outs)
 
-    rb = timeit(batched, args.mixed_repeats)
-    rl = timeit(looped, args.mixed_repeats)
+    def shared():  # the same batched forward with one merge for everybody: what per-sample mixing adds
+        with torch.no_grad(), slot.fused([union[i] for i in picks[0]], wts[0]):
+            model(x)
+
+    times = interleaved({"batched": batched, "looped": looped, "shared": shared}, {}, args.mixed_repeats, every=1)
+    rb, rl = times["batched"], times["looped"]
     diff = float((res["batched"] - res["looped"]).abs().max())
     scale = float(res["looped"].abs().max())
     slot.remove()
     out = {"batch": B, "tokens": T, "n_per_sample": N, "union": U, "batched": rb, "looped": rl,
            "batched_samples_per_s": 1e3 * B / rb["median_ms"], "looped_samples_per_s": 1e3 * B / rl["median_ms"],
-           "speedup": rl["median_ms"] / rb["median_ms"], "max_abs_diff": diff, "max_abs_logit": scale}
+           "speedup": rl["median_ms"] / rb["median_ms"], "max_abs_diff": diff, "max_abs_logit": scale,
+           "shared_merge_batched": times["shared"],
+           "mixing_overhead": rb["median_ms"] / times["shared"]["median_ms"] - 1}
     print(f"== mixed batch B={B} T={T}: batched {rb['median_ms']:.0f} ms, looped {rl['median_ms']:.0f} ms "
           f"({out['speedup']:.2f}x), max |diff| {diff:.2e}", flush=True)
     return out
@@ -358,13 +364,21 @@ def markdown(res: dict[str, Any]) -> str:
               f"N={mx['n_per_sample']} of a union of {mx['union']} adapters): one batched forward "
               f"{mx['batched']['median_ms']:.0f} ms ({mx['batched_samples_per_s']:.1f} samples/s) vs one sample at a time "
               f"{mx['looped']['median_ms']:.0f} ms ({mx['looped_samples_per_s']:.1f} samples/s): **{mx['speedup']:.2f}x**; "
-              f"max |logit diff| {mx['max_abs_diff']:.1e} (logits up to {mx['max_abs_logit']:.1f}).", "",
+              f"max |logit diff| {mx['max_abs_diff']:.1e} (logits up to {mx['max_abs_logit']:.1f}). The same batched "
+              f"forward with one shared merge takes {mx['shared_merge_batched']['median_ms']:.0f} ms, so per-sample "
+              f"mixing adds {100 * mx['mixing_overhead']:+.1f}% (on a CPU the forward itself dominates).", "",
           "**Targets**", ""]
-    notes = {"controller": "the batch-1 controller MLP must stream all its weights (35 / 22 MiB in fp32) every "
-                           "forward, so on this CPU even one copy of them is >= 1 ms; with N=3 rows the score net "
-                           "runs as an M=3 GEMM, which MKL runs at a few GFLOP/s on this AMD VM (M=1 runs at copy "
-                           "speed). bfloat16 weights (oneDNN) cut it several-fold (rows above) at a ~1e-3 change of "
-                           "w~; < 1 ms needs a smaller controller or a GPU."}
+    ctl = {(c["embed_dim"], c.get("dtype", "float32")): c for c in res["controller"] if c["threads"] == env["threads"]}
+    copies = ", ".join(f"{ctl[(d, 'float32')]['weight_bytes_copy']['median_ms']:.2f} ms (d={d})" for d in (768, 384)
+                       if (d, "float32") in ctl)
+    speed = ", ".join(f"{ctl[(d, 'float32')]['forward']['median_ms'] / ctl[(d, 'bfloat16')]['forward']['median_ms']:.1f}x"
+                      f" (d={d}, w~ moves by {ctl[(d, 'bfloat16')]['max_abs_merge_weight_diff_vs_fp32']:.0e})"
+                      for d in (768, 384) if (d, "float32") in ctl and (d, "bfloat16") in ctl)
+    notes = {"controller": f"a batch-1 MLP must stream all its weights every forward, and one plain copy of the "
+                           f"controller's fp32 weights already takes {copies} here; with N=3 rows the score net runs "
+                           "as an M=3 GEMM, which MKL runs at a few GFLOP/s on this AMD VM (an M=1 GEMV runs at copy "
+                           f"speed). bfloat16 weights (oneDNN) speed it up {speed}. < 1 ms needs a smaller or "
+                           "lower-precision controller, or a GPU (none was lent to this task)."}
     for t in res["targets"]:
         L.append(f"- {'PASS' if t['ok'] else 'MISS'}: {t['what']} -- {t['value']}")
     if any(not t["ok"] and "controller" in t["what"] for t in res["targets"]):
