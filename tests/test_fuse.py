@@ -74,3 +74,36 @@ def test_input_errors(adapters, query, passages, msg):
 def test_bad_adapter_type():
     with pytest.raises(FusionInputError, match=r"adapter 0 is a int"):
         fuse([3], QUERY, ["x"])
+
+
+def test_use_slot_equals_materialised_merge(adapter_dirs, encoder16):
+    """fuse(use_slot=True) switches the model's slot on; outputs equal activating the merged adapter."""
+    from fcprag_plugin import activate
+    from helpers import assert_bit_identical, state_snapshot
+
+    ctrl = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16)
+    model = tiny_model()
+    snap = state_snapshot(model)
+    x = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        base = model(x).logits
+        for mode in ("cat", "separate"):
+            ref = fuse(adapter_dirs, QUERY, PASSAGES, controller=ctrl, encoder=encoder16, mode=mode)
+            with activate(model, ref.adapter):
+                want = model(x).logits
+            with fuse(adapter_dirs, QUERY, PASSAGES, controller=ctrl, encoder=encoder16, mode=mode, model=model,
+                      use_slot=True) as res:
+                assert res.adapter is None and res.merge_weights == ref.merge_weights
+                got = model(x).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert torch.equal(model(x).logits, base)  # switched off on leaving the block
+    assert_bit_identical(model, snap)
+
+
+def test_use_slot_needs_model_and_slot_mode(adapter_dirs):
+    from fcprag_plugin import MergeError
+
+    with pytest.raises(FusionInputError, match=r"use_slot=True needs the live model"):
+        fuse(adapter_dirs, QUERY, PASSAGES, use_slot=True)
+    with pytest.raises(MergeError, match=r"mode 'svd' is not supported"):
+        fuse(adapter_dirs, QUERY, PASSAGES, mode="svd", model=tiny_model(), use_slot=True)

@@ -23,7 +23,7 @@ AdapterLike = "str | Path | LoraAdapter"
 class FusionResult:
     """What ``fuse`` produced. ``merge_weights`` is ``w~`` (length N); ``weights`` is ``w`` (sums to 1)."""
 
-    adapter: LoraAdapter
+    adapter: LoraAdapter | None  # None with use_slot=True: the merge lives in ``slot`` on the model
     merge_weights: list[float]
     weights: list[float]
     scores: list[float]
@@ -32,6 +32,15 @@ class FusionResult:
     mode: str
     controller_mode: str
     info: dict[str, Any] = field(default_factory=dict)
+    slot: Any = None  # the active FusedSlot when fused with use_slot=True
+
+    def __enter__(self) -> "FusionResult":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Leaving a ``with fuse(..., use_slot=True):`` block switches the slot off (the model is the base again)."""
+        if self.slot is not None:
+            self.slot.deactivate()
 
     def to_json(self) -> dict[str, Any]:
         return {"merge_weights": self.merge_weights, "weights": self.weights, "scores": self.scores, "g": self.g,
@@ -95,6 +104,8 @@ def fuse(
     encoder: Any = None,
     mode: str = "cat",
     model: Any = None,
+    use_slot: bool = False,
+    store: Any = None,
     **merge_options: Any,
 ) -> FusionResult:
     """Merge the passage adapters with per-query weights from ``controller`` (``None``: uniform, PRAG's merge).
@@ -106,6 +117,11 @@ def fuse(
         controller: a :class:`FusionController` or its directory.
         encoder: a :class:`TextEncoder`; default: the controller's recorded embedding model.
         mode: merge mode (``cat``, ``separate``, ``svd``).
+        model: the live model (needed for adapter names and for ``use_slot``).
+        use_slot: write the merge into the model's pre-allocated :class:`~fcprag_plugin.fast.FusedSlot` and switch
+            it on, instead of building a merged :class:`LoraAdapter` (``result.adapter`` is then None; leave the
+            ``with`` block or call ``result.slot.deactivate()`` to switch it off). Modes ``cat`` and ``separate``.
+        store: the :class:`~fcprag_plugin.fast.AdapterStore` that caches adapter directories for the slot.
     """
     if isinstance(adapters, (str, Path, LoraAdapter)):
         raise FusionInputError("adapters must be a list (one per passage)")
@@ -113,9 +129,35 @@ def fuse(
         raise FusionInputError("adapters is empty: need one adapter per passage")
     check_texts(query, passages, len(adapters))
     ctrl = load_controller(controller)
+    if use_slot:
+        return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store)
     loaded = resolve_adapters(adapters, model)
     cw = compute_weights(query, passages, ctrl, encoder)
     result: MergeResult = merge_adapters(loaded, torch.tensor(cw["merge_weights"]), mode, **merge_options)
     logger.debug("fused %d adapters: w~=%s g=%.3f tau=%.3f", len(loaded), cw["merge_weights"], cw["g"], cw["tau"])
     return FusionResult(result.adapter, cw["merge_weights"], cw["weights"], cw["scores"], cw["g"], cw["tau"], mode,
                         cw["controller_mode"], result.info)
+
+
+def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], ctrl: FusionController | None,
+                  encoder: Any, mode: str, model: Any, store: Any) -> FusionResult:
+    """Fast path: the merge is written into the model's fused slot (no merged adapter is materialised)."""
+    from .fast import AdapterStore, FusedSlot
+
+    if model is None:
+        raise FusionInputError("use_slot=True needs the live model: fuse(..., model=model, use_slot=True)")
+    live = set(getattr(model, "peft_config", {}) or {})
+    items = [LoraAdapter.from_peft_model(model, a) if isinstance(a, str) and a in live else a for a in adapters]
+    for i, a in enumerate(items):
+        if not isinstance(a, (str, Path, LoraAdapter)):
+            raise FusionInputError(f"adapter {i} is a {type(a).__name__}; expected a path, a LoraAdapter or the "
+                                   "name of an adapter of `model`")
+    store = store if store is not None else AdapterStore()
+    template = store.get(items[0]) if isinstance(items[0], (str, Path)) else items[0]
+    slot = FusedSlot.for_model(model, template, max_adapters=len(items), store=store)
+    if slot.store is None:
+        slot.store = store
+    cw = compute_weights(query, passages, ctrl, encoder)
+    slot.activate(items, cw["merge_weights"], mode)
+    return FusionResult(None, cw["merge_weights"], cw["weights"], cw["scores"], cw["g"], cw["tau"], mode,
+                        cw["controller_mode"], {"slot": repr(slot)}, slot)
