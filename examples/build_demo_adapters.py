@@ -37,6 +37,7 @@ from demo_common import (  # noqa: E402
     MANIFEST_NAME,
     MODEL_NAME,
     MODEL_PACKAGE,
+    DemoModelError,
     chat_text,
     configure_stdout,
     library_versions,
@@ -240,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(old)
 
     t0 = time.perf_counter()
-    model, tok = load_model()
+    try:
+        model, tok = load_model()
+    except DemoModelError as e:
+        raise SystemExit(str(e)) from e
     for p in model.parameters():
         p.requires_grad_(False)
     logger.info("loaded %s (%s) in %.1fs", MODEL_NAME, GGUF_FILE, time.perf_counter() - t0)

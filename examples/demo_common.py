@@ -43,11 +43,20 @@ def smollm2_dir() -> str:
     return pkg_dir
 
 
+class DemoModelError(RuntimeError):
+    """The offline demo model cannot be loaded with the installed libraries."""
+
+
 def load_model() -> tuple[torch.nn.Module, Any]:
     """SmolLM2-135M-Instruct from the packaged GGUF (dequantized to fp32 weights) and its tokenizer, in eval mode."""
-    from fcprag_plugin.compat import load_gguf_causal_lm
+    from fcprag_plugin.compat import load_gguf_causal_lm, transformers_version
 
-    model, tok = load_gguf_causal_lm(smollm2_dir(), GGUF_FILE)
+    pkg_dir = smollm2_dir()
+    try:
+        model, tok = load_gguf_causal_lm(pkg_dir, GGUF_FILE)
+    except NotImplementedError as e:  # old transformers (e.g. PRAG's 4.44.2) lack the Q4_1 dequantizer
+        raise DemoModelError(f"{pkg_dir}/{GGUF_FILE}: transformers {transformers_version()} cannot dequantize this "
+                             f"GGUF file ({e}); run the demo on the latest stack (`make demo`)") from e
     model.eval()
     return model, tok
 
