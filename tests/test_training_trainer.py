@@ -220,3 +220,16 @@ def test_labels_from_file_and_records_agree(tmp_path):
     a = run(load_labels(p), table, tmp_path / "a", epochs=2, name="syn8")
     b = run(p, table, tmp_path / "b", epochs=2, name="syn8")
     assert [h["train_loss"] for h in a.history] == [h["train_loss"] for h in b.history]
+
+
+def test_without_validation_the_training_set_is_reported(tmp_path):
+    recs, table = synthetic_records(40, 3, 8, seed=10)
+    res = run(recs, table, tmp_path / "run", epochs=1, val_fraction=0.0, name="syn8")
+    assert (res.n_train, res.n_val) == (40, 0) and "val" not in res.metrics
+    assert set(res.metrics["train"]) == {"learned", "uniform", "random"} and res.metrics["train"]["learned"]["n"] == 40
+    assert "training set" in res.table
+    assert "val_loss" not in res.history[0]
+    # overwrite=True starts over: the old checkpoint is gone before the new run writes its own
+    res2 = run(recs, table, tmp_path / "run", epochs=1, val_fraction=0.0, name="syn8", overwrite=True, seed=1)
+    state = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
+    assert state["args"]["seed"] == 1 and res2.history[0]["epoch"] == 1

@@ -11,7 +11,8 @@ Output directory::
 
     config.json, model.safetensors   the trained controller (load with FusionController.from_pretrained)
     training_args.json               every argument, the label files' sha256, sizes, library versions
-    metrics.json                     validation (and training) metrics with the baselines, skipped records
+    metrics.json                     validation metrics (training-set metrics when there is no validation
+                                     data) next to the baselines, skipped records, timings
     train_log.jsonl                  one line per epoch: losses, val top-1, mean g, seconds
     checkpoint/                      the last finished epoch (for resume=True)
     plots/*.png                      with plots=True
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -453,6 +455,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         trainer.resume()
     elif (out / CHECKPOINT_DIR).exists():
         logger.warning("%s: overwriting the previous run", out)
+        shutil.rmtree(out / CHECKPOINT_DIR)  # a later --resume must never pick up the old run's state
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / ARGS_NAME, _clean({**asdict(args), "resume": resume, "precision_used": trainer.precision,
                                          **info}))
@@ -466,7 +469,8 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     outputs: dict[str, Any] = {}
     if val_t is not None:
         metrics["val"], outputs = evaluate(controller, val_t, seed=args.seed, batch_size=args.eval_batch_size)
-    metrics["train"], train_outputs = evaluate(controller, train_t, seed=args.seed, batch_size=args.eval_batch_size)
+    else:  # no validation data: report the training set instead (the per-epoch train loss is in the log anyway)
+        metrics["train"], outputs = evaluate(controller, train_t, seed=args.seed, batch_size=args.eval_batch_size)
     metrics.update({
         "epochs": trainer.epoch, "n_train": len(train_recs), "n_val": len(val_recs), "split": how,
         "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
@@ -480,7 +484,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     if args.plots:
         from .plots import write_training_plots
 
-        write_training_plots(out / "plots", history, outputs or train_outputs, val_t or train_t)
+        write_training_plots(out / "plots", history, outputs, val_t if val_t is not None else train_t)
     result = TrainResult(controller, out, metrics, history, len(train_recs), len(val_recs))
     logger.info("wrote %s\n%s", out, result.table)
     return result

@@ -1,0 +1,100 @@
+"""Training throughput: 10 epochs over 10,000 synthetic records with N = 3 and cached embeddings.
+
+Target (issue 3): at most 60 s on the 2-core CPU. The script writes a synthetic label file (plus a 1,000-record
+validation file), fills the embedding cache once (not timed), then times ``train_controller`` end to end with a
+warm cache (parsing, cache look-up, training, per-epoch validation and checkpoints, final metrics) for each
+requested precision, and prints seconds, records/s and the ratio to the target.
+
+    .venv/latest/bin/python benchmarks/bench_train.py                 # fp32 and bf16, d = 384 (all-MiniLM-L6-v2)
+    .venv/latest/bin/python benchmarks/bench_train.py --precision bf16 --dim 768
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fcprag_plugin.training import train_controller, write_labels
+from fcprag_plugin.training.precision import resolve_precision
+from fcprag_plugin.training.synthetic import synthetic_records, table_encoder
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=10_000)
+    ap.add_argument("--val-records", type=int, default=1_000)
+    ap.add_argument("--n", type=int, default=3, help="passages per record")
+    ap.add_argument("--dim", type=int, default=384, help="embedding size (384: all-MiniLM-L6-v2, 768: bge-base)")
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
+    ap.add_argument("--target", type=float, default=60.0, help="seconds allowed for the whole run")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--json", help="also write the results here")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    precisions = ["fp32", "bf16"] if a.precision == "both" else [a.precision]
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} "
+          "(other jobs on the CPU slow every figure below)")
+    print(f"the trainer's default precision 'auto' is {resolve_precision('auto')} on this CPU")
+    print(f"task: {a.epochs} epochs x {a.records} records, N = {a.n}, d = {a.dim}, batch {a.batch_size}, "
+          f"+ {a.val_records} validation records; target <= {a.target:.0f} s")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        train, table = synthetic_records(a.records, a.n, a.dim, seed=0)
+        val, vtable = synthetic_records(a.val_records, a.n, a.dim, seed=1, prefix="v")
+        table.update(vtable)
+        write_labels(train, tmp / "train.jsonl")
+        write_labels(val, tmp / "val.jsonl")
+        calls: list = []
+        enc = table_encoder(table, f"synthetic-{a.dim}", calls)
+        cache = tmp / "cache"
+        # warm the cache (not timed): one epoch-less pass that embeds every text
+        t0 = time.perf_counter()
+        train_controller(tmp / "train.jsonl", tmp / "warm", val=tmp / "val.jsonl", encoder=enc, cache_dir=cache,
+                         epochs=1, progress=False, controller={"score_hidden": [8], "calib_hidden": 8})
+        encoded = sum(len(c) for c in calls)
+        print(f"cache warm-up: embedded {encoded} texts in {time.perf_counter() - t0:.1f} s (not timed)")
+
+        for prec in precisions:
+            calls.clear()
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            res = train_controller(tmp / "train.jsonl", tmp / f"run-{prec}", val=tmp / "val.jsonl", encoder=enc,
+                                   cache_dir=cache, epochs=a.epochs, batch_size=a.batch_size, precision=prec,
+                                   progress=False)
+            dt = time.perf_counter() - t0
+            cpu = time.process_time() - c0  # CPU seconds of this process: robust to other jobs on a shared machine
+            re_encoded = sum(len(c) for c in calls)
+            rps = a.epochs * a.records / dt
+            r = {"precision": prec, "seconds": round(dt, 2), "cpu_seconds": round(cpu, 2), "records_per_s": round(rps, 1),
+                 "target_s": a.target, "ratio_to_target": round(dt / a.target, 3), "pass": dt <= a.target,
+                 "fit_s": res.metrics["timing_s"]["fit"], "data_s": res.metrics["timing_s"]["data"],
+                 "re_encoded_texts": re_encoded, "val_kl": res.metrics["val"]["learned"]["kl"],
+                 "val_kl_uniform": res.metrics["val"]["uniform"]["kl"], "val_top1": res.metrics["val"]["learned"]["top1"]}
+            results.append(r)
+            print(f"[{prec}] {dt:.1f} s total (data {r['data_s']:.1f} s, fit {r['fit_s']:.1f} s; {cpu:.1f} CPU-s), "
+                  f"{rps:.0f} records/s; target {a.target:.0f} s -> {dt / a.target:.2f}x of the budget "
+                  f"({'PASS' if r['pass'] else 'MISS'}); re-encoded texts: {re_encoded}; "
+                  f"val KL {r['val_kl']:.4f} (uniform {r['val_kl_uniform']:.4f}), top-1 {r['val_top1']:.3f}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    if len(results) == 2:
+        print(f"fp32 / bf16 time ratio: {results[0]['seconds'] / results[1]['seconds']:.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
