@@ -2,7 +2,7 @@
 
     loss.png       train and validation loss per epoch
     g_tau.png      learned (g, tau) per sample
-    entropy.png    histogram of the weight entropy, learned vs the baselines
+    entropy.png    histogram of the normalized weight entropy, learned vs the baselines
 """
 
 from __future__ import annotations
@@ -61,12 +61,17 @@ def plot_g_tau(g: torch.Tensor, tau: torch.Tensor, path: str | Path, title: str 
 
 
 def plot_entropy(outputs: dict[str, dict[str, torch.Tensor]], data: LabelTensors, path: str | Path) -> Path:
-    """Histogram of the per-sample weight entropy (nats) for every controller in ``outputs``."""
+    """Histogram of the per-sample normalized weight entropy ``H(w) / log N`` (1 = uniform; samples with N >= 2)
+    for every controller in ``outputs``, on shared bins so the baselines are comparable."""
     plt = _pyplot()
+    n = data.mask.sum(1)
+    multi = n >= 2
+    bins = torch.linspace(0, 1.0001, 31).numpy()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, o in outputs.items():
-        ax.hist(entropy(o["w"], data.mask).numpy(), bins=30, alpha=0.5, label=name)
-    ax.set_xlabel("weight entropy (nats)")
+        h = entropy(o["w"], data.mask)[multi] / n[multi].to(torch.float64).log()
+        ax.hist(h.numpy(), bins=bins, alpha=0.5, label=name)
+    ax.set_xlabel("normalized weight entropy H(w) / log N")
     ax.set_ylabel("samples")
     ax.legend()
     return _save(fig, path, plt)

@@ -203,7 +203,14 @@ def resolve_encoder(encoder: Any) -> tuple[str, Any]:
     from ..encoding import TextEncoder, resolve_model
 
     name, _ = resolve_model(encoder)
-    return name, (lambda: TextEncoder(encoder))
+    loaded: list[Any] = []
+
+    def factory() -> Any:  # load once, on first need, shared by the train and validation sets
+        if not loaded:
+            loaded.append(TextEncoder(encoder))
+        return loaded[0]
+
+    return name, factory
 
 
 def open_cache(cache_dir: str | Path | None, model_name: str, dim: int | None) -> EmbeddingCache | None:
