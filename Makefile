@@ -16,7 +16,8 @@ demo: .venv/latest/.stamp
 
 test: $(addprefix test-,$(STACKS))
 
-test-%: .venv/%/.stamp
+# A static pattern rule: make never applies implicit (%) rules to .PHONY targets.
+$(addprefix test-,$(STACKS)): test-%: .venv/%/.stamp
 	@echo "=== tests on the $* stack"
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FCPRAG_STACK=$* .venv/$*/bin/python -m pytest $(PYTEST_ARGS) tests
 
