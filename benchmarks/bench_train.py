@@ -11,9 +11,15 @@ requested precision, and prints seconds, records/s and the ratio to the target.
 
 from __future__ import annotations
 
+import os
+
+# Must be set before torch loads OpenMP. On a CPU shared with other jobs, OpenMP's default busy-waiting makes two
+# threads up to 10x slower than one (each waits, spinning, for a descheduled partner); passive waiting does not.
+# An explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import json
-import os
 import platform
 import tempfile
 import time
@@ -44,7 +50,8 @@ def main() -> int:
 
     precisions = ["fp32", "bf16"] if a.precision == "both" else [a.precision]
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f} "
+          f"{torch.__version__}, {torch.get_num_threads()} threads (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}), "
+          f"load average {os.getloadavg()[0]:.2f} "
           "(other jobs on the CPU slow every figure below)")
     print(f"the trainer's default precision 'auto' is {resolve_precision('auto')} on this CPU")
     print(f"task: {a.epochs} epochs x {a.records} records, N = {a.n}, d = {a.dim}, batch {a.batch_size}, "
