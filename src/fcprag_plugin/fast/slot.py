@@ -35,7 +35,7 @@ from ..adapter import LoraAdapter
 from ..adapter_io import PEFT_PREFIX
 from ..errors import MergeError
 from ..merge.core import weight_vector
-from ..merge.live import resolve_module
+from ..merge.live import resolve_module, resolve_target
 from .layout import Layout, PackedAdapter, check_layouts, layout_from_shapes, pack_adapter
 
 logger = logging.getLogger(__name__)
@@ -230,13 +230,8 @@ class FusedSlot:
         for g in self.layout.groups:
             mods = []
             for name in g.names:
-                mod = resolve_module(model, name, table)
-                w = getattr(mod, "weight", None)
-                if w is None or tuple(w.shape) != (g.out_features, g.in_features):
-                    shape = None if w is None else list(w.shape)
-                    raise MergeError(f"module '{name}': model weight is {shape}, the slot's targets expect "
-                                     f"[{g.out_features}, {g.in_features}]")
-                mods.append(mod)
+                mods.append(resolve_target(model, name, g.out_features, g.in_features, table,
+                                           expected_by="the slot's targets expect"))
             self._modules.append(mods)
         self._allocate()
         try:

@@ -28,6 +28,17 @@ def resolve_module(model: nn.Module, name: str, table: dict[str, nn.Module] | No
     raise MergeError(f"module '{name}' of the adapter is not in the model (e.g. the model has {sample})")
 
 
+def resolve_target(model: nn.Module, name: str, out_features: int, in_features: int,
+                   table: dict[str, nn.Module] | None = None, expected_by: str = "adapter expects") -> nn.Module:
+    """:func:`resolve_module`, then check that its weight is ``[out, in]`` (error names the module and both shapes)."""
+    mod = resolve_module(model, name, table)
+    weight = getattr(mod, "weight", None)
+    if weight is None or tuple(weight.shape) != (out_features, in_features):
+        shape = None if weight is None else list(weight.shape)
+        raise MergeError(f"module '{name}': model weight is {shape}, {expected_by} [{out_features}, {in_features}]")
+    return mod
+
+
 class ActiveAdapter:
     """Handle of an adapter activated on a model; ``remove()`` (or leaving the ``with`` block) undoes it."""
 
@@ -38,12 +49,8 @@ class ActiveAdapter:
         table = dict(model.named_modules())
         try:
             for name, m in adapter.modules.items():
-                mod = resolve_module(model, name, table)
-                weight = getattr(mod, "weight", None)
-                if weight is None or tuple(weight.shape) != (m.out_features, m.in_features):
-                    shape = None if weight is None else list(weight.shape)
-                    raise MergeError(f"module '{name}': model weight is {shape}, adapter expects "
-                                     f"[{m.out_features}, {m.in_features}]")
+                mod = resolve_target(model, name, m.out_features, m.in_features, table)
+                weight = mod.weight
                 cdtype = dtype or weight.dtype
                 A = (m.scaling * m.A.to(device=weight.device, dtype=torch.float32)).to(cdtype)  # scaling folded once
                 B = m.B.to(device=weight.device, dtype=cdtype)
