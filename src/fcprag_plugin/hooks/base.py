@@ -131,12 +131,15 @@ class MergeHook:
     """Controller + encoder -> merge weights for one question, and the per-question JSON Lines log.
 
     ``controller=None`` or a ``uniform`` controller gives ``w~ = [1]*N`` (the host's original merge).
+    ``encoder``: a :class:`TextEncoder`, a model name/path, or None (the controller's recorded embedding model).
     """
 
     def __init__(self, controller: FusionController | str | Path | None = None, encoder: Any = None,
                  mode: str = "cat", log: str | Path | None = None) -> None:
         self.controller = load_controller(controller)
-        self._encoder = encoder
+        # A name/path is loaded lazily, and only when the weights need an encoder (not for uniform merges).
+        self._encoder_name = str(encoder) if isinstance(encoder, (str, Path)) else None
+        self._encoder = None if self._encoder_name is not None else encoder
         self.mode = mode
         self.log_path = Path(log) if log is not None else None
         self.calls = 0
@@ -149,7 +152,7 @@ class MergeHook:
         if self._encoder is None and needs:
             from ..encoding import TextEncoder
 
-            self._encoder = TextEncoder(self.controller.config.embedding_model)
+            self._encoder = TextEncoder(self._encoder_name or self.controller.config.embedding_model)
         if self._encoder is not None and self.controller is not None:
             self.controller.check_encoder(self._encoder)
         return self._encoder

@@ -251,11 +251,8 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
     utils_mod = _resolve_module(utils, UTILS_MODULE, "delta_inject")
     projector_mod = _resolve_module(projector, PROJECTOR_MODULE, TRANSLATOR_CLASS)
     _check_host(utils_mod, projector_mod)
-    if isinstance(encoder, (str, Path)):
-        from ..encoding import TextEncoder
-
-        encoder = TextEncoder(encoder)
     hook = MergeHook(controller, encoder, mode=mode, log=log)
+    _ = hook.encoder  # load it and check its dimension now, before the host script runs
     shim = DyPragShim(hook, mode, utils_mod, projector_mod)
     shim._apply()
     _current = shim

@@ -85,7 +85,7 @@ class PragShim:
                  repair: bool = True) -> None:
         get_merge_mode(mode)  # a typo fails now, not at the first question
         self.mode = mode
-        self.hook = MergeHook(controller, _resolve_encoder(controller, encoder), mode=mode, log=log)
+        self.hook = MergeHook(controller, encoder, mode=mode, log=log)
         _ = self.hook.encoder  # load it and check its dimension now, before the host script runs for hours
         self.data = PragDataFile(data_file) if data_file is not None else None
         self.repair = repair
@@ -192,21 +192,6 @@ class PragShim:
                 _warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() (fixed in "
                            "peft 0.19); cleared it (seen at %s). Without this, later questions would merge only "
                            "some of their passages.", peft_version(), where)
-
-
-def _resolve_encoder(controller: Any, encoder: Any) -> Any:
-    """A name/path becomes a TextEncoder now (errors before the host script runs), only when weights need it."""
-    if not isinstance(encoder, (str, Path)):
-        return encoder
-    from ..controller import load_controller
-
-    ctrl = load_controller(controller)
-    if ctrl is None or ctrl.config.mode == "uniform":
-        logger.info("fcprag: encoder %s not loaded: uniform weights need none", encoder)
-        return None
-    from ..encoding import TextEncoder
-
-    return TextEncoder(str(encoder))
 
 
 def _finite_or_none(obj: Any) -> Any:

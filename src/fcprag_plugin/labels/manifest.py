@@ -217,7 +217,7 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
         question = obj["question"]
         if not isinstance(question, str) or not question.strip():
             raise _fail(where, "question", "a non-empty string", question)
-        answers = parse_answers(obj["answer"], where)
+        parse_answers(obj["answer"], where)  # validated here; the builder reads the answers again
         passages = _str_list(obj["passages"], where, "passages")
         augment = obj.get("augment")
         if isinstance(augment, list) and len(augment) != len(passages):
