@@ -65,3 +65,13 @@ def test_unloadable_model_named(tmp_path):
     (tmp_path / "junk").mkdir()
     with pytest.raises(EncoderError, match=r"cannot load embedding model .*junk"):
         TextEncoder(tmp_path / "junk")
+
+
+def test_recorded_fallback_name_resolves_offline():
+    """A controller trained offline records the fallback's hub name; loading it later must stay offline."""
+    from fcprag_plugin.encoding import FALLBACK_NAME, _local_hub_snapshot
+
+    if _local_hub_snapshot(FALLBACK_NAME) is not None or fallback_model_path() is None:
+        pytest.skip("the hub copy is cached here, or the fallback package is missing")
+    name, path = resolve_model(FALLBACK_NAME)
+    assert name == FALLBACK_NAME and path == fallback_model_path()

