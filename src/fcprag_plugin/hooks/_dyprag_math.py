@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..adapter_io import PEFT_PREFIX
 from ..errors import HookError
 
 A_SUFFIX = ".lora_A.weight"
@@ -113,8 +114,10 @@ def aggregate_separate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.T
     return out
 
 
-def lora_pairs(keys: Sequence[str]) -> dict[str, tuple[str, str]]:
-    """``{module: (A key, B key)}``; every key must be one half of a complete pair."""
+def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
+               hint: str = "use mode 'separate' for other keys") -> dict[str, tuple[str, str]]:
+    """``{module: (A key, B key)}``; every key must be one half of a complete pair (``need`` / ``hint`` word the
+    error)."""
     mods: dict[str, dict[str, str]] = {}
     for k in keys:
         if k.endswith(A_SUFFIX):
@@ -123,15 +126,49 @@ def lora_pairs(keys: Sequence[str]) -> dict[str, tuple[str, str]]:
             mods.setdefault(k[: -len(B_SUFFIX)], {})["B"] = k
         else:
             raise HookError(f"fcprag dyprag: key '{k}' is neither '...{A_SUFFIX}' nor '...{B_SUFFIX}'; "
-                            "mode 'delta' needs LoRA factor pairs (use mode 'separate' for other keys)")
+                            f"{need} needs LoRA factor pairs ({hint})")
     pairs = {}
     for mod, d in mods.items():
         if "A" not in d or "B" not in d:
             have = d.get("A") or d.get("B")
-            raise HookError(f"fcprag dyprag: module '{mod}' has only '{have}'; mode 'delta' needs both its "
+            raise HookError(f"fcprag dyprag: module '{mod}' has only '{have}'; {need} needs both its "
                             f"'{A_SUFFIX[1:]}' and '{B_SUFFIX[1:]}'")
         pairs[mod] = (d["A"], d["B"])
     return pairs
+
+
+def _strip_peft_prefix(module: str) -> str:
+    while module.startswith(PEFT_PREFIX):
+        module = module[len(PEFT_PREFIX):]
+    return module
+
+
+def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{module path without the PEFT prefix: (A [r, in], B [out, r])}`` of one translator output, for the fused
+    slot. Leading dimensions of size 1 (``[1, r, in]``) are dropped; a real batch of factors is a
+    :class:`HookError` (one slot holds one update per module)."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hint = "run without --use-slot for other keys"
+    for mod, (ka, kb) in lora_pairs(list(output), need="use_slot", hint=hint).items():
+        pair = []
+        for key in (ka, kb):
+            t = output[key]
+            if not isinstance(t, torch.Tensor):
+                raise HookError(f"fcprag dyprag: ParameterTranslator output {index}: key '{key}' is a "
+                                f"{type(t).__name__}, expected a tensor")
+            if t.ndim > 2 and all(d == 1 for d in t.shape[:-2]):
+                t = t.reshape(t.shape[-2:])
+            if t.ndim != 2:
+                raise HookError(f"fcprag dyprag: ParameterTranslator output {index}: key '{key}' has shape "
+                                f"{list(t.shape)}; use_slot needs one [r, in] / [out, r] factor pair per module "
+                                "(a batch of factors cannot share one slot): run without --use-slot")
+            pair.append(t.detach())
+        A, B = pair
+        if A.shape[0] != B.shape[1]:
+            raise HookError(f"fcprag dyprag: module '{mod}': lora_A {list(A.shape)} and lora_B {list(B.shape)} do not "
+                            "form B @ A (expected A [r, in], B [out, r])")
+        out[_strip_peft_prefix(mod)] = (A, B)
+    return out
 
 
 def aggregate_delta(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float]

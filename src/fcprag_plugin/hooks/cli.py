@@ -17,7 +17,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          f"fcprag run {args.host} --controller DIR -- src/inference.py ARGS...")
     shim = importlib.import_module(_SHIMS[args.host])
     options = {k: v for k, v in vars(args).items()
-               if k in {"controller", "encoder", "mode", "log", "data_file", "use_slot"} and v is not None}
+               if k in {"controller", "encoder", "mode", "log", "data_file", "use_slot", "slot_max_adapters"}
+               and v is not None}
     return int(shim.launch(rest[0], rest[1:], **options) or 0)
 
 
@@ -32,5 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--data-file", dest="data_file",
                    help="prag: PRAG's augmented data file, to map adapter paths back to questions")
     r.add_argument("--use-slot", dest="use_slot", action="store_const", const=True,
-                   help="use the pre-allocated fused slot (fcprag_plugin.fast) instead of rebuilding modules")
+                   help="merge into a pre-allocated fused slot (fcprag_plugin.fast): prag builds no merged PEFT "
+                        "modules, dyprag builds no dense deltas (prag modes cat/separate)")
+    r.add_argument("--slot-max-adapters", dest="slot_max_adapters", type=int,
+                   help="with --use-slot: fixed slot capacity (most passages per question); default: grow as needed")
     r.set_defaults(func=_cmd_run, accepts_rest=True)

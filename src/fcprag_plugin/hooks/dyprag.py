@@ -16,6 +16,14 @@ each module. The shim
 
 The capture buffer is emptied at every ``delta_inject`` (one question) and on every error.
 
+``use_slot=True`` (``--use-slot``): instead of handing ``delta_inject`` a dict (from which DyPRAG builds a dense
+``[out, in]`` delta per module and adds ``x @ delta.T`` in every forward), the shim writes the same update in
+low-rank form into a :class:`~fcprag_plugin.fast.FusedSlot` on the model's target Linear layers (installed at the
+first question) and switches it on; DyPRAG's ``delta_inject`` is not called, so no ``delta`` is set. ``separate``
+writes ``(sum u_i B_i)(sum u_i A_i)``, ``delta`` writes ``sum u_i B_i A_i``. ``delta_remove`` is patched too: it
+switches the slot off (and skips DyPRAG's own, which would find no ``delta`` to delete). :func:`uninstall`
+removes the slot.
+
 Use: ``fcprag run dyprag --controller DIR -- src/inference_dyprag.py ARGS...`` (see :func:`launch`), or
 ``install(...)`` at the top of the script (before ``from utils import ...``) / ``with installed(...):``.
 """
@@ -34,6 +42,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import HookError
 from . import _dyprag_math as dm
+from ._slot_bridge import ShimSlots, check_max_adapters, pack_modules
 from .base import MergeHook, PatchSet, clear_context, explicit_context, get_context, run_script
 from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
@@ -54,11 +63,15 @@ class DyPragShim:
         hook: the :class:`MergeHook` (controller, encoder, log).
         merges: how many ``delta_inject`` calls (questions) were re-weighted.
         last_record: the last per-question log record.
+        use_slot: whether updates go through the fused slot (``slots``) instead of DyPRAG's dense deltas.
     """
 
-    def __init__(self, hook: MergeHook, mode: str, utils: ModuleType, projector: ModuleType) -> None:
+    def __init__(self, hook: MergeHook, mode: str, utils: ModuleType, projector: ModuleType, *,
+                 use_slot: bool = False, max_adapters: int | None = None) -> None:
         self.hook = hook
         self.mode = mode
+        self.use_slot = bool(use_slot)
+        self.slots = ShimSlots(check_max_adapters(max_adapters, self.use_slot, "fcprag dyprag"), "fcprag dyprag")
         self.utils = utils
         self.projector = projector
         self.patches = PatchSet("dyprag")
@@ -102,34 +115,62 @@ class DyPragShim:
         Consumes the capture buffer (also when it raises). The question and passages come from
         :func:`set_context` (used once, then cleared) or the caller's locals ``question`` / ``passages``.
         """
+        outs, ctx, cw, t0, t1 = self._weigh(merged)
+        n = len(outs)
+        u = [float(w) / n for w in cw["merge_weights"]]
+        if self.mode == "separate" and all(float(w) == 1.0 for w in cw["merge_weights"]):
+            new = dict(merged)  # uniform: exactly DyPRAG's average (checked equal to the capture above)
+        else:
+            new = dm.aggregate(outs, u, self.mode)
+        self._record(merged, ctx, cw, u, t0, t1, MergeHook.timer())
+        return new
+
+    def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
+        """``use_slot``: the same checks and weights as :meth:`reaggregate`, but the update is written into the
+        model's fused slot (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with
+        ``u = w~/N``) and switched on, instead of a dict for DyPRAG's dense ``delta_inject``."""
+        outs, ctx, cw, t0, t1 = self._weigh(merged)
+        n = len(outs)
+        u = [float(w) / n for w in cw["merge_weights"]]
+        factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
+        modules = list(factors[0])
+        rank = max(int(a.shape[0]) for a, _ in factors[0].values())
+        slot = self.slots.get(model, modules, n, rank)
+        packed = [pack_modules(slot.layout, lambda m, f=f: (*f[m], 1.0), f"ParameterTranslator output {i}")
+                  for i, f in enumerate(factors)]  # DyPRAG's delta is B @ A: scaling 1
+        if self.mode == "separate":
+            slot.activate(packed, cw["merge_weights"], "separate")  # A = sum u_i A_i, B = sum u_i B_i
+        else:
+            slot.activate(packed, u, "cat")  # sum u_i B_i A_i
+        self._record(merged, ctx, cw, u, t0, t1, MergeHook.timer(), slot=repr(slot))
+
+    def _weigh(self, merged: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any], dict[str, Any], float, float]:
+        """Take the capture, resolve the question, check the alignment and compute ``w~``."""
         outs = self._take()
         ctx = self._context()
         q_text, p_texts = ctx["question"], ctx["passages"]
         dm.check_alignment(outs, merged, len(p_texts), q_text)
         t0 = MergeHook.timer()
         cw = self.hook.weights(q_text, p_texts)
-        t1 = MergeHook.timer()
-        n = len(p_texts)
-        u = [float(w) / n for w in cw["merge_weights"]]
-        if self.mode == "separate" and all(float(w) == 1.0 for w in cw["merge_weights"]):
-            new = dict(merged)  # uniform: exactly DyPRAG's average (checked equal to the capture above)
-        else:
-            new = dm.aggregate(outs, u, self.mode)
-        t2 = MergeHook.timer()
+        return outs, ctx, cw, t0, MergeHook.timer()
+
+    def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], cw: dict[str, Any], u: list[float],
+                t0: float, t1: float, t2: float, slot: str | None = None) -> None:
         self.merges += 1
         tau = float(cw["tau"])
         record = {
-            "shim": "dyprag", "call": self.merges, "question": q_text, "n": n, "mode": self.mode,
+            "shim": "dyprag", "call": self.merges, "question": ctx["question"], "n": len(u), "mode": self.mode,
             "merge_weights": cw["merge_weights"], "weights": cw["weights"], "u": u, "scores": cw["scores"],
             "g": cw["g"], "tau": None if tau != tau else tau,  # NaN (no controller) is not valid JSON
             "controller_mode": cw["controller_mode"], "context_source": ctx["source"], "keys": len(merged),
-            "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
+            "use_slot": self.use_slot, "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
         }
+        if slot is not None:
+            record["slot"] = slot
         self.last_record = record
         self.hook.log(record)
-        logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", n, self.mode, cw["merge_weights"],
+        logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", len(u), self.mode, cw["merge_weights"],
                      (t2 - t1) * 1e3)
-        return new
 
     @staticmethod
     def _context() -> dict[str, Any]:
@@ -149,7 +190,13 @@ class DyPragShim:
     # ------------------------------------------------------------------ patching
     def _apply(self) -> None:
         cls = getattr(self.projector, TRANSLATOR_CLASS)
-        orig_inject = self.utils.delta_inject
+        originals = {"delta_inject": self.utils.delta_inject}
+        if self.use_slot:
+            originals["delta_remove"] = getattr(self.utils, "delta_remove", None)
+            if not callable(originals["delta_remove"]):
+                where = getattr(self.utils, "__file__", self.utils.__name__)
+                raise HookError(f"fcprag dyprag: {where} has no function 'delta_remove'; use_slot needs it to "
+                                "switch the fused slot off after each question")
 
         def make_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(orig)
@@ -168,25 +215,45 @@ class DyPragShim:
         def make_inject(orig: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(orig)
             def delta_inject(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
+                if self.use_slot:
+                    self.inject_on_slot(model, adapter_weights)  # no dense delta: the slot carries the update
+                    return None
                 new = self.reaggregate(adapter_weights)
                 return orig(model, new, *args, **kwargs)
 
             delta_inject.__fcprag_original__ = orig  # type: ignore[attr-defined]
             return delta_inject
 
+        def make_remove(orig: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(orig)
+            def delta_remove(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
+                slot = self.slots.slot_of(model)
+                if slot is not None and slot.active:
+                    slot.deactivate()  # this question's update lived in the slot; DyPRAG set no delta to delete
+                    return None
+                return orig(model, adapter_weights, *args, **kwargs)
+
+            delta_remove.__fcprag_original__ = orig  # type: ignore[attr-defined]
+            return delta_remove
+
         self.patches.patch(cls, "forward", make_forward)
         self.patches.patch(self.utils, "delta_inject", make_inject)
-        patched = self.utils.delta_inject
+        if self.use_slot:
+            self.patches.patch(self.utils, "delta_remove", make_remove)
         main = sys.modules.get("__main__")
-        # A script that imported delta_inject before install() holds the original: re-point that name too.
-        if main is not None and main is not self.utils and getattr(main, "delta_inject", None) is orig_inject:
-            self.patches.patch(main, "delta_inject", lambda _orig: patched)
-            logger.info("fcprag dyprag: also patched __main__.delta_inject (imported before install)")
+        for name, orig_fn in originals.items():
+            patched = getattr(self.utils, name)
+            # A script that imported the function before install() holds the original: re-point that name too.
+            if main is not None and main is not self.utils and getattr(main, name, None) is orig_fn:
+                self.patches.patch(main, name, lambda _orig, patched=patched: patched)
+                logger.info("fcprag dyprag: also patched __main__.%s (imported before install)", name)
 
     def uninstall(self) -> None:
-        """Restore ``ParameterTranslator.forward`` and ``delta_inject`` exactly, and drop the capture."""
+        """Restore ``ParameterTranslator.forward`` and ``delta_inject`` (and ``delta_remove``) exactly, drop the
+        capture and remove the fused slots (the model is exactly as before)."""
         self.patches.revert()
         self.clear()
+        self.slots.close()
 
     @property
     def active(self) -> bool:
@@ -228,7 +295,8 @@ def _check_host(utils: ModuleType, projector: ModuleType) -> None:
 
 
 def install(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
-            utils: ModuleType | str | None = None, projector: ModuleType | str | None = None) -> DyPragShim:
+            utils: ModuleType | str | None = None, projector: ModuleType | str | None = None,
+            use_slot: bool = False, max_adapters: int | None = None) -> DyPragShim:
     """Patch DyPRAG's ``utils.delta_inject`` and ``projector.ParameterTranslator.forward``.
 
     Args:
@@ -238,6 +306,10 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
         mode: ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i B_i``) or ``delta`` (exact ``sum u_i B_i A_i``).
         log: JSON Lines file, one record per question.
         utils, projector: the host modules (or their import names); default: import ``utils`` / ``projector``.
+        use_slot: write each question's update into a :class:`~fcprag_plugin.fast.FusedSlot` (low rank) instead of
+            DyPRAG's dense per-module ``delta`` (see the module docstring). Default False.
+        max_adapters: with ``use_slot``, a fixed slot capacity (more passages in one question is a
+            :class:`HookError`); default None: sized for the first question and grown when a later one has more.
 
     Install before the script runs ``from utils import delta_inject`` (the launcher does). Installing again
     replaces the previous shim. Returns the shim (also a context manager that uninstalls).
@@ -245,6 +317,7 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
     global _current
     if mode not in MODES:
         raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
+    check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
     if _current is not None:
         logger.info("fcprag dyprag: replacing the installed shim")
         uninstall()
@@ -253,11 +326,11 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
     _check_host(utils_mod, projector_mod)
     hook = MergeHook(controller, encoder, mode=mode, log=log)
     _ = hook.encoder  # load it and check its dimension now, before the host script runs
-    shim = DyPragShim(hook, mode, utils_mod, projector_mod)
+    shim = DyPragShim(hook, mode, utils_mod, projector_mod, use_slot=use_slot, max_adapters=max_adapters)
     shim._apply()
     _current = shim
-    logger.info("fcprag dyprag: installed (mode=%s, controller=%s)", mode,
-                "uniform" if hook.controller is None else hook.controller.config.mode)
+    logger.info("fcprag dyprag: installed (mode=%s, controller=%s, use_slot=%s)", mode,
+                "uniform" if hook.controller is None else hook.controller.config.mode, shim.use_slot)
     return shim
 
 
@@ -296,19 +369,19 @@ def current() -> DyPragShim | None:
 
 def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
            mode: str | None = None, log: str | Path | None = None, use_slot: bool | None = None,
-           **options: Any) -> int:
+           slot_max_adapters: int | None = None, **options: Any) -> int:
     """``fcprag run dyprag``: run DyPRAG's unmodified ``script`` as ``__main__`` with the shim installed.
 
     Puts the script's directory first on sys.path, imports (fresh) and patches its ``utils`` and ``projector``,
     runs the script, then uninstalls and restores sys.path and those sys.modules entries. Returns the script's
-    exit status (``sys.exit`` inside the script is caught and returned).
+    exit status (``sys.exit`` inside the script is caught and returned). ``use_slot`` / ``slot_max_adapters``: see
+    :func:`install` (``use_slot`` / ``max_adapters``).
     """
-    if use_slot:
-        raise HookError("fcprag run dyprag: --use-slot is not available for DyPRAG yet (the pre-allocated fused slot "
-                        "is not wired into this shim); run without --use-slot")
     if options:
         raise HookError(f"fcprag run dyprag: option(s) {sorted(options)} do not apply to DyPRAG "
-                        f"(--data-file is for prag); use --controller, --encoder, --mode, --log")
+                        f"(--data-file is for prag); use --controller, --encoder, --mode, --log, --use-slot, "
+                        f"--slot-max-adapters")
+    check_max_adapters(slot_max_adapters, bool(use_slot), "fcprag run dyprag")
     script = Path(script)
     if not script.is_file():
         raise HookError(f"fcprag run dyprag: {script}: script not found (expected DyPRAG's src/inference_dyprag.py)")
@@ -324,7 +397,8 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
             f = getattr(m, "__file__", None)
             if f is None or Path(f).resolve().parent != src:
                 raise HookError(f"fcprag run dyprag: '{m.__name__}' was imported from {f}, not from {src}")
-        install(controller, encoder, mode or "separate", log, utils=utils_mod, projector=projector_mod)
+        install(controller, encoder, mode or "separate", log, utils=utils_mod, projector=projector_mod,
+                use_slot=bool(use_slot), max_adapters=slot_max_adapters)
         try:
             run_script(script, list(script_args))
             code = 0
