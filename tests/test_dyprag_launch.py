@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -180,13 +179,26 @@ def test_cli_in_process(double, tmp_path):
     assert len(log.read_text().splitlines()) == len(questions)
 
 
-def test_cli_use_slot_is_refused(double, tmp_path, capsys):
+def test_cli_use_slot(double, tmp_path, capsys):
+    """--use-slot: no dense delta is set, the logits are those of the reference update; a fixed capacity that is
+    too small fails with the counts named."""
     from fcprag_plugin.cli import main
 
-    script, data, _ = double
-    rc = main(["run", "dyprag", "--use-slot", "--", str(script), "--data", str(data)])
+    script, data, questions = double
+    rec, log = tmp_path / "rec.pt", tmp_path / "log.jsonl"
+    rc = main(["run", "dyprag", "--use-slot", "--mode", "delta", "--log", str(log), "--", str(script),
+               "--data", str(data), "--record", str(rec)])
+    assert rc == 0
+    record = H.load_record(rec)
+    for outs, pred, q in zip(H.group_outputs(record), record["predict"], questions):
+        assert pred["deltas"] == {}
+        ref = H.reference_delta(outs, [1.0 / len(outs)] * len(outs))
+        torch.testing.assert_close(pred["logits"], H.reference_logits(script.parent, q["question"], ref),
+                                   rtol=1e-4, atol=1e-4)
+    assert all(json.loads(line)["use_slot"] for line in log.read_text().splitlines())
+    rc = main(["run", "dyprag", "--use-slot", "--slot-max-adapters", "3", "--", str(script), "--data", str(data)])
     assert rc == 2
-    assert "--use-slot" in capsys.readouterr().err
+    assert "merges 4 adapters but the fused slot holds max_adapters=3" in capsys.readouterr().err
 
 
 @pytest.mark.integration

@@ -234,8 +234,6 @@ def test_missing_or_wrong_host_modules(host):
 
 
 def test_launch_errors(tmp_path):
-    with pytest.raises(HookError, match="--use-slot is not available"):
-        dyprag.launch(tmp_path / "x.py", [], use_slot=True)
     with pytest.raises(HookError, match=r"option\(s\) \['data_file'\] do not apply"):
         dyprag.launch(tmp_path / "x.py", [], data_file="d.jsonl")
     with pytest.raises(HookError, match=r"x\.py: script not found"):

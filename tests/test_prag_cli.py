@@ -50,11 +50,26 @@ def test_cli_failure_is_reported(tmp_path):
     assert "set_context" in proc.stderr and str(world.adapter_path(0, 0)) in proc.stderr
 
 
-def test_cli_use_slot_is_not_available_yet(capsys):
-    from fcprag_plugin.cli import main
+def test_cli_use_slot(tmp_path):
+    """--use-slot: no merged PEFT layers are built, the logits are the dense reference's; a fixed capacity that is
+    too small fails with the counts named."""
+    from prag_double.world import reference_logits
 
-    assert main(["run", "prag", "--use-slot", "--", str(DOUBLE_SCRIPT)]) == 2
-    assert "--use-slot is not available for PRAG yet" in capsys.readouterr().err
+    world = build_world(tmp_path / "w", ns=(2, 3))
+    cap, log = tmp_path / "cap", tmp_path / "log.jsonl"
+    cap.mkdir()
+    proc = _run_cli(["--use-slot", "--log", str(log)], world.args(cap), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["use_slot"] for r in records] == [True, True]
+    for t, rec in enumerate(world.records):
+        dws, logits, _ = read_capture(cap, t)
+        assert dws == {}  # the merge lives in the slot
+        ref = dense_reference(world, t, {p: 1.0 for p in range(len(rec["passages"]))})
+        torch.testing.assert_close(logits, reference_logits(world, ref, rec["question"]), rtol=1e-4, atol=1e-4)
+    proc = _run_cli(["--use-slot", "--slot-max-adapters", "2"], world.args(None), tmp_path)
+    assert proc.returncode == 2
+    assert "merges 3 adapters but the fused slot holds max_adapters=2" in proc.stderr
 
 
 @pytest.mark.integration

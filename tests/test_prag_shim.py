@@ -462,8 +462,6 @@ def test_bad_options_fail_at_install():
     with pytest.raises(HookError, match="nowhere.json"):
         prag.install(data_file="/nowhere.json")
     assert not prag.is_installed()
-    with pytest.raises(HookError, match="--use-slot"):
-        prag.launch(str(DOUBLE_SCRIPT), [], use_slot=True)
 
 
 def test_launch_returns_the_scripts_exit_status(tmp_path):

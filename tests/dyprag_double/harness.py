@@ -118,3 +118,17 @@ def dyprag_original(outs: list[dict]) -> dict[str, torch.Tensor]:
         b = torch.stack([o[m + B] for o in outs]).mean(dim=0)
         out[m] = (b @ a).to(torch.float32)
     return out
+
+
+def reference_logits(src_dir: Path, question: str, deltas: dict[str, torch.Tensor], seed: int = 0) -> torch.Tensor:
+    """First-step logits of the double's model for ``question`` with each module's dense ``delta`` set to
+    ``deltas[module]`` (cast to float32), through the double's own MLP code: no shim, no slot, no PEFT."""
+    prefix = "base_model.model."
+    with host_modules(src_dir) as (utils, _):
+        model, tokenizer = utils.get_model(seed)
+        for name, d in deltas.items():
+            while name.startswith(prefix):
+                name = name[len(prefix):]
+            utils.get_attributes(model, name).delta = d.to(torch.float32)
+        with torch.no_grad():
+            return model(input_ids=tokenizer(question).input_ids).logits[0, -1].clone()

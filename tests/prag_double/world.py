@@ -36,9 +36,12 @@ class World:
     def adapter_path(self, test_id: int, pid: int) -> Path:
         return self.adapter_root / self.group / f"data_{test_id}" / f"passage_{pid}"
 
-    def args(self, capture_dir: Path | None = None, context: str = "locals", sample: int = -1) -> list[str]:
+    def args(self, capture_dir: Path | None = None, context: str = "locals", sample: int = -1, generate: int = 0
+             ) -> list[str]:
         out = ["--model_name", str(self.model_dir), "--data_file", str(self.data_file),
                "--adapter_root", str(self.adapter_root), "--context", context, "--sample", str(sample)]
+        if generate:
+            out += ["--generate", str(generate)]
         if capture_dir is not None:
             out += ["--capture_dir", str(capture_dir)]
         return out
@@ -50,17 +53,20 @@ def _texts(test_id: int, n: int) -> tuple[str, list[str]]:
     return q, ps
 
 
-def build_world(root: Path, ns: Sequence[int] = DEFAULT_NS, zero_b: Sequence[tuple[int, int]] = ()) -> World:
-    """Tiny Llama saved to disk, ``dev.json`` records, and one real PEFT adapter per (question, passage).
+def build_world(root: Path, ns: Sequence[int] = DEFAULT_NS, zero_b: Sequence[tuple[int, int]] = (),
+                kind: str = "llama", ranks: Sequence[tuple[int, float]] = ((2, 32), (4, 16))) -> World:
+    """Tiny Llama (or ``kind="qwen2"``) saved to disk, ``dev.json`` records, and one real PEFT adapter per
+    (question, passage).
 
-    Ranks and alphas alternate (r=2, alpha=32 / r=4, alpha=16) so the scalings differ between passages.
+    Ranks and alphas cycle through ``ranks`` (default r=2, alpha=32 / r=4, alpha=16, so the scalings differ
+    between passages).
     """
     sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/helpers.py
     from helpers import make_adapter_dir, tiny_model
 
     root = Path(root)
     model_dir = root / "model"
-    tiny_model("llama", seed=1234).save_pretrained(str(model_dir))
+    tiny_model(kind, seed=1234).save_pretrained(str(model_dir))
     records = []
     for t, n in enumerate(ns):
         q, ps = _texts(t, n)
@@ -70,8 +76,9 @@ def build_world(root: Path, ns: Sequence[int] = DEFAULT_NS, zero_b: Sequence[tup
     w = World(root, model_dir, data_file, root / "adapters", records)
     for t, n in enumerate(ns):
         for p in range(n):
-            make_adapter_dir(w.adapter_path(t, p), seed=100 * t + p, r=2 if p % 2 == 0 else 4,
-                             alpha=32 if p % 2 == 0 else 16, zero_b=(t, p) in set(zero_b))
+            r, alpha = ranks[p % len(ranks)]
+            make_adapter_dir(w.adapter_path(t, p), kind, seed=100 * t + p, r=r, alpha=alpha,
+                             zero_b=(t, p) in set(zero_b))
     return w
 
 
@@ -110,6 +117,8 @@ def read_capture(capture_dir: Path, test_id: int) -> tuple[dict[str, torch.Tenso
     t = load_file(str(Path(capture_dir) / f"q{test_id}.safetensors"))
     info = json.loads((Path(capture_dir) / f"q{test_id}.json").read_text())
     dws = {}
+    if "generated" in t:
+        info["generated"] = t["generated"].tolist()
     for key in t:
         if key.endswith("::A"):
             module = key[:-3]

@@ -7,13 +7,14 @@ import os
 import torch
 from peft import PeftModel
 
-from prag_utils import get_model, load_data, predict, save_capture
+from prag_utils import generate, get_model, load_data, predict, save_capture
 
 
 def main(args):
     filename, data_list = load_data(args.data_file)
     model = get_model(args.model_name)
     base_before = predict(model, "probe text")
+    probes = {}
     if args.sample > 0:
         data_list = data_list[: args.sample]
     for test_id, data in enumerate(data_list):
@@ -45,16 +46,19 @@ def main(args):
         )
         model.set_adapter("merge")
         logits = predict(model, text)
+        generated = generate(model, text, args.generate) if args.generate > 0 else None
         if args.capture_dir:
             names = [str(i) for i in range(n_passages)]
-            save_capture(model, "merge", names, logits, os.path.join(args.capture_dir, f"q{test_id}"))
+            save_capture(model, "merge", names, logits, os.path.join(args.capture_dir, f"q{test_id}"), generated)
         model.delete_adapter("merge")
         model = model.unload()
+        if args.capture_dir:
+            probes[f"after_q{test_id}"] = predict(model, "probe text")  # the bare base model between questions
         gc.collect()
     if args.capture_dir:
         from safetensors.torch import save_file
 
-        save_file({"before": base_before, "after": predict(model, "probe text")},
+        save_file({"before": base_before, "after": predict(model, "probe text"), **probes},
                   os.path.join(args.capture_dir, "base.safetensors"))
     print(f"done: {len(data_list)} questions")
 
@@ -67,6 +71,7 @@ if __name__ == "__main__":
     parser.add_argument("--sample", type=int, default=-1)
     parser.add_argument("--capture_dir")
     parser.add_argument("--context", choices=["locals", "set_context", "none"], default="locals")
+    parser.add_argument("--generate", type=int, default=0, help="also greedy-generate this many tokens per question")
     args = parser.parse_args()
     torch.manual_seed(0)
     main(args)

@@ -31,6 +31,15 @@ def predict(model, text):
     return model(input_ids=ids).logits[0, -1].float().clone()
 
 
+@torch.no_grad()
+def generate(model, text, max_new_tokens):
+    """Greedy ``model.generate`` (PRAG answers with generate): the new token ids ``[max_new_tokens]``."""
+    ids = torch.tensor([token_ids(text, model.config.vocab_size)])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1]:].clone()
+
+
 def lora_layers(model, adapter_name):
     """``{module name (no peft prefix): layer}`` of the live LoRA layers holding ``adapter_name``."""
     out = {}
@@ -43,11 +52,13 @@ def lora_layers(model, adapter_name):
     return out
 
 
-def save_capture(model, adapter_name, adapter_names, logits, path):
-    """Merged factors per module, the logits, and how many layers each passage adapter had."""
+def save_capture(model, adapter_name, adapter_names, logits, path, generated=None):
+    """Merged factors per module, the logits (and generated ids), and how many layers each passage adapter had."""
     from safetensors.torch import save_file
 
     tensors = {"logits": logits.contiguous()}
+    if generated is not None:
+        tensors["generated"] = generated.contiguous()
     for name, layer in lora_layers(model, adapter_name).items():
         tensors[f"{name}::A"] = layer.lora_A[adapter_name].weight.detach().float().contiguous().clone()
         tensors[f"{name}::B"] = layer.lora_B[adapter_name].weight.detach().float().contiguous().clone()

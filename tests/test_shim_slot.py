@@ -1,0 +1,377 @@
+"""The shims' ``use_slot`` option: the merge lives in a ``FusedSlot`` instead of merged PEFT modules (PRAG) or
+dense ``delta`` tensors (DyPRAG). Every check compares with the default shim path and with an independent dense
+reference; the base model must be bit-identical outside a question. Note: test functions avoid local variables
+named ``question`` + ``passages`` unless they mean them (the shims read callers' locals).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dyprag_double import harness as H
+from fcprag_plugin.compat import peft_has_stale_config_bug
+from fcprag_plugin.controller import FusionController
+from fcprag_plugin.errors import HookError
+from fcprag_plugin.hooks import dyprag, prag, run_script
+from helpers import hash_embed, hash_encoder
+from prag_double.world import DOUBLE_SCRIPT, World, build_world, dense_reference, read_capture, reference_logits
+
+pytest.importorskip("peft")
+
+STALE = peft_has_stale_config_bug()
+
+
+@pytest.fixture(autouse=True)
+def _no_shim_leaks():
+    yield
+    prag.uninstall()
+    prag.clear_context()
+    dyprag.uninstall()
+
+
+def fixed_controller() -> FusionController:
+    return FusionController.fixed(g=0.9, tau=0.05, embed_dim=16, scorer="cosine")
+
+
+def fixed_weights_by_hand(q: str, ps: list[str], g: float = 0.9, tau: float = 0.05) -> list[float]:
+    """The fixed-cosine controller's w~ written out: s=(1+cos)/2, w=g*softmax(s/tau)+(1-g)/N, w~=N*w/sum w."""
+    e = torch.nn.functional.normalize(hash_embed([q, *ps], 16).double(), dim=-1)
+    s = (1 + e[1:] @ e[0]) / 2
+    w = g * torch.softmax(s / tau, 0) + (1 - g) / len(ps)
+    return (len(ps) * w / w.sum()).tolist()
+
+
+def base_hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+# ============================================================================= PRAG
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def world(request, tmp_path_factory) -> World:
+    return build_world(tmp_path_factory.mktemp(f"slot_world_{request.param}"), kind=request.param)
+
+
+def run_double(world: World, tmp: Path, name: str, **options) -> tuple[Path, list[dict]]:
+    cap, log = tmp / name, tmp / f"{name}.jsonl"
+    cap.mkdir()
+    rc = prag.launch(str(DOUBLE_SCRIPT), world.args(cap, generate=3), log=log, **options)
+    assert rc == 0 and not prag.is_installed()
+    return cap, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_prag_slot_equals_default_path_and_dense_reference(world, tmp_path):
+    """Four questions in a row (N = 3, 4, 2, 3; ranks 2 and 4): on peft < 0.19 this is the stale-config case."""
+    opts = dict(controller=fixed_controller(), encoder=hash_encoder(16))
+    default, _ = run_double(world, tmp_path, "default", **opts)
+    slot, records = run_double(world, tmp_path, "slot", use_slot=True, **opts)
+    from safetensors.torch import load_file
+
+    probes = load_file(str(slot / "base.safetensors"))
+    for t, rec in enumerate(world.records):
+        w = fixed_weights_by_hand(rec["question"], rec["passages"])
+        assert records[t]["merge_weights"] == pytest.approx(w, abs=1e-5)
+        assert records[t]["use_slot"] is True and "FusedSlot" in records[t]["slot"]
+        d_dw, d_logits, d_info = read_capture(default, t)
+        s_dw, s_logits, s_info = read_capture(slot, t)
+        assert d_dw and s_dw == {}  # the slot path built no merged PEFT layers ...
+        assert all(v > 0 for v in s_info["layers_per_adapter"].values())  # ... but every passage was loaded
+        torch.testing.assert_close(s_logits, d_logits, rtol=1e-5, atol=1e-5)
+        want = reference_logits(world, dense_reference(world, t, dict(enumerate(w))), rec["question"])
+        torch.testing.assert_close(s_logits, want, rtol=1e-4, atol=1e-4)
+        assert (want - probes["before"]).abs().max() > 1e-3  # the merge matters: the check can fail
+        assert s_info["generated"] == d_info["generated"]
+        assert torch.equal(probes[f"after_q{t}"], probes["before"])  # nothing of a question outlives it
+    assert torch.equal(probes["after"], probes["before"])
+
+
+def test_prag_slot_uniform_and_growth(tmp_path):
+    """No controller: w~ = 1. The slot is sized for question 1 (3 adapters), grows once for question 2 (4)."""
+    w = build_world(tmp_path / "w", ns=(3, 4, 2))
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    with prag.installed(controller=None, use_slot=True) as shim:
+        run_script(DOUBLE_SCRIPT, w.args(cap))
+        assert shim.slots.resizes == 1 and shim.merges == 3
+        assert "max_adapters=4" in shim.last_record["slot"]  # grown for question 2, kept for question 3
+    for t, rec in enumerate(w.records):
+        want = reference_logits(w, dense_reference(w, t, {p: 1.0 for p in range(len(rec["passages"]))}),
+                                rec["question"])
+        torch.testing.assert_close(read_capture(cap, t)[1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_prag_fixed_capacity_too_small_is_named(tmp_path):
+    w = build_world(tmp_path / "w", ns=(2, 3))
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    with pytest.raises(HookError, match=r"merges 3 adapters but the fused slot holds max_adapters=2"):
+        prag.launch(str(DOUBLE_SCRIPT), w.args(cap), use_slot=True, slot_max_adapters=2)
+    assert (cap / "q0.safetensors").exists() and not (cap / "q1.safetensors").exists()
+    assert not prag.is_installed()
+
+
+def _peft_model(adapter_dirs, base=None):
+    from peft import PeftModel
+
+    from helpers import tiny_model
+
+    pm = PeftModel.from_pretrained(base if base is not None else tiny_model(), str(adapter_dirs[0]), adapter_name="0")
+    for i, d in enumerate(adapter_dirs[1:], start=1):
+        pm.load_adapter(str(d), adapter_name=str(i))
+    return pm
+
+
+def _files_reference(adapter_dirs, w, kind: str = "cat") -> dict[str, torch.Tensor]:
+    from prag_double.world import read_adapter
+
+    ads = [read_adapter(d) for d in adapter_dirs]
+    ref = {}
+    for module in ads[0]:
+        if kind == "cat":
+            ref[module] = sum(wi * s * (B @ A) for wi, (A, B, s) in zip(w, (a[module] for a in ads)))
+        else:  # separate: (sum u_i B_i)(sum u_j s_j A_j), u = w~/N
+            u = [wi / len(w) for wi in w]
+            ref[module] = sum(ui * a[module][1] for ui, a in zip(u, ads)) @ \
+                sum(ui * a[module][2] * a[module][0] for ui, a in zip(u, ads))
+    return ref
+
+
+def _dense_logits(base, dw: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a deep copy of ``base`` with ``W + dW`` written in (independent of PEFT and of the slot)."""
+    import copy
+
+    m = copy.deepcopy(base)
+    mods = dict(m.named_modules())
+    with torch.no_grad():
+        for name, d in dw.items():
+            mods[name].weight += d.to(mods[name].weight.dtype)
+        return m(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("mode", ["cat", "separate"])
+def test_prag_slot_lifecycle_on_a_live_model(adapter_dirs, mode):
+    """add_weighted_adapter -> set_adapter -> disable_adapter -> delete_adapter -> unload -> uninstall."""
+    from helpers import tiny_model
+
+    base = tiny_model()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        bare = base(input_ids=ids).logits
+    pristine = {k: v.clone() for k, v in base.state_dict().items()}
+    question = "violin opera senate"
+    passages = ["violin opera", "glacier comet", "river harbor"]
+    w = fixed_weights_by_hand(question, passages)
+    want = _dense_logits(base, _files_reference(adapter_dirs, w, mode), ids)
+    # the default shim's result on the same inputs
+    with prag.installed(controller=fixed_controller(), encoder=hash_encoder(16), mode=mode):
+        ref_pm = _peft_model(adapter_dirs, tiny_model())
+        ref_pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
+        ref_pm.set_adapter("merge")
+        with torch.no_grad():
+            default_logits = ref_pm(input_ids=ids).logits
+    torch.testing.assert_close(default_logits, want, rtol=1e-4, atol=1e-4)
+
+    with prag.installed(controller=fixed_controller(), encoder=hash_encoder(16), mode=mode, use_slot=True) as shim:
+        pm = _peft_model(adapter_dirs, base)
+        with torch.no_grad():
+            only_0 = pm(input_ids=ids).logits  # PEFT's own state: adapter "0" active
+        pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
+        slot = shim.slot_of(base)
+        assert slot is not None and not slot.active
+        assert "merge" in pm.peft_config
+        assert not any("merge" in getattr(m, "lora_A", {}) for m in base.modules())  # no merged PEFT modules
+        got = slot.current_adapter()
+        for module, d in _files_reference(adapter_dirs, w, mode).items():
+            torch.testing.assert_close(got.modules[module].delta().double(), d, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            assert torch.equal(pm(input_ids=ids).logits, only_0)  # not active before set_adapter, like peft
+            pm.set_adapter("merge")
+            on = pm(input_ids=ids).logits
+            with pm.disable_adapter():
+                off = pm(input_ids=ids).logits
+            again = pm(input_ids=ids).logits
+        torch.testing.assert_close(on, default_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(on, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(off, bare) and torch.equal(again, on)
+        pm.delete_adapter("merge")
+        assert not slot.active and "merge" not in pm.peft_config
+        with torch.no_grad():  # the LoraModel: peft 0.13.2's PeftModel still names the deleted adapter active
+            assert torch.equal(pm.base_model(input_ids=ids).logits, only_0)  # adapter "0" active again
+        unloaded = pm.unload()
+        assert unloaded is base and not slot.active
+        with torch.no_grad():
+            assert torch.equal(base(input_ids=ids).logits, bare)  # bit-identical outside a question
+        assert base_hooks(base) > 0  # the slot stays installed between questions ...
+    assert base_hooks(base) == 0  # ... and uninstall removes it
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, pristine[k]), k  # no weight was ever written
+
+
+def test_prag_slot_merge_and_unload_and_a_second_merge_are_refused(adapter_dirs):
+    from helpers import tiny_model
+
+    base = tiny_model()
+    question, passages = "q", ["a", "b", "c"]  # noqa: F841  (read by the shim from this frame)
+    with prag.installed(controller=None, use_slot=True):
+        pm = _peft_model(adapter_dirs, base)
+        pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
+        with pytest.raises(HookError, match=r"one merge per model.*delete_adapter\('merge'\)"):
+            pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge2", combination_type="cat")
+        pm.set_adapter("merge")
+        with pytest.raises(HookError, match=r"merge_and_unload\(\) with the merged adapter 'merge' active"):
+            pm.merge_and_unload()
+        pm.delete_adapter("merge")
+        pm.set_adapter("1")
+        merged = pm.merge_and_unload()  # a real PEFT adapter: peft's own behaviour
+    assert merged is base
+
+
+def test_prag_slot_bad_options():
+    with pytest.raises(HookError, match=r"use_slot supports modes \['cat', 'separate'\], not 'svd'"):
+        prag.install(mode="svd", use_slot=True)
+    with pytest.raises(HookError, match="only applies with use_slot"):
+        prag.install(max_adapters=4)
+    with pytest.raises(HookError, match="must be a positive integer.*got 0"):
+        prag.install(use_slot=True, max_adapters=0)
+    assert not prag.is_installed()
+
+
+# ============================================================================= DyPRAG
+COUNTS = (1, 2, 3, 4, 5, 3)
+
+
+@pytest.fixture
+def double(tmp_path):
+    script = H.copy_double(tmp_path)
+    questions = H.make_questions(COUNTS)
+    data = H.write_data(tmp_path / "data.jsonl", questions)
+    return script, data, questions
+
+
+@pytest.mark.parametrize("mode", ["separate", "delta"])
+@pytest.mark.parametrize("ctrl", ["fixed", "none"])
+def test_dyprag_slot_equals_default_path_and_reference(double, tmp_path, encoder16, mode, ctrl):
+    script, data, questions = double
+    controller = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16) if ctrl == "fixed" else None
+    runs = {}
+    for use_slot in (False, True):
+        rec, out, log = (tmp_path / f"{use_slot}.{x}" for x in ("pt", "json", "jsonl"))
+        rc = dyprag.launch(script, ["--data", str(data), "--record", str(rec), "--out", str(out)],
+                           controller=controller, encoder=encoder16, mode=mode, log=log, use_slot=use_slot)
+        assert rc == 0 and dyprag.current() is None
+        runs[use_slot] = (H.load_record(rec), json.loads(out.read_text()),
+                          [json.loads(line) for line in log.read_text().splitlines()])
+    (d_rec, d_out, _), (s_rec, s_out, s_log) = runs[False], runs[True]
+    # the slot was off while the next question's passages were embedded: identical translator outputs
+    assert len(d_rec["translator"]) == len(s_rec["translator"]) == sum(COUNTS)
+    for a, b in zip(d_rec["translator"], s_rec["translator"]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    ref_fn = H.reference_separate if mode == "separate" else H.reference_delta
+    for qi, (outs, q) in enumerate(zip(H.group_outputs(s_rec), questions)):
+        d_pred, s_pred = d_rec["predict"][qi], s_rec["predict"][qi]
+        assert d_pred["deltas"] and s_pred["deltas"] == {}  # the dense delta path did nothing
+        torch.testing.assert_close(s_pred["logits"], d_pred["logits"], rtol=1e-5, atol=1e-5)
+        u = H.controller_u(controller, encoder16, q["question"], q["passages"])
+        want = H.reference_logits(script.parent, q["question"], ref_fn(outs, u))
+        torch.testing.assert_close(s_pred["logits"], want, rtol=1e-4, atol=1e-4)
+        assert s_log[qi]["use_slot"] is True and "FusedSlot" in s_log[qi]["slot"]
+        assert s_log[qi]["u"] == pytest.approx(u, rel=1e-6)
+    assert [p["text"] for p in s_out] == [p["text"] for p in d_out]
+    # the update matters (the comparison can fail): the largest question's logits move off the bare model
+    bare = H.reference_logits(script.parent, questions[4]["question"], {})
+    assert (s_rec["predict"][4]["logits"] - bare).abs().max() > 1e-4
+
+
+@pytest.fixture
+def host(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    H.copy_double(tmp_path)
+    with H.host_modules(tmp_path / "src") as (utils, projector):
+        model, tokenizer = utils.get_model(0)
+        model = get_peft_model(model, LoraConfig(target_modules=["down_proj", "gate_proj", "up_proj"], r=2,
+                                                 lora_alpha=32, lora_dropout=0.0))
+        torch.manual_seed(1)
+        translator = projector.ParameterTranslator(["down_proj", "up_proj", "gate_proj"], [0, 1], 16, 24, 2).eval()
+        yield types.SimpleNamespace(utils=utils, projector=projector, model=model, tokenizer=tokenizer,
+                                    translator=translator, src=tmp_path / "src")
+
+
+TEXTS = ["the famous bridge in the old town was built by person one",
+         "unrelated text about weather and cooking",
+         "sports scores from last year in another city"]
+QUESTION = "who built the famous bridge in the old town"
+
+
+def _one_question(h, n: int = 3):
+    question, passages = QUESTION, TEXTS[:n]  # noqa: F841  (read by the shim from this frame)
+    with torch.no_grad():
+        outs = [h.translator(torch.randn(1, 16, generator=torch.Generator().manual_seed(100 + i)))
+                for i in range(n)]
+    merged = {k: torch.stack([o[k] for o in outs]).mean(dim=0) for k in outs[0]}
+    h.utils.delta_inject(h.model, merged)
+    return outs, merged
+
+
+def _strict_delta_remove(model, adapter_weights):
+    """DyPRAG's own delta_remove deletes ``delta`` unconditionally (an AttributeError when there is none)."""
+    for module in sorted({k.rsplit(".", 2)[0] for k in adapter_weights}):
+        obj = model
+        for part in module.split("."):
+            obj = getattr(obj, part)
+        delattr(obj, "delta")
+
+
+@pytest.mark.parametrize("mode", ["separate", "delta"])
+def test_dyprag_slot_on_a_live_model(host, encoder16, mode, monkeypatch):
+    monkeypatch.setattr(host.utils, "delta_remove", _strict_delta_remove)
+    ids = host.tokenizer(QUESTION).input_ids
+    with torch.no_grad():
+        bare = host.model(input_ids=ids).logits
+    ctrl = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16)
+    with dyprag.installed(ctrl, encoder16, mode, utils=host.utils, projector=host.projector, use_slot=True) as shim:
+        outs, merged = _one_question(host)
+        assert {n for n, m in host.model.named_modules() if "delta" in vars(m)} == set()
+        slot = shim.slots.slot_of(host.model)
+        assert slot is not None and slot.active
+        u = H.controller_u(ctrl, encoder16, QUESTION, TEXTS)
+        ref = (H.reference_separate if mode == "separate" else H.reference_delta)(outs, u)
+        with torch.no_grad():
+            got = host.model(input_ids=ids).logits[0, -1]
+        torch.testing.assert_close(got, H.reference_logits(host.src, QUESTION, ref), rtol=1e-4, atol=1e-4)
+        host.utils.delta_remove(host.model, merged)  # DyPRAG's strict version would raise without the patch
+        assert not slot.active
+        with torch.no_grad():
+            assert torch.equal(host.model(input_ids=ids).logits, bare)
+        assert base_hooks(host.model) > 0
+    assert base_hooks(host.model) == 0 and host.utils.delta_remove is _strict_delta_remove
+
+
+def test_dyprag_slot_errors(host, tmp_path, monkeypatch):
+    with dyprag.installed(utils=host.utils, projector=host.projector, use_slot=True, max_adapters=2):
+        with pytest.raises(HookError, match=r"merges 3 adapters but the fused slot holds max_adapters=2"):
+            _one_question(host, 3)
+        _one_question(host, 2)
+    # a translator that returns a real batch of factors ([2, r, in]): one slot cannot hold them
+    cls = host.projector.ParameterTranslator
+    plain = cls.forward
+    monkeypatch.setattr(cls, "forward",
+                        lambda self, x: {k: v.unsqueeze(0).expand(2, *v.shape) for k, v in plain(self, x).items()})
+    with dyprag.installed(utils=host.utils, projector=host.projector, use_slot=True):
+        with pytest.raises(HookError, match=r"key 'base_model\.model\.model\.layers\.\d\.mlp\.\w+\.lora_[AB]\.weight' "
+                                            r"has shape \[2, .*one \[r, in\] / \[out, r\] factor pair"):
+            _one_question(host, 2)
+    monkeypatch.setattr(cls, "forward", plain)
+    with pytest.raises(HookError, match="only applies with use_slot"):
+        dyprag.install(utils=host.utils, projector=host.projector, max_adapters=3)
+    no_remove = types.ModuleType("utils")
+    no_remove.delta_inject = host.utils.delta_inject
+    with pytest.raises(HookError, match="has no function 'delta_remove'"):
+        dyprag.install(utils=no_remove, projector=host.projector, use_slot=True)
+    assert dyprag.current() is None
+    with pytest.raises(HookError, match="only applies with use_slot"):
+        dyprag.launch(tmp_path / "x.py", [], slot_max_adapters=3)
