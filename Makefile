@@ -9,12 +9,21 @@ SHELL := /bin/bash
 # pip prints a warning per missing local index folder: hide those lines, keep real errors (and the exit code).
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
-.PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench
+.PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench efficacy efficacy-report
 
 demo: .venv/latest/.stamp
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python examples/quickstart.py
 
 test: $(addprefix test-,$(STACKS))
+
+# The efficacy study (docs/results/efficacy.md): hours of CPU from scratch; stages skip what their cache holds.
+EFFICACY_DATASETS ?= hotpotqa
+efficacy: .venv/latest/.stamp
+	for ds in $(EFFICACY_DATASETS); do HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python benchmarks/efficacy/run_all.py --dataset $$ds || exit 1; done
+
+# Rebuild only the report from the committed caches (seconds, no model).
+efficacy-report: .venv/latest/.stamp
+	.venv/latest/bin/python benchmarks/efficacy/report.py
 
 # A static pattern rule: make never applies implicit (%) rules to .PHONY targets.
 $(addprefix test-,$(STACKS)): test-%: .venv/%/.stamp
