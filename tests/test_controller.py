@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fcprag_plugin import ControllerError, FusionController
-from fcprag_plugin.controller import ControllerConfig, combine
-from fcprag_plugin.features import pair_features
+from fcprag_plugin.controller import ControllerConfig, combine, split_first_linear
+from fcprag_plugin.features import pair_features, passage_features
 
 
 def test_reference_vector():
@@ -151,3 +151,129 @@ def test_bad_inputs():
         c(torch.randn(1, 4), torch.randn(1, 0, 4))
     with pytest.raises(ControllerError, match=r"tau_min/'tau_max'|tau_min'/'tau_max'"):
         ControllerConfig(tau_min=2.0, tau_max=1.0).validate()
+
+
+def test_split_first_layer_equals_a_linear_on_the_concatenated_features():
+    """W[:, :d] e_q + b + W[:, d:] xp_i (the controller's evaluation) == nn.Linear(4d, H) on x_i."""
+    torch.manual_seed(0)
+    d, B, N, H = 24, 4, 5, 32
+    lin = torch.nn.Linear(4 * d, H).double()
+    e_q, E_p = torch.randn(B, d, dtype=torch.float64), torch.randn(B, N, d, dtype=torch.float64)
+    ref = lin(pair_features(e_q, E_p))
+    x = pair_features(e_q, E_p)
+    torch.testing.assert_close(torch.cat([e_q.unsqueeze(1).expand(B, N, d), passage_features(e_q, E_p)], -1), x,
+                               rtol=0, atol=0)
+    got = split_first_linear(lin.weight, lin.bias, e_q, passage_features(e_q, E_p))
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    lin32 = lin.float()  # float32: same values up to rounding of a differently ordered sum
+    got32 = split_first_linear(lin32.weight, lin32.bias, e_q.float(), passage_features(e_q.float(), E_p.float()))
+    torch.testing.assert_close(got32, ref.float(), rtol=1e-5, atol=1e-5)
+    # gradients reach every block of the one weight matrix
+    lin32.zero_grad()
+    split_first_linear(lin32.weight, lin32.bias, e_q.float(), passage_features(e_q.float(), E_p.float())).sum().backward()
+    g = lin32.weight.grad.clone()
+    lin32.zero_grad()
+    lin32(x.float()).sum().backward()
+    torch.testing.assert_close(g, lin32.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_layout_is_unchanged():
+    """Saved controllers keep loading: the same keys and shapes as the plain two-MLP layout."""
+    c = FusionController(embed_dim=8, score_hidden=[16, 8], calib_hidden=4)
+    assert {k: list(v.shape) for k, v in c.state_dict().items()} == {
+        "score_net.0.weight": [16, 32], "score_net.0.bias": [16], "score_net.3.weight": [8, 16],
+        "score_net.3.bias": [8], "score_net.6.weight": [1, 8], "score_net.6.bias": [1],
+        "calib_net.0.weight": [4, 42], "calib_net.0.bias": [4], "calib_net.3.weight": [2, 4],
+        "calib_net.3.bias": [2]}
+
+
+def test_unmasked_fast_path_equals_an_all_true_mask_and_the_mlps_on_full_features():
+    torch.manual_seed(1)
+    c = FusionController(embed_dim=8, seed=2).eval()
+    e_q, E_p = torch.randn(3, 8), torch.randn(3, 4, 8)
+    a = c(e_q, E_p)
+    b = c(e_q, E_p, torch.ones(3, 4, dtype=torch.bool))
+    for k in ("scores", "g", "tau", "weights", "merge_weights"):
+        torch.testing.assert_close(getattr(a, k), getattr(b, k), rtol=0, atol=0)
+    assert a.mask.dtype == torch.bool and bool(a.mask.all())
+    # the scores are the score net applied to the full pair features
+    x = pair_features(e_q, E_p)
+    torch.testing.assert_close(a.scores, torch.sigmoid(c.score_net(x).squeeze(-1)), rtol=1e-5, atol=1e-6)
+
+
+def _sharp_controller(d=64, seed=0):
+    """A random controller made as decisive as a trained one: scores spread like a trained controller's (std
+    ~0.12), g ~ 0.98 and tau near its 0.05 floor, so score errors are amplified ~20x in w~."""
+    c = FusionController(embed_dim=d, seed=seed).eval()
+    with torch.no_grad():
+        c.score_net[-1].weight.mul_(60.0)
+        c.calib_net[-1].bias.copy_(torch.tensor([4.0, -6.0]))
+    return c
+
+
+# documented in FusionController.for_inference: (max |s - s_fp32|, max |w~ - w~_fp32|)
+INFERENCE_TOLERANCE = {torch.bfloat16: (5e-3, 0.08), torch.int8: (1e-2, 0.12)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_for_inference_is_within_the_documented_tolerance(dtype):
+    c = _sharp_controller()
+    fast = c.for_inference(dtype)
+    g = torch.Generator().manual_seed(1)
+    e_q = torch.nn.functional.normalize(torch.randn(500, 64, generator=g), dim=-1)
+    E_p = torch.nn.functional.normalize(torch.randn(500, 5, 64, generator=g), dim=-1)
+    with torch.no_grad():
+        ref, out = c(e_q, E_p), fast(e_q, E_p)
+    assert float(ref.g.mean()) > 0.9 and float(ref.tau.mean()) < 0.1 and float(ref.scores.std()) > 0.1
+    tol_s, tol_w = INFERENCE_TOLERANCE[dtype]
+    assert float((out.scores - ref.scores).abs().max()) <= tol_s
+    assert float((out.merge_weights - ref.merge_weights).abs().max()) <= tol_w
+    assert 0 < float((out.merge_weights - ref.merge_weights).abs().max())  # it did use the converted weights
+    # the same ranking wherever the float32 scores are 2e-2 apart (twice the score tolerance)
+    srt, order = ref.scores.sort(1, descending=True)
+    separated = (srt[:, :-1] - srt[:, 1:] >= 2e-2).all(1)
+    assert int(separated.sum()) > 50
+    assert torch.equal(out.scores.argsort(1, descending=True)[separated], order[separated])
+    top_gap = srt[:, 0] - srt[:, 1] >= 2e-2
+    assert int(top_gap.sum()) > 300
+    assert torch.equal(out.merge_weights.argmax(1)[top_gap], ref.merge_weights.argmax(1)[top_gap])
+    # one query at a time (the benchmark's batch 1) gives what the batch gives
+    with torch.no_grad():
+        one = fast(e_q[:1], E_p[:1])
+    torch.testing.assert_close(one.merge_weights, out.merge_weights[:1], atol=tol_w, rtol=0)
+
+
+def test_for_inference_masks_like_the_original_and_keeps_parameters():
+    torch.manual_seed(2)
+    c = FusionController(embed_dim=16, seed=4).eval()
+    fast = c.for_inference(torch.float32)
+    e_q, E_p = torch.randn(3, 16), torch.randn(3, 4, 16)
+    mask = torch.tensor([[True, True, False, False], [True, True, True, True], [True, False, False, False]])
+    a, b = c(e_q, E_p, mask), fast(e_q, E_p, mask)
+    torch.testing.assert_close(a.merge_weights, b.merge_weights, rtol=1e-5, atol=1e-6)
+    assert torch.equal(b.merge_weights[~mask], torch.zeros(int((~mask).sum())))
+    # a copy: same float32 parameters, frozen; the original is untouched and still trainable
+    for (k, v), (_, w) in zip(c.state_dict().items(), fast.state_dict().items()):
+        assert torch.equal(v, w), k
+    assert not any(p.requires_grad for p in fast.parameters()) and all(p.requires_grad for p in c.parameters())
+    assert "_runner" not in vars(c)
+
+
+def test_for_inference_follows_loaded_weights_and_refuses_training(tmp_path):
+    c = FusionController(embed_dim=16, seed=5).eval()
+    other = FusionController(embed_dim=16, seed=6).eval()
+    fast = c.for_inference(torch.bfloat16)
+    e_q, E_p = torch.randn(2, 16), torch.randn(2, 3, 16)
+    before = fast(e_q, E_p).scores
+    fast.load_state_dict(other.state_dict())  # in-place copy: the cached bf16 weights must be rebuilt
+    torch.testing.assert_close(fast(e_q, E_p).scores, other(e_q, E_p).scores, atol=5e-3, rtol=0)
+    assert not torch.allclose(before, fast(e_q, E_p).scores, atol=1e-3)
+    fast.train()
+    with pytest.raises(ControllerError, match=r"inference copy \(for_inference\)"):
+        fast(e_q, E_p)
+    with pytest.raises(ControllerError, match=r"dtype torch.float16 is not supported"):
+        c.for_inference(torch.float16)
+    # saving an inference copy writes the float32 weights, which load as an ordinary controller
+    fast.eval().save_pretrained(tmp_path / "c")
+    again = FusionController.from_pretrained(tmp_path / "c")
+    torch.testing.assert_close(again(e_q, E_p).scores, other(e_q, E_p).scores, rtol=0, atol=0)
