@@ -38,7 +38,7 @@ from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, 
 from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
-from .precision import mixed_precision, resolve_precision
+from .precision import TrainRunner, resolve_precision, use_runner
 from .metrics import collect_outputs, evaluate, format_table, metrics_from_outputs
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, weighted_kl
 
@@ -281,13 +281,14 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.epoch = 0
         self.precision = resolve_precision(args.precision)
-        self._amp = torch.bfloat16 if self.precision == "bf16" else None
+        # bf16 shadow weights / persistent gradient buffers, reused by every step (see training.precision)
+        self.runner = TrainRunner(torch.bfloat16 if self.precision == "bf16" else torch.float32)
 
     # -------------------------------------------------------------------- one epoch
     def train_epoch(self, progress: Any = None) -> float:
         """One pass over the training data; returns the omega-weighted mean loss."""
         self.controller.train()
-        with mixed_precision(self.controller, self._amp):
+        with use_runner(self.controller, self.runner):
             return self._epoch_loop(progress)
 
     def _epoch_loop(self, progress: Any) -> float:
