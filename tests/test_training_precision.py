@@ -195,3 +195,18 @@ def test_mixed_precision_context_restores_the_controller():
             pass
     with pytest.raises(ValueError, match="training precision supports"):
         TrainRunner(torch.float16)
+
+
+def test_default_float32_path_matches_the_float64_reference():
+    """Without a TrainRunner (plain autograd, e.g. a user's own training loop) the same loss and gradients."""
+    torch.manual_seed(7)
+    c = FusionController(ControllerConfig(**CFG, dropout=0.0)).train()
+    batch = data(4)
+    e_q, E_p, mask, y, omega = batch
+    loss = weighted_kl(y, c(e_q, E_p, mask).weights, mask, omega, eps=0.0)
+    loss.backward()
+    ref_loss, ref = reference_grads(c, batch, [1.0, 1.0, 1.0])
+    torch.testing.assert_close(loss.detach().double(), ref_loss, rtol=1e-5, atol=1e-7)
+    scale = max(float(r.abs().max()) for r in ref.values())
+    for k, p in c.named_parameters():
+        assert float((p.grad.double() - ref[k]).abs().max()) <= 1e-5 * scale, k

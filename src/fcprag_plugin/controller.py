@@ -202,13 +202,19 @@ def _int8_matmul_available() -> bool:
     return True
 
 
+def _version(t: torch.Tensor) -> int:
+    """The in-place version counter (-1 for inference tensors, which have none)."""
+    return -1 if t.is_inference() else t._version
+
+
 class _CastWeights(MLPRunner):
     """Inference with the Linear weights converted once: ``torch.bfloat16`` / ``torch.float32`` casts, or
     ``torch.int8`` weight-only quantization (symmetric, one scale per output row, ``w ~ q * max|w_row| / 127``)
     multiplied by bfloat16 activations. Inputs are cast per call; outputs come back as float32.
 
     The converted weights are cached per layer and redone when a parameter is replaced, moved or changed in place
-    through autograd-visible ops (``load_state_dict``, ``copy_``: its version counter). The copy this runner
+    through autograd-visible ops (``load_state_dict``, ``copy_``: its version counter; tensors created under
+    ``torch.inference_mode`` have no version counter, so there only replacement and moves are seen). The copy this runner
     belongs to has frozen parameters (``requires_grad=False``), and nothing here reaches them (``trainable``).
     """
 
@@ -231,7 +237,7 @@ class _CastWeights(MLPRunner):
 
     def _weights(self, layer: nn.Linear, split: int | None = None) -> tuple[tuple[torch.Tensor, ...], ...]:
         w, b = layer.weight, layer.bias
-        key = (w._version, b._version, w.data_ptr(), b.data_ptr(), w.device, split)
+        key = (_version(w), _version(b), w.data_ptr(), b.data_ptr(), w.device, split)
         hit = self._cache.get(id(layer))
         if hit is not None and hit[0] == key:
             return hit[1]
@@ -342,7 +348,8 @@ class FusionController(nn.Module):
     def _calibration(self, e_q: torch.Tensor, E_p: torch.Tensor, xp: torch.Tensor, s: torch.Tensor,
                      mask: torch.Tensor | None, runner: MLPRunner) -> tuple[torch.Tensor, torch.Tensor]:
         """``g [B]``, ``tau [B]`` from the set summary (``mask`` None: every passage is real)."""
-        cos = torch.einsum("bd,bnd->bn", e_q, E_p)
+        d = e_q.shape[1]
+        cos = xp[..., d:2 * d].sum(-1)  # e_q . e_p from the e_q*e_p block of the features (no second product)
         sc = torch.stack([s, cos], dim=1)  # [B, 2, N]: both statistics in one pass
         m2 = None if mask is None else mask.unsqueeze(1)
         mean, std = masked_mean(sc, m2, 2), masked_std(sc, m2, 2)
