@@ -277,3 +277,15 @@ def test_for_inference_follows_loaded_weights_and_refuses_training(tmp_path):
     fast.eval().save_pretrained(tmp_path / "c")
     again = FusionController.from_pretrained(tmp_path / "c")
     torch.testing.assert_close(again(e_q, E_p).scores, other(e_q, E_p).scores, rtol=0, atol=0)
+
+
+def test_for_inference_made_and_used_inside_inference_mode():
+    """Parameters copied under torch.inference_mode have no version counter: the cache must still work."""
+    c = FusionController(embed_dim=16, seed=7).eval()
+    e_q, E_p = torch.randn(2, 16), torch.randn(2, 3, 16)
+    with torch.inference_mode():
+        fast = c.for_inference(torch.bfloat16)
+        a, b = fast(e_q, E_p), fast(e_q, E_p)
+        ref = c(e_q, E_p)
+    assert torch.equal(a.merge_weights, b.merge_weights)
+    torch.testing.assert_close(a.merge_weights, ref.merge_weights, atol=0.08, rtol=0)
