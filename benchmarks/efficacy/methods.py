@@ -27,7 +27,7 @@ def controller_weights(ctrl: FusionController, e_q: torch.Tensor, E_p: torch.Ten
     """``e_q [d]``, ``E_p [n, d]`` -> ``{"w_tilde": [n], "g": float, "tau": float}``."""
     with torch.no_grad():
         out = ctrl(e_q[None], E_p[None])
-    return {"w_tilde": out.w_tilde[0].float(), "g": float(out.g[0]), "tau": float(out.tau[0])}
+    return {"w_tilde": out.merge_weights[0].float(), "g": float(out.g[0]), "tau": float(out.tau[0])}
 
 
 def baseline_controllers(dim: int, encoder_name: str) -> dict[str, FusionController]:
