@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from fcprag_plugin.controller import ControllerConfig, FusionController, _int8_matmul_available
+from fcprag_plugin.controller import ControllerConfig, FusionController, int8_matmul_available
 
 TARGET_MS = 1.0
 
@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
 
-    int8 = _int8_matmul_available()
+    int8 = int8_matmul_available()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"(OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}); load average at start "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (other jobs on the CPU slow every figure below)")

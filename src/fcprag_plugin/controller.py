@@ -189,7 +189,7 @@ INFERENCE_DTYPES = (torch.bfloat16, torch.int8, torch.float32)
 _INT8_K_ALIGN = 64
 
 
-def _int8_matmul_available() -> bool:
+def int8_matmul_available() -> bool:
     """Whether this torch has the CPU weight-only int8 matmul (``torch._weight_int8pack_mm``) and it runs."""
     fn = getattr(torch, "_weight_int8pack_mm", None)
     if fn is None:
@@ -207,7 +207,7 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-class _CastWeights(MLPRunner):
+class InferenceRunner(MLPRunner):
     """Inference with the Linear weights converted once: ``torch.bfloat16`` / ``torch.float32`` casts, or
     ``torch.int8`` weight-only quantization (symmetric, one scale per output row, ``w ~ q * max|w_row| / 127``)
     multiplied by bfloat16 activations. Inputs are cast per call; outputs come back as float32.
@@ -437,11 +437,11 @@ class FusionController(nn.Module):
         if dtype not in INFERENCE_DTYPES:
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
                                   f"{[str(t) for t in INFERENCE_DTYPES]}")
-        if dtype == torch.int8 and not _int8_matmul_available():
+        if dtype == torch.int8 and not int8_matmul_available():
             raise ControllerError(f"for_inference: dtype torch.int8 needs torch._weight_int8pack_mm on the CPU, "
                                   f"which this torch ({torch.__version__}) lacks; use torch.bfloat16")
         fast = copy.deepcopy(self).eval().requires_grad_(False)
-        fast.__dict__["_runner"] = _CastWeights(dtype)
+        fast.__dict__["_runner"] = InferenceRunner(dtype)
         return fast
 
     @torch.no_grad()

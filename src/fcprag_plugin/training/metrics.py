@@ -12,15 +12,16 @@ Per controller:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
 
 import torch
 
-from ..controller import ControllerConfig, FusionController
+from ..controller import ControllerConfig, FusionController, InferenceRunner
 from .data import LabelTensors
-from .precision import mixed_precision
+from .precision import use_runner
 from .targets import kl_per_sample
 
 METRIC_KEYS = ("kl", "kl_nonflat", "top1", "spearman", "g_mean", "g_std", "tau_mean", "tau_std", "entropy_mean",
@@ -32,18 +33,25 @@ _W_TIE = 1e-9
 @torch.no_grad()
 def collect_outputs(controller: FusionController, data: LabelTensors, batch_size: int = 512,
                     autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Run ``controller`` (eval mode) over ``data``: ``w [R, N_max]`` (0 on padding), ``g [R]``, ``tau [R]``."""
+    """Run ``controller`` (eval mode) over ``data``: ``w [R, N_max]`` (0 on padding), ``g [R]``, ``tau [R]``.
+
+    ``autocast_dtype`` (``torch.bfloat16``): the MLPs' matmuls in that dtype (weights converted once for this
+    call, as :meth:`FusionController.for_inference` does); None: the controller as it is.
+    """
     was_training = controller.training
     controller.eval()
     R, N = data.mask.shape
     w = torch.zeros(R, N)
     g, tau = torch.zeros(R), torch.zeros(R)
+    if autocast_dtype is not None and autocast_dtype != torch.bfloat16:
+        raise ValueError(f"collect_outputs: autocast_dtype supports torch.bfloat16 only, got {autocast_dtype}")
+    ctx = use_runner(controller, InferenceRunner(autocast_dtype)) if autocast_dtype else contextlib.nullcontext()
     try:
-        for b in data.batches(batch_size):
-            with mixed_precision(controller, autocast_dtype):
+        with ctx:
+            for b in data.batches(batch_size):
                 out = controller(b.e_q, b.E_p, b.mask)
-            w[b.index, : b.mask.shape[1]] = out.weights.float().cpu()
-            g[b.index], tau[b.index] = out.g.float().cpu(), out.tau.float().cpu()
+                w[b.index, : b.mask.shape[1]] = out.weights.float().cpu()
+                g[b.index], tau[b.index] = out.g.float().cpu(), out.tau.float().cpu()
     finally:
         controller.train(was_training)
     return {"w": w, "g": g, "tau": tau}
