@@ -437,6 +437,9 @@ class FusionController(nn.Module):
         if dtype not in INFERENCE_DTYPES:
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
                                   f"{[str(t) for t in INFERENCE_DTYPES]}")
+        if dtype == torch.int8 and next(self.parameters()).device.type != "cpu":
+            raise ControllerError(f"for_inference: dtype torch.int8 is a CPU path, the controller is on "
+                                  f"{next(self.parameters()).device}; use torch.bfloat16")
         if dtype == torch.int8 and not int8_matmul_available():
             raise ControllerError(f"for_inference: dtype torch.int8 needs torch._weight_int8pack_mm on the CPU, "
                                   f"which this torch ({torch.__version__}) lacks; use torch.bfloat16")
