@@ -8,16 +8,20 @@
   the whole forward would also round the gate, the temperature and the weights to bfloat16 (3 digits), which
   makes the KL loss coarse and ties scores.
 - both precisions: a custom backward writes each weight gradient with ``mm(..., out=buffer)`` into a buffer
-  allocated once and hands that buffer to ``param.grad``. Letting autograd allocate fresh 12 MB gradients every
-  step (and, with autocast, fresh casts of every weight and gradient) costs thousands of page faults per step,
-  which on this kind of VM was a third of the step time.
+  allocated once and hands that buffer to ``param.grad`` (the same tensor every step: do not keep references to
+  ``.grad`` across steps). Letting autograd allocate fresh 12 MB gradients every step (and, with autocast, fresh
+  casts of every weight and gradient) made glibc return and re-fault that memory in some epochs and not others:
+  measured side by side on the 2-core VM, 4,000-8,000 page faults per step and 10.5-12.9 s per epoch (10k
+  records) versus 6.1-6.4 s in the epochs without faults; these kernels run 6.3-6.6 s in every epoch. Without
+  the faults, they are about as fast as autocast: the step is bound by the matmuls and AdamW's memory traffic.
 - the score net's first layer never builds ``x_i = [e_q; xp_i]``: the query block of the weight is applied once
   per query (forward) and its gradient is accumulated from the per-query sum of the output gradients (backward).
 - ReLU and the dropout after it are one step whose backward needs only its output; the keep-mask is drawn with
   ``torch.rand(...) >= p`` (the Bernoulli(1 - p) law of ``nn.Dropout``, from the same global generator, about
   2x cheaper than ``bernoulli_`` on CPU).
 
-Gradients equal autograd's through the plain float32 layers (tested in ``tests/test_training_math.py``).
+Float32 gradients equal a float64 autograd reference of the whole loss to float32 rounding; bfloat16 ones are
+within 3% (relative norm) of it, like autocast's (``tests/test_training_precision.py``).
 The runner is an instance attribute of the controller only inside :func:`use_runner`, so the module, its state
 dict and saved files are unchanged.
 """
