@@ -210,3 +210,14 @@ def test_default_float32_path_matches_the_float64_reference():
     scale = max(float(r.abs().max()) for r in ref.values())
     for k, p in c.named_parameters():
         assert float((p.grad.double() - ref[k]).abs().max()) <= 1e-5 * scale, k
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_mask_rate_and_odd_sizes(p):
+    torch.manual_seed(8)
+    r = TrainRunner(torch.float32)
+    k = r.keep_mask(torch.Size([3, 66_667]), p, torch.device("cpu"))  # odd element count
+    assert k.shape == (3, 66_667) and k.dtype == torch.bool
+    # 200,001 Bernoulli draws: the rate within 5 sigma of 1 - p
+    assert abs(float(k.float().mean()) - (1 - p)) < 5 * ((p * (1 - p)) / k.numel()) ** 0.5
+    assert not torch.equal(k, r.keep_mask(torch.Size([3, 66_667]), p, torch.device("cpu")))

@@ -354,9 +354,9 @@ class FusionController(nn.Module):
         m2 = None if mask is None else mask.unsqueeze(1)
         mean, std = masked_mean(sc, m2, 2), masked_std(sc, m2, 2)
         mx, mn = masked_max(sc, m2, 2), masked_min(sc, m2, 2)
-        n = torch.full_like(s[:, 0], float(s.shape[1])) if mask is None else mask.sum(1).to(s.dtype)
-        stats = torch.stack([mean[:, 0], std[:, 0], mx[:, 0], mn[:, 0], mx[:, 0] - mn[:, 0],
-                             mean[:, 1], std[:, 1], mx[:, 1], mn[:, 1], n.log()], dim=1)
+        n = torch.full_like(s[:, :1], float(s.shape[1])) if mask is None else mask.sum(1, keepdim=True).to(s.dtype)
+        st = torch.stack([mean, std, mx, mn], dim=2).flatten(1)  # [s mean, std, max, min, cos mean, std, max, min]
+        stats = torch.cat([st[:, :4], mx[:, :1] - mn[:, :1], st[:, 4:], n.log()], dim=1)  # CALIB_STATS columns
         summary = torch.cat([e_q, masked_mean(xp, mask), stats], dim=1)  # = [mean pair feature; stats]
         out = self._mlp_rest(self.calib_net, runner.linear(self.calib_net[0], summary), runner)
         g = torch.sigmoid(out[:, 0])

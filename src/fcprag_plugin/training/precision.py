@@ -16,9 +16,9 @@
   the faults, they are about as fast as autocast: the step is bound by the matmuls and AdamW's memory traffic.
 - the score net's first layer never builds ``x_i = [e_q; xp_i]``: the query block of the weight is applied once
   per query (forward) and its gradient is accumulated from the per-query sum of the output gradients (backward).
-- ReLU and the dropout after it are one step whose backward needs only its output; the keep-mask is drawn with
-  ``torch.rand(...) >= p`` (the Bernoulli(1 - p) law of ``nn.Dropout``, from the same global generator, about
-  2x cheaper than ``bernoulli_`` on CPU).
+- ReLU and the dropout after it are one step whose backward needs only its output; the keep-mask (the
+  Bernoulli(1 - p) law of ``nn.Dropout``, from the same global generator) comes from uniform 32-bit integers,
+  about 3x cheaper than ``bernoulli_`` on CPU.
 
 Float32 gradients equal a float64 autograd reference of the whole loss to float32 rounding; bfloat16 ones are
 within 3% (relative norm) of it, like autocast's (``tests/test_training_precision.py``).
@@ -29,6 +29,7 @@ dict and saved files are unchanged.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import torch
@@ -196,8 +197,13 @@ class TrainRunner(MLPRunner):
         return _ReluDropoutFn.apply(x, self.keep_mask(x.shape, p, x.device), 1.0 / (1.0 - p))
 
     def keep_mask(self, shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
-        """Bool ``shape``: each unit kept with probability ``1 - p`` (global torch generator)."""
-        return torch.rand(shape, device=device) >= p
+        """Bool ``shape``: each unit kept with probability ``1 - p`` (to within 2**-33), from the global torch
+        generator: uniform 32-bit integers, two per 64-bit draw (~1.4x cheaper than ``torch.rand(shape) >= p``,
+        whose floats resolve p to only 2**-24)."""
+        n = math.prod(shape)
+        bits = torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(-2 ** 63, None)
+        threshold = min(-2 ** 31 + round(p * 2 ** 32), 2 ** 31 - 1)  # P(bits < threshold) = p
+        return (bits.view(torch.int32)[:n] >= threshold).view(shape)
 
 
 @contextlib.contextmanager
