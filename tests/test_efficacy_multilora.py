@@ -122,3 +122,20 @@ def test_selected_batch_size_mismatch_is_an_error():
     with pytest.raises(RuntimeError, match="batch of 2 samples but 1 adapters"):
         model(input_ids=torch.ones(2, 3, dtype=torch.long))
     ml.remove()
+
+
+def test_lm_losses_equal_full_logits_losses():
+    from multilora import lm_losses
+
+    torch.manual_seed(2)
+    model = tiny_model("qwen2").float().eval()
+    ids = torch.randint(3, model.config.vocab_size, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[2, 6:] = 0
+    labels = ids.clone()
+    labels[0, :5] = -100  # a QA sample: loss on its answer only
+    labels[2, 6:] = -100  # padding
+    with torch.no_grad():
+        ref = sample_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
+        got = lm_losses(model, ids, mask, labels)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -127,3 +127,17 @@ def sample_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                      reduction="none").view(tg.shape)
     count = (tg != -100).sum(1).clamp_min(1)
     return ce.sum(1) / count
+
+
+def lm_losses(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              labels: torch.Tensor) -> torch.Tensor:
+    """Same as ``sample_losses(model(...).logits, labels)`` but the output projection and the softmax run only
+    at labelled positions (a QA sample labels its few answer tokens, not its prompt): ``[b]`` float32."""
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    tgt = labels[:, 1:]
+    sel = tgt != -100
+    logits = model.get_output_embeddings()(hidden[:, :-1][sel]).float()  # [M, V]
+    ce = nn.functional.cross_entropy(logits, tgt[sel], reduction="none")
+    rows = torch.arange(tgt.shape[0]).unsqueeze(1).expand_as(tgt)[sel]
+    total = torch.zeros(tgt.shape[0], dtype=ce.dtype).index_add(0, rows, ce)
+    return total / sel.sum(1).clamp_min(1)
