@@ -4,8 +4,11 @@ For each demo question (``adapters/demo/manifest.json``: 3 HotpotQA questions, 3
 one LoRA per passage for SmolLM2-135M-Instruct), it fuses the passage adapters
 
 - with PRAG's uniform merge (``controller=None``: ``w~ = [1, 1, 1]``),
-- with a controller: ``adapters/demo/controller/`` when present, otherwise a *fixed cosine baseline* (one global
-  g and tau, scores ``(1 + cos(e_q, e_p)) / 2``; not trained),
+- with a controller *trained right here* (seconds) with ``fcprag_plugin.training.train_controller`` from the
+  shipped label file ``examples/data/hotpotqa_train_labels.jsonl``: leave-one-out labels of 150 HotpotQA
+  training questions built by the efficacy study (``benchmarks/efficacy/``; the demo questions are not among
+  them). ``adapters/demo/controller/``, when present, is used instead; ``--no-train`` skips training;
+- with a *fixed cosine baseline* (one global g and tau, scores ``(1 + cos(e_q, e_p)) / 2``; not trained),
 - with a seeded random (untrained) controller, for contrast,
 
 and prints the merge weights ``w~``, the gate g and temperature tau, and the greedy answers of each fused model
@@ -47,27 +50,44 @@ from demo_common import (  # noqa: E402
 FIXED_G = 0.5
 FIXED_TAU = 0.05
 RANDOM_SEED = 0
+LABELS = Path(__file__).resolve().parent / "data" / "hotpotqa_train_labels.jsonl"
+TRAIN_OUT = Path(__file__).resolve().parent.parent / "runs" / "demo-controller"
 
 
-def build_methods(demo_dir: Path, encoder: Any) -> list[tuple[str, Any]]:
+def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = TRAIN_OUT, out=print) -> Any:
+    """Train a controller on the shipped label file (library defaults, seed 0) and return it."""
+    from fcprag_plugin.training import train_controller
+
+    t0 = time.perf_counter()
+    res = train_controller(str(labels), out_dir, encoder=encoder, overwrite=True, progress=False, seed=0,
+                           cache_dir="")
+    out(f"trained a controller on {labels.name} ({res.n_train} train / {res.n_val} validation queries) "
+        f"in {time.perf_counter() - t0:.0f}s -> {out_dir}")
+    for line in res.table.splitlines():
+        out(f"  {line}")
+    return res.controller
+
+
+def build_methods(demo_dir: Path, encoder: Any, *, train: bool = True, out=print,
+                  train_out: Path = TRAIN_OUT) -> list[tuple[str, Any]]:
     """(label, controller) pairs; ``None`` is the uniform merge."""
     from fcprag_plugin import FusionController
 
     methods: list[tuple[str, Any]] = [("uniform (PRAG)", None)]
     ctrl_dir = demo_dir / "controller"
-    ctrl = None
     if ctrl_dir.is_dir():
         ctrl = FusionController.from_pretrained(ctrl_dir)
         if ctrl.config.embed_dim != encoder.dim:
-            print(f"note: {ctrl_dir} expects {ctrl.config.embed_dim}-d embeddings ({ctrl.config.embedding_model}) "
-                  f"but the encoder '{encoder.name}' gives {encoder.dim}-d; using the fixed baseline instead")
-            ctrl = None
+            out(f"note: {ctrl_dir} expects {ctrl.config.embed_dim}-d embeddings ({ctrl.config.embedding_model}) "
+                f"but the encoder '{encoder.name}' gives {encoder.dim}-d; not using it")
         else:
             methods.append((f"trained controller ({ctrl_dir.name}/)", ctrl))
-    if ctrl is None:
-        fixed = FusionController.fixed(g=FIXED_G, tau=FIXED_TAU, embed_dim=encoder.dim, scorer="cosine",
-                                       embedding_model=encoder.name)
-        methods.append((f"fixed cosine baseline, g={FIXED_G} tau={FIXED_TAU} (not trained)", fixed))
+    elif train:
+        methods.append((f"learned controller (trained now on {LABELS.name})", train_demo_controller(encoder, out_dir=train_out,
+                                                                                              out=out)))
+    methods.append((f"fixed cosine baseline, g={FIXED_G} tau={FIXED_TAU} (not trained)",
+                    FusionController.fixed(g=FIXED_G, tau=FIXED_TAU, embed_dim=encoder.dim, scorer="cosine",
+                                           embedding_model=encoder.name)))
     methods.append((f"random controller (seed {RANDOM_SEED}, untrained)",
                     FusionController.random(embed_dim=encoder.dim, seed=RANDOM_SEED, embedding_model=encoder.name)))
     return methods
@@ -84,7 +104,8 @@ def contains_gold(answer: str, gold: str) -> bool:
 
 
 def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_tokens: int = 20, out=print,
-        model: Any = None, tokenizer: Any = None, encoder: Any = None) -> list[dict[str, Any]]:
+        model: Any = None, tokenizer: Any = None, encoder: Any = None, train: bool = True,
+        train_out: Path = TRAIN_OUT) -> list[dict[str, Any]]:
     """Run the demo; print with ``out``; return one record per question (weights and answers per method).
 
     ``model``/``tokenizer``/``encoder`` default to SmolLM2 and ``TextEncoder()`` (passed in by the tests).
@@ -97,7 +118,7 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
     model, tok = (model, tokenizer) if model is not None else load_model()
     # The paper's bge-base when cached locally, else the packaged all-MiniLM-L6-v2 (offline).
     encoder = encoder if encoder is not None else TextEncoder()
-    methods = build_methods(Path(demo_dir), encoder)
+    methods = build_methods(Path(demo_dir), encoder, train=train, out=out, train_out=train_out)
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out(f"model: {manifest['model']['name']} ({manifest['model']['gguf_file']}), encoder: {encoder.name} "
         f"({encoder.dim}-d); loaded in {time.perf_counter() - t0:.0f}s")
@@ -172,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo-dir", default=str(DEMO_DIR), help="folder with manifest.json and the adapters")
     p.add_argument("--questions", type=int, default=None, help="only the first N questions")
     p.add_argument("--max-new-tokens", type=int, default=20)
+    p.add_argument("--no-train", action="store_true", help="do not train a controller from the shipped labels")
     args = p.parse_args(argv)
     configure_stdout()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -183,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover
         pass
     try:
-        run(Path(args.demo_dir), questions=args.questions, max_new_tokens=args.max_new_tokens)
+        run(Path(args.demo_dir), questions=args.questions, max_new_tokens=args.max_new_tokens,
+            train=not args.no_train)
     except DemoModelError as e:
         raise SystemExit(str(e)) from e
     return 0

@@ -93,17 +93,28 @@ def test_peft_loads_a_shipped_adapter_like_activate(smollm2, manifest):
     assert torch.equal(after, base)
 
 
-def test_quickstart_core_path(smollm2, encoder, manifest):
+def test_quickstart_core_path(smollm2, encoder, manifest, tmp_path):
+    from fcprag_plugin import FusionController
+
     model, tok = smollm2
     lines: list[str] = []
     records = quickstart.run(DEMO, questions=1, max_new_tokens=4, out=lines.append, model=model, tokenizer=tok,
-                             encoder=encoder)
+                             encoder=encoder, train_out=tmp_path / "ctrl")
     assert len(records) == 1
     rec = records[0]
     q = manifest["questions"][0]
     assert rec["id"] == q["id"]
-    uniform, fixed, rand = rec["methods"]
+    uniform, learned, fixed, rand = rec["methods"]
     assert uniform["merge_weights"] == [1.0, 1.0, 1.0] and uniform["g"] == 0.0
+    # the controller trained from the shipped labels, reloaded from disk, gives the weights the demo printed
+    assert "learned controller" in learned["label"]
+    ctrl = FusionController.from_pretrained(tmp_path / "ctrl")
+    e = encoder.encode([q["question"]] + [p["text"] for p in q["passages"]])
+    with torch.no_grad():
+        ref = ctrl(e[:1], e[None, 1:])
+    assert learned["merge_weights"] == pytest.approx(ref.merge_weights[0].tolist(), abs=1e-4)
+    assert learned["g"] == pytest.approx(float(ref.g[0]), abs=1e-5)
+    assert any(line.startswith("trained a controller on hotpotqa_train_labels.jsonl") for line in lines)
     assert "fixed cosine baseline" in fixed["label"] and "not trained" in fixed["label"]
     # Independent reference for the fixed baseline: s = (1 + cos) / 2, pi = softmax(s / tau),
     # w = g * pi + (1 - g) / N, w~ = N * w / sum(w).

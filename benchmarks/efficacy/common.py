@@ -77,11 +77,18 @@ def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
 
 
 def append_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
+    """Append whole lines under an exclusive lock, so parallel workers of a stage never interleave."""
+    import fcntl
+
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     with open(path, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def write_json(path: str | Path, obj: Any) -> None:

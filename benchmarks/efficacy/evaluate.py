@@ -45,7 +45,8 @@ def perturb(r: dict[str, Any], condition: str, donors: list[dict[str, Any]]) -> 
     return ps, {"replaced_position": j, "donor": donor["id"], "donor_pid": cand["pid"]}
 
 
-def run(dataset: str, limit: int | None) -> None:
+def run(dataset: str, limit: int | None, modes: tuple[str, ...] = MODES, threads: int | None = None,
+        shard: tuple[int, int] = (0, 1)) -> None:
     from tqdm import tqdm
 
     from fcprag_plugin.encoding import TextEncoder
@@ -65,13 +66,17 @@ def run(dataset: str, limit: int | None) -> None:
     ctrls.update(learned)
     out_path = cache_dir(dataset) / "eval.jsonl"
     done = {(x["id"], x["condition"], x["mode"]) for x in read_jsonl(out_path)} if out_path.exists() else set()
-    todo = [(r, c, m) for r in rows[:limit] for c in CONDITIONS for m in MODES if (r["id"], c, m) not in done]
+    items = [(r, c, m) for r in rows[:limit] for c in CONDITIONS for m in modes]
+    # a stable interleaved share of ALL items (not of what is left), so workers never overlap whatever they find done
+    todo = [it for j, it in enumerate(items) if j % shard[1] == shard[0] and (it[0]["id"], it[1], it[2]) not in done]
     if not todo:
         return
+    if threads:
+        torch.set_num_threads(threads)
     model, tok = load_model("bfloat16")
     cache = AdapterCache(work_dir(dataset) / "adapters")
     scorer = FusionScorer(model, tok, cache.get(rows[0]["passages"][0]["pid"]))
-    with timed(dataset, "evaluate", items=len(todo), methods=sorted(ctrls)):
+    with timed(dataset, "evaluate", items=len(todo), modes=list(modes), methods=sorted(ctrls)):
         for r, cond, mode in tqdm(todo, desc="evaluate", unit="item"):
             ps, info = perturb(r, cond, rows)
             texts, pids = [p["text"] for p in ps], [p["pid"] for p in ps]
@@ -119,9 +124,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default="hotpotqa")
     p.add_argument("--limit", type=int, default=None, help="only the first N test questions (a trial run)")
+    p.add_argument("--mode", action="append", choices=MODES,
+                   help="only these prompt modes (default: both); e.g. one worker per mode, 1 thread each")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--shard", default="0/1", help="K/N: this worker takes every N-th remaining item from K (parallel "
+                   "workers append to the same file under a lock)")
     a = p.parse_args(argv)
     setup_logging()
-    run(a.dataset, a.limit)
+    k, n = (int(x) for x in a.shard.split("/"))
+    if not 0 <= k < n:
+        raise SystemExit(f"--shard {a.shard}: expected K/N with 0 <= K < N")
+    run(a.dataset, a.limit, tuple(a.mode or MODES), a.threads, (k, n))
 
 
 if __name__ == "__main__":

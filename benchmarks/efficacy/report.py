@@ -143,6 +143,7 @@ def side_info(dataset: str) -> dict[str, Any]:
         info["adapters"] = {"count": len(ad), "passage_loss_base": avg("passage", "loss_at_step"),
                             "passage_loss_after": avg("passage", "loss_after"),
                             "qa0_loss_at_step": avg("qa0", "loss_at_step"), "qa0_loss_after": avg("qa0", "loss_after")}
+    support = {r["id"]: [p["supporting"] for p in r["passages"]] for r in read_jsonl(d / "retrieval.jsonl")}
     for metric in ("answer_logprob", "f1"):
         p = d / f"labels_train_{metric}.jsonl"
         if p.exists():
@@ -151,8 +152,8 @@ def side_info(dataset: str) -> dict[str, Any]:
             flat = sum(max(x) - min(x) <= 1e-6 for x in deltas)
             top_sup = []
             for r, x in zip(recs, deltas):
-                if max(x) - min(x) > 1e-6 and "supporting" in r:
-                    top_sup.append(bool(r["supporting"][x.index(max(x))]))
+                if max(x) - min(x) > 1e-6:
+                    top_sup.append(bool(support[r["id"]][x.index(max(x))]))
             info.setdefault("labels", {})[metric] = {
                 "records": len(recs), "flat": flat, "metric_all_mean": mean([r["metric_all"] for r in recs]),
                 "best_passage_is_supporting": (sum(top_sup), len(top_sup))}
