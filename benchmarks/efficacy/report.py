@@ -301,6 +301,9 @@ def run(datasets: list[str]) -> None:
         doc.append(f"**{ds}** ({res['questions']} test questions)\n")
         doc += statements(res)
         doc.append("")
+    discussion = REPO / "benchmarks" / "efficacy" / "discussion.md"
+    if discussion.is_file():  # written by hand after reading the tables; the tables themselves are generated
+        doc.append(discussion.read_text(encoding="utf-8"))
     for ds, res, info, pngs in sections:
         doc.append(markdown(ds, res, info, pngs))
         doc.append(setup_md(info))
