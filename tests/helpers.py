@@ -73,6 +73,21 @@ def hash_encoder(dim: int = 16):
     return TextEncoder.from_function(lambda texts: hash_embed(texts, dim), dim, name=f"hash-{dim}")
 
 
+def fixed_controller():
+    """A fixed-cosine controller (g 0.9, tau 0.05) for the 16-d hash encoder: weights computable by hand."""
+    from fcprag_plugin import FusionController
+
+    return FusionController.fixed(g=0.9, tau=0.05, embed_dim=16, scorer="cosine")
+
+
+def fixed_weights_by_hand(q: str, ps: list[str], g: float = 0.9, tau: float = 0.05) -> list[float]:
+    """The fixed-cosine controller's w~ written out: s=(1+cos)/2, w=g*softmax(s/tau)+(1-g)/N, w~=N*w/sum w."""
+    e = torch.nn.functional.normalize(hash_embed([q, *ps], 16).double(), dim=-1)
+    s = (1 + e[1:] @ e[0]) / 2
+    w = g * torch.softmax(s / tau, 0) + (1 - g) / len(ps)
+    return (len(ps) * w / w.sum()).tolist()
+
+
 def dense_reference(adapters, weights, module: str) -> torch.Tensor:
     """Independent reference: ``sum_i w_i * s_i * B_i @ A_i`` in float64."""
     return sum(float(w) * a.modules[module].scaling * (a.modules[module].B.double() @ a.modules[module].A.double())

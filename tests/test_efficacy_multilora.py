@@ -139,3 +139,34 @@ def test_lm_losses_equal_full_logits_losses():
         ref = sample_losses(model(input_ids=ids, attention_mask=mask).logits, labels)
         got = lm_losses(model, ids, mask, labels)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_train_group_trains_every_adapter_and_never_the_base():
+    import adapters as stage
+
+    from helpers import tiny_tokenizer
+
+    torch.manual_seed(4)
+    model = tiny_model("llama", bos_token_id=2, eos_token_id=3, pad_token_id=0).float().eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    augs = [{"passage": "paris is the capital of france .", "rewrite": "the capital of france is paris .",
+             "qa_pairs": [{"question": "what is the capital of france ?", "answer": "paris"}]},
+            {"passage": "berlin is a city in germany .", "rewrite": None,
+             "qa_pairs": [{"question": "where is berlin ?", "answer": "germany"},
+                          {"question": "what is berlin ?", "answer": "city"}]}]
+    ml, stats = stage.train_group(model, tok, augs, [1, 2], epochs=2, max_tokens=32)
+    assert [s["steps"] for s in stats] == [6, 6]  # (passage, rewrite, qa0) and (passage, qa0, qa1), twice
+    assert set(stats[0]["loss_at_step"]) == {"passage", "rewrite", "qa0"}
+    assert set(stats[1]["loss_at_step"]) == {"passage", "qa0", "qa1"}
+    assert set(stats[0]["loss_after"]) == {"passage", "qa0"}
+    for s in stats:  # two epochs on a sample lower its loss
+        assert s["loss_after"]["passage"] < s["loss_at_step"]["passage"]
+    for b in range(2):
+        assert all(float(ml.B[n][b].abs().max()) > 0 for n in ml.modules)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not any(m._forward_hooks for m in ml.modules.values())

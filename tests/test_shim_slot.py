@@ -18,7 +18,7 @@ from fcprag_plugin.compat import peft_has_stale_config_bug
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import HookError
 from fcprag_plugin.hooks import dyprag, prag, run_script
-from helpers import hash_embed, hash_encoder
+from helpers import fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
 from prag_double.world import DOUBLE_SCRIPT, World, build_world, dense_reference, read_capture, reference_logits
 
 pytest.importorskip("peft")
@@ -32,18 +32,6 @@ def _no_shim_leaks():
     prag.uninstall()
     prag.clear_context()
     dyprag.uninstall()
-
-
-def fixed_controller() -> FusionController:
-    return FusionController.fixed(g=0.9, tau=0.05, embed_dim=16, scorer="cosine")
-
-
-def fixed_weights_by_hand(q: str, ps: list[str], g: float = 0.9, tau: float = 0.05) -> list[float]:
-    """The fixed-cosine controller's w~ written out: s=(1+cos)/2, w=g*softmax(s/tau)+(1-g)/N, w~=N*w/sum w."""
-    e = torch.nn.functional.normalize(hash_embed([q, *ps], 16).double(), dim=-1)
-    s = (1 + e[1:] @ e[0]) / 2
-    w = g * torch.softmax(s / tau, 0) + (1 - g) / len(ps)
-    return (len(ps) * w / w.sum()).tolist()
 
 
 def base_hooks(model: torch.nn.Module) -> int:

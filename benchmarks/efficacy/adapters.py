@@ -57,6 +57,17 @@ def pad_batch(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str,
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def _kind_losses(model: Any, tok: Any, ml: MultiLora, data: list[dict[str, Any]], kind: str
+                 ) -> tuple[list[int], torch.Tensor | None]:
+    """Per-adapter losses ``[b]`` on sample ``kind`` for the adapters that have one (and their indices)."""
+    active = [b for b, d in enumerate(data) if kind in d]
+    if not active:
+        return active, None
+    ml.select(active)
+    batch = pad_batch([data[b][kind] for b in active], tok.pad_token_id)
+    return active, lm_losses(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+
 def train_group(model: Any, tok: Any, group: list[dict[str, Any]], seeds: list[int], epochs: int,
                 max_tokens: int) -> tuple[MultiLora, list[dict[str, Any]]]:
     data = [samples_for(tok, aug, max_tokens) for aug in group]
@@ -67,12 +78,9 @@ def train_group(model: Any, tok: Any, group: list[dict[str, Any]], seeds: list[i
     try:
         for epoch in range(epochs):
             for kind in KINDS:
-                active = [b for b, d in enumerate(data) if kind in d]
+                active, losses = _kind_losses(model, tok, ml, data, kind)
                 if not active:
                     continue
-                ml.select(active)
-                batch = pad_batch([data[b][kind] for b in active], tok.pad_token_id)
-                losses = lm_losses(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
                 losses.sum().backward()
                 opt.step(active)
                 opt.zero_grad()
@@ -82,12 +90,7 @@ def train_group(model: Any, tok: Any, group: list[dict[str, Any]], seeds: list[i
                         stats[b]["loss_at_step"][kind] = round(float(losses[j].detach()), 4)
         with torch.no_grad():  # what the adapter learned: the same samples after training
             for kind in AFTER_KINDS:
-                active = [b for b, d in enumerate(data) if kind in d]
-                if not active:
-                    continue
-                ml.select(active)
-                batch = pad_batch([data[b][kind] for b in active], tok.pad_token_id)
-                losses = lm_losses(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+                active, losses = _kind_losses(model, tok, ml, data, kind)
                 for j, b in enumerate(active):
                     stats[b]["loss_after"][kind] = round(float(losses[j]), 4)
     finally:
