@@ -39,6 +39,9 @@ from fcprag_plugin import LoraAdapter, LoraModule
 from fcprag_plugin.compat import package_version
 from fcprag_plugin.hooks import dyprag, prag
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark, also when imported
+from bench_fusion import fill_from_pool  # noqa: E402
+
 TARGETS = ("gate_proj", "up_proj", "down_proj")
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8)
 
@@ -51,14 +54,8 @@ def build_model(layers: int, vocab: int) -> torch.nn.Module:
                       tie_word_embeddings=True, **SHAPE_1B)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu").eval()
-    pool = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.02
+    model = fill_from_pool(model.to_empty(device="cpu").eval())
     with torch.no_grad():
-        for p in model.parameters():
-            flat = p.view(-1)
-            for s in range(0, flat.numel(), pool.numel()):
-                e = min(flat.numel(), s + pool.numel())
-                flat[s:e].copy_(pool[:e - s])
         theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
         for name, b in model.named_buffers():  # rotary inv_freq: recompute (to_empty left it uninitialised)
             if name.endswith("inv_freq"):

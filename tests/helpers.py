@@ -94,6 +94,24 @@ def dense_reference(adapters, weights, module: str) -> torch.Tensor:
                for w, a in zip(weights, adapters))
 
 
+def files_reference(adapter_dirs, w, kind: str = "cat") -> dict[str, torch.Tensor]:
+    """Dense per-module update read straight from the adapter files (independent of PEFT and of the library):
+    ``cat``: ``sum_i w_i s_i B_i @ A_i``; ``separate``: ``(sum u_i B_i)(sum u_j s_j A_j)`` with ``u = w~/N``."""
+    from prag_double.world import read_adapter
+
+    ads = [read_adapter(d) for d in adapter_dirs]
+    ref = {}
+    for module in ads[0]:
+        if kind == "cat":
+            ref[module] = sum(wi * s * (B @ A) for wi, (A, B, s) in zip(w, (a[module] for a in ads)))
+        else:
+            u = [wi / len(w) for wi in w]
+            Bs = sum(ui * a[module][1] for ui, a in zip(u, ads))
+            As = sum(ui * a[module][2] * a[module][0] for ui, a in zip(u, ads))
+            ref[module] = Bs @ As
+    return ref
+
+
 def state_snapshot(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

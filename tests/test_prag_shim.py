@@ -17,7 +17,7 @@ from fcprag_plugin.compat import peft_has_stale_config_bug
 from fcprag_plugin.controller import ControllerConfig, FusionController
 from fcprag_plugin.errors import HookError, MergeError
 from fcprag_plugin.hooks import prag, run_script
-from helpers import fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
+from helpers import files_reference, fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
 from prag_double.world import DOUBLE_SCRIPT, World, build_world, dense_reference, read_capture, reference_logits
 
 STALE = peft_has_stale_config_bug()
@@ -285,7 +285,7 @@ def test_shim_installed_after_an_unload_repairs_at_from_pretrained(adapter_dirs)
         for i in (1, 2):
             pm.load_adapter(str(adapter_dirs[i]), adapter_name=str(i))
         pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
-    got, ref = _live_dw(pm, "merge"), _files_reference(adapter_dirs, [1.0, 1.0, 1.0])
+    got, ref = _live_dw(pm, "merge"), files_reference(adapter_dirs, [1.0, 1.0, 1.0])
     for m in ref:
         torch.testing.assert_close(got[m], ref[m], rtol=1e-5, atol=1e-5)
 
@@ -324,22 +324,6 @@ def _live_dw(pm, name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _files_reference(adapter_dirs, w, kind: str = "cat") -> dict[str, torch.Tensor]:
-    from prag_double.world import read_adapter
-
-    ads = [read_adapter(d) for d in adapter_dirs]
-    ref = {}
-    for module in ads[0]:
-        if kind == "cat":
-            ref[module] = sum(wi * s * (B @ A) for wi, (A, B, s) in zip(w, (a[module] for a in ads)))
-        else:  # separate: (sum u_i B_i)(sum u_j s_j A_j), u = w~/N
-            u = [wi / len(w) for wi in w]
-            Bs = sum(ui * a[module][1] for ui, a in zip(u, ads))
-            As = sum(ui * a[module][2] * a[module][0] for ui, a in zip(u, ads))
-            ref[module] = Bs @ As
-    return ref
-
-
 def test_explicit_context_beats_caller_locals_and_is_consumed(adapter_dirs, tmp_path):
     pm = _peft_model(adapter_dirs)
     question = "violin opera senate"  # noqa: F841  (read by the shim from this frame)
@@ -350,7 +334,7 @@ def test_explicit_context_beats_caller_locals_and_is_consumed(adapter_dirs, tmp_
         assert shim.last_record["context_source"] == "set_context"
         assert shim.last_record["question"] == "glacier comet desert"
         w = fixed_weights_by_hand("glacier comet desert", ["tariff orchid", "glacier comet", "falcon bridge"])
-        got, ref = _live_dw(pm, "merge"), _files_reference(adapter_dirs, w)
+        got, ref = _live_dw(pm, "merge"), files_reference(adapter_dirs, w)
         for m in ref:
             torch.testing.assert_close(got[m], ref[m], rtol=1e-5, atol=1e-5)
         pm.delete_adapter("merge")
@@ -368,7 +352,7 @@ def test_separate_mode_on_a_live_model(adapter_dirs):
         pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
     w = fixed_weights_by_hand(question, passages)
     assert shim.last_record["merge_weights"] == pytest.approx(w, abs=1e-5)
-    got, ref = _live_dw(pm, "merge"), _files_reference(adapter_dirs, w, "separate")
+    got, ref = _live_dw(pm, "merge"), files_reference(adapter_dirs, w, "separate")
     assert set(got) == set(ref)
     for m in ref:
         torch.testing.assert_close(got[m], ref[m], rtol=1e-5, atol=1e-5)

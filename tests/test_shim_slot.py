@@ -18,7 +18,7 @@ from fcprag_plugin.compat import peft_has_stale_config_bug
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import HookError
 from fcprag_plugin.hooks import dyprag, prag, run_script
-from helpers import fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
+from helpers import files_reference, fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
 from prag_double.world import DOUBLE_SCRIPT, World, build_world, dense_reference, read_capture, reference_logits
 
 pytest.importorskip("peft")
@@ -113,21 +113,6 @@ def _peft_model(adapter_dirs, base=None):
     return pm
 
 
-def _files_reference(adapter_dirs, w, kind: str = "cat") -> dict[str, torch.Tensor]:
-    from prag_double.world import read_adapter
-
-    ads = [read_adapter(d) for d in adapter_dirs]
-    ref = {}
-    for module in ads[0]:
-        if kind == "cat":
-            ref[module] = sum(wi * s * (B @ A) for wi, (A, B, s) in zip(w, (a[module] for a in ads)))
-        else:  # separate: (sum u_i B_i)(sum u_j s_j A_j), u = w~/N
-            u = [wi / len(w) for wi in w]
-            ref[module] = sum(ui * a[module][1] for ui, a in zip(u, ads)) @ \
-                sum(ui * a[module][2] * a[module][0] for ui, a in zip(u, ads))
-    return ref
-
-
 def _dense_logits(base, dw: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """Logits of a deep copy of ``base`` with ``W + dW`` written in (independent of PEFT and of the slot)."""
     import copy
@@ -153,7 +138,7 @@ def test_prag_slot_lifecycle_on_a_live_model(adapter_dirs, mode):
     question = "violin opera senate"
     passages = ["violin opera", "glacier comet", "river harbor"]
     w = fixed_weights_by_hand(question, passages)
-    want = _dense_logits(base, _files_reference(adapter_dirs, w, mode), ids)
+    want = _dense_logits(base, files_reference(adapter_dirs, w, mode), ids)
     # the default shim's result on the same inputs
     with prag.installed(controller=fixed_controller(), encoder=hash_encoder(16), mode=mode):
         ref_pm = _peft_model(adapter_dirs, tiny_model())
@@ -173,7 +158,7 @@ def test_prag_slot_lifecycle_on_a_live_model(adapter_dirs, mode):
         assert "merge" in pm.peft_config
         assert not any("merge" in getattr(m, "lora_A", {}) for m in base.modules())  # no merged PEFT modules
         got = slot.current_adapter()
-        for module, d in _files_reference(adapter_dirs, w, mode).items():
+        for module, d in files_reference(adapter_dirs, w, mode).items():
             torch.testing.assert_close(got.modules[module].delta().double(), d, rtol=1e-5, atol=1e-6)
         with torch.no_grad():
             assert torch.equal(pm(input_ids=ids).logits, only_0)  # not active before set_adapter, like peft
