@@ -14,6 +14,7 @@ import torch
 
 from .adapter import LoraAdapter, LoraModule
 from .errors import AdapterError, UnsupportedAdapterError
+from .loading import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -28,15 +29,7 @@ _KEY_RE = re.compile(r"^(?P<module>.+?)\.lora_(?P<kind>A|B)(?:\.(?P<adapter>[^.]
 
 # ----------------------------------------------------------------------------- config
 def read_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise AdapterError(f"{path}: adapter config not found (expected a PEFT '{CONFIG_NAME}')")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(cfg, dict):
-        raise AdapterError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
+    return read_json_object(path, AdapterError, f"adapter config not found (expected a PEFT '{CONFIG_NAME}')")
 
 
 def check_config(cfg: Mapping[str, Any], where: str) -> None:
@@ -72,7 +65,8 @@ def module_scaling(cfg: Mapping[str, Any], module: str, rank: int, where: str) -
 
 
 # ----------------------------------------------------------------------------- state dicts
-def _strip_prefix(key: str) -> tuple[str, int]:
+def strip_peft_prefix(key: str) -> tuple[str, int]:
+    """``key`` without its leading ``base_model.model.`` prefixes (PRAG's first run saves two), and how many."""
     n = 0
     while key.startswith(PEFT_PREFIX):
         key = key[len(PEFT_PREFIX):]
@@ -101,7 +95,7 @@ def adapter_from_state_dict(
             raise UnsupportedAdapterError(f"{source}: key '{key}' is an embedding LoRA: only Linear LoRA is supported")
         if re.search(r"\.lora_[AB](\.[^.]+)?\.bias$", key):
             raise UnsupportedAdapterError(f"{source}: key '{key}' is a LoRA bias: LoRA with a bias is not supported")
-        stripped, n_prefix = _strip_prefix(key)
+        stripped, n_prefix = strip_peft_prefix(key)
         m = _KEY_RE.match(stripped)
         if m is None:
             raise AdapterError(
@@ -244,11 +238,6 @@ def save_adapter_dir(adapter: LoraAdapter, path: str | Path, *, dtype: torch.dty
 
 
 # ----------------------------------------------------------------------------- live models
-def _strip_live_name(name: str) -> str:
-    stripped, _ = _strip_prefix(name)
-    return stripped
-
-
 def adapter_from_peft_model(model: Any, adapter_name: str = "default") -> LoraAdapter:
     """Copy the named adapter's ``A``, ``B`` and scaling out of a live PEFT-injected model."""
     from .compat import layer_has_lora_bias, layer_use_dora
@@ -270,7 +259,7 @@ def adapter_from_peft_model(model: Any, adapter_name: str = "default") -> LoraAd
             raise UnsupportedAdapterError(f"{where}: module '{name}' has a LoRA bias, which is not supported")
         A = lora_A[adapter_name].weight.detach().clone()
         B = module.lora_B[adapter_name].weight.detach().clone()
-        modules[_strip_live_name(name)] = LoraModule(A, B, float(module.scaling[adapter_name]))
+        modules[strip_peft_prefix(name)[0]] = LoraModule(A, B, float(module.scaling[adapter_name]))
     configs = getattr(model, "peft_config", {}) or {}
     if not modules:
         if adapter_name in configs:

@@ -21,6 +21,7 @@ Cached objects are shared: a controller returned by :func:`cached_controller` (a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -109,6 +110,20 @@ class LoadCache(Generic[T]):
 
     def __repr__(self) -> str:
         return f"LoadCache({self.name!r}, entries={len(self)}/{self.maxsize}, stats={self.stats})"
+
+
+def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:
+    """The JSON object in ``path`` (the one reader of JSON config files); a missing file, invalid JSON or a
+    non-object is an ``error`` naming the file (``missing``: what to say when it does not exist)."""
+    if not path.is_file():
+        raise error(f"{path}: {missing}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def file_signature(*files: Path) -> tuple[tuple[int, int, int] | None, ...]:

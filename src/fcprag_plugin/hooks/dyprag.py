@@ -41,8 +41,10 @@ from types import ModuleType
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import HookError
+from ..weights import finite_or_none
 from . import _dyprag_math as dm
-from ._slot_bridge import ShimSlots, check_max_adapters, pack_modules
+from ..fast.layout import pack_factors
+from ._slot_bridge import ShimSlots, check_max_adapters
 from .base import MergeHook, PatchSet, clear_context, explicit_context, get_context, run_script
 from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
@@ -136,7 +138,8 @@ class DyPragShim:
         modules = list(factors[0])
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
         slot = self.slots.get(model, modules, n, rank)
-        packed = [pack_modules(slot.layout, lambda m, f=f: (*f[m], 1.0), f"ParameterTranslator output {i}")
+        packed = [pack_factors(slot.layout, lambda m, f=f: (*f[m], 1.0), f"ParameterTranslator output {i}",
+                                error=HookError)
                   for i, f in enumerate(factors)]  # DyPRAG's delta is B @ A: scaling 1
         if self.mode == "separate":
             slot.activate(packed, cw["merge_weights"], "separate")  # A = sum u_i A_i, B = sum u_i B_i
@@ -157,16 +160,16 @@ class DyPragShim:
     def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], cw: dict[str, Any], u: list[float],
                 t0: float, t1: float, t2: float, slot: str | None = None) -> None:
         self.merges += 1
-        tau = float(cw["tau"])
         record = {
             "shim": "dyprag", "call": self.merges, "question": ctx["question"], "n": len(u), "mode": self.mode,
             "merge_weights": cw["merge_weights"], "weights": cw["weights"], "u": u, "scores": cw["scores"],
-            "g": cw["g"], "tau": None if tau != tau else tau,  # NaN (no controller) is not valid JSON
+            "g": cw["g"], "tau": cw["tau"],
             "controller_mode": cw["controller_mode"], "context_source": ctx["source"], "keys": len(merged),
             "use_slot": self.use_slot, "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
         }
         if slot is not None:
             record["slot"] = slot
+        record = finite_or_none(record)  # NaN (tau without a controller) is not JSON
         self.last_record = record
         self.hook.log(record)
         logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", len(u), self.mode, cw["merge_weights"],

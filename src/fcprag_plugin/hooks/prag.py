@@ -43,7 +43,6 @@ import copy
 import functools
 import inspect
 import logging
-import math
 import time
 import weakref
 from pathlib import Path
@@ -66,8 +65,10 @@ from ..compat import (
 from ..controller import FusionController
 from ..errors import HookError
 from ..merge import get_merge_mode, merge_adapters
+from ..weights import finite_or_none
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
-from ._slot_bridge import ShimSlots, check_max_adapters, pack_modules
+from ..fast.layout import pack_factors
+from ._slot_bridge import ShimSlots, check_max_adapters
 from .base import MergeHook, PatchSet, clear_context, find_in_callers, get_context, run_script
 from .base import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
 
@@ -191,7 +192,7 @@ class PragShim:
         }
         if slot_info is not None:
             record["slot"] = slot_info
-        record = _finite_or_none(record)
+        record = finite_or_none(record)
         self.merges += 1
         self.last_record = record
         self.hook.log(record)
@@ -246,7 +247,8 @@ class PragShim:
                         float(layer.scaling[name]))
             return get
 
-        packed = [pack_modules(slot.layout, factors(n), f"adapter '{n}'" + (f" loaded from {p}" if p else ""))
+        packed = [pack_factors(slot.layout, factors(n), f"adapter '{n}'" + (f" loaded from {p}" if p else ""),
+                                error=HookError)
                   for n, p in zip(names, paths)]
         slot.activate(packed, w_tilde, self.mode)
         slot.deactivate()  # written; on only while merge_name is the active adapter (the binding's pre-hook)
@@ -289,17 +291,6 @@ class PragShim:
                 self._warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() "
                                 "(fixed in peft 0.19); cleared it (seen at %s). Without this, later questions would "
                                 "merge only some of their passages.", peft_version(), where)
-
-
-def _finite_or_none(obj: Any) -> Any:
-    """NaN/inf -> None so the log stays strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite_or_none(v) for v in obj]
-    return obj
 
 
 def _align_passages(passages: Sequence[str], names: list[str], paths: list[str | None],

@@ -9,6 +9,7 @@ import torch
 
 from ..adapter import LoraAdapter
 from ..errors import MergeError
+from ..weights import check_weights
 
 MergeFn = Callable[..., "MergeResult"]
 MERGE_MODES: dict[str, MergeFn] = {}
@@ -42,15 +43,8 @@ def get_merge_mode(name: str) -> MergeFn:
 
 
 def weight_vector(weights: Any, n: int) -> torch.Tensor:
-    """Validate merge weights: finite, 1-D, length ``n`` (the number of adapters), ``n >= 1``."""
-    if n == 0:
-        raise MergeError("no adapters to merge (N == 0)")
-    w = torch.as_tensor(weights, dtype=torch.float32).detach().cpu()
-    if w.ndim != 1 or w.shape[0] != n:
-        raise MergeError(f"merge weights have shape {list(w.shape)}, expected [{n}] (one per adapter)")
-    if not bool(torch.isfinite(w).all()):
-        raise MergeError(f"merge weights must be finite, got {w.tolist()}")
-    return w
+    """:func:`~fcprag_plugin.weights.check_weights` as a float32 tensor ``[n]``."""
+    return torch.tensor(check_weights(weights, n), dtype=torch.float32)
 
 
 def check_compatible(adapters: Sequence[LoraAdapter]) -> list[str]:
