@@ -7,32 +7,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from .adapter import LoraAdapter
 from .controller import FusionController, load_controller
 from .errors import FusionInputError
 from .merge import MergeResult, merge_adapters
+from .weights import FusionWeights, finite_or_none
 
 logger = logging.getLogger(__name__)
-
-AdapterLike = "str | Path | LoraAdapter"
 
 
 @dataclass
 class FusionResult:
-    """What ``fuse`` produced. ``merge_weights`` is ``w~`` (length N); ``weights`` is ``w`` (sums to 1)."""
+    """What ``fuse`` produced: the merged adapter (or the slot holding the merge), the :class:`FusionWeights` and
+    the merge ``mode``. ``merge_weights`` is ``w~`` (length N); ``weights`` is ``w`` (sums to 1)."""
 
     adapter: LoraAdapter | None  # None with use_slot=True: the merge lives in ``slot`` on the model
-    merge_weights: list[float]
-    weights: list[float]
-    scores: list[float]
-    g: float
-    tau: float
+    fusion_weights: FusionWeights
     mode: str
-    controller_mode: str
     info: dict[str, Any] = field(default_factory=dict)
     slot: Any = None  # the active FusedSlot when fused with use_slot=True
+
+    merge_weights = property(lambda self: list(self.fusion_weights.merge_weights))
+    weights = property(lambda self: list(self.fusion_weights.weights))
+    scores = property(lambda self: list(self.fusion_weights.scores))
+    g = property(lambda self: self.fusion_weights.g)
+    tau = property(lambda self: self.fusion_weights.tau)
+    controller_mode = property(lambda self: self.fusion_weights.mode)
 
     def __enter__(self) -> "FusionResult":
         return self
@@ -43,9 +43,11 @@ class FusionResult:
             self.slot.deactivate()
 
     def to_json(self) -> dict[str, Any]:
-        return {"merge_weights": self.merge_weights, "weights": self.weights, "scores": self.scores, "g": self.g,
-                "tau": self.tau, "mode": self.mode, "controller_mode": self.controller_mode,
-                **{k: v for k, v in self.info.items() if isinstance(v, (int, float, str, list, dict))}}
+        """Strict JSON (NaN / inf as null): the weights, ``mode``, ``controller_mode`` and the merge's info."""
+        fw = self.fusion_weights.to_json()
+        mode = fw.pop("controller_mode")
+        extra = {k: v for k, v in self.info.items() if isinstance(v, (int, float, str, list, dict))}
+        return finite_or_none({**fw, "mode": self.mode, "controller_mode": mode, **extra})
 
 
 def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAdapter]:
@@ -62,20 +64,6 @@ def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAda
         else:
             raise FusionInputError(f"adapter {i} is a {type(a).__name__}; expected a path, a LoraAdapter or the "
                                    "name of an adapter of `model`")
-    return out
-
-
-def compute_weights(query: str, passages: Sequence[str], controller: FusionController | None,
-                    encoder: Any = None) -> dict[str, Any]:
-    """Controller outputs for one query as plain lists; ``controller=None`` is uniform (PRAG's merge)."""
-    n = len(passages)
-    if controller is None or controller.config.mode == "uniform":
-        return {"merge_weights": [1.0] * n, "weights": [1.0 / n] * n, "scores": [0.5] * n, "g": 0.0,
-                "tau": float("nan") if controller is None else controller.config.tau_max, "controller_mode": "uniform"}
-    if encoder is None:
-        encoder = controller.encoder  # loaded once per process, shared
-    out = controller.predict(query, passages, encoder).sample(0)
-    out["controller_mode"] = controller.config.mode
     return out
 
 
@@ -134,11 +122,10 @@ def fuse(
     if use_slot:
         return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store)
     loaded = resolve_adapters(adapters, model)
-    cw = compute_weights(query, passages, ctrl, encoder)
-    result: MergeResult = merge_adapters(loaded, torch.tensor(cw["merge_weights"]), mode, **merge_options)
-    logger.debug("fused %d adapters: w~=%s g=%.3f tau=%.3f", len(loaded), cw["merge_weights"], cw["g"], cw["tau"])
-    return FusionResult(result.adapter, cw["merge_weights"], cw["weights"], cw["scores"], cw["g"], cw["tau"], mode,
-                        cw["controller_mode"], result.info)
+    fw = FusionWeights.for_query(query, passages, ctrl, encoder)
+    result: MergeResult = merge_adapters(loaded, list(fw.merge_weights), mode, **merge_options)
+    logger.debug("fused %d adapters: w~=%s g=%.3f tau=%.3f", len(loaded), fw.merge_weights, fw.g, fw.tau)
+    return FusionResult(result.adapter, fw, mode, result.info)
 
 
 def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], ctrl: FusionController | None,
@@ -159,7 +146,6 @@ def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], 
     slot = FusedSlot.for_model(model, template, max_adapters=len(items), store=store)
     if slot.store is None:
         slot.store = store
-    cw = compute_weights(query, passages, ctrl, encoder)
-    slot.activate(items, cw["merge_weights"], mode)
-    return FusionResult(None, cw["merge_weights"], cw["weights"], cw["scores"], cw["g"], cw["tau"], mode,
-                        cw["controller_mode"], {"slot": repr(slot)}, slot)
+    fw = FusionWeights.for_query(query, passages, ctrl, encoder)
+    slot.activate(items, list(fw.merge_weights), mode)
+    return FusionResult(None, fw, mode, {"slot": repr(slot)}, slot)

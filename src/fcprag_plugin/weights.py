@@ -1,14 +1,88 @@
-"""Merge weights: the one check every merge applies, and strict-JSON helpers for logging them."""
+"""The weights of one fusion, as one object from the controller to the merge and the logs.
+
+:class:`FusionWeights` is what :meth:`FusionWeights.for_query` (the controller's prediction, or uniform) hands to
+:func:`~fcprag_plugin.fusion.fuse`, the shims and their logs; :func:`is_uniform` is the one place that decides
+whether a controller gives PRAG's uniform merge. :func:`check_weights` is the one check every merge applies.
+"""
 
 from __future__ import annotations
 
 import math
 from array import array
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
 from .errors import MergeError
+
+
+def is_uniform(controller: Any) -> bool:
+    """True when ``controller`` gives PRAG's uniform merge ``w~ = [1]*N``: no controller, or a ``uniform`` one
+    (then no text is ever encoded)."""
+    return controller is None or controller.config.mode == "uniform"
+
+
+@dataclass(frozen=True)
+class FusionWeights:
+    """The controller's outputs for one query (N passages), immutable.
+
+    Attributes:
+        merge_weights: ``w~`` (N), what the merge multiplies each adapter by; all ones is PRAG's uniform merge.
+        weights: ``w`` (N), a distribution over the passages (sums to 1).
+        scores: ``s`` (N) in (0, 1); 0.5 each when uniform.
+        g: the gate in [0, 1] (0 when uniform).
+        tau: the temperature; NaN when there is no controller (:meth:`to_json` writes null).
+        mode: the controller mode that produced them (``uniform``, ``learned``, ``random``, ``fixed``); the JSON
+            key is ``controller_mode``, as in ``fusion.json`` and the shims' logs.
+    """
+
+    merge_weights: tuple[float, ...]
+    weights: tuple[float, ...]
+    scores: tuple[float, ...]
+    g: float
+    tau: float
+    mode: str
+
+    @property
+    def n(self) -> int:
+        return len(self.merge_weights)
+
+    @property
+    def uniform_merge(self) -> bool:
+        """``w~ == [1]*N``: the merge is PRAG's (whatever produced the weights)."""
+        return all(w == 1.0 for w in self.merge_weights)
+
+    @classmethod
+    def uniform(cls, n: int, tau: float = float("nan")) -> "FusionWeights":
+        """PRAG's merge for ``n`` passages: ``w~ = [1]*n``, ``w = [1/n]*n``."""
+        return cls((1.0,) * n, (1.0 / n,) * n, (0.5,) * n, 0.0, float(tau), "uniform")
+
+    @classmethod
+    def from_output(cls, out: Any, mode: str, b: int = 0) -> "FusionWeights":
+        """Sample ``b`` of a controller output (``scores``, ``weights``, ``merge_weights`` ``[B, N]``, ``g``, ``tau``
+        ``[B]``, ``mask [B, N]``), its real passages only."""
+        m = out.mask[b]
+        return cls(tuple(out.merge_weights[b][m].tolist()), tuple(out.weights[b][m].tolist()),
+                   tuple(out.scores[b][m].tolist()), float(out.g[b]), float(out.tau[b]), mode)
+
+    @classmethod
+    def for_query(cls, query: str, passages: Sequence[str], controller: Any, encoder: Any = None
+                  ) -> "FusionWeights":
+        """The weights for one query: uniform (see :func:`is_uniform`), else ``controller.predict`` with
+        ``encoder`` (default: the controller's shared encoder)."""
+        if is_uniform(controller):
+            return cls.uniform(len(passages), float("nan") if controller is None else controller.config.tau_max)
+        if encoder is None:
+            encoder = controller.encoder  # loaded once per process, shared
+        return cls.from_output(controller.predict(query, passages, encoder), controller.config.mode)
+
+    def to_json(self) -> dict[str, Any]:
+        """Strict JSON (no NaN / inf: null): ``merge_weights``, ``weights``, ``scores``, ``g``, ``tau``,
+        ``controller_mode``."""
+        return finite_or_none({"merge_weights": list(self.merge_weights), "weights": list(self.weights),
+                               "scores": list(self.scores), "g": self.g, "tau": self.tau,
+                               "controller_mode": self.mode})
 
 
 def check_weights(weights: Any, n: int) -> list[float]:

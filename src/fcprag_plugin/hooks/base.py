@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..controller import FusionController, load_controller
 from ..errors import HookError
-from ..fusion import compute_weights
+from ..weights import FusionWeights, is_uniform
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +148,7 @@ class MergeHook:
 
     @property
     def encoder(self) -> Any:
-        needs = self.controller is not None and self.controller.config.mode != "uniform"
-        if self._encoder is None and needs:
+        if self._encoder is None and not is_uniform(self.controller):
             from ..encoding import get_encoder
 
             # shared per process: the controller's own encoder unless a model was named
@@ -158,12 +157,12 @@ class MergeHook:
             self.controller.check_encoder(self._encoder)
         return self._encoder
 
-    def weights(self, question: str, passages: Sequence[str]) -> dict[str, Any]:
-        """``{"merge_weights", "weights", "scores", "g", "tau", "controller_mode"}`` for one question."""
+    def weights(self, question: str, passages: Sequence[str]) -> FusionWeights:
+        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question."""
         from ..fusion import check_texts
 
         check_texts(question, passages)
-        return compute_weights(question, passages, self.controller, self.encoder)
+        return FusionWeights.for_query(question, passages, self.controller, self.encoder)
 
     def log(self, record: dict[str, Any]) -> None:
         self.calls += 1

@@ -41,7 +41,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import HookError
-from ..weights import finite_or_none
+from ..weights import FusionWeights, finite_or_none
 from . import _dyprag_math as dm
 from ..fast.layout import pack_factors
 from ._slot_bridge import ShimSlots, check_max_adapters
@@ -117,23 +117,22 @@ class DyPragShim:
         Consumes the capture buffer (also when it raises). The question and passages come from
         :func:`set_context` (used once, then cleared) or the caller's locals ``question`` / ``passages``.
         """
-        outs, ctx, cw, t0, t1 = self._weigh(merged)
-        n = len(outs)
-        u = [float(w) / n for w in cw["merge_weights"]]
-        if self.mode == "separate" and all(float(w) == 1.0 for w in cw["merge_weights"]):
+        outs, ctx, fw, t0, t1 = self._weigh(merged)
+        u = [w / fw.n for w in fw.merge_weights]
+        if self.mode == "separate" and fw.uniform_merge:
             new = dict(merged)  # uniform: exactly DyPRAG's average (checked equal to the capture above)
         else:
             new = dm.aggregate(outs, u, self.mode)
-        self._record(merged, ctx, cw, u, t0, t1, MergeHook.timer())
+        self._record(merged, ctx, fw, u, t0, t1, MergeHook.timer())
         return new
 
     def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
         """``use_slot``: the same checks and weights as :meth:`reaggregate`, but the update is written into the
         model's fused slot (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with
         ``u = w~/N``) and switched on, instead of a dict for DyPRAG's dense ``delta_inject``."""
-        outs, ctx, cw, t0, t1 = self._weigh(merged)
+        outs, ctx, fw, t0, t1 = self._weigh(merged)
         n = len(outs)
-        u = [float(w) / n for w in cw["merge_weights"]]
+        u = [w / n for w in fw.merge_weights]
         factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
         modules = list(factors[0])
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
@@ -142,29 +141,27 @@ class DyPragShim:
                                 error=HookError)
                   for i, f in enumerate(factors)]  # DyPRAG's delta is B @ A: scaling 1
         if self.mode == "separate":
-            slot.activate(packed, cw["merge_weights"], "separate")  # A = sum u_i A_i, B = sum u_i B_i
+            slot.activate(packed, list(fw.merge_weights), "separate")  # A = sum u_i A_i, B = sum u_i B_i
         else:
             slot.activate(packed, u, "cat")  # sum u_i B_i A_i
-        self._record(merged, ctx, cw, u, t0, t1, MergeHook.timer(), slot=repr(slot))
+        self._record(merged, ctx, fw, u, t0, t1, MergeHook.timer(), slot=repr(slot))
 
-    def _weigh(self, merged: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any], dict[str, Any], float, float]:
+    def _weigh(self, merged: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any], FusionWeights, float, float]:
         """Take the capture, resolve the question, check the alignment and compute ``w~``."""
         outs = self._take()
         ctx = self._context()
         q_text, p_texts = ctx["question"], ctx["passages"]
         dm.check_alignment(outs, merged, len(p_texts), q_text)
         t0 = MergeHook.timer()
-        cw = self.hook.weights(q_text, p_texts)
-        return outs, ctx, cw, t0, MergeHook.timer()
+        fw = self.hook.weights(q_text, p_texts)
+        return outs, ctx, fw, t0, MergeHook.timer()
 
-    def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], cw: dict[str, Any], u: list[float],
+    def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], fw: FusionWeights, u: list[float],
                 t0: float, t1: float, t2: float, slot: str | None = None) -> None:
         self.merges += 1
         record = {
             "shim": "dyprag", "call": self.merges, "question": ctx["question"], "n": len(u), "mode": self.mode,
-            "merge_weights": cw["merge_weights"], "weights": cw["weights"], "u": u, "scores": cw["scores"],
-            "g": cw["g"], "tau": cw["tau"],
-            "controller_mode": cw["controller_mode"], "context_source": ctx["source"], "keys": len(merged),
+            **fw.to_json(), "u": u, "context_source": ctx["source"], "keys": len(merged),
             "use_slot": self.use_slot, "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
         }
         if slot is not None:
@@ -172,7 +169,7 @@ class DyPragShim:
         record = finite_or_none(record)  # NaN (tau without a controller) is not JSON
         self.last_record = record
         self.hook.log(record)
-        logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", len(u), self.mode, cw["merge_weights"],
+        logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", len(u), self.mode, fw.merge_weights,
                      (t2 - t1) * 1e3)
 
     @staticmethod

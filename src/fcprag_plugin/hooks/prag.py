@@ -153,8 +153,8 @@ class PragShim:
         verify_adapters(tuner, names, paths)
         parsed = [parse_adapter_path(p) for p in paths]
         ctx = self._context(names, paths, parsed)
-        cw = self.hook.weights(ctx["question"], ctx["passages"])
-        w_tilde = [float(x) for x in cw["merge_weights"]]
+        fw = self.hook.weights(ctx["question"], ctx["passages"])
+        w_tilde = list(fw.merge_weights)
         host_weights = args.get("weights")
         if host_weights is not None and any(float(x) != 1.0 for x in host_weights):
             self._warn_once("host_weights", "fcprag: add_weighted_adapter was called with non-uniform weights "
@@ -176,12 +176,7 @@ class PragShim:
             "question": ctx["question"],
             "adapters": names,
             "adapter_paths": paths,
-            "merge_weights": w_tilde,
-            "weights": cw["weights"],
-            "scores": cw["scores"],
-            "g": cw["g"],
-            "tau": cw["tau"],
-            "controller_mode": cw["controller_mode"],
+            **fw.to_json(),
             "mode": self.mode,
             "n": len(names),
             "context_source": ctx["source"],
