@@ -1,7 +1,8 @@
 """Fast per-query fusion on a live model.
 
 - :class:`FusedSlot`: a LoRA slot injected once into a model; per query only its buffers are rewritten
-  (``with slot.fused(adapters, w~): model.generate(...)``), exact ``cat`` or DyPRAG ``separate`` semantics.
+  (``with slot.fused(adapters, w~): model.generate(...)``), exact ``cat`` or DyPRAG ``separate`` semantics. It is
+  the one way an update enters a live model (``merge.activate`` is a one-adapter slot).
 - :class:`AdapterStore`: bounded LRU cache of packed adapters keyed by directory + file mtimes.
 - :func:`fused_mixed` / :func:`activate_mixed`: one forward where every sample has its own mixture.
 - :func:`pack_adapter` / :class:`PackedAdapter`: adapters as contiguous per-layer stacks.

@@ -31,11 +31,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..adapter import LoraAdapter
-from ..adapter_io import strip_peft_prefix
+from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
 from ..merge import factors
-from ..merge.live import resolve_module, resolve_target
 from ..weights import check_weights
 from .layout import Layout, PackedAdapter, check_layouts, layout_from_shapes, pack_adapter
 
@@ -105,6 +103,29 @@ def _make_hook(entry: _Entry, state: _State):
         return output + (h @ entry.BT).to(output.dtype)
 
     return hook
+
+
+def resolve_module(model: nn.Module, name: str, table: dict[str, nn.Module] | None = None) -> nn.Module:
+    """Find a target module by its base-model path, in a plain model or inside a ``PeftModel``."""
+    table = table if table is not None else dict(model.named_modules())
+    for cand in (name, PEFT_PREFIX + name, PEFT_PREFIX + PEFT_PREFIX + name):
+        mod = table.get(cand)
+        if mod is not None:
+            base = getattr(mod, "base_layer", None)  # a peft LoRA wrapper: hook its frozen base layer
+            return base if isinstance(base, nn.Module) else mod
+    sample = [n for n in table if n.endswith(name.split(".")[-1])][:2]
+    raise MergeError(f"module '{name}' of the adapter is not in the model (e.g. the model has {sample})")
+
+
+def resolve_target(model: nn.Module, name: str, out_features: int, in_features: int,
+                   table: dict[str, nn.Module] | None = None, expected_by: str = "adapter expects") -> nn.Module:
+    """:func:`resolve_module`, then check that its weight is ``[out, in]`` (error names the module and both shapes)."""
+    mod = resolve_module(model, name, table)
+    weight = getattr(mod, "weight", None)
+    if weight is None or tuple(weight.shape) != (out_features, in_features):
+        shape = None if weight is None else list(weight.shape)
+        raise MergeError(f"module '{name}': model weight is {shape}, {expected_by} [{out_features}, {in_features}]")
+    return mod
 
 
 def _target_shapes(model: nn.Module, targets: Any) -> dict[str, tuple[int, int]]:
@@ -469,8 +490,6 @@ class FusedSlot:
 
     def current_adapter(self) -> LoraAdapter:
         """The slot's current merge as a :class:`LoraAdapter` (scaling 1; copies, for checks and saving)."""
-        from ..adapter import LoraModule
-
         if self.mode not in SLOT_MODES:
             raise MergeError(f"the slot holds no weighted merge (mode {self.mode!r}); call activate() first")
         rows = self.n_active * self.max_rank if self.mode == "cat" else self.max_rank

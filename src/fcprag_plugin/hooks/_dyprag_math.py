@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..adapter_io import strip_peft_prefix
+from ..adapter import strip_peft_prefix
 from ..errors import HookError
 from ..merge import factors
 
