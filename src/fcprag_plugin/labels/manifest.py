@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..adapter_io import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
+from ..adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from ..errors import LabelFileError
 
 logger = logging.getLogger(__name__)
