@@ -3,8 +3,8 @@
 - :class:`ShimSlots`: one :class:`~fcprag_plugin.fast.FusedSlot` per live model, created at the first question,
   grown when a question has more adapters or a larger rank than it holds (a documented resize, logged), or held
   at a fixed capacity (``max_adapters``: more adapters is a :class:`HookError`).
-- The factors a host already holds (live PEFT layers, DyPRAG translator outputs) are packed straight into the
-  slot's layout with :func:`fcprag_plugin.fast.layout.pack_factors` (``error=HookError``).
+- :meth:`ShimSlots.write`: the factors a host already holds (live PEFT layers, DyPRAG translator outputs) packed
+  straight into the slot's layout (:func:`fcprag_plugin.fast.layout.pack_factors`) and merged there.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from ..errors import HookError
+from ..fast.layout import FactorGetter, pack_factors
 from ..fast.slot import FusedSlot
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,15 @@ class ShimSlots:
             slot.resize(max(n, slot.max_adapters), max(rank, slot.max_rank))
             self.resizes += 1
         return slot
+
+    def write(self, model: nn.Module, modules: Sequence[str], rank: int, factors: Sequence[FactorGetter],
+              sources: Sequence[str], weights: Sequence[float], mode: str) -> FusedSlot:
+        """The shims' merge step on the slot: pack each adapter's factors (``factors[i](module) -> (A, B, s)``,
+        named ``sources[i]`` in errors) into the slot of ``model`` and write their ``mode`` merge with ``weights``
+        (switched on; the caller decides when it stays on)."""
+        slot = self.get(model, modules, len(factors), rank)
+        packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
+        return slot.activate(packed, list(weights), mode)
 
     def slot_of(self, model: nn.Module) -> FusedSlot | None:
         return self._slots.get(model)

@@ -38,7 +38,6 @@ never writes weights). Outside a question the base model computes its original o
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -46,7 +45,7 @@ import logging
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
@@ -65,31 +64,30 @@ from ..compat import (
 from ..controller import FusionController
 from ..errors import HookError
 from ..merge import get_merge_mode, merge_adapters
-from ..weights import finite_or_none
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
-from ..fast.layout import pack_factors
-from ._slot_bridge import ShimSlots, check_max_adapters
-from .base import MergeHook, PatchSet, clear_context, find_in_callers, get_context, run_script
+from .base import Lifecycle, MergeHook, Shim, caller_test_id, clear_context, get_context
 from .base import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PragShim", "install", "uninstall", "installed", "is_installed", "launch", "set_context", "clear_context"]
 
-_PATCHES = PatchSet("prag")
-_state: "PragShim | None" = None
+_LIFE = Lifecycle("fcprag prag")
 # adapter name -> path, per live LoraModel (weak: PRAG builds a new one per question)
 _paths: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
 SLOT_MODES = ("cat", "separate")
 
 
 # ----------------------------------------------------------------------------- the handle
-class PragShim:
+class PragShim(Shim):
     """An installed PRAG shim: the hook (controller, encoder, log), merge mode and data-file mapping.
 
     Use it as a context manager or call :meth:`uninstall`. ``merges`` counts merged questions and
     ``last_record`` holds the latest per-question log record.
     """
+
+    who = "fcprag prag"
+    lifecycle = _LIFE
 
     def __init__(self, controller: FusionController | str | Path | None = None, encoder: Any = None,
                  mode: str = "cat", log: str | Path | None = None, data_file: str | Path | None = None,
@@ -98,44 +96,33 @@ class PragShim:
         if use_slot and mode not in SLOT_MODES:
             raise HookError(f"fcprag prag: use_slot supports modes {list(SLOT_MODES)}, not '{mode}' (an SVD merge "
                             "needs the materialised adapter): run without use_slot / --use-slot")
-        self.mode = mode
-        self.use_slot = bool(use_slot)
-        self.slots = ShimSlots(check_max_adapters(max_adapters, self.use_slot, "fcprag prag"), "fcprag prag")
+        super().__init__(MergeHook(controller, encoder, mode=mode, log=log), mode, use_slot=use_slot,
+                         max_adapters=max_adapters)
         self._bindings: "weakref.WeakKeyDictionary[Any, _SlotBinding]" = weakref.WeakKeyDictionary()
-        self._warned: set[str] = set()
-        self.hook = MergeHook(controller, encoder, mode=mode, log=log)
         _ = self.hook.encoder  # load it and check its dimension now, before the host script runs for hours
         self.data = PragDataFile(data_file) if data_file is not None else None
         self.repair = repair
-        self.merges = 0
-        self.last_record: dict[str, Any] | None = None
 
-    @property
-    def active(self) -> bool:
-        return _state is self
+    def apply(self) -> None:
+        """Patch peft at class level (see the module docstring)."""
+        from peft import PeftModel
+        from peft.tuners.lora import LoraModel
 
-    def uninstall(self) -> None:
-        if _state is self:
-            uninstall()
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        """One warning per kind per installed shim (per run), not one per question."""
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(msg, *args)
+        self.patches.patch(LoraModel, "add_weighted_adapter", _wrap_add_weighted_adapter)
+        self.patches.patch(PeftModel, "from_pretrained", _wrap_from_pretrained(PeftModel))
+        self.patches.patch(PeftModel, "load_adapter", _wrap_load_adapter)
+        if peft_has_stale_config_bug() or self.use_slot:
+            self.patches.patch(LoraModel, "unload", _wrap_unload("unload"))
+            self.patches.patch(LoraModel, "merge_and_unload", _wrap_unload("merge_and_unload"))
+        if self.use_slot:
+            self.patches.patch(LoraModel, "delete_adapter", _wrap_delete_adapter)
 
     def close(self) -> None:
         """Switch off and remove this shim's fused slots (the base models are exactly as before)."""
         for b in list(self._bindings.values()):
             b.unbind()
         self._bindings = weakref.WeakKeyDictionary()
-        self.slots.close()
-
-    def __enter__(self) -> "PragShim":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.uninstall()
+        super().close()
 
     # ----------------------------------------------------------------- the patched merge
     def merge(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
@@ -157,7 +144,7 @@ class PragShim:
         w_tilde = list(fw.merge_weights)
         host_weights = args.get("weights")
         if host_weights is not None and any(float(x) != 1.0 for x in host_weights):
-            self._warn_once("host_weights", "fcprag: add_weighted_adapter was called with non-uniform weights "
+            self.warn_once("host_weights", "fcprag: add_weighted_adapter was called with non-uniform weights "
                             "%s; they are replaced by the controller's weights", list(host_weights))
         host_type = args.get("combination_type")
         if self.use_slot:
@@ -187,10 +174,7 @@ class PragShim:
         }
         if slot_info is not None:
             record["slot"] = slot_info
-        record = finite_or_none(record)
-        self.merges += 1
-        self.last_record = record
-        self.hook.log(record)
+        self.log_record(record)
         logger.debug("prag merge %s: w~=%s (%s)", merge_name, w_tilde, ctx["source"])
         return result
 
@@ -214,9 +198,7 @@ class PragShim:
             ctx["passages"] = _align_passages(ctx["passages"], names, paths, parsed, ctx["source"])
         if ctx.get("test_id") is None:
             ctx["test_id"] = common_test_id(parsed)
-        if ctx.get("test_id") is None:
-            found = find_in_callers(("test_id",), max_depth=30)
-            ctx["test_id"] = found["test_id"] if found and isinstance(found["test_id"], (int, str)) else None
+        ctx["test_id"] = caller_test_id(ctx)
         return ctx
 
     # ----------------------------------------------------------------- use_slot
@@ -233,7 +215,6 @@ class PragShim:
             old.unbind()  # a previous question whose PeftModel was dropped without delete_adapter / unload
         layers = {n: m for n, m in base.named_modules() if isinstance(m, lora_layer_types())}
         modules, rank = _slot_modules(layers, names, paths)
-        slot = self.slots.get(base, modules, len(names), rank)
 
         def factors(name: str) -> Callable[[str], tuple[torch.Tensor, torch.Tensor, float]]:
             def get(module: str) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -242,13 +223,13 @@ class PragShim:
                         float(layer.scaling[name]))
             return get
 
-        packed = [pack_factors(slot.layout, factors(n), f"adapter '{n}'" + (f" loaded from {p}" if p else ""),
-                                error=HookError)
-                  for n, p in zip(names, paths)]
-        slot.activate(packed, w_tilde, self.mode)
+        slot = self.slots.write(base, modules, rank, [factors(n) for n in names],
+                                [f"adapter '{n}'" + (f" loaded from {p}" if p else "") for n, p in zip(names, paths)],
+                                w_tilde, self.mode)
         slot.deactivate()  # written; on only while merge_name is the active adapter (the binding's pre-hook)
         cfg = copy.deepcopy(tuner.peft_config[names[0]])
-        total = sum(p.max_rank for p in packed) if self.mode == "cat" else packed[0].max_rank
+        ranks = [max(int(layers[m].lora_A[n].weight.shape[0]) for m in modules) for n in names]
+        total = sum(ranks) if self.mode == "cat" else ranks[0]
         cfg.r = cfg.lora_alpha = total  # informational: the slot holds the whole update (scaling folded in)
         tuner.peft_config[merge_name] = cfg
         probe = layers[modules[0]]
@@ -283,7 +264,7 @@ class PragShim:
     def repair_stale_config(self, model: Any, where: str) -> None:
         if self.repair and peft_has_stale_config_bug() and has_stale_peft_config(model):
             if clear_stale_peft_config(model):
-                self._warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() "
+                self.warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() "
                                 "(fixed in peft 0.19); cleared it (seen at %s). Without this, later questions would "
                                 "merge only some of their passages.", peft_version(), where)
 
@@ -445,7 +426,7 @@ def _wrap_add_weighted_adapter(original: Callable[..., Any]) -> Callable[..., An
 
     @functools.wraps(original)
     def add_weighted_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
-        shim = _state
+        shim = _LIFE.current
         bound = _bind(sig, self, *args, **kwargs) if shim is not None else None
         if shim is None or bound is None:
             return original(self, *args, **kwargs)
@@ -467,7 +448,7 @@ def _wrap_from_pretrained(owner: type) -> Callable[[Any], Any]:
 
         @functools.wraps(func)
         def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-            shim = _state
+            shim = _LIFE.current
             bound = _bind(sig, cls, *args, **kwargs) if shim is not None else None
             if shim is not None and bound is not None:
                 shim.repair_stale_config(bound.arguments["model"], "PeftModel.from_pretrained")
@@ -488,7 +469,7 @@ def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        bound = _bind(sig, self, *args, **kwargs) if _state is not None else None
+        bound = _bind(sig, self, *args, **kwargs) if _LIFE.current is not None else None
         if bound is not None:
             _remember(getattr(self, "base_model", None), bound.arguments.get("adapter_name"),
                       bound.arguments.get("model_id"))
@@ -501,7 +482,7 @@ def _wrap_unload(how: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def unload(self: Any, *args: Any, **kwargs: Any) -> Any:
-            shim = _state
+            shim = _LIFE.current
             if shim is not None:
                 shim.before_unload(self, how)  # use_slot: switch the slot off (the merge goes with the PeftModel)
             model = original(self, *args, **kwargs)
@@ -518,25 +499,12 @@ def _wrap_delete_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def delete_adapter(self: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
         result = original(self, adapter_name, *args, **kwargs)
-        if _state is not None:
-            _state.after_delete(self, adapter_name)
+        shim = _LIFE.current
+        if shim is not None:
+            shim.after_delete(self, adapter_name)
         return result
 
     return delete_adapter
-
-
-def _apply_patches(use_slot: bool = False) -> None:
-    from peft import PeftModel
-    from peft.tuners.lora import LoraModel
-
-    _PATCHES.patch(LoraModel, "add_weighted_adapter", _wrap_add_weighted_adapter)
-    _PATCHES.patch(PeftModel, "from_pretrained", _wrap_from_pretrained(PeftModel))
-    _PATCHES.patch(PeftModel, "load_adapter", _wrap_load_adapter)
-    if peft_has_stale_config_bug() or use_slot:
-        _PATCHES.patch(LoraModel, "unload", _wrap_unload("unload"))
-        _PATCHES.patch(LoraModel, "merge_and_unload", _wrap_unload("merge_and_unload"))
-    if use_slot:
-        _PATCHES.patch(LoraModel, "delete_adapter", _wrap_delete_adapter)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -559,46 +527,23 @@ def install(controller: FusionController | str | Path | None = None, encoder: An
         max_adapters: with ``use_slot``, a fixed slot capacity (more passages in one question is a
             :class:`HookError`); default None: sized for the first question and grown when a later one has more.
     """
-    global _state
-    shim = PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters)
-    _apply_patches(use_slot)
-    if _state is not None:
-        logger.info("fcprag: PRAG shim was installed already; using the new options")
-        _state.close()
-    _state = shim
-    return shim
+    return _LIFE.install(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
 
 def uninstall() -> None:
     """Remove every patch, restoring peft's original functions exactly, and the shim's fused slots."""
-    global _state
-    _PATCHES.revert()
-    if _state is not None:
-        _state.close()
-    _state = None
+    _LIFE.uninstall()
 
 
 def is_installed() -> bool:
-    return _state is not None
+    return _LIFE.is_installed()
 
 
-@contextlib.contextmanager
 def installed(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
               log: str | Path | None = None, data_file: str | Path | None = None, *, repair: bool = True,
-              use_slot: bool = False, max_adapters: int | None = None) -> Iterator[PragShim]:
+              use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[PragShim]:
     """``with prag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
-    global _state
-    previous = _state
-    shim = install(controller, encoder, mode, log, data_file, repair=repair, use_slot=use_slot,
-                   max_adapters=max_adapters)
-    try:
-        yield shim
-    finally:
-        if previous is None:
-            uninstall()
-        else:
-            shim.close()
-            _state = previous
+    return _LIFE.installed(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
 
 def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
@@ -610,19 +555,5 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
     patches and its fused slot are removed when the script ends. Returns the script's exit status (``sys.exit``
     inside the script is caught and returned).
     """
-    with installed(controller, encoder, mode or "cat", log, data_file, use_slot=bool(use_slot),
-                   max_adapters=slot_max_adapters) as shim:
-        try:
-            run_script(script, list(script_args))
-            code = 0
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = int(e.code or 0)
-            else:
-                import sys
-
-                print(e.code, file=sys.stderr)
-                code = 1
-        logger.info("fcprag: merged %d questions with %s weights", shim.merges,
-                    "uniform" if shim.hook.controller is None else shim.hook.controller.config.mode)
-    return code
+    return _LIFE.launch(script, script_args, PragShim(controller, encoder, mode or "cat", log, data_file,
+                                                      use_slot=bool(use_slot), max_adapters=slot_max_adapters))
