@@ -151,6 +151,35 @@ def test_uniform_log_is_strict_json(host, tmp_path):
     assert rec["tau"] is None and rec["merge_weights"] == [1.0, 1.0] and rec["controller_mode"] == "uniform"
 
 
+def _dyprag_loop(h, test_ids):
+    for test_id in test_ids:  # noqa: B007  (DyPRAG's main() loop variable; the shim reads it from this frame)
+        dyprag_question(h, QUESTION, TEXTS[:2])
+
+
+def test_log_records_the_hosts_question_index(host, tmp_path):
+    """Issue 13: like the PRAG shim's, the log's test_id is the host loop's question index (DyPRAG's main() has a
+    local 'test_id'), or set_context(..., test_id=...); None when neither gives one."""
+    log = tmp_path / "log.jsonl"
+    with dyprag.install(log=log, utils=host.utils, projector=host.projector):
+        _dyprag_loop(host, (7, 8))
+        set_context(QUESTION, TEXTS[:2], test_id=42)
+        anonymous_question(host, 2)
+        dyprag_question(host, QUESTION, TEXTS[:2])
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["test_id"] for r in recs] == [7, 8, 42, None]
+
+
+def test_dyprag_passages_list_local_is_found(host, encoder16):
+    """DyPRAG's own loop holds the passage texts in 'passages_list' ('passages' is their joined string)."""
+    ctrl = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16)
+    with dyprag.install(ctrl, encoder16, utils=host.utils, projector=host.projector) as shim:
+        question, passages_list, passages = QUESTION, TEXTS[:2], "passage 1: ...passage 2: ..."  # noqa: F841
+        anonymous_question(host, 2)
+    assert shim.last_record["question"] == QUESTION and shim.last_record["context_source"] == "caller_locals"
+    u = H.controller_u(ctrl, encoder16, QUESTION, TEXTS[:2])
+    assert shim.last_record["u"] == pytest.approx(u, abs=1e-6)
+
+
 # ----------------------------------------------------------------------------- context
 def test_missing_context_is_an_error_and_clears_the_capture(host, encoder16):
     ctrl = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16)

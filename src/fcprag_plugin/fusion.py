@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -10,6 +11,7 @@ from typing import Any, Sequence
 from .adapter import LoraAdapter
 from .controller import FusionController, load_controller
 from .errors import FusionInputError
+from .fast import AdapterStore, FusedSlot, pack_adapter
 from .merge import MergeResult, merge_adapters
 from .weights import FusionWeights, finite_or_none
 
@@ -67,6 +69,21 @@ def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAda
     return out
 
 
+def warn_duplicates(adapters: Sequence[Any]) -> list[str]:
+    """Warn (one warning per fusion) when adapter paths repeat: each copy counts as its own passage update, so the
+    same update is added twice (PRAG does the same, silently). Returns the repeated paths."""
+    seen: dict[str, int] = {}
+    for a in adapters:
+        if isinstance(a, (str, Path)):
+            key = os.path.realpath(a)
+            seen[key] = seen.get(key, 0) + 1
+    dups = [k for k, c in seen.items() if c > 1]
+    if dups:
+        logger.warning("fuse: adapter path(s) %s are given more than once; each copy counts as its own passage "
+                       "update, so the same update is added several times", dups)
+    return dups
+
+
 def check_texts(query: str, passages: Sequence[str], n_adapters: int | None = None) -> None:
     """The query and passages are non-blank strings (blank: also only zero-width / control characters,
     :func:`~fcprag_plugin.encoding.is_blank`), one passage per adapter."""
@@ -118,6 +135,7 @@ def fuse(
     if len(adapters) == 0:
         raise FusionInputError("adapters is empty: need one adapter per passage")
     check_texts(query, passages, len(adapters))
+    warn_duplicates(adapters)
     ctrl = load_controller(controller)
     if use_slot:
         return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store)
@@ -131,8 +149,6 @@ def fuse(
 def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], ctrl: FusionController | None,
                   encoder: Any, mode: str, model: Any, store: Any) -> FusionResult:
     """Fast path: the merge is written into the model's fused slot (no merged adapter is materialised)."""
-    from .fast import AdapterStore, FusedSlot
-
     if model is None:
         raise FusionInputError("use_slot=True needs the live model: fuse(..., model=model, use_slot=True)")
     live = set(getattr(model, "peft_config", {}) or {})
@@ -142,10 +158,12 @@ def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], 
             raise FusionInputError(f"adapter {i} is a {type(a).__name__}; expected a path, a LoraAdapter or the "
                                    "name of an adapter of `model`")
     store = store if store is not None else AdapterStore()
-    template = store.get(items[0]) if isinstance(items[0], (str, Path)) else items[0]
-    slot = FusedSlot.for_model(model, template, max_adapters=len(items), store=store)
+    packed = [store.get(a) if isinstance(a, (str, Path)) else pack_adapter(a) for a in items]
+    # sized for this fusion's largest rank, so adapters of ranks [2, 4] fit in any order
+    slot = FusedSlot.for_model(model, packed[0], max_adapters=len(packed), max_rank=max(p.max_rank for p in packed),
+                               store=store)
     if slot.store is None:
         slot.store = store
     fw = FusionWeights.for_query(query, passages, ctrl, encoder)
-    slot.activate(items, list(fw.merge_weights), mode)
+    slot.activate(packed, list(fw.merge_weights), mode)
     return FusionResult(None, fw, mode, {"slot": repr(slot)}, slot)
