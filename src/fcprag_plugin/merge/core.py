@@ -42,11 +42,6 @@ def get_merge_mode(name: str) -> MergeFn:
         raise MergeError(f"unknown merge mode '{name}'; expected one of {sorted(MERGE_MODES)}") from None
 
 
-def weight_vector(weights: Any, n: int) -> torch.Tensor:
-    """:func:`~fcprag_plugin.weights.check_weights` as a float32 tensor ``[n]``."""
-    return torch.tensor(check_weights(weights, n), dtype=torch.float32)
-
-
 def check_compatible(adapters: Sequence[LoraAdapter]) -> list[str]:
     """All adapters must target the same modules with the same in/out shapes. Returns the module names."""
     if not adapters:
@@ -75,7 +70,7 @@ def merge_adapters(adapters: Sequence[LoraAdapter], weights: Any, mode: str = "c
     """Merge ``adapters`` with merge weights ``w~`` (length N) using ``mode``; see the package docstring."""
     fn = get_merge_mode(mode)
     adapters = list(adapters)
-    w = weight_vector(weights, len(adapters))
+    w = torch.tensor(check_weights(weights, len(adapters)), dtype=torch.float32)
     check_compatible(adapters)
     return fn(adapters, w, **options)
 

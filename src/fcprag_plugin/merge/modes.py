@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -19,6 +19,18 @@ def _merged_config(adapters: Sequence[LoraAdapter], **extra) -> dict:
     return cfg
 
 
+def _per_module(adapters: Sequence[LoraAdapter], w: torch.Tensor, mode: str,
+                merge: Callable[[str, list[LoraModule]], tuple[torch.Tensor, torch.Tensor]]) -> MergeResult:
+    """``merge(module name, its N LoraModules) -> (A, B)`` over every target module; scaling 1."""
+    modules = {}
+    for name in adapters[0].target_modules:
+        A, B = merge(name, [ad.modules[name] for ad in adapters])
+        modules[name] = LoraModule(A, B, 1.0)
+    r = next(iter(modules.values())).rank
+    merged = LoraAdapter(modules, _merged_config(adapters, r=r, lora_alpha=r), f"merge[{mode},N={len(adapters)}]")
+    return MergeResult(merged, w, mode)
+
+
 @register_merge_mode("cat")
 def merge_cat(adapters: Sequence[LoraAdapter], w: torch.Tensor, *, dtype: torch.dtype | None = None) -> MergeResult:
     """Exact: ``A* = cat_i(w~_i s_i A_i)`` ``[sum r_i, in]``, ``B* = cat_i(B_i)`` ``[out, sum r_i]``, scaling 1.
@@ -26,15 +38,9 @@ def merge_cat(adapters: Sequence[LoraAdapter], w: torch.Tensor, *, dtype: torch.
     Equals peft's ``add_weighted_adapter(weights=w~, combination_type="cat")``; ranks may differ.
     """
     wl = w.tolist()
-    modules = {}
-    for name in adapters[0].target_modules:
-        parts = [ad.modules[name] for ad in adapters]
-        A, B = factors.cat([m.A for m in parts], [m.B for m in parts], [wi * m.scaling for wi, m in zip(wl, parts)],
-                           dtype=dtype or torch.float32)
-        modules[name] = LoraModule(A, B, 1.0)
-    r = next(iter(modules.values())).rank
-    merged = LoraAdapter(modules, _merged_config(adapters, r=r, lora_alpha=r), f"merge[cat,N={len(adapters)}]")
-    return MergeResult(merged, w, "cat")
+    return _per_module(adapters, w, "cat", lambda name, parts: factors.cat(
+        [m.A for m in parts], [m.B for m in parts], [wi * m.scaling for wi, m in zip(wl, parts)],
+        dtype=dtype or torch.float32))
 
 
 @register_merge_mode("separate")
@@ -48,16 +54,13 @@ def merge_separate(
     into A so adapters with different ``alpha/r`` combine consistently. All adapters need equal rank per module.
     """
     u = (w / len(adapters)).tolist()
-    modules = {}
-    for name in adapters[0].target_modules:
-        parts = [ad.modules[name] for ad in adapters]
+
+    def merge(name: str, parts: list[LoraModule]) -> tuple[torch.Tensor, torch.Tensor]:
         factors.check_equal_ranks([m.rank for m in parts], name, [ad.source for ad in adapters])
-        A, B = factors.separate([m.A for m in parts], [m.B for m in parts], [ui * m.scaling for ui, m in zip(u, parts)],
-                                u, dtype=dtype or torch.float32)
-        modules[name] = LoraModule(A, B, 1.0)
-    r = next(iter(modules.values())).rank
-    merged = LoraAdapter(modules, _merged_config(adapters, r=r, lora_alpha=r), f"merge[separate,N={len(adapters)}]")
-    return MergeResult(merged, w, "separate")
+        return factors.separate([m.A for m in parts], [m.B for m in parts],
+                                [ui * m.scaling for ui, m in zip(u, parts)], u, dtype=dtype or torch.float32)
+
+    return _per_module(adapters, w, "separate", merge)
 
 
 @register_merge_mode("svd")
