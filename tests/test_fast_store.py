@@ -8,7 +8,7 @@ import torch
 
 from fcprag_plugin import AdapterError, LoraAdapter
 from fcprag_plugin.fast import AdapterStore, pack_adapter, read_adapter_dir
-from fcprag_plugin.fast.store import _mmap_tensors
+from fcprag_plugin.fast.adapter_store import _mmap_tensors
 from helpers import make_adapter_dir
 
 

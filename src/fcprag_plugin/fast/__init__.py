@@ -13,7 +13,7 @@ from __future__ import annotations
 from .layout import Layout, LayoutGroup, PackedAdapter, PackedGroup, layout_from_shapes, layout_of, pack_adapter
 from .mixed import activate_mixed, fused_mixed, union_weights
 from .slot import FusedSlot
-from .store import AdapterStore, StoreStats, read_adapter_dir
+from .adapter_store import AdapterStore, StoreStats, read_adapter_dir
 
 __all__ = [
     "FusedSlot",

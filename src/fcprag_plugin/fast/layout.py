@@ -131,7 +131,7 @@ class PackedGroup:
 class PackedAdapter:
     """An adapter as per-group contiguous stacks (:class:`PackedGroup`), ready to be written into a slot.
 
-    Build with :func:`pack_adapter` or :class:`~fcprag_plugin.fast.store.AdapterStore`. Read-only by convention:
+    Build with :func:`pack_adapter` or :class:`~fcprag_plugin.fast.adapter_store.AdapterStore`. Read-only by convention:
     slots copy from it and never write to it.
     """
 

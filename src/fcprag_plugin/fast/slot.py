@@ -35,6 +35,7 @@ from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
 from ..merge import factors
 from ..weights import check_weights
+from .adapter_store import AdapterStore
 from .layout import Layout, PackedAdapter, check_layouts, layout_from_shapes, pack_adapter
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class FusedSlot:
         max_adapters: K, the most adapters one query may merge. More is a :class:`MergeError`; see :meth:`resize`.
         max_rank: R, the largest adapter rank (default: the template's, else 8).
         dtype: buffer dtype (default: each target weight's dtype).
-        store: an :class:`~fcprag_plugin.fast.store.AdapterStore` used when adapters are given as paths.
+        store: an :class:`~fcprag_plugin.fast.adapter_store.AdapterStore` used when adapters are given as paths.
     """
 
     def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
@@ -317,8 +318,6 @@ class FusedSlot:
                 packed.append(pack_adapter(a))
             elif isinstance(a, (str, Path)):
                 if self.store is None:
-                    from .store import AdapterStore
-
                     self.store = AdapterStore()
                 packed.append(self.store.get(a))
             else:
