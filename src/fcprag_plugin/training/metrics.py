@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from ..controller import ControllerConfig, FusionController, InferenceRunner
+from ..controller import ControllerConfig, FusionController
 from .data import LabelTensors
-from .precision import use_runner
 from .targets import kl_per_sample
 
 METRIC_KEYS = ("kl", "kl_nonflat", "top1", "spearman", "g_mean", "g_std", "tau_mean", "tau_std", "entropy_mean",
@@ -35,8 +34,8 @@ def collect_outputs(controller: FusionController, data: LabelTensors, batch_size
                     autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Run ``controller`` (eval mode) over ``data``: ``w [R, N_max]`` (0 on padding), ``g [R]``, ``tau [R]``.
 
-    ``autocast_dtype`` (``torch.bfloat16``): the MLPs' matmuls in that dtype (weights converted once for this
-    call, as :meth:`FusionController.for_inference` does); None: the controller as it is.
+    ``autocast_dtype`` (``torch.bfloat16``): the MLPs' matmuls in that dtype (``torch.autocast``); None: the
+    controller as it is.
     """
     was_training = controller.training
     controller.eval()
@@ -45,7 +44,7 @@ def collect_outputs(controller: FusionController, data: LabelTensors, batch_size
     g, tau = torch.zeros(R), torch.zeros(R)
     if autocast_dtype is not None and autocast_dtype != torch.bfloat16:
         raise ValueError(f"collect_outputs: autocast_dtype supports torch.bfloat16 only, got {autocast_dtype}")
-    ctx = use_runner(controller, InferenceRunner(autocast_dtype)) if autocast_dtype else contextlib.nullcontext()
+    ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     try:
         with ctx:
             for b in data.batches(batch_size):

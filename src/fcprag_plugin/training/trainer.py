@@ -38,7 +38,7 @@ from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, 
 from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
-from .precision import TrainRunner, resolve_precision, use_runner
+from .precision import autocast, resolve_precision
 from .metrics import collect_outputs, evaluate, format_table, metrics_from_outputs
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, weighted_kl
 
@@ -66,9 +66,9 @@ class TrainArgs:
     flat_weight: float = DEFAULT_FLAT_WEIGHT
     val_fraction: float = 0.1
     on_error: str = "fail"
-    # bf16: the controller's two MLPs run in bfloat16 (fp32 master weights, optimizer and loss; the per-epoch
-    # validation in the log too, the final metrics.json in fp32); auto: bf16 where the CPU has native bfloat16
-    # (AVX512-BF16/AMX), else fp32. The resolved choice is in training_args.json.
+    # bf16: the controller's two MLPs run under torch.autocast(bfloat16) (fp32 master weights, optimizer and loss;
+    # the per-epoch validation in the log too, the final metrics.json in fp32); auto: bf16 where the CPU has native
+    # bfloat16 (AVX512-BF16/AMX), else fp32. The resolved choice is in training_args.json.
     precision: str = "auto"
     grad_clip: float | None = None
     eval_batch_size: int = 512
@@ -282,20 +282,15 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.epoch = 0
         self.precision = resolve_precision(args.precision)
-        # bf16 shadow weights / persistent gradient buffers, reused by every step (see training.precision)
-        self.runner = TrainRunner(torch.bfloat16 if self.precision == "bf16" else torch.float32)
 
     # -------------------------------------------------------------------- one epoch
     def train_epoch(self, progress: Any = None) -> float:
         """One pass over the training data; returns the omega-weighted mean loss."""
         self.controller.train()
-        with use_runner(self.controller, self.runner):
-            return self._epoch_loop(progress)
-
-    def _epoch_loop(self, progress: Any) -> float:
         total, weight = 0.0, 0.0
         for b in self.train_data.batches(self.args.batch_size, shuffle=True, generator=self.shuffle_gen):
-            out = self.controller(b.e_q, b.E_p, b.mask)
+            with autocast(self.precision):
+                out = self.controller(b.e_q, b.E_p, b.mask)
             loss = weighted_kl(b.y, out.weights, b.mask, b.omega)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
