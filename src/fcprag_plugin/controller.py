@@ -445,18 +445,17 @@ class FusionController(nn.Module):
     def predict(self, query: str, passages: Sequence[str], encoder: Any = None, *,
                 retrieval_ranks: Sequence[float] | None = None, retrieval_scores: Sequence[float] | None = None,
                 adapter_stats: Sequence[Any] | None = None) -> ControllerOutput:
-        """Weights for one query and its passages, embedded with ``encoder`` (a :class:`TextEncoder`).
+        """Weights for one query and its passages, embedded with ``encoder`` (a :class:`TextEncoder`; None: the
+        controller's own :attr:`encoder`). Logs :meth:`warn_if_unproven`'s warning on first use.
 
         Side features (used only when the controller was trained with them, then required): ``retrieval_ranks``
         and ``retrieval_scores`` one number per passage; ``adapter_stats`` one entry per passage, a
         :class:`~fcprag_plugin.adapter.LoraAdapter` (statistics computed here), a dict from
         :func:`features.adapter_stats` or its values as a list.
         """
+        self.warn_if_unproven()  # fuse() and both shims come through here: one warning per controller
         if encoder is None:
-            enc = getattr(self, "encoder", None)  # a lazily loaded encoder, when this controller provides one
-            if enc is None:
-                raise ControllerError("predict: no encoder given and the controller has none; pass encoder=")
-            encoder = enc
+            encoder = self.encoder  # the shared, lazily loaded encoder of config.embedding_model
         self.check_encoder(encoder)
         side = None
         if self.config.side_features and self.config.mode != "uniform":
