@@ -115,12 +115,11 @@ def adapter_stats(adapter: Any) -> dict[str, float]:
     mods = getattr(adapter, "modules", None)
     if not isinstance(mods, dict) or not mods:
         raise ValueError(f"adapter_stats expects a LoraAdapter with at least one module, got {type(adapter).__name__}")
+    norms = adapter.norms()  # per module ||s B A||_F from r x r Gram products (LoraAdapter.norms)
     group_norm = dict.fromkeys(ADAPTER_GROUPS, 0.0)
     total = 0.0
-    for name, m in mods.items():
-        a, b = m.A.to(torch.float64), m.B.to(torch.float64)
-        sq = float(torch.sum((b.T @ b) * (a @ a.T)).clamp_min(0))  # ||B A||_F^2 from r x r products
-        norm = abs(float(m.scaling)) * math.sqrt(sq)
+    for name in mods:
+        norm = abs(norms[name]["delta"])
         total += norm
         group = name.rsplit(".", 1)[-1]
         if group in group_norm:
