@@ -206,6 +206,17 @@ def test_selected_zero_epochs_keeps_uniform_weights(tmp_path, monkeypatch):
     assert "keeps uniform weights" in res.table
 
 
+def test_the_final_controller_is_the_plain_run_of_the_selected_length(tmp_path):
+    recs, table = synthetic_records(120, 3, 8, seed=8, groups=40)
+    kw = dict(name="syn8", epochs=3, controller={"score_hidden": [16], "calib_hidden": 8})
+    cv = run(recs, table, tmp_path / "cv", **kw)
+    e = cv.metrics["cv"]["selected_epochs"]
+    assert e >= 1  # the planted signal is found
+    plain = run(recs, table, tmp_path / "plain", **{**kw, "epochs": e, "cv_folds": 0})
+    a, b = cv.controller.state_dict(), plain.controller.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_cv_resume_reuses_the_cross_validation(tmp_path):
     recs, table = synthetic_records(90, 3, 8, seed=5, groups=30)
     first = run(recs, table, tmp_path / "run", name="syn8", epochs=2)

@@ -546,6 +546,9 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
             logger.warning("%s: the checkpoint has %d epochs but cross-validation selects %d; training again from "
                            "the start", out / CHECKPOINT_DIR, trainer.epoch, cv["selected_epochs"])
             shutil.rmtree(out / CHECKPOINT_DIR)
+        if trainer.epoch == 0 or trainer.epoch > cv["selected_epochs"]:
+            # a fresh start after the CV (which drew from the global RNG): the final run is the one that
+            # cv_folds=0, epochs=selected_epochs would train
             trainer = Trainer(train_t, val_t, out, args, name, info)
     epochs = cv["selected_epochs"] if cv is not None else args.epochs
     history = trainer.fit(progress, epochs)
