@@ -31,7 +31,7 @@ def run(records, table, out, name="syn16", **kw):
 # ------------------------------------------------------------------------------------------------ initialisation
 def test_a_new_learned_controller_is_exactly_prags_merge():
     g = torch.Generator().manual_seed(0)
-    c = FusionController(embed_dim=16, score_hidden=[32, 16], calib_hidden=8, seed=3)
+    c = FusionController(embed_dim=16, score_hidden=[32, 16], calib_hidden=8, seed=3, init="uniform")
     e_q, E_p = torch.randn(6, 16, generator=g), torch.randn(6, 5, 16, generator=g)
     mask = torch.rand(6, 5, generator=g) > 0.4
     mask[:, 0] = True
@@ -40,6 +40,8 @@ def test_a_new_learned_controller_is_exactly_prags_merge():
             out = mode(e_q, E_p, m)
             ref = torch.ones(6, 5) if m is None else m.float()
             assert torch.equal(out.merge_weights, ref)  # exactly, not approximately
+    # the constructor's default keeps PyTorch's initialisation, as before
+    assert not torch.equal(FusionController(embed_dim=16, seed=3)(e_q, E_p).merge_weights, torch.ones(6, 5))
     # the trainer's controller before its first step, on real label tensors
     recs, table = synthetic_records(40, (1, 4), 16, seed=2)
     data = build_tensors(recs, table_encoder(table, "syn16"))

@@ -7,8 +7,9 @@
     merge weights = kappa * c * w~                             kappa = 1, c = 1 unless configured
 
 ``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates). A freshly built learned controller gives
-exactly that (``init="uniform"``: the score head's output layer is zero, so every passage gets the same score),
-and training moves away from it only as far as the data supports.
+exactly that with ``init="uniform"`` (the score head's output layer is zero, so every passage gets the same
+score), which is how the trainer builds it: training moves away from PRAG's merge only as far as the data
+supports. The constructor's default stays ``init="random"`` (PyTorch's initialisation, as before).
 
 The calibration summary (:func:`features.calibration_summary`) is a masked, permutation-invariant description of
 the set: the mean pair feature, score statistics, query-passage cosine statistics and ``log N``. It lets the net
@@ -57,8 +58,8 @@ INFERENCE_DTYPES = (torch.bfloat16, torch.float32)
 class ControllerConfig:
     """Everything needed to rebuild a controller; saved as ``config.json``.
 
-    ``init``: ``"uniform"`` (default) builds a learned controller whose merge weights are exactly ``[1]*N``;
-    ``"random"`` keeps PyTorch's default initialisation (``mode="random"`` always does). ``cv``: the trainer's
+    ``init``: ``"uniform"`` (the trainer's choice) builds a learned controller whose merge weights are exactly
+    ``[1]*N``; ``"random"`` (default, as before) keeps PyTorch's initialisation (baseline modes always do). ``cv``: the trainer's
     cross-validated evidence (``gain``, ``ci95``, ``verdict``, ...), None when there is none.
     """
 
@@ -76,7 +77,7 @@ class ControllerConfig:
     fixed_tau: float = 0.1
     seed: int | None = None
     format_version: int = FORMAT_VERSION
-    init: str = "uniform"
+    init: str = "random"
     side_features: list[str] = field(default_factory=list)
     side_scale: list[float] | None = None  # one per side_feature_columns(side_features); None: 1
     kappa: float = 1.0

@@ -319,8 +319,8 @@ class Trainer:
         torch.manual_seed(args.seed)
         cfg = ControllerConfig(embed_dim=train.dim, embedding_model=embedding_model, seed=args.seed,
                                side_features=list(args.side_features), side_scale=side_scales(train),
-                               **args.controller).validate()
-        self.controller = FusionController(cfg)  # init="uniform": w~ = [1]*N before the first step
+                               init="uniform", **args.controller).validate()
+        self.controller = FusionController(cfg)  # w~ = [1]*N exactly before the first step
         self.optimizer = make_optimizer(self.controller, args)
         self.shuffle_gen = torch.Generator().manual_seed(args.seed)
         self.history: list[dict[str, Any]] = []
