@@ -299,3 +299,18 @@ def test_for_inference_made_and_used_inside_inference_mode():
         ref = c(e_q, E_p)
     assert torch.equal(a.merge_weights, b.merge_weights)
     torch.testing.assert_close(a.merge_weights, ref.merge_weights, atol=0.08, rtol=0)
+
+
+def test_a_controller_saved_before_issue_15_still_loads(tmp_path):
+    """config.json written before the init / side-feature / scale / cv keys existed (format_version 1): the same
+    weights and outputs."""
+    c = FusionController(embed_dim=8, seed=9, init="random").eval()
+    d = c.save_pretrained(tmp_path / "old")
+    cfg = json.loads((d / "config.json").read_text())
+    old_keys = {"embed_dim", "embedding_model", "score_hidden", "calib_hidden", "dropout", "tau_min", "tau_max",
+                "eps", "mode", "scorer", "fixed_g", "fixed_tau", "seed", "format_version", "library"}
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k in old_keys}))
+    again = FusionController.from_pretrained(d)
+    assert again.config.side_features == [] and again.config.kappa == 1.0 and again.config.cv is None
+    e_q, E_p = torch.randn(2, 8), torch.randn(2, 3, 8)
+    assert torch.equal(again(e_q, E_p).merge_weights, c(e_q, E_p).merge_weights)

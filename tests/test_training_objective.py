@@ -40,6 +40,10 @@ def test_a_new_learned_controller_is_exactly_prags_merge():
             out = mode(e_q, E_p, m)
             ref = torch.ones(6, 5) if m is None else m.float()
             assert torch.equal(out.merge_weights, ref)  # exactly, not approximately
+    # with a per-query scale head too (c = 2 sigmoid(0) = 1 exactly)
+    qs = FusionController(embed_dim=16, score_hidden=[8], calib_hidden=8, seed=4, init="uniform", query_scale=True)
+    out = qs(e_q, E_p, mask)
+    assert torch.equal(out.merge_weights, mask.float()) and torch.equal(out.scale, torch.ones(6))
     # the constructor's default keeps PyTorch's initialisation, as before
     assert not torch.equal(FusionController(embed_dim=16, seed=3)(e_q, E_p).merge_weights, torch.ones(6, 5))
     # the trainer's controller before its first step, on real label tensors
