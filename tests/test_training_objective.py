@@ -289,3 +289,25 @@ def test_cli_train_states_the_cross_validated_verdict(tmp_path, capsys):
     assert main(["train", str(tmp_path / "train.jsonl"), "--out", str(tmp_path / "d"), "--encoder", "syn8",
                  "--cache-dir", str(cache), "--kappa", "big", "--no-progress"]) == 2
     assert "--kappa is 'big'" in capsys.readouterr().err
+
+
+def test_best_kappa_is_the_risk_optimal_global_scale():
+    from fcprag_plugin.training.targets import best_kappa, risk_objective
+
+    wt, deltas, mask = ragged(3, B=20, N=4)
+    deltas = deltas + 0.8 * mask  # every adapter helps: more of all of them pays, kappa > 1
+    lam = 0.9
+    k = best_kappa(wt, deltas, mask, lam)
+    grid = torch.linspace(0.05, 4, 7901, dtype=torch.float64)
+    vals = torch.stack([risk_objective(g * wt, deltas, mask, lam).sum() for g in grid])
+    assert k > 1 and k == pytest.approx(float(grid[vals.argmax()]), abs=1e-3)
+
+
+def test_kappa_auto_is_tuned_and_saved(tmp_path):
+    recs, table = synthetic_records(90, 3, 8, seed=9, groups=30)
+    recs = [type(r)(id=r.id, query=r.query, passages=r.passages, deltas=[d + 0.3 for d in r.deltas], group=r.group)
+            for r in recs]  # all adapters help
+    res = run(recs, table, tmp_path / "k", name="syn8", epochs=2, objective="risk", kappa="auto")
+    k = res.metrics["kappa"]
+    assert k > 1 and FusionController.from_pretrained(tmp_path / "k").config.kappa == k
+    assert res.metrics["cv"]["kappa"] == "auto" and all(x > 1 for x in res.metrics["cv"]["fold_kappas_at_selected"])
