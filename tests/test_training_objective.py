@@ -311,3 +311,28 @@ def test_kappa_auto_is_tuned_and_saved(tmp_path):
     k = res.metrics["kappa"]
     assert k > 1 and FusionController.from_pretrained(tmp_path / "k").config.kappa == k
     assert res.metrics["cv"]["kappa"] == "auto" and all(x > 1 for x in res.metrics["cv"]["fold_kappas_at_selected"])
+
+
+def test_fuse_logs_one_warning_for_an_unproven_controller(tmp_path, adapter_dirs, encoder16, caplog):
+    import dataclasses
+
+    import fcprag_plugin
+    from fcprag_plugin import fuse
+
+    c = FusionController(embed_dim=16, embedding_model=encoder16.name, score_hidden=[8], calib_hidden=8)
+    c.config = dataclasses.replace(c.config, cv={"gain": -0.004, "ci95": [-0.02, 0.011], "verdict": "unproven"})
+    d = c.save_pretrained(tmp_path / "unproven")
+    proven = FusionController(embed_dim=16, embedding_model=encoder16.name, score_hidden=[8], calib_hidden=8)
+    proven.config = dataclasses.replace(proven.config, cv={"gain": 0.03, "ci95": [0.01, 0.05],
+                                                            "verdict": "better_than_uniform"})
+    p = proven.save_pretrained(tmp_path / "proven")
+    fcprag_plugin.clear_caches()
+    try:
+        with caplog.at_level(logging.WARNING):
+            for q in ("who wrote it", "where is it", "when was it"):
+                fuse(adapter_dirs, q, ["a one", "b two", "c three"], controller=d, encoder=encoder16)
+                fuse(adapter_dirs, q, ["a one", "b two", "c three"], controller=p, encoder=encoder16)
+    finally:
+        fcprag_plugin.clear_caches()
+    warned = [r.getMessage() for r in caplog.records if "did not beat uniform" in r.getMessage()]
+    assert len(warned) == 1 and "95% CI [-0.02, 0.011]" in warned[0]
