@@ -163,10 +163,10 @@ def test_collect_outputs_bfloat16_is_close_to_float32_and_restores_the_controlle
     y, omega, flat = make_targets(deltas, mask)
     data = LabelTensors(table, torch.arange(R), torch.arange(R, R + R * N).view(R, N) % 200, mask, deltas, y,
                         omega, flat, [str(i) for i in range(R)], [str(i) for i in range(R)])
-    c = FusionController(embed_dim=16, seed=1).train()
+    c = FusionController(embed_dim=16, seed=1, init="random").train()
     ref = collect_outputs(c, data, batch_size=16)
     bf = collect_outputs(c, data, batch_size=16, autocast_dtype=torch.bfloat16)
-    assert c.training and "_runner" not in vars(c)
+    assert c.training and all(p.dtype == torch.float32 for p in c.parameters())
     assert not torch.equal(bf["w"], ref["w"])
     torch.testing.assert_close(bf["w"], ref["w"], atol=2e-3, rtol=0)
     torch.testing.assert_close(bf["g"], ref["g"], atol=2e-3, rtol=0)

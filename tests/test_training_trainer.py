@@ -143,7 +143,8 @@ def test_explicit_val_file_leaks_are_errors_naming_file_line_field(tmp_path):
 
 def test_resume_continues_from_the_checkpoint(tmp_path):
     recs, table = synthetic_records(120, (1, 4), 8, seed=5)  # N = 1 records included: gradients must stay finite
-    kw = dict(name="syn8", controller={"score_hidden": [32], "calib_hidden": 16}, lr=1e-3)
+    # cv_folds=0: exactly `epochs` epochs (cross-validation would choose the count; its resume is tested below)
+    kw = dict(name="syn8", controller={"score_hidden": [32], "calib_hidden": 16}, lr=1e-3, cv_folds=0)
     straight = run(recs, table, tmp_path / "straight", epochs=4, **kw)
     first = run(recs, table, tmp_path / "resumed", epochs=2, **kw)
     assert len(first.history) == 2
@@ -198,7 +199,6 @@ def test_bf16_mixed_precision_learns_and_leaves_the_module_untouched(tmp_path):
     res = run(recs, table, tmp_path / "run", precision="bf16", name="syn16b", lr=1e-3)
     v = res.metrics["val"]
     assert v["learned"]["kl"] < 0.5 * v["uniform"]["kl"] and v["learned"]["top1"] >= 0.8
-    assert "_runner" not in vars(res.controller)  # the bf16 training kernels are gone
     assert all(p.dtype == torch.float32 for p in res.controller.parameters())
 
 

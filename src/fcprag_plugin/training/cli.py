@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .labels import ON_ERROR
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
-from .trainer import PRECISIONS, TrainArgs
+from .trainer import PRECISIONS, TrainArgs, add_objective_arguments, objective_kwargs
 
 
 def _print_skipped(label_sets) -> None:
@@ -39,7 +39,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                            batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                            t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight,
                            val_fraction=args.val_fraction, on_error=args.on_error, precision=args.precision,
-                           cache_dir=args.cache_dir, threads=args.threads, plots=args.plots, controller=controller)
+                           cache_dir=args.cache_dir, threads=args.threads, plots=args.plots, controller=controller,
+                           **objective_kwargs(args))
     print(res.table)
     t = res.metrics["timing_s"]
     print(f"\n{res.n_train} training / {res.n_val} validation records, {res.metrics['epochs']} epochs, "
@@ -102,6 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "controller's MLPs in bfloat16 with fp32 master weights")
     t.add_argument("--score-hidden", dest="score_hidden", help="score net hidden sizes, e.g. 2048,1024 (default)")
     t.add_argument("--calib-hidden", dest="calib_hidden", type=int, help="calibration net hidden size (256)")
+    add_objective_arguments(t)
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint (the last finished epoch)")
     t.add_argument("--overwrite", action="store_true", help="start over in a directory that holds a run")
     t.add_argument("--cache-dir", dest="cache_dir",

@@ -8,6 +8,8 @@ Per controller:
     spearman      mean per-sample Spearman correlation of w and delta (average ranks for ties) over samples with
                   N >= 2 where neither is constant; None when no sample qualifies (e.g. uniform weights)
     g_mean/g_std, tau_mean/tau_std, entropy_mean (nats), entropy_norm_mean (H / log N, samples with N >= 2)
+    gain          mean over records of sum_i (w~_i - 1) delta_i: the first-order gain in the label metric over the
+                  uniform merge (0 for uniform; targets.first_order_gain); when the merge weights are given
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ from typing import Any
 
 import torch
 
-from ..controller import ControllerConfig, FusionController, InferenceRunner
+from ..controller import ControllerConfig, FusionController
 from .data import LabelTensors
-from .precision import use_runner
-from .targets import kl_per_sample
+from .targets import first_order_gain, kl_per_sample
 
 METRIC_KEYS = ("kl", "kl_nonflat", "top1", "spearman", "g_mean", "g_std", "tau_mean", "tau_std", "entropy_mean",
-               "entropy_norm_mean")
+               "entropy_norm_mean", "gain")
 BASELINES = ("uniform", "random")
 _W_TIE = 1e-9
 
@@ -35,26 +36,27 @@ def collect_outputs(controller: FusionController, data: LabelTensors, batch_size
                     autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Run ``controller`` (eval mode) over ``data``: ``w [R, N_max]`` (0 on padding), ``g [R]``, ``tau [R]``.
 
-    ``autocast_dtype`` (``torch.bfloat16``): the MLPs' matmuls in that dtype (weights converted once for this
-    call, as :meth:`FusionController.for_inference` does); None: the controller as it is.
+    ``autocast_dtype`` (``torch.bfloat16``): the MLPs' matmuls in that dtype (``torch.autocast``); None: the
+    controller as it is. Also returns ``wt`` (the merge weights ``w~``, 0 on padding).
     """
     was_training = controller.training
     controller.eval()
     R, N = data.mask.shape
-    w = torch.zeros(R, N)
+    w, wt = torch.zeros(R, N), torch.zeros(R, N)
     g, tau = torch.zeros(R), torch.zeros(R)
     if autocast_dtype is not None and autocast_dtype != torch.bfloat16:
         raise ValueError(f"collect_outputs: autocast_dtype supports torch.bfloat16 only, got {autocast_dtype}")
-    ctx = use_runner(controller, InferenceRunner(autocast_dtype)) if autocast_dtype else contextlib.nullcontext()
+    ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     try:
         with ctx:
             for b in data.batches(batch_size):
-                out = controller(b.e_q, b.E_p, b.mask)
+                out = controller(b.e_q, b.E_p, b.mask, b.side)
                 w[b.index, : b.mask.shape[1]] = out.weights.float().cpu()
+                wt[b.index, : b.mask.shape[1]] = out.merge_weights.float().cpu()
                 g[b.index], tau[b.index] = out.g.float().cpu(), out.tau.float().cpu()
     finally:
         controller.train(was_training)
-    return {"w": w, "g": g, "tau": tau}
+    return {"w": w, "wt": wt, "g": g, "tau": tau}
 
 
 def average_ranks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -102,8 +104,10 @@ def _std(x: torch.Tensor) -> float | None:
     return float(x.std(unbiased=False)) if x.numel() else None
 
 
-def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, data: LabelTensors) -> dict[str, Any]:
-    """All metrics (see the module docstring) from collected outputs; plain floats (None when undefined)."""
+def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, data: LabelTensors,
+                         wt: torch.Tensor | None = None) -> dict[str, Any]:
+    """All metrics (see the module docstring) from collected outputs; plain floats (None when undefined).
+    ``wt`` (the merge weights ``w~``) adds ``gain``."""
     mask, deltas = data.mask, data.deltas
     y, omega, flat = data.y, data.omega.to(torch.float64), data.flat
     kl = kl_per_sample(y.to(torch.float64), w.to(torch.float64), mask)
@@ -128,14 +132,15 @@ def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, da
         "tau_std": _std(tau.to(torch.float64)),
         "entropy_mean": _mean(ent),
         "entropy_norm_mean": _mean(ent_norm),
+        **({} if wt is None else {"gain": _mean(first_order_gain(wt.to(torch.float64), deltas, mask))}),
     }
 
 
 def baseline_controllers(config: ControllerConfig, seed: int = 0) -> dict[str, FusionController]:
     """The uniform (PRAG) and random-controller (same architecture, untrained, seeded) baselines."""
     return {
-        "uniform": FusionController(dataclasses.replace(config, mode="uniform")),
-        "random": FusionController(dataclasses.replace(config, mode="random", seed=seed)),
+        "uniform": FusionController(dataclasses.replace(config, mode="uniform", kappa=1.0, query_scale=False, cv=None)),
+        "random": FusionController(dataclasses.replace(config, mode="random", seed=seed, kappa=1.0, cv=None)),
     }
 
 
@@ -154,7 +159,7 @@ def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0,
     for k, m in models.items():
         outs = collect_outputs(m, data, batch_size, autocast_dtype if k == name else None)
         outputs[k] = outs
-        metrics[k] = metrics_from_outputs(outs["w"], outs["g"], outs["tau"], data)
+        metrics[k] = metrics_from_outputs(outs["w"], outs["g"], outs["tau"], data, outs["wt"])
     return metrics, outputs
 
 
