@@ -56,18 +56,46 @@ def strict_json(obj: Any) -> Any:
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
-    """Write ``obj`` as indented strict JSON (NaN/inf as null) through a temp file + rename."""
+    """Write ``obj`` as indented strict JSON (NaN/inf as null) through a temp file + rename (no temp file is left
+    behind when the write or the rename fails)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(strict_json(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(strict_json(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
 def _inside(a: Path, b: Path) -> bool:
     """Whether ``a`` is ``b`` or lies inside it (both resolved)."""
     return a == b or b in a.parents
+
+
+def refuse_inputs(option: str, out: str | Path, inputs: Sequence[tuple[str, str | Path | None]]) -> None:
+    """Refuse an output path that is an input, lies inside one (a controller directory) or contains one.
+
+    ``inputs`` are ``(option, path)`` pairs; ``None`` paths are ignored. Raises :class:`FcpragError` naming both.
+    """
+    res = Path(out).resolve()
+    for name, path in inputs:
+        if path is None:
+            continue
+        p = Path(path).resolve()
+        if _inside(res, p) or _inside(p, res):
+            where = "is" if res == p else "is inside" if _inside(res, p) else "contains"
+            raise FcpragError(f"{option} {out} {where} the {name} input {path}; write to a new path (an input is "
+                              "never overwritten, even with --overwrite)")
+
+
+def check_out_file(option: str, out: str | Path, inputs: Sequence[tuple[str, str | Path | None]] = ()) -> None:
+    """An output file: not an input (see :func:`refuse_inputs`) and not an existing directory."""
+    refuse_inputs(option, out, inputs)
+    if Path(out).is_dir():
+        raise FcpragError(f"{option} {out} is an existing directory; expected the path of a file to write")
 
 
 def check_out_dir(out: Path, inputs: Sequence[tuple[str, str]], overwrite: bool) -> None:
@@ -77,13 +105,7 @@ def check_out_dir(out: Path, inputs: Sequence[tuple[str, str]], overwrite: bool)
     inside none of them and contain none of them, even with ``overwrite``. An existing file is never replaced; an
     existing non-empty directory only with ``overwrite``.
     """
-    res = out.resolve()
-    for option, path in inputs:
-        p = Path(path).resolve()
-        if _inside(res, p) or _inside(p, res):
-            where = "is" if res == p else "is inside" if _inside(res, p) else "contains"
-            raise FcpragError(f"--out {out} {where} the {option} input {path}; write the fused adapter to a new "
-                              "directory (never into an input, even with --overwrite)")
+    refuse_inputs("--out", out, inputs)
     if out.exists() and not out.is_dir():
         raise FcpragError(f"--out {out} is an existing file; expected a directory to create")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -255,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(command: str, message: str) -> int:
+    message = " ".join(message.split())  # one line, even when a library below us wrote several
     print(f"fcprag {command}: error: {message}", file=sys.stderr)
     return 2
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import positive_int
+from ..cli import check_out_file, positive_int
 from ..errors import FcpragError, LabelFileError
 from .metrics import SCORINGS
 
@@ -22,6 +22,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
                         shard_from_env, shard_records)
     from .store import done_ids
 
+    check_out_file("--out", args.out, [("manifest", args.manifest), ("--prompt-template", args.prompt_template)])
     shard = shard_from_env()
     records = read_manifest(args.manifest)  # every rank validates the whole manifest: a bad line stops all
     template = PromptTemplate.from_file(args.prompt_template) if args.prompt_template else PromptTemplate()
@@ -78,6 +79,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def _cmd_from_prag(args: argparse.Namespace) -> int:
     from .manifest import from_prag, write_manifest
 
+    check_out_file("--out", args.out, [("--data-aug", args.data_aug)])
     res = from_prag(args.data_aug, args.adapters_root, id_prefix=args.id_prefix, limit=args.limit)
     if res.missing:
         print(f"{len(res.missing)} adapters missing in {len(res.incomplete_ids)} of {res.total} records:",
@@ -97,6 +99,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     from .manifest import read_manifest
     from .shard import merge_parts
 
+    check_out_file("--out", args.out, [("--manifest", args.manifest), *(("part", p) for p in args.parts)])
     records = read_manifest(args.manifest)
     s = merge_parts(args.parts, records, args.out, allow_missing=args.allow_missing)
     print(f"merged {s.written} records from {len(args.parts)} files -> {args.out}")

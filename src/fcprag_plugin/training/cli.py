@@ -130,10 +130,27 @@ def _print_skipped(label_sets) -> None:
                 print(f"  ... and {len(ls.skipped) - 10} more (all listed in metrics.json)")
 
 
+def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
+    """Refuse a run directory that is a file, or a non-empty directory holding no training run (a controller or
+    anything else the user has would be overwritten) unless ``overwrite``. A directory that holds a run is the
+    trainer's business (``--resume`` / ``--overwrite``)."""
+    from .checkpoint import CHECKPOINT_DIR
+
+    if out.exists() and not out.is_dir():
+        raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
+    if (out.is_dir() and any(out.iterdir()) and not (out / CHECKPOINT_DIR).exists() and not overwrite):
+        what = "--resume found no checkpoint there and it" if resume else "it"
+        raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
+                          f"({CHECKPOINT_DIR}/); choose a new directory or pass --overwrite to write the run into it")
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ..cli import refuse_inputs
     from .checkpoint import read_checkpoint_state
     from .trainer import train_controller
 
+    refuse_inputs("--out", args.out, [("labels", args.labels), ("--val", args.val)])
+    check_train_out(Path(args.out), args.overwrite, args.resume)
     train_set = read_label_file(args.labels, args.on_error, args.t_label)
     val_set = read_label_file(args.val, args.on_error, args.t_label) if args.val else None
     _print_skipped([train_set, val_set])
@@ -168,10 +185,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from ..cli import check_out_file, refuse_inputs
     from .metrics import format_table
     from .targets import DEFAULT_T_LABEL
     from .trainer import evaluate_controller
 
+    inputs = [("controller", args.controller), ("labels", args.labels)]
+    if args.json:
+        check_out_file("--json", args.json, inputs)
+    if args.plots:
+        refuse_inputs("--plots", args.plots, [("labels", args.labels)])
+        if Path(args.plots).exists() and not Path(args.plots).is_dir():
+            raise FcpragError(f"--plots {args.plots} is an existing file; expected a directory for the PNGs")
     labels = read_label_file(args.labels, args.on_error, args.t_label or DEFAULT_T_LABEL)
     res = evaluate_controller(
         args.controller, labels, encoder=args.encoder, cache_dir=args.cache_dir, on_error=args.on_error,
