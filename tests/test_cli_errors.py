@@ -56,7 +56,7 @@ def test_every_option_has_help(words, parser):
 
 def test_descriptions_and_usage():
     p = dict(zip(COMMANDS, [q for _, q in LEAVES]))
-    for cmd in ("fuse", "inspect", "train", "run"):
+    for cmd in ("fuse", "inspect", "train", "eval", "run", "labels build", "labels from-prag", "labels merge"):
         assert p[cmd].description, cmd
     assert "-- SCRIPT" in p["run"].format_usage()
     assert "largest input rank" in " ".join(p["fuse"].format_help().split())  # svd's default rank is stated

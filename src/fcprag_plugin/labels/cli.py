@@ -152,7 +152,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bars")
     b.set_defaults(func=_cmd_build)
 
-    p = gs.add_parser("from-prag", help="write a manifest from PRAG's augmented data and adapter tree")
+    p = gs.add_parser("from-prag", help="write a manifest from PRAG's augmented data and adapter tree",
+                      description="Write a labels-build manifest (one record per question: id, question, answer, "
+                                  "passages, adapters) from PRAG's augmented data file and its "
+                                  "data_{test_id}/passage_{pid} adapter tree. Missing adapters are listed.")
     p.add_argument("--data-aug", dest="data_aug", required=True, help="PRAG augmented data file (JSON array or JSONL)")
     p.add_argument("--adapters-root", dest="adapters_root", required=True,
                    help="folder holding data_{test_id}/passage_{pid} adapter directories")
@@ -163,7 +166,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="records with missing adapters: fail (write nothing) or leave them out; always listed")
     p.set_defaults(func=_cmd_from_prag)
 
-    m = gs.add_parser("merge", help="validate part files against the manifest and concatenate in manifest order")
+    m = gs.add_parser("merge", help="validate part files against the manifest and concatenate in manifest order",
+                      description="Merge the part files of a sharded 'labels build' (run with --no-merge, or "
+                                  "interrupted) into one label file in manifest order; every record is checked "
+                                  "against the manifest.")
     m.add_argument("parts", nargs="+", help="label part files (labels build writes OUT's stem + "
                                             ".part{r}-of{P}.jsonl, e.g. labels.part*-of*.jsonl)")
     m.add_argument("--manifest", required=True, help="the manifest the parts were built from (JSON Lines)")

@@ -263,7 +263,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bars")
     t.set_defaults(func=_cmd_train)
 
-    e = sub.add_parser("eval", help="metrics of a controller on a label file, next to uniform and random baselines")
+    e = sub.add_parser("eval", help="metrics of a controller on a label file, next to uniform and random baselines",
+                       description="Metrics of a saved controller on LABELS (KL to the targets, top-1 agreement, "
+                                   "Spearman, g/tau, weight entropy), next to the uniform (PRAG's merge) and random "
+                                   "baselines on the same records. --plots writes g_tau.png and entropy.png.")
     e.add_argument("controller", help="controller directory")
     e.add_argument("labels", help="label file (JSON Lines or JSON array)")
     e.add_argument("--encoder", help="embedding model (default: the controller's embedding_model)")
