@@ -54,13 +54,19 @@ LABELS = Path(__file__).resolve().parent / "data" / "hotpotqa_train_labels.jsonl
 TRAIN_OUT = Path(__file__).resolve().parent.parent / "runs" / "demo-controller"
 
 
-def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = TRAIN_OUT, out=print) -> Any:
-    """Train a controller on the shipped label file (library defaults, seed 0) and return it."""
+def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = TRAIN_OUT, out=print,
+                          cache_dir: str | None = "") -> Any:
+    """Train a controller on the shipped label file (library defaults, seed 0) and return it.
+
+    ``cache_dir``: the embedding cache; ``""`` (the default here, for tests) none, ``None`` the library's default
+    ($FCPRAG_CACHE_DIR or ~/.cache/fcprag/embeddings), which `make demo` uses: a second demo, or a later
+    `fcprag train` on the same labels, then does not encode the texts again.
+    """
     from fcprag_plugin.training import train_controller
 
     t0 = time.perf_counter()
     res = train_controller(str(labels), out_dir, encoder=encoder, overwrite=True, progress=False, seed=0,
-                           cache_dir="")
+                           cache_dir=cache_dir)
     out(f"trained a controller on {labels.name} ({res.n_train} train / {res.n_val} validation queries) "
         f"in {time.perf_counter() - t0:.0f}s -> {out_dir}")
     for line in res.table.splitlines():
@@ -69,7 +75,7 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
 
 
 def build_methods(demo_dir: Path, encoder: Any, *, train: bool = True, out=print,
-                  train_out: Path = TRAIN_OUT) -> list[tuple[str, Any]]:
+                  train_out: Path = TRAIN_OUT, cache_dir: str | None = "") -> list[tuple[str, Any]]:
     """(label, controller) pairs; ``None`` is the uniform merge."""
     from fcprag_plugin import FusionController
 
@@ -83,8 +89,8 @@ def build_methods(demo_dir: Path, encoder: Any, *, train: bool = True, out=print
         else:
             methods.append((f"trained controller ({ctrl_dir.name}/)", ctrl))
     elif train:
-        methods.append((f"learned controller (trained now on {LABELS.name})", train_demo_controller(encoder, out_dir=train_out,
-                                                                                              out=out)))
+        ctrl = train_demo_controller(encoder, out_dir=train_out, out=out, cache_dir=cache_dir)
+        methods.append((f"learned controller (trained now on {LABELS.name})", ctrl))
     methods.append((f"fixed cosine baseline, g={FIXED_G} tau={FIXED_TAU} (not trained)",
                     FusionController.fixed(g=FIXED_G, tau=FIXED_TAU, embed_dim=encoder.dim, scorer="cosine",
                                            embedding_model=encoder.name)))
@@ -105,7 +111,7 @@ def contains_gold(answer: str, gold: str) -> bool:
 
 def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_tokens: int = 20, out=print,
         model: Any = None, tokenizer: Any = None, encoder: Any = None, train: bool = True,
-        train_out: Path = TRAIN_OUT) -> list[dict[str, Any]]:
+        train_out: Path = TRAIN_OUT, cache_dir: str | None = "") -> list[dict[str, Any]]:
     """Run the demo; print with ``out``; return one record per question (weights and answers per method).
 
     ``model``/``tokenizer``/``encoder`` default to SmolLM2 and ``TextEncoder()`` (passed in by the tests).
@@ -118,7 +124,7 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
     model, tok = (model, tokenizer) if model is not None else load_model()
     # The paper's bge-base when cached locally, else the packaged all-MiniLM-L6-v2 (offline).
     encoder = encoder if encoder is not None else TextEncoder()
-    methods = build_methods(Path(demo_dir), encoder, train=train, out=out, train_out=train_out)
+    methods = build_methods(Path(demo_dir), encoder, train=train, out=out, train_out=train_out, cache_dir=cache_dir)
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out(f"model: {manifest['model']['name']} ({manifest['model']['gguf_file']}), encoder: {encoder.name} "
         f"({encoder.dim}-d); loaded in {time.perf_counter() - t0:.0f}s")
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     try:
         run(Path(args.demo_dir), questions=args.questions, max_new_tokens=args.max_new_tokens,
-            train=not args.no_train)
+            train=not args.no_train, cache_dir=None)
     except DemoModelError as e:
         raise SystemExit(str(e)) from e
     return 0
