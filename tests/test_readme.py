@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli_errors import LEAVES, options
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -58,3 +59,46 @@ def test_readme_examples_run_as_written(tmp_path):
     assert out[2] == "same tokens as the merged adapter: True"
     fused = LoraAdapter.from_pretrained(tmp_path / "runs" / "fused")
     assert set(fused.ranks.values()) == {6}  # cat of three rank-2 passage adapters
+
+
+def command_lines(text: str) -> list[str]:
+    """Every `fcprag SUBCOMMAND ...` the text shows, inline or in a code block (a trailing comment dropped,
+    backslash continuations and indented option lines joined)."""
+    text = re.sub(r"\n\s+(?=\[)", " ", text.replace("\\\n", " "))  # continued on indented "[--opt]" lines
+    found = re.findall(r"`(fcprag [a-z][^`]*)`", text)
+    found += [m.split("  #")[0].strip() for m in re.findall(r"^(fcprag [a-z].*)$", text, flags=re.M)]
+    return [c for c in found if not re.fullmatch(r"fcprag( [a-z][a-z-]*)+( / [a-z]+)?", c)]  # bare names in prose
+
+
+def as_argv(command: str) -> list[str]:
+    """The words of a documented command with its optional parts included ([--x V] -> --x V), the first of
+    alternatives (a|b -> a) and '...' dropped."""
+    command = re.sub(r"\[([^\[\]]*)\]", r"\1", command)
+    words = [w.split("|")[0] for w in command.split()[1:] if w not in ("...", "ARGS...")]
+    return [w for w in words if not w.endswith("...")] if "--" not in words else words
+
+
+NUMERIC = {a.option_strings[0] for _, p in LEAVES for a in options(p)
+           if a.option_strings and getattr(a.type, "__name__", "") in ("int", "positive_int", "float",
+                                                                       "finite_float", "hidden_sizes")}
+DOCS = [README, REPO / "docs" / "labels-builder.md", REPO / "examples" / "prag" / "README.md",
+        REPO / "examples" / "dyprag" / "README.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
+def test_documented_commands_parse(doc, capsys):
+    """Every documented `fcprag ...` command line uses sub-commands and options that exist, with valid values."""
+    from fcprag_plugin.cli import build_parser
+
+    commands = command_lines(doc.read_text(encoding="utf-8"))
+    assert commands
+    for command in commands:
+        argv = as_argv(command)
+        # a placeholder value (N, K) of a numeric option: any number is what the docs mean
+        argv = [("1" if re.fullmatch(r"[A-Z][A-Z_]*", w) and i and argv[i - 1] in NUMERIC else w)
+                for i, w in enumerate(argv)]
+        try:
+            args, rest = build_parser().parse_known_args(argv)
+        except SystemExit:
+            pytest.fail(f"{doc.name}: `{command}` does not parse: {capsys.readouterr().err.strip()}")
+        assert not rest or getattr(args, "accepts_rest", False), f"{doc.name}: `{command}`: unknown {rest}"
