@@ -416,3 +416,29 @@ def test_a_multi_line_library_message_is_one_line(world, capsys, monkeypatch):
     monkeypatch.setattr(adapter.LoraAdapter, "from_pretrained", two_lines)
     rc, err = run_main(["inspect", str(world["ads"][0])], capsys)
     assert_one_line(rc, err, ["inspect"], "cannot load it: Check your connection.")
+
+
+def test_labels_build_ctrl_c_says_the_command_resumes(world, tmp_path, capsys, monkeypatch):
+    from fcprag_plugin.labels import builder
+    from helpers import save_tiny_lm
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builder, "build_labels", interrupted)
+    out = tmp_path / "labels.jsonl"
+    rc = main(["labels", "build", str(world["manifest"]), "--model", str(save_tiny_lm(tmp_path / "lm", seed=0)),
+               "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 130 and "Traceback" not in err
+    assert f"interrupted; {out} keeps every record written so far; the same command resumes" in err
+
+
+def test_eval_plots_without_matplotlib_fails_before_evaluating(world, tmp_path, capsys, monkeypatch):
+    from fcprag_plugin.training import trainer
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(trainer, "evaluate_controller", lambda *a, **k: pytest.fail("evaluated before the check"))
+    argv = ["eval", str(world["ctrl"]), str(world["labels"]), "--plots", str(tmp_path / "p"), "--no-progress"]
+    rc, err = run_main(argv, capsys)
+    assert_one_line(rc, err, argv, "plots need matplotlib")

@@ -40,6 +40,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     target = output_path(out, shard)
     # Records already merged into OUT by an earlier run count as done for every rank.
     skip = set(done_ids(out, repair=False)) if shard.distributed and out.exists() else set()
+    args.interrupt_hint = (f"{target} keeps every record written so far; the same command resumes after them")
     grouped = init_process_group(shard)
     try:
         model, tok = load_model(args.model, gguf_file=args.gguf_file, tokenizer=args.tokenizer, dtype=args.dtype,

@@ -194,6 +194,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         check_out_file("--json", args.json, inputs)
     if args.plots:
+        from .plots import _pyplot
+
+        _pyplot()  # a missing matplotlib stops here, not after the evaluation
         refuse_inputs("--plots", args.plots, [("labels", args.labels)])
         if Path(args.plots).exists() and not Path(args.plots).is_dir():
             raise FcpragError(f"--plots {args.plots} is an existing file; expected a directory for the PNGs")
