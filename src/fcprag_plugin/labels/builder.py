@@ -30,7 +30,7 @@ from ..errors import FcpragError
 from ..merge import activate, merge_adapters
 from .errors import LabelBuildError
 from .manifest import ManifestRecord
-from .metrics import answer_logprob, exact_match, extract_answer, f1_score, greedy_generate
+from .metrics import SCORINGS, answer_logprob, exact_match, extract_answer, f1_score, greedy_generate
 from .prompts import PROMPT_MODES, EncodedPrompt, PromptTemplate, answer_ids, render_prompt
 from .store import JsonlAppender, done_ids
 
@@ -47,6 +47,7 @@ class BuildOptions:
     template: PromptTemplate = field(default_factory=PromptTemplate)
     use_chat_template: bool | None = None  # None: when the tokenizer has one
     cot: bool = False
+    scoring: str = "default"  # how the short answer is cut from a generation (labels.metrics.SCORINGS)
     metric: str = "answer_logprob"
     generate: bool = True  # f1 / em need the greedy generation
     max_new_tokens: int = 32
@@ -62,6 +63,8 @@ class BuildOptions:
             raise FcpragError(f"metric '{self.metric}': expected one of {list(METRICS)}")
         if self.metric != "answer_logprob" and not self.generate:
             raise FcpragError(f"metric '{self.metric}' needs the greedy generation; drop --no-generation")
+        if self.scoring not in SCORINGS:
+            raise FcpragError(f"scoring '{self.scoring}': expected one of {list(SCORINGS)}")
         if self.empty_generation not in ("fail", "zero"):
             raise FcpragError(f"empty_generation '{self.empty_generation}': expected 'fail' or 'zero'")
         if self.max_new_tokens < 1:
@@ -171,7 +174,7 @@ class LabelBuilder:
             if o.generate:
                 generation = greedy_generate(self.model, self.tokenizer, gen_prompt.ids, o.max_new_tokens)
         if o.generate:
-            prediction = extract_answer(generation, o.cot)
+            prediction = extract_answer(generation, o.cot, o.scoring)
             if not prediction.strip():
                 empty = True
                 if o.empty_generation == "fail":
