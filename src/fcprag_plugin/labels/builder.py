@@ -7,12 +7,13 @@ N == 1 the empty set, i.e. the base model). Each subset is merged through the li
 one pre-allocated :class:`fcprag_plugin.fast.FusedSlot` (no per-subset modules or hook churn). Per subset it measures
 ``answer_logprob`` (teacher forcing) and, with generation on, ``f1`` / ``em`` of the greedy answer.
 
-With ``batch_size > 1`` (the CLI's default) the subsets of a record, and of several records, are evaluated
-together: the union of their adapters is written once into the fused slot and every row of one forward gets its
-own mixture (:func:`fcprag_plugin.fast.fused_mixed`, mode ``cat``; the empty subset is an all-zero row, i.e. the
-base model), left-padded (:mod:`.batched`). Same labels as the sequential path up to float rounding (tested:
-log-probabilities within 1e-5, identical greedy texts). ``batch_size`` counts rows (subsets x gold aliases) per
-forward; records are grouped while their N + 1 subsets fit. ``batch_size == 1`` is the sequential path.
+With ``batch_size > 1`` (the CLI's default; the library's :class:`BuildOptions` keeps 1) the subsets of a record,
+and of several records, are evaluated together through :func:`.batched.score_rows`: per forward the union of the
+rows' adapters is written once into the fused slot and every row gets its own mixture
+(:func:`fcprag_plugin.fast.fused_mixed`, mode ``cat``; the empty subset is the base model), left-padded. Same
+labels as the sequential path up to float rounding (tested: log-probabilities within 1e-5, identical greedy
+texts). ``batch_size`` counts sequences (subsets x gold aliases) per forward; records are grouped while their
+N + 1 subsets fit. ``batch_size == 1`` is the sequential path.
 
 Label record (the trainer's format, see issue 3): ``id``, ``query``, ``passages``, ``adapters``, ``answer``,
 ``metric`` (the name), ``metric_all``, ``metric_without`` (N floats), plus ``{name}_all`` / ``{name}_without``
@@ -297,48 +298,22 @@ class LabelBuilder:
         except LabelBuildError as e:
             return e
 
-    @torch.no_grad()
     def _measure_batched(self, ready: Sequence[tuple]) -> list[list[tuple[list[int], float, str | None]]]:
         """``ready``: (record, score prompt, gen prompt, answer ids, packed adapters) -> per record, per subset
-        ``(subset, answer log-prob, greedy text or None)``."""
-        from ..fast import fused_mixed
-        from .batched import batched_answer_logprobs, batched_greedy
+        ``(subset, answer log-prob, greedy text or None)``, through :func:`.batched.score_rows` (one row per
+        subset, uniform weights; the empty subset is the base model)."""
+        from .batched import ScoreRow, score_rows
 
         o = self.options
-        union = [p for r in ready for p in r[4]]
-        offsets = [0]
-        for r in ready:
-            offsets.append(offsets[-1] + len(r[4]))
-        slot = self._slot_for(union)
+        slot = self._slot_for([p for r in ready for p in r[4]])
         subsets = [(k, s) for k, r in enumerate(ready) for s in leave_one_out_subsets(r[0].n)]
-        mix = torch.zeros(len(subsets), len(union))  # one row per subset: 1 for its adapters, 0 elsewhere
-        for row, (k, s) in enumerate(subsets):
-            mix[row, [offsets[k] + i for i in s]] = 1.0
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        bs = o.batch_size
-
-        # teacher forcing: one row per (subset, gold alias)
-        lp_rows = [(row, ready[k][1].ids, a) for row, (k, _) in enumerate(subsets) for a in ready[k][3]]
-        lps = torch.full((len(subsets),), -math.inf, dtype=torch.float64)
-        for c in range(0, len(lp_rows), bs):
-            chunk = lp_rows[c:c + bs]
-            with fused_mixed(slot, union, mix[[r for r, _, _ in chunk]], "cat"):
-                vals = batched_answer_logprobs(self.model, [(p, a) for _, p, a in chunk], pad)
-            for (row, _, _), v in zip(chunk, vals):
-                lps[row] = max(float(lps[row]), v)
-
-        gens: list[str | None] = [None] * len(subsets)
-        if o.generate:
-            for c in range(0, len(subsets), bs):
-                rows = list(range(c, min(c + bs, len(subsets))))
-                with fused_mixed(slot, union, mix[rows], "cat"):
-                    texts = batched_greedy(self.model, self.tokenizer, [ready[subsets[r][0]][2].ids for r in rows],
-                                           o.max_new_tokens)
-                for r, t in zip(rows, texts):
-                    gens[r] = t
+        rows = [ScoreRow(ready[k][1].ids, ready[k][3], [ready[k][4][i] for i in s],
+                         gen_prompt_ids=ready[k][2].ids if o.generate else None) for k, s in subsets]
+        scores = score_rows(self.model, self.tokenizer, slot, rows, mode=o.merge_mode, batch_size=o.batch_size,
+                            max_new_tokens=o.max_new_tokens)
         out: list[list[tuple[list[int], float, str | None]]] = [[] for _ in ready]
-        for row, (k, s) in enumerate(subsets):
-            out[k].append((s, float(lps[row]), gens[row]))
+        for (k, s), sc in zip(subsets, scores):
+            out[k].append((s, sc.logprob, sc.generation))
         return out
 
     def _label_record(self, rec: ManifestRecord, results: Sequence[SubsetResult]) -> dict[str, Any]:
@@ -428,9 +403,13 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
     present = set(done_ids(out, repair=True)) | set(skip_ids)
     todo = [r for r in records if r.id not in present]
     batched = builder.options.batch_size > 1 and builder.options.merge_mode == "cat"
-    groups = builder.group(todo) if batched else [[r] for r in todo]
+    # Batched: the groups are planned over all records, done or not, and a group with any record left is
+    # evaluated whole. A record's float rounding depends on its batch neighbours (padding, matrix shapes), so
+    # this keeps a resumed run byte-identical to an uninterrupted one; only the missing records are written.
+    plan = builder.group(records) if batched else []
+    groups = [g for g in plan if any(r.id not in present for r in g)] if batched else [[r] for r in todo]
     if records:  # the slot's adapter capacity, once: a record's N, or a group's union when batched
-        builder.reserve(max([r.n for r in records] + [sum(r.n for r in g) for g in groups]))
+        builder.reserve(max([r.n for r in records] + [sum(r.n for r in g) for g in plan]))
     done_before = len(records) - len(todo)
     if done_before:
         logger.info("%s: resuming, %d of %d records already labelled", out, done_before, len(records))
@@ -441,6 +420,8 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
                                          disable=not progress, dynamic_ncols=True, position=position) as bar:
         for group in groups:
             for rec, label in zip(group, _outcomes(builder, group, batched)):
+                if rec.id in present:  # evaluated again only for its group's sake (batched resume)
+                    continue
                 if isinstance(label, BaseException):
                     e = label
                     err = e if isinstance(e, LabelBuildError) else LabelBuildError(
