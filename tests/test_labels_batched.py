@@ -208,3 +208,11 @@ def test_batched_shards_merge_to_the_sequential_labels(world, tmp_path):
         assert [r["id"] for r in _read(part)] == [r.id for r in mine]
     merge_parts(parts, records, out)
     _assert_same_labels(_read(seq), _read(out))
+
+
+def test_bad_batch_size_is_one_clear_line(world, tmp_path, capsys):
+    out = tmp_path / "o.jsonl"
+    assert main(["labels", "build", str(world["manifest"]), "--model", str(world["model"]), "--out", str(out),
+                 "--batch-size", "0", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "batch size (--batch-size) must be an integer >= 1, got 0" in err and "Traceback" not in err and not out.exists()

@@ -76,7 +76,7 @@ class BuildOptions:
         if self.max_new_tokens < 1:
             raise FcpragError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise FcpragError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+            raise FcpragError(f"batch size (--batch-size) must be an integer >= 1, got {self.batch_size!r}")
         self.template.validate()
 
     @property
