@@ -194,7 +194,7 @@ def _mixture(slot: Any, rows: Sequence[ScoreRow], seq_rows: Sequence[int], mode:
     M = torch.zeros(len(seq_rows), len(union), dtype=torch.bool)
     W[used], M[used] = Wu, Mu
     if mode == "separate":  # a base-model row uses no adapter; give it a weight-0 mask entry so N_b > 0
-        M[[s for s in range(len(seq_rows)) if s not in set(used)], 0] = True
+        M[sorted(set(range(len(seq_rows))) - set(used)), 0] = True
     with fused_mixed(slot, union, W, mode, mask=M):
         yield
 

@@ -80,6 +80,11 @@ class BuildOptions:
         self.template.validate()
 
     @property
+    def batched(self) -> bool:
+        """Whether records are labelled through the batched scorer (``batch_size > 1``; the ``cat`` merge only)."""
+        return self.batch_size > 1 and self.merge_mode == "cat"
+
+    @property
     def metric_names(self) -> tuple[str, ...]:
         return METRICS if self.generate else ("answer_logprob",)
 
@@ -213,7 +218,7 @@ class LabelBuilder:
 
     def label(self, rec: ManifestRecord) -> dict[str, Any]:
         """Evaluate the N + 1 subsets of one record and return its label record (batched when ``batch_size > 1``)."""
-        if self.options.batch_size > 1 and self.options.merge_mode == "cat":
+        if self.options.batched:
             (out,) = self.label_many([rec])
             if isinstance(out, BaseException):
                 raise out
@@ -402,7 +407,7 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
     records = list(records)
     present = set(done_ids(out, repair=True)) | set(skip_ids)
     todo = [r for r in records if r.id not in present]
-    batched = builder.options.batch_size > 1 and builder.options.merge_mode == "cat"
+    batched = builder.options.batched
     # Batched: the groups are planned over all records, done or not, and a group with any record left is
     # evaluated whole. A record's float rounding depends on its batch neighbours (padding, matrix shapes), so
     # this keeps a resumed run byte-identical to an uninterrupted one; only the missing records are written.
