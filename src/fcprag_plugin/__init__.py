@@ -21,6 +21,7 @@ from .errors import (
     UnsupportedAdapterError,
 )
 from .fusion import FusionResult, fuse
+from .loading import cache_info, clear_caches
 from .merge import MergeResult, WeightedAdapterMerger, activate
 
 
@@ -39,6 +40,8 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "fuse",
     "FusionResult",
+    "clear_caches",
+    "cache_info",
     "FusionController",
     "ControllerConfig",
     "ControllerOutput",

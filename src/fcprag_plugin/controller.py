@@ -467,6 +467,18 @@ class FusionController(nn.Module):
                 f"encoder '{getattr(encoder, 'name', encoder)}' gives {dim}-d embeddings but the controller expects "
                 f"{self.config.embed_dim}-d (trained with '{self.config.embedding_model}')"
             )
+        from .encoding import check_recorded_model
+
+        check_recorded_model(self.config.embedding_model, encoder)  # same size, other model: a one-time warning
+
+    @property
+    def encoder(self) -> Any:
+        """The :class:`~fcprag_plugin.encoding.TextEncoder` of ``config.embedding_model`` on this controller's
+        device: loaded on first use and shared by every controller with the same model and device
+        (:func:`~fcprag_plugin.encoding.get_encoder`)."""
+        from .encoding import get_encoder
+
+        return get_encoder(self.config.embedding_model, device=next(self.parameters()).device)
 
     # ------------------------------------------------------------------ persistence
     def save_pretrained(self, path: str | Path) -> Path:
@@ -537,10 +549,13 @@ class FusionController(nn.Module):
 
 
 def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":
-    """Accept a controller object, a directory, or None (None stays None: uniform)."""
+    """Accept a controller object, a directory (loaded once per process, see :mod:`fcprag_plugin.loading`), or
+    None (None stays None: uniform)."""
     if controller is None or isinstance(controller, FusionController):
         return controller
     if isinstance(controller, (str, Path)):
-        return FusionController.from_pretrained(controller)
+        from .loading import cached_controller
+
+        return cached_controller(controller)  # read once per process; shared, do not modify (loading.py)
     raise ControllerError(f"expected a FusionController or a directory, got {type(controller).__name__}")
 

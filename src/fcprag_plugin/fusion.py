@@ -73,23 +73,25 @@ def compute_weights(query: str, passages: Sequence[str], controller: FusionContr
         return {"merge_weights": [1.0] * n, "weights": [1.0 / n] * n, "scores": [0.5] * n, "g": 0.0,
                 "tau": float("nan") if controller is None else controller.config.tau_max, "controller_mode": "uniform"}
     if encoder is None:
-        from .encoding import TextEncoder
-
-        encoder = TextEncoder(controller.config.embedding_model)
+        encoder = controller.encoder  # loaded once per process, shared
     out = controller.predict(query, passages, encoder).sample(0)
     out["controller_mode"] = controller.config.mode
     return out
 
 
 def check_texts(query: str, passages: Sequence[str], n_adapters: int | None = None) -> None:
-    if not isinstance(query, str) or not query.strip():
+    """The query and passages are non-blank strings (blank: also only zero-width / control characters,
+    :func:`~fcprag_plugin.encoding.is_blank`), one passage per adapter."""
+    from .encoding import is_blank
+
+    if not isinstance(query, str) or is_blank(query):
         raise FusionInputError(f"query must be a non-empty string, got {query!r}")
     if isinstance(passages, str):
         raise FusionInputError("passages must be a list of strings, got a single string")
     if len(passages) == 0:
         raise FusionInputError("passages is empty: need one passage per adapter")
     for i, p in enumerate(passages):
-        if not isinstance(p, str) or not p.strip():
+        if not isinstance(p, str) or is_blank(p):
             raise FusionInputError(f"passage {i} must be a non-empty string, got {p!r}")
     if n_adapters is not None and n_adapters != len(passages):
         raise FusionInputError(f"got {n_adapters} adapters but {len(passages)} passages; they must pair up in order")

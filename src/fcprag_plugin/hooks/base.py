@@ -150,9 +150,10 @@ class MergeHook:
     def encoder(self) -> Any:
         needs = self.controller is not None and self.controller.config.mode != "uniform"
         if self._encoder is None and needs:
-            from ..encoding import TextEncoder
+            from ..encoding import get_encoder
 
-            self._encoder = TextEncoder(self._encoder_name or self.controller.config.embedding_model)
+            # shared per process: the controller's own encoder unless a model was named
+            self._encoder = get_encoder(self._encoder_name) if self._encoder_name else self.controller.encoder
         if self._encoder is not None and self.controller is not None:
             self.controller.check_encoder(self._encoder)
         return self._encoder

@@ -201,14 +201,14 @@ def resolve_encoder(encoder: Any) -> tuple[str, Any]:
             raise FcpragError(f"encoder: expected a TextEncoder, a model name/path or None, got "
                               f"{type(encoder).__name__}")
         return str(encoder.name), encoder
-    from ..encoding import TextEncoder, resolve_model
+    from ..encoding import get_encoder, resolve_model
 
     name, _ = resolve_model(encoder)
     loaded: list[Any] = []
 
     def factory() -> Any:  # load once, on first need, shared by the train and validation sets
         if not loaded:
-            loaded.append(TextEncoder(encoder))
+            loaded.append(get_encoder(encoder))  # the process-wide one (fuse() and the shims share it)
         return loaded[0]
 
     return name, factory
