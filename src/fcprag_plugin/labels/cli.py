@@ -31,6 +31,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
                            scoring=args.scoring, metric=args.metric, generate=not args.no_generation,
                            max_new_tokens=args.max_new_tokens,
                            empty_generation=args.empty_generation, use_slot=args.use_slot,
+                           batch_size=args.batch_size,
                            model_name=args.model + (f"::{args.gguf_file}" if args.gguf_file else ""))
     options.validate()
     if args.threads:
@@ -147,6 +148,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--use-slot", dest="use_slot", action="store_true",
                    help="evaluate subsets in one pre-allocated fused slot (fcprag_plugin.fast.FusedSlot) instead of "
                         "a merged adapter + hooks per subset")
+    b.add_argument("--batch-size", dest="batch_size", type=int, default=16,
+                   help="rows (subsets x gold aliases) per batched forward, each with its own adapter mixture; the "
+                        "subsets of several records share a forward. 1: one subset at a time (the sequential path)")
     b.add_argument("--threads", type=positive_int, help="torch CPU threads per process")
     b.add_argument("--no-merge", dest="no_merge", action="store_true",
                    help="under torchrun: leave the part files, do not merge them into --out at the end")
