@@ -1,0 +1,143 @@
+"""Scoring jobs (see :mod:`batch_scorer`) for the study: every weighting is computed here, on the CPU; the device
+only trains adapters and scores rows.
+
+- :func:`train_jobs`: per train question, its BM25 top-6 passages and, with the ``param`` prompt, every N = 3
+  subset (20) and every pair (15) with PRAG's weights (the leave-one-out labels of every subset come from these
+  35 rows), plus, on the top-3, the fixed-method grids tuned on the train split only: total scale ``kappa``
+  (``w~ = kappa * 1``), fixed cosine ``(g, tau)`` (``FusionController.fixed``) and fixed BM25
+  (``w~ = N softmax(z / tau)``, ``z`` the question's standardised BM25 scores).
+- :func:`test_jobs`: per test question, condition (``clean`` top-3; ``replace`` one passage swapped for another
+  test question's top passage; ``repeat`` one passage listed twice; ``alt`` a second, seeded subset of 3 of the
+  top-6) and prompt mode (``param``, ``combine``): every method's row, the ``loo:i`` rows and the oracle pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from common import rng
+from methods import FIXED_G, FIXED_TAU, controller_weights, fixed_controller
+from prepare import text_key
+
+KAPPAS = (0.0, 0.25, 0.5, 0.75, 1.25, 1.5, 2.0, 3.0)
+BM25_TAU = (0.25, 0.5, 1.0, 2.0, 4.0)
+CONDITIONS = ("clean", "replace", "repeat", "alt")
+MODES = ("param", "combine")
+
+
+def bm25_weights(scores: Sequence[float], tau: float) -> torch.Tensor:
+    s = torch.tensor(list(scores), dtype=torch.float32)
+    z = (s - s.mean()) / s.std(unbiased=False).clamp_min(1e-6) if len(s) > 1 else torch.zeros_like(s)
+    return len(s) * torch.softmax(z / tau, 0)
+
+
+def fixed_rows(q_emb: torch.Tensor, p_embs: torch.Tensor, bm25: Sequence[float], enc_dim: int,
+               enc_name: str) -> dict[str, list[float]]:
+    """Every point of the fixed grids for one question's passages (weights per passage)."""
+    rows: dict[str, list[float]] = {}
+    n = len(bm25)
+    for k in KAPPAS:
+        rows[f"kappa:{k}"] = [k] * n
+    for g, t in itertools.product(FIXED_G, FIXED_TAU):
+        c = fixed_controller(g, t, enc_dim, enc_name)
+        rows[f"cos:{g}:{t}"] = controller_weights(c, q_emb, p_embs)["w_tilde"].tolist()
+    for t in BM25_TAU:
+        rows[f"bm25:{t}"] = bm25_weights(bm25, t).tolist()
+    return rows
+
+
+def subset_name(idx: Sequence[int]) -> str:
+    return "s:" + "".join(map(str, idx))
+
+
+def train_jobs(rows: list[dict[str, Any]], emb: dict[str, torch.Tensor], enc_dim: int, enc_name: str,
+               k: int = 6, n: int = 3) -> list[dict[str, Any]]:
+    jobs = []
+    for r in rows:
+        if r["split"] != "train":
+            continue
+        ps = r["passages"][:k]
+        pids = list(dict.fromkeys(p["pid"] for p in ps))
+        if len(pids) < len(ps) or len(ps) < n:
+            continue  # a duplicated passage text would make subset labels ambiguous; none in the shared data
+        w: dict[str, list[float]] = {}
+        for size in (n, n - 1):
+            for idx in itertools.combinations(range(len(ps)), size):
+                w[subset_name(idx)] = [1.0 if i in idx else 0.0 for i in range(len(ps))]
+        top = ps[:n]
+        fx = fixed_rows(emb[text_key(r["question"])], torch.stack([emb[text_key(p["text"])] for p in top]),
+                        [p["bm25"] for p in top], enc_dim, enc_name)
+        for name, vals in fx.items():
+            w[name] = list(vals) + [0.0] * (len(ps) - n)
+        jobs.append({"key": f"{r['dataset']}|{r['id']}|train|param", "question": r["question"],
+                     "answers": r["answer"], "passages": [p["text"] for p in ps], "mode": "param", "pids": pids,
+                     "rows": w, "generate": False, "partition": "train"})
+    return jobs
+
+
+def condition_passages(r: dict[str, Any], condition: str, donors: list[dict[str, Any]], n: int = 3
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The passages (by position) of one test question under ``condition`` and what was changed."""
+    ps = [dict(p) for p in r["passages"][:n]]
+    if condition == "clean":
+        return ps, {}
+    if condition == "alt":
+        pool = list(itertools.combinations(range(len(r["passages"])), n))[1:]  # every subset but the top-n
+        idx = rng("alt", r["id"]).choice(pool)
+        return [dict(r["passages"][i]) for i in idx], {"subset": list(idx)}
+    j = rng(condition, r["id"]).randrange(len(ps))
+    if condition == "repeat":
+        return ps + [ps[j]], {"repeated_position": j}
+    others = [d for d in donors if d["id"] != r["id"]]
+    donor = rng("donor", r["id"]).choice(others)
+    used = {p["pid"] for p in ps}
+    cand = next(p for p in donor["passages"] if p["pid"] not in used)
+    ps[j] = dict(cand, supporting=False)
+    return ps, {"replaced_position": j, "donor": donor["id"], "donor_pid": cand["pid"]}
+
+
+WeightFn = Callable[[dict[str, Any], list[dict[str, Any]]], dict[str, list[float]]]
+
+
+def test_jobs(rows: list[dict[str, Any]], methods: WeightFn, generate_conditions: Sequence[str] = ("clean",),
+              conditions: Sequence[str] = CONDITIONS, modes: Sequence[str] = MODES) -> tuple[list[dict], list[dict]]:
+    """Jobs + one metadata line per job (positions, supporting flags, per-method weights per position).
+
+    ``methods(question_row, passages)`` gives ``{name: w~ per position}``; ``prag_sum``, ``average`` and the
+    ``loo:i`` rows are added here, and every job asks for the oracle pass.
+    """
+    tests = [r for r in rows if r["split"] == "test"]
+    jobs, meta = [], []
+    for r in tests:
+        donors = [d for d in tests if d["dataset"] == r["dataset"]]
+        for cond in conditions:
+            ps, info = condition_passages(r, cond, donors)
+            n = len(ps)
+            positions = [p["pid"] for p in ps]
+            pids = list(dict.fromkeys(positions))
+            per_pos: dict[str, list[float]] = {"prag_sum": [1.0] * n, "average": [1.0 / n] * n}
+            per_pos.update(methods(r, ps))
+            for i in range(n):
+                per_pos[f"loo:{i}"] = [0.0 if k == i else 1.0 for k in range(n)]
+            rows_w = {}
+            for name, w in per_pos.items():
+                if len(w) != n or not all(math.isfinite(float(x)) for x in w):
+                    raise ValueError(f"{r['id']} {cond}: method {name} gave {w} for {n} passages")
+                agg = [0.0] * len(pids)
+                for p, x in zip(positions, w):
+                    agg[pids.index(p)] += float(x)
+                rows_w[name] = agg
+            for mode in modes:
+                key = f"{r['dataset']}|{r['id']}|{cond}|{mode}"
+                jobs.append({"key": key, "question": r["question"], "answers": r["answer"],
+                             "passages": [p["text"] for p in ps], "mode": mode, "pids": pids, "rows": rows_w,
+                             "generate": cond in generate_conditions, "partition": "test",
+                             "oracle": True, "positions": positions})
+            meta.append({"dataset": r["dataset"], "id": r["id"], "condition": cond, "positions": positions,
+                         "supporting": [bool(p["supporting"]) for p in ps], "rank": [p.get("rank") for p in ps],
+                         "weights": {k: [round(float(x), 5) for x in v] for k, v in per_pos.items()}, **info})
+    return jobs, meta

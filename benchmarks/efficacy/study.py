@@ -1,0 +1,178 @@
+"""The two-dataset study's CPU driver (the model-heavy part runs in ``device_run.py``).
+
+    python benchmarks/efficacy/study.py prepare      # split + BM25 top-6, deterministic augmentation, embeddings
+    python benchmarks/efficacy/study.py train-jobs   # -> work/jobs_train.jsonl (labels + fixed grids)
+    python benchmarks/efficacy/study.py labels       # device results -> cache/<ds>/labels_train.jsonl, grids.json
+    python benchmarks/efficacy/study.py test-jobs    # -> work/jobs_test.jsonl (every method's weights)
+
+Caches (committed): ``cache/<ds>/retrieval.jsonl``, ``augment.jsonl``, ``adapters.jsonl``,
+``results_train.jsonl``, ``labels_train.jsonl``, ``grids.json``, ``results_test.jsonl``, ``test_meta.jsonl``,
+``timings.jsonl``. Embeddings (``work/embeddings.safetensors``) are rebuilt on demand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from common import DATASETS, HERE, append_jsonl, cache_dir, read_jsonl, setup_logging, write_json, write_jsonl
+
+TEST_FRACTION = 0.4
+TOP_K = 6
+WORK = HERE / "work"
+STUDY_TIMINGS = HERE / "cache" / "timings.jsonl"  # stages that span both datasets
+
+
+def _timed(ds: str, stage: str, seconds: float, **info: Any) -> None:
+    import time
+
+    append_jsonl(cache_dir(ds) / "timings.jsonl", [{"stage": stage, "seconds": round(seconds, 1),
+                                                     "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}])
+
+
+def all_rows() -> list[dict[str, Any]]:
+    return [r for ds in DATASETS for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl")]
+
+
+def load_emb() -> dict[str, Any]:
+    import prepare
+
+    WORK.mkdir(exist_ok=True)
+    return prepare.embeddings(all_rows(), WORK / "embeddings.safetensors")
+
+
+def cmd_prepare(a: argparse.Namespace) -> None:
+    import time
+
+    import prepare
+
+    for ds, path in DATASETS.items():
+        t0 = time.perf_counter()
+        rows = prepare.retrieval(path, cache_dir(ds) / "retrieval.jsonl", TEST_FRACTION, TOP_K, dataset=ds)
+        write_json(cache_dir(ds) / "retrieval_summary.json", prepare.retrieval_summary(rows, TOP_K))
+        _timed(ds, "retrieve", time.perf_counter() - t0, device="cpu", questions=len(rows))
+        t0 = time.perf_counter()
+        aug = prepare.augmentation(rows, cache_dir(ds) / "augment.jsonl")
+        _timed(ds, "augment (deterministic)", time.perf_counter() - t0, device="cpu", passages=len(aug))
+    t0 = time.perf_counter()
+    load_emb()
+    _timed("hotpotqa", "embeddings (both datasets)", time.perf_counter() - t0, device="cpu")
+
+
+def cmd_train_jobs(a: argparse.Namespace) -> None:
+    from fcprag_plugin.encoding import TextEncoder
+
+    from jobs import train_jobs
+
+    emb = load_emb()
+    enc = TextEncoder()
+    jobs = train_jobs(all_rows(), emb, enc.dim, enc.name)
+    write_jsonl(Path(a.out), jobs)
+    print(f"{len(jobs)} train jobs, {sum(len(j['rows']) for j in jobs)} rows -> {a.out}")
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def adapter_plan() -> tuple[list[tuple[str, str]], dict[str, dict[str, dict[str, Any]]]]:
+    """Every adapter the study needs in priority order (``adapters.study_order``) and the augmentations."""
+    import adapters
+
+    retrieval = {ds: read_jsonl(cache_dir(ds) / "retrieval.jsonl") for ds in DATASETS}
+    augs = adapters.load_augs(list(DATASETS))
+    order = adapters.study_order(retrieval, top=3)
+    missing = [it for it in order if it[1] not in augs[it[0]]]
+    if missing:
+        raise SystemExit(f"{len(missing)} passages have no augmentation (e.g. {missing[0]}): run 'study.py prepare'")
+    return order, augs
+
+
+def cmd_adapters(a: argparse.Namespace) -> None:
+    """Train every missing adapter, in priority order, one group at a time (resumable at group granularity)."""
+    import time
+
+    import adapters
+
+    _threads(a.threads)
+    order, augs = adapter_plan()
+    done = {ds: adapters.done_adapters(ds) for ds in DATASETS}
+    todo = [it for it in order if it[1] not in done[it[0]]]
+    if a.limit is not None:
+        todo = todo[:a.limit]
+    print(f"adapters: {len(order)} needed, {len(order) - len(todo)} done, {len(todo)} to train now", flush=True)
+    if not todo:
+        return
+    t0 = time.perf_counter()
+    adapters.build(todo, augs, a.group, a.block, 1, a.max_tokens)
+    secs = time.perf_counter() - t0
+    append_jsonl(STUDY_TIMINGS, [{"stage": "adapters", "seconds": round(secs, 1), "adapters": len(todo),
+                                  "adapters_per_s": round(len(todo) / secs, 4), "group": a.group,
+                                  "threads": a.threads, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}])
+
+
+def cmd_bench_adapters(a: argparse.Namespace) -> None:
+    """Adapters/s one at a time vs batched (multilora) on the same passages, side by side in one process; the
+    projected wall-clock of the whole adapter stage at the faster rate -> ``cache/timings.jsonl``."""
+    import os
+    import time
+
+    import adapters
+    from common import load_model
+
+    _threads(a.threads)
+    order, augs = adapter_plan()
+    items = order[:a.n]
+    model, tok = load_model("bfloat16")
+    res, losses = [], {}
+    for g in a.groups:
+        t0 = time.perf_counter()
+        rows = adapters.build(items, augs, g, len(items), 1, a.max_tokens, model=model, tok=tok, save=False)
+        secs = time.perf_counter() - t0
+        losses[g] = {r["pid"]: r["loss_after"]["passage"] for r in rows}
+        res.append({"group": g, "seconds": round(secs, 2), "adapters_per_s": round(len(items) / secs, 4)})
+        print(f"group {g}: {len(items)} adapters in {secs:.1f} s = {len(items) / secs:.3f} adapters/s", flush=True)
+    ref = losses[a.groups[0]]
+    agree = max(abs(losses[g][p] - ref[p]) for g in a.groups for p in ref)
+    done = {ds: adapters.done_adapters(ds) for ds in DATASETS}
+    left = sum(it[1] not in done[it[0]] for it in order)
+    best = max(res, key=lambda r: r["adapters_per_s"])
+    row = {"stage": "adapters-bench", "adapters": len(items), "threads": a.threads, "runs": res,
+           "max_abs_diff_loss_after_passage": round(agree, 4), "load_avg_1min": round(os.getloadavg()[0], 2),
+           "needed_total": len(order), "left": left, "best_group": best["group"],
+           "projected_hours_left": round(left / best["adapters_per_s"] / 3600, 2),
+           "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    append_jsonl(STUDY_TIMINGS, [row])
+    print(json.dumps(row), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("prepare")
+    s = sub.add_parser("train-jobs")
+    s.add_argument("--out", default=str(WORK / "jobs_train.jsonl"))
+    for name in ("adapters", "bench-adapters"):
+        s = sub.add_parser(name)
+        s.add_argument("--threads", type=int, default=1)
+        s.add_argument("--max-tokens", type=int, default=128, help="passage tokens per training sample")
+        if name == "adapters":
+            s.add_argument("--group", type=int, default=12, help="adapters trained together (multilora)")
+            s.add_argument("--block", type=int, default=96, help="items sorted by length within blocks of this size")
+            s.add_argument("--limit", type=int, default=None)
+        else:
+            s.add_argument("--n", type=int, default=12)
+            s.add_argument("--groups", type=int, nargs="+", default=[1, 4, 12])
+    a = p.parse_args(argv)
+    setup_logging()
+    {"prepare": cmd_prepare, "train-jobs": cmd_train_jobs, "adapters": cmd_adapters,
+     "bench-adapters": cmd_bench_adapters}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

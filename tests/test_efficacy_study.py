@@ -1,0 +1,179 @@
+"""The two-dataset efficacy study's logic: the split, the adapter order, resuming, and the label subsets."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import tiny_model, tiny_tokenizer
+
+EFF = Path(__file__).resolve().parent.parent / "benchmarks" / "efficacy"
+sys.path.insert(0, str(EFF))
+import adapters  # noqa: E402
+import common  # noqa: E402
+import prepare  # noqa: E402
+
+P0, P1, P2 = "00c0ffee", "10c0ffee", "20c0ffee"  # passage ids are hex (the seed is read from them)
+WORDS = "paris berlin rome france germany italy river seine tower bridge king queen".split()
+
+
+def _data_file(path: Path, n: int) -> Path:
+    """``n`` questions in the ``../shared/data`` schema, 10 passages each (distinct texts)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for q in range(n):
+            passages = [f"{WORDS[(q + k) % 12]} is near {WORDS[(q * 5 + k) % 12]} number {q}-{k} ." for k in range(10)]
+            f.write(json.dumps({"id": f"q{q}", "question": f"where is {WORDS[q % 12]} {q} ?", "answer": WORDS[q % 12],
+                                "passages": passages, "titles": [f"t{q}-{k}" for k in range(10)],
+                                "supporting_titles": [f"t{q}-0", f"t{q}-1"]}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("name,n", [("hotpotqa", 40), ("2wiki", 23)])
+def test_split_is_by_question_with_the_asked_test_fraction(tmp_path, name, n):
+    rows = prepare.retrieval(_data_file(tmp_path / f"{name}.jsonl", n), tmp_path / "r.jsonl", 0.4, 6, dataset=name)
+    ids = [r["id"] for r in rows]
+    assert sorted(ids) == sorted(f"q{q}" for q in range(n))  # every question once: its passages go with it
+    test = [r for r in rows if r["split"] == "test"]
+    assert len(test) == round(0.4 * n)
+    assert all(len(r["passages"]) == 6 and [p["rank"] for p in r["passages"]] == list(range(6)) for r in rows)
+    if name == "hotpotqa":  # the demo's questions are always held out
+        assert {"q0", "q1", "q2"} <= {r["id"] for r in test}
+    again = prepare.retrieval(_data_file(tmp_path / f"{name}.jsonl", n), tmp_path / "r2.jsonl", 0.4, 6, dataset=name)
+    assert [r["split"] for r in again] == [r["split"] for r in rows]  # seeded: the same split every time
+
+
+@pytest.mark.parametrize("ds", ["hotpotqa", "2wiki"])
+def test_committed_split_holds_every_question_once_and_at_least_35_percent_in_test(ds):
+    path = EFF / "cache" / ds / "retrieval.jsonl"
+    rows = common.read_jsonl(path)
+    data = common.read_jsonl(common.DATASETS[ds]) if common.DATASETS[ds].is_file() else None
+    if data is not None:
+        assert [r["id"] for r in rows] == [d["id"] for d in data]  # all questions, file order
+    test = {r["question"] for r in rows if r["split"] == "test"}
+    train = {r["question"] for r in rows if r["split"] == "train"}
+    assert not test & train  # no question (by text) on both sides
+    assert len(test) / len(rows) >= 0.35
+    aug = {a["pid"] for a in common.read_jsonl(EFF / "cache" / ds / "augment.jsonl")}
+    assert {p["pid"] for r in rows for p in r["passages"]} <= aug
+    assert all(len(r["passages"]) == 6 for r in rows)
+
+
+def _rows(ds: str, n: int, k: int = 6) -> list[dict]:
+    return [{"id": f"{ds}{q}", "split": "test" if q % 2 else "train",
+             "passages": [{"pid": f"{ds}-{q}-{i}"} for i in range(k)]} for q in range(n)]
+
+
+def test_study_order_puts_test_top3_then_train_then_the_rest_and_covers_everything_once():
+    retrieval = {"a": _rows("a", 5), "b": _rows("b", 3)}
+    order = adapters.study_order(retrieval, top=3)
+    every = {(ds, p["pid"]) for ds, rows in retrieval.items() for r in rows for p in r["passages"]}
+    assert len(order) == len(set(order)) == len(every) and set(order) == every
+    tier = {}
+    for ds, rows in retrieval.items():
+        for r in rows:
+            for i, p in enumerate(r["passages"]):
+                tier[(ds, p["pid"])] = 0 if (r["split"] == "test" and i < 3) else 1 if r["split"] == "train" else 2
+    assert [tier[it] for it in order] == sorted(tier[it] for it in order)
+    first = order[:6]  # datasets take turns question by question: a's first test question, then b's
+    assert first == [("a", "a-1-0"), ("a", "a-1-1"), ("a", "a-1-2"), ("b", "b-1-0"), ("b", "b-1-1"), ("b", "b-1-2")]
+
+
+def test_a_passage_shared_by_two_questions_is_trained_once():
+    rows = _rows("a", 2)
+    rows[1]["passages"][0] = dict(rows[0]["passages"][4])
+    order = adapters.study_order({"a": rows})
+    assert len(order) == len(set(order)) == 11
+
+
+def test_groups_keep_the_order_at_block_granularity_and_sort_within_blocks():
+    items = [("a", f"p{i}") for i in range(10)]
+    lengths = {it: 10 - i for i, it in enumerate(items)}
+    groups = adapters.make_groups(items, lengths, group=2, block=4)
+    flat = [it for g in groups for it in g]
+    assert sorted(flat) == sorted(items) and all(len(g) <= 2 for g in groups)
+    assert flat[:4] == [("a", "p3"), ("a", "p2"), ("a", "p1"), ("a", "p0")]  # block 1, shortest first
+    assert {it[1] for it in flat[4:8]} == {"p4", "p5", "p6", "p7"}
+
+
+@pytest.fixture()
+def tiny_stage(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "HERE", tmp_path)
+    model = tiny_model("llama", seed=5, bos_token_id=2, eos_token_id=3, pad_token_id=0).float().eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    augs = {"a": {}}
+    for i in range(3):
+        text = f"{WORDS[i]} is a {WORDS[i + 3]} near the {WORDS[i + 6]} ."
+        augs["a"][f"{i}0c0ffee"] = {"pid": f"{i}0c0ffee", "passage": text, "rewrite": None,
+                              "qa_pairs": [{"question": f"what is {WORDS[i]} ?", "answer": WORDS[i + 3]}]}
+    return model, tok, augs
+
+
+def test_build_saves_and_logs_each_group_and_a_restart_skips_what_is_done(tiny_stage):
+    from fcprag_plugin import LoraAdapter
+
+    model, tok, augs = tiny_stage
+    items = [("a", P0), ("a", P1), ("a", P2)]
+    assert adapters.done_adapters("a") == set()
+    adapters.build(items[:2], augs, 2, 2, 1, 32, model=model, tok=tok)
+    assert adapters.done_adapters("a") == {P0, P1}
+    log = common.read_jsonl(common.cache_dir("a") / "adapters.jsonl")
+    assert [r["pid"] for r in log] == [P0, P1] and all(r["steps"] == 2 for r in log)
+    ad = LoraAdapter.from_pretrained(common.work_dir("a") / "adapters" / P0)
+    assert any(float(m.B.abs().max()) > 0 for m in ad.modules.values())
+    # an adapter written but never logged (a kill between the two) is not done: a restart redoes it
+    adapters.build([items[2]], augs, 1, 1, 1, 32, model=model, tok=tok, save=False)
+    (common.work_dir("a") / "adapters" / P2).mkdir(parents=True)
+    (common.work_dir("a") / "adapters" / P2 / "adapter_model.safetensors").write_bytes(b"partial")
+    assert adapters.done_adapters("a") == {P0, P1}
+    # a logged adapter whose files are gone is not done either
+    (common.work_dir("a") / "adapters" / P1 / "adapter_model.safetensors").unlink()
+    assert adapters.done_adapters("a") == {P0}
+
+
+def test_an_adapter_does_not_depend_on_its_group(tiny_stage):
+    """The seed follows the passage: trained alone or in a group, an adapter comes out the same."""
+    model, tok, augs = tiny_stage
+    items = [("a", P0), ("a", P1), ("a", P2)]
+    together = adapters.build(items, augs, 3, 3, 1, 32, model=model, tok=tok, save=False)
+    alone = [adapters.build([it], augs, 1, 1, 1, 32, model=model, tok=tok, save=False)[0] for it in items]
+    by = {r["pid"]: r for r in together}
+    for r in alone:
+        assert by[r["pid"]]["seed"] == r["seed"]
+        for key, v in r["norm"].items():
+            assert by[r["pid"]]["norm"][key] == pytest.approx(v, rel=1e-3)
+        assert by[r["pid"]]["loss_after"]["passage"] == pytest.approx(r["loss_after"]["passage"], abs=1e-3)
+
+
+def test_train_jobs_enumerate_every_triple_and_pair_of_the_top6():
+    import jobs
+
+    from fcprag_plugin.encoding import TextEncoder  # noqa: F401  (the real encoder is not needed: random embeddings)
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for q, split in enumerate(["train", "test", "train"]):
+        ps = [{"pid": f"{q}-{i}", "text": f"passage {q} {i}", "bm25": 10.0 - i} for i in range(6)]
+        rows.append({"id": f"q{q}", "dataset": "t", "split": split, "question": f"question {q}", "answer": ["x"],
+                     "passages": ps})
+    emb = {prepare.text_key(t): torch.randn(16, generator=g)
+           for r in rows for t in [r["question"]] + [p["text"] for p in r["passages"]]}
+    out = jobs.train_jobs(rows, emb, 16, "random-16")
+    assert [j["key"] for j in out] == ["t|q0|train|param", "t|q2|train|param"]  # train questions only
+    for j in out:
+        subsets = {k for k in j["rows"] if k.startswith("s:")}
+        triples = {jobs.subset_name(c) for c in itertools.combinations(range(6), 3)}
+        pairs = {jobs.subset_name(c) for c in itertools.combinations(range(6), 2)}
+        assert subsets == triples | pairs and len(triples) == 20 and len(pairs) == 15
+        for c in itertools.combinations(range(6), 3):  # every triple's leave-one-out rows are there
+            assert all(jobs.subset_name([x for x in c if x != i]) in subsets for i in c)
+            assert j["rows"][jobs.subset_name(c)] == [1.0 if i in c else 0.0 for i in range(6)]
+        assert all(len(w) == 6 for w in j["rows"].values())
+        assert all(w[3:] == [0.0, 0.0, 0.0] for k, w in j["rows"].items() if not k.startswith("s:"))
