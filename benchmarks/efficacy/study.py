@@ -103,9 +103,13 @@ def cmd_adapters(a: argparse.Namespace) -> None:
     order, augs = adapter_plan()
     done = {ds: adapters.done_adapters(ds) for ds in DATASETS}
     todo = [it for it in order if it[1] not in done[it[0]]]
+    n_done = len(order) - len(todo)
     if a.limit is not None:
         todo = todo[:a.limit]
-    print(f"adapters: {len(order)} needed, {len(order) - len(todo)} done, {len(todo)} to train now", flush=True)
+    if a.group is None:  # the faster way measured by bench-adapters on this machine, else 12 together
+        bench = [r for r in read_jsonl(STUDY_TIMINGS) if r["stage"] == "adapters-bench"] if STUDY_TIMINGS.exists() else []
+        a.group = bench[-1]["best_group"] if bench else 12
+    print(f"adapters: {len(order)} needed, {n_done} done, {len(todo)} to train now (group {a.group})", flush=True)
     if not todo:
         return
     t0 = time.perf_counter()
@@ -125,10 +129,14 @@ def cmd_bench_adapters(a: argparse.Namespace) -> None:
     import adapters
     from common import load_model
 
+    if not a.force and STUDY_TIMINGS.exists() and any(
+            r["stage"] == "adapters-bench" for r in read_jsonl(STUDY_TIMINGS)):
+        print("bench-adapters: already measured (cache/timings.jsonl); --force to measure again", flush=True)
+        return
     _threads(a.threads)
     order, augs = adapter_plan()
     items = order[:a.n]
-    model, tok = load_model("bfloat16")
+    model, tok = load_model(adapters.DTYPE)
     res, losses = [], {}
     for g in a.groups:
         t0 = time.perf_counter()
@@ -142,7 +150,8 @@ def cmd_bench_adapters(a: argparse.Namespace) -> None:
     done = {ds: adapters.done_adapters(ds) for ds in DATASETS}
     left = sum(it[1] not in done[it[0]] for it in order)
     best = max(res, key=lambda r: r["adapters_per_s"])
-    row = {"stage": "adapters-bench", "adapters": len(items), "threads": a.threads, "runs": res,
+    row = {"stage": "adapters-bench", "adapters": len(items), "threads": a.threads, "dtype": adapters.DTYPE,
+           "nice": os.nice(0), "runs": res,
            "max_abs_diff_loss_after_passage": round(agree, 4), "load_avg_1min": round(os.getloadavg()[0], 2),
            "needed_total": len(order), "left": left, "best_group": best["group"],
            "projected_hours_left": round(left / best["adapters_per_s"] / 3600, 2),
@@ -151,27 +160,49 @@ def cmd_bench_adapters(a: argparse.Namespace) -> None:
     print(json.dumps(row), flush=True)
 
 
+PIPELINE = ("bench-adapters", "adapters")  # stages run by 'pipeline', in order (later stages are added as they are written)
+
+
+def cmd_pipeline(a: argparse.Namespace) -> None:
+    """Every stage in turn, each as a fresh subprocess (so a stage written after the launch is picked up from the
+    code on disk when its turn comes), each resumable; stops at the first failure."""
+    import subprocess
+    import time
+
+    for stage in PIPELINE:
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pipeline: stage {stage}", flush=True)
+        rc = subprocess.run([sys.executable, str(HERE / "study.py"), stage, "--threads", str(a.threads)]).returncode
+        if rc:
+            raise SystemExit(f"pipeline: stage {stage} failed (exit {rc}); rerun to resume")
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pipeline: done", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare")
     s = sub.add_parser("train-jobs")
     s.add_argument("--out", default=str(WORK / "jobs_train.jsonl"))
+    s = sub.add_parser("pipeline")
+    s.add_argument("--threads", type=int, default=1)
     for name in ("adapters", "bench-adapters"):
         s = sub.add_parser(name)
         s.add_argument("--threads", type=int, default=1)
         s.add_argument("--max-tokens", type=int, default=128, help="passage tokens per training sample")
         if name == "adapters":
-            s.add_argument("--group", type=int, default=12, help="adapters trained together (multilora)")
+            s.add_argument("--group", type=int, default=None,
+                           help="adapters trained together (default: the faster way bench-adapters measured)")
             s.add_argument("--block", type=int, default=96, help="items sorted by length within blocks of this size")
             s.add_argument("--limit", type=int, default=None)
         else:
             s.add_argument("--n", type=int, default=12)
-            s.add_argument("--groups", type=int, nargs="+", default=[1, 4, 12])
+            s.add_argument("--groups", type=int, nargs="+", default=[1, 12])
+            s.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     setup_logging()
     {"prepare": cmd_prepare, "train-jobs": cmd_train_jobs, "adapters": cmd_adapters,
-     "bench-adapters": cmd_bench_adapters}[a.cmd](a)
+     "bench-adapters": cmd_bench_adapters,
+     "pipeline": cmd_pipeline}[a.cmd](a)
 
 
 if __name__ == "__main__":
