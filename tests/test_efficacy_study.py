@@ -177,3 +177,85 @@ def test_train_jobs_enumerate_every_triple_and_pair_of_the_top6():
             assert j["rows"][jobs.subset_name(c)] == [1.0 if i in c else 0.0 for i in range(6)]
         assert all(len(w) == 6 for w in j["rows"].values())
         assert all(w[3:] == [0.0, 0.0, 0.0] for k, w in j["rows"].items() if not k.startswith("s:"))
+
+
+def _question(ds: str = "t", qid: str = "q0", split: str = "train") -> dict:
+    ps = [{"pid": f"{qid}-{i}", "text": f"passage {qid} {i}", "bm25": 9.0 - i, "rank": i, "supporting": i < 2}
+          for i in range(6)]
+    return {"id": qid, "dataset": ds, "split": split, "question": f"question {qid}", "answer": ["x"], "passages": ps}
+
+
+def test_label_records_are_leave_one_out_deltas_of_every_triple_grouped_by_question(tmp_path):
+    import jobs
+
+    r = _question()
+    g = torch.Generator().manual_seed(1)
+    res = {name: float(torch.randn(1, generator=g)) for name in jobs.label_rows()}
+    recs = jobs.label_records(r, res)
+    assert len(recs) == 20 and len({x["id"] for x in recs}) == 20
+    assert {x["group"] for x in recs} == {"t:q0"}
+    for x in recs:
+        idx = [int(c) for c in x["id"].split(":s:")[1]]
+        assert x["passages"] == [r["passages"][i]["text"] for i in idx]
+        assert x["metric_all"] == res["s:" + "".join(map(str, idx))]
+        for k, i in enumerate(idx):  # delta_i = metric(subset) - metric(subset without passage i)
+            rest = "s:" + "".join(str(j) for j in idx if j != i)
+            assert x["deltas"][k] == pytest.approx(res["s:" + "".join(map(str, idx))] - res[rest], abs=1e-6)
+        assert x["retrieval_ranks"] == idx and x["retrieval_scores"] == [9.0 - i for i in idx]
+    from fcprag_plugin.training.labels import load_labels  # the trainer reads them as written
+
+    common.write_jsonl(tmp_path / "labels.jsonl", recs)
+    assert len(load_labels(str(tmp_path / "labels.jsonl"))) == 20
+
+
+def test_pending_label_jobs_skip_scored_questions_and_wait_for_adapters():
+    import jobs
+    import study
+
+    qs = [_question(qid=f"q{i}") for i in range(3)]
+    rows = jobs.label_rows()
+    done_res = {"t": {"t|q0|train|param": dict.fromkeys(rows, 0.0),  # q0 fully scored
+                      "t|q1|train|param": dict.fromkeys(list(rows)[:5], 0.0)}}  # q1 half scored: redone
+    done_ad = {"t": {p["pid"] for q in qs[:2] for p in q["passages"]} | {"q2-0"}}  # q2 lacks 5 adapters
+    todo, waiting = study.pending_label_jobs(qs, done_res, done_ad)
+    assert [j["key"] for j in todo] == ["t|q1|train|param"] and waiting == 1
+
+
+def test_score_jobs_equal_each_row_scored_alone(tmp_path):
+    """The study's scoring entry point (whichever scorer it uses) against the library's reference path: the
+    merged adapter activated by hooks and the label builder's answer log-likelihood."""
+    import scoring
+    from batch_scorer import Job
+    from fcprag_plugin import LoraAdapter, WeightedAdapterMerger
+    from fcprag_plugin.labels.metrics import answer_logprob
+    from fcprag_plugin.merge.live import activate
+
+    from helpers import make_adapter_dir
+
+    model = tiny_model("llama", seed=3, bos_token_id=2, eos_token_id=3, pad_token_id=0).eval()
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    store = {f"p{i}": LoraAdapter.from_pretrained(make_adapter_dir(tmp_path / f"a{i}", seed=i)) for i in range(4)}
+    jobs_ = [Job("a", "what is the capital of france ?", ["paris", "the paris"], [], "param", ["p0", "p1", "p2"],
+                 {"s:012": [1.0, 1.0, 1.0], "s:01": [1.0, 1.0, 0.0], "w": [0.2, 2.5, 0.3], "zero": [0.0] * 3}),
+             Job("b", "where is rome ?", ["italy"], [], "param", ["p3", "p1"], {"s:01": [1.0, 1.0], "x": [3.0, 0.5]})]
+    for j in jobs_:
+        j.encode(tok)
+    slot = scoring.make_slot(model, store, max_adapters=4)
+    got = scoring.score_jobs(model, tok, slot, jobs_, store, batch_size=3, max_tokens=200)
+    slot.remove()
+    assert [(g["key"], g["name"]) for g in got] == [(j.key, n) for j in jobs_ for n in j.rows]
+    k = 0
+    for j in jobs_:
+        for name, w in j.rows.items():
+            ref = -float("inf")
+            for gold in j.gold:
+                if any(w):
+                    merged = WeightedAdapterMerger("cat").merge([store[p] for p in j.pids], w).adapter
+                    with activate(model, merged):
+                        ref = max(ref, answer_logprob(model, j.prompt_ids, gold))
+                else:
+                    ref = max(ref, answer_logprob(model, j.prompt_ids, gold))
+            assert got[k]["logprob"] == pytest.approx(ref, abs=1e-4), (j.key, name)
+            k += 1
+    assert len({round(g["logprob"], 3) for g in got}) > 3  # the rows really differ

@@ -54,29 +54,67 @@ def subset_name(idx: Sequence[int]) -> str:
     return "s:" + "".join(map(str, idx))
 
 
+def label_rows(k: int = 6, n: int = 3) -> dict[str, list[float]]:
+    """Every N = ``n`` subset of the top ``k`` and every subset of size ``n - 1`` (each subset's leave-one-out
+    rows), as 0/1 weights over the ``k`` passages: 20 + 15 rows for k = 6, n = 3."""
+    w: dict[str, list[float]] = {}
+    for size in (n, n - 1):
+        for idx in itertools.combinations(range(k), size):
+            w[subset_name(idx)] = [1.0 if i in idx else 0.0 for i in range(k)]
+    return w
+
+
+def label_job(r: dict[str, Any], k: int = 6, n: int = 3) -> dict[str, Any] | None:
+    """The label-scoring job of one training question (``param`` prompt), or None when it has fewer than ``n``
+    passages or a repeated passage text (which would make subset labels ambiguous; none in the shared data)."""
+    ps = r["passages"][:k]
+    pids = list(dict.fromkeys(p["pid"] for p in ps))
+    if len(pids) < len(ps) or len(ps) < n:
+        return None
+    return {"key": f"{r['dataset']}|{r['id']}|train|param", "question": r["question"], "answers": r["answer"],
+            "passages": [p["text"] for p in ps], "mode": "param", "pids": pids, "rows": label_rows(len(ps), n),
+            "generate": False, "partition": "train"}
+
+
 def train_jobs(rows: list[dict[str, Any]], emb: dict[str, torch.Tensor], enc_dim: int, enc_name: str,
                k: int = 6, n: int = 3) -> list[dict[str, Any]]:
+    """Per training question: its label rows (:func:`label_job`) plus the fixed grids on its top ``n``."""
     jobs = []
     for r in rows:
         if r["split"] != "train":
             continue
+        job = label_job(r, k, n)
+        if job is None:
+            continue
         ps = r["passages"][:k]
-        pids = list(dict.fromkeys(p["pid"] for p in ps))
-        if len(pids) < len(ps) or len(ps) < n:
-            continue  # a duplicated passage text would make subset labels ambiguous; none in the shared data
-        w: dict[str, list[float]] = {}
-        for size in (n, n - 1):
-            for idx in itertools.combinations(range(len(ps)), size):
-                w[subset_name(idx)] = [1.0 if i in idx else 0.0 for i in range(len(ps))]
         top = ps[:n]
         fx = fixed_rows(emb[text_key(r["question"])], torch.stack([emb[text_key(p["text"])] for p in top]),
                         [p["bm25"] for p in top], enc_dim, enc_name)
         for name, vals in fx.items():
-            w[name] = list(vals) + [0.0] * (len(ps) - n)
-        jobs.append({"key": f"{r['dataset']}|{r['id']}|train|param", "question": r["question"],
-                     "answers": r["answer"], "passages": [p["text"] for p in ps], "mode": "param", "pids": pids,
-                     "rows": w, "generate": False, "partition": "train"})
+            job["rows"][name] = list(vals) + [0.0] * (len(ps) - n)
+        jobs.append(job)
     return jobs
+
+
+def label_records(r: dict[str, Any], results: dict[str, float], n: int = 3) -> list[dict[str, Any]]:
+    """The leave-one-out label records (``docs/label-format.md``) of one training question from its scored
+    subset rows ``{subset name: gold log-lik.}``: one record per N = ``n`` subset, ``metric_all`` = the subset's
+    log-lik., ``metric_without[i]`` = that of the subset without its i-th passage, ``group`` = the question (so
+    no question is ever split across folds or splits), plus the side fields (BM25 rank and score)."""
+    ps = r["passages"]
+    group = f"{r['dataset']}:{r['id']}"
+    out = []
+    for idx in itertools.combinations(range(len(ps)), n):
+        full = results[subset_name(idx)]
+        without = [results[subset_name([x for x in idx if x != i])] for i in idx]
+        out.append({"id": f"{group}:{subset_name(idx)}", "query": r["question"],
+                    "passages": [ps[i]["text"] for i in idx], "metric": "answer_logprob", "metric_all": full,
+                    "metric_without": without, "deltas": [round(full - w, 6) for w in without], "group": group,
+                    "answer": r["answer"], "pids": [ps[i]["pid"] for i in idx],
+                    "retrieval_ranks": [ps[i]["rank"] for i in idx],
+                    "retrieval_scores": [ps[i]["bm25"] for i in idx],
+                    "supporting": [bool(ps[i]["supporting"]) for i in idx]})
+    return out
 
 
 def condition_passages(r: dict[str, Any], condition: str, donors: list[dict[str, Any]], n: int = 3

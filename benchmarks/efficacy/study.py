@@ -1,13 +1,15 @@
-"""The two-dataset study's CPU driver (the model-heavy part runs in ``device_run.py``).
+"""The two-dataset study's driver: every stage on the CPU, resumable, one thread in the background.
 
-    python benchmarks/efficacy/study.py prepare      # split + BM25 top-6, deterministic augmentation, embeddings
-    python benchmarks/efficacy/study.py train-jobs   # -> work/jobs_train.jsonl (labels + fixed grids)
-    python benchmarks/efficacy/study.py labels       # device results -> cache/<ds>/labels_train.jsonl, grids.json
-    python benchmarks/efficacy/study.py test-jobs    # -> work/jobs_test.jsonl (every method's weights)
+    benchmarks/efficacy/start_background.sh           # the whole pipeline (below) in the background; resumes
+    python benchmarks/efficacy/study.py prepare       # split + BM25 top-6, deterministic augmentation, embeddings
+    python benchmarks/efficacy/study.py bench-adapters  # adapters/s one at a time vs batched -> cache/timings.jsonl
+    python benchmarks/efficacy/study.py adapters      # every passage adapter, priority order (adapters.study_order)
+    python benchmarks/efficacy/study.py labels        # 35 subset rows per training question -> labels_train.jsonl
+    python benchmarks/efficacy/study.py pipeline      # the stages in PIPELINE order, each resumable
 
-Caches (committed): ``cache/<ds>/retrieval.jsonl``, ``augment.jsonl``, ``adapters.jsonl``,
-``results_train.jsonl``, ``labels_train.jsonl``, ``grids.json``, ``results_test.jsonl``, ``test_meta.jsonl``,
-``timings.jsonl``. Embeddings (``work/embeddings.safetensors``) are rebuilt on demand.
+Committed caches: ``cache/<ds>/retrieval.jsonl``, ``augment.jsonl``, ``adapters.jsonl`` (steps, losses, norms,
+wall-clock per adapter group), ``results_train.jsonl`` (every scored label row), ``labels_train.jsonl``;
+``cache/timings.jsonl`` (stages over both datasets). Not committed: ``work/`` (adapters, embeddings, log, pid).
 """
 
 from __future__ import annotations
@@ -160,21 +162,134 @@ def cmd_bench_adapters(a: argparse.Namespace) -> None:
     print(json.dumps(row), flush=True)
 
 
-PIPELINE = ("bench-adapters", "adapters")  # stages run by 'pipeline', in order (later stages are added as they are written)
+def train_questions_in_order() -> list[dict[str, Any]]:
+    """The training questions of both datasets, taking turns question by question (the adapter stage's order)."""
+    per_ds = [[r for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl") if r["split"] == "train"] for ds in DATASETS]
+    return [r for i in range(max(map(len, per_ds))) for rows in per_ds if i < len(rows) for r in [rows[i]]]
+
+
+def scored(path: Path) -> dict[str, dict[str, float]]:
+    """``{job key: {row name: gold log-lik.}}`` of a results cache (empty when there is none)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in read_jsonl(path) if path.exists() else []:
+        out.setdefault(r["key"], {})[r["name"]] = r["logprob"]
+    return out
+
+
+def pending_label_jobs(questions: list[dict[str, Any]], done_results: dict[str, dict[str, dict[str, float]]],
+                       done_adapters: dict[str, set[str]]) -> tuple[list[dict[str, Any]], int]:
+    """The label jobs still to score (every row of a job scored = done) whose adapters all exist, in order, and
+    how many questions wait for adapters."""
+    from jobs import label_job
+
+    todo, waiting = [], 0
+    for r in questions:
+        job = label_job(r)
+        if job is None or set(job["rows"]) <= set(done_results[r["dataset"]].get(job["key"], {})):
+            continue
+        if not set(job["pids"]) <= done_adapters[r["dataset"]]:
+            waiting += 1
+            continue
+        todo.append(job)
+    return todo, waiting
+
+
+def load_store(items: list[tuple[str, str]]) -> dict[str, Any]:
+    from common import work_dir
+    from fcprag_plugin import LoraAdapter
+
+    return {pid: LoraAdapter.from_pretrained(work_dir(ds) / "adapters" / pid) for ds, pid in dict.fromkeys(items)}
+
+
+def write_labels() -> dict[str, int]:
+    """``cache/<ds>/labels_train.jsonl`` from the scored label rows (every finished training question)."""
+    from jobs import label_records
+
+    counts = {}
+    for ds in DATASETS:
+        res = scored(cache_dir(ds) / "results_train.jsonl")
+        recs = []
+        for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl"):
+            key = f"{ds}|{r['id']}|train|param"
+            if r["split"] == "train" and key in res:
+                try:
+                    recs += label_records(r, res[key])
+                except KeyError:  # a question whose rows are not all scored yet
+                    continue
+        write_jsonl(cache_dir(ds) / "labels_train.jsonl", recs)
+        counts[ds] = len(recs)
+    return counts
+
+
+def cmd_labels(a: argparse.Namespace) -> None:
+    """Score every training question's 35 subset rows (``param`` prompt), ``--questions`` at a time; append each
+    batch's results to ``cache/<ds>/results_train.jsonl`` at once; then write the label files."""
+    import os
+    import time
+
+    import adapters
+    import scoring
+    from batch_scorer import Job
+    from common import load_model
+
+    _threads(a.threads)
+    questions = train_questions_in_order()
+    done_res = {ds: scored(cache_dir(ds) / "results_train.jsonl") for ds in DATASETS}
+    done_ad = {ds: adapters.done_adapters(ds) for ds in DATASETS}
+    todo, waiting = pending_label_jobs(questions, done_res, done_ad)
+    if a.limit is not None:
+        todo = todo[:a.limit]
+    print(f"labels: {len(questions)} training questions, {len(todo)} to score now, {waiting} wait for adapters "
+          f"(scorer: {scoring.scorer_name()})", flush=True)
+    if todo:
+        model, tok = load_model(adapters.DTYPE)
+        t_all, n_rows = time.perf_counter(), 0
+        slot = None
+        for s in range(0, len(todo), a.questions):
+            t0 = time.perf_counter()
+            chunk = todo[s:s + a.questions]
+            jobs = [Job.from_dict(j).encode(tok) for j in chunk]
+            store = load_store([(j["key"].split("|")[0], p) for j in chunk for p in j["pids"]])
+            if slot is None:
+                slot = scoring.make_slot(model, store, max_adapters=6 * a.questions)
+            res = scoring.score_jobs(model, tok, slot, jobs, store, batch_size=a.batch_size)
+            for ds in DATASETS:
+                mine = [r for r in res if r["key"].startswith(ds + "|")]
+                if mine:
+                    append_jsonl(cache_dir(ds) / "results_train.jsonl", mine)
+            n_rows += len(res)
+            print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} labels: {s + len(chunk)}/{len(todo)} questions, "
+                  f"{len(res) / (time.perf_counter() - t0):.2f} rows/s", flush=True)
+        secs = time.perf_counter() - t_all
+        append_jsonl(STUDY_TIMINGS, [{"stage": "labels", "seconds": round(secs, 1), "questions": len(todo),
+                                      "rows": n_rows, "rows_per_s": round(n_rows / secs, 3), "threads": a.threads,
+                                      "scorer": scoring.scorer_name(), "nice": os.nice(0),
+                                      "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}])
+    print(f"labels: records written {write_labels()}", flush=True)
+
+
+PIPELINE = ("bench-adapters", "adapters", "labels")  # stages run by 'pipeline', in order (later stages are added as they are written)
 
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
-    """Every stage in turn, each as a fresh subprocess (so a stage written after the launch is picked up from the
-    code on disk when its turn comes), each resumable; stops at the first failure."""
+    """The next stage after ``--after`` (default: the first), as a fresh subprocess, then this command again as a
+    fresh process (``os.execv``), so stages and stage lists written after the launch are picked up from the code on
+    disk. Every stage is resumable; stops at the first failure."""
+    import os
     import subprocess
     import time
 
-    for stage in PIPELINE:
-        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pipeline: stage {stage}", flush=True)
-        rc = subprocess.run([sys.executable, str(HERE / "study.py"), stage, "--threads", str(a.threads)]).returncode
-        if rc:
-            raise SystemExit(f"pipeline: stage {stage} failed (exit {rc}); rerun to resume")
-    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pipeline: done", flush=True)
+    start = PIPELINE.index(a.after) + 1 if a.after in PIPELINE else 0
+    if start >= len(PIPELINE):
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pipeline: done", flush=True)
+        return
+    stage = PIPELINE[start]
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pipeline: stage {stage}", flush=True)
+    rc = subprocess.run([sys.executable, str(HERE / "study.py"), stage, "--threads", str(a.threads)]).returncode
+    if rc:
+        raise SystemExit(f"pipeline: stage {stage} failed (exit {rc}); rerun to resume")
+    os.execv(sys.executable, [sys.executable, str(HERE / "study.py"), "pipeline", "--threads", str(a.threads),
+                              "--after", stage])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,6 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--out", default=str(WORK / "jobs_train.jsonl"))
     s = sub.add_parser("pipeline")
     s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--after", default=None, help="continue after this stage (default: from the first)")
+    s = sub.add_parser("labels")
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--questions", type=int, default=4, help="training questions per scoring call")
+    s.add_argument("--batch-size", type=int, default=16, help="sequences per forward (library scorer)")
+    s.add_argument("--limit", type=int, default=None)
     for name in ("adapters", "bench-adapters"):
         s = sub.add_parser(name)
         s.add_argument("--threads", type=int, default=1)
@@ -202,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     {"prepare": cmd_prepare, "train-jobs": cmd_train_jobs, "adapters": cmd_adapters,
      "bench-adapters": cmd_bench_adapters,
-     "pipeline": cmd_pipeline}[a.cmd](a)
+     "pipeline": cmd_pipeline, "labels": cmd_labels}[a.cmd](a)
 
 
 if __name__ == "__main__":
