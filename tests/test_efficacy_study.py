@@ -259,3 +259,52 @@ def test_score_jobs_equal_each_row_scored_alone(tmp_path):
             assert got[k]["logprob"] == pytest.approx(ref, abs=1e-4), (j.key, name)
             k += 1
     assert len({round(g["logprob"], 3) for g in got}) > 3  # the rows really differ
+
+
+def test_summary_means_and_paired_differences_against_prag_sum():
+    import heldout
+
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(60, generator=g)
+    gain = 0.3 + 0.1 * torch.randn(60, generator=g)
+    table = {f"q{i}": {"prag_sum": float(base[i]), "learned": float(base[i] + gain[i]), "loo:0": 0.0}
+             for i in range(60)}
+    table["partial"] = {"prag_sum": 5.0}  # a question without every method is left out
+    s = heldout.summarise(table)
+    assert s["n_questions"] == 60 and set(s["methods"]) == {"prag_sum", "learned"}
+    assert s["methods"]["prag_sum"]["gold_loglik"] == pytest.approx(float(base.mean()), abs=1e-6)
+    d = s["paired"]["learned"]
+    assert d["delta_loglik"] == pytest.approx(float(gain.mean()), abs=1e-6)
+    lo, hi = d["ci95"]
+    assert lo < d["delta_loglik"] < hi and hi - lo < 0.1  # the paired CI is narrow: the base variation cancels
+
+
+def test_oracle_job_weights_follow_the_leave_one_out_deltas():
+    import heldout
+    from batch_scorer import Job
+
+    job = Job("k", "q", ["a"], [], "param", ["x", "y"], {"prag_sum": [2.0, 1.0]})
+    res = {"prag_sum": -1.0, "loo:0": -3.0, "loo:1": -1.5, "loo:2": -0.5}  # position 0 helps most, 2 hurts
+    o = heldout.oracle_job(job, ["x", "y", "x"], res)
+    w = o.rows["oracle"]
+    assert sum(w) == pytest.approx(3.0) and w[0] > w[1]  # positions 0 and 2 (same passage) add up on pid x
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--data", "/nonexistent.jsonl", "--controller", "/tmp", "--out", "OUT"], "--data /nonexistent.jsonl: file not found"),
+    (["--data", "DATA", "--controller", "/nonexistent", "--out", "OUT"], "--controller /nonexistent: no config.json"),
+    (["--data", "DATA", "--controller", "CTRL", "--out", "OUT", "--limit", "0"], "--limit 0: expected a positive"),
+])
+def test_run_all_user_errors_are_one_line_exit_2(tmp_path, args, msg, capsys):
+    import run_all
+
+    data = _data_file(tmp_path / "d.jsonl", 2)
+    (tmp_path / "ctrl").mkdir()
+    (tmp_path / "ctrl" / "config.json").write_text("{}")
+    args = [str(data) if x == "DATA" else str(tmp_path / "ctrl") if x == "CTRL" else str(tmp_path / "o") if x == "OUT"
+            else x for x in args]
+    with pytest.raises(SystemExit) as e:
+        run_all.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and msg in err

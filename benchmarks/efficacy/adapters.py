@@ -15,6 +15,7 @@ to ``cache/<dataset>/adapters.jsonl``. Resumable: finished adapters are skipped.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,12 +130,19 @@ def study_order(retrieval: dict[str, list[dict[str, Any]]], top: int = 3) -> lis
     return list(dict.fromkeys(tier("test", 0, top) + tier("train", 0, None) + tier("test", top, None)))
 
 
-def done_adapters(dataset: str) -> set[str]:
+def places(dataset: str, root: Path | None = None) -> tuple[Path, Path]:
+    """(adapter folder, log file) of ``dataset``: the study's ``work/<ds>/adapters/`` and
+    ``cache/<ds>/adapters.jsonl``, or ``root/adapters/`` and ``root/adapters.jsonl`` (``run_all.py``)."""
+    if root is not None:
+        return Path(root) / "adapters", Path(root) / "adapters.jsonl"
+    return work_dir(dataset) / "adapters", cache_dir(dataset) / "adapters.jsonl"
+
+
+def done_adapters(dataset: str, root: Path | None = None) -> set[str]:
     """The pids of ``dataset`` whose adapter is saved and logged (a restart skips them)."""
-    log_path = cache_dir(dataset) / "adapters.jsonl"
+    folder, log_path = places(dataset, root)
     logged = {r["pid"] for r in read_jsonl(log_path)} if log_path.exists() else set()
-    root = work_dir(dataset) / "adapters"
-    return {pid for pid in logged if (root / pid / "adapter_model.safetensors").is_file()}
+    return {pid for pid in logged if (folder / pid / "adapter_model.safetensors").is_file()}
 
 
 def make_groups(items: list[tuple[str, str]], lengths: dict[tuple[str, str], int], group: int, block: int
@@ -149,10 +157,12 @@ def make_groups(items: list[tuple[str, str]], lengths: dict[tuple[str, str], int
 
 
 def build(items: list[tuple[str, str]], augs: dict[str, dict[str, dict[str, Any]]], group_size: int, block: int,
-          epochs: int, max_tokens: int, model: Any = None, tok: Any = None, save: bool = True) -> list[dict[str, Any]]:
+          epochs: int, max_tokens: int, model: Any = None, tok: Any = None, save: bool = True,
+          root: Path | None = None) -> list[dict[str, Any]]:
     """Train (and, with ``save``, write and log) one adapter per ``(dataset, pid)`` item, ``group_size`` at a
     time. Each group's adapters go to ``work/<dataset>/adapters/<pid>/`` and their log rows (steps, losses,
-    norms, the group's wall-clock) to ``cache/<dataset>/adapters.jsonl`` as soon as the group finishes.
+    norms, the group's wall-clock) to ``cache/<dataset>/adapters.jsonl`` as soon as the group finishes (under
+    ``root`` instead when given: :func:`places`).
     Returns the log rows."""
     import time
 
@@ -177,9 +187,9 @@ def build(items: list[tuple[str, str]], augs: dict[str, dict[str, dict[str, Any]
                 for b, (ds, pid) in enumerate(grp)]
         if save:
             for b, (ds, pid) in enumerate(grp):
-                ml.adapter(b, config).save_pretrained(work_dir(ds) / "adapters" / pid, dtype=torch.float32)
+                ml.adapter(b, config).save_pretrained(places(ds, root)[0] / pid, dtype=torch.float32)
             for ds in dict.fromkeys(d for d, _ in grp):
-                append_jsonl(cache_dir(ds) / "adapters.jsonl", [r for r in rows if r["dataset"] == ds])
+                append_jsonl(places(ds, root)[1], [r for r in rows if r["dataset"] == ds])
         rows_all += rows
         if gi % 25 == 24 or gi == len(groups) - 1:  # training must never write the base model
             changed = [k for k, v in model.state_dict().items() if not torch.equal(v, snapshot[k])]

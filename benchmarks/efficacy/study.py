@@ -268,6 +268,56 @@ def cmd_labels(a: argparse.Namespace) -> None:
     print(f"labels: records written {write_labels()}", flush=True)
 
 
+def cmd_status(a: argparse.Namespace) -> None:
+    """Progress of every stage, the measured rates and the projected time left (reads the caches only)."""
+    import os
+    from datetime import datetime, timezone
+
+    import adapters
+
+    order, _ = adapter_plan()
+    done = {ds: adapters.done_adapters(ds) for ds in DATASETS}
+    tiers = {"test top-3": 0, "train top-6": 0, "test rest": 0}
+    top = {(ds, p["pid"]): r["split"] == "test" and p["rank"] < 3
+           for ds in DATASETS for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl") for p in r["passages"]}
+    train = {(ds, p["pid"]) for ds in DATASETS for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl")
+             if r["split"] == "train" for p in r["passages"]}
+    need = dict.fromkeys(tiers, 0)
+    for it in order:
+        t = "test top-3" if top[it] else "train top-6" if it in train else "test rest"
+        need[t] += 1
+        tiers[t] += it[1] in done[it[0]]
+    logs = [r for ds in DATASETS for r in (read_jsonl(cache_dir(ds) / "adapters.jsonl")
+                                            if (cache_dir(ds) / "adapters.jsonl").exists() else [])]
+    groups: dict[tuple[str, float], int] = {}
+    for r in logs:  # one row per adapter; a group's rows share 'finished' and 'group_seconds'
+        groups[(r.get("finished", ""), r.get("group_seconds", 0.0))] = r.get("group_size", 1)
+    recent = sorted(groups.items())[-20:]
+    rate = sum(n for _, n in recent) / sum(k[1] for k, _ in recent) if recent else None
+    left = len(order) - sum(tiers.values())
+    pid_file = WORK / "pipeline.pid"
+    alive = False
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+            alive = True
+        except (OSError, ValueError):
+            pass
+    questions = train_questions_in_order()
+    res = {ds: scored(cache_dir(ds) / "results_train.jsonl") for ds in DATASETS}
+    from jobs import label_rows
+    n_rows = len(label_rows())
+    labelled = sum(len(res[r["dataset"]].get(f"{r['dataset']}|{r['id']}|train|param", {})) >= n_rows for r in questions)
+    print(json.dumps({
+        "now_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "pipeline_running": alive, "pid": pid_file.read_text().strip() if pid_file.exists() else None,
+        "adapters_done": {t: f"{tiers[t]}/{need[t]}" for t in tiers},
+        "adapters_per_s_last_20_groups": round(rate, 4) if rate else None,
+        "adapters_hours_left_at_that_rate": round(left / rate / 3600, 2) if rate else None,
+        "labels_questions_done": f"{labelled}/{len(questions)}",
+    }, indent=2))
+
+
 PIPELINE = ("bench-adapters", "adapters", "labels")  # stages run by 'pipeline', in order (later stages are added as they are written)
 
 
@@ -301,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("pipeline")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--after", default=None, help="continue after this stage (default: from the first)")
+    sub.add_parser("status")
     s = sub.add_parser("labels")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--questions", type=int, default=4, help="training questions per scoring call")
@@ -323,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     {"prepare": cmd_prepare, "train-jobs": cmd_train_jobs, "adapters": cmd_adapters,
      "bench-adapters": cmd_bench_adapters,
-     "pipeline": cmd_pipeline, "labels": cmd_labels}[a.cmd](a)
+     "pipeline": cmd_pipeline, "labels": cmd_labels, "status": cmd_status}[a.cmd](a)
 
 
 if __name__ == "__main__":
