@@ -308,3 +308,85 @@ def test_run_all_user_errors_are_one_line_exit_2(tmp_path, args, msg, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and msg in err
+
+
+@pytest.fixture()
+def toy_study(tmp_path, monkeypatch):
+    """Two toy datasets (4 questions each, 6 passages) with real tiny adapters, and the study's stages pointed at
+    them: the tiny model, hash embeddings, a tmp cache and work folder."""
+    import study
+
+    from helpers import hash_embed, make_adapter_dir
+
+    monkeypatch.setattr(common, "HERE", tmp_path)
+    monkeypatch.setattr(study, "WORK", tmp_path / "work")
+    monkeypatch.setattr(study, "STUDY_TIMINGS", tmp_path / "timings.jsonl")
+    monkeypatch.setattr(study, "DATASETS", {"da": None, "db": None})
+    model = tiny_model("llama", seed=5, bos_token_id=2, eos_token_id=3, pad_token_id=0).eval()
+    tok = tiny_tokenizer()
+    tok.chat_template = None
+    monkeypatch.setattr(common, "load_model", lambda dtype="float32": (model, tok))
+    texts = {}
+    for d, ds in enumerate(["da", "db"]):
+        rows, logs = [], []
+        for q in range(4):
+            ps = []
+            for k in range(6):
+                text = f"{WORDS[(q + k + d) % 12]} is a {WORDS[(q * 3 + k) % 12]} ."
+                pid = f"{d}{q}{k}0beef"
+                make_adapter_dir(common.work_dir(ds) / "adapters" / pid, seed=100 * d + 10 * q + k)
+                logs.append({"pid": pid})
+                ps.append({"pid": pid, "text": text, "title": pid, "rank": k, "bm25": 6.0 - k, "supporting": k == 0})
+                texts[prepare.text_key(text)] = text
+            question = f"what is {WORDS[q + d]} ?"
+            texts[prepare.text_key(question)] = question
+            rows.append({"id": f"q{q}", "dataset": ds, "split": "test" if q % 2 else "train", "question": question,
+                         "answer": [WORDS[q + d]], "passages": ps})
+        common.write_jsonl(common.cache_dir(ds) / "retrieval.jsonl", rows)
+        common.write_jsonl(common.cache_dir(ds) / "adapters.jsonl", logs)
+    E = hash_embed(list(texts.values()), 16)
+    emb = {k: E[i] for i, k in enumerate(texts)}
+    monkeypatch.setattr(study, "load_emb", lambda: emb)
+    monkeypatch.setattr(study, "_encoder_info", lambda: (16, "hash-16"))
+    return study
+
+
+def test_stages_label_grid_and_evaluate_a_toy_study_and_resume_without_rescoring(toy_study):
+    import argparse
+
+    import jobs
+
+    study = toy_study
+    args = argparse.Namespace(threads=1, questions=2, batch_size=8, limit=None)
+    study.cmd_labels(args)
+    for ds in ("da", "db"):
+        labels = common.read_jsonl(common.cache_dir(ds) / "labels_train.jsonl")
+        assert len(labels) == 2 * 20 and {x["group"] for x in labels} == {f"{ds}:q0", f"{ds}:q2"}
+        assert len({tuple(x["deltas"]) for x in labels}) > 1  # real, differing labels
+    study.cmd_grids(args)
+    best = study.best_fixed()
+    assert set(best) == {"kappa", "cos", "bm25"}
+    study.cmd_eval(args)
+    res = common.read_jsonl(common.cache_dir("da") / "results_test.jsonl")
+    keys = {r["key"] for r in res}
+    assert keys == {f"da|q{q}|{c}|{m}" for q in (1, 3) for c, m in
+                    [("clean", "param"), ("clean", "combine"), ("replace", "param"), ("repeat", "param"),
+                     ("alt", "param")]}
+    names = {r["name"] for r in res if r["key"] == "da|q1|clean|param"}
+    assert {"prag_sum", "average", "random", "oracle", "best_kappa", "best_cos", "best_bm25", "loo:0"} <= names
+    meta = common.read_jsonl(common.cache_dir("da") / "test_meta.jsonl")
+    assert len(meta) == 2 * 4
+    # resuming scores nothing again; a new controller adds only its own rows
+    n_train = len(common.read_jsonl(common.cache_dir("da") / "results_train.jsonl"))
+    study.cmd_labels(args)
+    study.cmd_grids(args)
+    assert len(common.read_jsonl(common.cache_dir("da") / "results_train.jsonl")) == n_train
+    from fcprag_plugin import FusionController
+
+    FusionController.random(embed_dim=16, seed=7, embedding_model="hash-16").save_pretrained(
+        study.WORK / "controllers" / "kl" / "s0")
+    study.cmd_eval(args)
+    res2 = common.read_jsonl(common.cache_dir("da") / "results_test.jsonl")
+    added = res2[len(res):]
+    assert {r["name"] for r in added} == {"learned:kl:s0"} and len(added) == len(keys)
+    assert len(jobs.label_rows()) == 35

@@ -229,8 +229,6 @@ def cmd_labels(a: argparse.Namespace) -> None:
 
     import adapters
     import scoring
-    from batch_scorer import Job
-    from common import load_model
 
     _threads(a.threads)
     questions = train_questions_in_order()
@@ -241,26 +239,10 @@ def cmd_labels(a: argparse.Namespace) -> None:
         todo = todo[:a.limit]
     print(f"labels: {len(questions)} training questions, {len(todo)} to score now, {waiting} wait for adapters "
           f"(scorer: {scoring.scorer_name()})", flush=True)
-    if todo:
-        model, tok = load_model(adapters.DTYPE)
-        t_all, n_rows = time.perf_counter(), 0
-        slot = None
-        for s in range(0, len(todo), a.questions):
-            t0 = time.perf_counter()
-            chunk = todo[s:s + a.questions]
-            jobs = [Job.from_dict(j).encode(tok) for j in chunk]
-            store = load_store([(j["key"].split("|")[0], p) for j in chunk for p in j["pids"]])
-            if slot is None:
-                slot = scoring.make_slot(model, store, max_adapters=6 * a.questions)
-            res = scoring.score_jobs(model, tok, slot, jobs, store, batch_size=a.batch_size)
-            for ds in DATASETS:
-                mine = [r for r in res if r["key"].startswith(ds + "|")]
-                if mine:
-                    append_jsonl(cache_dir(ds) / "results_train.jsonl", mine)
-            n_rows += len(res)
-            print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} labels: {s + len(chunk)}/{len(todo)} questions, "
-                  f"{len(res) / (time.perf_counter() - t0):.2f} rows/s", flush=True)
-        secs = time.perf_counter() - t_all
+    t0 = time.perf_counter()
+    n_rows = _score_and_append(todo, a.questions, lambda ds: cache_dir(ds) / "results_train.jsonl", "labels", a)
+    if n_rows:
+        secs = time.perf_counter() - t0
         append_jsonl(STUDY_TIMINGS, [{"stage": "labels", "seconds": round(secs, 1), "questions": len(todo),
                                       "rows": n_rows, "rows_per_s": round(n_rows / secs, 3), "threads": a.threads,
                                       "scorer": scoring.scorer_name(), "nice": os.nice(0),
@@ -318,7 +300,212 @@ def cmd_status(a: argparse.Namespace) -> None:
     }, indent=2))
 
 
-PIPELINE = ("bench-adapters", "adapters", "labels")  # stages run by 'pipeline', in order (later stages are added as they are written)
+def _score_and_append(todo: list[dict[str, Any]], per: int, path_of: Any, label: str, a: argparse.Namespace,
+                      oracle_positions: dict[str, list[str]] | None = None) -> int:
+    """Score jobs ``per`` questions at a time (adapters loaded per chunk), append each chunk's results to
+    ``path_of(dataset)`` at once (plus the oracle pass for jobs in ``oracle_positions``); rows scored."""
+    import time
+
+    import adapters
+    import heldout
+    import scoring
+    from batch_scorer import Job
+    from common import load_model
+
+    if not todo:
+        return 0
+    model, tok = load_model(adapters.DTYPE)
+    slot, n_rows = None, 0
+    for s in range(0, len(todo), per):
+        t0 = time.perf_counter()
+        chunk = todo[s:s + per]
+        jobs = [Job.from_dict(j).encode(tok) for j in chunk]
+        store = load_store([(j["key"].split("|")[0], p) for j in chunk for p in j["pids"]])
+        if slot is None:
+            slot = scoring.make_slot(model, store, max_adapters=8 * per)
+        res = scoring.score_jobs(model, tok, slot, jobs, store, batch_size=a.batch_size)
+        if oracle_positions:
+            by = heldout.per_question(res)
+            orc = [heldout.oracle_job(j, oracle_positions[j.key], by[j.key]) for j in jobs
+                   if j.key in oracle_positions and "prag_sum" in by.get(j.key, {})]
+            res += scoring.score_jobs(model, tok, slot, orc, store, batch_size=a.batch_size)
+        for ds in DATASETS:
+            mine = [r for r in res if r["key"].startswith(ds + "|")]
+            if mine:
+                append_jsonl(path_of(ds), mine)
+        n_rows += len(res)
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {label}: {s + len(chunk)}/{len(todo)} jobs, "
+              f"{len(res) / (time.perf_counter() - t0):.2f} rows/s", flush=True)
+    slot.remove()
+    return n_rows
+
+
+GRID_G = (0.25, 0.5, 1.0)  # a coarser fixed-cosine grid than methods.FIXED_* (each point costs a row per question)
+GRID_TAU = (0.1, 0.5, 2.0)
+
+
+def grid_rows(r: dict[str, Any], ps: list[dict[str, Any]], emb: dict[str, Any], enc_dim: int, enc_name: str
+              ) -> dict[str, list[float]]:
+    """Every fixed-method point for one question's passages: total scale ``kappa:*`` (``w~ = kappa``), fixed
+    cosine ``cos:g:tau`` and BM25-rank ``bm25:tau`` (``w~ = N softmax(z / tau)``)."""
+    import torch
+
+    from jobs import BM25_TAU, KAPPAS, bm25_weights
+    from methods import controller_weights, fixed_controller
+    from prepare import text_key
+
+    out = {f"kappa:{k}": [float(k)] * len(ps) for k in KAPPAS}
+    q, P = emb[text_key(r["question"])], torch.stack([emb[text_key(p["text"])] for p in ps])
+    for g in GRID_G:
+        for t in GRID_TAU:
+            out[f"cos:{g}:{t}"] = controller_weights(fixed_controller(g, t, enc_dim, enc_name), q, P)["w_tilde"].tolist()
+    for t in BM25_TAU:
+        out[f"bm25:{t}"] = bm25_weights([p["bm25"] for p in ps], t).tolist()
+    return out
+
+
+def _encoder_info() -> tuple[int, str]:
+    from fcprag_plugin.encoding import TextEncoder
+
+    enc = TextEncoder()
+    return enc.dim, enc.name
+
+
+def cmd_grids(a: argparse.Namespace) -> None:
+    """The fixed methods' grids on every training question's BM25 top-3 (``param``): rows ``kappa:*``, ``cos:*``,
+    ``bm25:*`` appended to ``cache/<ds>/results_train.jsonl`` (the best point of each is chosen there)."""
+    import os
+    import time
+
+    import adapters
+
+    _threads(a.threads)
+    emb = load_emb()
+    dim, name = _encoder_info()
+    done_res = {ds: scored(cache_dir(ds) / "results_train.jsonl") for ds in DATASETS}
+    done_ad = {ds: adapters.done_adapters(ds) for ds in DATASETS}
+    todo = []
+    for r in train_questions_in_order():
+        ps = r["passages"][:3]
+        key = f"{r['dataset']}|{r['id']}|train|param"
+        if not {p["pid"] for p in ps} <= done_ad[r["dataset"]]:
+            continue
+        rows = grid_rows(r, ps, emb, dim, name)
+        if set(rows) <= set(done_res[r["dataset"]].get(key, {})):
+            continue
+        todo.append({"key": key, "question": r["question"], "answers": r["answer"], "passages": [], "mode": "param",
+                     "pids": [p["pid"] for p in ps], "rows": rows})
+    if a.limit is not None:
+        todo = todo[:a.limit]
+    print(f"grids: {len(todo)} training questions to score", flush=True)
+    t0 = time.perf_counter()
+    n = _score_and_append(todo, a.questions, lambda ds: cache_dir(ds) / "results_train.jsonl", "grids", a)
+    if n:
+        append_jsonl(STUDY_TIMINGS, [{"stage": "grids", "seconds": round(time.perf_counter() - t0, 1),
+                                      "questions": len(todo), "rows": n, "threads": a.threads, "nice": os.nice(0),
+                                      "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}])
+
+
+def best_fixed(prefixes: tuple[str, ...] = ("kappa:", "cos:", "bm25:")) -> dict[str, str]:
+    """Per fixed family, the grid point with the highest mean training gold log-lik. (both datasets pooled,
+    over the training questions that have every point)."""
+    tables = [v for ds in DATASETS for v in scored(cache_dir(ds) / "results_train.jsonl").values()]
+    out = {}
+    for pre in prefixes:
+        names = sorted({n for t in tables for n in t if n.startswith(pre)})
+        full = [t for t in tables if names and all(n in t for n in names)]
+        if full:
+            out[pre.rstrip(":")] = max(names, key=lambda n: (sum(t[n] for t in full) / len(full), n))
+    return out
+
+
+def learned_dirs() -> dict[str, Path]:
+    """``{learned:<config>:s<seed>: folder}`` for every trained controller under ``work/controllers/``."""
+    root = WORK / "controllers"
+    return {f"learned:{d.parent.name}:{d.name}": d for d in sorted(root.glob("*/s*")) if (d / "config.json").is_file()}
+
+
+def test_methods(emb: dict[str, Any]) -> Any:
+    """The weight function of every method available now: random controller, the best fixed points (once the
+    grids are scored) and every trained controller (``prag_sum``, ``average``, ``loo:i`` come from jobs.py)."""
+    import torch
+
+    from fcprag_plugin import FusionController
+    from methods import controller_weights
+    from prepare import text_key
+
+    dim, name = _encoder_info()
+    best = best_fixed()
+    random_ctrl = FusionController.random(embed_dim=dim, seed=0, embedding_model=name).eval()
+    ctrls = {n: FusionController.from_pretrained(d).eval() for n, d in learned_dirs().items()}
+
+    def fn(r: dict[str, Any], ps: list[dict[str, Any]]) -> dict[str, list[float]]:
+        q, P = emb[text_key(r["question"])], torch.stack([emb[text_key(p["text"])] for p in ps])
+        out = {"random": controller_weights(random_ctrl, q, P)["w_tilde"].tolist()}
+        if best:
+            grid = grid_rows(r, ps, emb, dim, name)
+            out.update({f"best_{fam}": grid[point] for fam, point in best.items()})
+        for n, c in ctrls.items():  # side-feature controllers are scored by a later stage (they need adapters)
+            if not getattr(c.config, "side_features", None):
+                out[n] = controller_weights(c, q, P)["w_tilde"].tolist()
+        return out
+    return fn
+
+
+def cmd_eval(a: argparse.Namespace) -> None:
+    """Every available method on the test questions: conditions in priority order (``param``/clean first), rows
+    already scored are skipped, results -> ``cache/<ds>/results_test.jsonl``, one metadata line per question and
+    condition -> ``cache/<ds>/test_meta.jsonl``."""
+    import os
+    import time
+
+    import adapters
+    from jobs import test_jobs
+
+    _threads(a.threads)
+    emb = load_emb()
+    rows = all_rows()
+    fn = test_methods(emb)
+    done_ad = {ds: adapters.done_adapters(ds) for ds in DATASETS}
+    t0 = time.perf_counter()
+    n = 0
+    for conditions, modes in ((("clean",), ("param",)), (("clean",), ("combine",)),
+                              (("replace", "repeat", "alt"), ("param",))):
+        jobs, meta = test_jobs(rows, fn, generate_conditions=(), conditions=conditions, modes=modes)
+        for ds in DATASETS:
+            path = cache_dir(ds) / "test_meta.jsonl"
+            have = {(m["id"], m["condition"]) for m in read_jsonl(path)} if path.exists() else set()
+            new = [m for m in meta if m["dataset"] == ds and (m["id"], m["condition"]) not in have]
+            if new:
+                append_jsonl(path, new)
+        done = {ds: scored(cache_dir(ds) / "results_test.jsonl") for ds in DATASETS}
+        todo = []
+        positions = {}
+        for j in jobs:
+            ds = j["key"].split("|")[0]
+            if not set(j["pids"]) <= done_ad[ds]:
+                continue
+            have = done[ds].get(j["key"], {})
+            missing = {k: v for k, v in j["rows"].items() if k not in have}
+            if not missing and "oracle" in have:
+                continue
+            if "prag_sum" not in missing and "oracle" not in have:  # the oracle pass needs its loo rows now
+                missing.update({k: v for k, v in j["rows"].items() if k == "prag_sum" or k.startswith("loo:")})
+            todo.append(dict(j, rows=missing))
+            if "oracle" not in have:
+                positions[j["key"]] = j["positions"]
+        if a.limit is not None:
+            todo = todo[:a.limit]
+        print(f"eval {conditions} {modes}: {len(todo)} jobs to score", flush=True)
+        n += _score_and_append(todo, a.questions, lambda ds: cache_dir(ds) / "results_test.jsonl", "eval", a,
+                               oracle_positions=positions)
+    if n:
+        append_jsonl(STUDY_TIMINGS, [{"stage": "eval", "seconds": round(time.perf_counter() - t0, 1), "rows": n,
+                                      "methods_available": sorted(learned_dirs()), "threads": a.threads,
+                                      "nice": os.nice(0), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}])
+
+
+PIPELINE = ("bench-adapters", "adapters", "labels", "grids", "eval")  # stages run by 'pipeline', in order (later stages are added as they are written)
 
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
@@ -352,11 +539,12 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--after", default=None, help="continue after this stage (default: from the first)")
     sub.add_parser("status")
-    s = sub.add_parser("labels")
-    s.add_argument("--threads", type=int, default=1)
-    s.add_argument("--questions", type=int, default=4, help="training questions per scoring call")
-    s.add_argument("--batch-size", type=int, default=16, help="sequences per forward (library scorer)")
-    s.add_argument("--limit", type=int, default=None)
+    for name in ("labels", "grids", "eval"):
+        s = sub.add_parser(name)
+        s.add_argument("--threads", type=int, default=1)
+        s.add_argument("--questions", type=int, default=4, help="questions per scoring call")
+        s.add_argument("--batch-size", type=int, default=16, help="sequences per forward (library scorer)")
+        s.add_argument("--limit", type=int, default=None)
     for name in ("adapters", "bench-adapters"):
         s = sub.add_parser(name)
         s.add_argument("--threads", type=int, default=1)
@@ -374,7 +562,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     {"prepare": cmd_prepare, "train-jobs": cmd_train_jobs, "adapters": cmd_adapters,
      "bench-adapters": cmd_bench_adapters,
-     "pipeline": cmd_pipeline, "labels": cmd_labels, "status": cmd_status}[a.cmd](a)
+     "pipeline": cmd_pipeline, "labels": cmd_labels, "status": cmd_status,
+     "grids": cmd_grids, "eval": cmd_eval}[a.cmd](a)
 
 
 if __name__ == "__main__":
