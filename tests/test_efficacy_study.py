@@ -348,6 +348,9 @@ def toy_study(tmp_path, monkeypatch):
     emb = {k: E[i] for i, k in enumerate(texts)}
     monkeypatch.setattr(study, "load_emb", lambda: emb)
     monkeypatch.setattr(study, "_encoder_info", lambda: (16, "hash-16"))
+    from helpers import hash_encoder
+
+    monkeypatch.setattr(study, "_train_encoder", lambda: hash_encoder(16))
     return study
 
 
@@ -390,3 +393,24 @@ def test_stages_label_grid_and_evaluate_a_toy_study_and_resume_without_rescoring
     added = res2[len(res):]
     assert {r["name"] for r in added} == {"learned:kl:s0"} and len(added) == len(keys)
     assert len(jobs.label_rows()) == 35
+
+
+def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_features_included(toy_study):
+    import argparse
+
+    study = toy_study
+    if not study.library_trains_candidates():
+        pytest.skip("the installed library's trainer has no objective/CV/side features yet (issue 15, branch ctrl)")
+    args = argparse.Namespace(threads=1, questions=2, batch_size=8, limit=None)
+    study.cmd_labels(args)
+    only = ["kl-paper-k1", "risk-side-query"]
+    study.cmd_train(argparse.Namespace(threads=1, epochs=2, seeds=[0, 1], only=only))
+    assert sorted(study.learned_dirs()) == sorted(f"learned:{c}:s{s}" for c in only for s in (0, 1))
+    m = json.loads((common.HERE / "cache" / "controllers" / "risk-side-query-s1.json").read_text())
+    assert m["cv"]["verdict"] in {"better_than_uniform", "unproven"} and m["options"]["side_features"]
+    pooled = common.read_jsonl(study.WORK / "labels_train_pooled_side.jsonl")
+    assert len(pooled) == 80 and all(len(x["adapter_stats"]) == 3 for x in pooled)
+    study.cmd_train(argparse.Namespace(threads=1, epochs=2, seeds=[0, 1], only=only))  # nothing left to train
+    study.cmd_eval(args)
+    names = {r["name"] for r in common.read_jsonl(common.cache_dir("db") / "results_test.jsonl")}
+    assert {f"learned:{c}:s{s}" for c in only for s in (0, 1)} <= names

@@ -73,7 +73,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     from common import load_model
 
+    t0 = time.perf_counter()
     model, tok = load_model(adapters.DTYPE)
+    _timed(out, "load model", t0, dtype=adapters.DTYPE)
     done = adapters.done_adapters(name, out)
     todo = [(name, pid) for pid in dict.fromkeys(p["pid"] for r in rows for p in r["passages"]) if pid not in done]
     if todo:

@@ -364,6 +364,12 @@ def grid_rows(r: dict[str, Any], ps: list[dict[str, Any]], emb: dict[str, Any], 
     return out
 
 
+def _train_encoder() -> Any:
+    from fcprag_plugin.encoding import TextEncoder
+
+    return TextEncoder()
+
+
 def _encoder_info() -> tuple[int, str]:
     from fcprag_plugin.encoding import TextEncoder
 
@@ -425,19 +431,41 @@ def learned_dirs() -> dict[str, Path]:
     return {f"learned:{d.parent.name}:{d.name}": d for d in sorted(root.glob("*/s*")) if (d / "config.json").is_file()}
 
 
+class _AdapterStore(dict):
+    """``{pid: LoraAdapter}`` loaded on first use from ``work/<ds>/adapters/`` (side-feature controllers read their
+    adapter statistics from the adapters themselves)."""
+
+    def __init__(self, where: dict[str, str]) -> None:
+        super().__init__()
+        self.where = where
+
+    def __missing__(self, pid: str) -> Any:
+        from common import work_dir
+        from fcprag_plugin import LoraAdapter
+
+        self[pid] = LoraAdapter.from_pretrained(work_dir(self.where[pid]) / "adapters" / pid)
+        return self[pid]
+
+
 def test_methods(emb: dict[str, Any]) -> Any:
     """The weight function of every method available now: random controller, the best fixed points (once the
     grids are scored) and every trained controller (``prag_sum``, ``average``, ``loo:i`` come from jobs.py)."""
     import torch
 
+    import heldout
     from fcprag_plugin import FusionController
+    from fcprag_plugin.encoding import TextEncoder
     from methods import controller_weights
     from prepare import text_key
 
     dim, name = _encoder_info()
+    # the controllers embed through the cached embeddings (same model, same vectors, no encoder load)
+    cached = TextEncoder.from_function(lambda texts: torch.stack([emb[text_key(t)] for t in texts]), dim, name)
     best = best_fixed()
     random_ctrl = FusionController.random(embed_dim=dim, seed=0, embedding_model=name).eval()
-    ctrls = {n: FusionController.from_pretrained(d).eval() for n, d in learned_dirs().items()}
+    store = _AdapterStore({p["pid"]: r["dataset"] for r in all_rows() for p in r["passages"]})
+    learned = [heldout.controller_method(n, FusionController.from_pretrained(d).eval(), cached, store)
+               for n, d in learned_dirs().items()]
 
     def fn(r: dict[str, Any], ps: list[dict[str, Any]]) -> dict[str, list[float]]:
         q, P = emb[text_key(r["question"])], torch.stack([emb[text_key(p["text"])] for p in ps])
@@ -445,9 +473,8 @@ def test_methods(emb: dict[str, Any]) -> Any:
         if best:
             grid = grid_rows(r, ps, emb, dim, name)
             out.update({f"best_{fam}": grid[point] for fam, point in best.items()})
-        for n, c in ctrls.items():  # side-feature controllers are scored by a later stage (they need adapters)
-            if not getattr(c.config, "side_features", None):
-                out[n] = controller_weights(c, q, P)["w_tilde"].tolist()
+        for f in learned:
+            out.update(f(r, ps))
         return out
     return fn
 
@@ -505,7 +532,103 @@ def cmd_eval(a: argparse.Namespace) -> None:
                                       "nice": os.nice(0), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}])
 
 
-PIPELINE = ("bench-adapters", "adapters", "labels", "grids", "eval")  # stages run by 'pipeline', in order (later stages are added as they are written)
+SIDE = ["retrieval_rank", "retrieval_score", "adapter_stats"]
+# The registered candidates (docs/results/efficacy-plan.md): objective x features x scale; the per-query scale
+# head exists for the risk objective only.
+CANDIDATES: dict[str, dict[str, Any]] = {}
+for _obj in ("kl", "risk"):
+    for _feat, _side in (("paper", []), ("side", SIDE)):
+        for _scale in ("k1", "kappa", "query"):
+            if _scale == "query" and _obj != "risk":
+                continue
+            CANDIDATES[f"{_obj}-{_feat}-{_scale}"] = {
+                "objective": _obj, "side_features": _side, "kappa": "auto" if _scale == "kappa" else 1.0,
+                **({"controller": {"query_scale": True}} if _scale == "query" else {})}
+SEEDS = (0, 1, 2)
+
+
+def library_trains_candidates() -> bool:
+    """Whether the installed library's trainer has the options the candidates need (issue 15, sections 1-2)."""
+    import dataclasses
+
+    from fcprag_plugin.training.trainer import TrainArgs
+
+    return {"objective", "cv_folds", "kappa", "side_features"} <= {f.name for f in dataclasses.fields(TrainArgs)}
+
+
+def pooled_labels(path: Path, with_stats: bool) -> int:
+    """Both datasets' label records in one file (the controller is trained on both), with ``adapter_stats`` per
+    passage when asked (computed once per adapter from its factors, cached in ``work/adapter_stats.json``)."""
+    import json as _json
+
+    recs = [x for ds in DATASETS for x in read_jsonl(cache_dir(ds) / "labels_train.jsonl")]
+    if with_stats:
+        from common import work_dir
+        from fcprag_plugin import LoraAdapter
+        from fcprag_plugin.features import adapter_stats
+
+        cache_path = WORK / "adapter_stats.json"
+        stats = _json.loads(cache_path.read_text()) if cache_path.exists() else {}
+        for x in recs:
+            ds = x["group"].split(":")[0]
+            for pid in x["pids"]:
+                if pid not in stats:
+                    stats[pid] = adapter_stats(LoraAdapter.from_pretrained(work_dir(ds) / "adapters" / pid))
+            x["adapter_stats"] = [stats[p] for p in x["pids"]]
+        cache_path.write_text(_json.dumps(stats))
+    write_jsonl(path, recs)
+    return len(recs)
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    """Every candidate x seed on the pooled training labels (grouped 5-fold CV inside the trainer), into
+    ``work/controllers/<candidate>/s<seed>/`` (skipped when there); each run's metrics (CV gain, CI, verdict,
+    timing) -> ``cache/controllers/<candidate>-s<seed>.json``. Seed 0 of every candidate first."""
+    import shutil
+    import time
+
+    if not library_trains_candidates():
+        print("train: the installed library's trainer lacks objective/cv_folds/kappa/side_features (issue 15, "
+              "sections 1-2, branch ctrl); nothing trained, rerun after the merge", flush=True)
+        return
+    from fcprag_plugin.training import train_controller
+
+    _threads(a.threads)
+    out_dir = cache_dir("controllers")
+    WORK.mkdir(exist_ok=True)
+    n_groups = len({x["group"] for ds in DATASETS if (cache_dir(ds) / "labels_train.jsonl").exists()
+                    for x in read_jsonl(cache_dir(ds) / "labels_train.jsonl")})
+    if n_groups < 2:
+        print(f"train: {n_groups} labelled training questions; nothing trained", flush=True)
+        return
+    files = {}
+    for side in (False, True):
+        files[side] = WORK / f"labels_train_pooled{'_side' if side else ''}.jsonl"
+        pooled_labels(files[side], side)
+    enc = _train_encoder()
+    for seed in a.seeds:
+        for name, opts in CANDIDATES.items():
+            if a.only and name not in a.only:
+                continue
+            dst = WORK / "controllers" / name / f"s{seed}"
+            if (dst / "config.json").is_file():
+                continue
+            if dst.exists():  # a run that was stopped: start it again
+                shutil.rmtree(dst)
+            t0 = time.perf_counter()
+            res = train_controller(str(files[bool(opts["side_features"])]), str(dst), encoder=enc,
+                                   epochs=a.epochs, cv_folds=min(5, n_groups), seed=seed, val_fraction=0.0,
+                                   threads=a.threads, progress=False, cache_dir=str(WORK / "embeddings"), **opts)
+            m = dict(res.metrics)
+            write_json(out_dir / f"{name}-s{seed}.json", {
+                "candidate": name, "seed": seed, "options": opts, "epochs_max": a.epochs, "questions": n_groups,
+                "seconds": round(time.perf_counter() - t0, 1), "cv": m.get("cv"),
+                "metrics": {k: v for k, v in m.items() if k != "cv"}})
+            print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} train: {name} seed {seed}: cv {m.get('cv', {}).get('gain')}",
+                  flush=True)
+
+
+PIPELINE = ("bench-adapters", "adapters", "labels", "grids", "train", "eval")  # stages run by 'pipeline', in order (later stages are added as they are written)
 
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
@@ -539,6 +662,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--after", default=None, help="continue after this stage (default: from the first)")
     sub.add_parser("status")
+    s = sub.add_parser("train")
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--epochs", type=int, default=10, help="the most epochs; the trainer's CV picks 0..epochs")
+    s.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    s.add_argument("--only", nargs="*", default=None, help="only these candidates")
     for name in ("labels", "grids", "eval"):
         s = sub.add_parser(name)
         s.add_argument("--threads", type=int, default=1)
@@ -563,7 +691,7 @@ def main(argv: list[str] | None = None) -> None:
     {"prepare": cmd_prepare, "train-jobs": cmd_train_jobs, "adapters": cmd_adapters,
      "bench-adapters": cmd_bench_adapters,
      "pipeline": cmd_pipeline, "labels": cmd_labels, "status": cmd_status,
-     "grids": cmd_grids, "eval": cmd_eval}[a.cmd](a)
+     "grids": cmd_grids, "eval": cmd_eval, "train": cmd_train}[a.cmd](a)
 
 
 if __name__ == "__main__":
