@@ -127,15 +127,9 @@ def condition_passages(r: dict[str, Any], condition: str, donors: list[dict[str,
         pool = list(itertools.combinations(range(len(r["passages"])), n))[1:]  # every subset but the top-n
         idx = rng("alt", r["id"]).choice(pool)
         return [dict(r["passages"][i]) for i in idx], {"subset": list(idx)}
-    j = rng(condition, r["id"]).randrange(len(ps))
-    if condition == "repeat":
-        return ps + [ps[j]], {"repeated_position": j}
-    others = [d for d in donors if d["id"] != r["id"]]
-    donor = rng("donor", r["id"]).choice(others)
-    used = {p["pid"] for p in ps}
-    cand = next(p for p in donor["passages"] if p["pid"] not in used)
-    ps[j] = dict(cand, supporting=False)
-    return ps, {"replaced_position": j, "donor": donor["id"], "donor_pid": cand["pid"]}
+    from evaluate import perturb  # replace-one / repeat-one as in the earlier study (same seeds)
+
+    return perturb(dict(r, passages=ps), condition, donors)
 
 
 WeightFn = Callable[[dict[str, Any], list[dict[str, Any]]], dict[str, list[float]]]
