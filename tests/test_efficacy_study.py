@@ -414,3 +414,57 @@ def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_featur
     study.cmd_eval(args)
     names = {r["name"] for r in common.read_jsonl(common.cache_dir("db") / "results_test.jsonl")}
     assert {f"learned:{c}:s{s}" for c in only for s in (0, 1)} <= names
+
+
+def test_selection_prefers_the_best_cv_gain_and_breaks_near_ties_toward_the_paper():
+    import analysis
+
+    assert analysis.select({"kl-paper-k1": [0.0, 0.0], "risk-side-query": [0.01, 0.02]}) == "risk-side-query"
+    # within TIE of the best: fewer options changed wins
+    assert analysis.select({"kl-paper-k1": [0.0100], "risk-paper-k1": [0.0105], "risk-side-query": [0.0108]}) \
+        == "kl-paper-k1"
+    assert analysis.changes_from_paper("risk-side-kappa") == 3 and analysis.changes_from_paper("kl-paper-k1") == 0
+
+
+def test_holm_matches_the_step_down_definition():
+    import analysis
+
+    p = {"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.5}
+    adj = analysis.holm(p)
+    # sorted: a 0.01*4=0.04, c 0.03*3=0.09, b 0.04*2=0.08 -> max(0.09, 0.08)=0.09, d 0.5*1 -> 0.5
+    assert adj == pytest.approx({"a": 0.04, "c": 0.09, "b": 0.09, "d": 0.5})
+
+
+def test_sign_flip_and_stratified_bootstrap_behave():
+    import analysis
+
+    g = torch.Generator().manual_seed(3)
+    shift = (0.5 + 0.2 * torch.randn(40, generator=g)).tolist()
+    noise = (0.2 * torch.randn(40, generator=g)).tolist()
+    assert analysis.sign_flip_p(shift, "s", n=2000) < 0.01
+    assert analysis.sign_flip_p(noise + [-x for x in noise], "s", n=2000) > 0.5  # exactly symmetric: mean 0
+    point, lo, hi = analysis.paired_bootstrap({"a": shift[:25], "b": noise[:15]}, "s", n=2000)
+    assert point == pytest.approx((sum(shift[:25]) + sum(noise[:15])) / 40)
+    assert lo < point < hi
+
+
+def test_analysis_averages_seeds_and_runs_the_registered_comparisons():
+    import analysis
+
+    rows = {"hotpotqa": [], "2wiki": []}
+    for ds, n in (("hotpotqa", 6), ("2wiki", 4)):
+        for q in range(n):
+            for cond, mode in (("clean", "param"), ("clean", "combine"), ("replace", "param")):
+                key = f"{ds}|q{q}|{cond}|{mode}"
+                rows[ds] += [{"key": key, "name": "prag_sum", "logprob": -2.0 - q},
+                             {"key": key, "name": "average", "logprob": -2.5 - q},
+                             {"key": key, "name": "learned:risk-paper-k1:s0", "logprob": -1.8 - q},
+                             {"key": key, "name": "learned:risk-paper-k1:s1", "logprob": -1.9 - q},
+                             {"key": key, "name": "learned:kl-paper-k1:s0", "logprob": -2.0 - q}]
+    out = analysis.analyse(rows, {"risk-paper-k1": [0.02, 0.03], "kl-paper-k1": [0.0]})
+    assert out["chosen"] == "risk-paper-k1"
+    assert out["primary"]["n"] == 10 and out["primary"]["delta_loglik"] == pytest.approx(0.15)  # seeds averaged
+    sec = out["secondary"]
+    assert sec["primary@2wiki"]["n"] == 4 and sec["average@param/clean"]["delta_loglik"] == pytest.approx(-0.5)
+    assert sec["learned:risk-paper-k1@param/replace"]["n"] == 10 and sec["learned:risk-paper-k1@param/alt"]["n"] == 0
+    assert all(v["p_holm"] >= v["p"] for v in sec.values() if v.get("n"))
