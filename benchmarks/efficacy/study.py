@@ -628,7 +628,14 @@ def cmd_train(a: argparse.Namespace) -> None:
                   flush=True)
 
 
-PIPELINE = ("bench-adapters", "adapters", "labels", "grids", "train", "eval")  # stages run by 'pipeline', in order (later stages are added as they are written)
+def cmd_analysis(a: argparse.Namespace) -> None:
+    """The registered analysis (``analysis.py``) -> ``cache/analysis.json``."""
+    import analysis
+
+    analysis.main()
+
+
+PIPELINE = ("bench-adapters", "adapters", "labels", "grids", "train", "eval", "analysis")  # stages run by 'pipeline', in order (later stages are added as they are written)
 
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
@@ -662,6 +669,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--after", default=None, help="continue after this stage (default: from the first)")
     sub.add_parser("status")
+    sub.add_parser("analysis").add_argument("--threads", type=int, default=1)
     s = sub.add_parser("train")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--epochs", type=int, default=10, help="the most epochs; the trainer's CV picks 0..epochs")
@@ -691,7 +699,7 @@ def main(argv: list[str] | None = None) -> None:
     {"prepare": cmd_prepare, "train-jobs": cmd_train_jobs, "adapters": cmd_adapters,
      "bench-adapters": cmd_bench_adapters,
      "pipeline": cmd_pipeline, "labels": cmd_labels, "status": cmd_status,
-     "grids": cmd_grids, "eval": cmd_eval, "train": cmd_train}[a.cmd](a)
+     "grids": cmd_grids, "eval": cmd_eval, "train": cmd_train, "analysis": cmd_analysis}[a.cmd](a)
 
 
 if __name__ == "__main__":
