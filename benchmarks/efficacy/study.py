@@ -260,13 +260,13 @@ def cmd_status(a: argparse.Namespace) -> None:
     order, _ = adapter_plan()
     done = {ds: adapters.done_adapters(ds) for ds in DATASETS}
     tiers = {"test top-3": 0, "train top-6": 0, "test rest": 0}
-    top = {(ds, p["pid"]): r["split"] == "test" and p["rank"] < 3
-           for ds in DATASETS for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl") for p in r["passages"]}
+    top = {(ds, p["pid"]) for ds in DATASETS for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl")
+           if r["split"] == "test" for p in r["passages"][:3]}
     train = {(ds, p["pid"]) for ds in DATASETS for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl")
              if r["split"] == "train" for p in r["passages"]}
     need = dict.fromkeys(tiers, 0)
     for it in order:
-        t = "test top-3" if top[it] else "train top-6" if it in train else "test rest"
+        t = "test top-3" if it in top else "train top-6" if it in train else "test rest"
         need[t] += 1
         tiers[t] += it[1] in done[it[0]]
     logs = [r for ds in DATASETS for r in (read_jsonl(cache_dir(ds) / "adapters.jsonl")
