@@ -152,31 +152,35 @@ def test_an_adapter_does_not_depend_on_its_group(tiny_stage):
         assert by[r["pid"]]["loss_after"]["passage"] == pytest.approx(r["loss_after"]["passage"], abs=1e-3)
 
 
-def test_train_jobs_enumerate_every_triple_and_pair_of_the_top6():
+def test_label_job_enumerates_every_triple_and_pair_of_the_top6():
     import jobs
 
-    from fcprag_plugin.encoding import TextEncoder  # noqa: F401  (the real encoder is not needed: random embeddings)
+    r = {"id": "q0", "dataset": "t", "split": "train", "question": "question 0", "answer": ["x"],
+         "passages": [{"pid": f"0-{i}", "text": f"passage 0 {i}", "bm25": 10.0 - i} for i in range(6)]}
+    j = jobs.label_job(r)
+    assert j["key"] == "t|q0|train|param" and j["pids"] == [f"0-{i}" for i in range(6)]
+    triples = {jobs.subset_name(c) for c in itertools.combinations(range(6), 3)}
+    pairs = {jobs.subset_name(c) for c in itertools.combinations(range(6), 2)}
+    assert set(j["rows"]) == triples | pairs and len(triples) == 20 and len(pairs) == 15
+    for c in itertools.combinations(range(6), 3):  # every triple's leave-one-out rows are there
+        assert all(jobs.subset_name([x for x in c if x != i]) in j["rows"] for i in c)
+        assert j["rows"][jobs.subset_name(c)] == [1.0 if i in c else 0.0 for i in range(6)]
+    dup = dict(r, passages=r["passages"][:5] + [dict(r["passages"][0])])
+    assert jobs.label_job(dup) is None  # a repeated passage would make the subset labels ambiguous
+
+
+def test_fixed_rows_are_the_grid_points_with_their_defining_properties():
+    import jobs
 
     g = torch.Generator().manual_seed(0)
-    rows = []
-    for q, split in enumerate(["train", "test", "train"]):
-        ps = [{"pid": f"{q}-{i}", "text": f"passage {q} {i}", "bm25": 10.0 - i} for i in range(6)]
-        rows.append({"id": f"q{q}", "dataset": "t", "split": split, "question": f"question {q}", "answer": ["x"],
-                     "passages": ps})
-    emb = {prepare.text_key(t): torch.randn(16, generator=g)
-           for r in rows for t in [r["question"]] + [p["text"] for p in r["passages"]]}
-    out = jobs.train_jobs(rows, emb, 16, "random-16")
-    assert [j["key"] for j in out] == ["t|q0|train|param", "t|q2|train|param"]  # train questions only
-    for j in out:
-        subsets = {k for k in j["rows"] if k.startswith("s:")}
-        triples = {jobs.subset_name(c) for c in itertools.combinations(range(6), 3)}
-        pairs = {jobs.subset_name(c) for c in itertools.combinations(range(6), 2)}
-        assert subsets == triples | pairs and len(triples) == 20 and len(pairs) == 15
-        for c in itertools.combinations(range(6), 3):  # every triple's leave-one-out rows are there
-            assert all(jobs.subset_name([x for x in c if x != i]) in subsets for i in c)
-            assert j["rows"][jobs.subset_name(c)] == [1.0 if i in c else 0.0 for i in range(6)]
-        assert all(len(w) == 6 for w in j["rows"].values())
-        assert all(w[3:] == [0.0, 0.0, 0.0] for k, w in j["rows"].items() if not k.startswith("s:"))
+    q, P = torch.randn(16, generator=g), torch.randn(3, 16, generator=g)
+    rows = jobs.fixed_rows(q, P, [9.0, 5.0, 1.0], 16, "random-16")
+    assert len(rows) == len(jobs.KAPPAS) + len(jobs.GRID_G) * len(jobs.GRID_TAU) + len(jobs.BM25_TAU)
+    assert rows["kappa:0.5"] == [0.5] * 3
+    for t in jobs.BM25_TAU:  # N softmax: sums to N, ordered like the BM25 scores
+        w = rows[f"bm25:{t}"]
+        assert sum(w) == pytest.approx(3.0) and w[0] > w[1] > w[2]
+    assert all(sum(rows[f"cos:{a}:{b}"]) == pytest.approx(3.0, abs=1e-4) for a in jobs.GRID_G for b in jobs.GRID_TAU)
 
 
 def _question(ds: str = "t", qid: str = "q0", split: str = "train") -> dict:

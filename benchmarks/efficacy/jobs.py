@@ -1,11 +1,11 @@
 """Scoring jobs (see :mod:`batch_scorer`) for the study: every weighting is computed here, on the CPU; the device
 only trains adapters and scores rows.
 
-- :func:`train_jobs`: per train question, its BM25 top-6 passages and, with the ``param`` prompt, every N = 3
-  subset (20) and every pair (15) with PRAG's weights (the leave-one-out labels of every subset come from these
-  35 rows), plus, on the top-3, the fixed-method grids tuned on the train split only: total scale ``kappa``
-  (``w~ = kappa * 1``), fixed cosine ``(g, tau)`` (``FusionController.fixed``) and fixed BM25
-  (``w~ = N softmax(z / tau)``, ``z`` the question's standardised BM25 scores).
+- :func:`label_job`: per training question, with the ``param`` prompt, every N = 3 subset of its BM25 top-6 (20)
+  and every pair (15) with PRAG's weights: the leave-one-out labels of every subset (:func:`label_records`).
+- :func:`fixed_rows`: the fixed methods' grid points on a question's passages, tuned on the training split:
+  total scale ``kappa`` (``w~ = kappa * 1``), fixed cosine ``(g, tau)`` (``FusionController.fixed``) and fixed
+  BM25 (``w~ = N softmax(z / tau)``, ``z`` the question's standardised BM25 scores).
 - :func:`test_jobs`: per test question, condition (``clean`` top-3; ``replace`` one passage swapped for another
   test question's top passage; ``repeat`` one passage listed twice; ``alt`` a second, seeded subset of 3 of the
   top-6) and prompt mode (``param``, ``combine``): every method's row, the ``loo:i`` rows and the oracle pass.
@@ -20,10 +20,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from common import rng
-from methods import FIXED_G, FIXED_TAU, controller_weights, fixed_controller
-from prepare import text_key
+from methods import controller_weights, fixed_controller
 
 KAPPAS = (0.0, 0.25, 0.5, 0.75, 1.25, 1.5, 2.0, 3.0)
+GRID_G = (0.25, 0.5, 1.0)  # a coarser fixed-cosine grid than methods.FIXED_* (each point costs a row per question)
+GRID_TAU = (0.1, 0.5, 2.0)
 BM25_TAU = (0.25, 0.5, 1.0, 2.0, 4.0)
 CONDITIONS = ("clean", "replace", "repeat", "alt")
 MODES = ("param", "combine")
@@ -37,12 +38,13 @@ def bm25_weights(scores: Sequence[float], tau: float) -> torch.Tensor:
 
 def fixed_rows(q_emb: torch.Tensor, p_embs: torch.Tensor, bm25: Sequence[float], enc_dim: int,
                enc_name: str) -> dict[str, list[float]]:
-    """Every point of the fixed grids for one question's passages (weights per passage)."""
+    """Every point of the fixed grids for one question's passages (weights per passage): ``kappa:k``,
+    ``cos:g:tau``, ``bm25:tau``. ``q_emb [d]``, ``p_embs [n, d]``, ``bm25 [n]``."""
     rows: dict[str, list[float]] = {}
     n = len(bm25)
     for k in KAPPAS:
         rows[f"kappa:{k}"] = [k] * n
-    for g, t in itertools.product(FIXED_G, FIXED_TAU):
+    for g, t in itertools.product(GRID_G, GRID_TAU):
         c = fixed_controller(g, t, enc_dim, enc_name)
         rows[f"cos:{g}:{t}"] = controller_weights(c, q_emb, p_embs)["w_tilde"].tolist()
     for t in BM25_TAU:
@@ -74,26 +76,6 @@ def label_job(r: dict[str, Any], k: int = 6, n: int = 3) -> dict[str, Any] | Non
     return {"key": f"{r['dataset']}|{r['id']}|train|param", "question": r["question"], "answers": r["answer"],
             "passages": [p["text"] for p in ps], "mode": "param", "pids": pids, "rows": label_rows(len(ps), n),
             "generate": False, "partition": "train"}
-
-
-def train_jobs(rows: list[dict[str, Any]], emb: dict[str, torch.Tensor], enc_dim: int, enc_name: str,
-               k: int = 6, n: int = 3) -> list[dict[str, Any]]:
-    """Per training question: its label rows (:func:`label_job`) plus the fixed grids on its top ``n``."""
-    jobs = []
-    for r in rows:
-        if r["split"] != "train":
-            continue
-        job = label_job(r, k, n)
-        if job is None:
-            continue
-        ps = r["passages"][:k]
-        top = ps[:n]
-        fx = fixed_rows(emb[text_key(r["question"])], torch.stack([emb[text_key(p["text"])] for p in top]),
-                        [p["bm25"] for p in top], enc_dim, enc_name)
-        for name, vals in fx.items():
-            job["rows"][name] = list(vals) + [0.0] * (len(ps) - n)
-        jobs.append(job)
-    return jobs
 
 
 def label_records(r: dict[str, Any], results: dict[str, float], n: int = 3) -> list[dict[str, Any]]:

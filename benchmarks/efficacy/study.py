@@ -64,18 +64,6 @@ def cmd_prepare(a: argparse.Namespace) -> None:
     _timed("hotpotqa", "embeddings (both datasets)", time.perf_counter() - t0, device="cpu")
 
 
-def cmd_train_jobs(a: argparse.Namespace) -> None:
-    from fcprag_plugin.encoding import TextEncoder
-
-    from jobs import train_jobs
-
-    emb = load_emb()
-    enc = TextEncoder()
-    jobs = train_jobs(all_rows(), emb, enc.dim, enc.name)
-    write_jsonl(Path(a.out), jobs)
-    print(f"{len(jobs)} train jobs, {sum(len(j['rows']) for j in jobs)} rows -> {a.out}")
-
-
 def _threads(n: int) -> None:
     import torch
 
@@ -340,28 +328,16 @@ def _score_and_append(todo: list[dict[str, Any]], per: int, path_of: Any, label:
     return n_rows
 
 
-GRID_G = (0.25, 0.5, 1.0)  # a coarser fixed-cosine grid than methods.FIXED_* (each point costs a row per question)
-GRID_TAU = (0.1, 0.5, 2.0)
-
-
 def grid_rows(r: dict[str, Any], ps: list[dict[str, Any]], emb: dict[str, Any], enc_dim: int, enc_name: str
               ) -> dict[str, list[float]]:
-    """Every fixed-method point for one question's passages: total scale ``kappa:*`` (``w~ = kappa``), fixed
-    cosine ``cos:g:tau`` and BM25-rank ``bm25:tau`` (``w~ = N softmax(z / tau)``)."""
+    """Every fixed-method grid point (``jobs.fixed_rows``) for one question's passages."""
     import torch
 
-    from jobs import BM25_TAU, KAPPAS, bm25_weights
-    from methods import controller_weights, fixed_controller
+    from jobs import fixed_rows
     from prepare import text_key
 
-    out = {f"kappa:{k}": [float(k)] * len(ps) for k in KAPPAS}
-    q, P = emb[text_key(r["question"])], torch.stack([emb[text_key(p["text"])] for p in ps])
-    for g in GRID_G:
-        for t in GRID_TAU:
-            out[f"cos:{g}:{t}"] = controller_weights(fixed_controller(g, t, enc_dim, enc_name), q, P)["w_tilde"].tolist()
-    for t in BM25_TAU:
-        out[f"bm25:{t}"] = bm25_weights([p["bm25"] for p in ps], t).tolist()
-    return out
+    return fixed_rows(emb[text_key(r["question"])], torch.stack([emb[text_key(p["text"])] for p in ps]),
+                      [p["bm25"] for p in ps], enc_dim, enc_name)
 
 
 def _train_encoder() -> Any:
@@ -663,8 +639,6 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare")
-    s = sub.add_parser("train-jobs")
-    s.add_argument("--out", default=str(WORK / "jobs_train.jsonl"))
     s = sub.add_parser("pipeline")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--after", default=None, help="continue after this stage (default: from the first)")
@@ -696,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
             s.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     setup_logging()
-    {"prepare": cmd_prepare, "train-jobs": cmd_train_jobs, "adapters": cmd_adapters,
+    {"prepare": cmd_prepare, "adapters": cmd_adapters,
      "bench-adapters": cmd_bench_adapters,
      "pipeline": cmd_pipeline, "labels": cmd_labels, "status": cmd_status,
      "grids": cmd_grids, "eval": cmd_eval, "train": cmd_train, "analysis": cmd_analysis}[a.cmd](a)
