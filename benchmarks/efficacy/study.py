@@ -278,14 +278,18 @@ def cmd_status(a: argparse.Namespace) -> None:
     from jobs import label_rows
     n_rows = len(label_rows())
     labelled = sum(len(res[r["dataset"]].get(f"{r['dataset']}|{r['id']}|train|param", {})) >= n_rows for r in questions)
-    print(json.dumps({
+    snap = {
         "now_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "pipeline_running": alive, "pid": pid_file.read_text().strip() if pid_file.exists() else None,
         "adapters_done": {t: f"{tiers[t]}/{need[t]}" for t in tiers},
         "adapters_per_s_last_20_groups": round(rate, 4) if rate else None,
         "adapters_hours_left_at_that_rate": round(left / rate / 3600, 2) if rate else None,
         "labels_questions_done": f"{labelled}/{len(questions)}",
-    }, indent=2))
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(snap, indent=2))
+    if a.record:  # a progress snapshot in the committed timings (rate and projection at this moment)
+        append_jsonl(STUDY_TIMINGS, [{"stage": "progress", **snap}])
 
 
 def _score_and_append(todo: list[dict[str, Any]], per: int, path_of: Any, label: str, a: argparse.Namespace,
@@ -642,7 +646,8 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("pipeline")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--after", default=None, help="continue after this stage (default: from the first)")
-    sub.add_parser("status")
+    sub.add_parser("status").add_argument("--record", action="store_true",
+                                          help="also append this snapshot to cache/timings.jsonl")
     sub.add_parser("analysis").add_argument("--threads", type=int, default=1)
     s = sub.add_parser("train")
     s.add_argument("--threads", type=int, default=1)
