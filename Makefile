@@ -9,17 +9,22 @@ SHELL := /bin/bash
 # pip prints a warning per missing local index folder: hide those lines, keep real errors (and the exit code).
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
-.PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench efficacy efficacy-report
+.PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench efficacy efficacy-status efficacy-report
 
 demo: .venv/latest/.stamp
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python examples/quickstart.py
 
 test: $(addprefix test-,$(STACKS))
 
-# The efficacy study (docs/results/efficacy.md): hours of CPU from scratch; stages skip what their cache holds.
-EFFICACY_DATASETS ?= hotpotqa
+# The efficacy study (docs/results/efficacy-plan.md, docs/results/efficacy.md): many hours of one CPU core.
+# `make efficacy` starts (or resumes) the whole pipeline in the background (nohup, nice 10, one thread; every stage
+# skips what its cache holds); `make efficacy-status` shows its progress and projected time left.
 efficacy: .venv/latest/.stamp
-	for ds in $(EFFICACY_DATASETS); do HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python benchmarks/efficacy/run_all.py --dataset $$ds || exit 1; done
+	benchmarks/efficacy/start_background.sh
+
+efficacy-status: .venv/latest/.stamp
+	.venv/latest/bin/python benchmarks/efficacy/study.py status
+	@tail -n 3 benchmarks/efficacy/work/pipeline.log 2>/dev/null | tr '\r' '\n' | tail -n 2 || true
 
 # Rebuild only the report from the committed caches (seconds, no model).
 efficacy-report: .venv/latest/.stamp

@@ -1,7 +1,7 @@
 """Stage 3: one LoRA adapter per retrieved passage (PRAG's recipe) -> ``work/<dataset>/adapters/<pid>/``.
 
 Recipe: PEFT-format LoRA r = 2, alpha = 32 on gate/up/down_proj, AdamW lr 3e-4 (no weight decay), 1 epoch, batch size 1
-per adapter as in PRAG, on the frozen SmolLM2-135M-Instruct (bf16 compute, float32 LoRA weights, saved float32).
+per adapter as in PRAG, on the frozen SmolLM2-135M-Instruct (float32 compute, see ``DTYPE``; float32 LoRA weights, saved float32).
 Training samples per passage, in this order, for ``--epochs`` epochs:
   1. the passage text (loss on every token, cut to ``--max-tokens``),
   2. the model's rewrite of it (stage 2; skipped when the rewrite was dropped),
@@ -15,6 +15,7 @@ to ``cache/<dataset>/adapters.jsonl``. Resumable: finished adapters are skipped.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,9 @@ from multilora import MultiLora, StackedAdamW, lm_losses
 
 LORA = {"r": 2, "lora_alpha": 32, "target_modules": ["gate_proj", "up_proj", "down_proj"], "lora_dropout": 0.0}
 LEARNING_RATE = 3e-4
+# float32 compute: on this study's CPU (AVX2, no bf16 units) a bf16 matmul ran 7x slower than float32
+# (2.8 vs 19.9 GFLOP/s, 128x576 @ 576x1536, one thread); the earlier 200-question study used bf16
+DTYPE = "float32"
 KINDS = ("passage", "rewrite", "qa0", "qa1", "qa2")
 AFTER_KINDS = ("passage", "qa0")  # re-measured after training (the report shows these two)
 
@@ -64,7 +68,7 @@ def _kind_losses(model: Any, tok: Any, ml: MultiLora, data: list[dict[str, Any]]
     if not active:
         return active, None
     ml.select(active)
-    batch = pad_batch([data[b][kind] for b in active], tok.pad_token_id)
+    batch = {k: v.to(ml.device) for k, v in pad_batch([data[b][kind] for b in active], tok.pad_token_id).items()}
     return active, lm_losses(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
 
 
@@ -93,50 +97,129 @@ def train_group(model: Any, tok: Any, group: list[dict[str, Any]], seeds: list[i
                 active, losses = _kind_losses(model, tok, ml, data, kind)
                 for j, b in enumerate(active):
                     stats[b]["loss_after"][kind] = round(float(losses[j]), 4)
+        for key, v in ml.factor_norms().items():
+            for b in range(len(group)):
+                stats[b].setdefault("norm", {})[key] = round(float(v[b]), 5)
     finally:
         ml.remove()
     return ml, stats
 
 
-def run(dataset: str, group_size: int, epochs: int, max_tokens: int, limit: int | None) -> None:
+def study_order(retrieval: dict[str, list[dict[str, Any]]], top: int = 3) -> list[tuple[str, str]]:
+    """Every ``(dataset, pid)`` the study needs, once, in the order that completes useful subsets first.
+
+    1. the test questions' BM25 top-``top`` (the evaluation's clean condition), datasets interleaved by question;
+    2. the training questions' whole retrieved list (every subset label of a question needs all of them),
+       question by question, datasets interleaved, so the labels can start on the first finished questions;
+    3. the test questions' remaining passages (the evaluation's second subset).
+    """
+    def interleave(lists: list[list[Any]]) -> list[Any]:
+        out: list[Any] = []
+        for i in range(max((len(x) for x in lists), default=0)):
+            for x in lists:
+                if i < len(x):
+                    out.append(x[i])
+        return out
+
+    def tier(split: str, lo: int, hi: int | None) -> list[tuple[str, str]]:
+        # one question at a time from each dataset in turn (a question's passages stay together)
+        per_question = [[[(ds, p["pid"]) for p in r["passages"][lo:hi]] for r in rows if r["split"] == split]
+                        for ds, rows in retrieval.items()]
+        return [x for q in interleave(per_question) for x in q]
+
+    return list(dict.fromkeys(tier("test", 0, top) + tier("train", 0, None) + tier("test", top, None)))
+
+
+def places(dataset: str, root: Path | None = None) -> tuple[Path, Path]:
+    """(adapter folder, log file) of ``dataset``: the study's ``work/<ds>/adapters/`` and
+    ``cache/<ds>/adapters.jsonl``, or ``root/adapters/`` and ``root/adapters.jsonl`` (``run_all.py``)."""
+    if root is not None:
+        return Path(root) / "adapters", Path(root) / "adapters.jsonl"
+    return work_dir(dataset) / "adapters", cache_dir(dataset) / "adapters.jsonl"
+
+
+def done_adapters(dataset: str, root: Path | None = None) -> set[str]:
+    """The pids of ``dataset`` whose adapter is saved and logged (a restart skips them)."""
+    folder, log_path = places(dataset, root)
+    logged = {r["pid"] for r in read_jsonl(log_path)} if log_path.exists() else set()
+    return {pid for pid in logged if (folder / pid / "adapter_model.safetensors").is_file()}
+
+
+def make_groups(items: list[tuple[str, str]], lengths: dict[tuple[str, str], int], group: int, block: int
+                ) -> list[list[tuple[str, str]]]:
+    """Groups of ``group`` items: the order is kept at ``block`` granularity (so early items finish first), and
+    within a block items are sorted by token length (similar lengths per group: less padding)."""
+    out = []
+    for s in range(0, len(items), block):
+        blk = sorted(items[s:s + block], key=lambda it: (lengths[it], it))
+        out += [blk[g:g + group] for g in range(0, len(blk), group)]
+    return out
+
+
+def build(items: list[tuple[str, str]], augs: dict[str, dict[str, dict[str, Any]]], group_size: int, block: int,
+          epochs: int, max_tokens: int, model: Any = None, tok: Any = None, save: bool = True,
+          root: Path | None = None) -> list[dict[str, Any]]:
+    """Train (and, with ``save``, write and log) one adapter per ``(dataset, pid)`` item, ``group_size`` at a
+    time. Each group's adapters go to ``work/<dataset>/adapters/<pid>/`` and their log rows (steps, losses,
+    norms, the group's wall-clock) to ``cache/<dataset>/adapters.jsonl`` as soon as the group finishes (under
+    ``root`` instead when given: :func:`places`).
+    Returns the log rows."""
+    import time
+
     from tqdm import tqdm
 
-    augs = {r["pid"]: r for r in read_jsonl(cache_dir(dataset) / "augment.jsonl")}
+    if model is None:
+        model, tok = load_model(DTYPE)
+    torch.manual_seed(0)
+    lengths = {it: min(max_tokens, len(tok(augs[it[0]][it[1]]["passage"], add_special_tokens=False)["input_ids"]))
+               for it in items}
+    config = dict(LORA, task_type="CAUSAL_LM", base_model_name_or_path=MODEL_NAME)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    rows_all: list[dict[str, Any]] = []
+    groups = make_groups(items, lengths, group_size, block)
+    for gi, grp in enumerate(tqdm(groups, desc="adapters", unit="group", mininterval=30)):
+        t0 = time.perf_counter()
+        seeds = [int(pid[:8], 16) for _, pid in grp]  # the seed follows the passage, not the group
+        ml, stats = train_group(model, tok, [augs[ds][pid] for ds, pid in grp], seeds, epochs, max_tokens)
+        secs = round(time.perf_counter() - t0, 2)
+        rows = [{"pid": pid, "dataset": ds, "seed": seeds[b], **stats[b], "group_size": len(grp),
+                 "group_seconds": secs, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                for b, (ds, pid) in enumerate(grp)]
+        if save:
+            for b, (ds, pid) in enumerate(grp):
+                ml.adapter(b, config).save_pretrained(places(ds, root)[0] / pid, dtype=torch.float32)
+            for ds in dict.fromkeys(d for d, _ in grp):
+                append_jsonl(places(ds, root)[1], [r for r in rows if r["dataset"] == ds])
+        rows_all += rows
+        if gi % 25 == 24 or gi == len(groups) - 1:  # training must never write the base model
+            changed = [k for k, v in model.state_dict().items() if not torch.equal(v, snapshot[k])]
+            if changed:
+                raise SystemExit(f"base model weights changed during adapter training: {changed[:3]}")
+    return rows_all
+
+
+def load_augs(datasets: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    return {ds: {r["pid"]: r for r in read_jsonl(cache_dir(ds) / "augment.jsonl")} for ds in datasets}
+
+
+def run(dataset: str, group_size: int, epochs: int, max_tokens: int, limit: int | None) -> None:
+    """One dataset's adapters (every retrieved passage), skipping finished ones."""
+    augs = load_augs([dataset])
     needed = []
     for r in read_jsonl(cache_dir(dataset) / "retrieval.jsonl"):
         for p in r["passages"]:
-            if p["pid"] not in augs:
+            if p["pid"] not in augs[dataset]:
                 raise SystemExit(f"passage {p['pid']} of question {r['id']} has no augmentation: run augment.py first")
-            needed.append(p["pid"])
-    needed = list(dict.fromkeys(needed))
-    root = work_dir(dataset) / "adapters"
-    log_path = cache_dir(dataset) / "adapters.jsonl"
-    logged = {r["pid"] for r in read_jsonl(log_path)} if log_path.exists() else set()
-    todo = [pid for pid in needed if not ((root / pid / "adapter_model.safetensors").is_file() and pid in logged)]
+            needed.append((dataset, p["pid"]))
+    done = done_adapters(dataset)
+    todo = [it for it in dict.fromkeys(needed) if it[1] not in done]
     if limit is not None:
         todo = todo[:limit]
     if not todo:
         logger.info("%s: all %d adapters exist", dataset, len(needed))
         return
-    model, tok = load_model("bfloat16")
-    torch.manual_seed(0)
-    lengths = {pid: len(tok(augs[pid]["passage"], add_special_tokens=False)["input_ids"]) for pid in todo}
-    todo.sort(key=lambda pid: lengths[pid])  # similar lengths per group: less padding
-    config = dict(LORA, task_type="CAUSAL_LM", base_model_name_or_path=MODEL_NAME)
-    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     with timed(dataset, "adapters", adapters=len(todo), group=group_size, epochs=epochs) as info:
-        for s in tqdm(range(0, len(todo), group_size), desc="adapters", unit="group"):
-            pids = todo[s:s + group_size]
-            seeds = [int(pid[:8], 16) for pid in pids]  # the seed follows the passage, not the group
-            ml, stats = train_group(model, tok, [augs[p] for p in pids], seeds, epochs, max_tokens)
-            rows = []
-            for b, pid in enumerate(pids):
-                ml.adapter(b, config).save_pretrained(root / pid, dtype=torch.float32)
-                rows.append({"pid": pid, "seed": seeds[b], **stats[b]})
-            append_jsonl(log_path, rows)
-        changed = [k for k, v in model.state_dict().items() if not torch.equal(v, snapshot[k])]
-        if changed:  # training must never write the base model
-            raise SystemExit(f"base model weights changed during adapter training: {changed[:3]}")
+        build(todo, augs, group_size, len(todo), epochs, max_tokens)
         info["base_model_unchanged"] = True
 
 

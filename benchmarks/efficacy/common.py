@@ -20,7 +20,18 @@ from typing import Any, Iterable, Iterator
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-DATA_DIR = REPO.parent / "shared" / "data"  # ../shared/data/ beside the repository
+
+def _data_dir() -> Path:
+    """``$FCPRAG_DATA_DIR``, else ``../shared/data`` beside the repository (or beside the worktree folder)."""
+    if os.environ.get("FCPRAG_DATA_DIR"):
+        return Path(os.environ["FCPRAG_DATA_DIR"])
+    for d in (REPO.parent / "shared" / "data", REPO.parent.parent / "shared" / "data"):
+        if d.is_dir():
+            return d
+    return REPO.parent / "shared" / "data"
+
+
+DATA_DIR = _data_dir()
 DATASETS = {
     "hotpotqa": DATA_DIR / "hotpotqa_dev_sample.jsonl",
     "2wiki": DATA_DIR / "2wiki_dev_sample.jsonl",

@@ -33,11 +33,13 @@ class MultiLora:
     adapters the next batch's samples use (sample ``j`` uses adapter ``idx[j]``)."""
 
     def __init__(self, model: nn.Module, n: int, *, r: int, alpha: float, targets: Sequence[str],
-                 seeds: Sequence[int]) -> None:
+                 seeds: Sequence[int], device: str | torch.device | None = None) -> None:
         if len(seeds) != n:
             raise ValueError(f"{n} adapters but {len(seeds)} seeds")
         self.model, self.n, self.r, self.scaling = model, n, r, alpha / r
         self.modules = target_linears(model, targets)
+        # the seeded init draws on the CPU (same numbers on every device), then moves to the model's device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.A: dict[str, torch.Tensor] = {}
         self.B: dict[str, torch.Tensor] = {}
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
@@ -46,8 +48,8 @@ class MultiLora:
             for b in range(n):  # PEFT's lora_A init: kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))
                 bound = 1.0 / math.sqrt(lin.in_features)
                 A[b].uniform_(-bound, bound, generator=gens[b])
-            self.A[name] = A.requires_grad_(True)
-            self.B[name] = torch.zeros(n, lin.out_features, r, requires_grad=True)
+            self.A[name] = A.to(self.device).requires_grad_(True)
+            self.B[name] = torch.zeros(n, lin.out_features, r, device=self.device, requires_grad=True)
         self.idx: torch.Tensor | None = None
         self.handles = [lin.register_forward_hook(self._hook(name)) for name, lin in self.modules.items()]
 
@@ -55,7 +57,7 @@ class MultiLora:
         return [t for name in self.modules for t in (self.A[name], self.B[name])]
 
     def select(self, idx: Sequence[int]) -> None:
-        self.idx = torch.as_tensor(list(idx), dtype=torch.long)
+        self.idx = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
 
     def _hook(self, name: str):
         def hook(module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -74,6 +76,18 @@ class MultiLora:
             h.remove()
         self.handles = []
 
+    @torch.no_grad()
+    def factor_norms(self) -> dict[str, torch.Tensor]:
+        """``||s B_b A_b||_F`` per target group (the Linear's last name, e.g. ``down_proj``) over all layers, per
+        adapter ``[n]``, from r x r Gram products (``||BA||_F^2 = <B^T B, A A^T>``), never forming ``dW``."""
+        sq: dict[str, torch.Tensor] = {}
+        for name in self.modules:
+            A, B = self.A[name].float(), self.B[name].float()
+            ga, gb = A @ A.transpose(1, 2), B.transpose(1, 2) @ B  # [n, r, r]
+            key = name.split(".")[-1]
+            sq[key] = sq.get(key, 0) + (self.scaling ** 2) * (ga * gb).sum((1, 2))
+        return {k: v.clamp_min(0).sqrt().cpu() for k, v in sq.items()}
+
     def adapter(self, b: int, config: dict[str, Any]) -> LoraAdapter:
         """Adapter ``b`` as a :class:`LoraAdapter` (float32 copies)."""
         mods = {name: LoraModule(self.A[name][b].detach().clone(), self.B[name][b].detach().clone(), self.scaling)
@@ -90,7 +104,7 @@ class StackedAdamW:
         self.params, self.lr, self.betas, self.eps, self.wd = list(params), lr, betas, eps, weight_decay
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
-        self.t = torch.zeros(n, dtype=torch.long)
+        self.t = torch.zeros(n, dtype=torch.long)  # step counts live on the CPU; indices move to each tensor
 
     @torch.no_grad()
     def step(self, active: Sequence[int]) -> None:
@@ -102,8 +116,9 @@ class StackedAdamW:
             if p.grad is None:
                 continue
             shape = (-1,) + (1,) * (p.dim() - 1)
-            bc1 = (1 - b1 ** t).to(p.dtype).view(shape)
-            bc2 = (1 - b2 ** t).to(p.dtype).view(shape)
+            bc1 = (1 - b1 ** t).to(device=p.device, dtype=p.dtype).view(shape)
+            bc2 = (1 - b2 ** t).to(device=p.device, dtype=p.dtype).view(shape)
+            idx = idx.to(p.device)
             g = p.grad[idx]
             mi = m[idx].mul_(b1).add_(g, alpha=1 - b1)
             vi = v[idx].mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -138,6 +153,6 @@ def lm_losses(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
     sel = tgt != -100
     logits = model.get_output_embeddings()(hidden[:, :-1][sel]).float()  # [M, V]
     ce = nn.functional.cross_entropy(logits, tgt[sel], reduction="none")
-    rows = torch.arange(tgt.shape[0]).unsqueeze(1).expand_as(tgt)[sel]
-    total = torch.zeros(tgt.shape[0], dtype=ce.dtype).index_add(0, rows, ce)
+    rows = torch.arange(tgt.shape[0], device=tgt.device).unsqueeze(1).expand_as(tgt)[sel]
+    total = torch.zeros(tgt.shape[0], dtype=ce.dtype, device=ce.device).index_add(0, rows, ce)
     return total / sel.sum(1).clamp_min(1)

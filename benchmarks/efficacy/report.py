@@ -296,6 +296,9 @@ def run(datasets: list[str]) -> None:
         pngs = plots(ds, res, f"efficacy_{ds}")
         blob["datasets"][ds] = {"analysis": res, "info": info}
         sections.append((ds, res, info, pngs))
+    if not sections:  # never overwrite a report with an empty one
+        raise SystemExit(f"report.py: no evaluation rows (cache/<dataset>/eval.jsonl) for {datasets}; "
+                         "nothing written (the 200-question study's caches are in cache/v1-200q/)")
     doc.append("## Summary (automatic: 'higher'/'lower' only when the paired 95% CI excludes 0)\n")
     for ds, res, _, _ in sections:
         doc.append(f"**{ds}** ({res['questions']} test questions)\n")

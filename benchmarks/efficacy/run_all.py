@@ -1,53 +1,142 @@
-"""Run every stage of the efficacy study in order (each stage skips what its cache already holds).
+"""Evaluate a controller on any question file in the ``../shared/data`` schema, end to end, on the CPU.
 
-    python benchmarks/efficacy/run_all.py --dataset hotpotqa
+    python benchmarks/efficacy/run_all.py --data FILE --controller DIR --out WORKDIR [--limit N]
 
-Stages: retrieve -> augment -> adapters -> labels -> train -> grid -> evaluate -> report. With the committed
-caches, only the stages whose outputs are missing do work: ``adapters`` (not committed: ~1 GB) and the
-controllers are rebuilt, the rest is read back. ``--from-scratch`` moves the dataset's cache aside first.
+Stages (each resumable: what WORKDIR already holds is kept; wall-clock per stage in ``WORKDIR/timings.jsonl``):
+1. BM25 top-``--top-k`` of each question over its own passages (``prepare.retrieval``; every question is held out)
+   -> ``retrieval.jsonl``;
+2. the documented deterministic augmentation (``prepare.augmentation``) -> ``augment.jsonl``;
+3. one PRAG-recipe adapter per retrieved passage (``adapters.build``: LoRA r 2, alpha 32, gate/up/down_proj,
+   AdamW lr 3e-4, 1 epoch) -> ``adapters/<pid>/`` and ``adapters.jsonl`` (steps, losses);
+4. per question, ``param`` prompt, gold answer's mean token log-likelihood with the BM25 top-k merged by:
+   ``prag_sum`` (w~ = 1), ``average`` (1/N), ``learned`` (the controller), the ``loo:i`` rows and the
+   leave-one-out ``oracle`` (reads the answer: a reference) -> ``eval.jsonl`` (appended per batch of questions);
+5. ``summary.json``: ``{"n_questions", "methods": {name: {"gold_loglik"}}, "paired": {name: {"delta_loglik",
+   "ci95", "against": "prag_sum"}}, "settings"}`` (paired bootstrap over questions, 2,000 resamples).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
+import os
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
-import adapters
-import augment
-import evaluate
-import grid
-import labels_stage
-import report
-import retrieve
-import train_stage
-from common import cache_dir, setup_logging, work_dir
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import append_jsonl, read_jsonl, setup_logging, write_json  # noqa: E402
+
+
+def _fail(msg: str) -> None:
+    print(f"run_all.py: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _timed(out: Path, stage: str, t0: float, **info: Any) -> None:
+    append_jsonl(out / "timings.jsonl", [{"stage": stage, "seconds": round(time.perf_counter() - t0, 1),
+                                          "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}])
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import adapters
+    import heldout
+    import prepare
+    import scoring
+    from batch_scorer import Job
+    from jobs import test_jobs
+
+    data, ctrl_dir, out = Path(a.data), Path(a.controller), Path(a.out)
+    if not data.is_file():
+        _fail(f"--data {data}: file not found; expected a JSON Lines question file in the ../shared/data schema")
+    if not (ctrl_dir / "config.json").is_file():
+        _fail(f"--controller {ctrl_dir}: no config.json there; expected a saved controller folder")
+    if a.limit is not None and a.limit < 1:
+        _fail(f"--limit {a.limit}: expected a positive number of questions")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(a.threads)
+    name = data.stem
+
+    t0 = time.perf_counter()
+    rows = prepare.retrieval(data, out / "retrieval.jsonl", 1.0, a.top_k, limit=a.limit, dataset=name)
+    for r in rows:
+        r["split"] = "test"  # every question of the file is held out
+    _timed(out, "retrieve", t0, questions=len(rows), top_k=a.top_k)
+    t0 = time.perf_counter()
+    augs = {name: {x["pid"]: x for x in prepare.augmentation(rows, out / "augment.jsonl")}}
+    _timed(out, "augment (deterministic)", t0, passages=len(augs[name]))
+
+    from common import load_model
+
+    t0 = time.perf_counter()
+    model, tok = load_model(adapters.DTYPE)
+    _timed(out, "load model", t0, dtype=adapters.DTYPE)
+    done = adapters.done_adapters(name, out)
+    todo = [(name, pid) for pid in dict.fromkeys(p["pid"] for r in rows for p in r["passages"]) if pid not in done]
+    if todo:
+        t0 = time.perf_counter()
+        adapters.build(todo, augs, a.group, len(todo), 1, a.max_tokens, model=model, tok=tok, root=out)
+        _timed(out, "adapters", t0, adapters=len(todo), group=a.group, max_tokens=a.max_tokens)
+
+    from fcprag_plugin import FusionController, LoraAdapter
+    from fcprag_plugin.encoding import TextEncoder
+    from fcprag_plugin.errors import FcpragError
+
+    store = {pid: LoraAdapter.from_pretrained(out / "adapters" / pid) for pid in augs[name]}
+    try:
+        ctrl = FusionController.from_pretrained(ctrl_dir).eval()
+        enc = TextEncoder()
+        method = heldout.controller_method("learned", ctrl, enc, store)
+        jobs, meta = test_jobs(rows, method, generate_conditions=(), conditions=("clean",), modes=("param",))
+    except FcpragError as e:
+        _fail(f"--controller {ctrl_dir}: {e}")
+    res_path = out / "eval.jsonl"
+    have = heldout.per_question(read_jsonl(res_path)) if res_path.exists() else {}
+    todo_jobs = [j for j in jobs if not set(j["rows"]) <= set(have.get(j["key"], {}))]
+    t0 = time.perf_counter()
+    slot = scoring.make_slot(model, store, max_adapters=a.top_k * a.questions)
+    meta_by = {f"{m['dataset']}|{m['id']}|{m['condition']}|param": m for m in meta}
+    for s in range(0, len(todo_jobs), a.questions):
+        chunk = [Job.from_dict(j).encode(tok) for j in todo_jobs[s:s + a.questions]]
+        res = scoring.score_jobs(model, tok, slot, chunk, store)
+        by = heldout.per_question(res)
+        oracle = [heldout.oracle_job(j, meta_by[j.key]["positions"], by[j.key]) for j in chunk]
+        res += scoring.score_jobs(model, tok, slot, oracle, store)
+        append_jsonl(res_path, res)
+    slot.remove()
+    if todo_jobs:
+        _timed(out, "evaluate", t0, questions=len(todo_jobs), scorer=scoring.scorer_name())
+    table = heldout.per_question(read_jsonl(res_path))
+    keys = {j["key"] for j in jobs}
+    summary = heldout.summarise({k: v for k, v in table.items() if k in keys})
+    summary["settings"] = {"data": str(data), "controller": str(ctrl_dir), "limit": a.limit, "top_k": a.top_k,
+                           "prompt": "param", "condition": "clean", "max_tokens": a.max_tokens,
+                           "adapter_dtype": adapters.DTYPE, "scorer": scoring.scorer_name(),
+                           "threads": a.threads}
+    write_json(out / "summary.json", summary)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", default="hotpotqa")
-    p.add_argument("--questions", type=int, default=200)
-    p.add_argument("--test", type=int, default=50)
-    p.add_argument("--from-scratch", action="store_true", help="move cache/<dataset> aside and start over")
+    p.add_argument("--data", required=True, help="question file (JSON Lines, ../shared/data schema)")
+    p.add_argument("--controller", required=True, help="saved controller folder (config.json + weights)")
+    p.add_argument("--out", required=True, help="work folder (created; reused to resume)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N questions")
+    p.add_argument("--top-k", type=int, default=3, help="passages merged per question (BM25 top-k)")
+    p.add_argument("--max-tokens", type=int, default=128, help="passage tokens per adapter training sample")
+    p.add_argument("--group", type=int, default=12, help="adapters trained together")
+    p.add_argument("--questions", type=int, default=8, help="questions per scoring call")
+    p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     a = p.parse_args(argv)
     setup_logging()
-    if a.from_scratch:
-        old = cache_dir(a.dataset)
-        shutil.move(str(old), f"{old}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-    d = cache_dir(a.dataset)
-    if not (d / "retrieval.jsonl").exists():
-        retrieve.run(a.dataset, a.questions, a.test, 3)
-    augment.run(a.dataset, 16, 128, 150, None)
-    adapters.run(a.dataset, 16, 1, 128, None)
-    if not (d / "labels_train_f1.jsonl").exists():
-        labels_stage.run(a.dataset, 2, 16)
-    if not all((work_dir(a.dataset) / "controllers" / m / "config.json").exists() for m in train_stage.METRICS):
-        train_stage.run(a.dataset, list(train_stage.METRICS), None, "", 2)
-    if not (d / "grid.json").exists():
-        grid.run(a.dataset, None)
-    evaluate.run(a.dataset, None)
-    report.run([a.dataset])
+    summary = run(a)
+    print(json.dumps({k: summary[k] for k in ("n_questions", "methods", "paired")}, indent=2))
 
 
 if __name__ == "__main__":
