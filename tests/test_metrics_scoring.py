@@ -68,6 +68,7 @@ def test_labels_build_scoring_option_reaches_the_labels(tmp_path, monkeypatch, s
     """`fcprag labels build --cot --scoring S`: the label's f1 is the one S gives for the generation."""
     from fcprag_plugin.labels import builder
 
+    # a fixed generation through the sequential path's generator (--batch-size 1 below selects that path)
     monkeypatch.setattr(builder, "greedy_generate", lambda *a, **k: "The answer is Rome, surely")
     ad = make_adapter_dir(tmp_path / "passage_0", seed=0)
     manifest = tmp_path / "m.jsonl"
@@ -75,6 +76,7 @@ def test_labels_build_scoring_option_reaches_the_labels(tmp_path, monkeypatch, s
                                     "passages": ["Rome is in Italy."], "adapters": [str(ad)]}) + "\n")
     out = tmp_path / "labels.jsonl"
     assert main(["labels", "build", str(manifest), "--model", str(save_tiny_lm(tmp_path / "lm", seed=0)),
-                 "--out", str(out), "--cot", "--metric", "f1", "--scoring", scoring, "--no-progress"]) == 0
+                 "--out", str(out), "--cot", "--metric", "f1", "--scoring", scoring, "--batch-size", "1",
+                 "--no-progress"]) == 0
     lab = json.loads(out.read_text().splitlines()[0])
     assert lab["metric_all"] == pytest.approx(f1) and lab["metric_without"] == [pytest.approx(f1)]
