@@ -235,7 +235,7 @@ def positive_int(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not an integer; expected an integer >= 1") from None
     if v < 1:
-        raise argparse.ArgumentTypeError(f"{v}; expected an integer >= 1")
+        raise argparse.ArgumentTypeError(f"{v} is too small; expected an integer >= 1")
     return v
 
 
