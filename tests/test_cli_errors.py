@@ -442,3 +442,15 @@ def test_eval_plots_without_matplotlib_fails_before_evaluating(world, tmp_path, 
     argv = ["eval", str(world["ctrl"]), str(world["labels"]), "--plots", str(tmp_path / "p"), "--no-progress"]
     rc, err = run_main(argv, capsys)
     assert_one_line(rc, err, argv, "plots need matplotlib")
+
+
+def test_fuse_warns_about_a_repeated_adapter(world, tmp_path, caplog):
+    a0 = world["ads"][0]
+    argv = ["fuse", "--adapter", str(a0), "--passage", "p0", "--adapter", f"{a0}/", "--passage", "p1", "--query",
+            "q", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "counted twice" in r.getMessage()]
+    assert warned == [f"--adapter {a0}/ is the same directory as --adapter {a0}: its update is counted twice"]
+    caplog.clear()
+    assert main(_fuse_argv(world, tmp_path / "o2")) == 0
+    assert not [r for r in caplog.records if "counted twice" in r.getMessage()]

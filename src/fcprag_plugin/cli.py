@@ -164,6 +164,12 @@ def _cmd_fuse(args: argparse.Namespace) -> int:
     inputs = [("--adapter", a) for a in args.adapter] + [("--controller", c) for c in [args.controller] if c]
     inputs += [("--encoder", e) for e in [args.encoder] if e and Path(e).exists()]
     check_out_dir(out, inputs, args.overwrite)  # before any slow work: refuse early
+    seen: dict[Path, str] = {}
+    for a in args.adapter:  # PRAG sums them too, silently: the same update counted twice is rarely meant
+        first = seen.setdefault(Path(a).resolve(), a)
+        if first is not a:
+            logging.getLogger("fcprag_plugin.cli").warning(
+                "--adapter %s is the same directory as --adapter %s: its update is counted twice", a, first)
     query = args.query
     passages = [read_text_arg(p, "--passage") for p in args.passage]
     adapters = [LoraAdapter.from_pretrained(a) for a in args.adapter]
@@ -229,7 +235,7 @@ def positive_int(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not an integer; expected an integer >= 1") from None
     if v < 1:
-        raise argparse.ArgumentTypeError(f"{v}; expected an integer >= 1")
+        raise argparse.ArgumentTypeError(f"{v} is too small; expected an integer >= 1")
     return v
 
 

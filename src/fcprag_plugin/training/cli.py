@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Iterator
 
+from ..cli import positive_int
 from ..errors import FcpragError, LabelFileError
 from .labels import ON_ERROR
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
@@ -20,13 +21,6 @@ from .trainer import PRECISIONS, TrainArgs, add_objective_arguments, objective_k
 MAX_LINE_BYTES = 16 * 2**20
 # |delta| / t_label above this overflows float32 in softmax(delta / T) or in max - min of a record.
 MAX_SCALED_DELTA = 1e37
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    from ..cli import positive_int as parse
-
-    return parse(text)
 
 
 def finite_float(text: str) -> float:
