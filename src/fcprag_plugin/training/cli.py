@@ -13,7 +13,8 @@ from ..cli import positive_int
 from ..errors import FcpragError, LabelFileError
 from .labels import ON_ERROR
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
-from .trainer import PRECISIONS, TrainArgs, add_objective_arguments, objective_kwargs
+from ..features import SIDE_FEATURES
+from .trainer import OBJECTIVES, PRECISIONS, TrainArgs
 
 
 # A label record is one line of a JSON Lines file: a line longer than this is refused before it is parsed (a
@@ -43,6 +44,54 @@ def hidden_sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"'{text}': every hidden size must be an integer >= 1, e.g. 2048,1024")
     return sizes
+
+
+def kappa_value(text: str) -> float | str:
+    """argparse type for ``--kappa``: a finite number > 0, or ``auto``."""
+    if text == "auto":
+        return text
+    v = finite_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}': expected a number > 0 or 'auto'")
+    return v
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"'{text}': expected an integer >= 0")
+    return v
+
+
+def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
+    """``fcprag train``'s options for the objective, model selection, scale and side features (issue 15); their
+    values reach :func:`~fcprag_plugin.training.trainer.train_controller` through :func:`objective_kwargs`."""
+    d = TrainArgs()
+    parser.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
+                        help="kl (default, the paper's): KL to softmax(delta / T_label); risk: maximise "
+                             "sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record (docs/label-format.md)")
+    parser.add_argument("--risk-lambda", dest="risk_lambda", type=finite_float, default=None, metavar="X",
+                        help="lambda of the risk objective (default: the pooled within-record std of the deltas)")
+    parser.add_argument("--cv-folds", dest="cv_folds", type=nonnegative_int, default=d.cv_folds, metavar="K",
+                        help="grouped k-fold cross-validation choosing the epoch count (up to --epochs; 0 = stay "
+                             "uniform) by held-out gain over uniform and stating it with a 95%% CI (default "
+                             f"{d.cv_folds}; 0: off, train exactly --epochs)")
+    parser.add_argument("--kappa", type=kappa_value, default=d.kappa, metavar="X|auto",
+                        help="global scale of the merge weights, w~ * kappa (default 1, the paper's); 'auto': tuned "
+                             "on the training labels with the risk objective")
+    parser.add_argument("--side-features", dest="side_features", nargs="+", default=[], metavar="NAME",
+                        choices=SIDE_FEATURES, help="opt-in per-passage inputs read from the label records: "
+                                                    + ", ".join(SIDE_FEATURES))
+
+
+def objective_kwargs(args: argparse.Namespace) -> dict:
+    """The ``train_controller`` keyword arguments of the options :func:`add_objective_arguments` added."""
+    return {"objective": args.objective, "risk_lambda": args.risk_lambda, "cv_folds": args.cv_folds,
+            "kappa": args.kappa, "side_features": list(args.side_features)}
 
 
 def check_line_lengths(path: str, limit: int = MAX_LINE_BYTES) -> None:

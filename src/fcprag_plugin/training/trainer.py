@@ -640,37 +640,3 @@ def trained_on(saved_args: dict[str, Any], sha256: str) -> str | None:
     if sha256 == saved_args.get("val_labels_sha256", parts[1] if len(parts) > 1 else None):
         return "validated"
     return None
-
-
-# ---------------------------------------------------------------------------------------------- command line
-def add_objective_arguments(parser: Any) -> None:
-    """``fcprag train``'s options for the objective, model selection, scale and side features (issue 15); their
-    values reach :func:`train_controller` through :func:`objective_kwargs`."""
-    d = TrainArgs()
-    parser.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
-                        help="kl (default, the paper's): KL to softmax(delta / T_label); risk: maximise "
-                             "sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record (docs/label-format.md)")
-    parser.add_argument("--risk-lambda", dest="risk_lambda", type=float, default=None,
-                        help="lambda of the risk objective (default: the pooled within-record std of the deltas)")
-    parser.add_argument("--cv-folds", dest="cv_folds", type=int, default=d.cv_folds,
-                        help="grouped k-fold cross-validation choosing the epoch count (up to --epochs; 0 = stay "
-                             "uniform) by held-out gain over uniform and stating it with a 95%% CI (default "
-                             f"{d.cv_folds}; 0: off, train exactly --epochs)")
-    parser.add_argument("--kappa", default=str(d.kappa),
-                        help="global scale of the merge weights, w~ * kappa (default 1, the paper's); 'auto': tuned "
-                             "on the training labels with the risk objective")
-    parser.add_argument("--side-features", dest="side_features", nargs="+", default=[], metavar="NAME",
-                        choices=SIDE_FEATURES, help="opt-in per-passage inputs read from the label records: "
-                                                    + ", ".join(SIDE_FEATURES))
-
-
-def objective_kwargs(args: Any) -> dict[str, Any]:
-    """The :func:`train_controller` keyword arguments of the options :func:`add_objective_arguments` added."""
-    kappa: float | str = args.kappa
-    if kappa != "auto":
-        try:
-            kappa = float(kappa)
-        except ValueError:
-            raise FcpragError(f"--kappa is {args.kappa!r}, expected a number > 0 or 'auto'") from None
-    return {"objective": args.objective, "risk_lambda": args.risk_lambda, "cv_folds": args.cv_folds,
-            "kappa": kappa, "side_features": list(args.side_features)}
