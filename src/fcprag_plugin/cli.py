@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import shutil
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from .errors import FcpragError
+from .weights import finite_or_none
 
 # Command groups outside the core: (module, attribute). Each registers its own sub-commands.
 _COMMAND_MODULES = (
@@ -44,17 +44,6 @@ def read_text_arg(value: str, option: str) -> str:
                           "file") from None
 
 
-def strict_json(obj: Any) -> Any:
-    """NaN/inf -> None, recursively, so ``json.dumps(..., allow_nan=False)`` writes standard JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(v) for v in obj]
-    return obj
-
-
 def write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented strict JSON (NaN/inf as null) through a temp file + rename (no temp file is left
     behind when the write or the rename fails)."""
@@ -62,7 +51,7 @@ def write_json(path: str | Path, obj: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(strict_json(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(finite_or_none(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
