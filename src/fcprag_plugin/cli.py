@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -168,7 +169,11 @@ def _cmd_fuse(args: argparse.Namespace) -> int:
         from .encoding import TextEncoder
 
         encoder = TextEncoder(args.encoder)
+    for opt, vals in (("--retrieval-rank", args.retrieval_ranks), ("--retrieval-score", args.retrieval_scores)):
+        if vals is not None and len(vals) != len(args.adapter):
+            raise FcpragError(f"got {len(vals)} {opt} but {len(args.adapter)} --adapter; pass one per adapter")
     res = fuse(adapters, query, passages, controller=args.controller, encoder=encoder, mode=args.mode,
+               retrieval_ranks=args.retrieval_ranks, retrieval_scores=args.retrieval_scores,
                **({"rank": args.rank} if args.rank is not None else {}))
     info = {"query": query, "adapters": [str(a) for a in args.adapter], **res.to_json()}
     if res.mode == "svd":
@@ -228,6 +233,17 @@ def positive_int(text: str) -> int:
     return v
 
 
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (``nan`` / ``inf`` are refused here, not deep inside training)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"'{text}': expected a finite number")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .merge import MERGE_MODES
 
@@ -247,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--query", required=True, metavar="TEXT", help="the question (the controller weighs the passages for it)")
     f.add_argument("--controller", metavar="DIR", help="controller directory (default: uniform, PRAG's merge)")
     f.add_argument("--encoder", metavar="NAME_OR_PATH", help="embedding model name or path (default: the controller's)")
+    f.add_argument("--retrieval-rank", dest="retrieval_ranks", action="append", type=finite_float, metavar="X",
+                   help="retrieval rank of each passage, same order as --adapter (repeat); needed only by a "
+                        "controller trained with the retrieval_rank side feature")
+    f.add_argument("--retrieval-score", dest="retrieval_scores", action="append", type=finite_float, metavar="X",
+                   help="retrieval score of each passage, same order as --adapter (repeat); needed only by a "
+                        "controller trained with the retrieval_score side feature")
     f.add_argument("--mode", default="cat", choices=sorted(MERGE_MODES),
                    help="merge mode: cat (exact, default), separate (DyPRAG's), svd (rank-limited cat)")
     f.add_argument("--rank", type=positive_int, metavar="K",

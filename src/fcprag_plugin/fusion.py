@@ -13,7 +13,7 @@ from .controller import FusionController, load_controller
 from .errors import FusionInputError
 from .fast import AdapterStore, FusedSlot, pack_adapter
 from .merge import MergeResult, merge_adapters
-from .weights import FusionWeights, finite_or_none
+from .weights import FusionWeights, finite_or_none, side_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ def fuse(
     model: Any = None,
     use_slot: bool = False,
     store: Any = None,
+    retrieval_ranks: Sequence[float] | None = None,
+    retrieval_scores: Sequence[float] | None = None,
     **merge_options: Any,
 ) -> FusionResult:
     """Merge the passage adapters with per-query weights from ``controller`` (``None``: uniform, PRAG's merge).
@@ -129,6 +131,9 @@ def fuse(
             it on, instead of building a merged :class:`LoraAdapter` (``result.adapter`` is then None; leave the
             ``with`` block or call ``result.slot.deactivate()`` to switch it off). Modes ``cat`` and ``separate``.
         store: the :class:`~fcprag_plugin.fast.AdapterStore` that caches adapter directories for the slot.
+        retrieval_ranks, retrieval_scores: one number per passage, for a controller trained with these side
+            features (``config.side_features``; required then, ignored otherwise). Adapter statistics, the third
+            side feature, are computed from ``adapters`` themselves.
     """
     if isinstance(adapters, (str, Path, LoraAdapter)):
         raise FusionInputError("adapters must be a list (one per passage)")
@@ -137,17 +142,18 @@ def fuse(
     check_texts(query, passages, len(adapters))
     warn_duplicates(adapters)
     ctrl = load_controller(controller)
+    side = {"retrieval_ranks": retrieval_ranks, "retrieval_scores": retrieval_scores}
     if use_slot:
-        return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store)
+        return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store, side)
     loaded = resolve_adapters(adapters, model)
-    fw = FusionWeights.for_query(query, passages, ctrl, encoder)
+    fw = FusionWeights.for_query(query, passages, ctrl, encoder, side_inputs(ctrl, adapters=loaded, **side))
     result: MergeResult = merge_adapters(loaded, list(fw.merge_weights), mode, **merge_options)
     logger.debug("fused %d adapters: w~=%s g=%.3f tau=%.3f", len(loaded), fw.merge_weights, fw.g, fw.tau)
     return FusionResult(result.adapter, fw, mode, result.info)
 
 
 def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], ctrl: FusionController | None,
-                  encoder: Any, mode: str, model: Any, store: Any) -> FusionResult:
+                  encoder: Any, mode: str, model: Any, store: Any, side: dict[str, Any]) -> FusionResult:
     """Fast path: the merge is written into the model's fused slot (no merged adapter is materialised)."""
     if model is None:
         raise FusionInputError("use_slot=True needs the live model: fuse(..., model=model, use_slot=True)")
@@ -164,6 +170,7 @@ def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], 
                                store=store)
     if slot.store is None:
         slot.store = store
-    fw = FusionWeights.for_query(query, passages, ctrl, encoder)
+    fw = FusionWeights.for_query(query, passages, ctrl, encoder,
+                                 side_inputs(ctrl, adapters=lambda: [p.to_lora() for p in packed], **side))
     slot.activate(packed, list(fw.merge_weights), mode)
     return FusionResult(None, fw, mode, {"slot": repr(slot)}, slot)

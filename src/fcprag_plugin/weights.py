@@ -54,9 +54,10 @@ class FusionWeights:
         return all(w == 1.0 for w in self.merge_weights)
 
     @classmethod
-    def uniform(cls, n: int, tau: float = float("nan")) -> "FusionWeights":
-        """PRAG's merge for ``n`` passages: ``w~ = [1]*n``, ``w = [1/n]*n``."""
-        return cls((1.0,) * n, (1.0 / n,) * n, (0.5,) * n, 0.0, float(tau), "uniform")
+    def uniform(cls, n: int, tau: float = float("nan"), scale: float = 1.0) -> "FusionWeights":
+        """PRAG's merge for ``n`` passages: ``w~ = [scale]*n`` (``scale`` 1, a uniform controller's ``kappa``
+        otherwise), ``w = [1/n]*n``."""
+        return cls((float(scale),) * n, (1.0 / n,) * n, (0.5,) * n, 0.0, float(tau), "uniform")
 
     @classmethod
     def from_output(cls, out: Any, mode: str, b: int = 0) -> "FusionWeights":
@@ -67,15 +68,18 @@ class FusionWeights:
                    tuple(out.scores[b][m].tolist()), float(out.g[b]), float(out.tau[b]), mode)
 
     @classmethod
-    def for_query(cls, query: str, passages: Sequence[str], controller: Any, encoder: Any = None
-                  ) -> "FusionWeights":
-        """The weights for one query: uniform (see :func:`is_uniform`), else ``controller.predict`` with
-        ``encoder`` (default: the controller's shared encoder)."""
+    def for_query(cls, query: str, passages: Sequence[str], controller: Any, encoder: Any = None,
+                  side: dict[str, Any] | None = None) -> "FusionWeights":
+        """The weights for one query: uniform (see :func:`is_uniform`; a uniform controller's ``kappa`` scales
+        them), else ``controller.predict`` with ``encoder`` (default: the controller's shared encoder) and the
+        side-feature arguments ``side`` (:func:`side_inputs`)."""
         if is_uniform(controller):
-            return cls.uniform(len(passages), float("nan") if controller is None else controller.config.tau_max)
+            if controller is None:
+                return cls.uniform(len(passages))
+            return cls.uniform(len(passages), controller.config.tau_max, getattr(controller.config, "kappa", 1.0))
         if encoder is None:
             encoder = controller.encoder  # loaded once per process, shared
-        return cls.from_output(controller.predict(query, passages, encoder), controller.config.mode)
+        return cls.from_output(controller.predict(query, passages, encoder, **(side or {})), controller.config.mode)
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON (no NaN / inf: null): ``merge_weights``, ``weights``, ``scores``, ``g``, ``tau``,
@@ -83,6 +87,23 @@ class FusionWeights:
         return finite_or_none({"merge_weights": list(self.merge_weights), "weights": list(self.weights),
                                "scores": list(self.scores), "g": self.g, "tau": self.tau,
                                "controller_mode": self.mode})
+
+
+def side_inputs(controller: Any, *, adapters: Any = None, retrieval_ranks: Sequence[float] | None = None,
+                retrieval_scores: Sequence[float] | None = None) -> dict[str, Any]:
+    """The side-feature keyword arguments of ``controller.predict``: only those the controller was trained with
+    (``config.side_features``). ``adapters``, a sequence of :class:`~fcprag_plugin.adapter.LoraAdapter` or a
+    zero-argument callable returning one, is read only when ``adapter_stats`` is needed. A needed value that is
+    None reaches ``predict``, which refuses it with a message naming the argument."""
+    names = () if is_uniform(controller) else tuple(getattr(controller.config, "side_features", None) or ())
+    out: dict[str, Any] = {}
+    if "retrieval_rank" in names:
+        out["retrieval_ranks"] = retrieval_ranks
+    if "retrieval_score" in names:
+        out["retrieval_scores"] = retrieval_scores
+    if "adapter_stats" in names:
+        out["adapter_stats"] = list(adapters() if callable(adapters) else adapters) if adapters is not None else None
+    return out
 
 
 def check_weights(weights: Any, n: int) -> list[float]:

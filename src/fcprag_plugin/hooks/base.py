@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..controller import FusionController, load_controller
 from ..errors import HookError
-from ..weights import FusionWeights, finite_or_none, is_uniform
+from ..weights import FusionWeights, finite_or_none, is_uniform, side_inputs
 from ._slot_bridge import ShimSlots, check_max_adapters
 
 logger = logging.getLogger(__name__)
@@ -168,12 +168,20 @@ class MergeHook:
             self.controller.check_encoder(self._encoder)
         return self._encoder
 
-    def weights(self, question: str, passages: Sequence[str]) -> FusionWeights:
-        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question."""
+    def weights(self, question: str, passages: Sequence[str], adapters: Any = None) -> FusionWeights:
+        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question.
+
+        Side features: the hosts hand over their passages in retrieval order, so ``retrieval_rank`` is the
+        position (1..N); ``adapter_stats`` come from ``adapters`` (LoraAdapters, or a callable giving them, read
+        only when needed); the hosts keep no retrieval scores, so a controller trained with ``retrieval_score``
+        is refused by ``predict`` with a message naming the argument.
+        """
         from ..fusion import check_texts
 
         check_texts(question, passages)
-        return FusionWeights.for_query(question, passages, self.controller, self.encoder)
+        side = side_inputs(self.controller, adapters=adapters,
+                           retrieval_ranks=[float(i + 1) for i in range(len(passages))])
+        return FusionWeights.for_query(question, passages, self.controller, self.encoder, side)
 
     def log(self, record: dict[str, Any]) -> None:
         self.calls += 1

@@ -61,6 +61,7 @@ from ..compat import (
     peft_version,
     set_lora_factors,
 )
+from ..adapter import LoraAdapter
 from ..controller import FusionController
 from ..errors import HookError
 from ..merge import get_merge_mode, merge_adapters
@@ -140,7 +141,8 @@ class PragShim(Shim):
         verify_adapters(tuner, names, paths)
         parsed = [parse_adapter_path(p) for p in paths]
         ctx = self._context(names, paths, parsed)
-        fw = self.hook.weights(ctx["question"], ctx["passages"])
+        fw = self.hook.weights(ctx["question"], ctx["passages"],
+                               adapters=lambda: [LoraAdapter.from_peft_model(tuner.model, n) for n in names])
         w_tilde = list(fw.merge_weights)
         host_weights = args.get("weights")
         if host_weights is not None and any(float(x) != 1.0 for x in host_weights):
@@ -313,7 +315,6 @@ def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None
 
 def _remerge(tuner: Any, names: list[str], merge_name: str, w_tilde: list[float], mode: str) -> None:
     """Overwrite the (cat-built) merged adapter with a ``separate`` / ``svd`` merge of the live adapters."""
-    from ..adapter import LoraAdapter
 
     adapters = [LoraAdapter.from_peft_model(tuner.model, n) for n in names]
     merged = merge_adapters(adapters, w_tilde, mode).adapter

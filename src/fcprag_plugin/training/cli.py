@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Iterator
 
-from ..cli import positive_int
+from ..cli import finite_float, positive_int
 from ..errors import FcpragError, LabelFileError
 from .labels import ON_ERROR
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
@@ -22,17 +22,6 @@ from .trainer import OBJECTIVES, PRECISIONS, TrainArgs
 MAX_LINE_BYTES = 16 * 2**20
 # |delta| / t_label above this overflows float32 in softmax(delta / T) or in max - min of a record.
 MAX_SCALED_DELTA = 1e37
-
-
-def finite_float(text: str) -> float:
-    """argparse type: a finite number (``nan`` / ``inf`` are refused here, not deep inside training)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"'{text}': expected a finite number")
-    return v
 
 
 def hidden_sizes(text: str) -> list[int]:
