@@ -1,5 +1,5 @@
-"""Scoring jobs (see :mod:`batch_scorer`) for the study: every weighting is computed here, on the CPU; the device
-only trains adapters and scores rows.
+"""Scoring jobs (see :mod:`batch_scorer`) for the study: which weightings of which passages each question is
+scored with (``scoring.score_jobs`` scores them).
 
 - :func:`label_job`: per training question, with the ``param`` prompt, every N = 3 subset of its BM25 top-6 (20)
   and every pair (15) with PRAG's weights: the leave-one-out labels of every subset (:func:`label_records`).
