@@ -1,5 +1,5 @@
-"""Scoring jobs (see :mod:`batch_scorer`) for the study: every weighting is computed here, on the CPU; the device
-only trains adapters and scores rows.
+"""Scoring jobs (see :mod:`batch_scorer`) for the study: which weightings of which passages each question is
+scored with (``scoring.score_jobs`` scores them).
 
 - :func:`label_job`: per training question, with the ``param`` prompt, every N = 3 subset of its BM25 top-6 (20)
   and every pair (15) with PRAG's weights: the leave-one-out labels of every subset (:func:`label_records`).
@@ -118,7 +118,8 @@ WeightFn = Callable[[dict[str, Any], list[dict[str, Any]]], dict[str, list[float
 
 
 def test_jobs(rows: list[dict[str, Any]], methods: WeightFn, generate_conditions: Sequence[str] = ("clean",),
-              conditions: Sequence[str] = CONDITIONS, modes: Sequence[str] = MODES) -> tuple[list[dict], list[dict]]:
+              conditions: Sequence[str] = CONDITIONS, modes: Sequence[str] = MODES, top: int = 3
+              ) -> tuple[list[dict], list[dict]]:
     """Jobs + one metadata line per job (positions, supporting flags, per-method weights per position).
 
     ``methods(question_row, passages)`` gives ``{name: w~ per position}``; ``prag_sum``, ``average`` and the
@@ -129,7 +130,7 @@ def test_jobs(rows: list[dict[str, Any]], methods: WeightFn, generate_conditions
     for r in tests:
         donors = [d for d in tests if d["dataset"] == r["dataset"]]
         for cond in conditions:
-            ps, info = condition_passages(r, cond, donors)
+            ps, info = condition_passages(r, cond, donors, top)
             n = len(ps)
             positions = [p["pid"] for p in ps]
             pids = list(dict.fromkeys(positions))

@@ -92,7 +92,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         ctrl = FusionController.from_pretrained(ctrl_dir).eval()
         enc = TextEncoder()
         method = heldout.controller_method("learned", ctrl, enc, store)
-        jobs, meta = test_jobs(rows, method, generate_conditions=(), conditions=("clean",), modes=("param",))
+        jobs, meta = test_jobs(rows, method, generate_conditions=(), conditions=("clean",), modes=("param",),
+                               top=a.top_k)
     except FcpragError as e:
         _fail(f"--controller {ctrl_dir}: {e}")
     res_path = out / "eval.jsonl"
