@@ -286,9 +286,12 @@ def test_cli_train_states_the_cross_validated_verdict(tmp_path, capsys):
     assert ("better than uniform (PRAG's sum)." in out) == (cv["verdict"] == "better_than_uniform")
     args = json.loads((tmp_path / "c" / "training_args.json").read_text())
     assert (args["objective"], args["cv_folds"], args["kappa"]) == ("risk", 3, 1.0) and args["risk_lambda_used"] > 0
-    assert main(["train", str(tmp_path / "train.jsonl"), "--out", str(tmp_path / "d"), "--encoder", "syn8",
-                 "--cache-dir", str(cache), "--kappa", "big", "--no-progress"]) == 2
-    assert "--kappa is 'big'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse's one-line usage error
+        main(["train", str(tmp_path / "train.jsonl"), "--out", str(tmp_path / "d"), "--encoder", "syn8",
+              "--cache-dir", str(cache), "--kappa", "big", "--no-progress"])
+    assert exc.value.code == 2
+    assert "argument --kappa: 'big': expected a number > 0 or 'auto'" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
 
 
 def test_best_kappa_is_the_risk_optimal_global_scale():

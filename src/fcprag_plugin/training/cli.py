@@ -39,7 +39,10 @@ def kappa_value(text: str) -> float | str:
     """argparse type for ``--kappa``: a finite number > 0, or ``auto``."""
     if text == "auto":
         return text
-    v = finite_float(text)
+    try:
+        v = finite_float(text)
+    except argparse.ArgumentTypeError:
+        v = 0.0
     if v <= 0:
         raise argparse.ArgumentTypeError(f"'{text}': expected a number > 0 or 'auto'")
     return v
