@@ -67,7 +67,9 @@ def test_prag_slot_equals_default_path_and_dense_reference(world, tmp_path):
         d_dw, d_logits, d_info = read_capture(default, t)
         s_dw, s_logits, s_info = read_capture(slot, t)
         assert d_dw and s_dw == {}  # the slot path built no merged PEFT layers ...
-        assert all(v > 0 for v in s_info["layers_per_adapter"].values())  # ... but every passage was loaded
+        assert all(v > 0 for v in d_info["layers_per_adapter"].values())
+        assert set(s_info["layers_per_adapter"]) == set(d_info["layers_per_adapter"])
+        assert all(v == 0 for v in s_info["layers_per_adapter"].values())  # ... and no passage's PEFT layers
         torch.testing.assert_close(s_logits, d_logits, rtol=1e-5, atol=1e-5)
         want = reference_logits(world, dense_reference(world, t, dict(enumerate(w))), rec["question"])
         torch.testing.assert_close(s_logits, want, rtol=1e-4, atol=1e-4)
@@ -85,7 +87,7 @@ def test_prag_slot_uniform_and_growth(tmp_path):
     with prag.installed(controller=None, use_slot=True) as shim:
         run_script(DOUBLE_SCRIPT, w.args(cap))
         assert shim.slots.resizes == 1 and shim.merges == 3
-        assert "max_adapters=4" in shim.last_record["slot"]  # grown for question 2, kept for question 3
+        assert "max_adapters=4" in repr(shim.slots.slots()[0])  # grown for question 2, kept for question 3
     for t, rec in enumerate(w.records):
         want = reference_logits(w, dense_reference(w, t, {p: 1.0 for p in range(len(rec["passages"]))}),
                                 rec["question"])
@@ -127,7 +129,8 @@ def _dense_logits(base, dw: dict[str, torch.Tensor], ids: torch.Tensor) -> torch
 
 @pytest.mark.parametrize("mode", ["cat", "separate"])
 def test_prag_slot_lifecycle_on_a_live_model(adapter_dirs, mode):
-    """add_weighted_adapter -> set_adapter -> disable_adapter -> delete_adapter -> unload -> uninstall."""
+    """from_pretrained -> load_adapter -> add_weighted_adapter -> set_adapter -> disable_adapter -> delete_adapter
+    -> unload -> uninstall, against the default shim and a dense reference."""
     from helpers import tiny_model
 
     base = tiny_model()
@@ -139,6 +142,7 @@ def test_prag_slot_lifecycle_on_a_live_model(adapter_dirs, mode):
     passages = ["violin opera", "glacier comet", "river harbor"]
     w = fixed_weights_by_hand(question, passages)
     want = _dense_logits(base, files_reference(adapter_dirs, w, mode), ids)
+    only_0_want = _dense_logits(base, files_reference(adapter_dirs[:1], [1.0], "cat"), ids)
     # the default shim's result on the same inputs
     with prag.installed(controller=fixed_controller(), encoder=hash_encoder(16), mode=mode):
         ref_pm = _peft_model(adapter_dirs, tiny_model())
@@ -150,57 +154,94 @@ def test_prag_slot_lifecycle_on_a_live_model(adapter_dirs, mode):
 
     with prag.installed(controller=fixed_controller(), encoder=hash_encoder(16), mode=mode, use_slot=True) as shim:
         pm = _peft_model(adapter_dirs, base)
+        assert not any(hasattr(m, "lora_A") for m in base.modules())  # no PEFT module was created
+        assert pm.active_adapter == "0" and sorted(pm.peft_config) == ["0", "1", "2"]
+        assert pm.peft_config["1"].r == 2 and pm.config is base.config and pm.get_base_model() is base
         with torch.no_grad():
             only_0 = pm(input_ids=ids).logits  # PEFT's own state: adapter "0" active
+        torch.testing.assert_close(only_0, only_0_want, rtol=1e-4, atol=1e-4)
         pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
-        slot = shim.slot_of(base)
-        assert slot is not None and not slot.active
-        assert "merge" in pm.peft_config
-        assert not any("merge" in getattr(m, "lora_A", {}) for m in base.modules())  # no merged PEFT modules
-        got = slot.current_adapter()
-        for module, d in files_reference(adapter_dirs, w, mode).items():
-            torch.testing.assert_close(got.modules[module].delta().double(), d, rtol=1e-5, atol=1e-6)
+        assert "merge" in pm.peft_config and shim.merges == 1
+        slot = shim.slots.slot_of(base)
         with torch.no_grad():
             assert torch.equal(pm(input_ids=ids).logits, only_0)  # not active before set_adapter, like peft
             pm.set_adapter("merge")
             on = pm(input_ids=ids).logits
+            got = slot.current_adapter()
             with pm.disable_adapter():
                 off = pm(input_ids=ids).logits
             again = pm(input_ids=ids).logits
+        for module, d in files_reference(adapter_dirs, w, mode).items():
+            torch.testing.assert_close(got.modules[module].delta().double(), d, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(on, default_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(on, want, rtol=1e-4, atol=1e-4)
         assert torch.equal(off, bare) and torch.equal(again, on)
         pm.delete_adapter("merge")
-        assert not slot.active and "merge" not in pm.peft_config
-        with torch.no_grad():  # the LoraModel: peft 0.13.2's PeftModel still names the deleted adapter active
-            assert torch.equal(pm.base_model(input_ids=ids).logits, only_0)  # adapter "0" active again
+        assert "merge" not in pm.peft_config and pm.active_adapter == "0"  # like PEFT: adapter "0" active again
+        with torch.no_grad():
+            torch.testing.assert_close(pm.base_model(input_ids=ids).logits, only_0, rtol=1e-6, atol=1e-6)
         unloaded = pm.unload()
         assert unloaded is base and not slot.active
         with torch.no_grad():
             assert torch.equal(base(input_ids=ids).logits, bare)  # bit-identical outside a question
         assert base_hooks(base) > 0  # the slot stays installed between questions ...
+        with pytest.raises(HookError, match=r"set_adapter\(\) after unload"):
+            pm.set_adapter("0")
     assert base_hooks(base) == 0  # ... and uninstall removes it
     for k, v in base.state_dict().items():
         assert torch.equal(v, pristine[k]), k  # no weight was ever written
 
 
-def test_prag_slot_merge_and_unload_and_a_second_merge_are_refused(adapter_dirs):
+def test_prag_slot_two_merges_switch_and_refusals(adapter_dirs, caplog):
     from helpers import tiny_model
 
     base = tiny_model()
+    ids = torch.tensor([[2, 7, 1, 8, 2, 8]])
     question, passages = "q", ["a", "b", "c"]  # noqa: F841  (read by the shim from this frame)
-    with prag.installed(controller=None, use_slot=True):
+    refs = {k: _dense_logits(base, files_reference(dirs, [1.0] * len(dirs), "cat"), ids)
+            for k, dirs in (("all", adapter_dirs), ("two", adapter_dirs[1:]), ("m", adapter_dirs[:2]))}
+    with prag.installed(controller=None, use_slot=True) as shim:
         pm = _peft_model(adapter_dirs, base)
-        pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
-        with pytest.raises(HookError, match=r"one merge per model.*delete_adapter\('merge'\)"):
-            pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge2", combination_type="cat")
-        pm.set_adapter("merge")
-        with pytest.raises(HookError, match=r"merge_and_unload\(\) with the merged adapter 'merge' active"):
+        pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="all", combination_type="cat")
+        prag.set_context("q", ["b", "c"])
+        pm.add_weighted_adapter(["1", "2"], [1, 1], adapter_name="two", combination_type="cat")
+        pm.add_weighted_adapter(["1"], [1], adapter_name="two", combination_type="cat")  # exists: no-op, like peft
+        assert shim.merges == 2
+        with torch.no_grad():
+            for name in ("all", "two", "all"):
+                pm.set_adapter(name)
+                torch.testing.assert_close(pm(input_ids=ids).logits, refs[name], rtol=1e-4, atol=1e-4)
+        with pytest.raises(HookError, match=r"merge_and_unload\(\) with adapter 'all' active"):
             pm.merge_and_unload()
-        pm.delete_adapter("merge")
-        pm.set_adapter("1")
-        merged = pm.merge_and_unload()  # a real PEFT adapter: peft's own behaviour
-    assert merged is base
+        with pytest.raises(HookError, match=r"adapter '7' is not loaded \(loaded: \['0', '1', '2'\]\)"):
+            pm.add_weighted_adapter(["0", "7"], [1, 1], adapter_name="bad", combination_type="cat")
+        with pytest.raises(HookError, match=r"set_adapter\('nope'\): no such adapter"):
+            pm.set_adapter("nope")
+        with pytest.raises(HookError, match=r"an adapter named '1' is already loaded"):
+            pm.load_adapter(str(adapter_dirs[0]), adapter_name="1")
+        with pytest.raises(HookError, match=r"save_pretrained is a PeftModel feature the fused slot does not"):
+            pm.save_pretrained("anywhere")
+        from peft import PeftModel
+
+        with pytest.raises(HookError, match=r"call unload\(\) on it first"):
+            PeftModel.from_pretrained(pm, str(adapter_dirs[0]), adapter_name="x")
+        for name in ("all", "two", "0", "1", "2"):
+            pm.delete_adapter(name)
+        assert pm.active_adapter is None and pm.peft_config == {}
+        assert pm.merge_and_unload() is base  # nothing active: nothing would be written
+        # a trainable from_pretrained stays PEFT's own; PEFT merges such adapters (with the controller's weights)
+        tpm = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name="0", is_trainable=True)
+        assert isinstance(tpm, PeftModel)
+        tpm.load_adapter(str(adapter_dirs[1]), adapter_name="1")
+        prag.set_context("q", ["a", "b"])
+        with caplog.at_level("WARNING", logger="fcprag_plugin"):
+            tpm.add_weighted_adapter(["0", "1"], [1, 1], adapter_name="m", combination_type="cat")
+        assert "PEFT merges them, not the fused slot" in caplog.text
+        tpm.set_adapter("m")
+        with torch.no_grad():
+            torch.testing.assert_close(tpm(input_ids=ids).logits, refs["m"], rtol=1e-4, atol=1e-4)
+        tpm.delete_adapter("m")
+        tpm.unload()
 
 
 def test_prag_slot_bad_options():

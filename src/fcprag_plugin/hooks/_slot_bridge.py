@@ -3,8 +3,9 @@
 - :class:`ShimSlots`: one :class:`~fcprag_plugin.fast.FusedSlot` per live model, created at the first question,
   grown when a question has more adapters or a larger rank than it holds (a documented resize, logged), or held
   at a fixed capacity (``max_adapters``: more adapters is a :class:`HookError`).
-- :meth:`ShimSlots.write`: the factors a host already holds (live PEFT layers, DyPRAG translator outputs) packed
-  straight into the slot's layout (:func:`fcprag_plugin.fast.layout.pack_factors`) and merged there.
+- :meth:`ShimSlots.write`: the factors a host already holds (DyPRAG's translator outputs) packed straight into the
+  slot's layout (:func:`fcprag_plugin.fast.layout.pack_factors`) and merged there; :meth:`ShimSlots.write_packed`:
+  adapters already packed by an adapter store (PRAG's passages).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from ..errors import HookError
-from ..fast.layout import FactorGetter, pack_factors
+from ..fast.layout import FactorGetter, PackedAdapter, pack_factors
 from ..fast.slot import FusedSlot
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,13 @@ class ShimSlots:
         slot = self.get(model, modules, len(factors), rank)
         packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
         return slot.activate(packed, list(weights), mode)
+
+    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], weights: Sequence[float],
+                     mode: str) -> FusedSlot:
+        """Write the ``mode`` merge of already packed adapters (an :class:`~fcprag_plugin.fast.AdapterStore`'s)
+        into the slot of ``model`` covering their modules (switched on)."""
+        slot = self.get(model, packed[0].layout.module_names, len(packed), max(p.max_rank for p in packed))
+        return slot.activate(list(packed), list(weights), mode)
 
     def slot_of(self, model: nn.Module) -> FusedSlot | None:
         return self._slots.get(model)
