@@ -11,7 +11,8 @@ import fcprag_plugin
 from fcprag_plugin import FusionController, fuse
 from fcprag_plugin.controller import FusionController as _FC
 from fcprag_plugin.encoding import FALLBACK_NAME, fallback_model_path, get_encoder
-from fcprag_plugin.loading import CONTROLLERS, LoadCache
+from fcprag_plugin.controller import CONTROLLERS
+from fcprag_plugin.loading import LoadCache
 
 QUESTIONS = [
     ("who wrote the novel", ["the novel was written by a poet", "a river in france", "a band from ohio"]),

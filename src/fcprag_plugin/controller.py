@@ -31,6 +31,7 @@ import copy
 import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -38,7 +39,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .encoding import check_recorded_model, get_encoder
 from .errors import ControllerError
+from .loading import LoadCache, file_signature, read_json_object
 from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_stats, calibration_summary,
                        center_side, passage_features, side_feature_columns)
 
@@ -492,8 +495,6 @@ class FusionController(nn.Module):
                 f"encoder '{getattr(encoder, 'name', encoder)}' gives {dim}-d embeddings but the controller expects "
                 f"{self.config.embed_dim}-d (trained with '{self.config.embedding_model}')"
             )
-        from .encoding import check_recorded_model
-
         check_recorded_model(self.config.embedding_model, encoder)  # same size, other model: a one-time warning
 
     @property
@@ -501,8 +502,6 @@ class FusionController(nn.Module):
         """The :class:`~fcprag_plugin.encoding.TextEncoder` of ``config.embedding_model`` on this controller's
         device: loaded on first use and shared by every controller with the same model and device
         (:func:`~fcprag_plugin.encoding.get_encoder`)."""
-        from .encoding import get_encoder
-
         return get_encoder(self.config.embedding_model, device=next(self.parameters()).device)
 
     # ------------------------------------------------------------------ persistence
@@ -529,14 +528,7 @@ class FusionController(nn.Module):
         cfg_path, w_path = path / CONFIG_NAME, path / WEIGHTS_NAME
         if not path.is_dir():
             raise ControllerError(f"{path}: controller directory not found (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
-        if not cfg_path.is_file():
-            raise ControllerError(f"{cfg_path}: controller config not found")
-        try:
-            raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ControllerError(f"{cfg_path}: not valid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ControllerError(f"{cfg_path}: expected a JSON object")
+        raw = read_json_object(cfg_path, ControllerError, "controller config not found")
         raw.pop("library", None)
         known = {f.name for f in fields(ControllerConfig)}
         unknown = sorted(set(raw) - known)
@@ -580,8 +572,19 @@ def load_controller(controller: "FusionController | str | Path | None") -> "Fusi
     if controller is None or isinstance(controller, FusionController):
         return controller
     if isinstance(controller, (str, Path)):
-        from .loading import cached_controller
-
-        return cached_controller(controller)  # read once per process; shared, do not modify (loading.py)
+        return cached_controller(controller)  # read once per process; shared, do not modify
     raise ControllerError(f"expected a FusionController or a directory, got {type(controller).__name__}")
+
+
+CONTROLLERS: LoadCache[FusionController] = LoadCache("controller cache", maxsize=4)  # ~14 MB each at d=384
+
+
+def cached_controller(path: str | Path, map_location: str = "cpu") -> FusionController:
+    """The :class:`FusionController` saved in directory ``path``, read once per process (again only when
+    ``config.json`` or ``model.safetensors`` changed; see :mod:`fcprag_plugin.loading`). Shared: do not modify it."""
+    resolved = Path(os.path.realpath(path))
+    files = (resolved / CONFIG_NAME, resolved / WEIGHTS_NAME)
+    return CONTROLLERS.get((str(resolved), str(map_location)),
+                           lambda: FusionController.from_pretrained(path, map_location=map_location),
+                           lambda: file_signature(*files))
 

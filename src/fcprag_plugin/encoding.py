@@ -229,9 +229,17 @@ class TextEncoder:
 
 
 # ----------------------------------------------------------------------------- shared encoders
-ENCODERS: LoadCache[TextEncoder] = LoadCache("encoder cache", maxsize=2)  # a MiniLM is ~90 MB, a bge-base ~440 MB
 _KEYS: dict[tuple[str | None, str], tuple[str, str, str]] = {}  # (model as asked, device) -> cache key
 _MODEL_CHECKS: set[tuple[str, str, str | None]] = set()  # (recorded, encoder name, encoder source) already checked
+
+
+def _forget_lookups() -> None:
+    _KEYS.clear()
+    _MODEL_CHECKS.clear()
+
+
+# a MiniLM is ~90 MB, a bge-base ~440 MB
+ENCODERS: LoadCache[TextEncoder] = LoadCache("encoder cache", maxsize=2, on_clear=_forget_lookups)
 
 
 def get_encoder(model: str | Path | None = None, *, device: str | torch.device = "cpu") -> TextEncoder:
@@ -254,8 +262,6 @@ def get_encoder(model: str | Path | None = None, *, device: str | torch.device =
 
 def clear_encoder_cache() -> None:
     ENCODERS.clear()
-    _KEYS.clear()
-    _MODEL_CHECKS.clear()
 
 
 def check_recorded_model(recorded: str | None, encoder: Any) -> None:

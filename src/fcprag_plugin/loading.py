@@ -3,7 +3,7 @@
 ``fuse(adapters, query, passages, controller=DIR)`` is called once per question. Without these caches every call
 re-read the controller's safetensors and re-loaded the sentence-transformer (issue 17). Here:
 
-- :func:`cached_controller` keeps controllers loaded from a directory, keyed by the resolved directory and the
+- :func:`fcprag_plugin.controller.cached_controller` keeps controllers loaded from a directory, keyed by the resolved directory and the
   map location. Each entry remembers the ``(size, mtime_ns, inode)`` of ``config.json`` and
   ``model.safetensors``; a changed or replaced file is noticed on the next call and the directory is re-read.
 - :func:`fcprag_plugin.encoding.get_encoder` keeps :class:`~fcprag_plugin.encoding.TextEncoder` s keyed by model
@@ -14,7 +14,7 @@ from several threads (one lock per key around construction, so two threads askin
 and nobody ever receives a half-built object). :func:`clear_caches` empties all of them; :func:`cache_info` reports
 their hit/miss counters.
 
-Cached objects are shared: a controller returned by :func:`cached_controller` (and by ``load_controller(DIR)``,
+Cached objects are shared: a controller returned by ``cached_controller`` (and by ``load_controller(DIR)``,
 ``fuse(..., controller=DIR)``) is in eval mode and must not be trained or modified in place; use
 :meth:`FusionController.from_pretrained` for a private copy.
 """
@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +44,9 @@ class CacheStats:
     evictions: int = 0
 
 
+_CACHES: "weakref.WeakSet[LoadCache[Any]]" = weakref.WeakSet()  # every live LoadCache
+
+
 class LoadCache(Generic[T]):
     """A bounded, thread-safe LRU map ``key -> (signature, value)`` that builds missing values once.
 
@@ -52,13 +56,15 @@ class LoadCache(Generic[T]):
     returned but not stored (it may mix old and new files).
     """
 
-    def __init__(self, name: str, maxsize: int) -> None:
+    def __init__(self, name: str, maxsize: int, on_clear: Callable[[], None] | None = None) -> None:
         self.name = name
         self.maxsize = maxsize
         self.stats = CacheStats()
+        self.on_clear = on_clear  # forget what the owner derived from the entries (e.g. name lookups)
         self._items: OrderedDict[Hashable, tuple[Any, T]] = OrderedDict()
         self._lock = threading.Lock()
         self._key_locks: dict[Hashable, threading.Lock] = {}
+        _CACHES.add(self)  # clear_caches / cache_info see every cache without importing its owner
 
     def _lookup(self, key: Hashable, sig: Any) -> tuple[bool, T | None]:
         with self._lock:
@@ -104,6 +110,8 @@ class LoadCache(Generic[T]):
             self._items.clear()
             self._key_locks.clear()
             self.stats = CacheStats()
+        if self.on_clear is not None:
+            self.on_clear()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -139,35 +147,12 @@ def file_signature(*files: Path) -> tuple[tuple[int, int, int] | None, ...]:
     return tuple(out)
 
 
-CONTROLLERS: LoadCache[Any] = LoadCache("controller cache", maxsize=4)  # ~14 MB each at d=384, ~34 MB at d=768
-
-
-def cached_controller(path: str | Path, map_location: str = "cpu") -> Any:
-    """The :class:`~fcprag_plugin.controller.FusionController` saved in directory ``path``, read once per process
-    (again only when ``config.json`` or ``model.safetensors`` changed). Shared: do not modify it."""
-    from .controller import CONFIG_NAME, WEIGHTS_NAME, FusionController
-
-    resolved = Path(os.path.realpath(path))
-    files = (resolved / CONFIG_NAME, resolved / WEIGHTS_NAME)
-    return CONTROLLERS.get((str(resolved), str(map_location)),
-                           lambda: FusionController.from_pretrained(path, map_location=map_location),
-                           lambda: file_signature(*files))
-
-
-def _all_caches() -> list[LoadCache[Any]]:
-    from .encoding import ENCODERS
-
-    return [CONTROLLERS, ENCODERS]
-
-
 def clear_caches() -> None:
     """Empty the process-wide controller and encoder caches (the next use reloads from disk)."""
-    from .encoding import clear_encoder_cache
-
-    CONTROLLERS.clear()
-    clear_encoder_cache()
+    for c in list(_CACHES):
+        c.clear()
 
 
 def cache_info() -> dict[str, dict[str, int]]:
     """``{cache name: {"entries", "maxsize", "hits", "misses", "reloads", "evictions"}}``."""
-    return {c.name: {"entries": len(c), "maxsize": c.maxsize, **asdict(c.stats)} for c in _all_caches()}
+    return {c.name: {"entries": len(c), "maxsize": c.maxsize, **asdict(c.stats)} for c in sorted(_CACHES, key=lambda c: c.name)}
