@@ -222,15 +222,21 @@ class CliParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer; expected an integer >= 1") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} is too small; expected an integer >= 1")
-    return v
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer; expected an integer >= {minimum}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} is too small; expected an integer >= {minimum}")
+        return v
+
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def finite_float(text: str) -> float:

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Iterator
 
-from ..cli import finite_float, positive_int
+from ..cli import finite_float, int_at_least, positive_int
 from ..errors import FcpragError, LabelFileError
 from .labels import ON_ERROR
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
@@ -48,17 +48,6 @@ def kappa_value(text: str) -> float | str:
     return v
 
 
-def nonnegative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"'{text}': expected an integer >= 0")
-    return v
-
-
 def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
     """``fcprag train``'s options for the objective, model selection, scale and side features (issue 15); their
     values reach :func:`~fcprag_plugin.training.trainer.train_controller` through :func:`objective_kwargs`."""
@@ -68,7 +57,7 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
                              "sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record (docs/label-format.md)")
     parser.add_argument("--risk-lambda", dest="risk_lambda", type=finite_float, default=None, metavar="X",
                         help="lambda of the risk objective (default: the pooled within-record std of the deltas)")
-    parser.add_argument("--cv-folds", dest="cv_folds", type=nonnegative_int, default=d.cv_folds, metavar="K",
+    parser.add_argument("--cv-folds", dest="cv_folds", type=int_at_least(0), default=d.cv_folds, metavar="K",
                         help="grouped k-fold cross-validation choosing the epoch count (up to --epochs; 0 = stay "
                              "uniform) by held-out gain over uniform and stating it with a 95%% CI (default "
                              f"{d.cv_folds}; 0: off, train exactly --epochs)")
