@@ -1,12 +1,6 @@
-import logging
-import os
-
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from helpers import hash_encoder, make_adapter_dir  # noqa: E402
+from helpers import hash_encoder, make_adapter_dir
 
 
 @pytest.fixture
@@ -18,9 +12,3 @@ def adapter_dirs(tmp_path):
 @pytest.fixture
 def encoder16():
     return hash_encoder(16)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_logs(caplog):
-    caplog.set_level(logging.INFO, logger="fcprag_plugin")
-    yield

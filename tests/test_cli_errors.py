@@ -19,7 +19,7 @@ from fcprag_plugin.training import write_labels
 from fcprag_plugin.training.cli import check_line_lengths
 from fcprag_plugin.training.synthetic import synthetic_records
 from helpers import make_adapter_dir
-from test_training_cli import SMALL, labelled  # noqa: F401 - a fixture: labels + a warm embedding cache
+from tests.training.test_cli import SMALL, labelled  # noqa: F401 - a fixture: labels + a warm embedding cache
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli_errors import LEAVES, options
+from tests.test_cli_errors import LEAVES, options
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

@@ -113,7 +113,7 @@ def test_real_encoder_on_hotpotqa_gold_passages(tmp_path, monkeypatch):
     from fcprag_plugin.encoding import TextEncoder
     from fcprag_plugin.training import evaluate_controller
 
-    data = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
+    data = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
     if not data.is_file():
         pytest.skip(f"{data} not available")
     rows = [json.loads(x) for x in data.read_text().splitlines()[:40]]

@@ -14,7 +14,7 @@ import adapters
 import common
 import prepare
 
-EFF = Path(__file__).resolve().parent.parent / "benchmarks" / "efficacy"
+EFF = Path(__file__).resolve().parent.parent  # benchmarks/efficacy
 
 P0, P1, P2 = "00c0ffee", "10c0ffee", "20c0ffee"  # passage ids are hex (the seed is read from them)
 WORDS = "paris berlin rome france germany italy river seine tower bridge king queen".split()

@@ -6,7 +6,7 @@ import torch
 from fcprag_plugin import MergeError, WeightedAdapterMerger, activate
 from fcprag_plugin.fast import FusedSlot, activate_mixed, fused_mixed, union_weights
 from helpers import make_adapter_dir, tiny_model
-from test_fast_slot import logits, random_adapter
+from tests.fast.test_slot import logits, random_adapter
 
 B, T = 3, 8
 
