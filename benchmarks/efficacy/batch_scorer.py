@@ -6,7 +6,8 @@ PRAG's ``cat`` sum). Many jobs run together: their adapters' union goes into one
 :class:`~fcprag_plugin.fast.FusedSlot` and every row gets its own mixture (``fcprag_plugin.fast.fused_mixed``,
 block-diagonal weights, so a row only ever sees its own question's adapters). Prompts are left-padded with an
 attention mask and explicit position ids, so a row's result does not depend on its batch neighbours beyond
-float rounding (``tests/test_efficacy_batch_scorer.py`` checks it against :class:`fusion_eval.FusionScorer`).
+float rounding (``benchmarks/efficacy/tests/test_batch_scorer.py`` checks it against
+:class:`fusion_eval.FusionScorer`).
 
 Per row: the gold answer's mean token log-likelihood under teacher forcing (max over gold aliases, as the
 label builder does), and optionally the greedy answer (``max_new_tokens``) with F1 / EM.
