@@ -14,32 +14,17 @@ from pathlib import Path
 import pytest
 
 from fcprag_plugin import FusionController
-from fcprag_plugin.cli import build_parser, main
+from fcprag_plugin.cli import main
 from fcprag_plugin.training import write_labels
 from fcprag_plugin.training.cli import check_line_lengths
 from fcprag_plugin.training.synthetic import synthetic_records
-from helpers import make_adapter_dir
-from test_training_cli import SMALL, labelled  # noqa: F401 - a fixture: labels + a warm embedding cache
+from helpers import SMALL_TRAIN_ARGS as SMALL, cli_leaves, make_adapter_dir, options
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 # ----------------------------------------------------------------------------- the argparse tree
-def leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
-    """``(command words, parser)`` for every sub-command that takes no further sub-command."""
-    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not subs:
-        yield path, parser
-        return
-    for name, child in subs[0].choices.items():
-        yield from leaf_parsers(child, (*path, name))
-
-
-def options(parser: argparse.ArgumentParser):
-    return [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
-
-
-LEAVES = list(leaf_parsers(build_parser()))
+LEAVES = cli_leaves()
 COMMANDS = [" ".join(p) for p, _ in LEAVES]
 
 

@@ -5,7 +5,6 @@ Loads the real model once for the module (tens of seconds on 2 CPU cores).
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,14 +12,12 @@ import torch
 
 from fcprag_plugin import LoraAdapter, fuse
 from fcprag_plugin.merge import activate
+import build_demo_adapters as build
+import demo_common
+import quickstart
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "adapters" / "demo"
-sys.path.insert(0, str(REPO / "examples"))
-
-import build_demo_adapters as build  # noqa: E402
-import demo_common  # noqa: E402
-import quickstart  # noqa: E402
 
 pytestmark = [
     pytest.mark.integration,

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli_errors import LEAVES, options
+from helpers import cli_leaves, options
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -78,6 +78,7 @@ def as_argv(command: str) -> list[str]:
     return [w for w in words if not w.endswith("...")] if "--" not in words else words
 
 
+LEAVES = cli_leaves()
 NUMERIC = {a.option_strings[0] for _, p in LEAVES for a in options(p)
            if a.option_strings and getattr(a.type, "__name__", "") in ("int", "positive_int", "float",
                                                                        "finite_float", "hidden_sizes")}

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import hash_encoder, make_adapter_dir, tiny_model, tiny_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "efficacy"))
-import common  # noqa: E402
-import evaluate  # noqa: E402
-import grid  # noqa: E402
-import report  # noqa: E402
+import common
+import evaluate
+import grid
+import report
 
 WORDS = "paris berlin rome france germany italy river seine tower bridge king queen".split()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dyprag_double import harness as H
+from dyprag_double.harness import COUNTS
 from fcprag_plugin.compat import peft_has_stale_config_bug
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import HookError
@@ -255,17 +256,6 @@ def test_prag_slot_bad_options():
 
 
 # ============================================================================= DyPRAG
-COUNTS = (1, 2, 3, 4, 5, 3)
-
-
-@pytest.fixture
-def double(tmp_path):
-    script = H.copy_double(tmp_path)
-    questions = H.make_questions(COUNTS)
-    data = H.write_data(tmp_path / "data.jsonl", questions)
-    return script, data, questions
-
-
 @pytest.mark.parametrize("mode", ["separate", "delta"])
 @pytest.mark.parametrize("ctrl", ["fixed", "none"])
 def test_dyprag_slot_equals_default_path_and_reference(double, tmp_path, encoder16, mode, ctrl):

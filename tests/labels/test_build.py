@@ -17,7 +17,7 @@ from fcprag_plugin.labels.manifest import read_manifest
 from fcprag_plugin.labels.metrics import exact_match, extract_answer, f1_score
 from fcprag_plugin.labels.prompts import PromptTemplate, answer_ids, render_prompt
 from fcprag_plugin.labels.shard import merge_parts
-from helpers import assert_bit_identical, make_adapter_dir, save_tiny_lm, state_snapshot
+from helpers import assert_bit_identical, make_adapter_dir, read_jsonl, save_tiny_lm, state_snapshot
 
 MAX_NEW = 4
 PASSAGES = ["Paris is the capital of France.", "Rome is the capital of Italy.", "Berlin is in Germany."]
@@ -51,10 +51,6 @@ def world(tmp_path_factory):
 def _build(world, out, *extra: str) -> int:
     return main(["labels", "build", str(world["manifest"]), "--model", str(world["model"]), "--out", str(out),
                  "--max-new-tokens", str(MAX_NEW), "--empty-generation", "zero", "--no-progress", *extra])
-
-
-def _read(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
 # ----------------------------------------------------------------------------- independent reference
@@ -105,9 +101,9 @@ def _reference(model_dir: Path, rec, mode: str) -> list[dict]:
 def test_labels_equal_independent_peft_cat_computation(world, tmp_path, mode):
     out = tmp_path / "labels.jsonl"
     assert _build(world, out, "--prompt-mode", mode) == 0
-    got = {r["id"]: r for r in _read(out)}
+    got = {r["id"]: r for r in read_jsonl(out)}
     records = read_manifest(world["manifest"])
-    assert [r["id"] for r in _read(out)] == [r.id for r in records]
+    assert [r["id"] for r in read_jsonl(out)] == [r.id for r in records]
     for rec in records[:2]:  # N = 3 and N = 1 (the empty set = the base model)
         lab = got[rec.id]
         ref = _reference(world["model"], rec, mode)
@@ -129,7 +125,7 @@ def test_use_slot_gives_the_same_labels(world, tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     assert _build(world, a) == 0
     assert _build(world, b, "--use-slot") == 0
-    for x, y in zip(_read(a), _read(b)):
+    for x, y in zip(read_jsonl(a), read_jsonl(b)):
         assert x["id"] == y["id"]
         assert x["metric_all"] == pytest.approx(y["metric_all"], abs=1e-5)
         assert x["metric_without"] == pytest.approx(y["metric_without"], abs=1e-5)
@@ -178,7 +174,7 @@ def test_resume_after_interruption_no_duplicates_identical_labels(world, tmp_pat
     out = tmp_path / "resumed.jsonl"
     with pytest.raises(KeyboardInterrupt):
         build_labels(records, builder, out, progress=False)
-    assert [r["id"] for r in _read(out)] == ["q0", "q1"]
+    assert [r["id"] for r in read_jsonl(out)] == ["q0", "q1"]
     third = full.read_text(encoding="utf-8").splitlines()[2]
     with out.open("a", encoding="utf-8") as f:
         f.write(third[: len(third) // 2])  # a partial last line, no newline
@@ -205,7 +201,7 @@ def test_resume_via_cli_keeps_lines(world, tmp_path):
     out.write_text("".join(lines[:3]) + lines[3][:10], encoding="utf-8")  # crash while writing the last record
     assert _build(world, out, "--no-generation") == 0
     assert out.read_text(encoding="utf-8") == before
-    rec = _read(out)[0]
+    rec = read_jsonl(out)[0]
     assert "f1_all" not in rec and "answer_logprob_without" in rec
 
 
@@ -229,16 +225,16 @@ def test_adapter_that_fails_to_load_names_record_and_path(world, tmp_path, capsy
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "record 'qbad'" in err and str(bad) in err and "adapter 1" in err and "failed to load" in err
-    assert [r["id"] for r in _read(out)] == ["q1"]  # the record before it was kept; no fake label for qbad
+    assert [r["id"] for r in read_jsonl(out)] == ["q1"]  # the record before it was kept; no fake label for qbad
 
     assert main(args + ["--on-error", "skip"]) == 1  # skipped records make the exit status 1
     captured = capsys.readouterr()
     assert "failed qbad" in captured.err and "1 failed" in captured.out
-    assert [r["id"] for r in _read(out)] == ["q1", "q3"]
+    assert [r["id"] for r in read_jsonl(out)] == ["q1", "q3"]
 
     make_adapter_dir(bad, seed=9)  # repaired: a re-run fills in the missing record only
     assert main(args) == 0
-    assert sorted(r["id"] for r in _read(out)) == ["q1", "q3", "qbad"]
+    assert sorted(r["id"] for r in read_jsonl(out)) == ["q1", "q3", "qbad"]
 
 
 def test_empty_generation_is_a_record_error_or_zero(tmp_path, capsys):
@@ -254,7 +250,7 @@ def test_empty_generation_is_a_record_error_or_zero(tmp_path, capsys):
     assert "record 'e1'" in err and "empty generation with all 1 adapters" in err
     assert not out.exists() or out.read_text() == ""
     assert main(args + ["--empty-generation", "zero"]) == 0
-    (rec,) = _read(out)
+    (rec,) = read_jsonl(out)
     assert rec["f1_all"] == 0.0 and rec["f1_without"] == [0.0] and rec["empty_generations"] == 2
     assert rec["prediction_all"] == ""
 
@@ -288,7 +284,7 @@ def test_option_errors():
 def test_metric_f1_is_the_label(world, tmp_path):
     out = tmp_path / "f1.jsonl"
     assert _build(world, out, "--metric", "f1") == 0
-    for r in _read(out):
+    for r in read_jsonl(out):
         assert r["metric"] == "f1" and r["metric_all"] == r["f1_all"] and r["metric_without"] == r["f1_without"]
 
 
@@ -305,7 +301,7 @@ def test_merge_orders_by_manifest_and_reports_culprits(world, tmp_path):
     p1.write_text(_labels_line("q3", 3) + _labels_line("q1", 1))
     out = tmp_path / "x.jsonl"
     s = merge_parts([p0, p1], records, out)
-    assert s.written == 4 and [r["id"] for r in _read(out)] == ["q0", "q1", "q2", "q3"]
+    assert s.written == 4 and [r["id"] for r in read_jsonl(out)] == ["q0", "q1", "q2", "q3"]
 
     p1.write_text(_labels_line("q3", 3) + _labels_line("q0", 3))
     with pytest.raises(LabelFileError, match=r"x\.part1-of2\.jsonl:2: field 'id': duplicate id 'q0' "
@@ -313,7 +309,7 @@ def test_merge_orders_by_manifest_and_reports_culprits(world, tmp_path):
         merge_parts([p0, p1], records, out)
     # a re-run of an auto-merge sees its parts again next to the merged file: identical lines are accepted
     assert merge_parts([out, p0, p1], records, out, allow_identical_duplicates=True).written == 4
-    assert [r["id"] for r in _read(out)] == ["q0", "q1", "q2", "q3"]
+    assert [r["id"] for r in read_jsonl(out)] == ["q0", "q1", "q2", "q3"]
     p1.write_text(_labels_line("q3", 3).replace("0.0,", "0.5,", 1) + _labels_line("q1", 1))
     with pytest.raises(LabelFileError, match=r"x\.part1-of2\.jsonl:1: field 'id': duplicate id 'q3' \(also at .*x\.jsonl:4\)"):
         merge_parts([out, p0, p1], records, out, allow_identical_duplicates=True)
@@ -341,7 +337,7 @@ def test_merge_cli(world, tmp_path, capsys):
     out = tmp_path / "y.jsonl"
     assert main(["labels", "merge", str(p0), "--manifest", str(world["manifest"]), "--out", str(out)]) == 0
     assert "merged 4 records" in capsys.readouterr().out
-    assert [r["id"] for r in _read(out)] == ["q0", "q1", "q2", "q3"]
+    assert [r["id"] for r in read_jsonl(out)] == ["q0", "q1", "q2", "q3"]
     assert main(["labels", "merge", str(tmp_path / "nope.jsonl"), "--manifest", str(world["manifest"]),
                  "--out", str(out)]) == 2
     assert "nope.jsonl: part file not found" in capsys.readouterr().err

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from helpers import tiny_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "efficacy"))
-from multilora import MultiLora, StackedAdamW, sample_losses  # noqa: E402
+from multilora import MultiLora, StackedAdamW, sample_losses
 
 TARGETS = ["gate_proj", "up_proj", "down_proj"]
 

@@ -7,22 +7,8 @@ import torch
 
 from fcprag_plugin import LoraAdapter, LoraModule, MergeError, WeightedAdapterMerger, activate
 from fcprag_plugin.fast import AdapterStore, FusedSlot, pack_adapter
-from helpers import TARGETS, assert_bit_identical, dense_reference, make_adapter_dir, state_snapshot, tiny_model
-
-
-def random_adapter(model, rank, *, seed, alpha=None, targets=TARGETS, rank_of=None, alpha_of=None, source=None):
-    """A random in-memory LoRA adapter for ``model``'s ``targets``; ``rank_of(name)`` / ``alpha_of(name)`` vary
-    the rank / alpha per module (like PEFT's rank_pattern / alpha_pattern)."""
-    g = torch.Generator().manual_seed(seed)
-    mods = {}
-    for name, mod in model.named_modules():
-        if name.split(".")[-1] in targets and isinstance(mod, torch.nn.Linear):
-            r = rank_of(name) if rank_of else rank
-            a = alpha_of(name) if alpha_of else (alpha if alpha is not None else 2 * rank)
-            A = torch.randn(r, mod.in_features, generator=g) * 0.3
-            B = torch.randn(mod.out_features, r, generator=g) * 0.3
-            mods[name] = LoraModule(A, B, a / r)
-    return LoraAdapter(mods, {"r": rank, "lora_alpha": alpha or 2 * rank}, source or f"random[r={rank},seed={seed}]")
+from helpers import (assert_bit_identical, dense_reference, logits, make_adapter_dir, random_adapter, state_snapshot,
+                     tiny_model)
 
 
 def plain_copy(model):
@@ -41,11 +27,6 @@ def dense_model(model, adapters, weights):
             w = mods[name].weight
             w.copy_((w.double() + dense_reference(adapters, weights, name)).to(w.dtype))
     return ref
-
-
-def logits(model, x):
-    with torch.no_grad():
-        return model(x).logits
 
 
 @pytest.fixture

@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from helpers import make_adapter_dir, tiny_model, tiny_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "efficacy"))
-from fusion_eval import TEMPLATE, FusionScorer, distinct  # noqa: E402
+from fusion_eval import TEMPLATE, FusionScorer, distinct
 
 QUESTION = "what is the capital of france ?"
 PASSAGES = ["paris is the capital of france .", "berlin is a city in germany .", "rome is in italy ."]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from fcprag_plugin.labels.batched import batched_answer_logprobs, batched_greedy
 from fcprag_plugin.labels.builder import BuildOptions, LabelBuilder, build_labels
 from fcprag_plugin.labels.manifest import read_manifest
 from fcprag_plugin.labels.metrics import answer_logprob, greedy_generate
-from helpers import assert_bit_identical, make_adapter_dir, save_tiny_lm, state_snapshot
+from helpers import assert_bit_identical, make_adapter_dir, read_jsonl, save_tiny_lm, state_snapshot
 
 QUESTIONS = ["What is the capital of France?", "Who wrote the book?", "Which river is in Paris?",
              "When was the tower born?", "Where is the king?", "Which war was first?"]
@@ -39,10 +38,6 @@ def _load(world):
 
     return (AutoModelForCausalLM.from_pretrained(str(world["model"])).eval(),
             AutoTokenizer.from_pretrained(str(world["model"])))
-
-
-def _read(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
 def _assert_same_labels(seq: list[dict], bat: list[dict]) -> None:
@@ -77,7 +72,7 @@ def test_batched_labels_equal_sequential(world, tmp_path, batch_size):
     seq, bat = tmp_path / "seq.jsonl", tmp_path / "bat.jsonl"
     assert main(common + ["--out", str(seq), "--batch-size", "1"]) == 0
     assert main(common + ["--out", str(bat), "--batch-size", str(batch_size)]) == 0
-    s, b = _read(seq), _read(bat)
+    s, b = read_jsonl(seq), read_jsonl(bat)
     _assert_same_labels(s, b)
     # the labels are not degenerate: adapters move the log-prob, and some greedy texts differ between subsets
     assert any(abs(r["metric_all"] - w) > 1e-4 for r in s for w in r["metric_without"])
@@ -93,7 +88,7 @@ def test_batched_f1_metric_and_no_generation(world, tmp_path):
             out = tmp_path / f"{sorted(extra)[0]}{bs}.jsonl"
             opts = BuildOptions(max_new_tokens=4, empty_generation="zero", batch_size=bs, **extra)
             build_labels(records, LabelBuilder(model, tok, opts), out, progress=False)
-            outs.append(_read(out))
+            outs.append(read_jsonl(out))
         _assert_same_labels(*outs)
 
 
@@ -125,12 +120,12 @@ def test_a_bad_record_in_a_batch_costs_only_itself(world, tmp_path, capsys):
     args = ["labels", "build", str(manifest), "--model", str(world["model"]), "--out", str(out), "--no-generation",
             "--no-progress", "--batch-size", "64"]
     assert main(args) == 2  # on-error fail: the record before is kept, nothing after it
-    assert "record 'r1'" in capsys.readouterr().err and [r["id"] for r in _read(out)] == ["r0"]
+    assert "record 'r1'" in capsys.readouterr().err and [r["id"] for r in read_jsonl(out)] == ["r0"]
     assert main(args + ["--on-error", "skip"]) == 1
-    assert [r["id"] for r in _read(out)] == ["r0", "r2"]
+    assert [r["id"] for r in read_jsonl(out)] == ["r0", "r2"]
     ref = tmp_path / "ref.jsonl"
     assert main(args[:6] + [str(ref)] + args[7:-1] + ["1", "--on-error", "skip"]) == 1
-    _assert_same_labels(_read(ref), _read(out))
+    _assert_same_labels(read_jsonl(ref), read_jsonl(out))
 
 
 def test_incompatible_adapter_in_a_batch_names_record_and_subset(world, tmp_path):
@@ -160,7 +155,7 @@ def test_batched_resume_after_interruption(world, tmp_path):
     full, seq = tmp_path / "full.jsonl", tmp_path / "seq.jsonl"
     build_labels(records, LabelBuilder(model, tok, BuildOptions(batch_size=6, **opts)), full, progress=False)
     build_labels(records, LabelBuilder(model, tok, BuildOptions(batch_size=1, **opts)), seq, progress=False)
-    _assert_same_labels(_read(seq), _read(full))
+    _assert_same_labels(read_jsonl(seq), read_jsonl(full))
 
     builder = LabelBuilder(model, tok, BuildOptions(batch_size=6, **opts))  # groups r0,r1 | r2 | r3 | r4,r5
     real = builder.label_many
@@ -176,7 +171,7 @@ def test_batched_resume_after_interruption(world, tmp_path):
     out = tmp_path / "resumed.jsonl"
     with pytest.raises(KeyboardInterrupt):
         build_labels(records, builder, out, progress=False)
-    assert [r["id"] for r in _read(out)] == ["r0", "r1", "r2"]
+    assert [r["id"] for r in read_jsonl(out)] == ["r0", "r1", "r2"]
     lines = full.read_text(encoding="utf-8").splitlines(keepends=True)
     out.write_text(lines[0] + lines[1][: len(lines[1]) // 2], encoding="utf-8")  # a crash while writing r1
     resumed = LabelBuilder(model, tok, BuildOptions(batch_size=6, **opts))
@@ -205,9 +200,9 @@ def test_batched_shards_merge_to_the_sequential_labels(world, tmp_path):
     for rank, part in enumerate(parts):
         mine = shard_records(records, rank, 2)
         build_labels(mine, LabelBuilder(model, tok, BuildOptions(batch_size=5, **opts)), part, progress=False)
-        assert [r["id"] for r in _read(part)] == [r.id for r in mine]
+        assert [r["id"] for r in read_jsonl(part)] == [r.id for r in mine]
     merge_parts(parts, records, out)
-    _assert_same_labels(_read(seq), _read(out))
+    _assert_same_labels(read_jsonl(seq), read_jsonl(out))
 
 
 def test_bad_batch_size_is_one_clear_line(world, tmp_path, capsys):

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import tiny_model, tiny_tokenizer
+import adapters
+import common
+import prepare
 
-EFF = Path(__file__).resolve().parent.parent / "benchmarks" / "efficacy"
-sys.path.insert(0, str(EFF))
-import adapters  # noqa: E402
-import common  # noqa: E402
-import prepare  # noqa: E402
+EFF = Path(__file__).resolve().parent.parent  # benchmarks/efficacy
 
 P0, P1, P2 = "00c0ffee", "10c0ffee", "20c0ffee"  # passage ids are hex (the seed is read from them)
 WORDS = "paris berlin rome france germany italy river seine tower bridge king queen".split()

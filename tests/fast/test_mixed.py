@@ -5,8 +5,7 @@ import torch
 
 from fcprag_plugin import MergeError, WeightedAdapterMerger, activate
 from fcprag_plugin.fast import FusedSlot, activate_mixed, fused_mixed, union_weights
-from helpers import make_adapter_dir, tiny_model
-from test_fast_slot import logits, random_adapter
+from helpers import logits, make_adapter_dir, random_adapter, tiny_model
 
 B, T = 3, 8
 

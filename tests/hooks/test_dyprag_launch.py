@@ -12,21 +12,12 @@ import pytest
 import torch
 
 from dyprag_double import harness as H
+from dyprag_double.harness import COUNTS
 from fcprag_plugin.controller import ControllerConfig, FusionController
 from fcprag_plugin.errors import HookError
 from fcprag_plugin.hooks import dyprag
 
 pytest.importorskip("peft")
-
-COUNTS = (1, 2, 3, 4, 5, 3)
-
-
-@pytest.fixture
-def double(tmp_path):
-    script = H.copy_double(tmp_path)
-    questions = H.make_questions(COUNTS)
-    data = H.write_data(tmp_path / "data.jsonl", questions)
-    return script, data, questions
 
 
 def peaked_controller(dim: int = 16) -> FusionController:

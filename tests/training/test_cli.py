@@ -9,25 +9,9 @@ from fcprag_plugin.cli import main
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.training import train_controller, write_labels
 from fcprag_plugin.training.synthetic import synthetic_records, table_encoder
+from helpers import SMALL_TRAIN_ARGS as SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SMALL = ["--score-hidden", "32", "--calib-hidden", "16", "--threads", "1", "--no-progress"]
-
-
-@pytest.fixture
-def labelled(tmp_path):
-    """A label file, a validation file, and an embedding cache that already holds every text under the model
-    name 'syn8' (so the CLI, given --encoder syn8, never has to load a model)."""
-    recs, table = synthetic_records(120, (2, 4), 8, seed=11)
-    vrecs, vtable = synthetic_records(30, 3, 8, seed=12, prefix="v")
-    table.update(vtable)
-    write_labels(recs, tmp_path / "train.jsonl")
-    write_labels(vrecs, tmp_path / "val.jsonl")
-    cache = tmp_path / "cache"
-    train_controller(tmp_path / "train.jsonl", tmp_path / "warm", val=tmp_path / "val.jsonl",
-                     encoder=table_encoder(table, "syn8"), cache_dir=cache, epochs=1, progress=False, threads=1,
-                     controller={"score_hidden": [8], "calib_hidden": 8})
-    return tmp_path, cache
 
 
 def test_cli_train_then_eval(labelled, capsys):
@@ -113,7 +97,7 @@ def test_real_encoder_on_hotpotqa_gold_passages(tmp_path, monkeypatch):
     from fcprag_plugin.encoding import TextEncoder
     from fcprag_plugin.training import evaluate_controller
 
-    data = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
+    data = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
     if not data.is_file():
         pytest.skip(f"{data} not available")
     rows = [json.loads(x) for x in data.read_text().splitlines()[:40]]

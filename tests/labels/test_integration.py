@@ -14,7 +14,7 @@ import torch
 from fcprag_plugin.cli import main
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
 
 
 def _pkg_dir() -> str | None:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "efficacy"))
-import common  # noqa: E402
-import evaluate  # noqa: E402
-import report  # noqa: E402
+import common
+import evaluate
+import report
 
 
 def test_bootstrap_ci_contains_the_mean_and_shrinks_with_n():
