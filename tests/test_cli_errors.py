@@ -90,10 +90,13 @@ def bad_values(action: argparse.Action) -> list[str]:
     if action.choices:
         return ["bogus-choice"]
     name = getattr(action.type, "__name__", "")
-    if name in ("int", "positive_int"):
-        return ["abc", "1.5"] + (["0", "-3"] if name == "positive_int" else [])
+    minimum = getattr(action.type, "minimum", None)  # cli.int_at_least(minimum)
+    if name == "int" or minimum is not None:
+        return ["abc", "1.5"] + ([str(minimum - 1), "-3"] if minimum is not None else [])
     if name in ("float", "finite_float"):
         return ["abc", "nan", "inf"]
+    if name == "kappa_value":
+        return ["big", "0", "-1", "nan"]
     if name == "hidden_sizes":
         return ["0", "abc", "64,"]
     return []

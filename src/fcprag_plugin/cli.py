@@ -233,6 +233,8 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{v} is too small; expected an integer >= {minimum}")
         return v
 
+    parse.__name__ = parse.__qualname__ = f"int_at_least_{minimum}"
+    parse.minimum = minimum  # type: ignore[attr-defined]  (read by the CLI tests' bad-value generator)
     return parse
 
 
