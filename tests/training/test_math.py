@@ -7,7 +7,7 @@ import torch
 
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.training.data import LabelTensors
-from fcprag_plugin.training.metrics import (average_ranks, entropy, format_table, metrics_from_outputs,
+from fcprag_plugin.training.evaluation import (average_ranks, entropy, format_table, metrics_from_outputs,
                                             spearman_per_sample, top1_credit)
 from fcprag_plugin.training.targets import make_targets, weighted_kl
 
@@ -154,7 +154,7 @@ def test_collect_outputs_bfloat16_is_close_to_float32_and_restores_the_controlle
     """Per-epoch validation of a bf16 run goes through the bf16 inference weights; metrics stay float32 numbers
     within bf16 rounding of the float32 evaluation."""
     from fcprag_plugin.controller import FusionController
-    from fcprag_plugin.training.metrics import collect_outputs
+    from fcprag_plugin.training.evaluation import collect_outputs
 
     deltas, _, mask, _ = ragged(seed=3, B=40, N=4)
     g = torch.Generator().manual_seed(3)

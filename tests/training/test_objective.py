@@ -13,7 +13,7 @@ from fcprag_plugin.controller import FusionController
 from fcprag_plugin.training import train_controller, write_labels
 from fcprag_plugin.training.cv import bootstrap_ci, group_kfold
 from fcprag_plugin.training.data import build_tensors
-from fcprag_plugin.training.metrics import collect_outputs
+from fcprag_plugin.training.evaluation import collect_outputs
 from fcprag_plugin.training.synthetic import synthetic_records, table_encoder
 from fcprag_plugin.training.targets import estimate_lambda, first_order_gain, risk_loss
 from fcprag_plugin.training.trainer import TrainArgs, Trainer, evaluate_controller

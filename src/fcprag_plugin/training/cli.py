@@ -211,7 +211,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from ..cli import check_out_file, refuse_inputs
-    from .metrics import format_table
+    from .evaluation import format_table
     from .targets import DEFAULT_T_LABEL
     from .trainer import evaluate_controller
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from .data import LabelTensors
-from .metrics import collect_outputs
+from .evaluation import collect_outputs
 from .targets import best_kappa, first_order_gain
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import FcpragError
 from .data import LabelTensors
-from .metrics import collect_outputs, entropy, metrics_from_outputs
+from .evaluation import collect_outputs, entropy, metrics_from_outputs
 
 logger = logging.getLogger(__name__)
 

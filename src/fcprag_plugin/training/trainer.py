@@ -42,7 +42,7 @@ from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
 from .cv import CV_NAME, cross_validate, cv_summary_line
-from .metrics import collect_outputs, evaluate, format_table, metrics_from_outputs
+from .evaluation import collect_outputs, evaluate, format_table, metrics_from_outputs
 from .precision import autocast, resolve_precision
 from .targets import (DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, best_kappa, check_target_args,
                       estimate_lambda, risk_loss, weighted_kl)
