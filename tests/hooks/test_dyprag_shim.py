@@ -139,6 +139,32 @@ def test_reweights_a_live_model(host, encoder16, tmp_path, mode):
     assert rec["u"] == pytest.approx(u, rel=1e-6)
 
 
+def test_adapter_stats_come_from_the_translator_outputs(host, encoder16):
+    """A controller trained with adapter_stats and retrieval_rank gets, per passage, the statistics of the update
+    DyPRAG injects for it (B @ A, scaling 1) and the passage's position as its rank."""
+    from fcprag_plugin.adapter import LoraAdapter, LoraModule
+    from fcprag_plugin.controller import ControllerConfig
+
+    ctrl = FusionController(ControllerConfig(embed_dim=16, score_hidden=[8], calib_hidden=8, init="random", seed=4,
+                                             side_features=["retrieval_rank", "adapter_stats"])).eval()
+    with dyprag.install(ctrl, encoder16, "delta", utils=host.utils, projector=host.projector) as shim:
+        outs, _ = dyprag_question(host, QUESTION, TEXTS)
+        got = list(shim.last_record["merge_weights"])
+    prefix = "base_model.model."
+    by_hand = []
+    for i, o in enumerate(outs):  # the translator's keys, parsed here without the shim's helpers
+        mods = {}
+        for k in o:
+            if k.endswith(".lora_A.weight"):
+                m = k[:-len(".lora_A.weight")]
+                mods[m[len(prefix):]] = LoraModule(o[k].reshape(o[k].shape[-2:]),
+                                                   o[m + ".lora_B.weight"].reshape(o[m + ".lora_B.weight"].shape[-2:]))
+        by_hand.append(LoraAdapter(mods, {}, f"output {i}"))
+    ref = ctrl.predict(QUESTION, TEXTS, encoder16, retrieval_ranks=[1.0, 2.0, 3.0], adapter_stats=by_hand)
+    assert got == pytest.approx(ref.merge_weights[0].tolist(), abs=1e-6)
+    assert len(set(round(w, 6) for w in got)) > 1  # not uniform: the check can fail
+
+
 def test_uniform_log_is_strict_json(host, tmp_path):
     log = tmp_path / "log.jsonl"
     with dyprag.install(log=log, utils=host.utils, projector=host.projector):

@@ -379,3 +379,29 @@ def test_dyprag_slot_errors(host, tmp_path, monkeypatch):
     assert dyprag.current() is None
     with pytest.raises(HookError, match="only applies with use_slot"):
         dyprag.launch(tmp_path / "x.py", [], slot_max_adapters=3)
+
+
+@pytest.mark.parametrize("use_slot", [False, True])
+def test_prag_side_feature_controller_gets_ranks_and_adapter_stats(adapter_dirs, encoder16, use_slot):
+    """Both PRAG paths hand a side-feature controller the passage positions as ranks and the statistics of the
+    adapters PRAG loaded (from the live PEFT layers, or from the slot's store)."""
+    from peft import PeftModel
+
+    from fcprag_plugin.adapter import LoraAdapter
+    from fcprag_plugin.controller import ControllerConfig
+    from helpers import tiny_model
+
+    ctrl = FusionController(ControllerConfig(embed_dim=16, score_hidden=[8], calib_hidden=8, init="random", seed=4,
+                                             side_features=["retrieval_rank", "adapter_stats"])).eval()
+    loaded = [LoraAdapter.from_pretrained(d) for d in adapter_dirs]
+    q, ps = "violin opera senate", ["violin opera", "glacier comet", "river harbor"]
+    ref = ctrl.predict(q, ps, encoder16, retrieval_ranks=[1.0, 2.0, 3.0], adapter_stats=loaded)
+    with prag.installed(controller=ctrl, encoder=encoder16, use_slot=use_slot) as shim:
+        pm = PeftModel.from_pretrained(tiny_model(), str(adapter_dirs[0]), adapter_name="0")
+        for i, d in enumerate(adapter_dirs[1:], start=1):
+            pm.load_adapter(str(d), adapter_name=str(i))
+        prag.set_context(q, ps)
+        pm.add_weighted_adapter(["0", "1", "2"], [1, 1, 1], adapter_name="merge", combination_type="cat")
+        got = shim.last_record["merge_weights"]
+    assert got == pytest.approx(ref.merge_weights[0].tolist(), abs=1e-6)
+    assert len(set(round(w, 6) for w in got)) > 1  # not uniform: the check can fail

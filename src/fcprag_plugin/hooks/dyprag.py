@@ -39,6 +39,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
+from ..adapter import LoraAdapter, LoraModule
 from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
@@ -147,7 +148,7 @@ class DyPragShim(Shim):
         q_text, p_texts = ctx["question"], ctx["passages"]
         dm.check_alignment(outs, merged, len(p_texts), q_text)
         t0 = MergeHook.timer()
-        fw = self.hook.weights(q_text, p_texts)
+        fw = self.hook.weights(q_text, p_texts, adapters=lambda: [_translator_adapter(o, i) for i, o in enumerate(outs)])
         return outs, ctx, fw, t0, MergeHook.timer()
 
     def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], fw: FusionWeights, u: list[float],
@@ -252,6 +253,13 @@ class DyPragShim(Shim):
         """Drop the capture and remove the fused slots (the model is exactly as before)."""
         self.clear()
         super().close()
+
+
+def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:
+    """One passage's translator output as a :class:`LoraAdapter` (DyPRAG injects ``B @ A``: scaling 1), for a
+    controller trained with ``adapter_stats``."""
+    mods = {m: LoraModule(A, B, 1.0) for m, (A, B) in dm.module_factors(output, index).items()}
+    return LoraAdapter(mods, {}, f"ParameterTranslator output {index}")
 
 
 def _resolve_module(mod: ModuleType | str | None, default: str, what: str) -> ModuleType:
