@@ -24,23 +24,6 @@ TEXTS = ["the famous bridge in the old town was built by person one",
 QUESTION = "who built the famous bridge in the old town"
 
 
-@pytest.fixture
-def host(tmp_path):
-    """The double's (utils, projector) imported fresh, a tiny peft-wrapped model and a translator."""
-    from peft import LoraConfig, get_peft_model
-
-    H.copy_double(tmp_path)
-    with H.host_modules(tmp_path / "src") as (utils, projector):
-        model, _ = utils.get_model(0)
-        model = get_peft_model(model, LoraConfig(target_modules=["down_proj", "gate_proj", "up_proj"], r=2,
-                                                 lora_alpha=32, lora_dropout=0.0))
-        torch.manual_seed(1)
-        translator = projector.ParameterTranslator(["down_proj", "up_proj", "gate_proj"], [0, 1], 16, 24, 2).eval()
-        yield types.SimpleNamespace(utils=utils, projector=projector, model=model, translator=translator)
-    dyprag.uninstall()
-    clear_context()
-
-
 def embed(i: int) -> torch.Tensor:
     return torch.randn(1, 16, generator=torch.Generator().manual_seed(100 + i))
 

@@ -290,21 +290,6 @@ def test_dyprag_slot_equals_default_path_and_reference(double, tmp_path, encoder
     assert (s_rec["predict"][4]["logits"] - bare).abs().max() > 1e-4
 
 
-@pytest.fixture
-def host(tmp_path):
-    from peft import LoraConfig, get_peft_model
-
-    H.copy_double(tmp_path)
-    with H.host_modules(tmp_path / "src") as (utils, projector):
-        model, tokenizer = utils.get_model(0)
-        model = get_peft_model(model, LoraConfig(target_modules=["down_proj", "gate_proj", "up_proj"], r=2,
-                                                 lora_alpha=32, lora_dropout=0.0))
-        torch.manual_seed(1)
-        translator = projector.ParameterTranslator(["down_proj", "up_proj", "gate_proj"], [0, 1], 16, 24, 2).eval()
-        yield types.SimpleNamespace(utils=utils, projector=projector, model=model, tokenizer=tokenizer,
-                                    translator=translator, src=tmp_path / "src")
-
-
 TEXTS = ["the famous bridge in the old town was built by person one",
          "unrelated text about weather and cooking",
          "sports scores from last year in another city"]
