@@ -42,7 +42,8 @@ from fcprag_plugin import LoraAdapter, LoraModule
 from fcprag_plugin.compat import clear_stale_peft_config, package_version
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.fast import AdapterStore, FusedSlot, fused_mixed
-from fcprag_plugin.merge import activate, merge_adapters
+from fcprag_plugin import activate
+from fcprag_plugin.merge import merge_adapters
 
 TARGETS = ("gate_proj", "up_proj", "down_proj")
 SHAPES = {

@@ -14,7 +14,7 @@ one LoRA per passage for SmolLM2-135M-Instruct), it fuses the passage adapters
 and prints the merge weights ``w~``, the gate g and temperature tau, and the greedy answers of each fused model
 next to the base model's answer (no adapter). The question is asked without the passages in the prompt, so the
 knowledge has to come from the adapters (parametric RAG). Each fused adapter is applied with forward hooks
-(``fcprag_plugin.merge.activate``) and removed afterwards; the base weights are checked to be unchanged.
+(``fcprag_plugin.activate``) and removed afterwards; the base weights are checked to be unchanged.
 
 Run: ``.venv/latest/bin/python examples/quickstart.py`` (or ``make demo``).
 """
@@ -117,7 +117,7 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
     ``model``/``tokenizer``/``encoder`` default to SmolLM2 and ``TextEncoder()`` (passed in by the tests).
     """
     from fcprag_plugin import LoraAdapter, TextEncoder, fuse
-    from fcprag_plugin.merge import activate
+    from fcprag_plugin import activate
 
     t0 = time.perf_counter()
     timing: dict[str, float] = {}  # seconds per part, printed at the end (README's demo figures come from it)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fcprag_plugin import LoraAdapter, fuse
-from fcprag_plugin.merge import activate
+from fcprag_plugin import activate
 import build_demo_adapters as build
 import demo_common
 import quickstart

@@ -22,7 +22,8 @@ from .errors import (
 )
 from .fusion import FusionResult, fuse
 from .loading import cache_info, clear_caches
-from .merge import MergeResult, WeightedAdapterMerger, activate
+from .fast import activate
+from .merge import MergeResult, WeightedAdapterMerger
 
 
 def __getattr__(name: str):

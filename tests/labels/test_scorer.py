@@ -10,7 +10,8 @@ from fcprag_plugin.errors import FcpragError, MergeError
 from fcprag_plugin.fast import FusedSlot
 from fcprag_plugin.labels.batched import ScoreRow, score_rows
 from fcprag_plugin.labels.metrics import answer_logprob, greedy_generate
-from fcprag_plugin.merge import activate, merge_adapters
+from fcprag_plugin import activate
+from fcprag_plugin.merge import merge_adapters
 from helpers import assert_bit_identical, make_adapter_dir, save_tiny_lm, state_snapshot
 
 QUESTIONS = ["What is the capital of France?", "Who wrote the book?", "Which river is in Paris?",

@@ -89,7 +89,7 @@ def test_batched_training_equals_each_adapter_alone(kind):
 
 def test_adapter_export_reproduces_the_hooked_forward():
     """The exported LoraAdapter, activated with the library, gives the same logits as the training hooks."""
-    from fcprag_plugin.merge.live import activate
+    from fcprag_plugin import activate
 
     torch.manual_seed(1)
     model = tiny_model("llama").float().eval()

@@ -30,7 +30,7 @@ def test_rows_equal_each_weighting_alone(setup, mode):
     from fcprag_plugin import WeightedAdapterMerger
     from fcprag_plugin.labels.metrics import answer_logprob, extract_answer, greedy_generate
     from fcprag_plugin.labels.prompts import answer_ids
-    from fcprag_plugin.merge.live import activate
+    from fcprag_plugin import activate
 
     model, tok, adapters = setup
     W = torch.tensor([[1.0, 1.0, 1.0], [0.2, 2.5, 0.3], [0.0, 1.0, 1.0], [3.0, 0.0, 0.0]])

@@ -521,3 +521,15 @@ class FusedSlot:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:
+    """Apply ``adapter`` to ``model`` until the returned handle is removed (``handle.remove()``, or use it as a
+    context manager): a one-adapter :class:`FusedSlot` (buffers in ``dtype``, default each weight's) holding it."""
+    slot = FusedSlot(model, adapter, max_adapters=1, dtype=dtype)
+    try:
+        slot.activate([adapter])
+    except Exception:
+        slot.remove()
+        raise
+    return slot

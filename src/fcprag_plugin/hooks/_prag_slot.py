@@ -16,13 +16,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..errors import HookError
-
-if TYPE_CHECKING:  # the shim imports this module
-    from ..fast import PackedAdapter
-    from .prag import PragShim
+from ..fast import PackedAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +40,10 @@ class SlotPeftModel:
     Not a ``PeftModel`` (``isinstance`` is False); training and saving adapters are refused with a clear error.
     """
 
-    def __init__(self, shim: "PragShim", base: Any, model_id: Any, adapter_name: str) -> None:
+    def __init__(self, shim: Any, base: Any, model_id: Any, adapter_name: str) -> None:
         self._shim = shim
         self._base = base
-        self._adapters: dict[str, "PackedAdapter"] = {}
+        self._adapters: dict[str, PackedAdapter] = {}
         self._paths: dict[str, str] = {}
         self._merges: dict[str, tuple[list[str], list[float], str]] = {}  # name -> (adapters, w~, mode)
         self._configs: dict[str, Any] = {}

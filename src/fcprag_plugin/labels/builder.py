@@ -3,7 +3,7 @@
 For a record with N adapters the builder evaluates N + 1 subsets: all adapters, then each one left out (for
 N == 1 the empty set, i.e. the base model). Each subset is merged through the library with uniform weights
 (``merge_adapters(subset, [1]*k, "cat")``, PRAG's sum of the passage updates) and applied with
-``merge.activate`` (forward hooks; the base weights are never written), or, with ``use_slot``, written into
+``fcprag_plugin.activate`` (forward hooks; the base weights are never written), or, with ``use_slot``, written into
 one pre-allocated :class:`fcprag_plugin.fast.FusedSlot` (no per-subset modules or hook churn). Per subset it measures
 ``answer_logprob`` (teacher forcing) and, with generation on, ``f1`` / ``em`` of the greedy answer.
 
@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 
 from ..adapter import LoraAdapter
 from ..errors import FcpragError
-from ..merge import activate, merge_adapters
+from ..fast import activate
+from ..merge import merge_adapters
 from .errors import LabelBuildError
 from .manifest import ManifestRecord
 from .metrics import SCORINGS, answer_logprob, exact_match, extract_answer, f1_score, greedy_generate

@@ -148,7 +148,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--use-slot", dest="use_slot", action="store_true",
                    help="evaluate subsets in one pre-allocated fused slot (fcprag_plugin.fast.FusedSlot) instead of "
                         "a merged adapter + hooks per subset")
-    b.add_argument("--batch-size", dest="batch_size", type=int, default=16,
+    b.add_argument("--batch-size", dest="batch_size", type=positive_int, default=16,
                    help="rows (subsets x gold aliases) per batched forward, each with its own adapter mixture; the "
                         "subsets of several records share a forward. 1: one subset at a time (the sequential path)")
     b.add_argument("--threads", type=positive_int, help="torch CPU threads per process")

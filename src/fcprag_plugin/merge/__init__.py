@@ -21,21 +21,11 @@ from .core import (
 from . import modes as _modes  # noqa: F401  (registers the built-in modes)
 
 
-def __getattr__(name: str):
-    # activate() builds on fast.FusedSlot, which uses this package's factors: imported on first use, so that
-    # importing fcprag_plugin.merge.factors (from fast/) never needs fast/ half-initialised.
-    if name == "activate":
-        from .live import activate
-
-        return activate
-    raise AttributeError(name)
-
 
 __all__ = [
     "MERGE_MODES",
     "MergeResult",
     "WeightedAdapterMerger",
-    "activate",
     "check_compatible",
     "get_merge_mode",
     "merge_adapters",

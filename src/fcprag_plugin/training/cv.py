@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -66,13 +66,14 @@ def bootstrap_ci(values: torch.Tensor, groups: Sequence[str], seed: int, n_boot:
     return lo, hi
 
 
-def cross_validate(data: LabelTensors, args: Any, embedding_model: str, progress: bool = False) -> dict[str, Any]:
+def cross_validate(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
+                   progress: bool = False) -> dict[str, Any]:
     """Run the grouped CV described in the module docstring; returns a JSON-ready dict.
 
-    ``args`` is the run's ``TrainArgs`` (``cv_folds``, ``epochs`` = the most epochs tried, ``kappa``, seed...).
+    ``args`` is the run's ``TrainArgs`` (``cv_folds``, ``epochs`` = the most epochs tried, ``kappa``, seed...);
+    ``trainer(train_data, None, None, args, embedding_model)`` builds one fold's trainer (the trainer module's
+    ``Trainer``, passed in so that this module does not import the one that imports it).
     """
-    from .trainer import Trainer  # the trainer imports this module
-
     t0 = time.perf_counter()
     folds = group_kfold(data.groups, args.cv_folds, args.seed)
     if len(folds) < 2:
@@ -90,7 +91,7 @@ def cross_validate(data: LabelTensors, args: Any, embedding_model: str, progress
         for f, held in enumerate(folds):
             held_set = set(held)
             rest = [i for i in range(R) if i not in held_set]
-            tr = Trainer(data.subset(rest), None, None, fold_args, embedding_model)
+            tr = trainer(data.subset(rest), None, None, fold_args, embedding_model)
             held_data = data.subset(held)
             held_t = torch.tensor(held)
             for e in range(E + 1):

@@ -540,7 +540,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         # the labels are checked by resume(); only a changed `epochs`, the most epochs tried, asks for a new one)
         cv = json.loads((out / CV_NAME).read_text(encoding="utf-8")) if (out / CV_NAME).is_file() else None
         if cv is None or cv.get("max_epochs") != args.epochs:
-            cv = cross_validate(train_t, args, name, progress)
+            cv = cross_validate(train_t, args, name, Trainer, progress)
             _write_json(out / CV_NAME, _clean(cv))
         if trainer.epoch > cv["selected_epochs"]:
             logger.warning("%s: the checkpoint has %d epochs but cross-validation selects %d; training again from "
