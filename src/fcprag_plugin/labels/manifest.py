@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -254,9 +253,3 @@ def write_manifest(records: Iterable[dict[str, Any]], out: str | Path) -> int:
             n += 1
     tmp.replace(out)
     return n
-
-
-def check_finite(value: float, where: str, name: str) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _fail(where, name, "a finite number", value)
-    return float(value)
