@@ -207,7 +207,10 @@ def test_batched_shards_merge_to_the_sequential_labels(world, tmp_path):
 
 def test_bad_batch_size_is_one_clear_line(world, tmp_path, capsys):
     out = tmp_path / "o.jsonl"
-    assert main(["labels", "build", str(world["manifest"]), "--model", str(world["model"]), "--out", str(out),
-                 "--batch-size", "0", "--no-progress"]) == 2
+    with pytest.raises(SystemExit) as exc:  # argparse's one-line usage error
+        main(["labels", "build", str(world["manifest"]), "--model", str(world["model"]), "--out", str(out),
+              "--batch-size", "0", "--no-progress"])
     err = capsys.readouterr().err
-    assert "batch size (--batch-size) must be an integer >= 1, got 0" in err and "Traceback" not in err and not out.exists()
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "argument --batch-size: 0 is too small; expected an integer >= 1" in err
+    assert "Traceback" not in err and not out.exists()
