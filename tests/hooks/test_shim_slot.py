@@ -226,7 +226,12 @@ def test_prag_slot_two_merges_switch_and_refusals(adapter_dirs, caplog):
 
         with pytest.raises(HookError, match=r"call unload\(\) on it first"):
             PeftModel.from_pretrained(pm, str(adapter_dirs[0]), adapter_name="x")
-        for name in ("all", "two", "0", "1", "2"):
+        pm.delete_adapter("1")  # a merge keeps its own copy of its adapters, as PEFT's materialised merge does
+        pm.set_adapter("two")
+        with torch.no_grad():
+            torch.testing.assert_close(pm(input_ids=ids).logits, refs["two"], rtol=1e-4, atol=1e-4)
+        assert pm.peft_config["two"].r == 4  # cat of two rank-2 adapters
+        for name in ("all", "two", "0", "2"):
             pm.delete_adapter(name)
         assert pm.active_adapter is None and pm.peft_config == {}
         assert pm.merge_and_unload() is base  # nothing active: nothing would be written

@@ -14,7 +14,6 @@ writes one merge per question and builds nothing else.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from typing import Any, Iterator, Sequence
 
@@ -45,7 +44,9 @@ class SlotPeftModel:
         self._base = base
         self._adapters: dict[str, PackedAdapter] = {}
         self._paths: dict[str, str] = {}
-        self._merges: dict[str, tuple[list[str], list[float], str]] = {}  # name -> (adapters, w~, mode)
+        # merge name -> (its adapters, the first one's path, w~, mode): a merge keeps its own copy of the recipe, so
+        # deleting a passage adapter later does not change it (as with PEFT's materialised merge)
+        self._merges: dict[str, tuple[list[PackedAdapter], str, list[float], str]] = {}
         self._configs: dict[str, Any] = {}
         self._active: str | None = None
         self._disabled = False
@@ -90,7 +91,7 @@ class SlotPeftModel:
                                 "would change nothing (weights not loaded, or the adapter was saved before training)")
 
         def record(w_tilde: list[float]) -> tuple[None, str]:
-            self._merges[merge_name] = (names, w_tilde, self._shim.mode)
+            self._merges[merge_name] = (packed, self._paths[names[0]], w_tilde, self._shim.mode)
             return None, f"FusedSlot merge of {len(names)} adapters ({self._shim.mode}), written at set_adapter"
 
         self._shim.merge_adapters(names, [self._paths[n] for n in names], merge_name, weights, combination_type,
@@ -163,9 +164,9 @@ class SlotPeftModel:
             from peft import LoraConfig
 
             if name in self._merges:
-                names, _, mode = self._merges[name]
-                cfg = copy.deepcopy(self._config(names[0]))
-                ranks = [self._adapters[n].max_rank for n in names]
+                packed, first, _, mode = self._merges[name]
+                cfg = LoraConfig.from_pretrained(first)
+                ranks = [p.max_rank for p in packed]
                 cfg.r = cfg.lora_alpha = sum(ranks) if mode == "cat" else max(ranks)  # scaling folded in
             else:
                 cfg = LoraConfig.from_pretrained(self._paths[name])
@@ -242,8 +243,7 @@ class SlotPeftModel:
         if want is None:
             self._release()
             return
-        names, weights, mode = self._merges.get(want) or ([want], [1.0], "cat")
-        packed = [self._adapters[n] for n in names]
+        packed, _, weights, mode = self._merges.get(want) or ([self._adapters[want]], "", [1.0], "cat")
         self._shim.slots.write_packed(self._base, packed, weights, mode)
         self._holding = want
 
