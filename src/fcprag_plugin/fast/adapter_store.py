@@ -158,7 +158,7 @@ def pack_checked(adapter: LoraAdapter, *, device: str | torch.device | None = No
             adapter.validate()  # raises, naming the key
             raise AdapterError(f"{adapter.source}: modules '{lg.pattern}' overflow {packed.dtype} when packed "
                                f"(finite in the file as {adapter.dtype})")
-    if not any(bool(pg.BT.any()) for pg in packed.groups):
+    if packed.all_zero:
         logger.warning("%s: every lora_B is zero, so this adapter does nothing (was it saved before training?)",
                        adapter.source)
     return packed

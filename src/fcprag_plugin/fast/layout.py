@@ -156,6 +156,11 @@ class PackedAdapter:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for g in self.groups for t in (g.A, g.BT))
 
+    @property
+    def all_zero(self) -> bool:
+        """True when every ``B`` is zero: the adapter changes nothing (e.g. saved before training)."""
+        return not any(bool(g.BT.any()) for g in self.groups)
+
     def to_lora(self) -> LoraAdapter:
         """Unpack into a :class:`LoraAdapter` (copies; for checks and interop, not for the hot path)."""
         modules = {}

@@ -86,7 +86,7 @@ class SlotPeftModel:
                             f"(loaded: {sorted(self._adapters)})")
         packed = [self._adapters[n] for n in names]
         for n, p in zip(names, packed):
-            if not any(bool(g.BT.any()) for g in p.groups):
+            if p.all_zero:
                 raise HookError(f"adapter '{n}' loaded from {self._paths[n]}: every lora_B weight is zero, so it "
                                 "would change nothing (weights not loaded, or the adapter was saved before training)")
 

@@ -27,9 +27,9 @@ No controller (or a ``uniform`` one) gives ``w~ = [1]*N``: PRAG's original merge
 ``use_slot=True`` (``--use-slot``; modes ``cat`` and ``separate``): PRAG's loop builds no PEFT modules at all.
 ``PeftModel.from_pretrained`` returns a :class:`~fcprag_plugin.hooks._prag_slot.SlotPeftModel`: ``load_adapter``
 reads each passage adapter into an :class:`~fcprag_plugin.fast.AdapterStore` (memory-mapped, packed, checked),
-``add_weighted_adapter`` records the controller-weighted merge, and the active adapter's update is written into a
-:class:`~fcprag_plugin.fast.FusedSlot` on the base model's target Linear layers just before the next forward pass
-(one write per question). ``set_adapter``, ``disable_adapter()``, ``delete_adapter`` and ``unload()`` keep PEFT's
+``add_weighted_adapter`` records the controller-weighted merge, and ``set_adapter`` writes the active adapter's
+update into a :class:`~fcprag_plugin.fast.FusedSlot` on the base model's target Linear layers (one write per
+question; after ``from_pretrained`` or ``delete_adapter`` the write happens before the next forward pass). ``set_adapter``, ``disable_adapter()``, ``delete_adapter`` and ``unload()`` keep PEFT's
 meaning; ``unload()`` returns the base model, which outside a question computes its original outputs bit for bit
 (its weights are never written). A trainable ``from_pretrained`` (``is_trainable=True``) stays PEFT's own, and
 PEFT merges such adapters. :func:`uninstall` removes the slot.
