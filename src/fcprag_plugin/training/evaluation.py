@@ -14,7 +14,6 @@ Per controller:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from ..controller import ControllerConfig, FusionController
 from .data import LabelTensors
+from .precision import autocast
 from .targets import first_order_gain, kl_per_sample
 
 METRIC_KEYS = ("kl", "kl_nonflat", "top1", "spearman", "g_mean", "g_std", "tau_mean", "tau_std", "entropy_mean",
@@ -34,11 +34,8 @@ _W_TIE = 1e-9
 @torch.no_grad()
 def collect_outputs(controller: FusionController, data: LabelTensors, batch_size: int = 512,
                     autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Run ``controller`` (eval mode) over ``data``: ``w [R, N_max]`` (0 on padding), ``g [R]``, ``tau [R]``.
-
-    ``autocast_dtype`` (``torch.bfloat16``): the MLPs' matmuls in that dtype (``torch.autocast``); None: the
-    controller as it is. Also returns ``wt`` (the merge weights ``w~``, 0 on padding).
-    """
+    """Run ``controller`` (eval mode) over ``data``: ``w`` and ``wt`` (the merge weights ``w~``) ``[R, N_max]`` (0 on
+    padding), ``g [R]``, ``tau [R]``. ``autocast_dtype`` ``torch.bfloat16``: the MLPs under ``torch.autocast``."""
     was_training = controller.training
     controller.eval()
     R, N = data.mask.shape
@@ -46,9 +43,8 @@ def collect_outputs(controller: FusionController, data: LabelTensors, batch_size
     g, tau = torch.zeros(R), torch.zeros(R)
     if autocast_dtype is not None and autocast_dtype != torch.bfloat16:
         raise ValueError(f"collect_outputs: autocast_dtype supports torch.bfloat16 only, got {autocast_dtype}")
-    ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     try:
-        with ctx:
+        with autocast("bf16" if autocast_dtype else "fp32"):
             for b in data.batches(batch_size):
                 out = controller(b.e_q, b.E_p, b.mask, b.side)
                 w[b.index, : b.mask.shape[1]] = out.weights.float().cpu()
@@ -147,11 +143,11 @@ def baseline_controllers(config: ControllerConfig, seed: int = 0) -> dict[str, F
 def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0, batch_size: int = 512,
              baselines: bool = True, autocast_dtype: torch.dtype | None = None
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]]]:
-    """Metrics of ``controller`` (key ``"learned"``, or its mode when not learned) and of the baselines.
+    """Metrics of ``controller`` (keyed by its mode, e.g. ``"learned"``) and of the baselines.
 
     Returns ``(metrics, outputs)``: ``metrics[name]`` is a dict of floats, ``outputs[name]`` holds ``w, g, tau``.
     """
-    name = "learned" if controller.config.mode == "learned" else controller.config.mode
+    name = controller.config.mode
     models = {name: controller}
     if baselines:
         models.update({k: v for k, v in baseline_controllers(controller.config, seed).items() if k not in models})

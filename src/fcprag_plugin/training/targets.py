@@ -10,13 +10,11 @@ deviation from PRAG's merge ``u_i = w~_i - 1``) maximises per record
 
     J_b = sum_i u_i delta_i - lambda sum_i u_i^2                                   objective "risk"
 
-``sum_i u_i delta_i`` is the first-order change of the label metric when the merge moves from uniform to ``w~``
-(the leave-one-out delta is the metric's slope in adapter i's weight); the penalty keeps the step where that
-linearisation and the noisy labels can be trusted. The loss is ``-mean_b J_b``. For a fixed total weight the
-per-record optimum is ``u_i = (delta_i - mean_j delta_j) / (2 lambda)``, so lambda sets how far one noisy label may
-move a weight: :func:`estimate_lambda` takes the pooled within-record standard deviation of the deltas, so a
-passage one standard deviation better than its set's average gets ``w~ = 1.5`` at the optimum, and one worse gets
-0.5 (a deviation the size of the label noise cannot push a weight past 0 or 2).
+``sum_i u_i delta_i`` is the first-order change of the label metric when the merge moves from uniform to ``w~``;
+the penalty keeps the step where that linearisation and the noisy labels can be trusted. The loss is
+``-mean_b J_b``. The per-record optimum (fixed total weight) is ``u_i = (delta_i - mean_j delta_j) / (2 lambda)``:
+with lambda the pooled within-record std of the deltas (:func:`estimate_lambda`), a passage one std above its
+set's mean gets ``w~ = 1.5`` and one below it 0.5.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ import math
 import torch
 
 from ..errors import FcpragError
+from ..features import masked_max, masked_min
 
 DEFAULT_T_LABEL = 0.1
 DEFAULT_FLAT_EPS = 1e-6
@@ -43,32 +42,15 @@ def check_target_args(t_label: float, flat_eps: float, flat_weight: float) -> No
         raise FcpragError(f"flat_weight is {flat_weight}, expected >= 0 (a sample weight for flat samples)")
 
 
-def soft_targets(deltas: torch.Tensor, mask: torch.Tensor, t_label: float = DEFAULT_T_LABEL) -> torch.Tensor:
-    """``deltas [B, N]``, ``mask [B, N]`` -> ``y [B, N]``: softmax over the real passages, zeros on padding."""
-    logits = (deltas / t_label).masked_fill(~mask, float("-inf"))
-    return torch.softmax(logits, dim=1).masked_fill(~mask, 0.0)
-
-
-def flat_samples(deltas: torch.Tensor, mask: torch.Tensor, flat_eps: float = DEFAULT_FLAT_EPS) -> torch.Tensor:
-    """``[B]`` bool: the spread of the real deltas is at most ``flat_eps`` (N = 1 is always flat)."""
-    hi = deltas.masked_fill(~mask, float("-inf")).amax(1)
-    lo = deltas.masked_fill(~mask, float("inf")).amin(1)
-    return (hi - lo) <= flat_eps
-
-
-def sample_weights(flat: torch.Tensor, flat_weight: float = DEFAULT_FLAT_WEIGHT) -> torch.Tensor:
-    """``omega [B]``: 1 for informative samples, ``flat_weight`` for flat ones."""
-    return torch.where(flat, torch.full_like(flat, flat_weight, dtype=torch.float32),
-                       torch.ones_like(flat, dtype=torch.float32))
-
-
 def make_targets(deltas: torch.Tensor, mask: torch.Tensor, t_label: float = DEFAULT_T_LABEL,
                  flat_eps: float = DEFAULT_FLAT_EPS, flat_weight: float = DEFAULT_FLAT_WEIGHT
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return ``(y [B, N], omega [B], flat [B])``."""
+    """``deltas [B, N]``, ``mask [B, N]`` -> ``(y [B, N], omega [B], flat [B])`` as in the module docstring
+    (``y`` zero on padding; N = 1 is always flat)."""
     check_target_args(t_label, flat_eps, flat_weight)
-    flat = flat_samples(deltas, mask, flat_eps)
-    return soft_targets(deltas, mask, t_label), sample_weights(flat, flat_weight), flat
+    y = torch.softmax((deltas / t_label).masked_fill(~mask, float("-inf")), dim=1).masked_fill(~mask, 0.0)
+    flat = (masked_max(deltas, mask) - masked_min(deltas, mask)) <= flat_eps
+    return y, torch.ones_like(flat, dtype=torch.float32).masked_fill(flat, flat_weight), flat
 
 
 def kl_per_sample(y: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

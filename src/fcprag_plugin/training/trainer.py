@@ -7,22 +7,15 @@ Notebook use::
     print(result.table)            # validation metrics next to the uniform / random baselines
     result.controller              # the trained FusionController (also saved in runs/ctrl)
 
-Output directory::
-
-    config.json, model.safetensors   the trained controller (load with FusionController.from_pretrained)
-    training_args.json               every argument, the label files' sha256, sizes, library versions
-    metrics.json                     validation metrics (training-set metrics when there is no validation
-                                     data) next to the baselines, the cross-validated gain over uniform with
-                                     its 95% CI and verdict (``cv``), skipped records, timings
-    cv.json                          the cross-validation result (reused by resume=True)
-    train_log.jsonl                  one line per epoch: losses, val top-1, mean g, seconds
-    checkpoint/                      the last finished epoch (for resume=True)
-    plots/*.png                      with plots=True
+The output directory (controller, training_args.json, metrics.json, cv.json, train_log.jsonl, checkpoint/,
+plots/) is described in ``docs/label-format.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -33,10 +26,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from ..controller import ControllerConfig, FusionController
 from ..errors import FcpragError, LabelFileError
 from ..features import SIDE_FEATURES, center_side
+from ..weights import finite_or_none as _clean
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
 from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
@@ -189,13 +184,12 @@ def check_no_leak(train: Sequence[LabelRecord], val: Sequence[LabelRecord]) -> N
     by_group = {r.group: r for r in train if r.group is not None}
     for r in val:
         if r.id in by_id:
-            t = by_id[r.id]
-            raise LabelFileError(f"{r.where}: field 'id': '{r.id}' is also a training record ({t.where}); "
+            raise LabelFileError(f"{r.where}: field 'id': '{r.id}' is also a training record ({by_id[r.id].where}); "
                                  "expected disjoint train and validation queries")
-        if r.group is not None and r.group in by_group:
-            t = by_group[r.group]
-            raise LabelFileError(f"{r.where}: field 'group': '{r.group}' also has training records ({t.where}); "
-                                 "expected every group entirely in train or in validation")
+        if r.group in by_group:
+            raise LabelFileError(f"{r.where}: field 'group': '{r.group}' also has training records "
+                                 f"({by_group[r.group].where}); expected every group entirely in train or in "
+                                 "validation")
 
 
 def split_records(records: Sequence[LabelRecord], val_fraction: float, seed: int
@@ -236,15 +230,8 @@ def resolve_encoder(encoder: Any) -> tuple[str, Any]:
         return str(encoder.name), encoder
     from ..encoding import get_encoder, resolve_model
 
-    name, _ = resolve_model(encoder)
-    loaded: list[Any] = []
-
-    def factory() -> Any:  # load once, on first need, shared by the train and validation sets
-        if not loaded:
-            loaded.append(get_encoder(encoder))  # the process-wide one (fuse() and the shims share it)
-        return loaded[0]
-
-    return name, factory
+    # loaded once, on first need, shared by the train and validation sets: the process-wide encoder
+    return resolve_model(encoder)[0], functools.cache(lambda: get_encoder(encoder))
 
 
 def open_cache(cache_dir: str | Path | None, model_name: str, dim: int | None) -> EmbeddingCache | None:
@@ -258,26 +245,13 @@ def _versions() -> dict[str, str]:
 
     out = {}
     for pkg in ("fcprag-plugin", "torch", "transformers", "peft", "sentence-transformers"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):
             out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
     return out
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, allow_nan=False, default=str) + "\n", encoding="utf-8")
-
-
-def _clean(obj: Any) -> Any:
-    """NaN/inf -> None so the JSON stays standard."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return obj
+    path.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False, default=str) + "\n", encoding="utf-8")
 
 
 def side_scales(data: LabelTensors) -> list[float] | None:
@@ -291,8 +265,7 @@ def side_scales(data: LabelTensors) -> list[float] | None:
 
 
 def make_optimizer(controller: FusionController, args: TrainArgs) -> torch.optim.Optimizer:
-    """AdamW; the fused CPU kernel when this torch has it (one pass over memory instead of ~10 per step, which
-    is most of a step's time for a 5M-parameter net at batch 32)."""
+    """AdamW; the fused kernel (one pass over memory per step) when this torch has it."""
     try:
         return torch.optim.AdamW(controller.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
     except (RuntimeError, TypeError, ValueError):
@@ -301,15 +274,9 @@ def make_optimizer(controller: FusionController, args: TrainArgs) -> torch.optim
 
 # ---------------------------------------------------------------------------------------------- trainer
 class Trainer:
-    """Holds the data, the controller and the optimizer; :meth:`fit` runs (or resumes) the epochs.
-
-    Args:
-        train: training data (see :func:`build_tensors`); ``val`` may be None.
-        out: output directory.
-        args: :class:`TrainArgs`.
-        embedding_model: the encoder's name, recorded in the controller config.
-        info: extra provenance written to ``training_args.json``.
-    """
+    """Holds the data (``val`` may be None), the controller and the optimizer; :meth:`fit` runs (or resumes) the
+    epochs into ``out``. ``embedding_model`` is recorded in the controller config, ``info`` (provenance) in the
+    checkpoint state."""
 
     def __init__(self, train: LabelTensors, val: LabelTensors | None, out: str | Path | None, args: TrainArgs,
                  embedding_model: str, info: dict[str, Any] | None = None) -> None:
@@ -350,11 +317,12 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(self.controller.parameters(), self.args.grad_clip)
             self.optimizer.step()
             w = float(b.omega.sum()) if self.args.objective == "kl" else float(len(b.index))
-            total += float(loss.detach()) * w
+            value = float(loss.detach())
+            total += value * w
             weight += w
             if progress is not None:
                 progress.update(len(b.index))
-                progress.set_postfix(loss=f"{float(loss.detach()):.4f}", refresh=False)
+                progress.set_postfix(loss=f"{value:.4f}", refresh=False)
         return total / weight if weight > 0 else 0.0
 
     def validate(self) -> dict[str, Any]:
@@ -373,11 +341,8 @@ class Trainer:
         return best_kappa(o["wt"], self.train_data.deltas, self.train_data.mask, self.risk_lambda)
 
     # -------------------------------------------------------------------- state
-    def _args_dict(self) -> dict[str, Any]:
-        return asdict(self.args)
-
     def _state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "history": self.history, "args": self._args_dict(), "precision": self.precision,
+        return {"epoch": self.epoch, "history": self.history, "args": asdict(self.args), "precision": self.precision,
                 "info_label_sha256": self.info.get("label_sha256")}
 
     def resume(self) -> bool:
@@ -386,7 +351,7 @@ class Trainer:
         if state is None:
             logger.warning("%s: no checkpoint found, training from scratch", self.out / CHECKPOINT_DIR)
             return False
-        old, new = state.get("args", {}), self._args_dict()
+        old, new = state.get("args", {}), asdict(self.args)
         diff = sorted(k for k in set(old) | set(new) if k not in _RESUME_FREE and old.get(k) != new.get(k))
         if diff:
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, argument(s) {diff} differ from the "
@@ -414,17 +379,11 @@ class Trainer:
         log_path.write_text("".join(json.dumps(_clean(h)) + "\n" for h in self.history), encoding="utf-8")
         if self.epoch >= epochs:
             return self.history
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            n = len(self.train_data)
-            bar = tqdm(total=n * (epochs - self.epoch), unit="rec", desc="training", dynamic_ncols=True)
-        try:
+        with tqdm(total=len(self.train_data) * (epochs - self.epoch), unit="rec", desc="training",
+                  dynamic_ncols=True, disable=not progress) as bar:
             while self.epoch < epochs:
                 t0 = time.perf_counter()
-                if bar is not None:
-                    bar.set_description(f"epoch {self.epoch + 1}/{epochs}")
+                bar.set_description(f"epoch {self.epoch + 1}/{epochs}")
                 train_loss = self.train_epoch(bar)
                 train_s = time.perf_counter() - t0
                 row = {"epoch": self.epoch + 1, "train_loss": train_loss, **self.validate(),
@@ -434,11 +393,8 @@ class Trainer:
                 self.history.append(_clean(row))
                 save_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen, self._state())
                 with log_path.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(_clean(row)) + "\n")
+                    f.write(json.dumps(self.history[-1]) + "\n")
                 logger.info("epoch %d: %s", self.epoch, {k: v for k, v in row.items() if k != "epoch"})
-        finally:
-            if bar is not None:
-                bar.close()
         return self.history
 
 
@@ -449,25 +405,21 @@ def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: 
 
     Args:
         labels: label file path (JSON Lines or JSON array), a :class:`LabelSet` or a list of records.
-        out: output directory.
         val: an explicit validation label file / set (else a group-based split of ``labels``).
         encoder: a ``TextEncoder``, a model name/path, or None for the default model (loaded only when a text is
             not in the embedding cache).
         resume: continue from ``out/checkpoint`` (the arguments must match, except ``epochs`` and a few others).
         overwrite: allow training into a directory that already holds a run.
-        progress: tqdm progress bars.
-        **kwargs: :class:`TrainArgs` fields (epochs, batch_size, lr, weight_decay, seed, t_label, flat_eps,
-            flat_weight, val_fraction, on_error, precision, grad_clip, cache_dir, threads, plots, controller,
-            objective, risk_lambda, cv_folds, kappa, side_features).
+        **kwargs: :class:`TrainArgs` fields.
 
     With ``cv_folds`` (default 5) grouped cross-validation first chooses how many epochs (0 .. ``epochs``) to
     train, by held-out gain over uniform (:mod:`.cv`); the result is in ``metrics["cv"]``, the saved config's
     ``cv`` and :attr:`TrainResult.table`.
     """
-    unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(TrainArgs)})
+    names = [f.name for f in dataclasses.fields(TrainArgs)]
+    unknown = sorted(set(kwargs) - set(names))
     if unknown:
-        raise FcpragError(f"train_controller: unknown argument(s) {unknown}; expected TrainArgs fields "
-                          f"{[f.name for f in dataclasses.fields(TrainArgs)]}")
+        raise FcpragError(f"train_controller: unknown argument(s) {unknown}; expected TrainArgs fields {names}")
     if "cache_dir" in kwargs and kwargs["cache_dir"] is not None:
         kwargs["cache_dir"] = str(kwargs["cache_dir"])
     args = TrainArgs(**kwargs).validate()
@@ -531,8 +483,8 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     out.mkdir(parents=True, exist_ok=True)
     if not resume and (out / CV_NAME).exists():
         (out / CV_NAME).unlink()
-    _write_json(out / ARGS_NAME, _clean({**asdict(args), "resume": resume, "precision_used": trainer.precision,
-                                         "risk_lambda_used": trainer.risk_lambda, **info}))
+    _write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": trainer.precision,
+                                  "risk_lambda_used": trainer.risk_lambda, **info})
     t_fit = time.perf_counter()
     cv = None
     if args.cv_folds:
@@ -541,7 +493,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         cv = json.loads((out / CV_NAME).read_text(encoding="utf-8")) if (out / CV_NAME).is_file() else None
         if cv is None or cv.get("max_epochs") != args.epochs:
             cv = cross_validate(train_t, args, name, Trainer, progress)
-            _write_json(out / CV_NAME, _clean(cv))
+            _write_json(out / CV_NAME, cv)
         if trainer.epoch > cv["selected_epochs"]:
             logger.warning("%s: the checkpoint has %d epochs but cross-validation selects %d; training again from "
                            "the start", out / CHECKPOINT_DIR, trainer.epoch, cv["selected_epochs"])
@@ -559,32 +511,27 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     updates: dict[str, Any] = {"kappa": kappa}
     if cv is not None:
         updates["cv"] = {k: cv[k] for k in ("gain", "ci95", "ci_method", "verdict", "folds", "selected_epochs",
-                                            "objective", "n_groups", "metric")}
-        updates["cv"]["source"] = str(out)
+                                            "objective", "n_groups", "metric")} | {"source": str(out)}
     controller.config = dataclasses.replace(controller.config, **updates)
     controller.save_pretrained(out)
-    metrics: dict[str, Any] = {}
-    outputs: dict[str, Any] = {}
-    if val_t is not None:
-        metrics["val"], outputs = evaluate(controller, val_t, seed=args.seed, batch_size=args.eval_batch_size)
-    else:  # no validation data: report the training set instead (the per-epoch train loss is in the log anyway)
-        metrics["train"], outputs = evaluate(controller, train_t, seed=args.seed, batch_size=args.eval_batch_size)
-    metrics.update({
-        "epochs": trainer.epoch, "n_train": len(train_recs), "n_val": len(val_recs), "split": how,
+    report_on = val_t if val_t is not None else train_t  # no validation data: report the training set instead
+    report, outputs = evaluate(controller, report_on, seed=args.seed, batch_size=args.eval_batch_size)
+    metrics: dict[str, Any] = _clean({
+        "val" if val_t is not None else "train": report, "epochs": trainer.epoch, "n_train": len(train_recs), "n_val": len(val_recs), "split": how,
         "objective": args.objective, "risk_lambda": trainer.risk_lambda, "kappa": kappa,
         **({"cv": cv} if cv is not None else {}),
         "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
                              "records": [{"line": k.line, "field": k.field, "message": k.message}
                                          for k in s.skipped]}
                     for s in (train_set, val_set) if s is not None and s.skipped},
-        "timing_s": {"data": round(t_data, 3), "fit": round(t_fit, 3), "total": round(time.perf_counter() - t_start, 3)},
+        "timing_s": {"data": round(t_data, 3), "fit": round(t_fit, 3),
+                     "total": round(time.perf_counter() - t_start, 3)},
     })
-    metrics = _clean(metrics)
     _write_json(out / METRICS_NAME, metrics)
     if args.plots:
         from .plots import write_training_plots
 
-        write_training_plots(out / "plots", history, outputs, val_t if val_t is not None else train_t)
+        write_training_plots(out / "plots", history, outputs, report_on)
     result = TrainResult(controller, out, metrics, history, len(train_recs), len(val_recs))
     logger.info("wrote %s\n%s", out, result.table)
     return result
@@ -605,23 +552,22 @@ def evaluate_controller(controller: FusionController | str | Path, labels: Any, 
         controller = FusionController.from_pretrained(cdir)
         if (cdir / ARGS_NAME).is_file():
             saved_args = json.loads((cdir / ARGS_NAME).read_text(encoding="utf-8"))
-    t_label = t_label if t_label is not None else saved_args.get("t_label", DEFAULT_T_LABEL)
-    flat_eps = flat_eps if flat_eps is not None else saved_args.get("flat_eps", DEFAULT_FLAT_EPS)
-    flat_weight = flat_weight if flat_weight is not None else saved_args.get("flat_weight", DEFAULT_FLAT_WEIGHT)
+    targets = {k: v if v is not None else saved_args.get(k, d) for k, v, d in (
+        ("t_label", t_label, DEFAULT_T_LABEL), ("flat_eps", flat_eps, DEFAULT_FLAT_EPS),
+        ("flat_weight", flat_weight, DEFAULT_FLAT_WEIGHT))}
     label_set = _as_label_set(labels, on_error, "labels")
     seen = trained_on(saved_args, label_set.sha256)
     if seen:
         logger.warning("fcprag eval: %s is the label file this controller was %s on (same sha256 as in its %s); "
                        "these numbers are not a held-out evaluation", label_set.path, seen, ARGS_NAME)
-    records = label_set.records
     if encoder is None:
         encoder = controller.config.embedding_model
     name, enc = resolve_encoder(encoder)
     if getattr(enc, "dim", None) is not None:
         controller.check_encoder(enc)
     cache = open_cache(None if cache_dir is None else str(cache_dir), name, getattr(enc, "dim", None))
-    data = build_tensors(records, enc, cache, t_label=t_label, flat_eps=flat_eps, flat_weight=flat_weight,
-                         progress=progress, side_features=controller.config.side_features)
+    data = build_tensors(label_set.records, enc, cache, **targets, progress=progress,
+                         side_features=controller.config.side_features)
     if data.dim != controller.config.embed_dim:
         raise FcpragError(f"encoder '{name}' gives {data.dim}-d embeddings but the controller expects "
                           f"{controller.config.embed_dim}-d (trained with '{controller.config.embedding_model}')")
