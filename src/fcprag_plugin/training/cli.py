@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import math
 from pathlib import Path
-from typing import Iterator
 
-from ..cli import finite_float, int_at_least, positive_int
+from ..cli import check_out_file, finite_float, int_at_least, positive_int, refuse_inputs, write_json
 from ..errors import FcpragError, LabelFileError
-from .labels import ON_ERROR
-from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
 from ..features import SIDE_FEATURES
+from .checkpoint import CHECKPOINT_DIR, read_checkpoint_state
+from .evaluation import format_table
+from .labels import ON_ERROR, SkippedRecord, load_labels
+from .plots import _pyplot, write_eval_plots
+from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
 from .trainer import OBJECTIVES, PRECISIONS, TrainArgs
 
 
-# A label record is one line of a JSON Lines file: a line longer than this is refused before it is parsed (a
-# single 56 MB line once took 75 s and 7 GB to reject). Real records (a query, N passages, N numbers) are KBs.
+# A label record is one line of a JSON Lines file: a longer line is refused before it is parsed (parsing a huge
+# line costs minutes and gigabytes). Real records (a query, N passages, N numbers) are KBs.
 MAX_LINE_BYTES = 16 * 2**20
 # |delta| / t_label above this overflows float32 in softmax(delta / T) or in max - min of a record.
 MAX_SCALED_DELTA = 1e37
+# the parsed options that go to train_controller under their own names
+_TRAIN_ARGS = ("epochs", "batch_size", "lr", "weight_decay", "seed", "t_label", "flat_eps", "flat_weight",
+               "val_fraction", "on_error", "precision", "cache_dir", "threads", "plots", "objective", "risk_lambda",
+               "cv_folds", "kappa", "side_features")
 
 
 def hidden_sizes(text: str) -> list[int]:
@@ -48,33 +52,6 @@ def kappa_value(text: str) -> float | str:
     return v
 
 
-def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
-    """``fcprag train``'s options for the objective, model selection, scale and side features (issue 15); their
-    values reach :func:`~fcprag_plugin.training.trainer.train_controller` through :func:`objective_kwargs`."""
-    d = TrainArgs()
-    parser.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
-                        help="kl (default, the paper's): KL to softmax(delta / T_label); risk: maximise "
-                             "sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record (docs/label-format.md)")
-    parser.add_argument("--risk-lambda", dest="risk_lambda", type=finite_float, default=None, metavar="X",
-                        help="lambda of the risk objective (default: the pooled within-record std of the deltas)")
-    parser.add_argument("--cv-folds", dest="cv_folds", type=int_at_least(0), default=d.cv_folds, metavar="K",
-                        help="grouped k-fold cross-validation choosing the epoch count (up to --epochs; 0 = stay "
-                             "uniform) by held-out gain over uniform and stating it with a 95%% CI (default "
-                             f"{d.cv_folds}; 0: off, train exactly --epochs)")
-    parser.add_argument("--kappa", type=kappa_value, default=d.kappa, metavar="X|auto",
-                        help="global scale of the merge weights, w~ * kappa (default 1, the paper's); 'auto': tuned "
-                             "on the training labels with the risk objective")
-    parser.add_argument("--side-features", dest="side_features", nargs="+", default=[], metavar="NAME",
-                        choices=SIDE_FEATURES, help="opt-in per-passage inputs read from the label records: "
-                                                    + ", ".join(SIDE_FEATURES))
-
-
-def objective_kwargs(args: argparse.Namespace) -> dict:
-    """The ``train_controller`` keyword arguments of the options :func:`add_objective_arguments` added."""
-    return {"objective": args.objective, "risk_lambda": args.risk_lambda, "cv_folds": args.cv_folds,
-            "kappa": args.kappa, "side_features": list(args.side_features)}
-
-
 def check_line_lengths(path: str, limit: int = MAX_LINE_BYTES) -> None:
     """Refuse a label file with a line longer than ``limit`` bytes, reading it in 1 MiB blocks (never whole).
 
@@ -99,8 +76,6 @@ def check_line_lengths(path: str, limit: int = MAX_LINE_BYTES) -> None:
 def check_delta_range(label_set, t_label: float, on_error: str) -> None:
     """Refuse (or with ``on_error='skip'``, skip) records whose deltas overflow float32 once divided by
     ``t_label``: they would pass the finiteness check and turn every loss into NaN."""
-    from .labels import SkippedRecord
-
     bound = MAX_SCALED_DELTA * t_label
     keep = []
     for rec in label_set.records:
@@ -120,25 +95,16 @@ def check_delta_range(label_set, t_label: float, on_error: str) -> None:
             raise LabelFileError(f"{label_set.path}: no valid records ({len(label_set.skipped)} skipped)")
 
 
-@contextlib.contextmanager
-def _quiet_label_log() -> Iterator[None]:
-    """The reader logs skipped records; the CLI prints them itself (once), so silence the reader's copy."""
-    log = logging.getLogger("fcprag_plugin.training.labels")
-    old = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(old)
-
-
 def read_label_file(path: str, on_error: str, t_label: float):
     """The CLI's label reader: bounded line length, the library's validation, deltas in float32 range."""
-    from .labels import load_labels
-
     check_line_lengths(path)
-    with _quiet_label_log():
+    log = logging.getLogger("fcprag_plugin.training.labels")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the reader logs skipped records; _print_skipped prints them (once)
+    try:
         ls = load_labels(path, on_error)
+    finally:
+        log.setLevel(level)
     check_delta_range(ls, t_label, on_error)
     return ls
 
@@ -158,31 +124,23 @@ def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
     """Refuse a run directory that is a file, or a non-empty directory holding no training run (a controller or
     anything else the user has would be overwritten) unless ``overwrite``. A directory that holds a run is the
     trainer's business (``--resume`` / ``--overwrite``)."""
-    from .checkpoint import CHECKPOINT_DIR
-
     if out.exists() and not out.is_dir():
         raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
-    if (out.is_dir() and any(out.iterdir()) and not (out / CHECKPOINT_DIR).exists() and not overwrite):
+    if out.is_dir() and any(out.iterdir()) and not (out / CHECKPOINT_DIR).exists() and not overwrite:
         what = "--resume found no checkpoint there and it" if resume else "it"
         raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
                           f"({CHECKPOINT_DIR}/); choose a new directory or pass --overwrite to write the run into it")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ..cli import refuse_inputs
-    from .checkpoint import read_checkpoint_state
-    from .trainer import train_controller
+    from .trainer import train_controller  # looked up per call (tests replace it)
 
     refuse_inputs("--out", args.out, [("labels", args.labels), ("--val", args.val)])
     check_train_out(Path(args.out), args.overwrite, args.resume)
     train_set = read_label_file(args.labels, args.on_error, args.t_label)
     val_set = read_label_file(args.val, args.on_error, args.t_label) if args.val else None
     _print_skipped([train_set, val_set])
-    controller = {}
-    if args.score_hidden:
-        controller["score_hidden"] = args.score_hidden
-    if args.calib_hidden:
-        controller["calib_hidden"] = args.calib_hidden
+    controller = {k: getattr(args, k) for k in ("score_hidden", "calib_hidden") if getattr(args, k)}
     if args.resume:
         state = read_checkpoint_state(Path(args.out))
         done = int(state["epoch"]) if state else 0
@@ -195,12 +153,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     args.interrupt_hint = (f"{args.out}/checkpoint holds the last finished epoch; the same command with --resume "
                            "continues from there")
     res = train_controller(train_set, args.out, val=val_set, encoder=args.encoder, resume=args.resume,
-                           overwrite=args.overwrite, progress=not args.no_progress, epochs=args.epochs,
-                           batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                           t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight,
-                           val_fraction=args.val_fraction, on_error=args.on_error, precision=args.precision,
-                           cache_dir=args.cache_dir, threads=args.threads, plots=args.plots, controller=controller,
-                           **objective_kwargs(args))
+                           overwrite=args.overwrite, progress=not args.no_progress, controller=controller,
+                           **{k: getattr(args, k) for k in _TRAIN_ARGS})
     print(res.table)
     t = res.metrics["timing_s"]
     print(f"\n{res.n_train} training / {res.n_val} validation records, {res.metrics['epochs']} epochs, "
@@ -210,17 +164,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from ..cli import check_out_file, refuse_inputs
-    from .evaluation import format_table
-    from .targets import DEFAULT_T_LABEL
-    from .trainer import evaluate_controller
+    from .trainer import evaluate_controller  # looked up per call (tests replace it)
 
     inputs = [("controller", args.controller), ("labels", args.labels)]
     if args.json:
         check_out_file("--json", args.json, inputs)
     if args.plots:
-        from .plots import _pyplot
-
         _pyplot()  # a missing matplotlib stops here, not after the evaluation
         refuse_inputs("--plots", args.plots, [("labels", args.labels)])
         if Path(args.plots).exists() and not Path(args.plots).is_dir():
@@ -233,17 +182,24 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     _print_skipped([res.label_set])
     print(format_table(res.metrics, f"{args.controller} on {args.labels}"))
     if args.json:
-        from ..cli import write_json
-
         write_json(args.json, {"controller": str(args.controller), "labels": str(args.labels),
                                "metrics": res.metrics, "skipped": len(res.label_set.skipped)})
         print(f"wrote {args.json}")
     if args.plots:
-        from .plots import write_eval_plots
-
         for p in write_eval_plots(args.plots, res.outputs, res.data):
             print(f"wrote {p}")
     return 0
+
+
+def _label_options(p: argparse.ArgumentParser, encoder_help: str) -> None:
+    """The options ``fcprag train`` and ``fcprag eval`` share."""
+    p.add_argument("labels", help="label file (JSON Lines or JSON array)")
+    p.add_argument("--encoder", help=encoder_help)
+    p.add_argument("--cache-dir", help="embedding cache directory (default: $FCPRAG_CACHE_DIR or "
+                                       "~/.cache/fcprag/embeddings)")
+    p.add_argument("--on-error", choices=ON_ERROR, default="fail",
+                   help="fail at the first bad record (default) or skip bad records and report them")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -251,45 +207,51 @@ def register(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train a fusion controller from a leave-one-out label file",
                        description="Train a FusionController on LABELS (JSON Lines or a JSON array; see "
                                    "docs/label-format.md) and write it to --out.")
-    t.add_argument("labels", help="label file (JSON Lines or JSON array)")
+    _label_options(t, "embedding model name or path (default: BAAI/bge-base-en-v1.5 when cached, else the packaged "
+                      "all-MiniLM-L6-v2)")
     t.add_argument("--out", required=True, help="output directory (controller + training_args/metrics/log)")
-    t.add_argument("--encoder", help="embedding model name or path (default: BAAI/bge-base-en-v1.5 when cached, "
-                                     "else the packaged all-MiniLM-L6-v2)")
     t.add_argument("--val", help="explicit validation label file (default: a group/id-based split of LABELS)")
     t.add_argument("--epochs", type=positive_int, default=d.epochs,
                    help=f"total epochs (default {d.epochs}); with --resume, the total including the finished ones")
-    t.add_argument("--batch-size", dest="batch_size", type=positive_int, default=d.batch_size,
+    t.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help=f"records per optimizer step (default {d.batch_size})")
     t.add_argument("--lr", type=finite_float, default=d.lr, help=f"AdamW learning rate (default {d.lr:g})")
-    t.add_argument("--weight-decay", dest="weight_decay", type=finite_float, default=d.weight_decay,
+    t.add_argument("--weight-decay", type=finite_float, default=d.weight_decay,
                    help=f"AdamW weight decay (default {d.weight_decay:g})")
     t.add_argument("--seed", type=int, default=d.seed, help=f"seed of the split, init and shuffling ({d.seed})")
-    t.add_argument("--t-label", dest="t_label", type=finite_float, default=DEFAULT_T_LABEL,
+    t.add_argument("--t-label", type=finite_float, default=DEFAULT_T_LABEL,
                    help="temperature of the targets y = softmax(delta / T)")
-    t.add_argument("--flat-eps", dest="flat_eps", type=finite_float, default=DEFAULT_FLAT_EPS,
+    t.add_argument("--flat-eps", type=finite_float, default=DEFAULT_FLAT_EPS,
                    help="a sample is flat when max(delta) - min(delta) <= this")
-    t.add_argument("--flat-weight", dest="flat_weight", type=finite_float, default=DEFAULT_FLAT_WEIGHT,
+    t.add_argument("--flat-weight", type=finite_float, default=DEFAULT_FLAT_WEIGHT,
                    help="sample weight of flat samples (informative samples weigh 1)")
-    t.add_argument("--val-fraction", dest="val_fraction", type=finite_float, default=d.val_fraction,
+    t.add_argument("--val-fraction", type=finite_float, default=d.val_fraction,
                    help="fraction of groups (else ids) held out for validation when --val is not given")
-    t.add_argument("--on-error", dest="on_error", choices=ON_ERROR, default="fail",
-                   help="fail at the first bad record (default) or skip bad records and report them")
     t.add_argument("--precision", choices=PRECISIONS, default=d.precision,
                    help="auto (default): bf16 on CPUs with native bfloat16 (AVX512-BF16/AMX), else fp32; bf16: the "
                         "controller's MLPs in bfloat16 with fp32 master weights")
-    t.add_argument("--score-hidden", dest="score_hidden", type=hidden_sizes, metavar="N[,N...]",
+    t.add_argument("--score-hidden", type=hidden_sizes, metavar="N[,N...]",
                    help="score net hidden sizes, e.g. 2048,1024 (default)")
-    t.add_argument("--calib-hidden", dest="calib_hidden", type=positive_int, metavar="N",
-                   help="calibration net hidden size (default 256)")
-    add_objective_arguments(t)
+    t.add_argument("--calib-hidden", type=positive_int, metavar="N", help="calibration net hidden size (default 256)")
+    t.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
+                   help="kl (default, the paper's): KL to softmax(delta / T_label); risk: maximise "
+                        "sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record (docs/label-format.md)")
+    t.add_argument("--risk-lambda", type=finite_float, default=None, metavar="X",
+                   help="lambda of the risk objective (default: the pooled within-record std of the deltas)")
+    t.add_argument("--cv-folds", type=int_at_least(0), default=d.cv_folds, metavar="K",
+                   help="grouped k-fold cross-validation choosing the epoch count (up to --epochs; 0 = stay uniform) "
+                        "by held-out gain over uniform and stating it with a 95%% CI (default "
+                        f"{d.cv_folds}; 0: off, train exactly --epochs)")
+    t.add_argument("--kappa", type=kappa_value, default=d.kappa, metavar="X|auto",
+                   help="global scale of the merge weights, w~ * kappa (default 1, the paper's); 'auto': tuned on "
+                        "the training labels with the risk objective")
+    t.add_argument("--side-features", nargs="+", default=[], metavar="NAME", choices=SIDE_FEATURES,
+                   help="opt-in per-passage inputs read from the label records: " + ", ".join(SIDE_FEATURES))
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint (the last finished epoch)")
     t.add_argument("--overwrite", action="store_true", help="start over in a directory that holds a run")
-    t.add_argument("--cache-dir", dest="cache_dir",
-                   help="embedding cache directory (default: $FCPRAG_CACHE_DIR or ~/.cache/fcprag/embeddings)")
-    t.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice; 1 is faster for small "
-                                               "nets on a busy machine)")
+    t.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads (default: torch's choice; 1 is faster for small nets on a busy machine)")
     t.add_argument("--plots", action="store_true", help="write DIR/plots/*.png (needs matplotlib)")
-    t.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bars")
     t.set_defaults(func=_cmd_train)
 
     e = sub.add_parser("eval", help="metrics of a controller on a label file, next to uniform and random baselines",
@@ -297,20 +259,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "Spearman, g/tau, weight entropy), next to the uniform (PRAG's merge) and random "
                                    "baselines on the same records. --plots writes g_tau.png and entropy.png.")
     e.add_argument("controller", help="controller directory")
-    e.add_argument("labels", help="label file (JSON Lines or JSON array)")
-    e.add_argument("--encoder", help="embedding model (default: the controller's embedding_model)")
-    e.add_argument("--cache-dir", dest="cache_dir",
-                   help="embedding cache directory (default: $FCPRAG_CACHE_DIR or ~/.cache/fcprag/embeddings)")
-    e.add_argument("--on-error", dest="on_error", choices=ON_ERROR, default="fail",
-                   help="fail at the first bad record (default) or skip bad records and report them")
-    e.add_argument("--t-label", dest="t_label", type=finite_float,
+    _label_options(e, "embedding model (default: the controller's embedding_model)")
+    e.add_argument("--t-label", type=finite_float,
                    help="target temperature (default: the controller's training_args.json, else the library's)")
-    e.add_argument("--flat-eps", dest="flat_eps", type=finite_float,
+    e.add_argument("--flat-eps", type=finite_float,
                    help="flat-sample threshold (default: from training_args.json, else the library's)")
-    e.add_argument("--flat-weight", dest="flat_weight", type=finite_float,
+    e.add_argument("--flat-weight", type=finite_float,
                    help="weight of flat samples (default: from training_args.json, else the library's)")
     e.add_argument("--seed", type=int, default=0, help="seed of the random-controller baseline")
     e.add_argument("--plots", help="write g_tau.png and entropy.png into this directory")
     e.add_argument("--json", help="write the metrics to this JSON file")
-    e.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bars")
     e.set_defaults(func=_cmd_eval)

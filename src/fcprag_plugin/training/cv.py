@@ -1,16 +1,13 @@
 """Grouped k-fold cross-validation: how many epochs to train (0 = stay uniform) and what that is worth.
 
-The training records are split into ``k`` folds by group (the record's ``group``, i.e. its question, else its id):
-the records of one question are never split across folds. For each fold a fresh controller (the same uniform
-initialisation and seed) trains on the other folds for up to ``epochs`` epochs; after every epoch its merge weights
-on the held-out fold give each held-out record's first-order gain over uniform, ``sum_i (w~_i - 1) delta_i``
-(``targets.first_order_gain``: the label metric's change, to first order, when the merge moves from PRAG's sum to
-``w~``). Epoch 0 is the initialisation, whose gain is exactly 0.
+Folds are by group (the record's ``group``, i.e. its question, else its id), so one question never spans folds.
+Per fold a fresh controller (the same uniform initialisation and seed) trains on the other folds for up to
+``epochs`` epochs; after every epoch, each held-out record's first-order gain over uniform,
+``sum_i (w~_i - 1) delta_i`` (``targets.first_order_gain``), is recorded. Epoch 0 (the initialisation) gains 0.
 
-The selected epoch count maximises the mean held-out gain over all records (ties: the fewest epochs), never a
-training loss. Its per-record held-out gains give the 95% confidence interval: a percentile bootstrap over groups
-(questions), 2,000 resamples, seeded. The selection takes a maximum over the same curve, so the interval is
-somewhat optimistic; a lower bound that does not clear 0 is the signal that matters ("unproven").
+The selected epoch count maximises the mean held-out gain (ties: the fewest epochs), never a training loss. Its
+per-record gains give the 95% CI: a seeded percentile bootstrap over groups. The selection takes a maximum over the
+same curve, so the interval is somewhat optimistic; a lower bound that does not clear 0 is "unproven".
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from .data import LabelTensors
 from .evaluation import collect_outputs
@@ -82,31 +80,21 @@ def cross_validate(data: LabelTensors, args: Any, embedding_model: str, trainer:
     gains = torch.zeros(E + 1, R, dtype=torch.float64)  # held-out gain of every record after e epochs
     kappas = torch.ones(len(folds), E + 1, dtype=torch.float64)
     fold_args = dataclasses.replace(args, cv_folds=0, plots=False)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(folds) * E, unit="epoch", desc=f"{len(folds)}-fold CV", dynamic_ncols=True)
-    try:
+    with tqdm(total=len(folds) * E, unit="epoch", desc=f"{len(folds)}-fold CV", dynamic_ncols=True,
+              disable=not progress) as bar:
         for f, held in enumerate(folds):
             held_set = set(held)
-            rest = [i for i in range(R) if i not in held_set]
-            tr = trainer(data.subset(rest), None, None, fold_args, embedding_model)
+            tr = trainer(data.subset([i for i in range(R) if i not in held_set]), None, None, fold_args,
+                         embedding_model)
             held_data = data.subset(held)
-            held_t = torch.tensor(held)
             for e in range(E + 1):
                 if e > 0:
                     tr.train_epoch()
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
                 o = collect_outputs(tr.controller, held_data, args.eval_batch_size)
                 kappa = tr.tuned_kappa() if args.kappa == "auto" else float(args.kappa)
                 kappas[f, e] = kappa
-                gains[e, held_t] = first_order_gain(kappa * o["wt"].to(torch.float64), held_data.deltas,
-                                                    held_data.mask)
-    finally:
-        if bar is not None:
-            bar.close()
+                gains[e, held] = first_order_gain(kappa * o["wt"].to(torch.float64), held_data.deltas, held_data.mask)
     curve = gains.mean(1)
     best = int(torch.argmax(curve))  # first maximum: the fewest epochs among ties (epoch 0 = uniform)
     lo, hi = bootstrap_ci(gains[best], data.groups, args.seed)

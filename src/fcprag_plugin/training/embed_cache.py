@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from ..errors import EncoderError
 
@@ -46,13 +47,8 @@ def _model_dir_name(model_name: str) -> str:
 
 
 class EmbeddingCache:
-    """Embeddings of one model, persisted under ``root``.
-
-    Args:
-        root: the cache directory (shared by all models).
-        model_name: the encoder's name; different names never share entries.
-        dim: the embedding size, when known (checked against stored shards; else taken from them).
-    """
+    """Embeddings of one model (``model_name``: different names never share entries) under the cache directory
+    ``root``. ``dim``, when known, is checked against the stored shards, else taken from them."""
 
     def __init__(self, root: str | Path, model_name: str, dim: int | None = None) -> None:
         self.root = Path(root)
@@ -74,7 +70,8 @@ class EmbeddingCache:
                     meta = st.metadata() or {}
                     keys, emb = st.get_tensor("keys"), st.get_tensor("emb")
             except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-                raise EncoderError(f"{f}: corrupt or unreadable embedding cache shard ({e}); delete it to re-encode") from e
+                raise EncoderError(f"{f}: corrupt or unreadable embedding cache shard ({e}); delete it to "
+                                   "re-encode") from e
             if meta.get("format") != CACHE_FORMAT or meta.get("model") != self.model_name:
                 raise EncoderError(f"{f}: metadata says format {meta.get('format')!r}, model {meta.get('model')!r}; "
                                    f"expected {CACHE_FORMAT!r} and {self.model_name!r}")
@@ -86,17 +83,16 @@ class EmbeddingCache:
             elif emb.shape[1] != self.dim:
                 raise EncoderError(f"{f}: embeddings are {emb.shape[1]}-d but model '{self.model_name}' gives "
                                    f"{self.dim}-d; delete the cache directory {self.dir}")
-            s = len(self._shards)
-            self._shards.append(emb.float())
             blob = keys.contiguous().numpy().tobytes()
-            for row in range(keys.shape[0]):
-                self._index[blob[32 * row:32 * row + 32]] = (s, row)
+            self._append([blob[i:i + 32] for i in range(0, len(blob), 32)], emb.float())
+
+    def _append(self, keys: list[bytes], rows: torch.Tensor) -> None:
+        s = len(self._shards)
+        self._shards.append(rows)
+        self._index.update((k, (s, row)) for row, k in enumerate(keys))
 
     def __len__(self) -> int:
         return len(self._index)
-
-    def __contains__(self, text: str) -> bool:
-        return text_key(text) in self._index
 
     def missing(self, texts: Sequence[str]) -> list[str]:
         """Distinct texts (first-seen order) that are not cached yet."""
@@ -123,10 +119,9 @@ class EmbeddingCache:
                                f"holds {self.dim}-d")
         self.dim = int(emb.shape[1])
         new: dict[bytes, int] = {}
-        for i, t in enumerate(texts):
-            k = text_key(t)
-            if k not in self._index and k not in new:
-                new[k] = i
+        for i, k in enumerate(map(text_key, texts)):
+            if k not in self._index:
+                new.setdefault(k, i)
         if not new:
             return None
         keys = torch.frombuffer(bytearray(b"".join(new)), dtype=torch.uint8).view(len(new), 32)
@@ -140,10 +135,7 @@ class EmbeddingCache:
         save_file({"keys": keys, "emb": rows}, str(tmp),
                   metadata={"format": CACHE_FORMAT, "model": self.model_name, "dim": str(self.dim)})
         os.replace(tmp, path)  # readers never see a half-written shard
-        s = len(self._shards)
-        self._shards.append(rows)
-        for row, k in enumerate(new):
-            self._index[k] = (s, row)
+        self._append(list(new), rows)
         return path
 
 
@@ -161,11 +153,8 @@ def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None
         enc = encoder() if callable(encoder) and not hasattr(encoder, "encode") else encoder
         if cache is not None and enc.name != cache.model_name:
             raise EncoderError(f"encoder '{enc.name}' does not match the cache's model '{cache.model_name}'")
-        chunks = range(0, len(missing), batch_size)
-        if progress:
-            from tqdm.auto import tqdm
-
-            chunks = tqdm(chunks, desc=f"embedding {len(missing)} texts", unit="batch")
+        chunks = tqdm(range(0, len(missing), batch_size), desc=f"embedding {len(missing)} texts", unit="batch",
+                      disable=not progress)
         fresh = torch.cat([enc.encode(missing[i:i + batch_size]) for i in chunks]).float()
         if cache is not None:
             cache.add(missing, fresh)

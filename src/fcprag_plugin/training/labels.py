@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,12 +129,8 @@ def _type_name(v: Any) -> str:
                                      dict: "object"}.get(type(v), type(v).__name__)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _number(v: Any, fld: str) -> float:
-    if not _is_number(v):
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise _RecordError(fld, f"is a {_type_name(v)} ({v!r:.60}), expected a finite number")
     if not math.isfinite(v):
         raise _RecordError(fld, f"is {v}, expected a finite number")
@@ -146,6 +143,13 @@ def _number_list(v: Any, fld: str, n: int) -> list[float]:
     if len(v) != n:
         raise _RecordError(fld, f"has {len(v)} values but 'passages' has {n}; expected one per passage")
     return [_number(x, f"{fld}[{i}]") for i, x in enumerate(v)]
+
+
+def _list_of_n(v: Any, fld: str, n: int, what: str) -> list:
+    if not isinstance(v, list) or len(v) != n:
+        got = f"{len(v)} entries" if isinstance(v, list) else f"a {_type_name(v)}"
+        raise _RecordError(fld, f"is {got}, expected a list of {n} {what} (one per passage)")
+    return v
 
 
 def _nonempty_str(v: Any, fld: str) -> str:
@@ -201,10 +205,7 @@ def validate_record(obj: Any) -> LabelRecord:
 
     adapters = obj.get("adapters")
     if adapters is not None:
-        if not isinstance(adapters, list) or len(adapters) != n:
-            got = f"{len(adapters)} entries" if isinstance(adapters, list) else f"a {_type_name(adapters)}"
-            raise _RecordError("adapters", f"is {got}, expected a list of {n} paths (one per passage)")
-        for i, a in enumerate(adapters):
+        for i, a in enumerate(_list_of_n(adapters, "adapters", n, "paths")):
             _nonempty_str(a, f"adapters[{i}]")
     answer = obj.get("answer")
     if answer is not None and not (isinstance(answer, str) or
@@ -237,11 +238,8 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
     """``adapter_stats``: one object per passage with (at least) the keys of ``features.ADAPTER_STAT_NAMES``."""
     from ..features import ADAPTER_STAT_NAMES
 
-    if not isinstance(v, list) or len(v) != n:
-        got = f"{len(v)} entries" if isinstance(v, list) else f"a {_type_name(v)}"
-        raise _RecordError("adapter_stats", f"is {got}, expected a list of {n} objects (one per passage)")
     out = []
-    for i, row in enumerate(v):
+    for i, row in enumerate(_list_of_n(v, "adapter_stats", n, "objects")):
         if not isinstance(row, dict):
             raise _RecordError(f"adapter_stats[{i}]", f"is a {_type_name(row)}, expected an object with keys "
                                                       f"{list(ADAPTER_STAT_NAMES)}")
@@ -273,22 +271,14 @@ def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | Non
     A syntax error cannot be skipped inside an array (the rest cannot be resynchronised): it always raises.
     """
     newlines = [i for i, ch in enumerate(text) if ch == "\n"]
+    ws = re.compile(r"[ \t\r\n]*")
+    dec = json.JSONDecoder()
 
     def line_of(pos: int) -> int:
         return bisect.bisect_left(newlines, pos) + 1
 
-    dec = json.JSONDecoder()
-    n = len(text)
-
-    def skip_ws(i: int) -> int:
-        while i < n and text[i] in " \t\r\n":
-            i += 1
-        return i
-
-    i = skip_ws(0)
-    assert text[i] == "["
-    i = skip_ws(i + 1)
-    if i < n and text[i] == "]":
+    i = ws.match(text, text.index("[") + 1).end()
+    if text.startswith("]", i):
         return
     while True:
         start = i
@@ -298,17 +288,17 @@ def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | Non
             raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}); a JSON-array "
                                  f"file cannot skip a broken element, fix it or use JSON Lines") from e
         yield line_of(start), value, None
-        i = skip_ws(i)
-        if i < n and text[i] == ",":
-            i = skip_ws(i + 1)
+        i = ws.match(text, i).end()
+        if text.startswith(",", i):
+            i = ws.match(text, i + 1).end()
             continue
-        if i < n and text[i] == "]":
-            tail = skip_ws(i + 1)
-            if tail != n:
+        if text.startswith("]", i):
+            tail = ws.match(text, i + 1).end()
+            if tail != len(text):
                 raise LabelFileError(f"{path}:{line_of(tail)}: unexpected text after the closing ']' of the array")
             return
-        raise LabelFileError(f"{path}:{line_of(min(i, n - 1))}: not valid JSON (expected ',' or ']' after the "
-                             f"array element that starts on line {line_of(start)})")
+        raise LabelFileError(f"{path}:{line_of(min(i, len(text) - 1))}: not valid JSON (expected ',' or ']' after "
+                             f"the array element that starts on line {line_of(start)})")
 
 
 def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
@@ -334,8 +324,6 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
         raise LabelFileError(f"{p}:{line}: not valid UTF-8 (byte {e.start})") from e
     spath = str(p)
     stripped = text.lstrip("\ufeff \t\r\n")
-    if stripped.startswith("\ufeff"):
-        stripped = stripped[1:]
     if not stripped:
         raise LabelFileError(f"{p}: label file is empty; expected JSON Lines or a JSON array of records")
     text = text.lstrip("\ufeff")
@@ -380,7 +368,7 @@ def record_to_json(rec: LabelRecord) -> dict[str, Any]:
         out["metric_without"] = list(rec.metric_without or [])
     else:
         out["deltas"] = list(rec.deltas)
-    for k in ("adapters", "answer", "metric", "group", "split", "retrieval_ranks", "retrieval_scores", "adapter_stats"):
+    for k in OPTIONAL[3:]:  # after deltas / metric_all / metric_without
         v = getattr(rec, k)
         if v is not None:
             out[k] = v
