@@ -6,19 +6,15 @@
     pi = softmax(s / tau),  w_i = g*pi_i + (1-g)/N,  w~_i = N*w_i / sum w        (combine)
     merge weights = kappa * c * w~                             kappa = 1, c = 1 unless configured
 
-``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates). A freshly built learned controller gives
-exactly that with ``init="uniform"`` (the score head's output layer is zero, so every passage gets the same
-score), which is how the trainer builds it: training moves away from PRAG's merge only as far as the data
-supports. The constructor's default stays ``init="random"`` (PyTorch's initialisation, as before).
+``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates). A learned controller built with
+``init="uniform"`` (the trainer's choice: the score head's output layer is zero, so all scores are equal) gives
+exactly that, so training moves away from PRAG's merge only as far as the data supports; the constructor's default
+``init="random"`` keeps PyTorch's initialisation.
 
-The calibration summary (:func:`features.calibration_summary`) is a masked, permutation-invariant description of
-the set: the mean pair feature, score statistics, query-passage cosine statistics and ``log N``. It lets the net
-open the gate (g -> 1) and sharpen (tau -> tau_min) when one passage clearly stands out, and fall back to uniform
-when nothing does.
-
-Side features (``side_features`` in the config, default none = the paper's features): per-passage retrieval rank,
-retrieval score and adapter statistics (:func:`features.adapter_stats`), centered within the set and divided by
-``side_scale`` (:func:`features.center_side`), appended to the score net's input only.
+The calibration summary (:func:`features.calibration_summary`, permutation-invariant) lets the net open the gate
+and sharpen when one passage stands out, and fall back to uniform when nothing does. Side features (opt-in
+``side_features``: retrieval rank, retrieval score, :func:`features.adapter_stats`) are centered within the set,
+divided by ``side_scale`` (:func:`features.center_side`) and appended to the score net's input only.
 
 Total scale: ``kappa`` (a global factor, tuned on training labels with ``fcprag train --kappa auto``) and, with
 ``query_scale``, a per-query factor ``c = 2*sigmoid(o_3)`` from a third calibration output (1 at initialisation).
@@ -59,12 +55,9 @@ INFERENCE_DTYPES = (torch.bfloat16, torch.float32)
 
 @dataclass
 class ControllerConfig:
-    """Everything needed to rebuild a controller; saved as ``config.json``.
-
-    ``init``: ``"uniform"`` (the trainer's choice) builds a learned controller whose merge weights are exactly
-    ``[1]*N``; ``"random"`` (default, as before) keeps PyTorch's initialisation (baseline modes always do). ``cv``: the trainer's
-    cross-validated evidence (``gain``, ``ci95``, ``verdict``, ...), None when there is none.
-    """
+    """Everything needed to rebuild a controller; saved as ``config.json``. ``init``: see the module docstring
+    (baseline modes always keep PyTorch's initialisation). ``cv``: the trainer's cross-validated evidence
+    (``gain``, ``ci95``, ``verdict``, ...), None when there is none."""
 
     embed_dim: int = 768
     embedding_model: str | None = None
@@ -206,8 +199,8 @@ class ScoreNet(nn.Sequential):
     """Per-passage score logits: an MLP ``d + p -> hidden... -> 1`` on ``x_i = [e_q; xp_i]``.
 
     ``forward(e_q [B, d], xp [B, N, p]) -> [B, N]`` float32 logits. The first layer never builds ``x_i``: its query
-    block is applied once per query (:func:`split_first_linear`; ~1/6 fewer FLOPs there for N = 3, same
-    parameters). Inputs are cast to the weights' dtype (a bfloat16 inference copy), outputs come back float32.
+    block is applied once per query (:func:`split_first_linear`). Inputs are cast to the weights' dtype (a bfloat16
+    inference copy), outputs come back float32.
     """
 
     def __init__(self, d_query: int, d_passage: int, hidden: Sequence[int], dropout: float) -> None:
@@ -234,7 +227,8 @@ class CalibNet(nn.Sequential):
         super().__init__(*_layers([d_in, hidden, 3 if query_scale else 2], dropout))
         self.tau_min, self.tau_max = tau_min, tau_max
 
-    def forward(self, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+    def forward(self, summary: torch.Tensor  # type: ignore[override]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         out = super().forward(summary.to(self[0].weight.dtype))
         out = out.to(torch.promote_types(out.dtype, torch.float32))
         g = torch.sigmoid(out[:, 0])
@@ -253,28 +247,27 @@ def _side_matrix(names: Sequence[str], n: int, retrieval_ranks: Any, retrieval_s
                               f"{', '.join(missing)} (one value per passage) to use it")
     cols = []
     for nm in names:
-        v = given[nm]
-        if nm == "adapter_stats":
-            rows = [adapter_stats(a) if hasattr(a, "modules") else a for a in v]
-            if len(rows) != n:
-                raise ControllerError(f"adapter_stats= has {len(rows)} entries for {n} passages; expected one each")
-            try:
-                mat = [[float(r[k]) for k in ADAPTER_STAT_NAMES] if isinstance(r, dict) else [float(x) for x in r]
-                       for r in rows]
-            except (KeyError, TypeError, ValueError) as e:
-                raise ControllerError(f"adapter_stats=: expected a LoraAdapter, a dict with keys "
-                                      f"{list(ADAPTER_STAT_NAMES)} or a list of {len(ADAPTER_STAT_NAMES)} numbers per "
-                                      f"passage ({e})") from e
-            t = torch.tensor(mat, dtype=torch.float32)
-            if t.shape != (n, len(ADAPTER_STAT_NAMES)):
-                raise ControllerError(f"adapter_stats= gives shape {list(t.shape)}, expected "
-                                      f"[{n}, {len(ADAPTER_STAT_NAMES)}]")
-            cols.append(t)
-        else:
-            t = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
+        if nm != "adapter_stats":
+            t = torch.as_tensor(given[nm], dtype=torch.float32).reshape(-1)
             if t.numel() != n:
                 raise ControllerError(f"{nm}s= has {t.numel()} values for {n} passages; expected one each")
             cols.append(t.unsqueeze(1))
+            continue
+        rows = [adapter_stats(a) if hasattr(a, "modules") else a for a in given[nm]]
+        if len(rows) != n:
+            raise ControllerError(f"adapter_stats= has {len(rows)} entries for {n} passages; expected one each")
+        try:
+            mat = [[float(r[k]) for k in ADAPTER_STAT_NAMES] if isinstance(r, dict) else [float(x) for x in r]
+                   for r in rows]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ControllerError(f"adapter_stats=: expected a LoraAdapter, a dict with keys "
+                                  f"{list(ADAPTER_STAT_NAMES)} or a list of {len(ADAPTER_STAT_NAMES)} numbers per "
+                                  f"passage ({e})") from e
+        t = torch.tensor(mat, dtype=torch.float32)
+        if t.shape != (n, len(ADAPTER_STAT_NAMES)):
+            raise ControllerError(f"adapter_stats= gives shape {list(t.shape)}, expected "
+                                  f"[{n}, {len(ADAPTER_STAT_NAMES)}]")
+        cols.append(t)
     side = torch.cat(cols, 1)
     if not bool(torch.isfinite(side).all()):
         raise ControllerError(f"side features {list(names)} contain non-finite values")
@@ -292,15 +285,13 @@ class FusionController(nn.Module):
         super().__init__()
         config = config or ControllerConfig(**kwargs)
         self.config = config.validate()
-        if config.seed is not None:
-            gen_state = torch.random.get_rng_state()
-            torch.manual_seed(config.seed)
         d, k = config.embed_dim, len(config.side_columns)
-        self.score_net = ScoreNet(d, 3 * d + k, config.score_hidden, config.dropout)
-        self.calib_net = CalibNet(4 * d + CALIB_STATS, config.calib_hidden, config.dropout, config.tau_min,
-                                  config.tau_max, config.query_scale)
-        if config.seed is not None:
-            torch.random.set_rng_state(gen_state)
+        with torch.random.fork_rng(devices=[], enabled=config.seed is not None):  # the global RNG is left alone
+            if config.seed is not None:
+                torch.manual_seed(config.seed)
+            self.score_net = ScoreNet(d, 3 * d + k, config.score_hidden, config.dropout)
+            self.calib_net = CalibNet(4 * d + CALIB_STATS, config.calib_hidden, config.dropout, config.tau_min,
+                                      config.tau_max, config.query_scale)
         if config.init == "uniform" and config.mode == "learned":  # baselines keep their own (random) nets
             self.reset_to_uniform_()
         scale = config.side_scale if config.side_scale is not None else [1.0] * k
@@ -313,12 +304,10 @@ class FusionController(nn.Module):
         """Zero both heads' output layers: every passage gets the same score (so ``w~ = [1]*N`` exactly, whatever
         the gate), the gate starts at ``GATE_INIT``, tau mid-range and the per-query scale at 1. The hidden layers
         keep their random initialisation, so the first step already has gradients for them."""
-        self.score_net[-1].weight.zero_()
-        self.score_net[-1].bias.zero_()
-        last = self.calib_net[-1]
-        last.weight.zero_()
-        last.bias.zero_()
-        last.bias[0] = math.log(GATE_INIT / (1 - GATE_INIT))
+        for last in (self.score_net[-1], self.calib_net[-1]):
+            last.weight.zero_()
+            last.bias.zero_()
+        self.calib_net[-1].bias[0] = math.log(GATE_INIT / (1 - GATE_INIT))
         return self
 
     # ------------------------------------------------------------------ constructors for the baselines
@@ -400,9 +389,7 @@ class FusionController(nn.Module):
                                     ones.new_full((B,), c.tau_max), w, mw, full_mask, scale)  # w~ = 1: PRAG's merge
         # features
         xp = passage_features(e_q, E_p)
-        side_x = None
-        if c.side_features and c.scorer == "mlp":
-            side_x = center_side(side.to(p), mask, p)
+        side_x = center_side(side.to(p), mask, p) if c.side_features and c.scorer == "mlp" else None
         # score
         s = self.score(e_q, E_p, xp, side_x)
         if mask is not None:
@@ -425,16 +412,11 @@ class FusionController(nn.Module):
     def for_inference(self, dtype: torch.dtype = torch.bfloat16) -> "FusionController":
         """A copy for fast inference: eval mode, frozen parameters, the two MLPs' weights in ``dtype``.
 
-        Batch-1 inference is memory-bound (the score net streams its whole weight matrix per call, 21 MB in
-        float32 for d = 384): ``torch.bfloat16`` halves the bytes. Only the MLPs change: features, set statistics,
-        sigmoid/softmax and the weights stay float32. ``torch.float32`` gives a frozen float32 copy.
-
-        Accuracy (tested in ``tests/test_controller.py`` on a random controller sharpened to a trained one's
-        regime: gate ~0.98, tau at its floor, so score errors are amplified ~20x in ``w~``): ``|s - s_fp32| <=
-        5e-3``, ``|w~ - w~_fp32| <= 0.08``, and the same passage ranking wherever the float32 scores are at least
-        2e-2 apart. ``load_state_dict`` converts into the copy's dtype; ``save_pretrained`` of a bfloat16 copy writes
-        its bfloat16-rounded weights as float32 (save the original to keep full precision). Calling the copy in
-        train mode is an error.
+        Batch-1 inference is memory-bound (the score net streams its whole weight matrix per call), so
+        ``torch.bfloat16`` halves the bytes; features, set statistics, sigmoid/softmax and the weights stay float32.
+        ``torch.float32`` gives a frozen float32 copy. The bfloat16 error bounds are tested in
+        ``tests/test_controller.py``. ``save_pretrained`` of a bfloat16 copy writes its rounded weights as float32
+        (save the original to keep full precision). Calling the copy in train mode is an error.
         """
         if dtype not in INFERENCE_DTYPES:
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
@@ -551,7 +533,8 @@ class FusionController(nn.Module):
         own = model.state_dict()
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or extra:
-            raise ControllerError(f"{w_path}: weights do not match the config: missing {missing[:4]}, unexpected {extra[:4]}")
+            raise ControllerError(f"{w_path}: weights do not match the config: missing {missing[:4]}, "
+                                  f"unexpected {extra[:4]}")
         for k, v in state.items():
             if tuple(v.shape) != tuple(own[k].shape):
                 raise ControllerError(f"{w_path}: key '{k}' has shape {list(v.shape)}, the config implies "

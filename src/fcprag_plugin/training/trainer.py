@@ -67,9 +67,8 @@ class TrainArgs:
     flat_weight: float = DEFAULT_FLAT_WEIGHT
     val_fraction: float = 0.1
     on_error: str = "fail"
-    # bf16: the controller's two MLPs run under torch.autocast(bfloat16) (fp32 master weights, optimizer and loss;
-    # the per-epoch validation in the log too, the final metrics.json in fp32); auto: bf16 where the CPU has native
-    # bfloat16 (AVX512-BF16/AMX), else fp32. The resolved choice is in training_args.json.
+    # fp32 | bf16 (the MLPs under torch.autocast, see precision.py; the final metrics.json is fp32) | auto: bf16
+    # where the CPU has native bfloat16, else fp32. The resolved choice is in training_args.json.
     precision: str = "auto"
     grad_clip: float | None = None
     eval_batch_size: int = 512
@@ -77,12 +76,9 @@ class TrainArgs:
     threads: int | None = None  # torch intra-op threads for this run (None: torch's default)
     plots: bool = False
     controller: dict[str, Any] = field(default_factory=dict)  # ControllerConfig overrides, e.g. score_hidden
-    # "kl": the paper's KL to softmax(delta / t_label); "risk": the risk-aware objective (targets.risk_objective)
-    objective: str = "kl"
+    objective: str = "kl"  # "kl": the paper's KL to softmax(delta / t_label); "risk": see targets.py
     risk_lambda: float | None = None  # None: estimated from the training labels (targets.estimate_lambda)
-    # grouped k-fold cross-validation on the training records: selects the epoch count (0 = stay uniform) by the
-    # held-out first-order gain over uniform and states it with a 95% CI; 0 turns it off (train `epochs` epochs)
-    cv_folds: int = 5
+    cv_folds: int = 5  # grouped k-fold CV choosing the epoch count (cv.py); 0: off, train `epochs` epochs
     kappa: float | str = 1.0  # global scale of the merge weights; "auto": tuned on the training labels
     side_features: list[str] = field(default_factory=list)  # opt-in per-passage inputs (features.SIDE_FEATURES)
 
