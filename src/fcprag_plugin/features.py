@@ -1,10 +1,8 @@
-"""Query-passage pair features ``x_i = [e_q; e_p_i; e_q*e_p_i; |e_q-e_p_i|]``.
+"""Query-passage pair features ``x_i = [e_q; e_p_i; e_q*e_p_i; |e_q-e_p_i|]``, set statistics and side features.
 
-The first block of ``x_i`` is the same for every passage of a query. The controller therefore never builds ``x``:
-it keeps the per-passage part ``[e_p_i; e_q*e_p_i; |e_q-e_p_i|]`` (:func:`passage_features`) and applies the query
-block of a first-layer weight once per query (see ``controller.split_first_linear``).
-
-The ``masked_*`` reductions take ``mask=None`` for "every entry is real" (no masking ops at all).
+The controller never builds ``x``: it keeps the per-passage part (:func:`passage_features`) and applies the query
+block of a first-layer weight once per query (``controller.split_first_linear``). The ``masked_*`` reductions take
+``mask=None`` for "every entry is real" (no masking ops at all).
 """
 
 from __future__ import annotations
@@ -109,23 +107,16 @@ def adapter_stats(adapter: Any) -> dict[str, float]:
     Per target group ``g`` in :data:`ADAPTER_GROUPS`: ``log_norm_g = log(sum over g's modules (all layers) of
     ||s B A||_F + 1e-8)``, where ``||B A||_F^2 = trace((B^T B)(A A^T))`` uses only ``r x r`` Gram products;
     ``log_norm_all`` the same over every module; ``rank`` and ``scaling`` the mean LoRA rank and scaling over the
-    modules. An adapter trained for more steps has larger updates (its leave-one-out gain tends to be larger).
-    Returns a dict with the keys :data:`ADAPTER_STAT_NAMES`, in that order.
+    modules. Returns a dict with the keys :data:`ADAPTER_STAT_NAMES`, in that order.
     """
     mods = getattr(adapter, "modules", None)
     if not isinstance(mods, dict) or not mods:
         raise ValueError(f"adapter_stats expects a LoraAdapter with at least one module, got {type(adapter).__name__}")
     norms = adapter.norms()  # per module ||s B A||_F from r x r Gram products (LoraAdapter.norms)
-    group_norm = dict.fromkeys(ADAPTER_GROUPS, 0.0)
-    total = 0.0
-    for name in mods:
-        norm = abs(norms[name]["delta"])
-        total += norm
-        group = name.rsplit(".", 1)[-1]
-        if group in group_norm:
-            group_norm[group] += norm
+    norm = {name: abs(norms[name]["delta"]) for name in mods}
+    group_norm = {g: sum(v for name, v in norm.items() if name.rsplit(".", 1)[-1] == g) for g in ADAPTER_GROUPS}
     out = {f"log_norm_{g}": math.log(v + _NORM_FLOOR) for g, v in group_norm.items()}
-    out["log_norm_all"] = math.log(total + _NORM_FLOOR)
+    out["log_norm_all"] = math.log(sum(norm.values()) + _NORM_FLOOR)
     out["rank"] = sum(int(m.A.shape[0]) for m in mods.values()) / len(mods)
     out["scaling"] = sum(float(m.scaling) for m in mods.values()) / len(mods)
     return out

@@ -1,8 +1,7 @@
-"""The weights of one fusion, as one object from the controller to the merge and the logs.
+"""The weights of one fusion (:class:`FusionWeights`), one object from the controller to the merge and the logs.
 
-:class:`FusionWeights` is what :meth:`FusionWeights.for_query` (the controller's prediction, or uniform) hands to
-:func:`~fcprag_plugin.fusion.fuse`, the shims and their logs; :func:`is_uniform` is the one place that decides
-whether a controller gives PRAG's uniform merge. :func:`check_weights` is the one check every merge applies.
+:func:`is_uniform` is the one place that decides whether a controller gives PRAG's uniform merge;
+:func:`check_weights` is the one check every merge applies.
 """
 
 from __future__ import annotations

@@ -27,11 +27,7 @@ def native_bf16() -> bool:
     faster than float32. Elsewhere oneDNN emulates them and float32 is the better choice."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = set()
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16"}) and torch.backends.mkldnn.is_available()
