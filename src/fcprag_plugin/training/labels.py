@@ -1,16 +1,12 @@
-"""Leave-one-out label files: parsing and validation (JSON Lines or a JSON array).
+"""Leave-one-out label files: parsing and validation (JSON Lines or a JSON array; the format is in
+``docs/label-format.md`` and ``schemas/labels.schema.json``).
 
-A record describes one training query and its N passages (one adapter each)::
-
-    {"id": "q1", "query": "...", "passages": ["...", "..."], "deltas": [0.4, -0.1]}
-    {"id": "q2", "query": "...", "passages": ["...", "..."], "metric_all": 0.8, "metric_without": [0.2, 0.8]}
-
-``delta_i = metric_all - metric_without_i``: how much the answer got worse when passage i's adapter was left out.
-The full format is in ``docs/label-format.md`` and ``schemas/labels.schema.json``.
+A record is one training query and its N passages (one adapter each) with ``deltas`` or ``metric_all`` +
+``metric_without`` (``delta_i = metric_all - metric_without_i``: how much the answer got worse without passage i).
 
 Every problem is reported as ``FILE:LINE: field 'NAME': what is wrong (expected ...)``. With ``on_error="fail"``
 (the default) the first bad record raises :class:`LabelFileError`; with ``"skip"`` bad records are left out and
-listed in :attr:`LabelSet.skipped` (nothing is changed silently: a record is either kept exactly or skipped).
+listed in :attr:`LabelSet.skipped` (a record is either kept exactly or skipped).
 """
 
 from __future__ import annotations
@@ -118,10 +114,6 @@ class _RecordError(Exception):
         super().__init__(message)
         self.field = field
         self.message = message
-
-
-def _fmt(path: str, line: int, fld: str | None, message: str) -> str:
-    return f"{path}:{line}: field '{fld}': {message}" if fld else f"{path}:{line}: {message}"
 
 
 def _type_name(v: Any) -> str:
@@ -254,7 +246,7 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
 
 
 # ---------------------------------------------------------------------------------------------- raw parsing
-def _iter_jsonl(text: str, path: str) -> Iterator[tuple[int, Any, str | None]]:
+def _iter_jsonl(text: str) -> Iterator[tuple[int, Any, str | None]]:
     """Yield ``(line, value, parse_error)`` per non-blank line."""
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -327,7 +319,7 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
     if not stripped:
         raise LabelFileError(f"{p}: label file is empty; expected JSON Lines or a JSON array of records")
     text = text.lstrip("\ufeff")
-    items = _iter_json_array(text, spath) if stripped.startswith("[") else _iter_jsonl(text, spath)
+    items = _iter_json_array(text, spath) if stripped.startswith("[") else _iter_jsonl(text)
 
     records: list[LabelRecord] = []
     skipped: list[SkippedRecord] = []
@@ -341,7 +333,7 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
                 raise _RecordError("id", f"'{rec.id}' is a duplicate (first seen on line {seen[rec.id]}); "
                                          "expected unique ids")
         except _RecordError as e:
-            msg = _fmt(spath, lineno, e.field, e.message)
+            msg = f"{spath}:{lineno}: " + (f"field '{e.field}': " if e.field else "") + e.message
             if on_error == "fail":
                 raise LabelFileError(msg) from None
             skipped.append(SkippedRecord(spath, lineno, e.field, msg))
