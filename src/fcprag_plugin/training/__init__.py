@@ -1,8 +1,8 @@
 """Train a :class:`~fcprag_plugin.controller.FusionController` from leave-one-out label files.
 
-Modules: ``labels`` (parse + validate), ``targets`` (soft targets, flat samples, the loss), ``embed_cache``
-(on-disk embeddings), ``data`` (padded batches), ``trainer`` (the loop, checkpoints, outputs), ``metrics``,
-``plots``, ``cli`` (``fcprag train`` / ``fcprag eval``).
+Modules: ``labels`` (parse + validate), ``targets`` (soft targets, the objectives), ``embed_cache`` (on-disk
+embeddings), ``data`` (padded batches), ``trainer`` (the loop, outputs), ``cv`` (epoch selection), ``checkpoint``,
+``evaluation`` (metrics), ``plots``, ``cli`` (``fcprag train`` / ``fcprag eval``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from .data import LabelTensors
 from .evaluation import collect_outputs
-from .targets import best_kappa, first_order_gain
+from .targets import first_order_gain
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Train a :class:`FusionController` on leave-one-out label files (orchestration; math in ``targets``/``metrics``).
+"""Train a :class:`FusionController` on leave-one-out label files (orchestration; math in ``targets``, ``evaluation``).
 
 Notebook use::
 
@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ..controller import ControllerConfig, FusionController
 from ..errors import FcpragError, LabelFileError
 from ..features import SIDE_FEATURES, center_side
-from ..weights import finite_or_none as _clean
+from ..weights import finite_or_none
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
 from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
@@ -247,7 +247,7 @@ def _versions() -> dict[str, str]:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False, default=str) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(finite_or_none(obj), indent=2, allow_nan=False, default=str) + "\n", encoding="utf-8")
 
 
 def side_scales(data: LabelTensors) -> list[float] | None:
@@ -372,7 +372,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         log_path = self.out / LOG_NAME
         # the log always mirrors the checkpoint's history (an epoch after the checkpoint never happened)
-        log_path.write_text("".join(json.dumps(_clean(h)) + "\n" for h in self.history), encoding="utf-8")
+        log_path.write_text("".join(json.dumps(finite_or_none(h)) + "\n" for h in self.history), encoding="utf-8")
         if self.epoch >= epochs:
             return self.history
         with tqdm(total=len(self.train_data) * (epochs - self.epoch), unit="rec", desc="training",
@@ -386,7 +386,7 @@ class Trainer:
                        "seconds": round(time.perf_counter() - t0, 3),
                        "records_per_s": round(len(self.train_data) / max(train_s, 1e-9), 1), "lr": self.args.lr}
                 self.epoch += 1
-                self.history.append(_clean(row))
+                self.history.append(finite_or_none(row))
                 save_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen, self._state())
                 with log_path.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(self.history[-1]) + "\n")
@@ -477,8 +477,8 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         logger.warning("%s: overwriting the previous run", out)
         shutil.rmtree(out / CHECKPOINT_DIR)  # a later --resume must never pick up the old run's state
     out.mkdir(parents=True, exist_ok=True)
-    if not resume and (out / CV_NAME).exists():
-        (out / CV_NAME).unlink()
+    if not resume:
+        (out / CV_NAME).unlink(missing_ok=True)
     _write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": trainer.precision,
                                   "risk_lambda_used": trainer.risk_lambda, **info})
     t_fit = time.perf_counter()
@@ -512,8 +512,9 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     controller.save_pretrained(out)
     report_on = val_t if val_t is not None else train_t  # no validation data: report the training set instead
     report, outputs = evaluate(controller, report_on, seed=args.seed, batch_size=args.eval_batch_size)
-    metrics: dict[str, Any] = _clean({
-        "val" if val_t is not None else "train": report, "epochs": trainer.epoch, "n_train": len(train_recs), "n_val": len(val_recs), "split": how,
+    metrics: dict[str, Any] = finite_or_none({
+        "val" if val_t is not None else "train": report,
+        "epochs": trainer.epoch, "n_train": len(train_recs), "n_val": len(val_recs), "split": how,
         "objective": args.objective, "risk_lambda": trainer.risk_lambda, "kappa": kappa,
         **({"cv": cv} if cv is not None else {}),
         "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
@@ -568,7 +569,7 @@ def evaluate_controller(controller: FusionController | str | Path, labels: Any, 
         raise FcpragError(f"encoder '{name}' gives {data.dim}-d embeddings but the controller expects "
                           f"{controller.config.embed_dim}-d (trained with '{controller.config.embedding_model}')")
     metrics, outputs = evaluate(controller, data, seed=seed, batch_size=batch_size)
-    return EvalResult(_clean(metrics), outputs, data, label_set, seen)
+    return EvalResult(finite_or_none(metrics), outputs, data, label_set, seen)
 
 
 def trained_on(saved_args: dict[str, Any], sha256: str) -> str | None:
