@@ -519,11 +519,8 @@ class FusionController(nn.Module):
         if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
             raise ControllerError(f"{cfg_path}: key 'format_version' is {raw['format_version']}, newer than this "
                                   f"library supports ({FORMAT_VERSION}); upgrade fcprag-plugin")
-        try:
-            config = ControllerConfig(**raw)
-        except TypeError as e:
-            raise ControllerError(f"{cfg_path}: {e}") from e
-        model = cls(config.validate(str(cfg_path)))
+        config = ControllerConfig(**raw).validate(str(cfg_path))  # every key is a field (checked above)
+        model = cls(config)
         if not w_path.is_file():
             raise ControllerError(f"{w_path}: controller weights not found")
         try:

@@ -63,14 +63,12 @@ def read_checkpoint_state(out: Path) -> dict[str, Any] | None:
 
 
 def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,
-                    shuffle_gen: torch.Generator) -> dict[str, Any]:
-    """Restore controller weights, optimizer state and RNG states in place; return the saved state dict."""
+                    shuffle_gen: torch.Generator) -> None:
+    """Restore controller weights, optimizer state and RNG states in place (the caller has read the state with
+    :func:`read_checkpoint_state`)."""
     from safetensors import safe_open
 
     ckpt = out / CHECKPOINT_DIR
-    state = read_checkpoint_state(out)
-    if state is None:
-        raise FcpragError(f"{ckpt}: no checkpoint to resume from ({STATE_NAME} missing)")
     saved = FusionController.from_pretrained(ckpt)
     if saved.config != controller.config:
         raise FcpragError(f"{ckpt / 'config.json'}: the checkpoint's controller config differs from this run's "
@@ -87,4 +85,3 @@ def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.op
     optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
     torch.set_rng_state(torch_rng)
     shuffle_gen.set_state(shuffle_rng)
-    return state

@@ -359,7 +359,7 @@ class Trainer:
         if state.get("info_label_sha256") != self.info.get("label_sha256"):
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the label file(s) changed since the "
                               "checkpoint (sha256 differs)")
-        state = load_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen)
+        load_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen)
         self.epoch, self.history = int(state["epoch"]), list(state["history"])
         logger.info("resumed from %s at epoch %d", self.out / CHECKPOINT_DIR, self.epoch)
         return True
