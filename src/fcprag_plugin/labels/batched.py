@@ -21,13 +21,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from ..errors import FcpragError, MergeError
+from ..fast.mixed import adapter_key
 
 _KEEP_ARG: dict[type, str | None] = {}
 
@@ -151,10 +151,6 @@ def _check_rows(rows: Sequence[ScoreRow]) -> None:
             raise FcpragError(f"score row {i}: empty generation prompt")
 
 
-def _adapter_key(a: Any) -> tuple:
-    return ("path", str(Path(a).resolve())) if isinstance(a, (str, Path)) else ("id", id(a))
-
-
 def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size: int, max_tokens: int | None,
           max_adapters: int) -> Iterator[list[int]]:
     """Consecutive rows (indices) per forward: <= ``batch_size`` sequences, <= ``max_tokens`` padded tokens,
@@ -164,12 +160,12 @@ def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size:
     keys: set = set()
     for i in order:
         seqs, length = cost(rows[i])
-        new = keys | {_adapter_key(a) for a in rows[i].adapters}
+        new = keys | {adapter_key(a) for a in rows[i].adapters}
         fits = (n_seq + seqs <= batch_size and len(new) <= max_adapters
                 and (max_tokens is None or (n_seq + seqs) * max(width, length) <= max_tokens))
         if cur and not fits:
             yield cur
-            cur, n_seq, width, new = [], 0, 0, {_adapter_key(a) for a in rows[i].adapters}
+            cur, n_seq, width, new = [], 0, 0, {adapter_key(a) for a in rows[i].adapters}
         cur.append(i)
         n_seq, width, keys = n_seq + seqs, max(width, length), new
     if cur:
