@@ -8,15 +8,12 @@ objects with ``question`` and ``passages``). JSON Lines files (one record per li
 from __future__ import annotations
 
 import json
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import HookError
-
-logger = logging.getLogger(__name__)
 
 _DATA_RE = re.compile(r"^data_(\d+)$")
 _PASSAGE_RE = re.compile(r"^passage_(\d+)$")

@@ -14,13 +14,10 @@ writes one merge per question and builds nothing else.
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Iterator, Sequence
 
 from ..errors import HookError
 from ..fast import PackedAdapter
-
-logger = logging.getLogger(__name__)
 
 # PeftModel attributes a base model also has but whose PEFT meaning the slot cannot give (they would act on the
 # bare base model). Other PeftModel-only attributes are refused by ``__getattr__``.

@@ -1,13 +1,6 @@
-"""What the integration shims share; ``prag.py`` / ``dyprag.py`` add only their patches and their merge step.
-
-- :class:`Shim` + :class:`Lifecycle`: the one install / uninstall / installed / launch lifecycle (at most one
-  installed shim per host; installing again replaces it; ``installed()`` restores the previous state).
-- :class:`PatchSet`: idempotent, fully reversible attribute patches (restores the exact original objects).
-- Query context: :func:`set_context` (explicit) and the shim's data-file mapping are the documented ways; the
-  caller's locals (``question``, ``passages``, ``test_id``) are searched as a fallback; never a silent uniform merge.
-- :class:`MergeHook`: controller + encoder -> :class:`~fcprag_plugin.weights.FusionWeights` for one question, plus
-  the JSON Lines log.
-- :func:`run_script`: run an unmodified host script as ``__main__`` (same sys.path / argv semantics as python).
+"""What the integration shims share; ``prag.py`` / ``dyprag.py`` add only their patches and their merge step:
+reversible patches, the query context (:func:`set_context`, else the caller's locals, else the shim's fallback;
+never a silent uniform merge), the weight hook and its log, the install lifecycle and the script launcher.
 """
 
 from __future__ import annotations
@@ -18,7 +11,6 @@ import logging
 import runpy
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -112,7 +104,7 @@ def caller_test_id(ctx: dict[str, Any]) -> int | str | None:
     (PRAG's and DyPRAG's loops both have one), else None."""
     tid = ctx.get("test_id")
     if tid is None:
-        found = find_in_callers(("test_id",), sys._getframe(1), max_depth=30)
+        found = find_in_callers(("test_id",), sys._getframe(1))
         tid = found["test_id"] if found else None
     return tid if isinstance(tid, (int, str)) and not isinstance(tid, bool) else None
 
@@ -187,21 +179,9 @@ class MergeHook:
         self.calls += 1
         if self.log_path is None:
             return
-        line = json.dumps(record, ensure_ascii=False, default=_json_default)
+        line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
         with open(self.log_path, "a", encoding="utf-8") as f:  # one write per line: no torn records
             f.write(line + "\n")
-
-    @staticmethod
-    def timer() -> float:
-        return time.perf_counter()
-
-
-def _json_default(o: Any) -> Any:
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -237,10 +217,8 @@ def run_host_script(script: str | Path, argv: Sequence[str] = ()) -> int:
 # ----------------------------------------------------------------------------- the shim lifecycle
 class Shim:
     """What every host shim holds: the weight hook (controller, encoder, log), the merge ``mode``, the fused slots
-    of ``use_slot`` (``slots``), its patches, and the per-question log (``merges``, ``last_record``).
-
-    Subclasses set ``who`` and ``lifecycle`` and implement :meth:`apply` (install their patches into
-    ``self.patches``) and their merge step; :meth:`close` releases what a question left behind.
+    of ``use_slot`` (``slots``), its patches, and the per-question log (``merges`` counts questions,
+    ``last_record``). Subclasses set ``who`` and ``lifecycle`` and implement :meth:`apply` (their patches).
     """
 
     who = "fcprag"

@@ -8,7 +8,6 @@ concatenates them in manifest order. A plain process (no such variables) is rank
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,6 @@ from typing import Mapping, Sequence
 from ..errors import LabelFileError
 from .manifest import ManifestRecord
 from .store import read_label_lines, write_atomic
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
