@@ -20,6 +20,7 @@ and no parameter of the model is ever written: ``remove()`` leaves it exactly as
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import weakref
 from array import array
@@ -249,16 +250,11 @@ class FusedSlot:
         self._segments: list[_Segment] = []
         new_entries: list[list[_Entry]] = []
         for gi, (g, mods) in enumerate(zip(self.layout.groups, self._modules)):
-            # consecutive layers on the same device share one buffer (one segment per group without device_map)
-            runs: list[tuple[int, int]] = []
-            for l, mod in enumerate(mods):
-                if runs and mods[runs[-1][0]].weight.device == mod.weight.device \
-                        and mods[runs[-1][0]].weight.dtype == mod.weight.dtype:
-                    runs[-1] = (runs[-1][0], l + 1)
-                else:
-                    runs.append((l, l + 1))
             entries: list[_Entry] = []
-            for l0, l1 in runs:
+            # consecutive layers on the same device share one buffer (one segment per group without device_map)
+            for _, run in itertools.groupby(range(len(mods)), lambda l: (mods[l].weight.device, mods[l].weight.dtype)):
+                run = list(run)
+                l0, l1 = run[0], run[-1] + 1
                 w = mods[l0].weight
                 dt = self.dtype or w.dtype
                 seg = _Segment(gi, l0, l1, torch.zeros(l1 - l0, KR, g.in_features, device=w.device, dtype=dt),
@@ -308,7 +304,7 @@ class FusedSlot:
                              f"with max_adapters>={n} or call slot.resize({n})")
         packed: list[PackedAdapter] = []
         for i, a in enumerate(adapters):
-            if type(a) is PackedAdapter or isinstance(a, PackedAdapter):
+            if isinstance(a, PackedAdapter):
                 packed.append(a)
             elif isinstance(a, LoraAdapter):
                 packed.append(pack_adapter(a))
@@ -389,10 +385,8 @@ class FusedSlot:
 
     @torch.no_grad()
     def write_union(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
-        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches).
-
-        Does not activate the slot. Returns the packed adapters.
-        """
+        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches),
+        without activating the slot; returns the packed adapters."""
         self._check_usable()
         packed = self.prepare(adapters)
         self.deactivate()
@@ -402,12 +396,9 @@ class FusedSlot:
 
     # ------------------------------------------------------------------ activation
     def activate(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> "FusedSlot":
-        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) and switch it on.
-
-        ``mode='cat'`` is the exact ``sum_i w~_i s_i B_i A_i`` (:func:`~fcprag_plugin.merge.modes.merge_cat`);
-        ``mode='separate'`` is DyPRAG's ``(sum u_i B_i)(sum u_i s_i A_i)``, ``u = w~/N``. Replaces whatever the slot
-        held before. Returns the slot.
-        """
+        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) in place of what the
+        slot held and switch it on; ``cat`` is the exact ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's
+        ``(sum u_i B_i)(sum u_i s_i A_i)`` with ``u = w~/N``. Returns the slot."""
         self._check_usable()
         if mode not in SLOT_MODES:
             raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "

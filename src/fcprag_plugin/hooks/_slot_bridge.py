@@ -1,12 +1,5 @@
-"""Shared plumbing of the shims' ``use_slot`` option.
-
-- :class:`ShimSlots`: one :class:`~fcprag_plugin.fast.FusedSlot` per live model, created at the first question,
-  grown when a question has more adapters or a larger rank than it holds (a documented resize, logged), or held
-  at a fixed capacity (``max_adapters``: more adapters is a :class:`HookError`).
-- :meth:`ShimSlots.write`: the factors a host already holds (DyPRAG's translator outputs) packed straight into the
-  slot's layout (:func:`fcprag_plugin.fast.layout.pack_factors`) and merged there; :meth:`ShimSlots.write_packed`:
-  adapters already packed by an adapter store (PRAG's passages).
-"""
+"""Shared plumbing of the shims' ``use_slot`` option: one :class:`~fcprag_plugin.fast.FusedSlot` per live model,
+written from the factors a host holds (DyPRAG's translator outputs) or from store-packed adapters (PRAG's)."""
 
 from __future__ import annotations
 
@@ -38,10 +31,8 @@ def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | Non
 class ShimSlots:
     """The fused slots one shim installed, one per live model (held weakly); :meth:`close` removes them all.
 
-    Args:
-        max_adapters: fixed slot capacity K; ``None`` sizes the slot for the first question and grows it (one
-            reallocation, logged at INFO) when a later question has more adapters or a larger rank.
-        who: names the shim in error messages.
+    ``max_adapters``: fixed slot capacity K (more adapters is a :class:`HookError`); ``None`` sizes the slot for
+    the first question and grows it (logged) when a later question has more adapters or a larger rank.
     """
 
     def __init__(self, max_adapters: int | None, who: str) -> None:
@@ -76,17 +67,15 @@ class ShimSlots:
 
     def write(self, model: nn.Module, modules: Sequence[str], rank: int, factors: Sequence[FactorGetter],
               sources: Sequence[str], weights: Sequence[float], mode: str) -> FusedSlot:
-        """The shims' merge step on the slot: pack each adapter's factors (``factors[i](module) -> (A, B, s)``,
-        named ``sources[i]`` in errors) into the slot of ``model`` and write their ``mode`` merge with ``weights``
-        (switched on; the caller decides when it stays on)."""
+        """Pack each adapter's factors (``factors[i](module) -> (A, B, s)``, named ``sources[i]`` in errors) into
+        the slot of ``model`` and write their ``mode`` merge with ``weights`` (switched on)."""
         slot = self.get(model, modules, len(factors), rank)
         packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
         return slot.activate(packed, list(weights), mode)
 
     def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], weights: Sequence[float],
                      mode: str) -> FusedSlot:
-        """Write the ``mode`` merge of already packed adapters (an :class:`~fcprag_plugin.fast.AdapterStore`'s)
-        into the slot of ``model`` covering their modules (switched on)."""
+        """Write the ``mode`` merge of already packed adapters into the slot of ``model`` (switched on)."""
         slot = self.get(model, packed[0].layout.module_names, len(packed), max(p.max_rank for p in packed))
         return slot.activate(list(packed), list(weights), mode)
 

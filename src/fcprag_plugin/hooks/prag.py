@@ -33,15 +33,8 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from ..compat import (
-    clear_stale_peft_config,
-    has_stale_peft_config,
-    live_lora_layers,
-    lora_b_weight,
-    peft_has_stale_config_bug,
-    peft_version,
-    set_lora_factors,
-)
+from ..compat import (clear_stale_peft_config, has_stale_peft_config, live_lora_layers, lora_b_weight,
+                      peft_has_stale_config_bug, peft_version, set_lora_factors)
 from ..adapter import LoraAdapter
 from ..controller import FusionController
 from ..errors import HookError
@@ -230,14 +223,11 @@ def _align_passages(passages: Sequence[str], names: list[str], paths: list[str |
     """One passage per adapter: by the ``passage_{pid}`` in its path when all paths have one, else by position."""
     passages = list(passages)
     if parsed and all(p is not None for p in parsed):
-        out = []
         for p in parsed:
-            assert p is not None
             if p.pid >= len(passages):
                 raise HookError(f"adapter {p.path} is passage {p.pid} but the {source} context has only "
                                 f"{len(passages)} passages")
-            out.append(passages[p.pid])
-        return out
+        return [passages[p.pid] for p in parsed]
     if len(passages) != len(names):
         shown = [p or n for n, p in zip(names, paths)]
         raise HookError(f"merging {len(names)} adapters {shown} but the {source} context has {len(passages)} "
