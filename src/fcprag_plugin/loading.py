@@ -143,4 +143,5 @@ def clear_caches() -> None:
 
 def cache_info() -> dict[str, dict[str, int]]:
     """``{cache name: {"entries", "maxsize", "hits", "misses", "reloads", "evictions"}}``."""
-    return {c.name: {"entries": len(c), "maxsize": c.maxsize, **asdict(c.stats)} for c in sorted(_CACHES, key=lambda c: c.name)}
+    return {c.name: {"entries": len(c), "maxsize": c.maxsize, **asdict(c.stats)}
+            for c in sorted(_CACHES, key=lambda c: c.name)}

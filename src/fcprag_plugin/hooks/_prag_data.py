@@ -62,10 +62,9 @@ class PragDataFile:
     def file_for(self, group: str, adapter_path: str) -> Path:
         if self.path.is_file():
             if self.path.stem != group:
-                raise HookError(
-                    f"adapter {adapter_path} belongs to data file '{group}' but the PRAG data file given is "
-                    f"{self.path} (stem '{self.path.stem}'); pass the data directory or the file '{group}.json'"
-                )
+                raise HookError(f"adapter {adapter_path} belongs to data file '{group}' but the PRAG data file given "
+                                f"is {self.path} (stem '{self.path.stem}'); pass the data directory or the file "
+                                f"'{group}.json'")
             return self.path
         for ext in (".json", ".jsonl"):
             cand = self.path / f"{group}{ext}"

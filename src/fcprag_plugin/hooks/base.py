@@ -11,7 +11,6 @@ import logging
 import runpy
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -27,20 +26,12 @@ _MISSING = object()
 
 
 # ----------------------------------------------------------------------------- patches
-@dataclass
-class _Patch:
-    owner: Any
-    attr: str
-    original: Any  # the object found in owner.__dict__, or _MISSING when it was inherited / absent
-    replacement: Any
-
-
 class PatchSet:
     """A named group of attribute patches. ``apply`` is idempotent; ``revert`` restores the originals exactly."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._patches: list[_Patch] = []
+        self._patches: list[tuple[Any, str, Any]] = []  # (owner, attr, original in owner.__dict__ or _MISSING)
 
     @property
     def active(self) -> bool:
@@ -48,24 +39,19 @@ class PatchSet:
 
     def patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
         """Replace ``owner.attr`` with ``make(current)``; patching the same (owner, attr) twice is a no-op."""
-        for p in self._patches:
-            if p.owner is owner and p.attr == attr:
-                return
+        if any(o is owner and a == attr for o, a, _ in self._patches):
+            return
         original = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-        current = getattr(owner, attr)
-        replacement = make(current)
-        setattr(owner, attr, replacement)
-        self._patches.append(_Patch(owner, attr, original, replacement))
+        setattr(owner, attr, make(getattr(owner, attr)))
+        self._patches.append((owner, attr, original))
 
     def revert(self) -> None:
-        for p in reversed(self._patches):
-            if p.original is _MISSING:
-                try:
-                    delattr(p.owner, p.attr)
-                except AttributeError:
-                    pass
-            else:
-                setattr(p.owner, p.attr, p.original)
+        for owner, attr, original in reversed(self._patches):
+            if original is not _MISSING:
+                setattr(owner, attr, original)
+            else:  # it was inherited or absent
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, attr)
         self._patches.clear()
 
 
@@ -86,16 +72,17 @@ def explicit_context() -> dict[str, Any] | None:
     return getattr(_ctx, "value", None)
 
 
-def find_in_callers(names: Iterable[str], frame: FrameType | None = None, max_depth: int = 30) -> dict[str, Any] | None:
+def find_in_callers(names: Iterable[str], frame: FrameType | None = None,
+                    max_depth: int = 30) -> dict[str, Any] | None:
     """The nearest caller frame whose locals hold all ``names`` (e.g. ``question`` and ``passages``)."""
     names = list(names)
     f = frame or sys._getframe(1)
-    depth = 0
-    while f is not None and depth < max_depth:
-        loc = f.f_locals
-        if all(n in loc for n in names):
-            return {n: loc[n] for n in names}
-        f, depth = f.f_back, depth + 1
+    for _ in range(max_depth):
+        if f is None:
+            return None
+        if all(n in f.f_locals for n in names):
+            return {n: f.f_locals[n] for n in names}
+        f = f.f_back
     return None
 
 
@@ -122,11 +109,10 @@ def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, 
         fb = fallback()
         if fb is not None:
             return {**fb, "source": fb.get("source", "fallback")}
-    raise HookError(
-        f"fcprag: cannot tell which question and passages this {what} is for: call "
-        "fcprag_plugin.hooks.set_context(question, passages) before it, keep local variables named "
-        "'question' and 'passages' in the calling function, or give the shim a data file to map adapter paths"
-    )
+    raise HookError(f"fcprag: cannot tell which question and passages this {what} is for: call "
+                    "fcprag_plugin.hooks.set_context(question, passages) before it, keep local variables named "
+                    "'question' and 'passages' in the calling function, or give the shim a data file to map adapter "
+                    "paths")
 
 
 # ----------------------------------------------------------------------------- the hook

@@ -35,8 +35,7 @@ from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
 from ._slot_bridge import check_max_adapters
-from .base import (Lifecycle, MergeHook, Shim, caller_test_id, clear_context, explicit_context, find_in_callers,
-                   get_context)
+from .base import Lifecycle, MergeHook, Shim, caller_test_id, clear_context, find_in_callers, get_context
 from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
@@ -146,8 +145,6 @@ class DyPragShim(Shim):
 
     @staticmethod
     def _context() -> dict[str, Any]:
-        used_explicit = explicit_context() is not None
-
         def passages_list() -> dict[str, Any] | None:
             # DyPRAG's own loop keeps the passage texts in 'passages_list' ('passages' is their joined string)
             loc = find_in_callers(("question", "passages_list"))
@@ -163,7 +160,7 @@ class DyPragShim(Shim):
                 "fcprag_plugin.hooks.set_context(question, passages) before delta_inject, or call delta_inject from "
                 "a function with local variables 'question' (a str) and 'passages' (a list of str), as DyPRAG's "
                 "inference_dyprag.py main() does") from None
-        if used_explicit:
+        if ctx["source"] == "set_context":
             clear_context()  # one question per set_context: a stale context must not weight the next question
         return ctx
 
