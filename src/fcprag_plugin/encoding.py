@@ -177,35 +177,31 @@ class TextEncoder:
 
     def encode(self, texts: Sequence[str]) -> torch.Tensor:
         """Embed ``texts`` -> ``[n, d]`` float32, L2-normalized; cached texts are not re-encoded."""
-        with self._lock:
-            return self._encode_locked(list(texts))
-
-    def _encode_locked(self, texts: list[str]) -> torch.Tensor:
+        texts = list(texts)
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise EncoderError(f"text {i} is a {type(t).__name__}, expected str")
-        todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
-        self.hits += len(texts) - sum(1 for t in texts if t in todo)
-        self.misses += len(todo)
-        fresh: dict[str, torch.Tensor] = {}
-        if todo:
-            emb = self._fn(todo)
-            if emb.ndim != 2 or emb.shape != (len(todo), self.dim):
-                raise EncoderError(f"encoder '{self.name}' returned shape {list(emb.shape)}, "
-                                   f"expected [{len(todo)}, {self.dim}]")
-            emb = torch.nn.functional.normalize(emb.float(), dim=-1)
-            fresh = dict(zip(todo, emb))
-        out = torch.stack([fresh[t] if t in fresh else self._cache[t] for t in texts]) if texts else \
-            torch.empty(0, self.dim)
-        for t in texts:  # refresh recency, then insert new ones and evict the oldest
-            if t in self._cache:
-                self._cache.move_to_end(t)
-        if self.cache_size > 0:
-            for t, e in fresh.items():
-                self._cache[t] = e
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return out
+        with self._lock:
+            todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
+            self.hits += len(texts) - sum(1 for t in texts if t in todo)
+            self.misses += len(todo)
+            fresh: dict[str, torch.Tensor] = {}
+            if todo:
+                emb = self._fn(todo)
+                if emb.ndim != 2 or emb.shape != (len(todo), self.dim):
+                    raise EncoderError(f"encoder '{self.name}' returned shape {list(emb.shape)}, "
+                                       f"expected [{len(todo)}, {self.dim}]")
+                fresh = dict(zip(todo, torch.nn.functional.normalize(emb.float(), dim=-1)))
+            out = torch.stack([fresh[t] if t in fresh else self._cache[t] for t in texts]) if texts else \
+                torch.empty(0, self.dim)
+            for t in texts:  # refresh recency, then insert new ones and evict the oldest
+                if t in self._cache:
+                    self._cache.move_to_end(t)
+            if self.cache_size > 0:
+                self._cache.update(fresh)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            return out
 
     def __repr__(self) -> str:
         return f"TextEncoder(name={self.name!r}, dim={self.dim}, cached={len(self._cache)})"

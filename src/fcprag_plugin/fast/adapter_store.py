@@ -23,18 +23,14 @@ import torch
 from ..adapter import (CONFIG_NAME, SAFETENSORS_NAME, LoraAdapter, adapter_from_state_dict, load_adapter_dir,
                        read_config, warn_zero)
 from ..errors import AdapterError
-from ..loading import file_signature
+from ..loading import CacheStats, file_signature
 from .layout import PackedAdapter, pack_adapter
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class StoreStats:
-    hits: int = 0
-    misses: int = 0
-    reloads: int = 0  # cached but the files changed
-    evictions: int = 0
+class StoreStats(CacheStats):
     uncached: int = 0  # loaded but larger than the whole budget
 
 

@@ -37,7 +37,7 @@ def union_weights(per_sample_adapters: Sequence[Sequence[Any]], per_sample_weigh
     """
     union: list[Any] = []
     index: dict[Any, int] = {}
-    rows: list[list[tuple[int, float]]] = []
+    entries: list[tuple[int, int, float]] = []  # (sample, position in the union, weight)
     if per_sample_weights is not None and len(per_sample_weights) != len(per_sample_adapters):
         raise MergeError(f"got adapter lists for {len(per_sample_adapters)} samples but weights for "
                          f"{len(per_sample_weights)}")
@@ -47,21 +47,17 @@ def union_weights(per_sample_adapters: Sequence[Sequence[Any]], per_sample_weigh
             raise MergeError(f"sample {b}: {len(ads)} adapters but {len(ws)} weights")
         if not ads:
             raise MergeError(f"sample {b} has no adapters")
-        row = []
         for a, w in zip(ads, ws):
-            key = adapter_key(a)
-            if key not in index:
-                index[key] = len(union)
+            i = index.setdefault(adapter_key(a), len(union))
+            if i == len(union):
                 union.append(a)
-            row.append((index[key], float(w)))
-        rows.append(row)
-    W = torch.zeros(len(rows), len(union))
-    mask = torch.zeros(len(rows), len(union), dtype=torch.bool)
-    for b, row in enumerate(rows):
-        for i, w in row:
-            if mask[b, i]:
-                raise MergeError(f"sample {b} lists adapter {union[i]!r} twice")
-            W[b, i], mask[b, i] = w, True
+            entries.append((b, i, float(w)))
+    W = torch.zeros(len(per_sample_adapters), len(union))
+    mask = torch.zeros(len(per_sample_adapters), len(union), dtype=torch.bool)
+    for b, i, w in entries:
+        if mask[b, i]:
+            raise MergeError(f"sample {b} lists adapter {union[i]!r} twice")
+        W[b, i], mask[b, i] = w, True
     return union, W, mask
 
 
