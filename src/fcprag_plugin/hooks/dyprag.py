@@ -34,8 +34,8 @@ from ..adapter import LoraAdapter, LoraModule
 from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
-from ._slot_bridge import check_max_adapters
-from .base import Lifecycle, MergeHook, Shim, caller_test_id, clear_context, find_in_callers, get_context
+from .base import (Lifecycle, MergeHook, Shim, caller_test_id, check_max_adapters, clear_context, find_in_callers,
+                   get_context)
 from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)

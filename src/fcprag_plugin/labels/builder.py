@@ -328,10 +328,9 @@ class LabelBuilder:
             out[f"{name}_all"] = full.values[name]
             out[f"{name}_without"] = [r.values[name] for r in loo]
         if o.generate:
-            out["prediction_all"] = full.prediction
-            out["prediction_without"] = [r.prediction for r in loo]
-            out["generation_all"] = full.generation
-            out["generation_without"] = [r.generation for r in loo]
+            for key in ("prediction", "generation"):
+                out[f"{key}_all"] = getattr(full, key)
+                out[f"{key}_without"] = [getattr(r, key) for r in loo]
             n_empty = sum(r.empty for r in results)
             if n_empty:
                 out["empty_generations"] = n_empty
@@ -367,6 +366,7 @@ def _outcomes(builder: LabelBuilder, group: Sequence[ManifestRecord], batched: b
         logger.warning("batched evaluation of %d records failed (%s: %s); retrying them one by one",
                        len(group), type(e).__name__, e)
         return [_one(builder, rec) if len(group) > 1 else e for rec in group]
+
 
 @dataclass
 class BuildSummary:

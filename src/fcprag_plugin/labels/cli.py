@@ -28,9 +28,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
     options = BuildOptions(prompt_mode=args.prompt_mode, template=template, use_chat_template=chat, cot=args.cot,
                            scoring=args.scoring, metric=args.metric, generate=not args.no_generation,
-                           max_new_tokens=args.max_new_tokens,
-                           empty_generation=args.empty_generation, use_slot=args.use_slot,
-                           batch_size=args.batch_size,
+                           max_new_tokens=args.max_new_tokens, empty_generation=args.empty_generation,
+                           use_slot=args.use_slot, batch_size=args.batch_size,
                            model_name=args.model + (f"::{args.gguf_file}" if args.gguf_file else ""))
     options.validate()
     if args.threads:
@@ -40,7 +39,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     target = output_path(out, shard)
     # Records already merged into OUT by an earlier run count as done for every rank.
     skip = set(done_ids(out, repair=False)) if shard.distributed and out.exists() else set()
-    args.interrupt_hint = (f"{target} keeps every record written so far; the same command resumes after them")
+    args.interrupt_hint = f"{target} keeps every record written so far; the same command resumes after them"
     grouped = init_process_group(shard)
     try:
         model, tok = load_model(args.model, gguf_file=args.gguf_file, tokenizer=args.tokenizer, dtype=args.dtype,

@@ -228,10 +228,9 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
             continue
         rec: dict[str, Any] = {"id": rid, "question": question, "answer": obj["answer"], "passages": passages,
                                "adapters": [str(d) for d in dirs], "test_id": test_id}
-        for key in ("id", "_id", "qid"):
-            if key in obj and isinstance(obj[key], (str, int)):
-                rec["source_id"] = str(obj[key])
-                break
+        source_id = next((obj[k] for k in ("id", "_id", "qid") if isinstance(obj.get(k), (str, int))), None)
+        if source_id is not None:
+            rec["source_id"] = str(source_id)
         if "type" in obj and isinstance(obj["type"], str):
             rec["type"] = obj["type"]
         records.append(rec)
