@@ -12,7 +12,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -74,7 +74,7 @@ class LoraAdapter:
     ) -> "LoraAdapter":
         """Load a ``.safetensors`` file of PEFT-layout keys with a config (dict or path to a JSON file)."""
         cfg = read_config(Path(config)) if isinstance(config, (str, Path)) else dict(config)
-        return adapter_from_state_dict(_load_safetensors(Path(file), device), cfg, source=str(file))
+        return adapter_from_state_dict(load_safetensors(Path(file), device), cfg, source=str(file))
 
     @classmethod
     def from_state_dict(
@@ -349,7 +349,7 @@ def adapter_from_state_dict(
 
 
 # ----------------------------------------------------------------------------- files
-def _load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+def load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -361,8 +361,10 @@ def _load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch
         raise AdapterError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
 
 
-def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu") -> LoraAdapter:
-    """:meth:`LoraAdapter.from_pretrained`."""
+def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu", check_values: bool = True,
+                     read_safetensors: Callable[[Path, Any], dict[str, torch.Tensor]] | None = None) -> LoraAdapter:
+    """:meth:`LoraAdapter.from_pretrained`; ``check_values``: see :func:`adapter_from_state_dict`;
+    ``read_safetensors(file, device)`` replaces the safetensors reader."""
     path = Path(path)
     if not path.exists():
         raise AdapterError(f"{path}: adapter directory not found")
@@ -371,7 +373,7 @@ def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu") ->
     cfg = read_config(path / CONFIG_NAME)
     st, legacy = path / SAFETENSORS_NAME, path / LEGACY_BIN_NAME
     if st.is_file():
-        sd = _load_safetensors(st, device)
+        sd = (read_safetensors or load_safetensors)(st, device)
         src = st
     elif legacy.is_file():
         try:
@@ -384,7 +386,7 @@ def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu") ->
         src = legacy
     else:
         raise AdapterError(f"{path}: no adapter weights found (expected '{SAFETENSORS_NAME}' or '{LEGACY_BIN_NAME}')")
-    adapter = adapter_from_state_dict(sd, cfg, source=str(src))
+    adapter = adapter_from_state_dict(sd, cfg, source=str(src), check_values=check_values)
     adapter.source = str(path)
     return adapter
 

@@ -20,8 +20,7 @@ from typing import Iterable
 
 import torch
 
-from ..adapter import (CONFIG_NAME, SAFETENSORS_NAME, LoraAdapter, adapter_from_state_dict, load_adapter_dir,
-                       read_config, warn_zero)
+from ..adapter import CONFIG_NAME, SAFETENSORS_NAME, LoraAdapter, load_adapter_dir, load_safetensors, warn_zero
 from ..errors import AdapterError
 from ..loading import CacheStats, file_signature
 from .layout import PackedAdapter, pack_adapter
@@ -100,6 +99,14 @@ def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _read_mapped(file: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+    try:
+        state = _mmap_tensors(file)
+    except (_NotFastPath, OSError):
+        return load_safetensors(file, device)  # the regular reader and its errors
+    return state if torch.device(device).type == "cpu" else {k: v.to(device) for k, v in state.items()}
+
+
 def read_adapter_dir(path: str | Path, *, device: str | torch.device | None = None,
                      check_values: bool = True) -> LoraAdapter:
     """Load a PEFT adapter directory, reading ``adapter_model.safetensors`` memory-mapped.
@@ -107,26 +114,7 @@ def read_adapter_dir(path: str | Path, *, device: str | torch.device | None = No
     ``check_values=False`` leaves the finiteness check to the caller (see :meth:`AdapterStore.load`); the tensors
     may then be views into the file's memory map, so copy them before the file is rewritten.
     """
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    file = path / SAFETENSORS_NAME
-    if not file.is_file():
-        return load_adapter_dir(path, device=device or "cpu")  # legacy .bin, or the loader's clear error
-    cfg = read_config(path / CONFIG_NAME)
-    try:
-        state = _mmap_tensors(file)
-        if device is not None and torch.device(device).type != "cpu":
-            state = {k: v.to(device) for k, v in state.items()}
-    except (_NotFastPath, OSError):
-        try:
-            with safe_open(str(file), framework="pt", device=str(device or "cpu")) as f:
-                state = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise AdapterError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
-    adapter = adapter_from_state_dict(state, cfg, source=str(file), check_values=check_values)
-    adapter.source = str(path)
-    return adapter
+    return load_adapter_dir(path, device=device or "cpu", check_values=check_values, read_safetensors=_read_mapped)
 
 
 def pack_checked(adapter: LoraAdapter, *, device: str | torch.device | None = None,

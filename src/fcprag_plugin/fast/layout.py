@@ -188,17 +188,13 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
             ranks.append(int(A.shape[0]))
         r = max(ranks)
         d, dt = dev or As[0].device, dtype or As[0].dtype
-        if all(k == r for k in ranks):
-            A_st = torch.stack(As).to(device=d, dtype=dt)
-            BT_st = torch.stack(BTs).to(device=d, dtype=dt)
-        else:  # rank_pattern: zero-pad the smaller ranks, which keeps B @ A unchanged
-            A_st = torch.zeros(len(As), r, g.in_features, device=d, dtype=dt)
-            BT_st = torch.zeros(len(As), r, g.out_features, device=d, dtype=dt)
-            for l, (a, bt) in enumerate(zip(As, BTs)):
-                A_st[l, :a.shape[0]] = a
-                BT_st[l, :bt.shape[0]] = bt
+
+        def stack(ts: list[torch.Tensor]) -> torch.Tensor:  # rank_pattern: zero rows pad smaller ranks (B @ A kept)
+            ts = [t if t.shape[0] == r else torch.nn.functional.pad(t, (0, 0, 0, r - t.shape[0])) for t in ts]
+            return torch.stack(ts).to(device=d, dtype=dt).contiguous()
+
         common = set(scales)
-        groups.append(PackedGroup(A_st.contiguous(), BT_st.contiguous(), torch.tensor(scales, dtype=torch.float64),
+        groups.append(PackedGroup(stack(As), stack(BTs), torch.tensor(scales, dtype=torch.float64),
                                   tuple(ranks), common.pop() if len(common) == 1 else None))
     return PackedAdapter(layout, tuple(groups), source)
 
