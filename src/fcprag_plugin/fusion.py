@@ -52,21 +52,20 @@ class FusionResult:
         return finite_or_none({**fw, "mode": self.mode, "controller_mode": mode, **extra})
 
 
-def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAdapter]:
-    """Paths -> loaded; ``LoraAdapter`` s pass through; names of a live model's adapters are read from it."""
-    out = []
+def _read_live(adapters: Sequence[Any], model: Any) -> list[Any]:
+    """Names of the live ``model``'s adapters -> read from it; paths and ``LoraAdapter`` s pass through."""
     live = set(getattr(model, "peft_config", {}) or {}) if model is not None else set()
-    for i, a in enumerate(adapters):
-        if isinstance(a, LoraAdapter):
-            out.append(a)
-        elif isinstance(a, str) and a in live:
-            out.append(LoraAdapter.from_peft_model(model, a))
-        elif isinstance(a, (str, Path)):
-            out.append(LoraAdapter.from_pretrained(a))
-        else:
+    out = [LoraAdapter.from_peft_model(model, a) if isinstance(a, str) and a in live else a for a in adapters]
+    for i, a in enumerate(out):
+        if not isinstance(a, (str, Path, LoraAdapter)):
             raise FusionInputError(f"adapter {i} is a {type(a).__name__}; expected a path, a LoraAdapter or the "
                                    "name of an adapter of `model`")
     return out
+
+
+def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAdapter]:
+    """Paths -> loaded; ``LoraAdapter`` s pass through; names of a live model's adapters are read from it."""
+    return [a if isinstance(a, LoraAdapter) else LoraAdapter.from_pretrained(a) for a in _read_live(adapters, model)]
 
 
 def warn_duplicates(adapters: Sequence[Any]) -> list[str]:
@@ -121,19 +120,17 @@ def fuse(
 
     Args:
         adapters: N adapter directories, :class:`LoraAdapter` s, or adapter names of the live ``model``.
-        query: the question.
         passages: the N passage texts, in the same order as ``adapters``.
         controller: a :class:`FusionController` or its directory.
         encoder: a :class:`TextEncoder`; default: the controller's recorded embedding model.
         mode: merge mode (``cat``, ``separate``, ``svd``).
         model: the live model (needed for adapter names and for ``use_slot``).
-        use_slot: write the merge into the model's pre-allocated :class:`~fcprag_plugin.fast.FusedSlot` and switch
-            it on, instead of building a merged :class:`LoraAdapter` (``result.adapter`` is then None; leave the
-            ``with`` block or call ``result.slot.deactivate()`` to switch it off). Modes ``cat`` and ``separate``.
+        use_slot: write the merge into the model's :class:`~fcprag_plugin.fast.FusedSlot` and switch it on instead
+            of building a merged adapter (``result.adapter`` is None; leaving the ``with`` block or
+            ``result.slot.deactivate()`` switches it off). Modes ``cat`` and ``separate``.
         store: the :class:`~fcprag_plugin.fast.AdapterStore` that caches adapter directories for the slot.
         retrieval_ranks, retrieval_scores: one number per passage, for a controller trained with these side
-            features (``config.side_features``; required then, ignored otherwise). Adapter statistics, the third
-            side feature, are computed from ``adapters`` themselves.
+            features (required then, ignored otherwise); adapter statistics are computed from ``adapters``.
     """
     if isinstance(adapters, (str, Path, LoraAdapter)):
         raise FusionInputError("adapters must be a list (one per passage)")
@@ -157,14 +154,8 @@ def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], 
     """Fast path: the merge is written into the model's fused slot (no merged adapter is materialised)."""
     if model is None:
         raise FusionInputError("use_slot=True needs the live model: fuse(..., model=model, use_slot=True)")
-    live = set(getattr(model, "peft_config", {}) or {})
-    items = [LoraAdapter.from_peft_model(model, a) if isinstance(a, str) and a in live else a for a in adapters]
-    for i, a in enumerate(items):
-        if not isinstance(a, (str, Path, LoraAdapter)):
-            raise FusionInputError(f"adapter {i} is a {type(a).__name__}; expected a path, a LoraAdapter or the "
-                                   "name of an adapter of `model`")
     store = store if store is not None else AdapterStore()
-    packed = [store.get(a) if isinstance(a, (str, Path)) else pack_adapter(a) for a in items]
+    packed = [store.get(a) if isinstance(a, (str, Path)) else pack_adapter(a) for a in _read_live(adapters, model)]
     # sized for this fusion's largest rank, so adapters of ranks [2, 4] fit in any order
     slot = FusedSlot.for_model(model, packed[0], max_adapters=len(packed), max_rank=max(p.max_rank for p in packed),
                                store=store)

@@ -1,22 +1,10 @@
-"""Process-wide load caches: a controller directory and an embedding model are each loaded once per process.
+"""Process-wide load caches, so a controller directory and an embedding model are each loaded once per process.
 
-``fuse(adapters, query, passages, controller=DIR)`` is called once per question. Without these caches every call
-re-read the controller's safetensors and re-loaded the sentence-transformer (issue 17). Here:
-
-- :func:`fcprag_plugin.controller.cached_controller` keeps controllers loaded from a directory, keyed by the resolved directory and the
-  map location. Each entry remembers the ``(size, mtime_ns, inode)`` of ``config.json`` and
-  ``model.safetensors``; a changed or replaced file is noticed on the next call and the directory is re-read.
-- :func:`fcprag_plugin.encoding.get_encoder` keeps :class:`~fcprag_plugin.encoding.TextEncoder` s keyed by model
-  name, resolved path and device (see there).
-
-Both are :class:`LoadCache` s: bounded LRU maps (``maxsize`` entries; set the attribute to change it), safe to call
-from several threads (one lock per key around construction, so two threads asking for the same key build it once
-and nobody ever receives a half-built object). :func:`clear_caches` empties all of them; :func:`cache_info` reports
-their hit/miss counters.
-
-Cached objects are shared: a controller returned by ``cached_controller`` (and by ``load_controller(DIR)``,
-``fuse(..., controller=DIR)``) is in eval mode and must not be trained or modified in place; use
-:meth:`FusionController.from_pretrained` for a private copy.
+:func:`fcprag_plugin.controller.cached_controller` keys controllers by resolved directory and map location and
+re-reads a directory whose ``config.json`` / ``model.safetensors`` changed (size, mtime, inode);
+:func:`fcprag_plugin.encoding.get_encoder` keys encoders by model name, resolved path and device. Both are
+:class:`LoadCache` s. Cached objects are shared: a cached controller is in eval mode and must not be trained or
+modified in place (use :meth:`FusionController.from_pretrained` for a private copy).
 """
 
 from __future__ import annotations
@@ -155,4 +143,5 @@ def clear_caches() -> None:
 
 def cache_info() -> dict[str, dict[str, int]]:
     """``{cache name: {"entries", "maxsize", "hits", "misses", "reloads", "evictions"}}``."""
-    return {c.name: {"entries": len(c), "maxsize": c.maxsize, **asdict(c.stats)} for c in sorted(_CACHES, key=lambda c: c.name)}
+    return {c.name: {"entries": len(c), "maxsize": c.maxsize, **asdict(c.stats)}
+            for c in sorted(_CACHES, key=lambda c: c.name)}

@@ -1,10 +1,9 @@
-"""``AdapterStore``: a bounded LRU cache of packed adapters, keyed by directory and file modification times.
+"""``AdapterStore``: a bounded LRU cache of packed adapters, keyed by directory and file signatures.
 
 PRAG reads every passage adapter from disk for every question. The store reads an adapter directory once
-(safetensors memory-mapped via ``safe_open``), validates it with the library's loader, packs it into contiguous
-per-layer stacks (:func:`~fcprag_plugin.fast.layout.pack_adapter`) on the chosen device, and keeps it while the
-byte budget allows. A changed ``adapter_model.safetensors`` or ``adapter_config.json`` (mtime or size) is
-noticed on the next ``get`` and reloaded.
+(memory-mapped), validates it with the library's loader, packs it (:func:`~fcprag_plugin.fast.layout.pack_adapter`)
+on the chosen device and keeps it while the byte budget allows; a rewritten ``adapter_model.safetensors`` or
+``adapter_config.json`` is noticed on the next ``get`` and reloaded.
 """
 
 from __future__ import annotations
@@ -21,37 +20,27 @@ from typing import Iterable
 
 import torch
 
-from ..adapter import CONFIG_NAME, SAFETENSORS_NAME, LoraAdapter, adapter_from_state_dict, load_adapter_dir, read_config
+from ..adapter import CONFIG_NAME, SAFETENSORS_NAME, LoraAdapter, load_adapter_dir, load_safetensors, warn_zero
 from ..errors import AdapterError
+from ..loading import CacheStats, file_signature
 from .layout import PackedAdapter, pack_adapter
 
 logger = logging.getLogger(__name__)
 
-Fingerprint = tuple[int, int, int, int]  # weights (mtime_ns, size), config (mtime_ns, size)
-
 
 @dataclass
-class StoreStats:
-    hits: int = 0
-    misses: int = 0
-    reloads: int = 0  # cached but the files changed
-    evictions: int = 0
+class StoreStats(CacheStats):
     uncached: int = 0  # loaded but larger than the whole budget
 
 
-def _fingerprint(path: Path) -> Fingerprint:
-    try:
-        cfg = os.stat(path / CONFIG_NAME)
-    except FileNotFoundError:
+def _fingerprint(path: Path) -> tuple:
+    """:func:`~fcprag_plugin.loading.file_signature` of the config and the weights (None for a legacy ``.bin``)."""
+    fp = file_signature(path / CONFIG_NAME, path / SAFETENSORS_NAME)
+    if fp[0] is None:
         if not path.exists():
-            raise AdapterError(f"{path}: adapter directory not found") from None
-        raise AdapterError(f"{path / CONFIG_NAME}: adapter config not found (expected a PEFT '{CONFIG_NAME}')") from None
-    try:
-        st = os.stat(path / SAFETENSORS_NAME)
-        weights = (st.st_mtime_ns, st.st_size)
-    except FileNotFoundError:  # legacy adapter_model.bin (or nothing: the loader names what is missing)
-        weights = (-1, -1)
-    return weights + (cfg.st_mtime_ns, cfg.st_size)
+            raise AdapterError(f"{path}: adapter directory not found")
+        raise AdapterError(f"{path / CONFIG_NAME}: adapter config not found (expected a PEFT '{CONFIG_NAME}')")
+    return fp
 
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -65,17 +54,8 @@ def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file as a zero-copy view into one private memory map of the file.
 
     The format is an 8-byte little-endian header length, a JSON header ``{key: {dtype, shape, data_offsets}}``
-    and the raw data. Anything unusual raises :class:`_NotFastPath` and the store falls back to the public
-    ``safe_open``. Kept because it matters for the cold path (``benchmarks/bench_fusion.py`` column (c), ~20-40 ms
-    per adapter): reading one PRAG-layout adapter (r=2, gate/up/down_proj, fp32, page cache warm), medians of 30
-    interleaved reads, 1 thread, shared 2-core VM, 2026-11-23:
-
-    ===================  ====  ===========  =========  =========
-    shape                keys  this parser  safe_open  load_file
-    ===================  ====  ===========  =========  =========
-    SmolLM2-135M layout  180   5.8 ms       20.4 ms    20.6 ms
-    Llama-3.2-1B layout   96   1.7 ms       14.7 ms    14.1 ms
-    ===================  ====  ===========  =========  =========
+    and the raw data. Anything unusual raises :class:`_NotFastPath` and the store falls back to ``safe_open``
+    (several times slower on the cold path: ``benchmarks/bench_fusion.py`` column (c)).
     """
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -119,6 +99,14 @@ def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _read_mapped(file: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+    try:
+        state = _mmap_tensors(file)
+    except (_NotFastPath, OSError):
+        return load_safetensors(file, device)  # the regular reader and its errors
+    return state if torch.device(device).type == "cpu" else {k: v.to(device) for k, v in state.items()}
+
+
 def read_adapter_dir(path: str | Path, *, device: str | torch.device | None = None,
                      check_values: bool = True) -> LoraAdapter:
     """Load a PEFT adapter directory, reading ``adapter_model.safetensors`` memory-mapped.
@@ -126,26 +114,7 @@ def read_adapter_dir(path: str | Path, *, device: str | torch.device | None = No
     ``check_values=False`` leaves the finiteness check to the caller (see :meth:`AdapterStore.load`); the tensors
     may then be views into the file's memory map, so copy them before the file is rewritten.
     """
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    file = path / SAFETENSORS_NAME
-    if not file.is_file():
-        return load_adapter_dir(path, device=device or "cpu")  # legacy .bin, or the loader's clear error
-    cfg = read_config(path / CONFIG_NAME)
-    try:
-        state = _mmap_tensors(file)
-        if device is not None and torch.device(device).type != "cpu":
-            state = {k: v.to(device) for k, v in state.items()}
-    except (_NotFastPath, OSError):
-        try:
-            with safe_open(str(file), framework="pt", device=str(device or "cpu")) as f:
-                state = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise AdapterError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
-    adapter = adapter_from_state_dict(state, cfg, source=str(file), check_values=check_values)
-    adapter.source = str(path)
-    return adapter
+    return load_adapter_dir(path, device=device or "cpu", check_values=check_values, read_safetensors=_read_mapped)
 
 
 def pack_checked(adapter: LoraAdapter, *, device: str | torch.device | None = None,
@@ -159,8 +128,7 @@ def pack_checked(adapter: LoraAdapter, *, device: str | torch.device | None = No
             raise AdapterError(f"{adapter.source}: modules '{lg.pattern}' overflow {packed.dtype} when packed "
                                f"(finite in the file as {adapter.dtype})")
     if packed.all_zero:
-        logger.warning("%s: every lora_B is zero, so this adapter does nothing (was it saved before training?)",
-                       adapter.source)
+        warn_zero(adapter.source)
     return packed
 
 
@@ -172,7 +140,7 @@ class AdapterStore:
             budget is returned but not kept (with a warning).
         device: where packed adapters live (e.g. the model's GPU, so a merge never crosses devices).
         dtype: the dtype they are packed in (default: as stored; PRAG saves float32).
-        check_mtime: re-stat the files on every ``get`` to notice rewritten adapters (two ``stat`` calls).
+        check_mtime: re-stat the two files on every ``get`` to notice rewritten adapters.
     """
 
     def __init__(self, budget_bytes: int = 1 << 30, *, device: str | torch.device | None = None,
@@ -184,7 +152,7 @@ class AdapterStore:
         self.dtype = dtype
         self.check_mtime = check_mtime
         self.stats = StoreStats()
-        self._items: "OrderedDict[str, tuple[Fingerprint, PackedAdapter]]" = OrderedDict()
+        self._items: "OrderedDict[str, tuple[tuple, PackedAdapter]]" = OrderedDict()
         self._nbytes = 0
         self._lock = threading.Lock()
 
@@ -196,25 +164,20 @@ class AdapterStore:
     def get(self, path: str | Path) -> PackedAdapter:
         """The packed adapter of directory ``path``: from the cache if its files are unchanged, else read."""
         key = self.key(path)
+        fp = _fingerprint(Path(key)) if self.check_mtime else None
         with self._lock:
             item = self._items.get(key)
-            if item is not None and not self.check_mtime:
+            if item is not None and (fp is None or item[0] == fp):
                 self._items.move_to_end(key)
                 self.stats.hits += 1
                 return item[1]
-        fp = _fingerprint(Path(key))
-        with self._lock:
-            item = self._items.get(key)
             if item is not None:
-                if item[0] == fp:
-                    self._items.move_to_end(key)
-                    self.stats.hits += 1
-                    return item[1]
                 self._drop(key)
                 self.stats.reloads += 1
                 logger.info("%s changed on disk: reloading the adapter", key)
             else:
                 self.stats.misses += 1
+        fp = fp or _fingerprint(Path(key))
         packed = self.load(key)
         if _fingerprint(Path(key)) != fp:  # rewritten while we read it: hand it out, do not cache
             logger.warning("%s changed while it was read: not caching it", key)
@@ -231,7 +194,7 @@ class AdapterStore:
         return pack_checked(adapter, device=self.device, dtype=self.dtype)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _insert(self, key: str, fp: Fingerprint, packed: PackedAdapter) -> None:
+    def _insert(self, key: str, fp: tuple, packed: PackedAdapter) -> None:
         size = packed.nbytes
         with self._lock:
             if key in self._items:

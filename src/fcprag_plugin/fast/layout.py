@@ -63,19 +63,12 @@ class Layout:
         for g in other.groups:
             for n in g.names:
                 if shapes[n] != (g.out_features, g.in_features):
-                    return f"module '{n}' is [out, in] = {list(shapes[n])} here but {[g.out_features, g.in_features]} there"
+                    return (f"module '{n}' is [out, in] = {list(shapes[n])} here but "
+                            f"{[g.out_features, g.in_features]} there")
         return "same modules in a different grouping"
 
 
 _INTERNED: dict[Layout, Layout] = {}
-
-
-def _split(name: str) -> tuple[str, tuple[int, ...]]:
-    parts = name.split(".")
-    idx = tuple(int(p) for p in parts if p.isdigit())
-    return ".".join("*" if p.isdigit() else p for p in parts), idx
-
-
 _BY_SHAPES: dict[tuple, Layout] = {}  # (name, out, in) items in the order seen -> layout: skips regrouping
 
 
@@ -84,28 +77,18 @@ def layout_from_shapes(shapes: Mapping[str, tuple[int, int]]) -> Layout:
     if not shapes:
         raise MergeError("no target modules: a layout needs at least one module")
     key = tuple((k, int(v[0]), int(v[1])) for k, v in shapes.items())
-    hit = _BY_SHAPES.get(key)
-    if hit is not None:
-        return hit
-    layout = _build_layout(shapes)
-    if len(_BY_SHAPES) < 256:  # a handful of models per process; bounded all the same
-        _BY_SHAPES[key] = layout
-    return layout
-
-
-def _build_layout(shapes: Mapping[str, tuple[int, int]]) -> Layout:
+    if key in _BY_SHAPES:
+        return _BY_SHAPES[key]
     buckets: dict[tuple[str, int, int], list[tuple[tuple[int, ...], str]]] = {}
-    for name, (out_f, in_f) in shapes.items():
-        pattern, idx = _split(name)
-        buckets.setdefault((pattern, int(in_f), int(out_f)), []).append((idx, name))
-    groups = tuple(
-        LayoutGroup(pattern, in_f, out_f, tuple(n for _, n in sorted(members)))
-        for (pattern, in_f, out_f), members in sorted(buckets.items())
-    )
-    layout = Layout(groups)
-    if len(_INTERNED) >= 256 and layout not in _INTERNED:
-        return layout  # bounded: equal layouts still compare equal, just not by identity
-    return _INTERNED.setdefault(layout, layout)
+    for name, out_f, in_f in key:
+        parts = name.split(".")
+        pattern = ".".join("*" if p.isdigit() else p for p in parts)
+        buckets.setdefault((pattern, in_f, out_f), []).append((tuple(int(p) for p in parts if p.isdigit()), name))
+    layout = Layout(tuple(LayoutGroup(pattern, in_f, out_f, tuple(n for _, n in sorted(members)))
+                          for (pattern, in_f, out_f), members in sorted(buckets.items())))
+    if len(_BY_SHAPES) < 256:  # a handful of models per process; bounded all the same
+        layout = _BY_SHAPES[key] = _INTERNED.setdefault(layout, layout)
+    return layout
 
 
 def layout_of(adapter: LoraAdapter) -> Layout:
@@ -205,17 +188,13 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
             ranks.append(int(A.shape[0]))
         r = max(ranks)
         d, dt = dev or As[0].device, dtype or As[0].dtype
-        if all(k == r for k in ranks):
-            A_st = torch.stack(As).to(device=d, dtype=dt)
-            BT_st = torch.stack(BTs).to(device=d, dtype=dt)
-        else:  # rank_pattern: zero-pad the smaller ranks, which keeps B @ A unchanged
-            A_st = torch.zeros(len(As), r, g.in_features, device=d, dtype=dt)
-            BT_st = torch.zeros(len(As), r, g.out_features, device=d, dtype=dt)
-            for l, (a, bt) in enumerate(zip(As, BTs)):
-                A_st[l, :a.shape[0]] = a
-                BT_st[l, :bt.shape[0]] = bt
+
+        def stack(ts: list[torch.Tensor]) -> torch.Tensor:  # rank_pattern: zero rows pad smaller ranks (B @ A kept)
+            ts = [t if t.shape[0] == r else torch.nn.functional.pad(t, (0, 0, 0, r - t.shape[0])) for t in ts]
+            return torch.stack(ts).to(device=d, dtype=dt).contiguous()
+
         common = set(scales)
-        groups.append(PackedGroup(A_st.contiguous(), BT_st.contiguous(), torch.tensor(scales, dtype=torch.float64),
+        groups.append(PackedGroup(stack(As), stack(BTs), torch.tensor(scales, dtype=torch.float64),
                                   tuple(ranks), common.pop() if len(common) == 1 else None))
     return PackedAdapter(layout, tuple(groups), source)
 
@@ -236,4 +215,5 @@ def check_layouts(reference: Layout, packed: Iterable[PackedAdapter], where: str
     """Every packed adapter must have ``reference``'s layout; name the first that does not."""
     for i, p in enumerate(packed):
         if p.layout is not reference and p.layout != reference:
-            raise MergeError(f"{where}: adapter {i} ({p.source}) does not fit: {reference.describe_difference(p.layout)}")
+            raise MergeError(f"{where}: adapter {i} ({p.source}) does not fit: "
+                             f"{reference.describe_difference(p.layout)}")

@@ -13,28 +13,31 @@ Both equal running each sample alone with its own merge, up to float rounding (t
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, ContextManager, Sequence
 
 import torch
 
 from ..errors import MergeError
-from ..merge import factors
 from .slot import FusedSlot
 
 MIXED_MODES = ("cat", "separate")
+
+
+def adapter_key(adapter: Any) -> tuple:
+    """How mixed batches tell adapters apart: by resolved path (``str`` / ``Path``), else by object identity."""
+    return ("path", str(Path(adapter).resolve())) if isinstance(adapter, (str, Path)) else ("id", id(adapter))
 
 
 def union_weights(per_sample_adapters: Sequence[Sequence[Any]], per_sample_weights: Sequence[Sequence[float]] | None
                   = None) -> tuple[list[Any], torch.Tensor, torch.Tensor]:
     """Per-sample adapter lists (+ weights ``w~``, default ones) -> (union, ``W [B, K]``, ``mask [B, K]``).
 
-    Adapters are identified by path (``str`` / ``Path``) or by object identity; order of first appearance.
+    Adapters are identified by :func:`adapter_key`, in order of first appearance.
     """
     union: list[Any] = []
     index: dict[Any, int] = {}
-    rows: list[list[tuple[int, float]]] = []
+    entries: list[tuple[int, int, float]] = []  # (sample, position in the union, weight)
     if per_sample_weights is not None and len(per_sample_weights) != len(per_sample_adapters):
         raise MergeError(f"got adapter lists for {len(per_sample_adapters)} samples but weights for "
                          f"{len(per_sample_weights)}")
@@ -44,21 +47,17 @@ def union_weights(per_sample_adapters: Sequence[Sequence[Any]], per_sample_weigh
             raise MergeError(f"sample {b}: {len(ads)} adapters but {len(ws)} weights")
         if not ads:
             raise MergeError(f"sample {b} has no adapters")
-        row = []
         for a, w in zip(ads, ws):
-            key = ("path", str(Path(a).resolve())) if isinstance(a, (str, Path)) else ("id", id(a))
-            if key not in index:
-                index[key] = len(union)
+            i = index.setdefault(adapter_key(a), len(union))
+            if i == len(union):
                 union.append(a)
-            row.append((index[key], float(w)))
-        rows.append(row)
-    W = torch.zeros(len(rows), len(union))
-    mask = torch.zeros(len(rows), len(union), dtype=torch.bool)
-    for b, row in enumerate(rows):
-        for i, w in row:
-            if mask[b, i]:
-                raise MergeError(f"sample {b} lists adapter {union[i]!r} twice")
-            W[b, i], mask[b, i] = w, True
+            entries.append((b, i, float(w)))
+    W = torch.zeros(len(per_sample_adapters), len(union))
+    mask = torch.zeros(len(per_sample_adapters), len(union), dtype=torch.bool)
+    for b, i, w in entries:
+        if mask[b, i]:
+            raise MergeError(f"sample {b} lists adapter {union[i]!r} twice")
+        W[b, i], mask[b, i] = w, True
     return union, W, mask
 
 
@@ -127,10 +126,7 @@ def activate_mixed(slot: FusedSlot, adapters: Sequence[Any], weights: Any, mode:
         coef[:, :len(packed)] = w[:, :, None]
         coef = coef.view(B, K * R)
     else:
-        for gi in range(len(slot.layout.groups)):
-            factors.check_equal_ranks([p.groups[gi].ranks for p in packed], slot.layout.groups[gi].names[0],
-                                      [p.source for p in packed], "mixed mode 'separate'",
-                                      [p.groups[gi].rank for p in packed])
+        slot._check_equal_ranks(packed, "mixed mode 'separate'")
         n = m.sum(1, keepdim=True)
         if bool((n == 0).any()):
             bad = int(torch.nonzero(n[:, 0] == 0)[0])
@@ -141,16 +137,8 @@ def activate_mixed(slot: FusedSlot, adapters: Sequence[Any], weights: Any, mode:
     return slot
 
 
-@contextmanager
 def fused_mixed(slot: FusedSlot, adapters: Sequence[Any], weights: Any, mode: str = "cat",
-                mask: Any = None) -> Iterator[FusedSlot]:
+                mask: Any = None) -> ContextManager[FusedSlot]:
     """``with fused_mixed(slot, union, W): model(**batch)`` -- per-sample mixtures inside the block only."""
-    if slot._in_context:
-        raise MergeError("fused_mixed() cannot run inside another fused() block of the same slot")
-    activate_mixed(slot, adapters, weights, mode, mask)
-    slot._in_context = True
-    try:
-        yield slot
-    finally:
-        slot._in_context = False
-        slot.deactivate()
+    return slot._block(lambda: activate_mixed(slot, adapters, weights, mode, mask),
+                      "fused_mixed() cannot run inside another fused() block of the same slot")

@@ -1,7 +1,7 @@
 """``FusedSlot``: a LoRA slot injected once into a live model; per query only its buffers are rewritten.
 
-PRAG builds PEFT modules for every question. A slot instead registers one forward hook per target module at
-construction and preallocates, per layout group (see :mod:`fcprag_plugin.fast.layout`),
+A slot registers one forward hook per target module at construction and preallocates, per layout group (see
+:mod:`fcprag_plugin.fast.layout`),
 
     A  [L, K*R, in]    rank rows of up to K adapters of rank <= R (adapter i owns rows i*R .. i*R+R)
     BT [L, K*R, out]   lora_B transposed, same row layout
@@ -20,13 +20,14 @@ and no parameter of the model is ever written: ``remove()`` leaves it exactly as
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import weakref
 from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -36,7 +37,7 @@ from ..errors import MergeError
 from ..merge import factors
 from ..weights import check_weights
 from .adapter_store import AdapterStore
-from .layout import Layout, PackedAdapter, check_layouts, layout_from_shapes, pack_adapter
+from .layout import Layout, PackedAdapter, check_layouts, layout_from_shapes, layout_of, pack_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +107,8 @@ def _make_hook(entry: _Entry, state: _State):
     return hook
 
 
-def resolve_module(model: nn.Module, name: str, table: dict[str, nn.Module] | None = None) -> nn.Module:
-    """Find a target module by its base-model path, in a plain model or inside a ``PeftModel``."""
-    table = table if table is not None else dict(model.named_modules())
+def resolve_module(table: dict[str, nn.Module], name: str) -> nn.Module:
+    """Find a target module by its base-model path in ``dict(model.named_modules())``, also inside a ``PeftModel``."""
     for cand in (name, PEFT_PREFIX + name, PEFT_PREFIX + PEFT_PREFIX + name):
         mod = table.get(cand)
         if mod is not None:
@@ -118,23 +118,36 @@ def resolve_module(model: nn.Module, name: str, table: dict[str, nn.Module] | No
     raise MergeError(f"module '{name}' of the adapter is not in the model (e.g. the model has {sample})")
 
 
-def resolve_target(model: nn.Module, name: str, out_features: int, in_features: int,
-                   table: dict[str, nn.Module] | None = None, expected_by: str = "adapter expects") -> nn.Module:
+def resolve_target(table: dict[str, nn.Module], name: str, out_features: int, in_features: int) -> nn.Module:
     """:func:`resolve_module`, then check that its weight is ``[out, in]`` (error names the module and both shapes)."""
-    mod = resolve_module(model, name, table)
+    mod = resolve_module(table, name)
     weight = getattr(mod, "weight", None)
     if weight is None or tuple(weight.shape) != (out_features, in_features):
         shape = None if weight is None else list(weight.shape)
-        raise MergeError(f"module '{name}': model weight is {shape}, {expected_by} [{out_features}, {in_features}]")
+        raise MergeError(f"module '{name}': model weight is {shape}, the slot's targets expect "
+                         f"[{out_features}, {in_features}]")
     return mod
 
 
-def _target_shapes(model: nn.Module, targets: Any) -> dict[str, tuple[int, int]]:
-    """``targets`` -> ``{module path: (out, in)}``; paths use the base model's names (no PEFT prefix)."""
+def _targets_rank(targets: Any, default: int) -> int:
+    """The largest rank of an adapter given as ``targets``; ``default`` for module names."""
     if isinstance(targets, PackedAdapter):
-        return {n: (g.out_features, g.in_features) for g in targets.layout.groups for n in g.names}
+        return targets.max_rank
+    return max(targets.ranks.values()) if isinstance(targets, LoraAdapter) else default
+
+
+def _check_sizes(max_adapters: Any, max_rank: Any) -> None:
+    for key, v in (("max_adapters", max_adapters), ("max_rank", max_rank)):
+        if not isinstance(v, int) or v < 1:
+            raise MergeError(f"{key} must be a positive integer, got {v!r}")
+
+
+def _target_layout(model: nn.Module, targets: Any) -> Layout:
+    """The layout of ``targets``; module paths use the base model's names (no PEFT prefix)."""
+    if isinstance(targets, PackedAdapter):
+        return targets.layout
     if isinstance(targets, LoraAdapter):
-        return {k: (m.out_features, m.in_features) for k, m in targets.modules.items()}
+        return layout_of(targets)
     if isinstance(targets, str) or not isinstance(targets, Sequence) or not targets:
         raise MergeError(f"targets must be a LoraAdapter, a PackedAdapter or a non-empty list of module names, "
                          f"got {targets!r}")
@@ -143,7 +156,7 @@ def _target_shapes(model: nn.Module, targets: Any) -> dict[str, tuple[int, int]]
     suffixes = {t for t in targets if "." not in t}
     for t in targets:
         if "." in t:  # a full path
-            mod = resolve_module(model, t, table)
+            mod = resolve_module(table, t)
             w = getattr(mod, "weight", None)
             if w is None or w.ndim != 2:
                 raise MergeError(f"target module '{t}' has no 2-D weight (got {type(mod).__name__})")
@@ -163,7 +176,7 @@ def _target_shapes(model: nn.Module, targets: Any) -> dict[str, tuple[int, int]]
         missing = sorted(suffixes - found)
         if missing:
             raise MergeError(f"target module name(s) {missing} match no module with a 2-D weight in the model")
-    return out
+    return layout_from_shapes(out)
 
 
 _SLOTS: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDictionary()
@@ -184,19 +197,10 @@ class FusedSlot:
 
     def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                  dtype: torch.dtype | None = None, store: Any = None) -> None:
-        if not isinstance(max_adapters, int) or max_adapters < 1:
-            raise MergeError(f"max_adapters must be a positive integer, got {max_adapters!r}")
-        if max_rank is None:
-            if isinstance(targets, PackedAdapter):
-                max_rank = targets.max_rank
-            elif isinstance(targets, LoraAdapter):
-                max_rank = max(targets.ranks.values())
-            else:
-                max_rank = DEFAULT_MAX_RANK
-        if not isinstance(max_rank, int) or max_rank < 1:
-            raise MergeError(f"max_rank must be a positive integer, got {max_rank!r}")
+        max_rank = _targets_rank(targets, DEFAULT_MAX_RANK) if max_rank is None else max_rank
+        _check_sizes(max_adapters, max_rank)
         self._model_ref = weakref.ref(model)  # the hooks live on the modules; the slot must not keep a model alive
-        self.layout: Layout = layout_from_shapes(_target_shapes(model, targets))
+        self.layout: Layout = _target_layout(model, targets)
         self.max_adapters = max_adapters
         self.max_rank = max_rank
         self.dtype = dtype
@@ -208,14 +212,9 @@ class FusedSlot:
         self._removed = False
         self._handles: list[Any] = []
         self._entries: list[list[_Entry]] = []  # per group, per layer
-        self._modules: list[list[nn.Module]] = []
         table = dict(model.named_modules())
-        for g in self.layout.groups:
-            mods = []
-            for name in g.names:
-                mods.append(resolve_target(model, name, g.out_features, g.in_features, table,
-                                           expected_by="the slot's targets expect"))
-            self._modules.append(mods)
+        self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
+                         for g in self.layout.groups]
         self._allocate()
         try:
             for gi, mods in enumerate(self._modules):
@@ -235,11 +234,9 @@ class FusedSlot:
         needed (a documented resize); otherwise a new one (an old, incompatible slot is removed first)."""
         slot = _SLOTS.get(model)
         if slot is not None and not slot._removed:
-            want = layout_from_shapes(_target_shapes(model, targets))
+            want = _target_layout(model, targets)
             if want is slot.layout or want == slot.layout:
-                if max_rank is None:
-                    max_rank = (targets.max_rank if isinstance(targets, PackedAdapter) else
-                                max(targets.ranks.values()) if isinstance(targets, LoraAdapter) else slot.max_rank)
+                max_rank = _targets_rank(targets, slot.max_rank) if max_rank is None else max_rank
                 if max_adapters > slot.max_adapters or max_rank > slot.max_rank:
                     slot.resize(max(max_adapters, slot.max_adapters), max(max_rank, slot.max_rank))
                 return slot
@@ -253,16 +250,11 @@ class FusedSlot:
         self._segments: list[_Segment] = []
         new_entries: list[list[_Entry]] = []
         for gi, (g, mods) in enumerate(zip(self.layout.groups, self._modules)):
-            # consecutive layers on the same device share one buffer (one segment per group without device_map)
-            runs: list[tuple[int, int]] = []
-            for l, mod in enumerate(mods):
-                if runs and mods[runs[-1][0]].weight.device == mod.weight.device \
-                        and mods[runs[-1][0]].weight.dtype == mod.weight.dtype:
-                    runs[-1] = (runs[-1][0], l + 1)
-                else:
-                    runs.append((l, l + 1))
             entries: list[_Entry] = []
-            for l0, l1 in runs:
+            # consecutive layers on the same device share one buffer (one segment per group without device_map)
+            for _, run in itertools.groupby(range(len(mods)), lambda l: (mods[l].weight.device, mods[l].weight.dtype)):
+                run = list(run)
+                l0, l1 = run[0], run[-1] + 1
                 w = mods[l0].weight
                 dt = self.dtype or w.dtype
                 seg = _Segment(gi, l0, l1, torch.zeros(l1 - l0, KR, g.in_features, device=w.device, dtype=dt),
@@ -312,7 +304,7 @@ class FusedSlot:
                              f"with max_adapters>={n} or call slot.resize({n})")
         packed: list[PackedAdapter] = []
         for i, a in enumerate(adapters):
-            if type(a) is PackedAdapter or isinstance(a, PackedAdapter):
+            if isinstance(a, PackedAdapter):
                 packed.append(a)
             elif isinstance(a, LoraAdapter):
                 packed.append(pack_adapter(a))
@@ -366,13 +358,16 @@ class FusedSlot:
             factors.write_cat(A_rows, BT_rows, As, BTs, cs)
             self._zero_tail(seg, len(packed) * R)
 
+    def _check_equal_ranks(self, packed: Sequence[PackedAdapter], what: str = "mode 'separate'") -> None:
+        """:func:`factors.check_equal_ranks` for every layout group of the slot."""
+        for gi, g in enumerate(self.layout.groups):
+            factors.check_equal_ranks([p.groups[gi].ranks for p in packed], g.names[0], [p.source for p in packed],
+                                      what, [p.groups[gi].rank for p in packed])
+
     @torch.no_grad()
     def _write_separate(self, packed: Sequence[PackedAdapter], u: Sequence[float]) -> None:
         """Rows ``0 .. r``: ``A = sum_i u_i s_i A_i``, ``BT = sum_i u_i B_i^T`` (:func:`factors.weighted_sum_into`)."""
-        for gi in range(len(self.layout.groups)):
-            factors.check_equal_ranks([p.groups[gi].ranks for p in packed], self.layout.groups[gi].names[0],
-                                      [p.source for p in packed],
-                                      shown=[p.groups[gi].rank for p in packed])
+        self._check_equal_ranks(packed)
         for seg in self._segments:
             r = packed[0].groups[seg.group].rank
             srcs = [self._sources(seg, p, u[i]) for i, p in enumerate(packed)]
@@ -390,10 +385,8 @@ class FusedSlot:
 
     @torch.no_grad()
     def write_union(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
-        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches).
-
-        Does not activate the slot. Returns the packed adapters.
-        """
+        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches),
+        without activating the slot; returns the packed adapters."""
         self._check_usable()
         packed = self.prepare(adapters)
         self.deactivate()
@@ -403,12 +396,9 @@ class FusedSlot:
 
     # ------------------------------------------------------------------ activation
     def activate(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> "FusedSlot":
-        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) and switch it on.
-
-        ``mode='cat'`` is the exact ``sum_i w~_i s_i B_i A_i`` (:func:`~fcprag_plugin.merge.modes.merge_cat`);
-        ``mode='separate'`` is DyPRAG's ``(sum u_i B_i)(sum u_i s_i A_i)``, ``u = w~/N``. Replaces whatever the slot
-        held before. Returns the slot.
-        """
+        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) in place of what the
+        slot held and switch it on; ``cat`` is the exact ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's
+        ``(sum u_i B_i)(sum u_i s_i A_i)`` with ``u = w~/N``. Returns the slot."""
         self._check_usable()
         if mode not in SLOT_MODES:
             raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "
@@ -416,8 +406,7 @@ class FusedSlot:
         packed = self.prepare(adapters)
         n = len(packed)
         w = check_weights(weights, n)
-        self._state.active = False
-        self._state.transform = None
+        self.deactivate()
         if mode == "cat":
             self._write_cat(packed, w)
         else:
@@ -448,12 +437,18 @@ class FusedSlot:
         self._state.transform = None
         self._state.active = True
 
-    @contextmanager
-    def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> Iterator["FusedSlot"]:
+    def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> ContextManager["FusedSlot"]:
         """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
+        return self._block(lambda: self.activate(adapters, weights, mode),
+                          "FusedSlot.fused() blocks cannot be nested: the slot holds one merge at a time")
+
+    @contextmanager
+    def _block(self, switch_on: Callable[[], Any], nested_error: str) -> Iterator["FusedSlot"]:
+        """``switch_on()`` for the block only (:meth:`fused`, :func:`~fcprag_plugin.fast.fused_mixed`); a block
+        inside another block of the slot is a :class:`MergeError` saying ``nested_error``."""
         if self._in_context:
-            raise MergeError("FusedSlot.fused() blocks cannot be nested: the slot holds one merge at a time")
-        self.activate(adapters, weights, mode)
+            raise MergeError(nested_error)
+        switch_on()
         self._in_context = True
         try:
             yield self
@@ -478,9 +473,7 @@ class FusedSlot:
             raise MergeError("cannot resize a FusedSlot inside a fused() block")
         k = self.max_adapters if max_adapters is None else max_adapters
         r = self.max_rank if max_rank is None else max_rank
-        for key, v in (("max_adapters", k), ("max_rank", r)):
-            if not isinstance(v, int) or v < 1:
-                raise MergeError(f"{key} must be a positive integer, got {v!r}")
+        _check_sizes(k, r)
         self.deactivate()
         self.max_adapters, self.max_rank = k, r
         self._allocate()
@@ -507,8 +500,7 @@ class FusedSlot:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._state.active = False
-        self._state.transform = None
+        self.deactivate()
         self._segments = []
         self._entries = []
         self._removed = True

@@ -1,17 +1,11 @@
 """The math of the DyPRAG shim: check that captured translator outputs line up with DyPRAG's average, then
 re-aggregate them with per-passage weights ``u`` (``[N]``, summing to 1).
 
-A translator output is a dict of PEFT-style keys: ``...{module}.lora_A.weight`` ``[r, in]`` and
-``...{module}.lora_B.weight`` ``[out, r]`` (a leading batch dimension is allowed: ``[..., r, in]``). DyPRAG
-sets ``delta = lora_B @ lora_A`` per module (no alpha/r scaling), so
-
-- ``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i`` -> ``delta = B* A*`` (DyPRAG's own aggregation,
-  cross terms included; uniform ``u`` is DyPRAG's average);
-- ``delta``: ``A = cat_i(u_i A_i)`` ``[sum r, in]``, ``B = cat_i(B_i)`` ``[out, sum r]`` -> ``delta = B A =
-  sum_i u_i B_i A_i``, the exact weighted mean of the passage updates, through the same ``delta_inject`` contract.
-
-Weighted sums are accumulated in float32 (float64 for float64 inputs) and cast back to the input dtype, so the
-dict handed on has the dtypes, devices and keys of the one DyPRAG built.
+A translator output is a dict of PEFT-style keys ``...{module}.lora_A.weight`` ``[..., r, in]`` and
+``...{module}.lora_B.weight`` ``[..., out, r]``; DyPRAG sets ``delta = lora_B @ lora_A`` per module (no scaling).
+``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i`` (DyPRAG's own aggregation, cross terms included);
+``delta``: ``A = cat_i(u_i A_i)``, ``B = cat_i(B_i)`` along rank, so ``B A = sum_i u_i B_i A_i`` exactly. The dict
+handed on has the dtypes, devices and keys of the one DyPRAG built (sums accumulate in float32 / float64).
 """
 
 from __future__ import annotations
@@ -46,13 +40,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, scale: float) -> tuple[bool, float]
 
 
 def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passages: int, question: str = "") -> None:
-    """Raise :class:`HookError` unless ``outputs`` are ``n_passages`` dicts whose plain mean is ``merged``.
-
-    Args:
-        outputs: the captured translator outputs of this question, in call order.
-        merged: the dict DyPRAG passed to ``delta_inject``.
-        n_passages: ``len(passages)`` of the question.
-    """
+    """Raise :class:`HookError` unless the captured ``outputs`` (in call order) are ``n_passages`` dicts whose
+    plain mean is ``merged``, the dict DyPRAG passed to ``delta_inject``."""
     q = f" (question {question[:80]!r})" if question else ""
     if not isinstance(merged, Mapping) or not merged:
         raise HookError(f"fcprag dyprag: delta_inject got a {type(merged).__name__} "
@@ -76,7 +65,8 @@ def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passage
                 f"{extra[:3]}{'...' if len(extra) > 3 else ''}")
     for key, m in merged.items():
         if not isinstance(m, torch.Tensor):
-            raise HookError(f"fcprag dyprag: key '{key}' given to delta_inject is a {type(m).__name__}, expected a tensor")
+            raise HookError(f"fcprag dyprag: key '{key}' given to delta_inject is a {type(m).__name__}, "
+                            "expected a tensor")
         for i, out in enumerate(outputs):
             t = out[key]
             if not isinstance(t, torch.Tensor) or t.shape != m.shape:
@@ -113,10 +103,9 @@ def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
     error)."""
     mods: dict[str, dict[str, str]] = {}
     for k in keys:
-        if k.endswith(A_SUFFIX):
-            mods.setdefault(k[: -len(A_SUFFIX)], {})["A"] = k
-        elif k.endswith(B_SUFFIX):
-            mods.setdefault(k[: -len(B_SUFFIX)], {})["B"] = k
+        kind = "A" if k.endswith(A_SUFFIX) else "B" if k.endswith(B_SUFFIX) else None
+        if kind is not None:
+            mods.setdefault(k[: -len(A_SUFFIX)], {})[kind] = k  # both suffixes have the same length
         else:
             raise HookError(f"fcprag dyprag: key '{k}' is neither '...{A_SUFFIX}' nor '...{B_SUFFIX}'; "
                             f"{need} needs LoRA factor pairs ({hint})")

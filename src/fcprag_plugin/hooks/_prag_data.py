@@ -8,15 +8,12 @@ objects with ``question`` and ``passages``). JSON Lines files (one record per li
 from __future__ import annotations
 
 import json
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import HookError
-
-logger = logging.getLogger(__name__)
 
 _DATA_RE = re.compile(r"^data_(\d+)$")
 _PASSAGE_RE = re.compile(r"^passage_(\d+)$")
@@ -65,10 +62,9 @@ class PragDataFile:
     def file_for(self, group: str, adapter_path: str) -> Path:
         if self.path.is_file():
             if self.path.stem != group:
-                raise HookError(
-                    f"adapter {adapter_path} belongs to data file '{group}' but the PRAG data file given is "
-                    f"{self.path} (stem '{self.path.stem}'); pass the data directory or the file '{group}.json'"
-                )
+                raise HookError(f"adapter {adapter_path} belongs to data file '{group}' but the PRAG data file given "
+                                f"is {self.path} (stem '{self.path.stem}'); pass the data directory or the file "
+                                f"'{group}.json'")
             return self.path
         for ext in (".json", ".jsonl"):
             cand = self.path / f"{group}{ext}"

@@ -1,26 +1,20 @@
 """PRAG's adapter verbs over a fused slot: what ``PeftModel.from_pretrained`` returns under ``use_slot``.
 
-PRAG's loop, per question: ``PeftModel.from_pretrained(model, path, adapter_name="0")``, ``load_adapter`` for the
-other passages, ``add_weighted_adapter(..., combination_type="cat")``, ``set_adapter("merge")``, ``generate``,
-``delete_adapter("merge")``, ``unload()``. Under ``use_slot`` the shim answers the first call with a
-:class:`SlotPeftModel` instead of a ``PeftModel``: adapters are read (memory-mapped, packed, checked) into the
-shim's :class:`~fcprag_plugin.fast.AdapterStore`, no LoRA module is ever created, and the update the active
-adapter stands for is written into the base model's :class:`~fcprag_plugin.fast.FusedSlot` by ``set_adapter``,
-or, where the active adapter changed otherwise (after ``from_pretrained``, ``delete_adapter`` or inside
-``disable_adapter()``), by a forward pre-hook on the base model just before the next forward pass. So PRAG's loop
-writes one merge per question and builds nothing else.
+PRAG's loop, per question: ``from_pretrained``, ``load_adapter`` for the other passages, ``add_weighted_adapter``,
+``set_adapter("merge")``, ``generate``, ``delete_adapter("merge")``, ``unload()``. Under ``use_slot`` adapters are
+read (memory-mapped, packed, checked) into the shim's :class:`~fcprag_plugin.fast.AdapterStore`, no LoRA module is
+ever created, and the active adapter's update is written into the base model's
+:class:`~fcprag_plugin.fast.FusedSlot` by ``set_adapter`` or, when the active adapter changed otherwise, by a
+forward pre-hook just before the next forward pass: one write per question.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Iterator, Sequence
 
 from ..errors import HookError
 from ..fast import PackedAdapter
-
-logger = logging.getLogger(__name__)
 
 # PeftModel attributes a base model also has but whose PEFT meaning the slot cannot give (they would act on the
 # bare base model). Other PeftModel-only attributes are refused by ``__getattr__``.
@@ -31,12 +25,9 @@ _REFUSED = frozenset({"save_pretrained", "push_to_hub", "merge_adapter", "unmerg
 class SlotPeftModel:
     """A ``PeftModel`` stand-in for PRAG's inference loop whose adapters live in an adapter store and a fused slot.
 
-    Behaves as PEFT does for what PRAG's script touches: ``load_adapter``, ``add_weighted_adapter`` (the merge is
-    the shim's, with controller weights), ``set_adapter``, ``disable_adapter()``, ``delete_adapter``, ``unload()``
-    / ``merge_and_unload()`` (return the base model; the latter refuses while an adapter is active, since the slot
-    never writes weights), ``peft_config``, ``active_adapter``. Everything else (``generate``, ``__call__``,
-    ``config``, ``device``, ...) is the base model's own: the slot's hooks sit on the base model's Linear layers.
-    Not a ``PeftModel`` (``isinstance`` is False); training and saving adapters are refused with a clear error.
+    PEFT's adapter verbs keep their meaning (the merge is the shim's, with controller weights; ``merge_and_unload``
+    refuses while an adapter is active, since the slot never writes weights); everything else (``generate``,
+    ``config``, ...) is the base model's own. Not a ``PeftModel``: training and saving adapters are refused.
     """
 
     def __init__(self, shim: Any, base: Any, model_id: Any, adapter_name: str) -> None:
@@ -98,11 +89,7 @@ class SlotPeftModel:
                                   lambda: [p.to_lora() for p in packed], record)
 
     def set_adapter(self, adapter_name: str) -> None:
-        self._check_open("set_adapter")
-        name = str(adapter_name)
-        if name not in self._adapters and name not in self._merges:
-            raise HookError(f"set_adapter('{name}'): no such adapter (loaded: {self._names()})")
-        self._active = name
+        self._active = self._existing("set_adapter", adapter_name)
         self._sync()  # PRAG's set_adapter('merge') is where the question's merge is written
 
     @contextlib.contextmanager
@@ -115,10 +102,7 @@ class SlotPeftModel:
             self._disabled = before
 
     def delete_adapter(self, adapter_name: str) -> None:
-        self._check_open("delete_adapter")
-        name = str(adapter_name)
-        if name not in self._adapters and name not in self._merges:
-            raise HookError(f"delete_adapter('{name}'): no such adapter (loaded: {self._names()})")
+        name = self._existing("delete_adapter", adapter_name)
         self._adapters.pop(name, None)
         self._merges.pop(name, None)
         self._paths.pop(name, None)
@@ -223,6 +207,14 @@ class SlotPeftModel:
     # ----------------------------------------------------------------- the slot
     def _names(self) -> list[str]:
         return [*self._adapters, *self._merges]
+
+    def _existing(self, verb: str, adapter_name: Any) -> str:
+        """``verb``'s adapter, which must be loaded (or a merge) in an open model."""
+        self._check_open(verb)
+        name = str(adapter_name)
+        if name not in self._adapters and name not in self._merges:
+            raise HookError(f"{verb}('{name}'): no such adapter (loaded: {self._names()})")
+        return name
 
     def _check_open(self, verb: str) -> None:
         if self._closed:

@@ -1,13 +1,7 @@
-"""What the integration shims share; ``prag.py`` / ``dyprag.py`` add only their patches and their merge step.
-
-- :class:`Shim` + :class:`Lifecycle`: the one install / uninstall / installed / launch lifecycle (at most one
-  installed shim per host; installing again replaces it; ``installed()`` restores the previous state).
-- :class:`PatchSet`: idempotent, fully reversible attribute patches (restores the exact original objects).
-- Query context: :func:`set_context` (explicit) and the shim's data-file mapping are the documented ways; the
-  caller's locals (``question``, ``passages``, ``test_id``) are searched as a fallback; never a silent uniform merge.
-- :class:`MergeHook`: controller + encoder -> :class:`~fcprag_plugin.weights.FusionWeights` for one question, plus
-  the JSON Lines log.
-- :func:`run_script`: run an unmodified host script as ``__main__`` (same sys.path / argv semantics as python).
+"""What the integration shims share; ``prag.py`` / ``dyprag.py`` add only their patches and their merge step:
+reversible patches, the query context (:func:`set_context`, else the caller's locals, else the shim's fallback;
+never a silent uniform merge), the weight hook and its log, the fused slots of ``use_slot``, the install lifecycle
+and the script launcher.
 """
 
 from __future__ import annotations
@@ -18,16 +12,18 @@ import logging
 import runpy
 import sys
 import threading
-import time
-from dataclasses import dataclass
+import weakref
 from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from torch import nn
+
 from ..controller import FusionController, load_controller
 from ..errors import HookError
+from ..fast.layout import FactorGetter, PackedAdapter, pack_factors
+from ..fast.slot import FusedSlot
 from ..weights import FusionWeights, finite_or_none, is_uniform, side_inputs
-from ._slot_bridge import ShimSlots, check_max_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +31,12 @@ _MISSING = object()
 
 
 # ----------------------------------------------------------------------------- patches
-@dataclass
-class _Patch:
-    owner: Any
-    attr: str
-    original: Any  # the object found in owner.__dict__, or _MISSING when it was inherited / absent
-    replacement: Any
-
-
 class PatchSet:
     """A named group of attribute patches. ``apply`` is idempotent; ``revert`` restores the originals exactly."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._patches: list[_Patch] = []
+        self._patches: list[tuple[Any, str, Any]] = []  # (owner, attr, original in owner.__dict__ or _MISSING)
 
     @property
     def active(self) -> bool:
@@ -56,24 +44,19 @@ class PatchSet:
 
     def patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
         """Replace ``owner.attr`` with ``make(current)``; patching the same (owner, attr) twice is a no-op."""
-        for p in self._patches:
-            if p.owner is owner and p.attr == attr:
-                return
+        if any(o is owner and a == attr for o, a, _ in self._patches):
+            return
         original = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-        current = getattr(owner, attr)
-        replacement = make(current)
-        setattr(owner, attr, replacement)
-        self._patches.append(_Patch(owner, attr, original, replacement))
+        setattr(owner, attr, make(getattr(owner, attr)))
+        self._patches.append((owner, attr, original))
 
     def revert(self) -> None:
-        for p in reversed(self._patches):
-            if p.original is _MISSING:
-                try:
-                    delattr(p.owner, p.attr)
-                except AttributeError:
-                    pass
-            else:
-                setattr(p.owner, p.attr, p.original)
+        for owner, attr, original in reversed(self._patches):
+            if original is not _MISSING:
+                setattr(owner, attr, original)
+            else:  # it was inherited or absent
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, attr)
         self._patches.clear()
 
 
@@ -94,16 +77,17 @@ def explicit_context() -> dict[str, Any] | None:
     return getattr(_ctx, "value", None)
 
 
-def find_in_callers(names: Iterable[str], frame: FrameType | None = None, max_depth: int = 30) -> dict[str, Any] | None:
+def find_in_callers(names: Iterable[str], frame: FrameType | None = None,
+                    max_depth: int = 30) -> dict[str, Any] | None:
     """The nearest caller frame whose locals hold all ``names`` (e.g. ``question`` and ``passages``)."""
     names = list(names)
     f = frame or sys._getframe(1)
-    depth = 0
-    while f is not None and depth < max_depth:
-        loc = f.f_locals
-        if all(n in loc for n in names):
-            return {n: loc[n] for n in names}
-        f, depth = f.f_back, depth + 1
+    for _ in range(max_depth):
+        if f is None:
+            return None
+        if all(n in f.f_locals for n in names):
+            return {n: f.f_locals[n] for n in names}
+        f = f.f_back
     return None
 
 
@@ -112,7 +96,7 @@ def caller_test_id(ctx: dict[str, Any]) -> int | str | None:
     (PRAG's and DyPRAG's loops both have one), else None."""
     tid = ctx.get("test_id")
     if tid is None:
-        found = find_in_callers(("test_id",), sys._getframe(1), max_depth=30)
+        found = find_in_callers(("test_id",), sys._getframe(1))
         tid = found["test_id"] if found else None
     return tid if isinstance(tid, (int, str)) and not isinstance(tid, bool) else None
 
@@ -130,11 +114,10 @@ def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, 
         fb = fallback()
         if fb is not None:
             return {**fb, "source": fb.get("source", "fallback")}
-    raise HookError(
-        f"fcprag: cannot tell which question and passages this {what} is for: call "
-        "fcprag_plugin.hooks.set_context(question, passages) before it, keep local variables named "
-        "'question' and 'passages' in the calling function, or give the shim a data file to map adapter paths"
-    )
+    raise HookError(f"fcprag: cannot tell which question and passages this {what} is for: call "
+                    "fcprag_plugin.hooks.set_context(question, passages) before it, keep local variables named "
+                    "'question' and 'passages' in the calling function, or give the shim a data file to map adapter "
+                    "paths")
 
 
 # ----------------------------------------------------------------------------- the hook
@@ -187,21 +170,9 @@ class MergeHook:
         self.calls += 1
         if self.log_path is None:
             return
-        line = json.dumps(record, ensure_ascii=False, default=_json_default)
+        line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
         with open(self.log_path, "a", encoding="utf-8") as f:  # one write per line: no torn records
             f.write(line + "\n")
-
-    @staticmethod
-    def timer() -> float:
-        return time.perf_counter()
-
-
-def _json_default(o: Any) -> Any:
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -234,13 +205,88 @@ def run_host_script(script: str | Path, argv: Sequence[str] = ()) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- use_slot: one fused slot per model
+def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | None:
+    """Validate the ``max_adapters`` option (``None``: the slot grows with the largest question)."""
+    if max_adapters is None:
+        return None
+    if not use_slot:
+        raise HookError(f"{who}: max_adapters / --slot-max-adapters only applies with use_slot=True / --use-slot")
+    if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
+        raise HookError(f"{who}: max_adapters must be a positive integer (the most passages one question may have), "
+                        f"got {max_adapters!r}")
+    return max_adapters
+
+
+class ShimSlots:
+    """The fused slots one shim installed, one per live model (held weakly); :meth:`close` removes them all.
+
+    ``max_adapters``: fixed slot capacity K (more adapters is a :class:`HookError`); ``None`` sizes the slot for
+    the first question and grows it (logged) when a later question has more adapters or a larger rank.
+    """
+
+    def __init__(self, max_adapters: int | None, who: str) -> None:
+        self.max_adapters = max_adapters
+        self.who = who
+        self._slots: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDictionary()
+        self.resizes = 0
+
+    def get(self, model: nn.Module, modules: Sequence[str], n: int, rank: int) -> FusedSlot:
+        """The slot on ``model`` covering exactly ``modules`` (base-model paths), with room for ``n`` adapters of
+        rank ``rank``."""
+        if self.max_adapters is not None and n > self.max_adapters:
+            raise HookError(f"{self.who}: this question merges {n} adapters but the fused slot holds "
+                            f"max_adapters={self.max_adapters}; raise max_adapters (--slot-max-adapters) or leave it "
+                            "unset so the slot grows with the largest question")
+        slot = self._slots.get(model)
+        if slot is not None and set(slot.layout.module_names) != set(modules):
+            logger.info("%s: the target modules changed (%d -> %d modules); rebuilding the fused slot", self.who,
+                        slot.layout.num_modules, len(modules))
+            slot.remove()
+            del self._slots[model]
+            slot = None
+        if slot is None:
+            slot = FusedSlot(model, list(modules), max_adapters=self.max_adapters or n, max_rank=rank)
+            self._slots[model] = slot
+            logger.info("%s: fused slot installed on %d modules (K=%d, R=%d, %d bytes)", self.who,
+                        slot.layout.num_modules, slot.max_adapters, slot.max_rank, slot.nbytes)
+        elif n > slot.max_adapters or rank > slot.max_rank:
+            slot.resize(max(n, slot.max_adapters), max(rank, slot.max_rank))
+            self.resizes += 1
+        return slot
+
+    def write(self, model: nn.Module, modules: Sequence[str], rank: int, factors: Sequence[FactorGetter],
+              sources: Sequence[str], weights: Sequence[float], mode: str) -> FusedSlot:
+        """Pack each adapter's factors (``factors[i](module) -> (A, B, s)``, named ``sources[i]`` in errors) into
+        the slot of ``model`` and write their ``mode`` merge with ``weights`` (switched on)."""
+        slot = self.get(model, modules, len(factors), rank)
+        packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
+        return slot.activate(packed, list(weights), mode)
+
+    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], weights: Sequence[float],
+                     mode: str) -> FusedSlot:
+        """Write the ``mode`` merge of already packed adapters into the slot of ``model`` (switched on)."""
+        slot = self.get(model, packed[0].layout.module_names, len(packed), max(p.max_rank for p in packed))
+        return slot.activate(list(packed), list(weights), mode)
+
+    def slot_of(self, model: nn.Module) -> FusedSlot | None:
+        return self._slots.get(model)
+
+    def slots(self) -> list[FusedSlot]:
+        return list(self._slots.values())
+
+    def close(self) -> None:
+        """Remove every slot (hooks and buffers): the models are exactly as before the first question."""
+        for slot in list(self._slots.values()):
+            slot.remove()
+        self._slots = weakref.WeakKeyDictionary()
+
+
 # ----------------------------------------------------------------------------- the shim lifecycle
 class Shim:
     """What every host shim holds: the weight hook (controller, encoder, log), the merge ``mode``, the fused slots
-    of ``use_slot`` (``slots``), its patches, and the per-question log (``merges``, ``last_record``).
-
-    Subclasses set ``who`` and ``lifecycle`` and implement :meth:`apply` (install their patches into
-    ``self.patches``) and their merge step; :meth:`close` releases what a question left behind.
+    of ``use_slot`` (``slots``), its patches, and the per-question log (``merges`` counts questions,
+    ``last_record``). Subclasses set ``who`` and ``lifecycle`` and implement :meth:`apply` (their patches).
     """
 
     who = "fcprag"

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("host", choices=sorted(_SHIMS), help="which host's merge to replace: prag or dyprag")
     r.add_argument("--controller", help="controller directory (omit for the uniform baseline)")
     r.add_argument("--encoder", help="embedding model name or path (default: the controller's)")
-    r.add_argument("--mode", help="merge mode: prag: cat (default) | separate | svd; dyprag: separate (default) | delta")
+    r.add_argument("--mode",
+                   help="merge mode: prag: cat (default) | separate | svd; dyprag: separate (default) | delta")
     r.add_argument("--log", help="per-question JSON Lines log")
     r.add_argument("--data-file", dest="data_file",
                    help="prag: PRAG's augmented data file, to map adapter paths back to questions")

@@ -3,26 +3,16 @@ controller-weighted aggregation, without changing DyPRAG's code.
 
 DyPRAG's ``src/inference_dyprag.py`` calls ``projector(embedding)`` (a ``ParameterTranslator``) once per passage,
 averages every key over the passages and calls ``delta_inject(model, merged)``, which sets ``delta = B @ A`` on
-each module. The shim
+each module. The shim captures every ``ParameterTranslator.forward`` output (class-level patch, in call order) and
+wraps ``utils.delta_inject``: the captured outputs must line up with ``merged`` (N = len(passages) dicts whose
+plain mean is ``merged``, else :class:`HookError`); ``w~`` comes from the controller on the question and passage
+texts (:func:`set_context`, else the caller's locals), and DyPRAG's own ``delta_inject`` gets the re-aggregated
+dict with ``u = w~/N`` (:mod:`._dyprag_math`: ``separate`` sums the factors, ``delta`` stacks them along rank so
+``B @ A = sum u_i B_i A_i``). The capture is emptied at every ``delta_inject`` and on every error.
 
-1. wraps ``ParameterTranslator.forward`` at class level and captures every output, in call order;
-2. wraps ``utils.delta_inject``: it checks that the captured outputs line up with ``merged`` (N = len(passages)
-   dicts with the same keys whose plain mean is ``merged``; otherwise :class:`HookError`), gets the merge weights
-   ``w~`` from the controller on the question and passage texts (:func:`set_context`, else the caller's locals
-   ``question`` / ``passages``), and hands DyPRAG's own ``delta_inject`` the re-aggregated dict with ``u = w~/N``:
-
-   - ``separate``: ``A* = sum u_i A_i``, ``B* = sum u_i B_i`` (uniform weights: DyPRAG's dict, unchanged);
-   - ``delta``: ``A = cat(u_i A_i)``, ``B = cat(B_i)`` along rank, so ``B @ A = sum u_i B_i A_i``.
-
-The capture buffer is emptied at every ``delta_inject`` (one question) and on every error.
-
-``use_slot=True`` (``--use-slot``): instead of handing ``delta_inject`` a dict (from which DyPRAG builds a dense
-``[out, in]`` delta per module and adds ``x @ delta.T`` in every forward), the shim writes the same update in
-low-rank form into a :class:`~fcprag_plugin.fast.FusedSlot` on the model's target Linear layers (installed at the
-first question) and switches it on; DyPRAG's ``delta_inject`` is not called, so no ``delta`` is set. ``separate``
-writes ``(sum u_i B_i)(sum u_i A_i)``, ``delta`` writes ``sum u_i B_i A_i``. ``delta_remove`` is patched too: it
-switches the slot off (and skips DyPRAG's own, which would find no ``delta`` to delete). :func:`uninstall`
-removes the slot.
+``use_slot=True`` writes the same update in low-rank form into a :class:`~fcprag_plugin.fast.FusedSlot` on the
+model's target Linear layers instead (DyPRAG's ``delta_inject`` is not called, so no dense ``delta`` is built);
+the patched ``delta_remove`` switches the slot off. :func:`uninstall` removes the slot.
 
 Use: ``fcprag run dyprag --controller DIR -- src/inference_dyprag.py ARGS...`` (see :func:`launch`), or
 ``install(...)`` at the top of the script (before ``from utils import ...``) / ``with installed(...):``.
@@ -35,6 +25,7 @@ import importlib
 import logging
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, ContextManager, Mapping, Sequence
@@ -43,8 +34,7 @@ from ..adapter import LoraAdapter, LoraModule
 from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
-from ._slot_bridge import check_max_adapters
-from .base import (Lifecycle, MergeHook, Shim, caller_test_id, clear_context, explicit_context, find_in_callers,
+from .base import (Lifecycle, MergeHook, Shim, caller_test_id, check_max_adapters, clear_context, find_in_callers,
                    get_context)
 from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
@@ -59,15 +49,8 @@ _LIFE = Lifecycle("fcprag dyprag")
 
 
 class DyPragShim(Shim):
-    """The installed shim: patches, the capture buffer, the weight hook. Use :func:`install` to make one.
-
-    Attributes:
-        mode: ``separate`` or ``delta``.
-        hook: the :class:`MergeHook` (controller, encoder, log).
-        merges: how many ``delta_inject`` calls (questions) were re-weighted.
-        last_record: the last per-question log record.
-        use_slot: whether updates go through the fused slot (``slots``) instead of DyPRAG's dense deltas.
-    """
+    """The installed shim (see :class:`~fcprag_plugin.hooks.base.Shim`) with the capture buffer; ``mode`` is
+    ``separate`` or ``delta``. Use :func:`install` to make one."""
 
     who = "fcprag dyprag"
     lifecycle = _LIFE
@@ -79,7 +62,6 @@ class DyPragShim(Shim):
         self.projector = projector
         self._captured: list[Any] = []
         self._lock = threading.Lock()
-        self._warned = False
 
     # ------------------------------------------------------------------ capture
     @property
@@ -97,11 +79,10 @@ class DyPragShim(Shim):
         with self._lock:
             self._captured.append(output)  # a reference: DyPRAG keeps these alive until its merge anyway
             pending = len(self._captured)
-        if pending > _WARN_PENDING and not self._warned:
-            self._warned = True
-            logger.warning("fcprag dyprag: %d ParameterTranslator outputs captured without a delta_inject call; is "
-                           "delta_inject bound before the shim was installed (install before 'from utils import')?",
-                           pending)
+        if pending > _WARN_PENDING:
+            self.warn_once("pending", "fcprag dyprag: %d ParameterTranslator outputs captured without a delta_inject "
+                           "call; is delta_inject bound before the shim was installed (install before 'from utils "
+                           "import')?", pending)
 
     def _take(self) -> list[Any]:
         with self._lock:
@@ -111,17 +92,14 @@ class DyPragShim(Shim):
     # ------------------------------------------------------------------ the merge
     def reaggregate(self, merged: Mapping[str, Any]) -> dict[str, Any]:
         """Check the captured outputs against DyPRAG's ``merged`` and return the weighted dict (same keys).
-
-        Consumes the capture buffer (also when it raises). The question and passages come from
-        :func:`set_context` (used once, then cleared) or the caller's locals ``question`` / ``passages``.
-        """
+        Consumes the capture buffer (also when it raises)."""
         outs, ctx, fw, t0, t1 = self._weigh(merged)
         u = [w / fw.n for w in fw.merge_weights]
         if self.mode == "separate" and fw.uniform_merge:
             new = dict(merged)  # uniform: exactly DyPRAG's average (checked equal to the capture above)
         else:
             new = dm.aggregate(outs, u, self.mode)
-        self._record(merged, ctx, fw, u, t0, t1, MergeHook.timer())
+        self._record(merged, ctx, fw, u, t0, t1, time.perf_counter())
         return new
 
     def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
@@ -135,11 +113,10 @@ class DyPragShim(Shim):
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
         getters = [lambda m, f=f: (*f[m], 1.0) for f in factors]  # DyPRAG's delta is B @ A: scaling 1
         sources = [f"ParameterTranslator output {i}" for i in range(n)]
-        if self.mode == "separate":  # A = sum u_i A_i, B = sum u_i B_i (the slot divides w~ by N)
-            slot = self.slots.write(model, list(factors[0]), rank, getters, sources, fw.merge_weights, "separate")
-        else:  # sum u_i B_i A_i
-            slot = self.slots.write(model, list(factors[0]), rank, getters, sources, u, "cat")
-        self._record(merged, ctx, fw, u, t0, t1, MergeHook.timer(), slot=repr(slot))
+        # separate: A = sum u_i A_i, B = sum u_i B_i (the slot divides w~ by N); delta: sum u_i B_i A_i
+        weights, mode = (fw.merge_weights, "separate") if self.mode == "separate" else (u, "cat")
+        slot = self.slots.write(model, list(factors[0]), rank, getters, sources, weights, mode)
+        self._record(merged, ctx, fw, u, t0, t1, time.perf_counter(), slot=repr(slot))
 
     def _weigh(self, merged: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any], FusionWeights, float, float]:
         """Take the capture, resolve the question, check the alignment and compute ``w~``."""
@@ -147,9 +124,10 @@ class DyPragShim(Shim):
         ctx = self._context()
         q_text, p_texts = ctx["question"], ctx["passages"]
         dm.check_alignment(outs, merged, len(p_texts), q_text)
-        t0 = MergeHook.timer()
-        fw = self.hook.weights(q_text, p_texts, adapters=lambda: [_translator_adapter(o, i) for i, o in enumerate(outs)])
-        return outs, ctx, fw, t0, MergeHook.timer()
+        t0 = time.perf_counter()
+        fw = self.hook.weights(q_text, p_texts,
+                               adapters=lambda: [_translator_adapter(o, i) for i, o in enumerate(outs)])
+        return outs, ctx, fw, t0, time.perf_counter()
 
     def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], fw: FusionWeights, u: list[float],
                 t0: float, t1: float, t2: float, slot: str | None = None) -> None:
@@ -167,11 +145,9 @@ class DyPragShim(Shim):
 
     @staticmethod
     def _context() -> dict[str, Any]:
-        used_explicit = explicit_context() is not None
-
         def passages_list() -> dict[str, Any] | None:
             # DyPRAG's own loop keeps the passage texts in 'passages_list' ('passages' is their joined string)
-            loc = find_in_callers(("question", "passages_list"), max_depth=30)
+            loc = find_in_callers(("question", "passages_list"))
             if loc is None or not isinstance(loc["question"], str) or not isinstance(loc["passages_list"], list):
                 return None
             return {"question": loc["question"], "passages": loc["passages_list"], "source": "caller_locals"}
@@ -184,7 +160,7 @@ class DyPragShim(Shim):
                 "fcprag_plugin.hooks.set_context(question, passages) before delta_inject, or call delta_inject from "
                 "a function with local variables 'question' (a str) and 'passages' (a list of str), as DyPRAG's "
                 "inference_dyprag.py main() does") from None
-        if used_explicit:
+        if ctx["source"] == "set_context":
             clear_context()  # one question per set_context: a stale context must not weight the next question
         return ctx
 
@@ -200,7 +176,6 @@ class DyPragShim(Shim):
                                 "switch the fused slot off after each question")
 
         def make_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(orig)
             def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
                 try:
                     out = orig(module, *args, **kwargs)
@@ -210,23 +185,18 @@ class DyPragShim(Shim):
                 self._capture(out)
                 return out
 
-            forward.__fcprag_original__ = orig  # type: ignore[attr-defined]
-            return forward
+            return _wrapping(orig, forward)
 
         def make_inject(orig: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(orig)
             def delta_inject(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
                 if self.use_slot:
                     self.inject_on_slot(model, adapter_weights)  # no dense delta: the slot carries the update
                     return None
-                new = self.reaggregate(adapter_weights)
-                return orig(model, new, *args, **kwargs)
+                return orig(model, self.reaggregate(adapter_weights), *args, **kwargs)
 
-            delta_inject.__fcprag_original__ = orig  # type: ignore[attr-defined]
-            return delta_inject
+            return _wrapping(orig, delta_inject)
 
         def make_remove(orig: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(orig)
             def delta_remove(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
                 slot = self.slots.slot_of(model)
                 if slot is not None and slot.active:
@@ -234,8 +204,7 @@ class DyPragShim(Shim):
                     return None
                 return orig(model, adapter_weights, *args, **kwargs)
 
-            delta_remove.__fcprag_original__ = orig  # type: ignore[attr-defined]
-            return delta_remove
+            return _wrapping(orig, delta_remove)
 
         self.patches.patch(cls, "forward", make_forward)
         self.patches.patch(self.utils, "delta_inject", make_inject)
@@ -253,6 +222,13 @@ class DyPragShim(Shim):
         """Drop the capture and remove the fused slots (the model is exactly as before)."""
         self.clear()
         super().close()
+
+
+def _wrapping(orig: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` dressed as ``orig`` (``functools.wraps``), with ``orig`` kept as ``fn.__fcprag_original__``."""
+    fn = functools.wraps(orig)(fn)
+    fn.__fcprag_original__ = orig  # type: ignore[attr-defined]
+    return fn
 
 
 def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:
@@ -296,12 +272,12 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
         mode: ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i B_i``) or ``delta`` (exact ``sum u_i B_i A_i``).
         log: JSON Lines file, one record per question.
         utils, projector: the host modules (or their import names); default: import ``utils`` / ``projector``.
-        use_slot: write each question's update into a :class:`~fcprag_plugin.fast.FusedSlot` (low rank) instead of
-            DyPRAG's dense per-module ``delta`` (see the module docstring). Default False.
-        max_adapters: with ``use_slot``, a fixed slot capacity (more passages in one question is a
-            :class:`HookError`); default None: sized for the first question and grown when a later one has more.
+        use_slot: write each question's update into a :class:`~fcprag_plugin.fast.FusedSlot` instead of DyPRAG's
+            dense per-module ``delta``.
+        max_adapters: with ``use_slot``, a fixed slot capacity (more passages is a :class:`HookError`); default:
+            sized for the first question and grown when a later one has more.
 
-    Install before the script runs ``from utils import delta_inject`` (the launcher does). Installing again
+    Install before the script runs ``from utils import delta_inject`` (the launcher does); installing again
     replaces the previous shim. Returns the shim (also a context manager that uninstalls).
     """
     return _LIFE.install(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
@@ -322,9 +298,8 @@ def _make(controller: Any, encoder: Any, mode: str, log: str | Path | None, util
     return DyPragShim(hook, mode, utils_mod, projector_mod, use_slot=use_slot, max_adapters=max_adapters)
 
 
-def uninstall() -> None:
-    """Undo :func:`install` (no-op when not installed)."""
-    _LIFE.uninstall()
+uninstall = _LIFE.uninstall  # undo install() (no-op when not installed)
+is_installed = _LIFE.is_installed
 
 
 def installed(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
@@ -332,10 +307,6 @@ def installed(controller: Any = None, encoder: Any = None, mode: str = "separate
               use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[DyPragShim]:
     """``with dyprag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
     return _LIFE.installed(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
-
-
-def is_installed() -> bool:
-    return _LIFE.is_installed()
 
 
 def current() -> DyPragShim | None:
@@ -346,12 +317,9 @@ def current() -> DyPragShim | None:
 def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
            mode: str | None = None, log: str | Path | None = None, use_slot: bool | None = None,
            slot_max_adapters: int | None = None, **options: Any) -> int:
-    """``fcprag run dyprag``: run DyPRAG's unmodified ``script`` as ``__main__`` with the shim installed.
-
-    Puts the script's directory first on sys.path, imports (fresh) and patches its ``utils`` and ``projector``,
-    runs the script, then uninstalls and restores sys.path and those sys.modules entries. Returns the script's
-    exit status (``sys.exit`` inside the script is caught and returned). ``use_slot`` / ``slot_max_adapters``: see
-    :func:`install` (``use_slot`` / ``max_adapters``).
+    """``fcprag run dyprag``: run DyPRAG's unmodified ``script`` as ``__main__`` with the shim installed; returns
+    its exit status. The script's own ``utils`` and ``projector`` are imported fresh (its directory first on
+    sys.path) and patched; sys.path and those sys.modules entries are restored afterwards.
     """
     if options:
         raise HookError(f"fcprag run dyprag: option(s) {sorted(options)} do not apply to DyPRAG "

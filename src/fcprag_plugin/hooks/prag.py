@@ -4,35 +4,21 @@ One line in PRAG's ``src/inference.py`` (before the loop)::
 
     from fcprag_plugin.hooks import prag; prag.install(controller="path/to/controller", log="fusion.jsonl")
 
-or the unmodified script through the launcher::
+or the unmodified script through the launcher: ``fcprag run prag --controller DIR -- src/inference.py ARGS...``.
+The shim patches peft at class level (reversible, idempotent):
 
-    fcprag run prag --controller DIR --log fusion.jsonl -- src/inference.py ARGS...
+- ``LoraModel.add_weighted_adapter``: checks that all N adapters have non-zero LoRA layers in the model, finds the
+  question and passages (:func:`set_context`, else the caller's locals ``question``/``passages``, else the adapter
+  paths ``.../data_{test_id}/passage_{pid}`` mapped back to PRAG's data file), computes ``w~`` and merges: ``cat``
+  is peft's own cat with ``weights=w~`` (exact); ``separate`` / ``svd`` go through :mod:`fcprag_plugin.merge`.
+  One JSON line per question goes to the log. No controller (or a ``uniform`` one) gives PRAG's own merge.
+- ``PeftModel.from_pretrained`` / ``load_adapter``: remember each adapter's path (log, errors, data-file mapping).
+- On peft < 0.19, ``unload`` / ``merge_and_unload`` (and ``from_pretrained`` on an unloaded model): clear the
+  ``peft_config`` peft leaves on the base model, without which later questions merge only some passages.
 
-What the shim patches (class level, reversible, idempotent):
-
-- ``LoraModel.add_weighted_adapter``: before every merge it checks that all N adapters really have LoRA layers
-  with non-zero weights in the model, finds the question and passages (explicit :func:`set_context`, else the
-  caller's locals ``question``/``passages``, else the adapter paths ``.../data_{test_id}/passage_{pid}`` mapped
-  back to PRAG's data file), computes ``w~`` with the controller and merges: mode ``cat`` is peft's own cat with
-  ``weights=w~`` (``dW = sum_i w~_i s_i B_i A_i``, exact); ``separate`` / ``svd`` go through
-  :mod:`fcprag_plugin.merge`. One JSON line per question goes to the log.
-- ``PeftModel.from_pretrained`` / ``PeftModel.load_adapter``: remember each adapter's path (for the log, the
-  error messages and the data-file mapping).
-- On peft < 0.19, ``LoraModel.unload`` / ``merge_and_unload`` (and ``from_pretrained`` on an already unloaded
-  model): clear the ``peft_config`` that peft leaves on the base model. Without that, from the second question
-  on ``load_adapter`` creates no layers and the merge silently uses only some passages.
-
-No controller (or a ``uniform`` one) gives ``w~ = [1]*N``: PRAG's original merge.
-
-``use_slot=True`` (``--use-slot``; modes ``cat`` and ``separate``): PRAG's loop builds no PEFT modules at all.
-``PeftModel.from_pretrained`` returns a :class:`~fcprag_plugin.hooks._prag_slot.SlotPeftModel`: ``load_adapter``
-reads each passage adapter into an :class:`~fcprag_plugin.fast.AdapterStore` (memory-mapped, packed, checked),
-``add_weighted_adapter`` records the controller-weighted merge, and ``set_adapter`` writes the active adapter's
-update into a :class:`~fcprag_plugin.fast.FusedSlot` on the base model's target Linear layers (one write per
-question; after ``from_pretrained`` or ``delete_adapter`` the write happens before the next forward pass). ``set_adapter``, ``disable_adapter()``, ``delete_adapter`` and ``unload()`` keep PEFT's
-meaning; ``unload()`` returns the base model, which outside a question computes its original outputs bit for bit
-(its weights are never written). A trainable ``from_pretrained`` (``is_trainable=True``) stays PEFT's own, and
-PEFT merges such adapters. :func:`uninstall` removes the slot.
+``use_slot=True`` (modes ``cat`` / ``separate``): ``PeftModel.from_pretrained`` returns a
+:class:`~fcprag_plugin.hooks._prag_slot.SlotPeftModel` that builds no PEFT modules and writes each question's
+merge into a :class:`~fcprag_plugin.fast.FusedSlot` (see there). A trainable ``from_pretrained`` stays PEFT's own.
 """
 
 from __future__ import annotations
@@ -47,19 +33,13 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from ..compat import (
-    clear_stale_peft_config,
-    has_stale_peft_config,
-    live_lora_layers,
-    lora_b_weight,
-    peft_has_stale_config_bug,
-    peft_version,
-    set_lora_factors,
-)
+from ..compat import (clear_stale_peft_config, has_stale_peft_config, live_lora_layers, lora_b_weight,
+                      peft_has_stale_config_bug, peft_version, set_lora_factors)
 from ..adapter import LoraAdapter
 from ..controller import FusionController
 from ..errors import HookError
 from ..fast import AdapterStore
+from ..fast.slot import SLOT_MODES
 from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
@@ -73,16 +53,12 @@ __all__ = ["PragShim", "install", "uninstall", "installed", "is_installed", "lau
 _LIFE = Lifecycle("fcprag prag")
 # adapter name -> path, per live LoraModel (weak: PRAG builds a new one per question)
 _paths: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
-SLOT_MODES = ("cat", "separate")
 
 
 # ----------------------------------------------------------------------------- the handle
 class PragShim(Shim):
-    """An installed PRAG shim: the hook (controller, encoder, log), merge mode and data-file mapping.
-
-    Use it as a context manager or call :meth:`uninstall`. ``merges`` counts merged questions and
-    ``last_record`` holds the latest per-question log record.
-    """
+    """An installed PRAG shim (see :class:`~fcprag_plugin.hooks.base.Shim`) with its data-file mapping; a context
+    manager, or call :meth:`uninstall`."""
 
     who = "fcprag prag"
     lifecycle = _LIFE
@@ -247,14 +223,11 @@ def _align_passages(passages: Sequence[str], names: list[str], paths: list[str |
     """One passage per adapter: by the ``passage_{pid}`` in its path when all paths have one, else by position."""
     passages = list(passages)
     if parsed and all(p is not None for p in parsed):
-        out = []
         for p in parsed:
-            assert p is not None
             if p.pid >= len(passages):
                 raise HookError(f"adapter {p.path} is passage {p.pid} but the {source} context has only "
                                 f"{len(passages)} passages")
-            out.append(passages[p.pid])
-        return out
+        return [passages[p.pid] for p in parsed]
     if len(passages) != len(names):
         shown = [p or n for n, p in zip(names, paths)]
         raise HookError(f"merging {len(names)} adapters {shown} but the {source} context has {len(passages)} "
@@ -286,7 +259,6 @@ def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None
 
 def _remerge(tuner: Any, names: list[str], merge_name: str, w_tilde: list[float], mode: str) -> None:
     """Overwrite the (cat-built) merged adapter with a ``separate`` / ``svd`` merge of the live adapters."""
-
     adapters = [LoraAdapter.from_peft_model(tuner.model, n) for n in names]
     merged = merge_adapters(adapters, w_tilde, mode).adapter
     layers = dict(live_lora_layers(tuner.model, merge_name))
@@ -301,6 +273,9 @@ def _remerge(tuner: Any, names: list[str], merge_name: str, w_tilde: list[float]
 
 # ----------------------------------------------------------------------------- patch factories
 def _bind(sig: inspect.Signature, *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
+    """The call's arguments (defaults applied) while a shim is installed; else, or for a bad call, None."""
+    if _LIFE.current is None:
+        return None
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError:
@@ -314,11 +289,8 @@ def _wrap_add_weighted_adapter(original: Callable[..., Any]) -> Callable[..., An
 
     @functools.wraps(original)
     def add_weighted_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
-        shim = _LIFE.current
-        bound = _bind(sig, self, *args, **kwargs) if shim is not None else None
-        if shim is None or bound is None:
-            return original(self, *args, **kwargs)
-        return shim.merge(original, bound)
+        bound = _bind(sig, self, *args, **kwargs)
+        return original(self, *args, **kwargs) if bound is None else _LIFE.current.merge(original, bound)
 
     return add_weighted_adapter
 
@@ -337,8 +309,8 @@ def _wrap_from_pretrained(owner: type) -> Callable[[Any], Any]:
         @functools.wraps(func)
         def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
             shim = _LIFE.current
-            bound = _bind(sig, cls, *args, **kwargs) if shim is not None else None
-            if shim is not None and bound is not None:
+            bound = _bind(sig, cls, *args, **kwargs)
+            if bound is not None:
                 a = bound.arguments
                 if shim.use_slot and not a.get("is_trainable") and a.get("config") is None:
                     return shim.slot_model(a["model"], a["model_id"], a.get("adapter_name", "default"))
@@ -360,7 +332,7 @@ def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        bound = _bind(sig, self, *args, **kwargs) if _LIFE.current is not None else None
+        bound = _bind(sig, self, *args, **kwargs)
         if bound is not None:
             _remember(getattr(self, "base_model", None), bound.arguments.get("adapter_name"),
                       bound.arguments.get("model_id"))
@@ -397,23 +369,16 @@ def install(controller: FusionController | str | Path | None = None, encoder: An
         log: JSON Lines file, one record per merged question.
         data_file: PRAG's augmented data file (or its directory), to map adapter paths back to questions when
             neither :func:`set_context` nor the caller's locals give them.
-        repair: clear the stale ``peft_config`` after ``unload()`` on peft < 0.19 (leave True; False only
-            reproduces the bug).
-        use_slot: merge into a pre-allocated :class:`~fcprag_plugin.fast.FusedSlot` instead of building merged
-            PEFT modules (modes ``cat`` / ``separate``; see the module docstring). Default False.
-        max_adapters: with ``use_slot``, a fixed slot capacity (more passages in one question is a
-            :class:`HookError`); default None: sized for the first question and grown when a later one has more.
+        repair: clear the stale ``peft_config`` after ``unload()`` on peft < 0.19 (False reproduces the bug).
+        use_slot: merge into a :class:`~fcprag_plugin.fast.FusedSlot` instead of building merged PEFT modules.
+        max_adapters: with ``use_slot``, a fixed slot capacity (more passages is a :class:`HookError`); default:
+            sized for the first question and grown when a later one has more.
     """
     return _LIFE.install(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
 
-def uninstall() -> None:
-    """Remove every patch, restoring peft's original functions exactly, and the shim's fused slots."""
-    _LIFE.uninstall()
-
-
-def is_installed() -> bool:
-    return _LIFE.is_installed()
+uninstall = _LIFE.uninstall  # every patch reverted exactly, the shim's fused slots removed
+is_installed = _LIFE.is_installed
 
 
 def installed(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
@@ -426,11 +391,7 @@ def installed(controller: FusionController | str | Path | None = None, encoder: 
 def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
            mode: str | None = None, log: str | Path | None = None, data_file: str | Path | None = None,
            use_slot: bool | None = None, slot_max_adapters: int | None = None) -> int:
-    """Run PRAG's unmodified ``script`` as ``__main__`` (its directory on sys.path, argv set) with the shim.
-
-    ``use_slot`` / ``slot_max_adapters``: see :func:`install` (``use_slot`` / ``max_adapters``). The shim, its
-    patches and its fused slot are removed when the script ends. Returns the script's exit status (``sys.exit``
-    inside the script is caught and returned).
-    """
+    """Run PRAG's unmodified ``script`` as ``__main__`` with the shim installed (:func:`install`'s options;
+    ``slot_max_adapters`` is ``max_adapters``) and removed afterwards; returns the script's exit status."""
     return _LIFE.launch(script, script_args, PragShim(controller, encoder, mode or "cat", log, data_file,
                                                       use_slot=bool(use_slot), max_adapters=slot_max_adapters))

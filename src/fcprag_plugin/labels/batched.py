@@ -1,19 +1,9 @@
-"""Batched scoring for the label builder: many (prompt, answer) rows or prompts in one forward / one ``generate``.
+"""Batched scoring: many (prompt, answer) rows or prompts in one forward / one ``generate``.
 
-Rows are left-padded with explicit ``position_ids`` (each row's real tokens sit at positions ``0 .. n-1``, as when
-it runs alone), so every row's logits equal its unbatched logits up to float rounding. The per-row adapter
-mixture is the caller's business (:func:`fcprag_plugin.fast.fused_mixed` around these calls); these functions
-only batch the model calls.
-
-- :func:`batched_answer_logprobs`: the mean answer log-probability of each row (teacher forcing), the same
-  quantity as :func:`~fcprag_plugin.labels.metrics.answer_logprob`. Only the last ``T_max + 1`` positions go
-  through the output projection when the model accepts ``logits_to_keep`` (transformers >= 4.45).
-- :func:`batched_greedy`: greedy continuations; generation stops per row at its first end-of-sequence token
-  (later tokens of a finished row are dropped), as a single-row ``generate`` would stop there.
-- :func:`score_rows`: the public scorer on top of both: rows of (prompt, gold aliases, own adapters and weights,
-  optional generation prompt) packed into forwards, each forward's adapter union written once into a
-  :class:`~fcprag_plugin.fast.FusedSlot` with a per-row mixture. The label builder's batched path and the
-  efficacy study's evaluation both call it (one code path).
+Rows are left-padded with explicit ``position_ids`` (each row's real tokens at positions ``0 .. n-1``, as when it
+runs alone), so every row's logits equal its unbatched logits up to float rounding. :func:`score_rows` packs rows,
+each with its own adapters and weights, into forwards whose adapter union is written once into a
+:class:`~fcprag_plugin.fast.FusedSlot` with a per-row mixture; the label builder and the efficacy study call it.
 """
 
 from __future__ import annotations
@@ -21,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from ..errors import FcpragError, MergeError
+from ..fast.mixed import adapter_key
+from .metrics import model_device
 
 _KEEP_ARG: dict[type, str | None] = {}
 
@@ -39,11 +30,6 @@ def _keep_arg(model: Any) -> str | None:
         params = inspect.signature(model.forward).parameters
         _KEEP_ARG[cls] = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
     return _KEEP_ARG[cls]
-
-
-def _device(model: Any) -> torch.device:
-    dev = getattr(model, "device", None)
-    return dev if isinstance(dev, torch.device) else next(model.parameters()).device
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
@@ -64,13 +50,12 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
 @torch.no_grad()
 def batched_answer_logprobs(model: Any, rows: Sequence[tuple[Sequence[int], Sequence[int]]],
                             pad_id: int) -> list[float]:
-    """Mean log-probability of each row's answer tokens ``[T_b]`` after its prompt ``[P_b]``, one forward.
-
-    ``rows``: ``(prompt_ids, answer_ids)`` pairs, both non-empty. Log-softmax in float32 (as the unbatched scorer).
-    """
+    """Mean log-probability of each row's answer tokens ``[T_b]`` after its prompt ``[P_b]`` (both non-empty), in
+    one forward: :func:`~fcprag_plugin.labels.metrics.answer_logprob` batched. Only the last ``T_max + 1`` positions
+    go through the output projection when the model accepts ``logits_to_keep``."""
     if any(not p or not a for p, a in rows):
         raise ValueError("batched_answer_logprobs needs a non-empty prompt and answer in every row")
-    ids, mask, pos = left_pad([list(p) + list(a) for p, a in rows], pad_id, _device(model))
+    ids, mask, pos = left_pad([list(p) + list(a) for p, a in rows], pad_id, model_device(model))
     t_max = max(len(a) for _, a in rows)
     kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
     keep = _keep_arg(model)
@@ -94,14 +79,11 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
 @torch.no_grad()
 def batched_greedy(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    stop_ids: Iterable[int] | None = None) -> list[str]:
-    """Greedy continuation of each prompt (left-padded, one ``generate``), decoded without special tokens.
-
-    ``stop_ids``: the tokens a row stops at (default :func:`eos_ids`, what a one-row ``generate`` stops at); a row's
-    text runs through its first stop token.
-    """
+    """Greedy continuation of each prompt (left-padded, one ``generate``), decoded without special tokens; a row's
+    text runs through its first ``stop_ids`` token (default :func:`eos_ids`, where a one-row ``generate`` stops)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     pad = pad if pad is not None else 0
-    ids, mask, _ = left_pad(prompts, pad, _device(model))
+    ids, mask, _ = left_pad(prompts, pad, model_device(model))
     stops = eos_ids(model, tokenizer) if stop_ids is None else {int(t) for t in stop_ids}
     extra: dict[str, Any] = {} if stop_ids is None else {"eos_token_id": sorted(stops) or None}
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
@@ -116,12 +98,9 @@ def batched_greedy(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
 # ----------------------------------------------------------------------------- the public scorer
 @dataclass
 class ScoreRow:
-    """One thing to score: a prompt, its gold answer(s), the adapters (and weights ``w~``) it runs under.
-
-    ``prompt_ids [P]`` and every alias of ``gold_ids`` (``[T_a]`` each) are non-empty. ``adapters``: this row's
-    ``PackedAdapter`` / ``LoraAdapter`` objects or adapter directories (identity by object, or by resolved path);
-    empty = the base model. ``weights``: one ``w~`` per adapter (default 1.0 each: PRAG's sum). ``gen_prompt_ids``:
-    greedy-generate from this prompt too (``None``: no generation).
+    """One thing to score: ``prompt_ids [P]`` and its non-empty gold aliases ``gold_ids`` under this row's
+    ``adapters`` (packed, ``LoraAdapter`` s or directories; empty: the base model) with ``weights`` ``w~`` (default
+    1.0 each: PRAG's sum); ``gen_prompt_ids``: also greedy-generate from this prompt.
     """
 
     prompt_ids: Sequence[int]
@@ -151,10 +130,6 @@ def _check_rows(rows: Sequence[ScoreRow]) -> None:
             raise FcpragError(f"score row {i}: empty generation prompt")
 
 
-def _adapter_key(a: Any) -> tuple:
-    return ("path", str(Path(a).resolve())) if isinstance(a, (str, Path)) else ("id", id(a))
-
-
 def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size: int, max_tokens: int | None,
           max_adapters: int) -> Iterator[list[int]]:
     """Consecutive rows (indices) per forward: <= ``batch_size`` sequences, <= ``max_tokens`` padded tokens,
@@ -164,12 +139,12 @@ def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size:
     keys: set = set()
     for i in order:
         seqs, length = cost(rows[i])
-        new = keys | {_adapter_key(a) for a in rows[i].adapters}
+        new = keys | {adapter_key(a) for a in rows[i].adapters}
         fits = (n_seq + seqs <= batch_size and len(new) <= max_adapters
                 and (max_tokens is None or (n_seq + seqs) * max(width, length) <= max_tokens))
         if cur and not fits:
             yield cur
-            cur, n_seq, width, new = [], 0, 0, {_adapter_key(a) for a in rows[i].adapters}
+            cur, n_seq, width, new = [], 0, 0, {adapter_key(a) for a in rows[i].adapters}
         cur.append(i)
         n_seq, width, keys = n_seq + seqs, max(width, length), new
     if cur:
@@ -205,14 +180,11 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
                stop_ids: Iterable[int] | None = None, progress: bool = False) -> list[RowScore]:
     """Score ``rows`` in batched forwards, each row under its own adapter mixture; one :class:`RowScore` per row.
 
-    Rows are packed in order into forwards of at most ``batch_size`` sequences (teacher forcing: one sequence per
-    gold alias; generation: one per row), ``max_tokens`` padded tokens (``B x L_max``, optional) and
+    Rows are packed in order into forwards of at most ``batch_size`` sequences (teacher forcing: one per gold
+    alias; generation: one per row), ``max_tokens`` padded tokens (``B x L_max``, optional) and
     ``slot.max_adapters`` distinct adapters; a row is never split. Per forward the union of its rows' adapters is
-    written once into ``slot`` (:func:`fcprag_plugin.fast.fused_mixed`, ``mode`` ``cat``: ``sum_i w~_i s_i B_i A_i``,
-    or ``separate``: DyPRAG's merge), so a row only ever sees its own adapters; ``slot`` may be ``None`` when no
-    row has adapters. Left padding with explicit positions makes a row's result equal to scoring it alone up to
-    float rounding. Generation is greedy (one ``generate`` per forward), each row stopping at its first
-    ``stop_ids`` token (default: the generation config's EOS). The slot is inactive again on return.
+    written once into ``slot`` (:func:`fcprag_plugin.fast.fused_mixed` in ``mode``), so a row only ever sees its
+    own adapters; ``slot`` may be None when no row has adapters, and is inactive again on return.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise FcpragError(f"batch_size must be an integer >= 1, got {batch_size!r}")

@@ -1,23 +1,11 @@
-"""Per-record leave-one-out evaluation and the resumable run loop.
+"""Per-record leave-one-out evaluation and the resumable run loop (see ``docs/labels-builder.md``).
 
 For a record with N adapters the builder evaluates N + 1 subsets: all adapters, then each one left out (for
-N == 1 the empty set, i.e. the base model). Each subset is merged through the library with uniform weights
-(``merge_adapters(subset, [1]*k, "cat")``, PRAG's sum of the passage updates) and applied with
-``fcprag_plugin.activate`` (forward hooks; the base weights are never written), or, with ``use_slot``, written into
-one pre-allocated :class:`fcprag_plugin.fast.FusedSlot` (no per-subset modules or hook churn). Per subset it measures
-``answer_logprob`` (teacher forcing) and, with generation on, ``f1`` / ``em`` of the greedy answer.
-
-With ``batch_size > 1`` (the CLI's default; the library's :class:`BuildOptions` keeps 1) the subsets of a record,
-and of several records, are evaluated together through :func:`.batched.score_rows`: per forward the union of the
-rows' adapters is written once into the fused slot and every row gets its own mixture
-(:func:`fcprag_plugin.fast.fused_mixed`, mode ``cat``; the empty subset is the base model), left-padded. Same
-labels as the sequential path up to float rounding (tested: log-probabilities within 1e-5, identical greedy
-texts). ``batch_size`` counts sequences (subsets x gold aliases) per forward; records are grouped while their
-N + 1 subsets fit. ``batch_size == 1`` is the sequential path.
-
-Label record (the trainer's format, see issue 3): ``id``, ``query``, ``passages``, ``adapters``, ``answer``,
-``metric`` (the name), ``metric_all``, ``metric_without`` (N floats), plus ``{name}_all`` / ``{name}_without``
-for every computed metric, the raw generations and predictions, ``prompt_mode`` and ``model``.
+N == 1 the empty set, i.e. the base model), each merged with uniform weights (PRAG's sum of the passage updates)
+and applied through ``fcprag_plugin.activate`` or, with ``use_slot``, one :class:`~fcprag_plugin.fast.FusedSlot`.
+With ``batch_size > 1`` the subsets of one or several records go through :func:`.batched.score_rows`, every row
+with its own adapter mixture; the labels equal the sequential path's up to float rounding (tested). The label
+record is the trainer's format (``docs/label-format.md``).
 """
 
 from __future__ import annotations
@@ -118,10 +106,8 @@ def describe_subset(subset: Sequence[int], n: int) -> str:
 
 
 class LabelBuilder:
-    """Labels manifest records with a live model. ``label(record)`` returns the label record (a dict).
-
-    The model is evaluated under ``torch.no_grad`` in eval mode; adapters are loaded onto the model's device.
-    """
+    """Labels manifest records with a live model (in eval mode, under ``torch.no_grad``): ``label(record)``
+    returns the label record (a dict)."""
 
     def __init__(self, model: Any, tokenizer: Any, options: BuildOptions | None = None) -> None:
         self.model = model.eval()
@@ -167,7 +153,8 @@ class LabelBuilder:
             try:
                 out.append(LoraAdapter.from_pretrained(path, device=self.device))
             except Exception as e:
-                raise LabelBuildError(f"record '{rec.id}' ({rec.where}): adapter {i} at {path} failed to load: {e}") from e
+                raise LabelBuildError(f"record '{rec.id}' ({rec.where}): adapter {i} at {path} failed to load: "
+                                      f"{e}") from e
         return out
 
     def evaluate(self, rec: ManifestRecord, adapters: Sequence[Any], subset: Sequence[int],
@@ -193,8 +180,7 @@ class LabelBuilder:
         """One subset's measurements from its answer log-probability and greedy text (both paths end here)."""
         o = self.options
         values: dict[str, float] = {"answer_logprob": lp}
-        prediction = None
-        empty = False
+        prediction, empty = None, False
         if o.generate:
             prediction = extract_answer(generation, o.cot, o.scoring)
             if not prediction.strip():
@@ -213,7 +199,8 @@ class LabelBuilder:
         return SubsetResult(list(subset), values, generation, prediction, empty)
 
     # ----------------------------------------------------------------- one record
-    def _prepare(self, rec: ManifestRecord) -> tuple[EncodedPrompt, EncodedPrompt, list[list[int]], list[LoraAdapter]]:
+    def _prepare(self, rec: ManifestRecord) -> tuple[EncodedPrompt, EncodedPrompt, list[list[int]],
+                                                     list[LoraAdapter]]:
         try:
             score_prompt, gen_prompt, answers_ids = self.prompts(rec)
         except FcpragError as e:
@@ -249,7 +236,8 @@ class LabelBuilder:
             except LabelBuildError:
                 raise
             except FcpragError as e:  # an incompatible adapter: name the record and the subset
-                raise LabelBuildError(f"record '{rec.id}' ({rec.where}), {describe_subset(subset, rec.n)}: {e}") from e
+                raise LabelBuildError(f"record '{rec.id}' ({rec.where}), {describe_subset(subset, rec.n)}: "
+                                      f"{e}") from e
         return self._label_record(rec, results)
 
     # ----------------------------------------------------------------- several records, batched
@@ -258,21 +246,19 @@ class LabelBuilder:
         groups: list[list[ManifestRecord]] = []
         rows = 0
         for rec in records:
-            if groups and rows + rec.n + 1 <= self.options.batch_size:
-                groups[-1].append(rec)
-                rows += rec.n + 1
-            else:
-                groups.append([rec])
-                rows = rec.n + 1
+            if not groups or rows + rec.n + 1 > self.options.batch_size:
+                groups.append([])
+                rows = 0
+            groups[-1].append(rec)
+            rows += rec.n + 1
         return groups
 
     def label_many(self, records: Sequence[ManifestRecord]) -> list[dict[str, Any] | LabelBuildError]:
         """Label records together: every subset of every record in batched forwards, each row its own mixture.
 
-        Returns one entry per record, in order: its label record, or the :class:`LabelBuildError` that stopped
-        it (a record's error never costs the others their labels). When the adapters cannot share one fused slot
-        (an adapter that does not fit the model, different target modules), the records are labelled one by one
-        instead, so that the error names its record and subset as on the sequential path.
+        Returns per record its label record or the :class:`LabelBuildError` that stopped it (a record's error never
+        costs the others their labels). When the adapters cannot share one fused slot, the records are labelled one
+        by one instead, so that an error names its record and subset as on the sequential path.
         """
         from ..fast import pack_adapter
 
@@ -342,10 +328,9 @@ class LabelBuilder:
             out[f"{name}_all"] = full.values[name]
             out[f"{name}_without"] = [r.values[name] for r in loo]
         if o.generate:
-            out["prediction_all"] = full.prediction
-            out["prediction_without"] = [r.prediction for r in loo]
-            out["generation_all"] = full.generation
-            out["generation_without"] = [r.generation for r in loo]
+            for key in ("prediction", "generation"):
+                out[f"{key}_all"] = getattr(full, key)
+                out[f"{key}_without"] = [getattr(r, key) for r in loo]
             n_empty = sum(r.empty for r in results)
             if n_empty:
                 out["empty_generations"] = n_empty
@@ -381,6 +366,7 @@ def _outcomes(builder: LabelBuilder, group: Sequence[ManifestRecord], batched: b
         logger.warning("batched evaluation of %d records failed (%s: %s); retrying them one by one",
                        len(group), type(e).__name__, e)
         return [_one(builder, rec) if len(group) > 1 else e for rec in group]
+
 
 @dataclass
 class BuildSummary:

@@ -18,8 +18,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from .manifest import read_manifest
     from .model_io import load_model
     from .prompts import PromptTemplate
-    from .shard import (barrier, destroy_process_group, init_process_group, merge_parts, output_path, part_path,
-                        shard_from_env, shard_records)
+    from .shard import init_process_group, merge_parts, output_path, part_path, shard_from_env, shard_records
     from .store import done_ids
 
     check_out_file("--out", args.out, [("manifest", args.manifest), ("--prompt-template", args.prompt_template)])
@@ -29,9 +28,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
     options = BuildOptions(prompt_mode=args.prompt_mode, template=template, use_chat_template=chat, cot=args.cot,
                            scoring=args.scoring, metric=args.metric, generate=not args.no_generation,
-                           max_new_tokens=args.max_new_tokens,
-                           empty_generation=args.empty_generation, use_slot=args.use_slot,
-                           batch_size=args.batch_size,
+                           max_new_tokens=args.max_new_tokens, empty_generation=args.empty_generation,
+                           use_slot=args.use_slot, batch_size=args.batch_size,
                            model_name=args.model + (f"::{args.gguf_file}" if args.gguf_file else ""))
     options.validate()
     if args.threads:
@@ -41,7 +39,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     target = output_path(out, shard)
     # Records already merged into OUT by an earlier run count as done for every rank.
     skip = set(done_ids(out, repair=False)) if shard.distributed and out.exists() else set()
-    args.interrupt_hint = (f"{target} keeps every record written so far; the same command resumes after them")
+    args.interrupt_hint = f"{target} keeps every record written so far; the same command resumes after them"
     grouped = init_process_group(shard)
     try:
         model, tok = load_model(args.model, gguf_file=args.gguf_file, tokenizer=args.tokenizer, dtype=args.dtype,
@@ -59,7 +57,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
             print(f"  failed {rid}: {msg}", file=sys.stderr)
         merged_ok = True
         if grouped:
-            barrier()  # every rank has finished its part file
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank has finished its part file
             if shard.rank == 0 and not args.no_merge:
                 parts = [part_path(out, r, shard.world) for r in range(shard.world)]
                 inputs = ([out] if out.exists() else []) + parts
@@ -70,10 +70,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
                 except LabelFileError as e:
                     merged_ok = False
                     print(f"not merged into {out}: {e}", file=sys.stderr)
-            barrier()  # nobody exits (which makes torchrun stop the others) while rank 0 merges
+            dist.barrier()  # nobody exits (which makes torchrun stop the others) while rank 0 merges
     finally:
-        if grouped:
-            destroy_process_group()
+        if grouped and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     # Exit 1 when records were skipped (--on-error skip) or the merge failed, so scripts notice.
     return 1 if summary.failed or not merged_ok else 0
 

@@ -12,15 +12,13 @@ Relative adapter paths are resolved against the manifest file's folder.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from ..adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from ..errors import LabelFileError
-
-logger = logging.getLogger(__name__)
+from .store import write_atomic
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
 PASS_THROUGH_FIELDS = ("group", "split")
@@ -55,6 +53,13 @@ def _fail(where: str, field_name: str, expected: str, got: Any) -> LabelFileErro
     return LabelFileError(f"{where}: field '{field_name}': expected {expected}, got {shown}")
 
 
+def _nonempty(obj: dict[str, Any], name: str, where: str) -> str:
+    value = obj[name]
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(where, name, "a non-empty string", value)
+    return value
+
+
 def _str_list(value: Any, where: str, name: str, *, min_len: int = 1) -> list[str]:
     if not isinstance(value, list) or len(value) < min_len:
         raise _fail(where, name, f"a list of at least {min_len} non-empty strings", value)
@@ -73,7 +78,8 @@ def parse_answers(value: Any, where: str, name: str = "answer") -> list[str]:
     return _str_list(value, where, name)
 
 
-def parse_record(obj: Any, where: str, base_dir: Path | None = None, *, line: int = 0, source: str = "") -> ManifestRecord:
+def parse_record(obj: Any, where: str, base_dir: Path | None = None, *, line: int = 0,
+                 source: str = "") -> ManifestRecord:
     """Validate one manifest object; errors name ``where`` (``file:line``) and the field."""
     if not isinstance(obj, dict):
         raise LabelFileError(f"{where}: expected a JSON object with fields {list(REQUIRED_FIELDS)}, "
@@ -81,12 +87,7 @@ def parse_record(obj: Any, where: str, base_dir: Path | None = None, *, line: in
     for name in REQUIRED_FIELDS:
         if name not in obj:
             raise LabelFileError(f"{where}: field '{name}' is missing (required: {list(REQUIRED_FIELDS)})")
-    rid = obj["id"]
-    if not isinstance(rid, str) or not rid.strip():
-        raise _fail(where, "id", "a non-empty string", rid)
-    question = obj["question"]
-    if not isinstance(question, str) or not question.strip():
-        raise _fail(where, "question", "a non-empty string", question)
+    rid, question = _nonempty(obj, "id", where), _nonempty(obj, "question", where)
     answers = parse_answers(obj["answer"], where)
     passages = _str_list(obj["passages"], where, "passages")
     adapters = _str_list(obj["adapters"], where, "adapters")
@@ -100,18 +101,15 @@ def parse_record(obj: Any, where: str, base_dir: Path | None = None, *, line: in
 
 
 def _check_pass_through(extra: dict[str, Any], where: str) -> None:
-    """``group`` / ``split`` end up in the label file: reject what the trainer would reject, before the expensive run."""
+    """``group`` / ``split`` end up in the label file: reject what the trainer would, before the expensive run."""
     group = extra.get("group")
     if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
         raise _fail(where, "group", "a string or an integer", group)
     if "split" in extra:
-        known: tuple[str, ...] = ("train", "val", "validation", "dev", "test")
-        try:
-            from ..training.labels import KNOWN_SPLITS as known  # the trainer's list, when it is installed
-        except ImportError:  # pragma: no cover - the trainer ships with the package
-            pass
-        if extra["split"] not in known:
-            raise _fail(where, "split", f"one of {list(known)}", extra["split"])
+        from ..training.labels import KNOWN_SPLITS  # the trainer's list
+
+        if extra["split"] not in KNOWN_SPLITS:
+            raise _fail(where, "split", f"one of {list(KNOWN_SPLITS)}", extra["split"])
 
 
 def read_manifest(path: str | Path) -> list[ManifestRecord]:
@@ -152,7 +150,7 @@ def record_to_json(rec: ManifestRecord) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- PRAG layout
 def adapter_present(path: Path) -> bool:
     """A usable PEFT adapter dir: a config and a weights file (what PRAG's encode step writes)."""
-    return (path / CONFIG_NAME).is_file() and ((path / SAFETENSORS_NAME).is_file() or (path / LEGACY_BIN_NAME).is_file())
+    return (path / CONFIG_NAME).is_file() and any((path / n).is_file() for n in (SAFETENSORS_NAME, LEGACY_BIN_NAME))
 
 
 def read_data_aug(path: str | Path) -> list[tuple[int, Any]]:
@@ -199,7 +197,8 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
     """
     data_aug, root = Path(data_aug), Path(adapters_root).resolve()
     if not root.is_dir():
-        raise LabelFileError(f"{root}: adapters root is not a directory (expected {{root}}/data_{{test_id}}/passage_{{pid}})")
+        raise LabelFileError(f"{root}: adapters root is not a directory (expected "
+                             "{root}/data_{test_id}/passage_{pid})")
     prefix = f"{data_aug.stem}-" if id_prefix is None else id_prefix
     items = read_data_aug(data_aug)
     if limit is not None:
@@ -213,9 +212,7 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
         for name in ("question", "answer", "passages"):
             if name not in obj:
                 raise LabelFileError(f"{where}: field '{name}' is missing")
-        question = obj["question"]
-        if not isinstance(question, str) or not question.strip():
-            raise _fail(where, "question", "a non-empty string", question)
+        question = _nonempty(obj, "question", where)
         parse_answers(obj["answer"], where)  # validated here; the builder reads the answers again
         passages = _str_list(obj["passages"], where, "passages")
         augment = obj.get("augment")
@@ -231,10 +228,9 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
             continue
         rec: dict[str, Any] = {"id": rid, "question": question, "answer": obj["answer"], "passages": passages,
                                "adapters": [str(d) for d in dirs], "test_id": test_id}
-        for key in ("id", "_id", "qid"):
-            if key in obj and isinstance(obj[key], (str, int)):
-                rec["source_id"] = str(obj[key])
-                break
+        source_id = next((obj[k] for k in ("id", "_id", "qid") if isinstance(obj.get(k), (str, int))), None)
+        if source_id is not None:
+            rec["source_id"] = str(source_id)
         if "type" in obj and isinstance(obj["type"], str):
             rec["type"] = obj["type"]
         records.append(rec)
@@ -242,14 +238,7 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
 
 
 def write_manifest(records: Iterable[dict[str, Any]], out: str | Path) -> int:
-    """Write manifest records as JSON Lines (via a temp file and rename, so a crash leaves no half file)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    n = 0
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-            n += 1
-    tmp.replace(out)
-    return n
+    """Write manifest records as JSON Lines (atomically: a crash leaves no half file)."""
+    lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in records]
+    write_atomic(out, lines)
+    return len(lines)

@@ -3,13 +3,7 @@
 Text metrics follow the usual open-domain QA convention (and PRAG's): lower-case, drop punctuation and the
 articles a/an/the, collapse whitespace; token F1 with the HotpotQA rule that a yes/no/noanswer prediction or
 gold scores 0 unless both are equal; the max over gold aliases.
-
-Two ways to cut the short answer out of a generation (``scoring``, see :func:`extract_answer`); both strip the
-generation, keep the text before its first '.', newline or ',' and strip again:
-
-- ``default``: with chain-of-thought, the answer follows the first "the answer is" in any letter case.
-- ``prag``: the host codebase's rule, kept fixed: the marker must be lower-case "the answer is" (a "The answer
-  is ..." generation is scored whole). Without chain-of-thought the two agree.
+The short answer is cut out of a generation by :func:`extract_answer` (``scoring`` ``default`` or ``prag``).
 """
 
 from __future__ import annotations
@@ -59,19 +53,10 @@ def exact_match(prediction: str, answers: Sequence[str]) -> float:
     return float(any(p == normalize_answer(a) for a in answers))
 
 
-def _cut_at_first_stop(text: str) -> str:
-    """``text`` up to (not including) its first '.', newline or ','."""
-    cuts = [i for i in (text.find(stop) for stop in STOPS) if i != -1]
-    return text[:min(cuts)] if cuts else text
-
-
 def extract_answer(text: str, cot: bool = False, scoring: str = "default") -> str:
-    """The short answer in a generation.
-
-    With chain-of-thought, the text after the first "the answer is" (the whole text when the marker is absent;
-    ``scoring="default"`` finds it in any letter case, ``scoring="prag"`` only in lower case, as the host does).
-    Then, in both cases, the stripped text up to its first '.', newline or ',' (PRAG's convention), stripped.
-    """
+    """The short answer in a generation: with chain-of-thought the text after the first "the answer is" (the whole
+    text without it; ``scoring="default"`` finds it in any letter case, ``"prag"`` only in lower case, as PRAG
+    does), then the stripped text up to its first '.', newline or ',' (PRAG's convention), stripped."""
     if scoring not in SCORINGS:
         raise ValueError(f"scoring '{scoring}': expected one of {list(SCORINGS)}")
     if cot:
@@ -79,7 +64,9 @@ def extract_answer(text: str, cot: bool = False, scoring: str = "default") -> st
         m = re.search(re.escape(ANSWER_MARKER), text, 0 if scoring == "prag" else re.IGNORECASE)
         if m:
             text = text[m.end():]
-    return _cut_at_first_stop(text.strip()).strip()
+    text = text.strip()
+    cuts = [i for i in (text.find(stop) for stop in STOPS) if i != -1]
+    return (text[:min(cuts)] if cuts else text).strip()
 
 
 def score_generation(generation: str, answers: Sequence[str], *, cot: bool = False,
@@ -99,8 +86,7 @@ def answer_logprob(model: Any, prompt_ids: Sequence[int], answer_ids: Sequence[i
     """
     if not prompt_ids or not answer_ids:
         raise ValueError("answer_logprob needs a non-empty prompt and answer")
-    device = _model_device(model)
-    ids = torch.tensor([list(prompt_ids) + list(answer_ids)], dtype=torch.long, device=device)
+    ids = torch.tensor([list(prompt_ids) + list(answer_ids)], dtype=torch.long, device=model_device(model))
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits  # [1, P+T, V]
     p, t = len(prompt_ids), len(answer_ids)
     logp = torch.log_softmax(logits[0, p - 1: p + t - 1].float(), dim=-1)  # [T, V]
@@ -108,24 +94,16 @@ def answer_logprob(model: Any, prompt_ids: Sequence[int], answer_ids: Sequence[i
     return float(logp.gather(1, target).mean())
 
 
-def best_answer_logprob(model: Any, prompt_ids: Sequence[int], answers_ids: Sequence[Sequence[int]]) -> float:
-    """``answer_logprob`` maximised over gold aliases."""
-    return max(answer_logprob(model, prompt_ids, a) for a in answers_ids)
-
-
 @torch.no_grad()
 def greedy_generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> str:
     """Greedy continuation of the prompt, decoded without special tokens."""
-    device = _model_device(model)
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model_device(model))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, num_beams=1, pad_token_id=pad if pad is not None else 0)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def _model_device(model: Any) -> torch.device:
+def model_device(model: Any) -> torch.device:
     dev = getattr(model, "device", None)
-    if isinstance(dev, torch.device):
-        return dev
-    return next(model.parameters()).device
+    return dev if isinstance(dev, torch.device) else next(model.parameters()).device

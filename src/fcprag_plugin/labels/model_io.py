@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from ..errors import FcpragError
-
-logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -56,14 +53,11 @@ def load_model(name_or_path: str, *, gguf_file: str | None = None, tokenizer: st
         else:
             model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
             tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path)
-    except (OSError, ValueError, NotImplementedError, ImportError) as e:  # e.g. a GGUF quant type this transformers lacks
+    except (OSError, ValueError, NotImplementedError, ImportError) as e:  # e.g. a GGUF quant type unknown here
         what = f"{name_or_path} (gguf file {gguf_file})" if gguf_file else name_or_path
         raise FcpragError(f"model {what}: could not be loaded ({type(e).__name__}: {e})") from e
     if gguf_file and tokenizer:
         tok = AutoTokenizer.from_pretrained(tokenizer)
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
-    model = model.to(dev)
-    if td is not None:
-        model = model.to(td)
-    return model.eval(), tok
+    return model.to(dev, td).eval(), tok

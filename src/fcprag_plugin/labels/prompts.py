@@ -1,19 +1,9 @@
 """The prompt the labels are measured with: modes ``param`` (question only) and ``combine`` (passages in context).
 
-Default template (the user message; the chat template wraps it when the tokenizer has one)::
-
-    param:    Answer the question with a short answer.
-              Question: {question}
-    combine:  Answer the question with a short answer, using the passages below and your own knowledge.
-              Passage 1: {text}
-              ...
-              Question: {question}
-
-The assistant turn starts with ``answer_prefix`` ("The answer is"); the model continues it when answering
-directly, and the gold answer is scored after it (teacher forcing). With chain-of-thought the ``cot`` line is
-appended to the user message and the assistant turn starts empty; the answer is the text after "the answer is".
-
-A custom template is a JSON object with any of the fields of :class:`PromptTemplate` (``--prompt-template``).
+The user message is wrapped in the chat template when the tokenizer has one; the assistant turn starts with
+``answer_prefix`` and the gold answer is scored after it (teacher forcing). With chain-of-thought the ``cot`` line
+is appended to the user message and the assistant turn starts empty. A custom template is a JSON object with any
+of the fields of :class:`PromptTemplate` (``--prompt-template``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ concatenates them in manifest order. A plain process (no such variables) is rank
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,6 @@ from typing import Mapping, Sequence
 from ..errors import LabelFileError
 from .manifest import ManifestRecord
 from .store import read_label_lines, write_atomic
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,11 +121,8 @@ def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord],
 
 # ----------------------------------------------------------------------------- process group
 def init_process_group(shard: ShardInfo, env: Mapping[str, str] | None = None) -> bool:
-    """Join the launcher's process group (gloo: it only carries barriers) so rank 0 can merge at the end.
-
-    Returns False (no group) in a plain process or without ``MASTER_ADDR``. The timeout is long because ranks
-    finish their shards at different times and wait at the final barrier.
-    """
+    """Join the launcher's process group (gloo: it only carries barriers) so rank 0 can merge at the end; False
+    (no group) in a plain process or without ``MASTER_ADDR``. Long timeout: ranks wait at the final barrier."""
     env = os.environ if env is None else env
     if not shard.distributed or "MASTER_ADDR" not in env:
         return False
@@ -140,16 +134,3 @@ def init_process_group(shard: ShardInfo, env: Mapping[str, str] | None = None) -
         dist.init_process_group("gloo", rank=shard.rank, world_size=shard.world,
                                 timeout=datetime.timedelta(days=7))
     return True
-
-
-def barrier() -> None:
-    import torch.distributed as dist
-
-    dist.barrier()
-
-
-def destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -28,12 +28,9 @@ class StoredLine:
 
 
 def read_label_lines(path: str | Path, *, partial: str = "error") -> tuple[list[StoredLine], int]:
-    """Read the complete lines of a JSON Lines label file.
-
-    ``partial``: what to do with a trailing line without its newline (an interrupted append): ``"error"``,
-    ``"ignore"`` or ``"truncate"`` (cut it off the file). Returns the lines and the byte length of the complete part.
-    Every complete line must be a JSON object with a string ``id``; errors name the file and line.
-    """
+    """The complete lines of a JSON Lines label file (each a JSON object with a string ``id``; errors name the file
+    and line) and the byte length of the complete part. ``partial``: what to do with a trailing line without its
+    newline (an interrupted append): ``"error"``, ``"ignore"`` or ``"truncate"`` (cut it off the file)."""
     path = Path(path)
     data = path.read_bytes()
     cut = data.rfind(b"\n") + 1  # bytes up to and including the last newline
@@ -65,10 +62,8 @@ def read_label_lines(path: str | Path, *, partial: str = "error") -> tuple[list[
 
 
 def done_ids(path: str | Path, *, repair: bool) -> dict[str, int]:
-    """Ids already in a label file (id -> line). ``repair`` drops a partial last line from the file.
-
-    A duplicate id inside one file is an error: the file was not written by this tool alone.
-    """
+    """Ids already in a label file (id -> line; a duplicate id is an error). ``repair`` drops a partial last
+    line from the file."""
     path = Path(path)
     if not path.exists():
         return {}

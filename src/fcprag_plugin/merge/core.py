@@ -52,17 +52,15 @@ def check_compatible(adapters: Sequence[LoraAdapter]) -> list[str]:
         if set(ad.modules) != set(ref.modules):
             missing = sorted(set(ref.modules) - set(ad.modules))
             extra = sorted(set(ad.modules) - set(ref.modules))
-            raise MergeError(
-                f"adapter {i} ({ad.source}) and adapter 0 ({ref.source}) target different modules: "
-                f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, extra {extra[:3]}{'...' if len(extra) > 3 else ''}"
-            )
+            raise MergeError(f"adapter {i} ({ad.source}) and adapter 0 ({ref.source}) target different modules: "
+                             f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                             f"extra {extra[:3]}{'...' if len(extra) > 3 else ''}")
         for name in names:
             a, b = ref.modules[name], ad.modules[name]
             if (a.in_features, a.out_features) != (b.in_features, b.out_features):
-                raise MergeError(
-                    f"module '{name}': adapter {i} ({ad.source}) has [out, in] = [{b.out_features}, {b.in_features}] "
-                    f"but adapter 0 ({ref.source}) has [{a.out_features}, {a.in_features}]"
-                )
+                raise MergeError(f"module '{name}': adapter {i} ({ad.source}) has [out, in] = "
+                                 f"[{b.out_features}, {b.in_features}] but adapter 0 ({ref.source}) has "
+                                 f"[{a.out_features}, {a.in_features}]")
     return names
 
 

@@ -1,32 +1,20 @@
-"""The merge math, once: pure functions over lists of LoRA factors (like peft's ``utils/merge_utils.py``).
+"""The merge math, once: pure functions over lists of LoRA factors, used by the merge modes, the fused slot's
+buffer writes and the DyPRAG shim's aggregation.
 
-Every merge in the library goes through these: the merge modes (:mod:`fcprag_plugin.merge.modes`), the fused slot's
-buffer writes (:class:`~fcprag_plugin.fast.FusedSlot`) and the DyPRAG shim's aggregation. Factors are rank-major:
-``A_i [..., r_i, in]`` and ``B_i [..., out, r_i]`` (leading batch dimensions are allowed); the in-place writers take
-``B^T`` rows ``[..., r_i, out]`` so that one adapter's rank rows are contiguous in both buffers.
-
-- ``cat``: ``A = cat_i(c_i A_i)``, ``B = cat_i(B_i)`` along rank, so ``B A = sum_i c_i B_i A_i`` (exact).
-- ``separate``: ``A = sum_i a_i A_i``, ``B = sum_i b_i B_i`` (DyPRAG's aggregation; cross terms ``i != j``).
-- ``svd``: an exact low-rank product ``B A`` compressed to rank ``k`` without forming it.
-
+Factors are rank-major: ``A_i [..., r_i, in]`` and ``B_i [..., out, r_i]`` (leading batch dimensions allowed); the
+in-place writers take ``B^T`` rows ``[..., r_i, out]`` so one adapter's rank rows are contiguous in both buffers.
 Rounding contract: a scaled factor is computed in float32 (float64 for float64 inputs) and rounded once to the
 destination dtype; sums are accumulated in that precision in adapter order and rounded once at the end.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import MergeError
-
-Coef = "float | torch.Tensor"
-
-
-def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """The accumulation dtype: float64 when any input is float64, else float32."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def check_equal_ranks(ranks: Sequence[Any], module: str, sources: Sequence[Any], what: str = "mode 'separate'",
@@ -58,14 +46,11 @@ def scaled_copy(dst: torch.Tensor, src: torch.Tensor, coef: float | torch.Tensor
 def weighted_sum_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor],
                       scratch: Callable[[str, torch.Tensor, torch.dtype], torch.Tensor] | None = None,
                       key: str = "") -> None:
-    """``dst[...] = sum_i coefs[i] * srcs[i]``, accumulated in :func:`acc_dtype` in order, rounded once.
-
-    ``scratch(name, like, dtype)`` hands out reusable temporaries (the fused slot keeps them between queries);
-    default: fresh ones.
-    """
+    """``dst[...] = sum_i coefs[i] * srcs[i]``, accumulated in order in float32 (float64 when any input is),
+    rounded once. ``scratch(name, like, dtype)`` hands out reusable temporaries (default: fresh ones)."""
     if scratch is None:
         scratch = lambda name, like, dt: torch.empty(like.shape, dtype=dt, device=like.device)  # noqa: E731
-    adt = acc_dtype(dst.dtype, *(s.dtype for s in srcs))
+    adt = torch.float64 if torch.float64 in (dst.dtype, *(s.dtype for s in srcs)) else torch.float32
     acc = dst if dst.dtype == adt else scratch(key + "acc", dst, adt)
     tmp = scratch(key + "tmp", dst, adt) if len(srcs) > 1 else None
     for i, (src, c) in enumerate(zip(srcs, coefs)):
@@ -99,16 +84,11 @@ def cat(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], coefs: Sequence[
     ``B A = sum_i coefs_i B_i A_i`` exactly. Ranks may differ. ``dtype`` defaults to the first A's."""
     a0, b0 = As[0], Bs[0]
     ranks = [int(a.shape[-2]) for a in As]
-    total = sum(ranks)
-    dt = dtype or a0.dtype
-    A = torch.empty(*a0.shape[:-2], total, a0.shape[-1], dtype=dt, device=a0.device)
-    B = torch.empty(*b0.shape[:-1], total, dtype=dtype or b0.dtype, device=b0.device)
-    A_rows, BT_rows, off = [], [], 0
-    for r in ranks:
-        A_rows.append(A[..., off:off + r, :])
-        BT_rows.append(B[..., off:off + r].transpose(-1, -2))
-        off += r
-    write_cat(A_rows, BT_rows, As, [b.transpose(-1, -2) for b in Bs], coefs)
+    A = torch.empty(*a0.shape[:-2], sum(ranks), a0.shape[-1], dtype=dtype or a0.dtype, device=a0.device)
+    B = torch.empty(*b0.shape[:-1], sum(ranks), dtype=dtype or b0.dtype, device=b0.device)
+    rows = [slice(o - r, o) for o, r in zip(itertools.accumulate(ranks), ranks)]
+    write_cat([A[..., s, :] for s in rows], [B[..., s].transpose(-1, -2) for s in rows], As,
+              [b.transpose(-1, -2) for b in Bs], coefs)
     return A, B
 
 

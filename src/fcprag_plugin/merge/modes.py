@@ -13,10 +13,10 @@ from . import factors
 from .core import MergeResult, register_merge_mode
 
 
-def _merged_config(adapters: Sequence[LoraAdapter], **extra) -> dict:
-    cfg = {k: v for k, v in adapters[0].config.items() if k not in {"rank_pattern", "alpha_pattern", "use_rslora"}}
-    cfg.update(extra)
-    return cfg
+def _merged_config(adapters: Sequence[LoraAdapter], r: int) -> dict:
+    """The first adapter's config for a merge of rank ``r`` and scaling 1."""
+    drop = {"rank_pattern", "alpha_pattern", "use_rslora"}
+    return {**{k: v for k, v in adapters[0].config.items() if k not in drop}, "r": r, "lora_alpha": r}
 
 
 def _per_module(adapters: Sequence[LoraAdapter], w: torch.Tensor, mode: str,
@@ -27,7 +27,7 @@ def _per_module(adapters: Sequence[LoraAdapter], w: torch.Tensor, mode: str,
         A, B = merge(name, [ad.modules[name] for ad in adapters])
         modules[name] = LoraModule(A, B, 1.0)
     r = next(iter(modules.values())).rank
-    merged = LoraAdapter(modules, _merged_config(adapters, r=r, lora_alpha=r), f"merge[{mode},N={len(adapters)}]")
+    merged = LoraAdapter(modules, _merged_config(adapters, r), f"merge[{mode},N={len(adapters)}]")
     return MergeResult(merged, w, mode)
 
 
@@ -84,5 +84,5 @@ def merge_svd(
         per_module[name] = math.sqrt(e2 / t2) if t2 > 0 else 0.0
         modules[name] = LoraModule(newA.to(out_dtype), newB.to(out_dtype), 1.0)
     rel = math.sqrt(err2 / tot2) if tot2 > 0 else 0.0
-    merged = LoraAdapter(modules, _merged_config(adapters, r=k, lora_alpha=k), f"merge[svd,k={k},N={len(adapters)}]")
+    merged = LoraAdapter(modules, _merged_config(adapters, k), f"merge[svd,k={k},N={len(adapters)}]")
     return MergeResult(merged, w, "svd", {"rank": k, "rel_error": rel, "rel_error_per_module": per_module})
