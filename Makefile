@@ -31,9 +31,10 @@ efficacy-report: .venv/latest/.stamp
 	.venv/latest/bin/python benchmarks/efficacy/report.py
 
 # A static pattern rule: make never applies implicit (%) rules to .PHONY targets.
+# No path: pytest runs the testpaths of pyproject.toml (tests/ and benchmarks/efficacy/tests/).
 $(addprefix test-,$(STACKS)): test-%: .venv/%/.stamp
 	@echo "=== tests on the $* stack"
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FCPRAG_STACK=$* .venv/$*/bin/python -m pytest $(PYTEST_ARGS) tests
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FCPRAG_STACK=$* .venv/$*/bin/python -m pytest $(PYTEST_ARGS)
 
 venvs: $(addprefix .venv/,$(addsuffix /.stamp,$(STACKS)))
 

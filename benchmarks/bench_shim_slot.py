@@ -2,7 +2,10 @@
 
 PRAG: the per-question loop of PRAG's inference (``PeftModel.from_pretrained`` adapter "0" + ``load_adapter`` x
 (N-1) + ``add_weighted_adapter(cat)`` + ``set_adapter`` + a forward over the prompt (+ optional greedy tokens) +
-``delete_adapter`` + ``unload``) under the installed PRAG shim, default path vs ``use_slot=True``.
+``delete_adapter`` + ``unload``): PRAG unpatched, under the default shim, and under ``use_slot=True`` (adapters
+read into the shim's store, no PEFT modules, the merge written into the slot at ``set_adapter``). Per-question
+overhead = load + merge + cleanup, everything but the forward (+ generation); the bare model's forward of the same
+tokens is timed in the same run for reference. On peft < 0.19 the unpatched loop merges fewer adapters from question 2 on (PRAG's stale-config bug).
 
 DyPRAG: DyPRAG's per-question injection (average the N translator outputs, ``delta_inject``, a forward,
 ``delta_remove``; the MLP adds ``x @ delta.T`` like DyPRAG's modeling code) under the DyPRAG shim, default path
@@ -23,6 +26,7 @@ two paths.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -43,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 from bench_fusion import fill_from_pool  # noqa: E402
 
 TARGETS = ("gate_proj", "up_proj", "down_proj")
+PRAG_PATHS = ("unpatched", "default", "slot")
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8)
 
 
@@ -124,22 +129,42 @@ def bench_prag(model: torch.nn.Module, adapters: list[list[Path]], args: argpars
     with torch.no_grad():
         bare = model(input_ids=ids).logits[0, -1].clone()
     keys = ("load", "merge", "forward", "cleanup", "fusion", "total")
-    times = {False: {k: [] for k in keys}, True: {k: [] for k in keys}}
-    logits: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+    times: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in PRAG_PATHS}
+    times_bare: list[float] = []
+    logits: dict[str, list[torch.Tensor]] = {m: [] for m in PRAG_PATHS}
     for r in range(args.rounds):
-        for use_slot in (False, True):
-            with prag.installed(controller=None, use_slot=use_slot):
+        for path in PRAG_PATHS:
+            shim = (contextlib.nullcontext() if path == "unpatched" else
+                    prag.installed(controller=None, use_slot=path == "slot"))
+            with shim:
                 scratch = {k: [] for k in keys}
                 model, _ = prag_question(model, adapters[-1], ids, args.new_tokens, scratch)  # warm-up (slot install)
                 gc.collect()
                 for q in range(args.questions):
-                    model, lg = prag_question(model, adapters[q], ids, args.new_tokens, times[use_slot])
+                    model, lg = prag_question(model, adapters[q], ids, args.new_tokens, times[path])
                     if r == 0:
-                        logits[use_slot].append(lg)
-            print(f"   PRAG round {r + 1}: {'slot' if use_slot else 'default'} done", flush=True)
+                        logits[path].append(lg)
+            print(f"   PRAG round {r + 1}: {path} done", flush=True)
+        for q in range(args.questions):  # the same forward (+ generation) on the bare model: the floor
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=ids)
+                if args.new_tokens:
+                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                                   min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+            times_bare.append(time.perf_counter() - t0)
+    floor = summarize(times_bare)
     with torch.no_grad():
         after = model(input_ids=ids).logits[0, -1]
-    return report(times, logits, bare, after)
+    res = report({False: times["default"], True: times["slot"]}, {False: logits["default"], True: logits["slot"]},
+                 bare, after)
+    res["ms"]["unpatched"] = {k: summarize(v) for k, v in times["unpatched"].items()}
+    for ms in res["ms"].values():
+        ms["overhead"] = ms["load"] + ms["merge"] + ms["cleanup"]  # everything but the forward / generation
+    res["ms_bare_forward"] = floor
+    res["max_abs_logit_diff_unpatched_vs_default"] = max(
+        float((a - b).abs().max()) for a, b in zip(logits["unpatched"], logits["default"]))
+    return res
 
 
 # ----------------------------------------------------------------------------- DyPRAG
@@ -262,6 +287,20 @@ def report(times: dict[bool, dict[str, list[float]]], logits: dict[bool, list[to
     }
 
 
+def prag_table(res: dict[str, Any]) -> str:
+    u, d, s = res["ms"]["unpatched"], res["ms"]["default"], res["ms"]["slot"]
+    lines = ["PRAG: median ms per question (PRAG unpatched | default shim | use_slot | unpatched / slot | default / slot)"]
+    for k in u:
+        lines.append(f"  {k:<8} {u[k]:10.2f} | {d[k]:10.2f} | {s[k]:10.2f} | {u[k] / s[k]:7.1f}x | {d[k] / s[k]:7.1f}x")
+    lines.append(f"  overhead = load + merge + cleanup (everything but the forward / generation); fusion = merge + "
+                 f"cleanup; the bare model's own forward (+ generation): {res['ms_bare_forward']:.2f} ms")
+    lines.append(f"  max |logit diff| slot vs default: {res['max_abs_logit_diff']:.3g}, unpatched vs default: "
+                 f"{res['max_abs_logit_diff_unpatched_vs_default']:.3g} (the merges move the logits by up to "
+                 f"{res['max_abs_merge_effect']:.3g}); bare model bit-identical after the run: "
+                 f"{res['base_bit_identical_after']}")
+    return "\n".join(lines)
+
+
 def table(name: str, res: dict[str, Any]) -> str:
     d, s = res["ms"]["default"], res["ms"]["slot"]
     lines = [f"{name}: median ms per question (default shim | use_slot | slot / default)"]
@@ -303,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             results["dyprag"] = bench_dyprag(model, args)
     print()
     if "prag" in results:
-        print(table("PRAG shim (fusion = merge + cleanup, the part the slot replaces)", results["prag"]))
+        print(prag_table(results["prag"]))
     if "dyprag" in results:
         print(table(f"DyPRAG shim (mode {args.dyprag_mode})", results["dyprag"]))
     if args.out:

@@ -14,7 +14,7 @@ one LoRA per passage for SmolLM2-135M-Instruct), it fuses the passage adapters
 and prints the merge weights ``w~``, the gate g and temperature tau, and the greedy answers of each fused model
 next to the base model's answer (no adapter). The question is asked without the passages in the prompt, so the
 knowledge has to come from the adapters (parametric RAG). Each fused adapter is applied with forward hooks
-(``fcprag_plugin.merge.activate``) and removed afterwards; the base weights are checked to be unchanged.
+(``fcprag_plugin.activate``) and removed afterwards; the base weights are checked to be unchanged.
 
 Run: ``.venv/latest/bin/python examples/quickstart.py`` (or ``make demo``).
 """
@@ -54,13 +54,19 @@ LABELS = Path(__file__).resolve().parent / "data" / "hotpotqa_train_labels.jsonl
 TRAIN_OUT = Path(__file__).resolve().parent.parent / "runs" / "demo-controller"
 
 
-def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = TRAIN_OUT, out=print) -> Any:
-    """Train a controller on the shipped label file (library defaults, seed 0) and return it."""
+def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = TRAIN_OUT, out=print,
+                          cache_dir: str | None = "") -> Any:
+    """Train a controller on the shipped label file (library defaults, seed 0) and return it.
+
+    ``cache_dir``: the embedding cache; ``""`` (the default here, for tests) none, ``None`` the library's default
+    ($FCPRAG_CACHE_DIR or ~/.cache/fcprag/embeddings), which `make demo` uses: a second demo, or a later
+    `fcprag train` on the same labels, then does not encode the texts again.
+    """
     from fcprag_plugin.training import train_controller
 
     t0 = time.perf_counter()
     res = train_controller(str(labels), out_dir, encoder=encoder, overwrite=True, progress=False, seed=0,
-                           cache_dir="")
+                           cache_dir=cache_dir)
     out(f"trained a controller on {labels.name} ({res.n_train} train / {res.n_val} validation queries) "
         f"in {time.perf_counter() - t0:.0f}s -> {out_dir}")
     for line in res.table.splitlines():
@@ -69,7 +75,7 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
 
 
 def build_methods(demo_dir: Path, encoder: Any, *, train: bool = True, out=print,
-                  train_out: Path = TRAIN_OUT) -> list[tuple[str, Any]]:
+                  train_out: Path = TRAIN_OUT, cache_dir: str | None = "") -> list[tuple[str, Any]]:
     """(label, controller) pairs; ``None`` is the uniform merge."""
     from fcprag_plugin import FusionController
 
@@ -83,8 +89,8 @@ def build_methods(demo_dir: Path, encoder: Any, *, train: bool = True, out=print
         else:
             methods.append((f"trained controller ({ctrl_dir.name}/)", ctrl))
     elif train:
-        methods.append((f"learned controller (trained now on {LABELS.name})", train_demo_controller(encoder, out_dir=train_out,
-                                                                                              out=out)))
+        ctrl = train_demo_controller(encoder, out_dir=train_out, out=out, cache_dir=cache_dir)
+        methods.append((f"learned controller (trained now on {LABELS.name})", ctrl))
     methods.append((f"fixed cosine baseline, g={FIXED_G} tau={FIXED_TAU} (not trained)",
                     FusionController.fixed(g=FIXED_G, tau=FIXED_TAU, embed_dim=encoder.dim, scorer="cosine",
                                            embedding_model=encoder.name)))
@@ -105,23 +111,27 @@ def contains_gold(answer: str, gold: str) -> bool:
 
 def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_tokens: int = 20, out=print,
         model: Any = None, tokenizer: Any = None, encoder: Any = None, train: bool = True,
-        train_out: Path = TRAIN_OUT) -> list[dict[str, Any]]:
+        train_out: Path = TRAIN_OUT, cache_dir: str | None = "") -> list[dict[str, Any]]:
     """Run the demo; print with ``out``; return one record per question (weights and answers per method).
 
     ``model``/``tokenizer``/``encoder`` default to SmolLM2 and ``TextEncoder()`` (passed in by the tests).
     """
     from fcprag_plugin import LoraAdapter, TextEncoder, fuse
-    from fcprag_plugin.merge import activate
+    from fcprag_plugin import activate
 
     t0 = time.perf_counter()
+    timing: dict[str, float] = {}  # seconds per part, printed at the end (README's demo figures come from it)
     manifest = load_manifest(demo_dir)
     model, tok = (model, tokenizer) if model is not None else load_model()
+    timing["model load"] = time.perf_counter() - t0
     # The paper's bge-base when cached locally, else the packaged all-MiniLM-L6-v2 (offline).
     encoder = encoder if encoder is not None else TextEncoder()
-    methods = build_methods(Path(demo_dir), encoder, train=train, out=out, train_out=train_out)
+    timing["encoder load"] = time.perf_counter() - t0 - sum(timing.values())
+    methods = build_methods(Path(demo_dir), encoder, train=train, out=out, train_out=train_out, cache_dir=cache_dir)
+    timing["controller training"] = time.perf_counter() - t0 - sum(timing.values())
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out(f"model: {manifest['model']['name']} ({manifest['model']['gguf_file']}), encoder: {encoder.name} "
-        f"({encoder.dim}-d); loaded in {time.perf_counter() - t0:.0f}s")
+        f"({encoder.dim}-d); model, encoder and controllers ready after {time.perf_counter() - t0:.0f}s")
     out("The question is asked WITHOUT the passages in the prompt: knowledge must come from the adapters.")
 
     records = []
@@ -142,9 +152,11 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
                                "scores": r.scores, "answer": a} for lb, r, a in results]}
         records.append(record)
         print_question(qi, q, record, out)
+    timing[f"{len(records)} questions x {len(methods) + 1} greedy answers"] = time.perf_counter() - t0 - sum(
+        timing.values())
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, snapshot[k])]
     out(f"base model weights unchanged after all fusions: {'yes' if not changed else 'NO: ' + ', '.join(changed[:3])}")
-    out(f"total time: {time.perf_counter() - t0:.0f}s")
+    out(f"total time: {time.perf_counter() - t0:.0f}s (" + ", ".join(f"{k} {v:.0f}s" for k, v in timing.items()) + ")")
     if changed:
         raise SystemExit("a fusion changed the base model's weights")
     return records
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     try:
         run(Path(args.demo_dir), questions=args.questions, max_new_tokens=args.max_new_tokens,
-            train=not args.no_train)
+            train=not args.no_train, cache_dir=None)
     except DemoModelError as e:
         raise SystemExit(str(e)) from e
     return 0

@@ -1,16 +1,6 @@
-import logging
-import os
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from helpers import hash_encoder, make_adapter_dir  # noqa: E402
+from helpers import hash_encoder, make_adapter_dir
 
 
 @pytest.fixture
@@ -24,7 +14,20 @@ def encoder16():
     return hash_encoder(16)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_logs(caplog):
-    caplog.set_level(logging.INFO, logger="fcprag_plugin")
-    yield
+@pytest.fixture
+def labelled(tmp_path):
+    """A label file, a validation file, and an embedding cache that already holds every text under the model
+    name 'syn8' (so the CLI, given --encoder syn8, never has to load a model)."""
+    from fcprag_plugin.training import train_controller, write_labels
+    from fcprag_plugin.training.synthetic import synthetic_records, table_encoder
+
+    recs, table = synthetic_records(120, (2, 4), 8, seed=11)
+    vrecs, vtable = synthetic_records(30, 3, 8, seed=12, prefix="v")
+    table.update(vtable)
+    write_labels(recs, tmp_path / "train.jsonl")
+    write_labels(vrecs, tmp_path / "val.jsonl")
+    cache = tmp_path / "cache"
+    train_controller(tmp_path / "train.jsonl", tmp_path / "warm", val=tmp_path / "val.jsonl",
+                     encoder=table_encoder(table, "syn8"), cache_dir=cache, epochs=1, progress=False, threads=1,
+                     controller={"score_hidden": [8], "calib_hidden": 8})
+    return tmp_path, cache

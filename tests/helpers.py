@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -123,6 +125,32 @@ def assert_bit_identical(model, snapshot) -> None:
         assert torch.equal(now[k], v), f"parameter {k} changed"
 
 
+def random_adapter(model, rank, *, seed, alpha=None, targets=TARGETS, rank_of=None, alpha_of=None, source=None):
+    """A random in-memory LoRA adapter for ``model``'s ``targets``; ``rank_of(name)`` / ``alpha_of(name)`` vary
+    the rank / alpha per module (like PEFT's rank_pattern / alpha_pattern)."""
+    from fcprag_plugin import LoraAdapter, LoraModule
+
+    g = torch.Generator().manual_seed(seed)
+    mods = {}
+    for name, mod in model.named_modules():
+        if name.split(".")[-1] in targets and isinstance(mod, torch.nn.Linear):
+            r = rank_of(name) if rank_of else rank
+            a = alpha_of(name) if alpha_of else (alpha if alpha is not None else 2 * rank)
+            A = torch.randn(r, mod.in_features, generator=g) * 0.3
+            B = torch.randn(mod.out_features, r, generator=g) * 0.3
+            mods[name] = LoraModule(A, B, a / r)
+    return LoraAdapter(mods, {"r": rank, "lora_alpha": alpha or 2 * rank}, source or f"random[r={rank},seed={seed}]")
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
 # ----------------------------------------------------------------------------- label builder (issue 7)
 TINY_SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>"]
 TINY_WORDS = (
@@ -166,3 +194,29 @@ def save_tiny_lm(path, kind: str = "llama", seed: int = 0, *, zero_lm_head: bool
     model.save_pretrained(str(path))
     tiny_tokenizer().save_pretrained(str(path))
     return path
+
+
+# ----------------------------------------------------------------------------- the CLI's argparse tree
+def leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """``(command words, parser)`` for every sub-command that takes no further sub-command."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+        return
+    for name, child in subs[0].choices.items():
+        yield from leaf_parsers(child, (*path, name))
+
+
+def options(parser: argparse.ArgumentParser):
+    return [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+
+
+def cli_leaves() -> list:
+    """``(command words, parser)`` for every leaf sub-command of ``fcprag``."""
+    from fcprag_plugin.cli import build_parser
+
+    return list(leaf_parsers(build_parser()))
+
+
+# CLI options that keep ``fcprag train`` small and quick (with the ``labelled`` fixture of conftest.py)
+SMALL_TRAIN_ARGS = ["--score-hidden", "32", "--calib-hidden", "16", "--threads", "1", "--no-progress"]

@@ -5,22 +5,19 @@ Loads the real model once for the module (tens of seconds on 2 CPU cores).
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from fcprag_plugin import LoraAdapter, fuse
-from fcprag_plugin.merge import activate
+from fcprag_plugin import activate
+import build_demo_adapters as build
+import demo_common
+import quickstart
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "adapters" / "demo"
-sys.path.insert(0, str(REPO / "examples"))
-
-import build_demo_adapters as build  # noqa: E402
-import demo_common  # noqa: E402
-import quickstart  # noqa: E402
 
 pytestmark = [
     pytest.mark.integration,
@@ -115,6 +112,10 @@ def test_quickstart_core_path(smollm2, encoder, manifest, tmp_path):
     assert learned["merge_weights"] == pytest.approx(ref.merge_weights[0].tolist(), abs=1e-4)
     assert learned["g"] == pytest.approx(float(ref.g[0]), abs=1e-5)
     assert any(line.startswith("trained a controller on hotpotqa_train_labels.jsonl") for line in lines)
+    cv = json.loads((tmp_path / "ctrl" / "metrics.json").read_text())["cv"]  # the verdict is printed as recorded
+    verdict = [line for line in lines if "-fold grouped CV" in line]
+    assert len(verdict) == 1 and f"{cv['gain']:+.4g}" in verdict[0]
+    assert ("better than uniform (PRAG's sum)." in verdict[0]) == (cv["verdict"] == "better_than_uniform")
     assert "fixed cosine baseline" in fixed["label"] and "not trained" in fixed["label"]
     # Independent reference for the fixed baseline: s = (1 + cos) / 2, pi = softmax(s / tau),
     # w = g * pi + (1 - g) / N, w~ = N * w / sum(w).

@@ -5,21 +5,18 @@ No language model is loaded here (see test_demo_integration.py for the tests tha
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from fcprag_plugin import LoraAdapter
+import build_demo_adapters as build
+import demo_common
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "adapters" / "demo"
 DATA = REPO.parent / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
-sys.path.insert(0, str(REPO / "examples"))
-
-import build_demo_adapters as build  # noqa: E402
-import demo_common  # noqa: E402
 
 
 @pytest.fixture(scope="module")

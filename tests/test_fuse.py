@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fcprag_plugin import FusionController, FusionInputError, LoraAdapter, fuse
-from helpers import dense_reference, tiny_model
+from fcprag_plugin import activate
+from helpers import dense_reference, make_adapter_dir, tiny_model
 
 GATE = "model.layers.0.mlp.gate_proj"
 PASSAGES = ["paris is the capital of france", "bananas are yellow fruit", "the eiffel tower is in paris"]
@@ -107,3 +108,46 @@ def test_use_slot_needs_model_and_slot_mode(adapter_dirs):
         fuse(adapter_dirs, QUERY, PASSAGES, use_slot=True)
     with pytest.raises(MergeError, match=r"mode 'svd' is not supported"):
         fuse(adapter_dirs, QUERY, PASSAGES, mode="svd", model=tiny_model(), use_slot=True)
+
+
+@pytest.mark.parametrize("ranks", [(2, 4), (4, 2)])
+def test_use_slot_mixed_ranks_in_any_order(tmp_path, ranks):
+    """Issue 13: the slot fuse() creates is sized for the fusion's largest rank, whatever the adapters' order."""
+    dirs = [make_adapter_dir(tmp_path / f"a{i}", r=r, seed=i) for i, r in enumerate(ranks)]
+    ads = [LoraAdapter.from_pretrained(d) for d in dirs]
+    model = tiny_model()
+    x = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        with fuse(dirs, QUERY, PASSAGES[:2], model=model, use_slot=True) as res:
+            got = model(x).logits
+            live = res.slot.current_adapter()
+        for name in ads[0].modules:  # the slot holds exactly sum_i s_i B_i A_i
+            torch.testing.assert_close(live[name].delta(torch.float64), dense_reference(ads, [1, 1], name),
+                                       rtol=1e-5, atol=1e-6)
+        ref = fuse(dirs, QUERY, PASSAGES[:2])
+        with activate(model, ref.adapter):
+            want = model(x).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_duplicate_adapter_paths_warn_once(adapter_dirs, caplog):
+    """Issue 13: a repeated adapter path counts twice (like PRAG); fuse() says so, once per fusion."""
+    with caplog.at_level("WARNING", logger="fcprag_plugin"):
+        res = fuse([adapter_dirs[0], adapter_dirs[1], adapter_dirs[0]], QUERY, PASSAGES)
+    warnings = [r for r in caplog.records if "more than once" in r.getMessage()]
+    assert len(warnings) == 1 and str(adapter_dirs[0].resolve()) in warnings[0].getMessage()
+    ads = [LoraAdapter.from_pretrained(d) for d in (adapter_dirs[0], adapter_dirs[1], adapter_dirs[0])]
+    torch.testing.assert_close(res.adapter[GATE].delta(torch.float64), dense_reference(ads, [1, 1, 1], GATE))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fcprag_plugin"):
+        fuse(adapter_dirs, QUERY, PASSAGES)
+    assert not [r for r in caplog.records if "more than once" in r.getMessage()]
+
+
+def test_uniform_fusion_json_is_strict(adapter_dirs):
+    """Issue 13: without a controller tau is NaN in memory but null in to_json (strict JSON)."""
+    import json
+
+    res = fuse(adapter_dirs, QUERY, PASSAGES)
+    text = json.dumps(res.to_json(), allow_nan=False)
+    assert json.loads(text)["tau"] is None

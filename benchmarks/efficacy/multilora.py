@@ -4,8 +4,8 @@ Each target ``nn.Linear`` gets a forward hook adding ``scaling * B_b @ A_b @ x_b
 adapters' parameters stacked (``A [n, r, in]``, ``B [n, out, r]``, float32 master copies). The loss is the sum
 of the per-sample mean token losses, so adapter ``b``'s gradient is exactly its own; :class:`StackedAdamW`
 updates only the adapters that took part in a step, with per-adapter step counts. So training ``n`` adapters
-together equals training each alone with batch size 1 and AdamW (``tests/test_efficacy_multilora.py`` checks
-it against PEFT), but one forward/backward serves the whole batch.
+together equals training each alone with batch size 1 and AdamW (``benchmarks/efficacy/tests/test_multilora.py``
+checks it against PEFT), but one forward/backward serves the whole batch.
 """
 
 from __future__ import annotations

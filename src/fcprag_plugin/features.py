@@ -9,6 +9,9 @@ The ``masked_*`` reductions take ``mask=None`` for "every entry is real" (no mas
 
 from __future__ import annotations
 
+import math
+from typing import Any, Sequence
+
 import torch
 
 
@@ -57,3 +60,89 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor | None, dim: int = 1) -> torc
 
 def masked_min(x: torch.Tensor, mask: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
     return x.amin(dim) if mask is None else x.masked_fill(~mask, float("inf")).amin(dim)
+
+
+def calibration_summary(e_q: torch.Tensor, xp: torch.Tensor, s: torch.Tensor, mask: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """The calibration net's input: a masked, permutation-invariant description of the set.
+
+    ``[e_q; mean_i xp_i]`` (the mean pair feature, ``4d``), score statistics ``[mean, std, max, min, max-min]``,
+    query-passage dot-product statistics ``[mean, std, max, min]`` and ``log N`` (``CALIB_STATS`` = 10 columns).
+    ``e_q [B, d]``, ``xp [B, N, 3d]`` (:func:`passage_features`), ``s [B, N]`` -> ``[B, 4d + 10]``.
+    """
+    d = e_q.shape[1]
+    cos = xp[..., d:2 * d].sum(-1)  # e_q . e_p from the e_q*e_p block of the features (no second product)
+    sc = torch.stack([s, cos], dim=1)  # [B, 2, N]: both statistics in one pass
+    m2 = None if mask is None else mask.unsqueeze(1)
+    mean, std = masked_mean(sc, m2, 2), masked_std(sc, m2, 2)
+    mx, mn = masked_max(sc, m2, 2), masked_min(sc, m2, 2)
+    n = torch.full_like(s[:, :1], float(s.shape[1])) if mask is None else mask.sum(1, keepdim=True).to(s.dtype)
+    st = torch.stack([mean, std, mx, mn], dim=2).flatten(1)  # [s mean, std, max, min, cos mean, std, max, min]
+    stats = torch.cat([st[:, :4], mx[:, :1] - mn[:, :1], st[:, 4:], n.log()], dim=1)
+    return torch.cat([e_q, masked_mean(xp, mask), stats], dim=1)
+
+
+CALIB_STATS = 10  # columns of calibration_summary after the 4d mean pair feature
+
+
+# ---------------------------------------------------------------------------------------------- side features
+#: optional per-passage inputs (opt-in, recorded in the controller's config as ``side_features``)
+SIDE_FEATURES = ("retrieval_rank", "retrieval_score", "adapter_stats")
+#: the LoRA target groups whose update norms :func:`adapter_stats` reports (matched on the module name's last part)
+ADAPTER_GROUPS = ("gate_proj", "up_proj", "down_proj")
+#: the columns of :func:`adapter_stats`, in order
+ADAPTER_STAT_NAMES = (*(f"log_norm_{g}" for g in ADAPTER_GROUPS), "log_norm_all", "rank", "scaling")
+_NORM_FLOOR = 1e-8  # log of a missing group / an all-zero adapter stays finite
+
+
+def side_feature_columns(names: Sequence[str]) -> list[str]:
+    """The per-passage columns the side features ``names`` expand to (``adapter_stats`` is several)."""
+    cols: list[str] = []
+    for n in names:
+        cols += [f"adapter_stats.{a}" for a in ADAPTER_STAT_NAMES] if n == "adapter_stats" else [n]
+    return cols
+
+
+def adapter_stats(adapter: Any) -> dict[str, float]:
+    """Statistics of one passage adapter (a :class:`fcprag_plugin.adapter.LoraAdapter`), without forming any dW.
+
+    Per target group ``g`` in :data:`ADAPTER_GROUPS`: ``log_norm_g = log(sum over g's modules (all layers) of
+    ||s B A||_F + 1e-8)``, where ``||B A||_F^2 = trace((B^T B)(A A^T))`` uses only ``r x r`` Gram products;
+    ``log_norm_all`` the same over every module; ``rank`` and ``scaling`` the mean LoRA rank and scaling over the
+    modules. An adapter trained for more steps has larger updates (its leave-one-out gain tends to be larger).
+    Returns a dict with the keys :data:`ADAPTER_STAT_NAMES`, in that order.
+    """
+    mods = getattr(adapter, "modules", None)
+    if not isinstance(mods, dict) or not mods:
+        raise ValueError(f"adapter_stats expects a LoraAdapter with at least one module, got {type(adapter).__name__}")
+    norms = adapter.norms()  # per module ||s B A||_F from r x r Gram products (LoraAdapter.norms)
+    group_norm = dict.fromkeys(ADAPTER_GROUPS, 0.0)
+    total = 0.0
+    for name in mods:
+        norm = abs(norms[name]["delta"])
+        total += norm
+        group = name.rsplit(".", 1)[-1]
+        if group in group_norm:
+            group_norm[group] += norm
+    out = {f"log_norm_{g}": math.log(v + _NORM_FLOOR) for g, v in group_norm.items()}
+    out["log_norm_all"] = math.log(total + _NORM_FLOOR)
+    out["rank"] = sum(int(m.A.shape[0]) for m in mods.values()) / len(mods)
+    out["scaling"] = sum(float(m.scaling) for m in mods.values()) / len(mods)
+    return out
+
+
+def center_side(side: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Side features as the controller sees them: ``(f_i - mean over the set's real passages) / scale``.
+
+    ``side [B, N, k]``, ``mask [B, N]`` (None: all real), ``scale [k]`` (None: 1) -> ``[B, N, k]``, 0 on padding.
+    Only differences between a query's passages are kept, so a feature equal for every passage (all ranks the same,
+    one score repeated) is exactly zero and changes nothing.
+    """
+    centered = side - masked_mean(side, mask, 1).unsqueeze(1)
+    # the mean of equal values can round away from them: a set whose feature does not vary is exactly 0
+    m3 = None if mask is None else mask.unsqueeze(-1)
+    constant = (masked_max(side, m3, 1) == masked_min(side, m3, 1)).unsqueeze(1)  # [B, 1, k]
+    centered = centered.masked_fill(constant, 0.0)
+    if mask is not None:
+        centered = centered.masked_fill(~m3, 0.0)
+    return centered if scale is None else centered / scale

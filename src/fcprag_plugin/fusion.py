@@ -3,36 +3,38 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from .adapter import LoraAdapter
 from .controller import FusionController, load_controller
 from .errors import FusionInputError
+from .fast import AdapterStore, FusedSlot, pack_adapter
 from .merge import MergeResult, merge_adapters
+from .weights import FusionWeights, finite_or_none, side_inputs
 
 logger = logging.getLogger(__name__)
-
-AdapterLike = "str | Path | LoraAdapter"
 
 
 @dataclass
 class FusionResult:
-    """What ``fuse`` produced. ``merge_weights`` is ``w~`` (length N); ``weights`` is ``w`` (sums to 1)."""
+    """What ``fuse`` produced: the merged adapter (or the slot holding the merge), the :class:`FusionWeights` and
+    the merge ``mode``. ``merge_weights`` is ``w~`` (length N); ``weights`` is ``w`` (sums to 1)."""
 
     adapter: LoraAdapter | None  # None with use_slot=True: the merge lives in ``slot`` on the model
-    merge_weights: list[float]
-    weights: list[float]
-    scores: list[float]
-    g: float
-    tau: float
+    fusion_weights: FusionWeights
     mode: str
-    controller_mode: str
     info: dict[str, Any] = field(default_factory=dict)
     slot: Any = None  # the active FusedSlot when fused with use_slot=True
+
+    merge_weights = property(lambda self: list(self.fusion_weights.merge_weights))
+    weights = property(lambda self: list(self.fusion_weights.weights))
+    scores = property(lambda self: list(self.fusion_weights.scores))
+    g = property(lambda self: self.fusion_weights.g)
+    tau = property(lambda self: self.fusion_weights.tau)
+    controller_mode = property(lambda self: self.fusion_weights.mode)
 
     def __enter__(self) -> "FusionResult":
         return self
@@ -43,9 +45,11 @@ class FusionResult:
             self.slot.deactivate()
 
     def to_json(self) -> dict[str, Any]:
-        return {"merge_weights": self.merge_weights, "weights": self.weights, "scores": self.scores, "g": self.g,
-                "tau": self.tau, "mode": self.mode, "controller_mode": self.controller_mode,
-                **{k: v for k, v in self.info.items() if isinstance(v, (int, float, str, list, dict))}}
+        """Strict JSON (NaN / inf as null): the weights, ``mode``, ``controller_mode`` and the merge's info."""
+        fw = self.fusion_weights.to_json()
+        mode = fw.pop("controller_mode")
+        extra = {k: v for k, v in self.info.items() if isinstance(v, (int, float, str, list, dict))}
+        return finite_or_none({**fw, "mode": self.mode, "controller_mode": mode, **extra})
 
 
 def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAdapter]:
@@ -65,31 +69,34 @@ def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAda
     return out
 
 
-def compute_weights(query: str, passages: Sequence[str], controller: FusionController | None,
-                    encoder: Any = None) -> dict[str, Any]:
-    """Controller outputs for one query as plain lists; ``controller=None`` is uniform (PRAG's merge)."""
-    n = len(passages)
-    if controller is None or controller.config.mode == "uniform":
-        return {"merge_weights": [1.0] * n, "weights": [1.0 / n] * n, "scores": [0.5] * n, "g": 0.0,
-                "tau": float("nan") if controller is None else controller.config.tau_max, "controller_mode": "uniform"}
-    if encoder is None:
-        from .encoding import TextEncoder
-
-        encoder = TextEncoder(controller.config.embedding_model)
-    out = controller.predict(query, passages, encoder).sample(0)
-    out["controller_mode"] = controller.config.mode
-    return out
+def warn_duplicates(adapters: Sequence[Any]) -> list[str]:
+    """Warn (one warning per fusion) when adapter paths repeat: each copy counts as its own passage update, so the
+    same update is added twice (PRAG does the same, silently). Returns the repeated paths."""
+    seen: dict[str, int] = {}
+    for a in adapters:
+        if isinstance(a, (str, Path)):
+            key = os.path.realpath(a)
+            seen[key] = seen.get(key, 0) + 1
+    dups = [k for k, c in seen.items() if c > 1]
+    if dups:
+        logger.warning("fuse: adapter path(s) %s are given more than once; each copy counts as its own passage "
+                       "update, so the same update is added several times", dups)
+    return dups
 
 
 def check_texts(query: str, passages: Sequence[str], n_adapters: int | None = None) -> None:
-    if not isinstance(query, str) or not query.strip():
+    """The query and passages are non-blank strings (blank: also only zero-width / control characters,
+    :func:`~fcprag_plugin.encoding.is_blank`), one passage per adapter."""
+    from .encoding import is_blank
+
+    if not isinstance(query, str) or is_blank(query):
         raise FusionInputError(f"query must be a non-empty string, got {query!r}")
     if isinstance(passages, str):
         raise FusionInputError("passages must be a list of strings, got a single string")
     if len(passages) == 0:
         raise FusionInputError("passages is empty: need one passage per adapter")
     for i, p in enumerate(passages):
-        if not isinstance(p, str) or not p.strip():
+        if not isinstance(p, str) or is_blank(p):
             raise FusionInputError(f"passage {i} must be a non-empty string, got {p!r}")
     if n_adapters is not None and n_adapters != len(passages):
         raise FusionInputError(f"got {n_adapters} adapters but {len(passages)} passages; they must pair up in order")
@@ -106,6 +113,8 @@ def fuse(
     model: Any = None,
     use_slot: bool = False,
     store: Any = None,
+    retrieval_ranks: Sequence[float] | None = None,
+    retrieval_scores: Sequence[float] | None = None,
     **merge_options: Any,
 ) -> FusionResult:
     """Merge the passage adapters with per-query weights from ``controller`` (``None``: uniform, PRAG's merge).
@@ -122,28 +131,30 @@ def fuse(
             it on, instead of building a merged :class:`LoraAdapter` (``result.adapter`` is then None; leave the
             ``with`` block or call ``result.slot.deactivate()`` to switch it off). Modes ``cat`` and ``separate``.
         store: the :class:`~fcprag_plugin.fast.AdapterStore` that caches adapter directories for the slot.
+        retrieval_ranks, retrieval_scores: one number per passage, for a controller trained with these side
+            features (``config.side_features``; required then, ignored otherwise). Adapter statistics, the third
+            side feature, are computed from ``adapters`` themselves.
     """
     if isinstance(adapters, (str, Path, LoraAdapter)):
         raise FusionInputError("adapters must be a list (one per passage)")
     if len(adapters) == 0:
         raise FusionInputError("adapters is empty: need one adapter per passage")
     check_texts(query, passages, len(adapters))
+    warn_duplicates(adapters)
     ctrl = load_controller(controller)
+    side = {"retrieval_ranks": retrieval_ranks, "retrieval_scores": retrieval_scores}
     if use_slot:
-        return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store)
+        return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store, side)
     loaded = resolve_adapters(adapters, model)
-    cw = compute_weights(query, passages, ctrl, encoder)
-    result: MergeResult = merge_adapters(loaded, torch.tensor(cw["merge_weights"]), mode, **merge_options)
-    logger.debug("fused %d adapters: w~=%s g=%.3f tau=%.3f", len(loaded), cw["merge_weights"], cw["g"], cw["tau"])
-    return FusionResult(result.adapter, cw["merge_weights"], cw["weights"], cw["scores"], cw["g"], cw["tau"], mode,
-                        cw["controller_mode"], result.info)
+    fw = FusionWeights.for_query(query, passages, ctrl, encoder, side_inputs(ctrl, adapters=loaded, **side))
+    result: MergeResult = merge_adapters(loaded, list(fw.merge_weights), mode, **merge_options)
+    logger.debug("fused %d adapters: w~=%s g=%.3f tau=%.3f", len(loaded), fw.merge_weights, fw.g, fw.tau)
+    return FusionResult(result.adapter, fw, mode, result.info)
 
 
 def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], ctrl: FusionController | None,
-                  encoder: Any, mode: str, model: Any, store: Any) -> FusionResult:
+                  encoder: Any, mode: str, model: Any, store: Any, side: dict[str, Any]) -> FusionResult:
     """Fast path: the merge is written into the model's fused slot (no merged adapter is materialised)."""
-    from .fast import AdapterStore, FusedSlot
-
     if model is None:
         raise FusionInputError("use_slot=True needs the live model: fuse(..., model=model, use_slot=True)")
     live = set(getattr(model, "peft_config", {}) or {})
@@ -153,11 +164,13 @@ def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], 
             raise FusionInputError(f"adapter {i} is a {type(a).__name__}; expected a path, a LoraAdapter or the "
                                    "name of an adapter of `model`")
     store = store if store is not None else AdapterStore()
-    template = store.get(items[0]) if isinstance(items[0], (str, Path)) else items[0]
-    slot = FusedSlot.for_model(model, template, max_adapters=len(items), store=store)
+    packed = [store.get(a) if isinstance(a, (str, Path)) else pack_adapter(a) for a in items]
+    # sized for this fusion's largest rank, so adapters of ranks [2, 4] fit in any order
+    slot = FusedSlot.for_model(model, packed[0], max_adapters=len(packed), max_rank=max(p.max_rank for p in packed),
+                               store=store)
     if slot.store is None:
         slot.store = store
-    cw = compute_weights(query, passages, ctrl, encoder)
-    slot.activate(items, cw["merge_weights"], mode)
-    return FusionResult(None, cw["merge_weights"], cw["weights"], cw["scores"], cw["g"], cw["tau"], mode,
-                        cw["controller_mode"], {"slot": repr(slot)}, slot)
+    fw = FusionWeights.for_query(query, passages, ctrl, encoder,
+                                 side_inputs(ctrl, adapters=lambda: [p.to_lora() for p in packed], **side))
+    slot.activate(packed, list(fw.merge_weights), mode)
+    return FusionResult(None, fw, mode, {"slot": repr(slot)}, slot)

@@ -18,6 +18,8 @@ HOST_MODULES = ("utils", "projector")
 A, B = ".lora_A.weight", ".lora_B.weight"
 
 TOPICS = ["novel", "bridge", "river", "painting", "opera"]
+# the launch tests' questions (the ``double`` fixture of tests/hooks/conftest.py): one per count, a count repeated
+COUNTS = (1, 2, 3, 4, 5, 3)
 
 
 def copy_double(dst: Path) -> Path:

@@ -61,7 +61,6 @@ def build_world(root: Path, ns: Sequence[int] = DEFAULT_NS, zero_b: Sequence[tup
     Ranks and alphas cycle through ``ranks`` (default r=2, alpha=32 / r=4, alpha=16, so the scalings differ
     between passages).
     """
-    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/helpers.py
     from helpers import make_adapter_dir, tiny_model
 
     root = Path(root)

@@ -16,13 +16,12 @@ names and shapes, so every adapter of the same model and target modules gets the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from ..adapter import LoraAdapter, LoraModule
 from ..errors import AdapterError, MergeError
-
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ class PackedGroup:
 class PackedAdapter:
     """An adapter as per-group contiguous stacks (:class:`PackedGroup`), ready to be written into a slot.
 
-    Build with :func:`pack_adapter` or :class:`~fcprag_plugin.fast.store.AdapterStore`. Read-only by convention:
+    Build with :func:`pack_adapter` or :class:`~fcprag_plugin.fast.adapter_store.AdapterStore`. Read-only by convention:
     slots copy from it and never write to it.
     """
 
@@ -157,10 +156,10 @@ class PackedAdapter:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for g in self.groups for t in (g.A, g.BT))
 
-    def uniform_rank(self) -> int | None:
-        """The rank if every module has the same one, else ``None``."""
-        ranks = {r for g in self.groups for r in g.ranks}
-        return ranks.pop() if len(ranks) == 1 else None
+    @property
+    def all_zero(self) -> bool:
+        """True when every ``B`` is zero: the adapter changes nothing (e.g. saved before training)."""
+        return not any(bool(g.BT.any()) for g in self.groups)
 
     def to_lora(self) -> LoraAdapter:
         """Unpack into a :class:`LoraAdapter` (copies; for checks and interop, not for the hot path)."""
@@ -176,34 +175,61 @@ class PackedAdapter:
                 f"max_rank={self.max_rank}, dtype={self.dtype}, device={self.device}, bytes={self.nbytes})")
 
 
+# module name -> (A [r, in], B [out, r], scaling)
+FactorGetter = Callable[[str], "tuple[torch.Tensor, torch.Tensor, float]"]
+
+
+def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, error: type[Exception] = MergeError) -> PackedAdapter:
+    """Pack one adapter given per module by ``factors(name) -> (A [r, in], B [out, r], scaling)`` into ``layout``
+    on ``device`` in ``dtype`` (defaults: the factors' own). The one packer: adapters, live PEFT layers and DyPRAG
+    translator outputs all come through here.
+
+    Modules of one group with different ranks are zero-padded to the largest (``B @ A`` unchanged). A factor of
+    the wrong shape is an ``error`` naming the module, the adapter (``source``) and both shapes.
+    """
+    dev = torch.device(device) if device is not None else None
+    groups = []
+    for g in layout.groups:
+        As, BTs, scales, ranks = [], [], [], []
+        for name in g.names:
+            A, B, s = factors(name)
+            if A.ndim != 2 or B.ndim != 2 or A.shape[1] != g.in_features or B.shape[0] != g.out_features \
+                    or A.shape[0] != B.shape[1]:
+                raise error(f"{source}: module '{name}': lora_A {list(A.shape)} / lora_B {list(B.shape)} do not "
+                            f"fit the model's [out, in] = [{g.out_features}, {g.in_features}] (expected A [r, "
+                            f"{g.in_features}], B [{g.out_features}, r])")
+            As.append(A)
+            BTs.append(B.T)
+            scales.append(float(s))
+            ranks.append(int(A.shape[0]))
+        r = max(ranks)
+        d, dt = dev or As[0].device, dtype or As[0].dtype
+        if all(k == r for k in ranks):
+            A_st = torch.stack(As).to(device=d, dtype=dt)
+            BT_st = torch.stack(BTs).to(device=d, dtype=dt)
+        else:  # rank_pattern: zero-pad the smaller ranks, which keeps B @ A unchanged
+            A_st = torch.zeros(len(As), r, g.in_features, device=d, dtype=dt)
+            BT_st = torch.zeros(len(As), r, g.out_features, device=d, dtype=dt)
+            for l, (a, bt) in enumerate(zip(As, BTs)):
+                A_st[l, :a.shape[0]] = a
+                BT_st[l, :bt.shape[0]] = bt
+        common = set(scales)
+        groups.append(PackedGroup(A_st.contiguous(), BT_st.contiguous(), torch.tensor(scales, dtype=torch.float64),
+                                  tuple(ranks), common.pop() if len(common) == 1 else None))
+    return PackedAdapter(layout, tuple(groups), source)
+
+
 def pack_adapter(adapter: LoraAdapter, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None) -> PackedAdapter:
     """Copy ``adapter`` into per-group stacks on ``device`` (default: where it is) in ``dtype`` (default: its own)."""
     if not adapter.modules:
         raise AdapterError(f"{adapter.source}: the adapter has no LoRA modules to pack")
-    layout = layout_of(adapter)
-    first = next(iter(adapter.modules.values()))
-    dev = torch.device(device) if device is not None else first.A.device
-    dt = dtype or first.A.dtype
-    groups = []
-    for lg in layout.groups:
-        mods: list[LoraModule] = [adapter.modules[n] for n in lg.names]
-        ranks = tuple(m.rank for m in mods)
-        r = max(ranks)
-        if len(set(ranks)) == 1:
-            A = torch.stack([m.A for m in mods]).to(device=dev, dtype=dt)
-            BT = torch.stack([m.B.T for m in mods]).to(device=dev, dtype=dt)
-        else:  # rank_pattern: zero-pad the smaller ranks, which keeps B @ A unchanged
-            A = torch.zeros(len(mods), r, lg.in_features, device=dev, dtype=dt)
-            BT = torch.zeros(len(mods), r, lg.out_features, device=dev, dtype=dt)
-            for l, m in enumerate(mods):
-                A[l, :m.rank] = m.A
-                BT[l, :m.rank] = m.B.T
-        scales = torch.tensor([m.scaling for m in mods], dtype=torch.float64)
-        common = {m.scaling for m in mods}
-        groups.append(PackedGroup(A.contiguous(), BT.contiguous(), scales, ranks,
-                                  common.pop() if len(common) == 1 else None))
-    return PackedAdapter(layout, tuple(groups), adapter.source, dict(adapter.config))
+    mods = adapter.modules
+    packed = pack_factors(layout_of(adapter), lambda n: (mods[n].A, mods[n].B, mods[n].scaling), adapter.source,
+                          device=device, dtype=dtype)
+    packed.config = dict(adapter.config)
+    return packed
 
 
 def check_layouts(reference: Layout, packed: Iterable[PackedAdapter], where: str) -> None:

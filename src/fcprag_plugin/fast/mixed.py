@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..errors import MergeError
+from ..merge import factors
 from .slot import FusedSlot
 
 MIXED_MODES = ("cat", "separate")
@@ -127,11 +128,9 @@ def activate_mixed(slot: FusedSlot, adapters: Sequence[Any], weights: Any, mode:
         coef = coef.view(B, K * R)
     else:
         for gi in range(len(slot.layout.groups)):
-            ranks = [p.groups[gi].ranks for p in packed]
-            if any(rk != ranks[0] for rk in ranks):
-                raise MergeError(f"mixed mode 'separate' needs equal ranks per module across the union; modules "
-                                 f"'{slot.layout.groups[gi].names[0]}'... have ranks {[p.groups[gi].rank for p in packed]}"
-                                 "; use mode 'cat'")
+            factors.check_equal_ranks([p.groups[gi].ranks for p in packed], slot.layout.groups[gi].names[0],
+                                      [p.source for p in packed], "mixed mode 'separate'",
+                                      [p.groups[gi].rank for p in packed])
         n = m.sum(1, keepdim=True)
         if bool((n == 0).any()):
             bad = int(torch.nonzero(n[:, 0] == 0)[0])

@@ -19,8 +19,8 @@ and no parameter of the model is ever written: ``remove()`` leaves it exactly as
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import weakref
 from array import array
 from contextlib import contextmanager
@@ -31,11 +31,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..adapter import LoraAdapter
-from ..adapter_io import PEFT_PREFIX
+from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
-from ..merge.core import weight_vector
-from ..merge.live import resolve_module, resolve_target
+from ..merge import factors
+from ..weights import check_weights
+from .adapter_store import AdapterStore
 from .layout import Layout, PackedAdapter, check_layouts, layout_from_shapes, pack_adapter
 
 logger = logging.getLogger(__name__)
@@ -106,26 +106,27 @@ def _make_hook(entry: _Entry, state: _State):
     return hook
 
 
-def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, coef: float | torch.Tensor) -> None:
-    """``dst[...] = coef * src`` rounded once from the float32 product, exactly like the merge modes
-    (``coef * A.float()``, then the cast to the buffer dtype); one pass in the usual same-device float32 case."""
-    if isinstance(coef, torch.Tensor) and coef.device != dst.device:
-        coef = coef.to(dst.device)
-    if src.device != dst.device:
-        src = src.to(dst.device)  # place the AdapterStore on the model's device to skip this
-    if src.dtype == torch.float32 or (src.dtype == dst.dtype and src.dtype in (torch.bfloat16, torch.float16)):
-        torch.mul(src, coef, out=dst)  # computed in float32 (opmath), rounded once to dst's dtype
-    elif dst.dtype == torch.float32:
-        dst.copy_(src)  # widening is exact; a direct mul would round the product to src's dtype
-        dst.mul_(coef)
-    else:
-        torch.mul(src.float(), coef, out=dst)
+def resolve_module(model: nn.Module, name: str, table: dict[str, nn.Module] | None = None) -> nn.Module:
+    """Find a target module by its base-model path, in a plain model or inside a ``PeftModel``."""
+    table = table if table is not None else dict(model.named_modules())
+    for cand in (name, PEFT_PREFIX + name, PEFT_PREFIX + PEFT_PREFIX + name):
+        mod = table.get(cand)
+        if mod is not None:
+            base = getattr(mod, "base_layer", None)  # a peft LoRA wrapper: hook its frozen base layer
+            return base if isinstance(base, nn.Module) else mod
+    sample = [n for n in table if n.endswith(name.split(".")[-1])][:2]
+    raise MergeError(f"module '{name}' of the adapter is not in the model (e.g. the model has {sample})")
 
 
-def _strip(name: str) -> str:
-    while name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX):]
-    return name
+def resolve_target(model: nn.Module, name: str, out_features: int, in_features: int,
+                   table: dict[str, nn.Module] | None = None, expected_by: str = "adapter expects") -> nn.Module:
+    """:func:`resolve_module`, then check that its weight is ``[out, in]`` (error names the module and both shapes)."""
+    mod = resolve_module(model, name, table)
+    weight = getattr(mod, "weight", None)
+    if weight is None or tuple(weight.shape) != (out_features, in_features):
+        shape = None if weight is None else list(weight.shape)
+        raise MergeError(f"module '{name}': model weight is {shape}, {expected_by} [{out_features}, {in_features}]")
+    return mod
 
 
 def _target_shapes(model: nn.Module, targets: Any) -> dict[str, tuple[int, int]]:
@@ -157,30 +158,12 @@ def _target_shapes(model: nn.Module, targets: Any) -> dict[str, tuple[int, int]]
             mod = base if isinstance(base, nn.Module) else mod
             w = getattr(mod, "weight", None)
             if isinstance(w, torch.Tensor) and w.ndim == 2:
-                out[_strip(name)] = (int(w.shape[0]), int(w.shape[1]))
+                out[strip_peft_prefix(name)[0]] = (int(w.shape[0]), int(w.shape[1]))
                 found.add(parts[-1])
         missing = sorted(suffixes - found)
         if missing:
             raise MergeError(f"target module name(s) {missing} match no module with a 2-D weight in the model")
     return out
-
-
-def merge_weights(weights: Any, n: int) -> list[float]:
-    """Validated ``w~`` as float32-rounded Python floats (the values :func:`~fcprag_plugin.merge.merge_adapters`
-    computes with), without tensor ops for the common list input. ``None`` is ``[1] * n``."""
-    if weights is None:
-        return [1.0] * n
-    vals: list[float] | None = None
-    if isinstance(weights, (list, tuple)):
-        try:
-            vals = array("f", [float(v) for v in weights]).tolist()  # rounds to float32 like torch does
-        except (TypeError, ValueError, OverflowError):
-            vals = None
-    if vals is None or len(vals) != n:
-        vals = weight_vector(weights, n).tolist()  # tensors, arrays, and its error messages
-    if not all(map(math.isfinite, vals)):
-        raise MergeError(f"merge weights must be finite, got {vals}")
-    return vals
 
 
 _SLOTS: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDictionary()
@@ -196,7 +179,7 @@ class FusedSlot:
         max_adapters: K, the most adapters one query may merge. More is a :class:`MergeError`; see :meth:`resize`.
         max_rank: R, the largest adapter rank (default: the template's, else 8).
         dtype: buffer dtype (default: each target weight's dtype).
-        store: an :class:`~fcprag_plugin.fast.store.AdapterStore` used when adapters are given as paths.
+        store: an :class:`~fcprag_plugin.fast.adapter_store.AdapterStore` used when adapters are given as paths.
     """
 
     def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
@@ -335,8 +318,6 @@ class FusedSlot:
                 packed.append(pack_adapter(a))
             elif isinstance(a, (str, Path)):
                 if self.store is None:
-                    from .store import AdapterStore
-
                     self.store = AdapterStore()
                 packed.append(self.store.get(a))
             else:
@@ -356,71 +337,55 @@ class FusedSlot:
             seg.rows("A", used, seg.dirty).zero_()
         seg.dirty = used
 
+    def _sources(self, seg: _Segment, p: PackedAdapter, coef: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Adapter ``p``'s rows for segment ``seg``: ``(A [l, r, in], BT [l, r, out], coef * its scaling)``."""
+        pg = p.groups[seg.group]
+        src_A, src_B = pg.A, pg.BT
+        if seg.l0 != 0 or seg.l1 != src_A.shape[0]:
+            src_A, src_B = src_A[seg.l0:seg.l1], src_B[seg.l0:seg.l1]
+        if pg.scale is not None:
+            return src_A, src_B, coef * pg.scale
+        return src_A, src_B, (coef * pg.scales[seg.l0:seg.l1]).to(torch.float32).view(-1, 1, 1)
+
     @torch.no_grad()
     def _write_cat(self, packed: Sequence[PackedAdapter], coefs: Sequence[float]) -> None:
-        """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T`` (one op each per segment)."""
+        """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T`` (:func:`factors.write_cat`)."""
         R = self.max_rank
         for seg in self._segments:
-            whole = seg.l0 == 0
+            A_rows, BT_rows, As, BTs, cs = [], [], [], [], []
             for i, p in enumerate(packed):
-                pg = p.groups[seg.group]
-                r = pg.rank
-                src_A, src_B = pg.A, pg.BT
-                if not whole or seg.l1 != src_A.shape[0]:
-                    src_A, src_B = src_A[seg.l0:seg.l1], src_B[seg.l0:seg.l1]
-                if pg.scale is not None:
-                    coef: float | torch.Tensor = coefs[i] * pg.scale
-                else:
-                    coef = (coefs[i] * pg.scales[seg.l0:seg.l1]).to(torch.float32).view(-1, 1, 1)
-                if r == R:
-                    _scaled_copy(seg.a_chunks[i], src_A, coef)
-                    seg.bt_chunks[i].copy_(src_B)
-                else:
-                    start = i * R
-                    _scaled_copy(seg.rows("A", start, start + r), src_A, coef)
-                    seg.rows("BT", start, start + r).copy_(src_B)
-                    if seg.dirty > start + r:
-                        seg.rows("A", start + r, start + R).zero_()
+                src_A, src_B, c = self._sources(seg, p, coefs[i])
+                r = src_A.shape[1]
+                A_rows.append(seg.a_chunks[i] if r == R else seg.rows("A", i * R, i * R + r))
+                BT_rows.append(seg.bt_chunks[i] if r == R else seg.rows("BT", i * R, i * R + r))
+                As.append(src_A)
+                BTs.append(src_B)
+                cs.append(c)
+                if r < R and seg.dirty > i * R + r:
+                    seg.rows("A", i * R + r, i * R + R).zero_()  # leftovers of a larger adapter
+            factors.write_cat(A_rows, BT_rows, As, BTs, cs)
             self._zero_tail(seg, len(packed) * R)
 
     @torch.no_grad()
     def _write_separate(self, packed: Sequence[PackedAdapter], u: Sequence[float]) -> None:
-        """Rows ``0 .. r``: ``A = sum_i u_i s_i A_i``, ``BT = sum_i u_i B_i^T`` (summed in float32, in order)."""
+        """Rows ``0 .. r``: ``A = sum_i u_i s_i A_i``, ``BT = sum_i u_i B_i^T`` (:func:`factors.weighted_sum_into`)."""
         for gi in range(len(self.layout.groups)):
-            ranks = [p.groups[gi].ranks for p in packed]
-            if any(rk != ranks[0] for rk in ranks):
-                name = self.layout.groups[gi].names[0]
-                raise MergeError(f"mode 'separate' needs equal ranks per module; modules '{name}'... have ranks "
-                                 f"{[p.groups[gi].rank for p in packed]} (adapters {[p.source for p in packed]}); "
-                                 "use mode 'cat'")
+            factors.check_equal_ranks([p.groups[gi].ranks for p in packed], self.layout.groups[gi].names[0],
+                                      [p.source for p in packed],
+                                      shown=[p.groups[gi].rank for p in packed])
         for seg in self._segments:
             r = packed[0].groups[seg.group].rank
-            for kind in ("A", "BT"):
-                dst = seg.rows(kind, 0, r)
-                acc = dst if dst.dtype == torch.float32 else self._scratch(seg, "acc" + kind, dst)
-                tmp = self._scratch(seg, "tmp" + kind, dst)
-                for i, p in enumerate(packed):
-                    pg = p.groups[seg.group]
-                    src = pg.A if kind == "A" else pg.BT
-                    if seg.l0 != 0 or seg.l1 != src.shape[0]:
-                        src = src[seg.l0:seg.l1]
-                    if kind == "BT":
-                        coef: float | torch.Tensor = u[i]
-                    elif pg.scale is not None:
-                        coef = u[i] * pg.scale
-                    else:
-                        coef = (u[i] * pg.scales[seg.l0:seg.l1]).to(torch.float32).view(-1, 1, 1)
-                    _scaled_copy(acc if i == 0 else tmp, src, coef)
-                    if i:
-                        acc.add_(tmp)
-                if acc is not dst:
-                    dst.copy_(acc)
+            srcs = [self._sources(seg, p, u[i]) for i, p in enumerate(packed)]
+            scratch = functools.partial(self._scratch, seg)
+            factors.weighted_sum_into(seg.rows("A", 0, r), [s[0] for s in srcs], [s[2] for s in srcs], scratch, "A")
+            factors.weighted_sum_into(seg.rows("BT", 0, r), [s[1] for s in srcs], u, scratch, "BT")
             self._zero_tail(seg, r)
 
-    def _scratch(self, seg: _Segment, key: str, like: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _scratch(seg: _Segment, key: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         t = seg.scratch.get(key)
-        if t is None or t.shape != like.shape:
-            t = seg.scratch[key] = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        if t is None or t.shape != like.shape or t.dtype != dtype:
+            t = seg.scratch[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
         return t
 
     @torch.no_grad()
@@ -450,7 +415,7 @@ class FusedSlot:
                              "(use fcprag_plugin.merge for 'svd')")
         packed = self.prepare(adapters)
         n = len(packed)
-        w = merge_weights(weights, n)
+        w = check_weights(weights, n)
         self._state.active = False
         self._state.transform = None
         if mode == "cat":
@@ -524,8 +489,6 @@ class FusedSlot:
 
     def current_adapter(self) -> LoraAdapter:
         """The slot's current merge as a :class:`LoraAdapter` (scaling 1; copies, for checks and saving)."""
-        from ..adapter import LoraModule
-
         if self.mode not in SLOT_MODES:
             raise MergeError(f"the slot holds no weighted merge (mode {self.mode!r}); call activate() first")
         rows = self.n_active * self.max_rank if self.mode == "cat" else self.max_rank
@@ -558,3 +521,15 @@ class FusedSlot:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:
+    """Apply ``adapter`` to ``model`` until the returned handle is removed (``handle.remove()``, or use it as a
+    context manager): a one-adapter :class:`FusedSlot` (buffers in ``dtype``, default each weight's) holding it."""
+    slot = FusedSlot(model, adapter, max_adapters=1, dtype=dtype)
+    try:
+        slot.activate([adapter])
+    except Exception:
+        slot.remove()
+        raise
+    return slot

@@ -20,8 +20,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..adapter_io import PEFT_PREFIX
+from ..adapter import strip_peft_prefix
 from ..errors import HookError
+from ..merge import factors
 
 A_SUFFIX = ".lora_A.weight"
 B_SUFFIX = ".lora_B.weight"
@@ -91,27 +92,19 @@ def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passage
                 f"capture is out of step with DyPRAG's merge; refusing to merge")
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _weights_for(u: torch.Tensor | Sequence[float], n: int, like: torch.Tensor) -> torch.Tensor:
-    u = torch.as_tensor(u, dtype=_acc_dtype(like.dtype), device=like.device)
-    if u.shape != (n,):
-        raise HookError(f"fcprag dyprag: got {u.numel()} weights for {n} passages")
+def _weights_for(u: torch.Tensor | Sequence[float], n: int) -> list[float]:
+    u = [float(x) for x in (u.tolist() if isinstance(u, torch.Tensor) else u)]
+    if len(u) != n:
+        raise HookError(f"fcprag dyprag: got {len(u)} weights for {n} passages")
     return u
 
 
 def aggregate_separate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float]
                        ) -> dict[str, torch.Tensor]:
-    """``{key: sum_i u_i * outputs[i][key]}`` for every key (``A* = sum u_i A_i``, ``B* = sum u_i B_i``)."""
-    first = outputs[0]
-    out: dict[str, torch.Tensor] = {}
-    for key, t0 in first.items():
-        w = _weights_for(u, len(outputs), t0)
-        stacked = torch.stack([o[key].to(w.dtype) for o in outputs])  # [N, *shape]
-        out[key] = torch.tensordot(w, stacked, dims=1).to(t0.dtype)
-    return out
+    """``{key: sum_i u_i * outputs[i][key]}`` for every key (``A* = sum u_i A_i``, ``B* = sum u_i B_i``;
+    :func:`~fcprag_plugin.merge.factors.weighted_sum`)."""
+    w = _weights_for(u, len(outputs))
+    return {key: factors.weighted_sum([o[key] for o in outputs], w) for key in outputs[0]}
 
 
 def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
@@ -135,12 +128,6 @@ def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
                             f"'{A_SUFFIX[1:]}' and '{B_SUFFIX[1:]}'")
         pairs[mod] = (d["A"], d["B"])
     return pairs
-
-
-def _strip_peft_prefix(module: str) -> str:
-    while module.startswith(PEFT_PREFIX):
-        module = module[len(PEFT_PREFIX):]
-    return module
 
 
 def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -167,7 +154,7 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
         if A.shape[0] != B.shape[1]:
             raise HookError(f"fcprag dyprag: module '{mod}': lora_A {list(A.shape)} and lora_B {list(B.shape)} do not "
                             "form B @ A (expected A [r, in], B [out, r])")
-        out[_strip_peft_prefix(mod)] = (A, B)
+        out[strip_peft_prefix(mod)[0]] = (A, B)
     return out
 
 
@@ -182,9 +169,8 @@ def aggregate_delta(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tens
         if a0.ndim < 2 or b0.ndim < 2 or a0.shape[-2] != b0.shape[-1]:
             raise HookError(f"fcprag dyprag: module '{mod}': lora_A {list(a0.shape)} and lora_B {list(b0.shape)} "
                             "do not form B @ A (expected A [r, in], B [out, r])")
-        w = _weights_for(u, len(outputs), a0)
-        out[ka] = torch.cat([(w[i] * o[ka].to(w.dtype)).to(a0.dtype) for i, o in enumerate(outputs)], dim=-2)
-        out[kb] = torch.cat([o[kb] for o in outputs], dim=-1)
+        out[ka], out[kb] = factors.cat([o[ka] for o in outputs], [o[kb] for o in outputs],
+                                       _weights_for(u, len(outputs)))
     return {k: out[k] for k in first}  # keep DyPRAG's key order
 
 

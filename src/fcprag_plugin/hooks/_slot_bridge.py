@@ -3,28 +3,24 @@
 - :class:`ShimSlots`: one :class:`~fcprag_plugin.fast.FusedSlot` per live model, created at the first question,
   grown when a question has more adapters or a larger rank than it holds (a documented resize, logged), or held
   at a fixed capacity (``max_adapters``: more adapters is a :class:`HookError`).
-- :func:`pack_modules`: the factors a host already holds (live PEFT layers, DyPRAG translator outputs) packed
-  straight into the slot's layout (``A [L, r, in]``, ``BT [L, r, out]`` per layout group), with shape checks that
-  name the module.
+- :meth:`ShimSlots.write`: the factors a host already holds (DyPRAG's translator outputs) packed straight into the
+  slot's layout (:func:`fcprag_plugin.fast.layout.pack_factors`) and merged there; :meth:`ShimSlots.write_packed`:
+  adapters already packed by an adapter store (PRAG's passages).
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import torch
 from torch import nn
 
 from ..errors import HookError
-from ..fast.layout import Layout, PackedAdapter, PackedGroup
+from ..fast.layout import FactorGetter, PackedAdapter, pack_factors
 from ..fast.slot import FusedSlot
 
 logger = logging.getLogger(__name__)
-
-# module name -> (A [r, in], B [out, r], scaling)
-FactorGetter = Callable[[str], "tuple[torch.Tensor, torch.Tensor, float]"]
 
 
 def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | None:
@@ -78,6 +74,22 @@ class ShimSlots:
             self.resizes += 1
         return slot
 
+    def write(self, model: nn.Module, modules: Sequence[str], rank: int, factors: Sequence[FactorGetter],
+              sources: Sequence[str], weights: Sequence[float], mode: str) -> FusedSlot:
+        """The shims' merge step on the slot: pack each adapter's factors (``factors[i](module) -> (A, B, s)``,
+        named ``sources[i]`` in errors) into the slot of ``model`` and write their ``mode`` merge with ``weights``
+        (switched on; the caller decides when it stays on)."""
+        slot = self.get(model, modules, len(factors), rank)
+        packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
+        return slot.activate(packed, list(weights), mode)
+
+    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], weights: Sequence[float],
+                     mode: str) -> FusedSlot:
+        """Write the ``mode`` merge of already packed adapters (an :class:`~fcprag_plugin.fast.AdapterStore`'s)
+        into the slot of ``model`` covering their modules (switched on)."""
+        slot = self.get(model, packed[0].layout.module_names, len(packed), max(p.max_rank for p in packed))
+        return slot.activate(list(packed), list(weights), mode)
+
     def slot_of(self, model: nn.Module) -> FusedSlot | None:
         return self._slots.get(model)
 
@@ -89,42 +101,3 @@ class ShimSlots:
         for slot in list(self._slots.values()):
             slot.remove()
         self._slots = weakref.WeakKeyDictionary()
-
-
-def pack_modules(layout: Layout, factors: FactorGetter, source: str, *, device: torch.device | None = None
-                 ) -> PackedAdapter:
-    """Pack one adapter given per module by ``factors(name) -> (A [r, in], B [out, r], scaling)`` into ``layout``.
-
-    Modules of one group with different ranks are zero-padded to the largest (``B @ A`` unchanged). A factor of
-    the wrong shape is a :class:`HookError` naming the module, the adapter (``source``) and both shapes.
-    """
-    groups = []
-    for g in layout.groups:
-        As, Bs, scales, ranks = [], [], [], []
-        for name in g.names:
-            A, B, s = factors(name)
-            if A.ndim != 2 or B.ndim != 2 or A.shape[1] != g.in_features or B.shape[0] != g.out_features \
-                    or A.shape[0] != B.shape[1]:
-                raise HookError(f"{source}: module '{name}': lora_A {list(A.shape)} / lora_B {list(B.shape)} do not "
-                                f"fit the model's [out, in] = [{g.out_features}, {g.in_features}] (expected A [r, "
-                                f"{g.in_features}], B [{g.out_features}, r])")
-            if device is not None and A.device != device:
-                A, B = A.to(device), B.to(device)
-            As.append(A)
-            Bs.append(B)
-            scales.append(float(s))
-            ranks.append(int(A.shape[0]))
-        r = max(ranks)
-        if all(k == r for k in ranks):
-            A_st = torch.stack(As)
-            BT_st = torch.stack([b.T for b in Bs])
-        else:
-            A_st = As[0].new_zeros(len(As), r, g.in_features)
-            BT_st = Bs[0].new_zeros(len(Bs), r, g.out_features)
-            for l, (a, b) in enumerate(zip(As, Bs)):
-                A_st[l, :a.shape[0]] = a
-                BT_st[l, :b.shape[1]] = b.T
-        common = set(scales)
-        groups.append(PackedGroup(A_st, BT_st, torch.tensor(scales, dtype=torch.float64), tuple(ranks),
-                                  common.pop() if len(common) == 1 else None))
-    return PackedAdapter(layout, tuple(groups), source)

@@ -1,17 +1,20 @@
-"""The shared ``merge_hook`` mechanism of the integration shims.
+"""What the integration shims share; ``prag.py`` / ``dyprag.py`` add only their patches and their merge step.
 
+- :class:`Shim` + :class:`Lifecycle`: the one install / uninstall / installed / launch lifecycle (at most one
+  installed shim per host; installing again replaces it; ``installed()`` restores the previous state).
 - :class:`PatchSet`: idempotent, fully reversible attribute patches (restores the exact original objects).
-- Query context: :func:`set_context` (explicit), else the caller's locals (``question``, ``passages``), else a
-  shim-specific fallback; never a silent uniform merge.
-- :class:`MergeHook`: controller + encoder -> merge weights ``w~`` for one question, plus the JSON Lines log.
+- Query context: :func:`set_context` (explicit) and the shim's data-file mapping are the documented ways; the
+  caller's locals (``question``, ``passages``, ``test_id``) are searched as a fallback; never a silent uniform merge.
+- :class:`MergeHook`: controller + encoder -> :class:`~fcprag_plugin.weights.FusionWeights` for one question, plus
+  the JSON Lines log.
 - :func:`run_script`: run an unmodified host script as ``__main__`` (same sys.path / argv semantics as python).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
 import runpy
 import sys
 import threading
@@ -19,11 +22,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..controller import FusionController, load_controller
 from ..errors import HookError
-from ..fusion import compute_weights
+from ..weights import FusionWeights, finite_or_none, is_uniform, side_inputs
+from ._slot_bridge import ShimSlots, check_max_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +76,6 @@ class PatchSet:
                 setattr(p.owner, p.attr, p.original)
         self._patches.clear()
 
-    def originals(self) -> dict[str, Any]:
-        return {f"{getattr(p.owner, '__name__', p.owner)}.{p.attr}": p.original for p in self._patches}
-
 
 # ----------------------------------------------------------------------------- query context
 _ctx = threading.local()
@@ -104,6 +105,16 @@ def find_in_callers(names: Iterable[str], frame: FrameType | None = None, max_de
             return {n: loc[n] for n in names}
         f, depth = f.f_back, depth + 1
     return None
+
+
+def caller_test_id(ctx: dict[str, Any]) -> int | str | None:
+    """The host's question index: ``set_context(..., test_id=...)``, else a ``test_id`` local of a calling function
+    (PRAG's and DyPRAG's loops both have one), else None."""
+    tid = ctx.get("test_id")
+    if tid is None:
+        found = find_in_callers(("test_id",), sys._getframe(1), max_depth=30)
+        tid = found["test_id"] if found else None
+    return tid if isinstance(tid, (int, str)) and not isinstance(tid, bool) else None
 
 
 def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, what: str = "merge"
@@ -148,21 +159,29 @@ class MergeHook:
 
     @property
     def encoder(self) -> Any:
-        needs = self.controller is not None and self.controller.config.mode != "uniform"
-        if self._encoder is None and needs:
-            from ..encoding import TextEncoder
+        if self._encoder is None and not is_uniform(self.controller):
+            from ..encoding import get_encoder
 
-            self._encoder = TextEncoder(self._encoder_name or self.controller.config.embedding_model)
+            # shared per process: the controller's own encoder unless a model was named
+            self._encoder = get_encoder(self._encoder_name) if self._encoder_name else self.controller.encoder
         if self._encoder is not None and self.controller is not None:
             self.controller.check_encoder(self._encoder)
         return self._encoder
 
-    def weights(self, question: str, passages: Sequence[str]) -> dict[str, Any]:
-        """``{"merge_weights", "weights", "scores", "g", "tau", "controller_mode"}`` for one question."""
+    def weights(self, question: str, passages: Sequence[str], adapters: Any = None) -> FusionWeights:
+        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question.
+
+        Side features: the hosts hand over their passages in retrieval order, so ``retrieval_rank`` is the
+        position (1..N); ``adapter_stats`` come from ``adapters`` (LoraAdapters, or a callable giving them, read
+        only when needed); the hosts keep no retrieval scores, so a controller trained with ``retrieval_score``
+        is refused by ``predict`` with a message naming the argument.
+        """
         from ..fusion import check_texts
 
         check_texts(question, passages)
-        return compute_weights(question, passages, self.controller, self.encoder)
+        side = side_inputs(self.controller, adapters=adapters,
+                           retrieval_ranks=[float(i + 1) for i in range(len(passages))])
+        return FusionWeights.for_query(question, passages, self.controller, self.encoder, side)
 
     def log(self, record: dict[str, Any]) -> None:
         self.calls += 1
@@ -203,5 +222,127 @@ def run_script(script: str | Path, argv: Sequence[str] = (), *, extra_paths: Seq
         sys.argv, sys.path[:] = old_argv, old_path
 
 
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in {"1", "true", "yes"}
+def run_host_script(script: str | Path, argv: Sequence[str] = ()) -> int:
+    """:func:`run_script`, returning the exit status ``python script ARGS`` would have (``sys.exit`` is caught)."""
+    try:
+        run_script(script, argv)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return int(e.code or 0)
+        sys.stderr.write(f"{e.code}\n")  # what python prints for sys.exit("message")
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------- the shim lifecycle
+class Shim:
+    """What every host shim holds: the weight hook (controller, encoder, log), the merge ``mode``, the fused slots
+    of ``use_slot`` (``slots``), its patches, and the per-question log (``merges``, ``last_record``).
+
+    Subclasses set ``who`` and ``lifecycle`` and implement :meth:`apply` (install their patches into
+    ``self.patches``) and their merge step; :meth:`close` releases what a question left behind.
+    """
+
+    who = "fcprag"
+    lifecycle: "Lifecycle"
+
+    def __init__(self, hook: MergeHook, mode: str, *, use_slot: bool = False, max_adapters: int | None = None
+                 ) -> None:
+        self.hook = hook
+        self.mode = mode
+        self.use_slot = bool(use_slot)
+        self.slots = ShimSlots(check_max_adapters(max_adapters, self.use_slot, self.who), self.who)
+        self.patches = PatchSet(self.who)
+        self.merges = 0
+        self.last_record: dict[str, Any] | None = None
+        self._warned: set[str] = set()
+
+    def apply(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Switch off and remove this shim's fused slots (the base models are exactly as before)."""
+        self.slots.close()
+
+    def teardown(self) -> None:
+        """Restore every patched attribute exactly and :meth:`close`."""
+        self.patches.revert()
+        self.close()
+
+    @property
+    def active(self) -> bool:
+        return self.lifecycle.current is self
+
+    def uninstall(self) -> None:
+        if self.active:
+            self.lifecycle.uninstall()
+        else:
+            self.teardown()
+
+    def __enter__(self) -> "Shim":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+    def warn_once(self, key: str, msg: str, *args: Any) -> None:
+        """One warning per kind per installed shim (per run), not one per question."""
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg, *args)
+
+    def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Count the question and write its record (strict JSON: NaN / inf become null) to the log."""
+        record = finite_or_none(record)
+        self.merges += 1
+        self.last_record = record
+        self.hook.log(record)
+        return record
+
+
+class Lifecycle:
+    """install / uninstall / installed / launch of one host's shims: at most one is installed at a time."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.current: Shim | None = None
+
+    def install(self, shim: Shim) -> Shim:
+        """Install ``shim`` (its patches), replacing the installed one."""
+        if self.current is not None:
+            logger.info("%s: replacing the installed shim", self.who)
+            self.uninstall()
+        shim.apply()
+        self.current = shim
+        return shim
+
+    def uninstall(self) -> None:
+        """Undo :meth:`install` (no-op when nothing is installed)."""
+        shim, self.current = self.current, None
+        if shim is not None:
+            shim.teardown()
+
+    def is_installed(self) -> bool:
+        return self.current is not None
+
+    @contextlib.contextmanager
+    def installed(self, shim: Shim) -> Iterator[Shim]:
+        """Install ``shim`` for the block; restores the previous state (installed or not) on exit."""
+        previous = self.current
+        self.install(shim)
+        try:
+            yield shim
+        finally:
+            self.uninstall()
+            if previous is not None:
+                previous.apply()
+                self.current = previous
+
+    def launch(self, script: str | Path, script_args: Sequence[str], shim: Shim) -> int:
+        """Run the unmodified host ``script`` as ``__main__`` with ``shim`` installed; returns its exit status."""
+        with self.installed(shim):
+            code = run_host_script(script, list(script_args))
+            ctrl = shim.hook.controller
+            logger.info("%s: merged %d question(s) with %s weights", self.who, shim.merges,
+                        "uniform" if is_uniform(ctrl) else ctrl.config.mode)
+        return code

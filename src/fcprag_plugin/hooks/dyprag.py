@@ -30,7 +30,6 @@ Use: ``fcprag run dyprag --controller DIR -- src/inference_dyprag.py ARGS...`` (
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import logging
@@ -38,12 +37,15 @@ import sys
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
+from ..adapter import LoraAdapter, LoraModule
 from ..errors import HookError
+from ..weights import FusionWeights
 from . import _dyprag_math as dm
-from ._slot_bridge import ShimSlots, check_max_adapters, pack_modules
-from .base import MergeHook, PatchSet, clear_context, explicit_context, get_context, run_script
+from ._slot_bridge import check_max_adapters
+from .base import (Lifecycle, MergeHook, Shim, caller_test_id, clear_context, explicit_context, find_in_callers,
+                   get_context)
 from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
@@ -53,9 +55,10 @@ PROJECTOR_MODULE = "projector"
 TRANSLATOR_CLASS = "ParameterTranslator"
 MODES = dm.DYPRAG_MODES
 _WARN_PENDING = 1000  # captured outputs without a delta_inject: the inject patch is probably not in effect
+_LIFE = Lifecycle("fcprag dyprag")
 
 
-class DyPragShim:
+class DyPragShim(Shim):
     """The installed shim: patches, the capture buffer, the weight hook. Use :func:`install` to make one.
 
     Attributes:
@@ -66,17 +69,14 @@ class DyPragShim:
         use_slot: whether updates go through the fused slot (``slots``) instead of DyPRAG's dense deltas.
     """
 
+    who = "fcprag dyprag"
+    lifecycle = _LIFE
+
     def __init__(self, hook: MergeHook, mode: str, utils: ModuleType, projector: ModuleType, *,
                  use_slot: bool = False, max_adapters: int | None = None) -> None:
-        self.hook = hook
-        self.mode = mode
-        self.use_slot = bool(use_slot)
-        self.slots = ShimSlots(check_max_adapters(max_adapters, self.use_slot, "fcprag dyprag"), "fcprag dyprag")
+        super().__init__(hook, mode, use_slot=use_slot, max_adapters=max_adapters)
         self.utils = utils
         self.projector = projector
-        self.patches = PatchSet("dyprag")
-        self.merges = 0
-        self.last_record: dict[str, Any] | None = None
         self._captured: list[Any] = []
         self._lock = threading.Lock()
         self._warned = False
@@ -115,68 +115,69 @@ class DyPragShim:
         Consumes the capture buffer (also when it raises). The question and passages come from
         :func:`set_context` (used once, then cleared) or the caller's locals ``question`` / ``passages``.
         """
-        outs, ctx, cw, t0, t1 = self._weigh(merged)
-        n = len(outs)
-        u = [float(w) / n for w in cw["merge_weights"]]
-        if self.mode == "separate" and all(float(w) == 1.0 for w in cw["merge_weights"]):
+        outs, ctx, fw, t0, t1 = self._weigh(merged)
+        u = [w / fw.n for w in fw.merge_weights]
+        if self.mode == "separate" and fw.uniform_merge:
             new = dict(merged)  # uniform: exactly DyPRAG's average (checked equal to the capture above)
         else:
             new = dm.aggregate(outs, u, self.mode)
-        self._record(merged, ctx, cw, u, t0, t1, MergeHook.timer())
+        self._record(merged, ctx, fw, u, t0, t1, MergeHook.timer())
         return new
 
     def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
         """``use_slot``: the same checks and weights as :meth:`reaggregate`, but the update is written into the
         model's fused slot (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with
         ``u = w~/N``) and switched on, instead of a dict for DyPRAG's dense ``delta_inject``."""
-        outs, ctx, cw, t0, t1 = self._weigh(merged)
+        outs, ctx, fw, t0, t1 = self._weigh(merged)
         n = len(outs)
-        u = [float(w) / n for w in cw["merge_weights"]]
+        u = [w / n for w in fw.merge_weights]
         factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
-        modules = list(factors[0])
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
-        slot = self.slots.get(model, modules, n, rank)
-        packed = [pack_modules(slot.layout, lambda m, f=f: (*f[m], 1.0), f"ParameterTranslator output {i}")
-                  for i, f in enumerate(factors)]  # DyPRAG's delta is B @ A: scaling 1
-        if self.mode == "separate":
-            slot.activate(packed, cw["merge_weights"], "separate")  # A = sum u_i A_i, B = sum u_i B_i
-        else:
-            slot.activate(packed, u, "cat")  # sum u_i B_i A_i
-        self._record(merged, ctx, cw, u, t0, t1, MergeHook.timer(), slot=repr(slot))
+        getters = [lambda m, f=f: (*f[m], 1.0) for f in factors]  # DyPRAG's delta is B @ A: scaling 1
+        sources = [f"ParameterTranslator output {i}" for i in range(n)]
+        if self.mode == "separate":  # A = sum u_i A_i, B = sum u_i B_i (the slot divides w~ by N)
+            slot = self.slots.write(model, list(factors[0]), rank, getters, sources, fw.merge_weights, "separate")
+        else:  # sum u_i B_i A_i
+            slot = self.slots.write(model, list(factors[0]), rank, getters, sources, u, "cat")
+        self._record(merged, ctx, fw, u, t0, t1, MergeHook.timer(), slot=repr(slot))
 
-    def _weigh(self, merged: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any], dict[str, Any], float, float]:
+    def _weigh(self, merged: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any], FusionWeights, float, float]:
         """Take the capture, resolve the question, check the alignment and compute ``w~``."""
         outs = self._take()
         ctx = self._context()
         q_text, p_texts = ctx["question"], ctx["passages"]
         dm.check_alignment(outs, merged, len(p_texts), q_text)
         t0 = MergeHook.timer()
-        cw = self.hook.weights(q_text, p_texts)
-        return outs, ctx, cw, t0, MergeHook.timer()
+        fw = self.hook.weights(q_text, p_texts, adapters=lambda: [_translator_adapter(o, i) for i, o in enumerate(outs)])
+        return outs, ctx, fw, t0, MergeHook.timer()
 
-    def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], cw: dict[str, Any], u: list[float],
+    def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], fw: FusionWeights, u: list[float],
                 t0: float, t1: float, t2: float, slot: str | None = None) -> None:
-        self.merges += 1
-        tau = float(cw["tau"])
         record = {
-            "shim": "dyprag", "call": self.merges, "question": ctx["question"], "n": len(u), "mode": self.mode,
-            "merge_weights": cw["merge_weights"], "weights": cw["weights"], "u": u, "scores": cw["scores"],
-            "g": cw["g"], "tau": None if tau != tau else tau,  # NaN (no controller) is not valid JSON
-            "controller_mode": cw["controller_mode"], "context_source": ctx["source"], "keys": len(merged),
+            "shim": "dyprag", "call": self.merges + 1, "test_id": caller_test_id(ctx), "question": ctx["question"],
+            "n": len(u), "mode": self.mode,
+            **fw.to_json(), "u": u, "context_source": ctx["source"], "keys": len(merged),
             "use_slot": self.use_slot, "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
         }
         if slot is not None:
             record["slot"] = slot
-        self.last_record = record
-        self.hook.log(record)
-        logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", len(u), self.mode, cw["merge_weights"],
+        self.log_record(record)
+        logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", len(u), self.mode, fw.merge_weights,
                      (t2 - t1) * 1e3)
 
     @staticmethod
     def _context() -> dict[str, Any]:
         used_explicit = explicit_context() is not None
+
+        def passages_list() -> dict[str, Any] | None:
+            # DyPRAG's own loop keeps the passage texts in 'passages_list' ('passages' is their joined string)
+            loc = find_in_callers(("question", "passages_list"), max_depth=30)
+            if loc is None or not isinstance(loc["question"], str) or not isinstance(loc["passages_list"], list):
+                return None
+            return {"question": loc["question"], "passages": loc["passages_list"], "source": "caller_locals"}
+
         try:
-            ctx = get_context(what="DyPRAG delta_inject merge")
+            ctx = get_context(passages_list, what="DyPRAG delta_inject merge")
         except HookError:
             raise HookError(
                 "fcprag dyprag: cannot tell which question and passages this delta_inject call is for: call "
@@ -188,7 +189,7 @@ class DyPragShim:
         return ctx
 
     # ------------------------------------------------------------------ patching
-    def _apply(self) -> None:
+    def apply(self) -> None:
         cls = getattr(self.projector, TRANSLATOR_CLASS)
         originals = {"delta_inject": self.utils.delta_inject}
         if self.use_slot:
@@ -248,28 +249,17 @@ class DyPragShim:
                 self.patches.patch(main, name, lambda _orig, patched=patched: patched)
                 logger.info("fcprag dyprag: also patched __main__.%s (imported before install)", name)
 
-    def uninstall(self) -> None:
-        """Restore ``ParameterTranslator.forward`` and ``delta_inject`` (and ``delta_remove``) exactly, drop the
-        capture and remove the fused slots (the model is exactly as before)."""
-        self.patches.revert()
+    def close(self) -> None:
+        """Drop the capture and remove the fused slots (the model is exactly as before)."""
         self.clear()
-        self.slots.close()
-
-    @property
-    def active(self) -> bool:
-        return self.patches.active
-
-    def __enter__(self) -> "DyPragShim":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if _current is self:
-            uninstall()
-        else:
-            self.uninstall()
+        super().close()
 
 
-_current: DyPragShim | None = None
+def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:
+    """One passage's translator output as a :class:`LoraAdapter` (DyPRAG injects ``B @ A``: scaling 1), for a
+    controller trained with ``adapter_stats``."""
+    mods = {m: LoraModule(A, B, 1.0) for m, (A, B) in dm.module_factors(output, index).items()}
+    return LoraAdapter(mods, {}, f"ParameterTranslator output {index}")
 
 
 def _resolve_module(mod: ModuleType | str | None, default: str, what: str) -> ModuleType:
@@ -314,57 +304,43 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
     Install before the script runs ``from utils import delta_inject`` (the launcher does). Installing again
     replaces the previous shim. Returns the shim (also a context manager that uninstalls).
     """
-    global _current
+    return _LIFE.install(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
+
+
+def _make(controller: Any, encoder: Any, mode: str, log: str | Path | None, utils: ModuleType | str | None,
+          projector: ModuleType | str | None, use_slot: bool, max_adapters: int | None) -> DyPragShim:
     if mode not in MODES:
         raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
     check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
-    if _current is not None:
-        logger.info("fcprag dyprag: replacing the installed shim")
-        uninstall()
     utils_mod = _resolve_module(utils, UTILS_MODULE, "delta_inject")
     projector_mod = _resolve_module(projector, PROJECTOR_MODULE, TRANSLATOR_CLASS)
     _check_host(utils_mod, projector_mod)
     hook = MergeHook(controller, encoder, mode=mode, log=log)
     _ = hook.encoder  # load it and check its dimension now, before the host script runs
-    shim = DyPragShim(hook, mode, utils_mod, projector_mod, use_slot=use_slot, max_adapters=max_adapters)
-    shim._apply()
-    _current = shim
-    logger.info("fcprag dyprag: installed (mode=%s, controller=%s, use_slot=%s)", mode,
-                "uniform" if hook.controller is None else hook.controller.config.mode, shim.use_slot)
-    return shim
+    logger.info("fcprag dyprag: installing (mode=%s, controller=%s, use_slot=%s)", mode,
+                "uniform" if hook.controller is None else hook.controller.config.mode, bool(use_slot))
+    return DyPragShim(hook, mode, utils_mod, projector_mod, use_slot=use_slot, max_adapters=max_adapters)
 
 
 def uninstall() -> None:
     """Undo :func:`install` (no-op when not installed)."""
-    global _current
-    if _current is not None:
-        _current.uninstall()
-        _current = None
+    _LIFE.uninstall()
 
 
-@contextlib.contextmanager
-def installed(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None,
-              **kwargs: Any) -> Iterator[DyPragShim]:
+def installed(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
+              utils: ModuleType | str | None = None, projector: ModuleType | str | None = None,
+              use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[DyPragShim]:
     """``with dyprag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
-    global _current
-    previous = _current
-    shim = install(controller, encoder, mode, log, **kwargs)
-    try:
-        yield shim
-    finally:
-        uninstall()
-        if previous is not None:
-            previous._apply()
-            _current = previous
+    return _LIFE.installed(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
 
 
 def is_installed() -> bool:
-    return _current is not None
+    return _LIFE.is_installed()
 
 
 def current() -> DyPragShim | None:
     """The installed shim, or None."""
-    return _current
+    return _LIFE.current  # type: ignore[return-value]
 
 
 def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
@@ -397,28 +373,13 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
             f = getattr(m, "__file__", None)
             if f is None or Path(f).resolve().parent != src:
                 raise HookError(f"fcprag run dyprag: '{m.__name__}' was imported from {f}, not from {src}")
-        install(controller, encoder, mode or "separate", log, utils=utils_mod, projector=projector_mod,
-                use_slot=bool(use_slot), max_adapters=slot_max_adapters)
-        try:
-            run_script(script, list(script_args))
-            code = 0
-        except SystemExit as e:  # the script's own exit status, as `python script` would give it
-            if e.code is None or isinstance(e.code, int):
-                code = int(e.code or 0)
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        finally:
-            shim = _current
-            uninstall()
-            if shim is not None:
-                logger.info("fcprag dyprag: re-weighted %d question(s)", shim.merges)
+        return _LIFE.launch(script, script_args, _make(controller, encoder, mode or "separate", log, utils_mod,
+                                                       projector_mod, bool(use_slot), slot_max_adapters))
     finally:
         sys.path[:] = old_path
         for n in names:
             sys.modules.pop(n, None)
         sys.modules.update(saved)
-    return code
 
 
 __all__ = ["DyPragShim", "install", "uninstall", "installed", "is_installed", "current", "launch", "set_context",

@@ -24,71 +24,68 @@ What the shim patches (class level, reversible, idempotent):
 
 No controller (or a ``uniform`` one) gives ``w~ = [1]*N``: PRAG's original merge.
 
-``use_slot=True`` (``--use-slot``; modes ``cat`` and ``separate``): ``add_weighted_adapter`` builds no merged
-PEFT modules. The merge ``sum_i w~_i s_i B_i A_i`` is written into a :class:`~fcprag_plugin.fast.FusedSlot` on
-the base model's target Linear layers (installed once; PEFT keeps those very modules as ``base_layer`` when it
-wraps them and puts them back on ``unload()``), read straight from the LoRA layers PRAG loaded. The merged name
-gets a ``peft_config`` entry but no layers, so after ``set_adapter(merge)`` every PEFT adapter PRAG loaded is
-inactive and the slot alone carries the update; forward pre-hooks on the base model (and its direct children)
-switch the slot on exactly while the merged name is the active, enabled adapter. ``delete_adapter(merge)``,
-``unload()`` and ``merge_and_unload()`` switch it off (the latter refuses while the merge is active: the slot
-never writes weights). Outside a question the base model computes its original outputs bit for bit;
-:func:`uninstall` removes the slot.
+``use_slot=True`` (``--use-slot``; modes ``cat`` and ``separate``): PRAG's loop builds no PEFT modules at all.
+``PeftModel.from_pretrained`` returns a :class:`~fcprag_plugin.hooks._prag_slot.SlotPeftModel`: ``load_adapter``
+reads each passage adapter into an :class:`~fcprag_plugin.fast.AdapterStore` (memory-mapped, packed, checked),
+``add_weighted_adapter`` records the controller-weighted merge, and ``set_adapter`` writes the active adapter's
+update into a :class:`~fcprag_plugin.fast.FusedSlot` on the base model's target Linear layers (one write per
+question; after ``from_pretrained`` or ``delete_adapter`` the write happens before the next forward pass). ``set_adapter``, ``disable_adapter()``, ``delete_adapter`` and ``unload()`` keep PEFT's
+meaning; ``unload()`` returns the base model, which outside a question computes its original outputs bit for bit
+(its weights are never written). A trainable ``from_pretrained`` (``is_trainable=True``) stays PEFT's own, and
+PEFT merges such adapters. :func:`uninstall` removes the slot.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import functools
 import inspect
 import logging
-import math
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
 from ..compat import (
     clear_stale_peft_config,
     has_stale_peft_config,
-    layer_has_lora_bias,
-    layer_use_dora,
     live_lora_layers,
     lora_b_weight,
-    lora_layer_types,
     peft_has_stale_config_bug,
     peft_version,
     set_lora_factors,
 )
+from ..adapter import LoraAdapter
 from ..controller import FusionController
 from ..errors import HookError
+from ..fast import AdapterStore
 from ..merge import get_merge_mode, merge_adapters
+from ._prag_slot import SlotPeftModel
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
-from ._slot_bridge import ShimSlots, check_max_adapters, pack_modules
-from .base import MergeHook, PatchSet, clear_context, find_in_callers, get_context, run_script
+from .base import Lifecycle, MergeHook, Shim, caller_test_id, clear_context, get_context
 from .base import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PragShim", "install", "uninstall", "installed", "is_installed", "launch", "set_context", "clear_context"]
 
-_PATCHES = PatchSet("prag")
-_state: "PragShim | None" = None
+_LIFE = Lifecycle("fcprag prag")
 # adapter name -> path, per live LoraModel (weak: PRAG builds a new one per question)
 _paths: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
 SLOT_MODES = ("cat", "separate")
 
 
 # ----------------------------------------------------------------------------- the handle
-class PragShim:
+class PragShim(Shim):
     """An installed PRAG shim: the hook (controller, encoder, log), merge mode and data-file mapping.
 
     Use it as a context manager or call :meth:`uninstall`. ``merges`` counts merged questions and
     ``last_record`` holds the latest per-question log record.
     """
+
+    who = "fcprag prag"
+    lifecycle = _LIFE
 
     def __init__(self, controller: FusionController | str | Path | None = None, encoder: Any = None,
                  mode: str = "cat", log: str | Path | None = None, data_file: str | Path | None = None,
@@ -97,77 +94,78 @@ class PragShim:
         if use_slot and mode not in SLOT_MODES:
             raise HookError(f"fcprag prag: use_slot supports modes {list(SLOT_MODES)}, not '{mode}' (an SVD merge "
                             "needs the materialised adapter): run without use_slot / --use-slot")
-        self.mode = mode
-        self.use_slot = bool(use_slot)
-        self.slots = ShimSlots(check_max_adapters(max_adapters, self.use_slot, "fcprag prag"), "fcprag prag")
-        self._bindings: "weakref.WeakKeyDictionary[Any, _SlotBinding]" = weakref.WeakKeyDictionary()
-        self._warned: set[str] = set()
-        self.hook = MergeHook(controller, encoder, mode=mode, log=log)
+        super().__init__(MergeHook(controller, encoder, mode=mode, log=log), mode, use_slot=use_slot,
+                         max_adapters=max_adapters)
+        self._slot_models: "weakref.WeakKeyDictionary[Any, SlotPeftModel]" = weakref.WeakKeyDictionary()
+        self._stores: dict[torch.device, AdapterStore] = {}
         _ = self.hook.encoder  # load it and check its dimension now, before the host script runs for hours
         self.data = PragDataFile(data_file) if data_file is not None else None
         self.repair = repair
-        self.merges = 0
-        self.last_record: dict[str, Any] | None = None
 
-    @property
-    def active(self) -> bool:
-        return _state is self
+    def apply(self) -> None:
+        """Patch peft at class level (see the module docstring)."""
+        from peft import PeftModel
+        from peft.tuners.lora import LoraModel
 
-    def uninstall(self) -> None:
-        if _state is self:
-            uninstall()
-
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        """One warning per kind per installed shim (per run), not one per question."""
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(msg, *args)
+        self.patches.patch(LoraModel, "add_weighted_adapter", _wrap_add_weighted_adapter)
+        self.patches.patch(PeftModel, "from_pretrained", _wrap_from_pretrained(PeftModel))
+        self.patches.patch(PeftModel, "load_adapter", _wrap_load_adapter)
+        if peft_has_stale_config_bug():
+            self.patches.patch(LoraModel, "unload", _wrap_unload("unload"))
+            self.patches.patch(LoraModel, "merge_and_unload", _wrap_unload("merge_and_unload"))
 
     def close(self) -> None:
         """Switch off and remove this shim's fused slots (the base models are exactly as before)."""
-        for b in list(self._bindings.values()):
-            b.unbind()
-        self._bindings = weakref.WeakKeyDictionary()
-        self.slots.close()
+        for sm in list(self._slot_models.values()):
+            sm.close()
+        self._slot_models = weakref.WeakKeyDictionary()
+        self._stores.clear()
+        super().close()
 
-    def __enter__(self) -> "PragShim":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.uninstall()
-
-    # ----------------------------------------------------------------- the patched merge
+    # ----------------------------------------------------------------- the merge
     def merge(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
         """Run ``LoraModel.add_weighted_adapter`` (arguments in ``bound``) with controller weights."""
-        t0 = time.perf_counter()
         args = bound.arguments
         tuner, merge_name = args["self"], args["adapter_name"]
         if merge_name in tuner.peft_config:  # peft returns without doing anything: keep that
             return original(*bound.args, **bound.kwargs)
         names = [str(n) for n in args["adapters"]]
         paths = [_paths.get(tuner, {}).get(n) for n in names]
-        if not names:
-            raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); "
-                            "load at least one passage adapter first")
-        verify_adapters(tuner, names, paths)
-        parsed = [parse_adapter_path(p) for p in paths]
-        ctx = self._context(names, paths, parsed)
-        cw = self.hook.weights(ctx["question"], ctx["passages"])
-        w_tilde = [float(x) for x in cw["merge_weights"]]
-        host_weights = args.get("weights")
-        if host_weights is not None and any(float(x) != 1.0 for x in host_weights):
-            self._warn_once("host_weights", "fcprag: add_weighted_adapter was called with non-uniform weights "
-                            "%s; they are replaced by the controller's weights", list(host_weights))
-        host_type = args.get("combination_type")
+        if names:
+            verify_adapters(tuner, names, paths)
         if self.use_slot:
-            slot_info = self._merge_on_slot(tuner, names, paths, merge_name, w_tilde)
-            result = None  # peft's add_weighted_adapter returns None too
-        else:
+            self.warn_once("peft_layers", "fcprag prag (use_slot): adapters %s are PEFT modules (loaded before the "
+                           "shim was installed, or trainable): PEFT merges them, not the fused slot", names)
+
+        def apply(w_tilde: list[float]) -> tuple[Any, None]:
             args["weights"], args["combination_type"] = w_tilde, "cat"
             result = original(*bound.args, **bound.kwargs)
             if self.mode != "cat":
                 _remerge(tuner, names, merge_name, w_tilde, self.mode)
-            slot_info = None
+            return result, None
+
+        return self.merge_adapters(names, paths, merge_name, args.get("weights"), args.get("combination_type"),
+                                   lambda: [LoraAdapter.from_peft_model(tuner.model, n) for n in names], apply)
+
+    def merge_adapters(self, names: list[str], paths: list[str | None], merge_name: str,
+                       host_weights: Sequence[float] | None, host_type: Any,
+                       adapters: Callable[[], list[LoraAdapter]],
+                       apply: Callable[[list[float]], tuple[Any, str | None]]) -> Any:
+        """One question's merge: find the question and passages, ask the controller for ``w~``, ``apply(w~)`` (the
+        PEFT merge, or the slot model's recipe) and log one record. ``adapters`` gives the factors lazily (only a
+        controller with adapter statistics reads them). Returns what ``apply`` returned first."""
+        t0 = time.perf_counter()
+        if not names:
+            raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); "
+                            "load at least one passage adapter first")
+        parsed = [parse_adapter_path(p) for p in paths]
+        ctx = self._context(names, paths, parsed)
+        fw = self.hook.weights(ctx["question"], ctx["passages"], adapters=adapters)
+        w_tilde = list(fw.merge_weights)
+        if host_weights is not None and any(float(x) != 1.0 for x in host_weights):
+            self.warn_once("host_weights", "fcprag: add_weighted_adapter was called with non-uniform weights "
+                            "%s; they are replaced by the controller's weights", list(host_weights))
+        result, slot_info = apply(w_tilde)
         if ctx["source"] == "set_context":
             clear_context()  # consumed: a forgotten set_context must not leak into the next question
         record = {
@@ -175,26 +173,18 @@ class PragShim:
             "question": ctx["question"],
             "adapters": names,
             "adapter_paths": paths,
-            "merge_weights": w_tilde,
-            "weights": cw["weights"],
-            "scores": cw["scores"],
-            "g": cw["g"],
-            "tau": cw["tau"],
-            "controller_mode": cw["controller_mode"],
+            **fw.to_json(),
             "mode": self.mode,
             "n": len(names),
             "context_source": ctx["source"],
             "host_combination_type": host_type,
             "merge_adapter": merge_name,
-            "use_slot": self.use_slot,
+            "use_slot": slot_info is not None,
             "merge_time_s": time.perf_counter() - t0,
         }
         if slot_info is not None:
             record["slot"] = slot_info
-        record = _finite_or_none(record)
-        self.merges += 1
-        self.last_record = record
-        self.hook.log(record)
+        self.log_record(record)
         logger.debug("prag merge %s: w~=%s (%s)", merge_name, w_tilde, ctx["source"])
         return result
 
@@ -218,88 +208,38 @@ class PragShim:
             ctx["passages"] = _align_passages(ctx["passages"], names, paths, parsed, ctx["source"])
         if ctx.get("test_id") is None:
             ctx["test_id"] = common_test_id(parsed)
-        if ctx.get("test_id") is None:
-            found = find_in_callers(("test_id",), max_depth=30)
-            ctx["test_id"] = found["test_id"] if found and isinstance(found["test_id"], (int, str)) else None
+        ctx["test_id"] = caller_test_id(ctx)
         return ctx
 
     # ----------------------------------------------------------------- use_slot
-    def _merge_on_slot(self, tuner: Any, names: list[str], paths: list[str | None], merge_name: str,
-                       w_tilde: list[float]) -> str:
-        """Write the merge into the base model's slot and register ``merge_name`` as a layer-less adapter."""
-        base = tuner.model
-        old = self._bindings.get(base)
+    def slot_model(self, base: Any, model_id: Any, adapter_name: Any) -> SlotPeftModel:
+        """``PeftModel.from_pretrained(base, model_id, adapter_name)`` under ``use_slot``: a :class:`SlotPeftModel`
+        with adapter ``adapter_name`` loaded and active (the previous question's one on ``base`` is closed)."""
+        if isinstance(base, SlotPeftModel):
+            raise HookError("fcprag prag (use_slot): PeftModel.from_pretrained() on a model that already holds "
+                            "adapters; call unload() on it first and pass the model unload() returns")
+        old = self._slot_models.get(base)
         if old is not None:
-            if old.tuner() is tuner and old.merge_name in getattr(tuner, "peft_config", {}):
-                raise HookError(f"fcprag prag (use_slot): add_weighted_adapter('{merge_name}') while the merged "
-                                f"adapter '{old.merge_name}' still exists; the fused slot holds one merge per model: "
-                                f"call delete_adapter('{old.merge_name}') first, or run without use_slot")
-            old.unbind()  # a previous question whose PeftModel was dropped without delete_adapter / unload
-        layers = {n: m for n, m in base.named_modules() if isinstance(m, lora_layer_types())}
-        modules, rank = _slot_modules(layers, names, paths)
-        slot = self.slots.get(base, modules, len(names), rank)
+            old.close()  # a previous question dropped without unload(), as PEFT would leave its layers
+        sm = SlotPeftModel(self, base, model_id, str(adapter_name))
+        self._slot_models[base] = sm
+        return sm
 
-        def factors(name: str) -> Callable[[str], tuple[torch.Tensor, torch.Tensor, float]]:
-            def get(module: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-                layer = layers[module]
-                return (layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach(),
-                        float(layer.scaling[name]))
-            return get
-
-        packed = [pack_modules(slot.layout, factors(n), f"adapter '{n}'" + (f" loaded from {p}" if p else ""))
-                  for n, p in zip(names, paths)]
-        slot.activate(packed, w_tilde, self.mode)
-        slot.deactivate()  # written; on only while merge_name is the active adapter (the binding's pre-hook)
-        cfg = copy.deepcopy(tuner.peft_config[names[0]])
-        total = sum(p.max_rank for p in packed) if self.mode == "cat" else packed[0].max_rank
-        cfg.r = cfg.lora_alpha = total  # informational: the slot holds the whole update (scaling folded in)
-        tuner.peft_config[merge_name] = cfg
-        probe = layers[modules[0]]
-        self._bindings[base] = _SlotBinding(self, base, tuner, merge_name, slot, probe)
-        return repr(slot)
-
-    def binding_of(self, tuner: Any) -> "_SlotBinding | None":
-        """The live slot binding of this ``LoraModel``, if its merged adapter lives in a slot."""
-        b = self._bindings.get(getattr(tuner, "model", None)) if hasattr(tuner, "model") else None
-        return b if b is not None and b.tuner() is tuner else None
-
-    def slot_of(self, model: Any) -> Any:
-        """The :class:`~fcprag_plugin.fast.FusedSlot` this shim installed on ``model`` (a base model), or None."""
-        return self.slots.slot_of(model)
-
-    def after_delete(self, tuner: Any, adapter_name: str) -> None:
-        b = self.binding_of(tuner)
-        if b is not None and b.merge_name == adapter_name:
-            b.unbind()
-
-    def before_unload(self, tuner: Any, how: str) -> None:
-        b = self.binding_of(tuner)
-        if b is None:
-            return
-        if how == "merge_and_unload" and b.merge_name in _active_names(tuner):
-            raise HookError(f"fcprag prag (use_slot): merge_and_unload() with the merged adapter '{b.merge_name}' "
-                            "active would drop it: its update lives in the fused slot, which never writes weights. "
-                            f"Call delete_adapter('{b.merge_name}') first, or run without use_slot")
-        b.unbind()
+    def read_adapter(self, model_id: Any, base: Any) -> Any:
+        """The packed adapter of directory ``model_id`` on ``base``'s device, through the shim's store."""
+        device = next(base.parameters()).device
+        store = self._stores.get(device)
+        if store is None:
+            store = self._stores[device] = AdapterStore(device=device)
+        return store.get(model_id)
 
     # ----------------------------------------------------------------- stale peft_config repair
     def repair_stale_config(self, model: Any, where: str) -> None:
         if self.repair and peft_has_stale_config_bug() and has_stale_peft_config(model):
             if clear_stale_peft_config(model):
-                self._warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() "
+                self.warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() "
                                 "(fixed in peft 0.19); cleared it (seen at %s). Without this, later questions would "
                                 "merge only some of their passages.", peft_version(), where)
-
-
-def _finite_or_none(obj: Any) -> Any:
-    """NaN/inf -> None so the log stays strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite_or_none(v) for v in obj]
-    return obj
 
 
 def _align_passages(passages: Sequence[str], names: list[str], paths: list[str | None],
@@ -346,7 +286,6 @@ def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None
 
 def _remerge(tuner: Any, names: list[str], merge_name: str, w_tilde: list[float], mode: str) -> None:
     """Overwrite the (cat-built) merged adapter with a ``separate`` / ``svd`` merge of the live adapters."""
-    from ..adapter import LoraAdapter
 
     adapters = [LoraAdapter.from_peft_model(tuner.model, n) for n in names]
     merged = merge_adapters(adapters, w_tilde, mode).adapter
@@ -358,90 +297,6 @@ def _remerge(tuner: Any, names: list[str], merge_name: str, w_tilde: list[float]
     ranks = {m.rank for m in merged.modules.values()}
     cfg = tuner.peft_config[merge_name]
     cfg.r = cfg.lora_alpha = max(ranks)  # scaling 1; the live layers are authoritative
-
-
-# ----------------------------------------------------------------------------- use_slot binding
-def _active_names(tuner: Any) -> list[str]:
-    active = getattr(tuner, "active_adapter", None)
-    if isinstance(active, str):
-        return [active]
-    return list(active or [])
-
-
-class _SlotBinding:
-    """A merged adapter whose update lives in a slot: ``merge_name`` in one ``LoraModel``'s ``peft_config``.
-
-    Forward pre-hooks on the base model and its direct children (peft < 0.14 runs the base model's ``forward``
-    without ``__call__``, so its own hooks do not fire there; the backbone child's do) switch the slot on exactly
-    while ``merge_name`` is the tuner's active adapter and its adapter layers are enabled, so ``set_adapter`` and
-    ``disable_adapter()`` behave as with a materialised merge; :meth:`unbind` switches it off for good and removes
-    the pre-hooks.
-    """
-
-    def __init__(self, shim: PragShim, base: Any, tuner: Any, merge_name: str, slot: Any, probe: Any) -> None:
-        self.shim_ref = weakref.ref(shim)
-        self.base_ref = weakref.ref(base)
-        self.tuner = weakref.ref(tuner)
-        self.merge_name = merge_name
-        self.slot = slot
-        self.probe = weakref.ref(probe)  # a LoRA layer of this tuner: its disable_adapters flag
-        self.handles = [m.register_forward_pre_hook(self._pre_forward) for m in (base, *base.children())]
-
-    def live(self) -> bool:
-        tuner = self.tuner()
-        if tuner is None or self.merge_name not in (getattr(tuner, "peft_config", None) or {}):
-            return False
-        if self.merge_name not in _active_names(tuner):
-            return False
-        probe = self.probe()
-        return not (probe is not None and bool(getattr(probe, "disable_adapters", False)))
-
-    def _pre_forward(self, module: Any, args: Any) -> None:
-        on = self.live()
-        if on and not self.slot.active:
-            self.slot.resume()
-        elif not on and self.slot.active:
-            self.slot.deactivate()
-
-    def unbind(self) -> None:
-        self.slot.deactivate()
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-        shim, base = self.shim_ref(), self.base_ref()
-        if shim is not None and base is not None and shim._bindings.get(base) is self:
-            del shim._bindings[base]
-
-
-def _slot_modules(layers: dict[str, Any], names: Sequence[str], paths: Sequence[str | None]) -> tuple[list[str], int]:
-    """The Linear modules every adapter targets (the same set for all, else :class:`HookError`) and the largest
-    rank. Embedding LoRA, DoRA and LoRA biases are refused with the module named."""
-    ref: list[str] | None = None
-    rank = 1
-    for name, path in zip(names, paths):
-        label = f"adapter '{name}'" + (f" loaded from {path}" if path else "")
-        mods = []
-        for m, layer in layers.items():
-            if name in (getattr(layer, "lora_embedding_A", None) or {}):
-                raise HookError(f"fcprag prag (use_slot): {label}: module '{m}' is an embedding LoRA; the fused slot "
-                                "covers Linear layers only: run without use_slot")
-            lora_A = getattr(layer, "lora_A", None)
-            if lora_A is None or name not in lora_A:
-                continue
-            if layer_use_dora(layer, name) or layer_has_lora_bias(layer, name):
-                raise HookError(f"fcprag prag (use_slot): {label}: module '{m}' uses DoRA or a LoRA bias, which the "
-                                "fused slot cannot hold: run without use_slot")
-            mods.append(m)
-            rank = max(rank, int(lora_A[name].weight.shape[0]))
-        if ref is None:
-            ref = mods
-        elif set(mods) != set(ref):
-            missing, extra = sorted(set(ref) - set(mods)), sorted(set(mods) - set(ref))
-            raise HookError(f"fcprag prag (use_slot): {label} targets other modules than adapter '{names[0]}' "
-                            f"(missing {missing[:3]}, extra {extra[:3]}); the fused slot needs one set of target "
-                            "modules per question: run without use_slot")
-    assert ref is not None
-    return ref, rank
 
 
 # ----------------------------------------------------------------------------- patch factories
@@ -459,7 +314,7 @@ def _wrap_add_weighted_adapter(original: Callable[..., Any]) -> Callable[..., An
 
     @functools.wraps(original)
     def add_weighted_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
-        shim = _state
+        shim = _LIFE.current
         bound = _bind(sig, self, *args, **kwargs) if shim is not None else None
         if shim is None or bound is None:
             return original(self, *args, **kwargs)
@@ -481,10 +336,13 @@ def _wrap_from_pretrained(owner: type) -> Callable[[Any], Any]:
 
         @functools.wraps(func)
         def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-            shim = _state
+            shim = _LIFE.current
             bound = _bind(sig, cls, *args, **kwargs) if shim is not None else None
             if shim is not None and bound is not None:
-                shim.repair_stale_config(bound.arguments["model"], "PeftModel.from_pretrained")
+                a = bound.arguments
+                if shim.use_slot and not a.get("is_trainable") and a.get("config") is None:
+                    return shim.slot_model(a["model"], a["model_id"], a.get("adapter_name", "default"))
+                shim.repair_stale_config(a["model"], "PeftModel.from_pretrained")
             result = func(cls, *args, **kwargs)
             if bound is not None:
                 _remember(getattr(result, "base_model", None), bound.arguments.get("adapter_name"),
@@ -502,7 +360,7 @@ def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        bound = _bind(sig, self, *args, **kwargs) if _state is not None else None
+        bound = _bind(sig, self, *args, **kwargs) if _LIFE.current is not None else None
         if bound is not None:
             _remember(getattr(self, "base_model", None), bound.arguments.get("adapter_name"),
                       bound.arguments.get("model_id"))
@@ -515,9 +373,7 @@ def _wrap_unload(how: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def unload(self: Any, *args: Any, **kwargs: Any) -> Any:
-            shim = _state
-            if shim is not None:
-                shim.before_unload(self, how)  # use_slot: switch the slot off (the merge goes with the PeftModel)
+            shim = _LIFE.current
             model = original(self, *args, **kwargs)
             if shim is not None:
                 shim.repair_stale_config(model, f"{how}()")
@@ -526,31 +382,6 @@ def _wrap_unload(how: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
         return unload
 
     return make
-
-
-def _wrap_delete_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def delete_adapter(self: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, adapter_name, *args, **kwargs)
-        if _state is not None:
-            _state.after_delete(self, adapter_name)
-        return result
-
-    return delete_adapter
-
-
-def _apply_patches(use_slot: bool = False) -> None:
-    from peft import PeftModel
-    from peft.tuners.lora import LoraModel
-
-    _PATCHES.patch(LoraModel, "add_weighted_adapter", _wrap_add_weighted_adapter)
-    _PATCHES.patch(PeftModel, "from_pretrained", _wrap_from_pretrained(PeftModel))
-    _PATCHES.patch(PeftModel, "load_adapter", _wrap_load_adapter)
-    if peft_has_stale_config_bug() or use_slot:
-        _PATCHES.patch(LoraModel, "unload", _wrap_unload("unload"))
-        _PATCHES.patch(LoraModel, "merge_and_unload", _wrap_unload("merge_and_unload"))
-    if use_slot:
-        _PATCHES.patch(LoraModel, "delete_adapter", _wrap_delete_adapter)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -573,46 +404,23 @@ def install(controller: FusionController | str | Path | None = None, encoder: An
         max_adapters: with ``use_slot``, a fixed slot capacity (more passages in one question is a
             :class:`HookError`); default None: sized for the first question and grown when a later one has more.
     """
-    global _state
-    shim = PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters)
-    _apply_patches(use_slot)
-    if _state is not None:
-        logger.info("fcprag: PRAG shim was installed already; using the new options")
-        _state.close()
-    _state = shim
-    return shim
+    return _LIFE.install(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
 
 def uninstall() -> None:
     """Remove every patch, restoring peft's original functions exactly, and the shim's fused slots."""
-    global _state
-    _PATCHES.revert()
-    if _state is not None:
-        _state.close()
-    _state = None
+    _LIFE.uninstall()
 
 
 def is_installed() -> bool:
-    return _state is not None
+    return _LIFE.is_installed()
 
 
-@contextlib.contextmanager
 def installed(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
               log: str | Path | None = None, data_file: str | Path | None = None, *, repair: bool = True,
-              use_slot: bool = False, max_adapters: int | None = None) -> Iterator[PragShim]:
+              use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[PragShim]:
     """``with prag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
-    global _state
-    previous = _state
-    shim = install(controller, encoder, mode, log, data_file, repair=repair, use_slot=use_slot,
-                   max_adapters=max_adapters)
-    try:
-        yield shim
-    finally:
-        if previous is None:
-            uninstall()
-        else:
-            shim.close()
-            _state = previous
+    return _LIFE.installed(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
 
 def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
@@ -624,19 +432,5 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
     patches and its fused slot are removed when the script ends. Returns the script's exit status (``sys.exit``
     inside the script is caught and returned).
     """
-    with installed(controller, encoder, mode or "cat", log, data_file, use_slot=bool(use_slot),
-                   max_adapters=slot_max_adapters) as shim:
-        try:
-            run_script(script, list(script_args))
-            code = 0
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = int(e.code or 0)
-            else:
-                import sys
-
-                print(e.code, file=sys.stderr)
-                code = 1
-        logger.info("fcprag: merged %d questions with %s weights", shim.merges,
-                    "uniform" if shim.hook.controller is None else shim.hook.controller.config.mode)
-    return code
+    return _LIFE.launch(script, script_args, PragShim(controller, encoder, mode or "cat", log, data_file,
+                                                      use_slot=bool(use_slot), max_adapters=slot_max_adapters))

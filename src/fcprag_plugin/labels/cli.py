@@ -6,7 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..cli import check_out_file, positive_int
 from ..errors import FcpragError, LabelFileError
+from .metrics import SCORINGS
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -20,13 +22,16 @@ def _cmd_build(args: argparse.Namespace) -> int:
                         shard_from_env, shard_records)
     from .store import done_ids
 
+    check_out_file("--out", args.out, [("manifest", args.manifest), ("--prompt-template", args.prompt_template)])
     shard = shard_from_env()
     records = read_manifest(args.manifest)  # every rank validates the whole manifest: a bad line stops all
     template = PromptTemplate.from_file(args.prompt_template) if args.prompt_template else PromptTemplate()
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
     options = BuildOptions(prompt_mode=args.prompt_mode, template=template, use_chat_template=chat, cot=args.cot,
-                           metric=args.metric, generate=not args.no_generation, max_new_tokens=args.max_new_tokens,
+                           scoring=args.scoring, metric=args.metric, generate=not args.no_generation,
+                           max_new_tokens=args.max_new_tokens,
                            empty_generation=args.empty_generation, use_slot=args.use_slot,
+                           batch_size=args.batch_size,
                            model_name=args.model + (f"::{args.gguf_file}" if args.gguf_file else ""))
     options.validate()
     if args.threads:
@@ -36,6 +41,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     target = output_path(out, shard)
     # Records already merged into OUT by an earlier run count as done for every rank.
     skip = set(done_ids(out, repair=False)) if shard.distributed and out.exists() else set()
+    args.interrupt_hint = (f"{target} keeps every record written so far; the same command resumes after them")
     grouped = init_process_group(shard)
     try:
         model, tok = load_model(args.model, gguf_file=args.gguf_file, tokenizer=args.tokenizer, dtype=args.dtype,
@@ -75,6 +81,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def _cmd_from_prag(args: argparse.Namespace) -> int:
     from .manifest import from_prag, write_manifest
 
+    check_out_file("--out", args.out, [("--data-aug", args.data_aug)])
     res = from_prag(args.data_aug, args.adapters_root, id_prefix=args.id_prefix, limit=args.limit)
     if res.missing:
         print(f"{len(res.missing)} adapters missing in {len(res.incomplete_ids)} of {res.total} records:",
@@ -94,6 +101,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     from .manifest import read_manifest
     from .shard import merge_parts
 
+    check_out_file("--out", args.out, [("--manifest", args.manifest), *(("part", p) for p in args.parts)])
     records = read_manifest(args.manifest)
     s = merge_parts(args.parts, records, args.out, allow_missing=args.allow_missing)
     print(f"merged {s.written} records from {len(args.parts)} files -> {args.out}")
@@ -124,9 +132,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--cot", action="store_true", help="chain-of-thought generation; answer after 'the answer is'")
     b.add_argument("--metric", default="answer_logprob", choices=["answer_logprob", "f1", "em"],
                    help="the label metric (metric_all / metric_without); the others are kept as extra fields")
+    b.add_argument("--scoring", default="default", choices=SCORINGS,
+                   help="how f1/em cut the answer out of a generation; both: stripped, up to the first '.', newline "
+                        "or ',', then SQuAD normalisation with the yes/no/noanswer rule. prag: exactly PRAG's "
+                        "evaluate (with --cot the marker 'the answer is' must be lower-case); default: the same, "
+                        "but the --cot marker in any case")
     b.add_argument("--no-generation", dest="no_generation", action="store_true",
                    help="skip greedy generation (answer_logprob only; much faster)")
-    b.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=32)
+    b.add_argument("--max-new-tokens", dest="max_new_tokens", type=positive_int, default=32,
+                   help="greedy generation length (default 32)")
     b.add_argument("--on-error", dest="on_error", default="fail", choices=["fail", "skip"],
                    help="a record that fails (adapter does not load, empty generation): stop, or log and skip it")
     b.add_argument("--empty-generation", dest="empty_generation", default="fail", choices=["fail", "zero"],
@@ -134,27 +148,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--use-slot", dest="use_slot", action="store_true",
                    help="evaluate subsets in one pre-allocated fused slot (fcprag_plugin.fast.FusedSlot) instead of "
                         "a merged adapter + hooks per subset")
-    b.add_argument("--threads", type=int, help="torch CPU threads per process")
+    b.add_argument("--batch-size", dest="batch_size", type=positive_int, default=16,
+                   help="rows (subsets x gold aliases) per batched forward, each with its own adapter mixture; the "
+                        "subsets of several records share a forward. 1: one subset at a time (the sequential path)")
+    b.add_argument("--threads", type=positive_int, help="torch CPU threads per process")
     b.add_argument("--no-merge", dest="no_merge", action="store_true",
                    help="under torchrun: leave the part files, do not merge them into --out at the end")
-    b.add_argument("--no-progress", dest="no_progress", action="store_true")
+    b.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bars")
     b.set_defaults(func=_cmd_build)
 
-    p = gs.add_parser("from-prag", help="write a manifest from PRAG's augmented data and adapter tree")
+    p = gs.add_parser("from-prag", help="write a manifest from PRAG's augmented data and adapter tree",
+                      description="Write a labels-build manifest (one record per question: id, question, answer, "
+                                  "passages, adapters) from PRAG's augmented data file and its "
+                                  "data_{test_id}/passage_{pid} adapter tree. Missing adapters are listed.")
     p.add_argument("--data-aug", dest="data_aug", required=True, help="PRAG augmented data file (JSON array or JSONL)")
     p.add_argument("--adapters-root", dest="adapters_root", required=True,
                    help="folder holding data_{test_id}/passage_{pid} adapter directories")
     p.add_argument("--out", required=True, help="manifest to write (JSON Lines)")
     p.add_argument("--id-prefix", dest="id_prefix", help="record id prefix (default: '<data file stem>-')")
-    p.add_argument("--limit", type=int, help="only the first N records (PRAG's --sample)")
+    p.add_argument("--limit", type=positive_int, help="only the first N records (PRAG's --sample)")
     p.add_argument("--on-missing", dest="on_missing", default="fail", choices=["fail", "skip"],
                    help="records with missing adapters: fail (write nothing) or leave them out; always listed")
     p.set_defaults(func=_cmd_from_prag)
 
-    m = gs.add_parser("merge", help="validate part files against the manifest and concatenate in manifest order")
-    m.add_argument("parts", nargs="+", help="label part files (e.g. OUT.part*-of*.jsonl)")
-    m.add_argument("--manifest", required=True)
-    m.add_argument("--out", required=True)
+    m = gs.add_parser("merge", help="validate part files against the manifest and concatenate in manifest order",
+                      description="Merge the part files of a sharded 'labels build' (run with --no-merge, or "
+                                  "interrupted) into one label file in manifest order; every record is checked "
+                                  "against the manifest.")
+    m.add_argument("parts", nargs="+", help="label part files (labels build writes OUT's stem + "
+                                            ".part{r}-of{P}.jsonl, e.g. labels.part*-of*.jsonl)")
+    m.add_argument("--manifest", required=True, help="the manifest the parts were built from (JSON Lines)")
+    m.add_argument("--out", required=True, help="merged label file to write (JSON Lines, manifest order)")
     m.add_argument("--allow-missing", dest="allow_missing", action="store_true",
                    help="write what is there even if some manifest ids have no labels")
     m.set_defaults(func=_cmd_merge)

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..adapter_io import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
+from ..adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from ..errors import LabelFileError
 
 logger = logging.getLogger(__name__)
@@ -254,9 +253,3 @@ def write_manifest(records: Iterable[dict[str, Any]], out: str | Path) -> int:
             n += 1
     tmp.replace(out)
     return n
-
-
-def check_finite(value: float, where: str, name: str) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _fail(where, name, "a finite number", value)
-    return float(value)

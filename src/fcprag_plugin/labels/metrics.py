@@ -3,6 +3,13 @@
 Text metrics follow the usual open-domain QA convention (and PRAG's): lower-case, drop punctuation and the
 articles a/an/the, collapse whitespace; token F1 with the HotpotQA rule that a yes/no/noanswer prediction or
 gold scores 0 unless both are equal; the max over gold aliases.
+
+Two ways to cut the short answer out of a generation (``scoring``, see :func:`extract_answer`); both strip the
+generation, keep the text before its first '.', newline or ',' and strip again:
+
+- ``default``: with chain-of-thought, the answer follows the first "the answer is" in any letter case.
+- ``prag``: the host codebase's rule, kept fixed: the marker must be lower-case "the answer is" (a "The answer
+  is ..." generation is scored whole). Without chain-of-thought the two agree.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ _PUNCT = set(string.punctuation)
 _SPECIAL = {"yes", "no", "noanswer"}
 ANSWER_MARKER = "the answer is"
 STOPS = (".", "\n", ",")
+SCORINGS = ("default", "prag")
 
 
 # ----------------------------------------------------------------------------- text metrics
@@ -51,22 +59,34 @@ def exact_match(prediction: str, answers: Sequence[str]) -> float:
     return float(any(p == normalize_answer(a) for a in answers))
 
 
-def extract_answer(text: str, cot: bool = False) -> str:
+def _cut_at_first_stop(text: str) -> str:
+    """``text`` up to (not including) its first '.', newline or ','."""
+    cuts = [i for i in (text.find(stop) for stop in STOPS) if i != -1]
+    return text[:min(cuts)] if cuts else text
+
+
+def extract_answer(text: str, cot: bool = False, scoring: str = "default") -> str:
     """The short answer in a generation.
 
-    With chain-of-thought, the text after the first "the answer is" (case-insensitive; the whole text when the
-    marker is absent). Then, in both cases, the text up to the first '.', newline or ',' (PRAG's convention).
+    With chain-of-thought, the text after the first "the answer is" (the whole text when the marker is absent;
+    ``scoring="default"`` finds it in any letter case, ``scoring="prag"`` only in lower case, as the host does).
+    Then, in both cases, the stripped text up to its first '.', newline or ',' (PRAG's convention), stripped.
     """
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring '{scoring}': expected one of {list(SCORINGS)}")
     if cot:
-        pos = text.lower().find(ANSWER_MARKER)
-        if pos >= 0:
-            text = text[pos + len(ANSWER_MARKER):]
-    text = text.strip()
-    for stop in STOPS:
-        cut = text.find(stop)
-        if cut != -1:
-            text = text[:cut].strip()
-    return text
+        # a regex, not text.lower().find: lower() may change the length of non-ASCII text before the marker
+        m = re.search(re.escape(ANSWER_MARKER), text, 0 if scoring == "prag" else re.IGNORECASE)
+        if m:
+            text = text[m.end():]
+    return _cut_at_first_stop(text.strip()).strip()
+
+
+def score_generation(generation: str, answers: Sequence[str], *, cot: bool = False,
+                     scoring: str = "default") -> tuple[str, float, float]:
+    """``(prediction, f1, em)`` of a raw generation against the gold aliases, under ``scoring``."""
+    prediction = extract_answer(generation, cot, scoring)
+    return prediction, f1_score(prediction, answers), exact_match(prediction, answers)
 
 
 # ----------------------------------------------------------------------------- model scoring

@@ -19,14 +19,13 @@ from .core import (
     register_merge_mode,
 )
 from . import modes as _modes  # noqa: F401  (registers the built-in modes)
-from .live import ActiveAdapter, activate
+
+
 
 __all__ = [
     "MERGE_MODES",
     "MergeResult",
     "WeightedAdapterMerger",
-    "ActiveAdapter",
-    "activate",
     "check_compatible",
     "get_merge_mode",
     "merge_adapters",

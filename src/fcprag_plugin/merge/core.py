@@ -9,6 +9,7 @@ import torch
 
 from ..adapter import LoraAdapter
 from ..errors import MergeError
+from ..weights import check_weights
 
 MergeFn = Callable[..., "MergeResult"]
 MERGE_MODES: dict[str, MergeFn] = {}
@@ -41,18 +42,6 @@ def get_merge_mode(name: str) -> MergeFn:
         raise MergeError(f"unknown merge mode '{name}'; expected one of {sorted(MERGE_MODES)}") from None
 
 
-def weight_vector(weights: Any, n: int) -> torch.Tensor:
-    """Validate merge weights: finite, 1-D, length ``n`` (the number of adapters), ``n >= 1``."""
-    if n == 0:
-        raise MergeError("no adapters to merge (N == 0)")
-    w = torch.as_tensor(weights, dtype=torch.float32).detach().cpu()
-    if w.ndim != 1 or w.shape[0] != n:
-        raise MergeError(f"merge weights have shape {list(w.shape)}, expected [{n}] (one per adapter)")
-    if not bool(torch.isfinite(w).all()):
-        raise MergeError(f"merge weights must be finite, got {w.tolist()}")
-    return w
-
-
 def check_compatible(adapters: Sequence[LoraAdapter]) -> list[str]:
     """All adapters must target the same modules with the same in/out shapes. Returns the module names."""
     if not adapters:
@@ -81,7 +70,7 @@ def merge_adapters(adapters: Sequence[LoraAdapter], weights: Any, mode: str = "c
     """Merge ``adapters`` with merge weights ``w~`` (length N) using ``mode``; see the package docstring."""
     fn = get_merge_mode(mode)
     adapters = list(adapters)
-    w = weight_vector(weights, len(adapters))
+    w = torch.tensor(check_weights(weights, len(adapters)), dtype=torch.float32)
     check_compatible(adapters)
     return fn(adapters, w, **options)
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..adapter import LoraAdapter, LoraModule
 from ..errors import MergeError
+from . import factors
 from .core import MergeResult, register_merge_mode
 
 
@@ -18,8 +19,16 @@ def _merged_config(adapters: Sequence[LoraAdapter], **extra) -> dict:
     return cfg
 
 
-def _out_dtype(adapters: Sequence[LoraAdapter], dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None else torch.float32
+def _per_module(adapters: Sequence[LoraAdapter], w: torch.Tensor, mode: str,
+                merge: Callable[[str, list[LoraModule]], tuple[torch.Tensor, torch.Tensor]]) -> MergeResult:
+    """``merge(module name, its N LoraModules) -> (A, B)`` over every target module; scaling 1."""
+    modules = {}
+    for name in adapters[0].target_modules:
+        A, B = merge(name, [ad.modules[name] for ad in adapters])
+        modules[name] = LoraModule(A, B, 1.0)
+    r = next(iter(modules.values())).rank
+    merged = LoraAdapter(modules, _merged_config(adapters, r=r, lora_alpha=r), f"merge[{mode},N={len(adapters)}]")
+    return MergeResult(merged, w, mode)
 
 
 @register_merge_mode("cat")
@@ -28,16 +37,10 @@ def merge_cat(adapters: Sequence[LoraAdapter], w: torch.Tensor, *, dtype: torch.
 
     Equals peft's ``add_weighted_adapter(weights=w~, combination_type="cat")``; ranks may differ.
     """
-    out_dtype = _out_dtype(adapters, dtype)
-    modules = {}
-    for name in adapters[0].target_modules:
-        parts = [ad.modules[name] for ad in adapters]
-        A = torch.cat([(float(wi) * m.scaling) * m.A.float() for wi, m in zip(w.tolist(), parts)], dim=0)
-        B = torch.cat([m.B.float() for m in parts], dim=1)
-        modules[name] = LoraModule(A.to(out_dtype), B.to(out_dtype), 1.0)
-    r = next(iter(modules.values())).rank
-    merged = LoraAdapter(modules, _merged_config(adapters, r=r, lora_alpha=r), f"merge[cat,N={len(adapters)}]")
-    return MergeResult(merged, w, "cat")
+    wl = w.tolist()
+    return _per_module(adapters, w, "cat", lambda name, parts: factors.cat(
+        [m.A for m in parts], [m.B for m in parts], [wi * m.scaling for wi, m in zip(wl, parts)],
+        dtype=dtype or torch.float32))
 
 
 @register_merge_mode("separate")
@@ -50,50 +53,33 @@ def merge_separate(
     ``B* A* = sum_i sum_j u_i u_j s_j B_i A_j`` has cross terms ``i != j``. Per-adapter scalings are folded
     into A so adapters with different ``alpha/r`` combine consistently. All adapters need equal rank per module.
     """
-    out_dtype = _out_dtype(adapters, dtype)
     u = (w / len(adapters)).tolist()
-    modules = {}
-    for name in adapters[0].target_modules:
-        parts = [ad.modules[name] for ad in adapters]
-        ranks = [m.rank for m in parts]
-        if len(set(ranks)) != 1:
-            raise MergeError(f"mode 'separate' needs equal ranks per module; module '{name}' has ranks {ranks} "
-                             f"(adapters {[ad.source for ad in adapters]}); use mode 'cat'")
-        A = sum((ui * m.scaling) * m.A.float() for ui, m in zip(u, parts))
-        B = sum(ui * m.B.float() for ui, m in zip(u, parts))
-        modules[name] = LoraModule(A.to(out_dtype), B.to(out_dtype), 1.0)
-    r = next(iter(modules.values())).rank
-    merged = LoraAdapter(modules, _merged_config(adapters, r=r, lora_alpha=r), f"merge[separate,N={len(adapters)}]")
-    return MergeResult(merged, w, "separate")
+
+    def merge(name: str, parts: list[LoraModule]) -> tuple[torch.Tensor, torch.Tensor]:
+        factors.check_equal_ranks([m.rank for m in parts], name, [ad.source for ad in adapters])
+        return factors.separate([m.A for m in parts], [m.B for m in parts],
+                                [ui * m.scaling for ui, m in zip(u, parts)], u, dtype=dtype or torch.float32)
+
+    return _per_module(adapters, w, "separate", merge)
 
 
 @register_merge_mode("svd")
 def merge_svd(
     adapters: Sequence[LoraAdapter], w: torch.Tensor, *, rank: int | None = None, dtype: torch.dtype | None = None
 ) -> MergeResult:
-    """The exact ``cat`` update compressed to rank ``k`` (default: the largest input rank), never forming dW.
-
-    ``B_cat = Q_b R_b`` and ``A_cat^T = Q_a R_a`` (thin QR), so ``dW = Q_b (R_b R_a^T) Q_a^T``; the SVD of the
-    small ``[R, R]`` core gives the best rank-k factors. ``info["rel_error"]`` is the relative Frobenius error
-    over all modules, ``info["rel_error_per_module"]`` per module.
+    """The exact ``cat`` update compressed to rank ``k`` (default: the largest input rank), never forming dW
+    (:func:`~fcprag_plugin.merge.factors.svd`). ``info["rel_error"]`` is the relative Frobenius error over all
+    modules, ``info["rel_error_per_module"]`` per module.
     """
     k = rank if rank is not None else max(max(ad.ranks.values()) for ad in adapters)
     if k < 1:
         raise MergeError(f"svd rank must be >= 1, got {k}")
     exact = merge_cat(adapters, w, dtype=torch.float64 if dtype is None else None).adapter  # exactness in fp64
-    out_dtype = _out_dtype(adapters, dtype)
+    out_dtype = dtype or torch.float32
     modules, per_module = {}, {}
     err2 = tot2 = 0.0
     for name, m in exact.modules.items():
-        A, B = m.A.double(), m.B.double()
-        Qb, Rb = torch.linalg.qr(B)  # [out, R], [R, R]
-        Qa, Ra = torch.linalg.qr(A.T)  # [in, R], [R, R]
-        U, S, Vh = torch.linalg.svd(Rb @ Ra.T)
-        kk = min(k, S.shape[0])
-        sq = S[:kk].sqrt()
-        newB = (Qb @ U[:, :kk]) * sq  # [out, k]
-        newA = sq[:, None] * (Vh[:kk] @ Qa.T)  # [k, in]
-        e2, t2 = float((S[kk:] ** 2).sum()), float((S ** 2).sum())
+        newA, newB, e2, t2 = factors.svd(m.A, m.B, k)
         err2, tot2 = err2 + e2, tot2 + t2
         per_module[name] = math.sqrt(e2 / t2) if t2 > 0 else 0.0
         modules[name] = LoraModule(newA.to(out_dtype), newB.to(out_dtype), 1.0)

@@ -8,7 +8,7 @@ Modules: ``labels`` (parse + validate), ``targets`` (soft targets, flat samples,
 from __future__ import annotations
 
 from .labels import LabelRecord, LabelSet, load_labels, write_labels
-from .metrics import evaluate, format_table
+from .evaluation import evaluate, format_table
 from .targets import make_targets, weighted_kl
 from .trainer import EvalResult, TrainArgs, Trainer, TrainResult, evaluate_controller, train_controller
 

@@ -7,11 +7,13 @@ encoding and no Python work per record.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 
+from ..errors import LabelFileError
+from ..features import ADAPTER_STAT_NAMES, side_feature_columns
 from .embed_cache import EmbeddingCache, embed_texts
 from .labels import LabelRecord
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, make_targets
@@ -22,7 +24,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Batch:
     """A padded batch. ``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]``, ``deltas``/``y [B, N]``,
-    ``omega``/``flat [B]``, ``index [B]`` (rows of the dataset)."""
+    ``omega``/``flat [B]``, ``index [B]`` (rows of the dataset), ``side [B, N, k]`` or None."""
 
     e_q: torch.Tensor
     E_p: torch.Tensor
@@ -32,6 +34,7 @@ class Batch:
     omega: torch.Tensor
     flat: torch.Tensor
     index: torch.Tensor
+    side: torch.Tensor | None = None
 
 
 @dataclass
@@ -45,6 +48,7 @@ class LabelTensors:
         mask: ``[R, N_max]`` True for real passages
         deltas: ``[R, N_max]`` (0 on padding); ``y`` the soft targets; ``omega``/``flat`` ``[R]``
         ids, groups: per record, for reports
+        side: ``[R, N_max, k]`` raw side features (columns ``side_columns``), None without side features
     """
 
     table: torch.Tensor
@@ -57,6 +61,8 @@ class LabelTensors:
     flat: torch.Tensor
     ids: list[str]
     groups: list[str]
+    side: torch.Tensor | None = None
+    side_columns: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.q_idx.shape[0])
@@ -71,7 +77,8 @@ class LabelTensors:
         n = int(mask.sum(1).max())
         mask = mask[:, :n]
         return Batch(self.table[self.q_idx[index]], self.table[self.p_idx[index, :n]], mask,
-                     self.deltas[index, :n], self.y[index, :n], self.omega[index], self.flat[index], index)
+                     self.deltas[index, :n], self.y[index, :n], self.omega[index], self.flat[index], index,
+                     None if self.side is None else self.side[index, :n])
 
     def batches(self, batch_size: int, shuffle: bool = False, generator: torch.Generator | None = None
                 ) -> Iterator[Batch]:
@@ -84,13 +91,19 @@ class LabelTensors:
         rl = rows_t.tolist()
         return LabelTensors(self.table, self.q_idx[rows_t], self.p_idx[rows_t], self.mask[rows_t],
                             self.deltas[rows_t], self.y[rows_t], self.omega[rows_t], self.flat[rows_t],
-                            [self.ids[i] for i in rl], [self.groups[i] for i in rl])
+                            [self.ids[i] for i in rl], [self.groups[i] for i in rl],
+                            None if self.side is None else self.side[rows_t], self.side_columns)
 
 
 def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: EmbeddingCache | None = None, *,
                   t_label: float = DEFAULT_T_LABEL, flat_eps: float = DEFAULT_FLAT_EPS,
-                  flat_weight: float = DEFAULT_FLAT_WEIGHT, progress: bool = False) -> LabelTensors:
-    """Embed every distinct text of ``records`` (via ``cache``) and build :class:`LabelTensors`."""
+                  flat_weight: float = DEFAULT_FLAT_WEIGHT, progress: bool = False,
+                  side_features: Sequence[str] = ()) -> LabelTensors:
+    """Embed every distinct text of ``records`` (via ``cache``) and build :class:`LabelTensors`.
+
+    ``side_features`` (names from ``features.SIDE_FEATURES``) are read from the records' ``retrieval_ranks``,
+    ``retrieval_scores`` and ``adapter_stats`` fields; a record without a requested one is a
+    :class:`LabelFileError` naming it."""
     if not records:
         raise ValueError("build_tensors: no records")
     texts: dict[str, int] = {}
@@ -111,5 +124,28 @@ def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: Embedding
     mask[rows, cols] = True
     deltas[rows, cols] = torch.tensor([d for r in records for d in r.deltas], dtype=torch.float32)
     y, omega, flat = make_targets(deltas, mask, t_label, flat_eps, flat_weight)
+    side = None
+    if side_features:
+        side = torch.zeros(R, N, len(side_feature_columns(side_features)), dtype=torch.float32)
+        side[rows, cols] = torch.tensor([row for r in records for row in side_rows(r, side_features)],
+                                        dtype=torch.float32)
     return LabelTensors(table.float().contiguous(), q_idx, p_idx, mask, deltas, y, omega, flat,
-                        [r.id for r in records], [r.group_key for r in records])
+                        [r.id for r in records], [r.group_key for r in records], side,
+                        side_feature_columns(side_features))
+
+
+_SIDE_FIELDS = {"retrieval_rank": "retrieval_ranks", "retrieval_score": "retrieval_scores",
+                "adapter_stats": "adapter_stats"}
+
+
+def side_rows(record: LabelRecord, side_features: Sequence[str]) -> list[list[float]]:
+    """The raw side-feature values of ``record``, one row per passage (columns ``side_feature_columns``)."""
+    cols: list[list[list[float]]] = []
+    for name in side_features:
+        v = getattr(record, _SIDE_FIELDS[name])
+        if v is None:
+            raise LabelFileError(f"{record.where}: field '{_SIDE_FIELDS[name]}' is missing; the side feature "
+                                 f"'{name}' was requested, so every record needs it")
+        cols.append([[float(s[k]) for k in ADAPTER_STAT_NAMES] for s in v] if name == "adapter_stats"
+                    else [[float(x)] for x in v])
+    return [[x for c in cols for x in c[i]] for i in range(record.n)]

@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 ON_ERROR = ("fail", "skip")
 REQUIRED = ("id", "query", "passages")
-OPTIONAL = ("deltas", "metric_all", "metric_without", "adapters", "answer", "metric", "group", "split")
+OPTIONAL = ("deltas", "metric_all", "metric_without", "adapters", "answer", "metric", "group", "split",
+            "retrieval_ranks", "retrieval_scores", "adapter_stats")
 # split values understood by the trainer; anything else is an error (a typo must not move data silently)
 TRAIN_SPLITS = ("train",)
 VAL_SPLITS = ("val", "validation", "dev")
@@ -57,6 +58,9 @@ class LabelRecord:
     metric: str | None = None
     group: str | None = None
     split: str | None = None
+    retrieval_ranks: list[float] | None = None
+    retrieval_scores: list[float] | None = None
+    adapter_stats: list[dict[str, float]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -219,10 +223,36 @@ def validate_record(obj: Any) -> LabelRecord:
         split = _nonempty_str(split, "split")
         if split not in KNOWN_SPLITS:
             raise _RecordError("split", f"is '{split}', expected one of {list(KNOWN_SPLITS)}")
+    ranks = _number_list(obj["retrieval_ranks"], "retrieval_ranks", n) if "retrieval_ranks" in obj else None
+    scores = _number_list(obj["retrieval_scores"], "retrieval_scores", n) if "retrieval_scores" in obj else None
+    stats = _adapter_stats_field(obj["adapter_stats"], n) if "adapter_stats" in obj else None
     extra = {k: v for k, v in obj.items() if k not in REQUIRED and k not in OPTIONAL}
     return LabelRecord(id=rid, query=query, passages=passages, deltas=deltas, metric_all=metric_all,
                        metric_without=metric_without, adapters=adapters, answer=answer, metric=metric,
-                       group=group, split=split, extra=extra)
+                       group=group, split=split, retrieval_ranks=ranks, retrieval_scores=scores,
+                       adapter_stats=stats, extra=extra)
+
+
+def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
+    """``adapter_stats``: one object per passage with (at least) the keys of ``features.ADAPTER_STAT_NAMES``."""
+    from ..features import ADAPTER_STAT_NAMES
+
+    if not isinstance(v, list) or len(v) != n:
+        got = f"{len(v)} entries" if isinstance(v, list) else f"a {_type_name(v)}"
+        raise _RecordError("adapter_stats", f"is {got}, expected a list of {n} objects (one per passage)")
+    out = []
+    for i, row in enumerate(v):
+        if not isinstance(row, dict):
+            raise _RecordError(f"adapter_stats[{i}]", f"is a {_type_name(row)}, expected an object with keys "
+                                                      f"{list(ADAPTER_STAT_NAMES)}")
+        missing = [k for k in ADAPTER_STAT_NAMES if k not in row]
+        if missing:
+            raise _RecordError(f"adapter_stats[{i}]", f"lacks key(s) {missing}; expected {list(ADAPTER_STAT_NAMES)} "
+                                                      "(fcprag_plugin.features.adapter_stats)")
+        for k in ADAPTER_STAT_NAMES:
+            _number(row[k], f"adapter_stats[{i}].{k}")
+        out.append(dict(row))  # kept as given (other keys too); the trainer reads ADAPTER_STAT_NAMES
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- raw parsing
@@ -350,7 +380,7 @@ def record_to_json(rec: LabelRecord) -> dict[str, Any]:
         out["metric_without"] = list(rec.metric_without or [])
     else:
         out["deltas"] = list(rec.deltas)
-    for k in ("adapters", "answer", "metric", "group", "split"):
+    for k in ("adapters", "answer", "metric", "group", "split", "retrieval_ranks", "retrieval_scores", "adapter_stats"):
         v = getattr(rec, k)
         if v is not None:
             out[k] = v

@@ -12,7 +12,9 @@ Output directory::
     config.json, model.safetensors   the trained controller (load with FusionController.from_pretrained)
     training_args.json               every argument, the label files' sha256, sizes, library versions
     metrics.json                     validation metrics (training-set metrics when there is no validation
-                                     data) next to the baselines, skipped records, timings
+                                     data) next to the baselines, the cross-validated gain over uniform with
+                                     its 95% CI and verdict (``cv``), skipped records, timings
+    cv.json                          the cross-validation result (reused by resume=True)
     train_log.jsonl                  one line per epoch: losses, val top-1, mean g, seconds
     checkpoint/                      the last finished epoch (for resume=True)
     plots/*.png                      with plots=True
@@ -34,13 +36,16 @@ import torch
 
 from ..controller import ControllerConfig, FusionController
 from ..errors import FcpragError, LabelFileError
+from ..features import SIDE_FEATURES, center_side
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
 from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
-from .precision import TrainRunner, resolve_precision, use_runner
-from .metrics import collect_outputs, evaluate, format_table, metrics_from_outputs
-from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, weighted_kl
+from .cv import CV_NAME, cross_validate, cv_summary_line
+from .evaluation import collect_outputs, evaluate, format_table, metrics_from_outputs
+from .precision import autocast, resolve_precision
+from .targets import (DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, best_kappa, check_target_args,
+                      estimate_lambda, risk_loss, weighted_kl)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,7 @@ LOG_NAME = "train_log.jsonl"
 ARGS_NAME = "training_args.json"
 METRICS_NAME = "metrics.json"
 PRECISIONS = ("auto", "fp32", "bf16")
+OBJECTIVES = ("kl", "risk")
 # arguments that may change between a run and its resume (they do not change what is learned)
 _RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads"}
 
@@ -66,9 +72,9 @@ class TrainArgs:
     flat_weight: float = DEFAULT_FLAT_WEIGHT
     val_fraction: float = 0.1
     on_error: str = "fail"
-    # bf16: the controller's two MLPs run in bfloat16 (fp32 master weights, optimizer and loss; the per-epoch
-    # validation in the log too, the final metrics.json in fp32); auto: bf16 where the CPU has native bfloat16
-    # (AVX512-BF16/AMX), else fp32. The resolved choice is in training_args.json.
+    # bf16: the controller's two MLPs run under torch.autocast(bfloat16) (fp32 master weights, optimizer and loss;
+    # the per-epoch validation in the log too, the final metrics.json in fp32); auto: bf16 where the CPU has native
+    # bfloat16 (AVX512-BF16/AMX), else fp32. The resolved choice is in training_args.json.
     precision: str = "auto"
     grad_clip: float | None = None
     eval_batch_size: int = 512
@@ -76,6 +82,14 @@ class TrainArgs:
     threads: int | None = None  # torch intra-op threads for this run (None: torch's default)
     plots: bool = False
     controller: dict[str, Any] = field(default_factory=dict)  # ControllerConfig overrides, e.g. score_hidden
+    # "kl": the paper's KL to softmax(delta / t_label); "risk": the risk-aware objective (targets.risk_objective)
+    objective: str = "kl"
+    risk_lambda: float | None = None  # None: estimated from the training labels (targets.estimate_lambda)
+    # grouped k-fold cross-validation on the training records: selects the epoch count (0 = stay uniform) by the
+    # held-out first-order gain over uniform and states it with a 95% CI; 0 turns it off (train `epochs` epochs)
+    cv_folds: int = 5
+    kappa: float | str = 1.0  # global scale of the merge weights; "auto": tuned on the training labels
+    side_features: list[str] = field(default_factory=list)  # opt-in per-passage inputs (features.SIDE_FEATURES)
 
     def validate(self) -> "TrainArgs":
         def need(ok: bool, what: str) -> None:
@@ -96,6 +110,21 @@ class TrainArgs:
                                                                           "seed", "format_version"}
         bad = sorted(set(self.controller) - known)
         need(not bad, f"'controller' has unknown key(s) {bad}; expected among {sorted(known)}")
+        need(self.objective in OBJECTIVES, f"'objective' is {self.objective!r}, expected one of {list(OBJECTIVES)}")
+        need(self.risk_lambda is None or (isinstance(self.risk_lambda, (int, float)) and self.risk_lambda > 0),
+             f"'risk_lambda' is {self.risk_lambda!r}, expected a number > 0 or None (estimated from the labels)")
+        need(isinstance(self.cv_folds, int) and (self.cv_folds == 0 or self.cv_folds >= 2),
+             f"'cv_folds' is {self.cv_folds!r}, expected 0 (off) or an int >= 2")
+        need(self.kappa == "auto" or (isinstance(self.kappa, (int, float)) and not isinstance(self.kappa, bool)
+                                      and math.isfinite(self.kappa) and self.kappa > 0),
+             f"'kappa' is {self.kappa!r}, expected a number > 0 or 'auto'")
+        badf = [n for n in self.side_features if n not in SIDE_FEATURES]
+        need(not badf and len(set(self.side_features)) == len(self.side_features),
+             f"'side_features' is {self.side_features!r}, expected distinct names among {list(SIDE_FEATURES)}")
+        need(not (self.controller.get("query_scale") and self.objective != "risk"),
+             "'controller.query_scale' needs objective 'risk' (the KL objective does not see the total scale)")
+        need(not ({"side_features", "side_scale", "kappa", "cv", "init"} & set(self.controller)),
+             "'controller' may not set side_features/side_scale/kappa/cv/init; use the TrainArgs fields")
         check_target_args(self.t_label, self.flat_eps, self.flat_weight)
         return self
 
@@ -111,8 +140,11 @@ class TrainResult:
 
     @property
     def table(self) -> str:
+        """The metrics table, followed by the cross-validation line (when CV ran)."""
         val = self.metrics.get("val")
-        return format_table(val, "validation") if val else format_table(self.metrics["train"], "training set")
+        t = format_table(val, "validation") if val else format_table(self.metrics["train"], "training set")
+        cv = self.metrics.get("cv")
+        return t + ("\n\n" + cv_summary_line(cv) if cv else "")
 
 
 @dataclass
@@ -124,6 +156,7 @@ class EvalResult:
     outputs: dict[str, dict[str, torch.Tensor]]
     data: LabelTensors
     label_set: LabelSet
+    trained_on: str | None = None  # "trained" / "validated": the controller saw this very file (warned)
 
     @property
     def table(self) -> str:
@@ -201,14 +234,14 @@ def resolve_encoder(encoder: Any) -> tuple[str, Any]:
             raise FcpragError(f"encoder: expected a TextEncoder, a model name/path or None, got "
                               f"{type(encoder).__name__}")
         return str(encoder.name), encoder
-    from ..encoding import TextEncoder, resolve_model
+    from ..encoding import get_encoder, resolve_model
 
     name, _ = resolve_model(encoder)
     loaded: list[Any] = []
 
     def factory() -> Any:  # load once, on first need, shared by the train and validation sets
         if not loaded:
-            loaded.append(TextEncoder(encoder))
+            loaded.append(get_encoder(encoder))  # the process-wide one (fuse() and the shims share it)
         return loaded[0]
 
     return name, factory
@@ -247,6 +280,16 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def side_scales(data: LabelTensors) -> list[float] | None:
+    """Per side-feature column, the standard deviation of the within-set centered values over the real passages
+    (1.0 for a column that never varies); None without side features. Stored in the controller's config."""
+    if data.side is None:
+        return None
+    x = center_side(data.side, data.mask)[data.mask]  # [P, k]
+    sd = x.to(torch.float64).pow(2).mean(0).sqrt()
+    return [float(v) if v > 1e-12 else 1.0 for v in sd]
+
+
 def make_optimizer(controller: FusionController, args: TrainArgs) -> torch.optim.Optimizer:
     """AdamW; the fused CPU kernel when this torch has it (one pass over memory instead of ~10 per step, which
     is most of a step's time for a 5M-parameter net at batch 32)."""
@@ -268,41 +311,45 @@ class Trainer:
         info: extra provenance written to ``training_args.json``.
     """
 
-    def __init__(self, train: LabelTensors, val: LabelTensors | None, out: str | Path, args: TrainArgs,
+    def __init__(self, train: LabelTensors, val: LabelTensors | None, out: str | Path | None, args: TrainArgs,
                  embedding_model: str, info: dict[str, Any] | None = None) -> None:
         self.train_data, self.val_data, self.args = train, val, args.validate()
-        self.out = Path(out)
+        self.out = Path(out) if out is not None else None
         self.info = info or {}
         torch.manual_seed(args.seed)
         cfg = ControllerConfig(embed_dim=train.dim, embedding_model=embedding_model, seed=args.seed,
-                               **args.controller).validate()
-        self.controller = FusionController(cfg)
+                               side_features=list(args.side_features), side_scale=side_scales(train),
+                               init="uniform", **args.controller).validate()
+        self.controller = FusionController(cfg)  # w~ = [1]*N exactly before the first step
         self.optimizer = make_optimizer(self.controller, args)
         self.shuffle_gen = torch.Generator().manual_seed(args.seed)
         self.history: list[dict[str, Any]] = []
         self.epoch = 0
         self.precision = resolve_precision(args.precision)
-        # bf16 shadow weights / persistent gradient buffers, reused by every step (see training.precision)
-        self.runner = TrainRunner(torch.bfloat16 if self.precision == "bf16" else torch.float32)
+        self.risk_lambda = float(args.risk_lambda) if args.risk_lambda is not None else \
+            estimate_lambda(train.deltas, train.mask)
 
     # -------------------------------------------------------------------- one epoch
-    def train_epoch(self, progress: Any = None) -> float:
-        """One pass over the training data; returns the omega-weighted mean loss."""
-        self.controller.train()
-        with use_runner(self.controller, self.runner):
-            return self._epoch_loop(progress)
+    def loss(self, b: Any) -> torch.Tensor:
+        """The training objective on batch ``b`` (a scalar to minimise)."""
+        with autocast(self.precision):
+            out = self.controller(b.e_q, b.E_p, b.mask, b.side)
+        if self.args.objective == "risk":
+            return risk_loss(out.merge_weights, b.deltas, b.mask, self.risk_lambda)
+        return weighted_kl(b.y, out.weights, b.mask, b.omega)
 
-    def _epoch_loop(self, progress: Any) -> float:
+    def train_epoch(self, progress: Any = None) -> float:
+        """One pass over the training data; returns the mean loss (omega-weighted for the KL objective)."""
+        self.controller.train()
         total, weight = 0.0, 0.0
         for b in self.train_data.batches(self.args.batch_size, shuffle=True, generator=self.shuffle_gen):
-            out = self.controller(b.e_q, b.E_p, b.mask)
-            loss = weighted_kl(b.y, out.weights, b.mask, b.omega)
+            loss = self.loss(b)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if self.args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(self.controller.parameters(), self.args.grad_clip)
             self.optimizer.step()
-            w = float(b.omega.sum())
+            w = float(b.omega.sum()) if self.args.objective == "kl" else float(len(b.index))
             total += float(loss.detach()) * w
             weight += w
             if progress is not None:
@@ -317,8 +364,13 @@ class Trainer:
         # the final metrics.json is always float32: the numbers `fuse` / `fcprag eval` will reproduce
         o = collect_outputs(self.controller, self.val_data, self.args.eval_batch_size,
                             torch.bfloat16 if self.precision == "bf16" else None)
-        m = metrics_from_outputs(o["w"], o["g"], o["tau"], self.val_data)
-        return {"val_loss": m["kl"], "val_top1": m["top1"], "val_g_mean": m["g_mean"]}
+        m = metrics_from_outputs(o["w"], o["g"], o["tau"], self.val_data, o["wt"])
+        return {"val_loss": m["kl"], "val_top1": m["top1"], "val_g_mean": m["g_mean"], "val_gain": m["gain"]}
+
+    def tuned_kappa(self) -> float:
+        """``kappa`` maximising the risk objective of ``kappa * w~`` on the training data (targets.best_kappa)."""
+        o = collect_outputs(self.controller, self.train_data, self.args.eval_batch_size)
+        return best_kappa(o["wt"], self.train_data.deltas, self.train_data.mask, self.risk_lambda)
 
     # -------------------------------------------------------------------- state
     def _args_dict(self) -> dict[str, Any]:
@@ -352,25 +404,27 @@ class Trainer:
         return True
 
     # -------------------------------------------------------------------- loop
-    def fit(self, progress: bool = True) -> list[dict[str, Any]]:
-        """Train from ``self.epoch`` up to ``args.epochs``, checkpointing and logging after every epoch."""
+    def fit(self, progress: bool = True, epochs: int | None = None) -> list[dict[str, Any]]:
+        """Train from ``self.epoch`` up to ``epochs`` (default ``args.epochs``; 0 keeps the uniform
+        initialisation), checkpointing and logging after every epoch."""
+        epochs = self.args.epochs if epochs is None else epochs
         self.out.mkdir(parents=True, exist_ok=True)
         log_path = self.out / LOG_NAME
         # the log always mirrors the checkpoint's history (an epoch after the checkpoint never happened)
         log_path.write_text("".join(json.dumps(_clean(h)) + "\n" for h in self.history), encoding="utf-8")
-        if self.epoch >= self.args.epochs:
+        if self.epoch >= epochs:
             return self.history
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
             n = len(self.train_data)
-            bar = tqdm(total=n * (self.args.epochs - self.epoch), unit="rec", desc="training", dynamic_ncols=True)
+            bar = tqdm(total=n * (epochs - self.epoch), unit="rec", desc="training", dynamic_ncols=True)
         try:
-            while self.epoch < self.args.epochs:
+            while self.epoch < epochs:
                 t0 = time.perf_counter()
                 if bar is not None:
-                    bar.set_description(f"epoch {self.epoch + 1}/{self.args.epochs}")
+                    bar.set_description(f"epoch {self.epoch + 1}/{epochs}")
                 train_loss = self.train_epoch(bar)
                 train_s = time.perf_counter() - t0
                 row = {"epoch": self.epoch + 1, "train_loss": train_loss, **self.validate(),
@@ -403,7 +457,12 @@ def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: 
         overwrite: allow training into a directory that already holds a run.
         progress: tqdm progress bars.
         **kwargs: :class:`TrainArgs` fields (epochs, batch_size, lr, weight_decay, seed, t_label, flat_eps,
-            flat_weight, val_fraction, on_error, precision, grad_clip, cache_dir, threads, plots, controller).
+            flat_weight, val_fraction, on_error, precision, grad_clip, cache_dir, threads, plots, controller,
+            objective, risk_lambda, cv_folds, kappa, side_features).
+
+    With ``cv_folds`` (default 5) grouped cross-validation first chooses how many epochs (0 .. ``epochs``) to
+    train, by held-out gain over uniform (:mod:`.cv`); the result is in ``metrics["cv"]``, the saved config's
+    ``cv`` and :attr:`TrainResult.table`.
     """
     unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(TrainArgs)})
     if unknown:
@@ -447,7 +506,8 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
 
     name, enc = resolve_encoder(encoder)
     cache = open_cache(args.cache_dir, name, getattr(enc, "dim", None))
-    tkw = dict(t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, progress=progress)
+    tkw = dict(t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, progress=progress,
+               side_features=args.side_features)
     train_t = build_tensors(train_recs, enc, cache, **tkw)
     val_t = build_tensors(val_recs, enc, cache, **tkw) if val_recs else None
     t_data = time.perf_counter() - t_start
@@ -455,6 +515,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     sha = train_set.sha256 + (("+" + val_set.sha256) if val_set is not None else "")
     info = {
         "labels": train_set.path, "val": val_set.path if val_set is not None else None, "label_sha256": sha,
+        "train_labels_sha256": train_set.sha256, "val_labels_sha256": val_set.sha256 if val_set else None,
         "split": how, "n_train": len(train_recs), "n_val": len(val_recs),
         "n_train_flat": int(train_t.flat.sum()), "embedding_model": name, "embed_dim": train_t.dim,
         "cache_dir": str(cache.dir) if cache is not None else None,
@@ -468,13 +529,39 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         logger.warning("%s: overwriting the previous run", out)
         shutil.rmtree(out / CHECKPOINT_DIR)  # a later --resume must never pick up the old run's state
     out.mkdir(parents=True, exist_ok=True)
+    if not resume and (out / CV_NAME).exists():
+        (out / CV_NAME).unlink()
     _write_json(out / ARGS_NAME, _clean({**asdict(args), "resume": resume, "precision_used": trainer.precision,
-                                         **info}))
+                                         "risk_lambda_used": trainer.risk_lambda, **info}))
     t_fit = time.perf_counter()
-    history = trainer.fit(progress)
+    cv = None
+    if args.cv_folds:
+        # the CV result is kept next to the checkpoint, so a resumed run does not redo it (the other arguments and
+        # the labels are checked by resume(); only a changed `epochs`, the most epochs tried, asks for a new one)
+        cv = json.loads((out / CV_NAME).read_text(encoding="utf-8")) if (out / CV_NAME).is_file() else None
+        if cv is None or cv.get("max_epochs") != args.epochs:
+            cv = cross_validate(train_t, args, name, Trainer, progress)
+            _write_json(out / CV_NAME, _clean(cv))
+        if trainer.epoch > cv["selected_epochs"]:
+            logger.warning("%s: the checkpoint has %d epochs but cross-validation selects %d; training again from "
+                           "the start", out / CHECKPOINT_DIR, trainer.epoch, cv["selected_epochs"])
+            shutil.rmtree(out / CHECKPOINT_DIR)
+        if trainer.epoch == 0 or trainer.epoch > cv["selected_epochs"]:
+            # a fresh start after the CV (which drew from the global RNG): the final run is the one that
+            # cv_folds=0, epochs=selected_epochs would train
+            trainer = Trainer(train_t, val_t, out, args, name, info)
+    epochs = cv["selected_epochs"] if cv is not None else args.epochs
+    history = trainer.fit(progress, epochs)
     t_fit = time.perf_counter() - t_fit
 
     controller = trainer.controller.eval()
+    kappa = trainer.tuned_kappa() if args.kappa == "auto" else float(args.kappa)
+    updates: dict[str, Any] = {"kappa": kappa}
+    if cv is not None:
+        updates["cv"] = {k: cv[k] for k in ("gain", "ci95", "ci_method", "verdict", "folds", "selected_epochs",
+                                            "objective", "n_groups", "metric")}
+        updates["cv"]["source"] = str(out)
+    controller.config = dataclasses.replace(controller.config, **updates)
     controller.save_pretrained(out)
     metrics: dict[str, Any] = {}
     outputs: dict[str, Any] = {}
@@ -484,6 +571,8 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         metrics["train"], outputs = evaluate(controller, train_t, seed=args.seed, batch_size=args.eval_batch_size)
     metrics.update({
         "epochs": trainer.epoch, "n_train": len(train_recs), "n_val": len(val_recs), "split": how,
+        "objective": args.objective, "risk_lambda": trainer.risk_lambda, "kappa": kappa,
+        **({"cv": cv} if cv is not None else {}),
         "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
                              "records": [{"line": k.line, "field": k.field, "message": k.message}
                                          for k in s.skipped]}
@@ -520,6 +609,10 @@ def evaluate_controller(controller: FusionController | str | Path, labels: Any, 
     flat_eps = flat_eps if flat_eps is not None else saved_args.get("flat_eps", DEFAULT_FLAT_EPS)
     flat_weight = flat_weight if flat_weight is not None else saved_args.get("flat_weight", DEFAULT_FLAT_WEIGHT)
     label_set = _as_label_set(labels, on_error, "labels")
+    seen = trained_on(saved_args, label_set.sha256)
+    if seen:
+        logger.warning("fcprag eval: %s is the label file this controller was %s on (same sha256 as in its %s); "
+                       "these numbers are not a held-out evaluation", label_set.path, seen, ARGS_NAME)
     records = label_set.records
     if encoder is None:
         encoder = controller.config.embedding_model
@@ -528,9 +621,22 @@ def evaluate_controller(controller: FusionController | str | Path, labels: Any, 
         controller.check_encoder(enc)
     cache = open_cache(None if cache_dir is None else str(cache_dir), name, getattr(enc, "dim", None))
     data = build_tensors(records, enc, cache, t_label=t_label, flat_eps=flat_eps, flat_weight=flat_weight,
-                         progress=progress)
+                         progress=progress, side_features=controller.config.side_features)
     if data.dim != controller.config.embed_dim:
         raise FcpragError(f"encoder '{name}' gives {data.dim}-d embeddings but the controller expects "
                           f"{controller.config.embed_dim}-d (trained with '{controller.config.embedding_model}')")
     metrics, outputs = evaluate(controller, data, seed=seed, batch_size=batch_size)
-    return EvalResult(_clean(metrics), outputs, data, label_set)
+    return EvalResult(_clean(metrics), outputs, data, label_set, seen)
+
+
+def trained_on(saved_args: dict[str, Any], sha256: str) -> str | None:
+    """``"trained"`` / ``"validated"`` when ``sha256`` is the training / validation label file recorded in a
+    controller's ``training_args.json`` (older runs: the ``label_sha256`` field), else None."""
+    if not sha256:
+        return None
+    parts = str(saved_args.get("label_sha256") or "").split("+")
+    if sha256 == saved_args.get("train_labels_sha256", parts[0]):
+        return "trained"
+    if sha256 == saved_args.get("val_labels_sha256", parts[1] if len(parts) > 1 else None):
+        return "validated"
+    return None

@@ -1,0 +1,158 @@
+"""Process-wide load caches: a controller directory and an embedding model are each loaded once per process.
+
+``fuse(adapters, query, passages, controller=DIR)`` is called once per question. Without these caches every call
+re-read the controller's safetensors and re-loaded the sentence-transformer (issue 17). Here:
+
+- :func:`fcprag_plugin.controller.cached_controller` keeps controllers loaded from a directory, keyed by the resolved directory and the
+  map location. Each entry remembers the ``(size, mtime_ns, inode)`` of ``config.json`` and
+  ``model.safetensors``; a changed or replaced file is noticed on the next call and the directory is re-read.
+- :func:`fcprag_plugin.encoding.get_encoder` keeps :class:`~fcprag_plugin.encoding.TextEncoder` s keyed by model
+  name, resolved path and device (see there).
+
+Both are :class:`LoadCache` s: bounded LRU maps (``maxsize`` entries; set the attribute to change it), safe to call
+from several threads (one lock per key around construction, so two threads asking for the same key build it once
+and nobody ever receives a half-built object). :func:`clear_caches` empties all of them; :func:`cache_info` reports
+their hit/miss counters.
+
+Cached objects are shared: a controller returned by ``cached_controller`` (and by ``load_controller(DIR)``,
+``fuse(..., controller=DIR)``) is in eval mode and must not be trained or modified in place; use
+:meth:`FusionController.from_pretrained` for a private copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Generic, Hashable, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0  # built because absent
+    reloads: int = 0  # built again because the files changed
+    evictions: int = 0
+
+
+_CACHES: "weakref.WeakSet[LoadCache[Any]]" = weakref.WeakSet()  # every live LoadCache
+
+
+class LoadCache(Generic[T]):
+    """A bounded, thread-safe LRU map ``key -> (signature, value)`` that builds missing values once.
+
+    ``get(key, build, signature)``: the cached value when present and its stored signature equals
+    ``signature()`` (e.g. file sizes and mtimes), else ``build()``'s result, which is stored. Construction runs
+    under a per-key lock (other keys stay available); a value whose signature changed while it was being built is
+    returned but not stored (it may mix old and new files).
+    """
+
+    def __init__(self, name: str, maxsize: int, on_clear: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self.maxsize = maxsize
+        self.stats = CacheStats()
+        self.on_clear = on_clear  # forget what the owner derived from the entries (e.g. name lookups)
+        self._items: OrderedDict[Hashable, tuple[Any, T]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._key_locks: dict[Hashable, threading.Lock] = {}
+        _CACHES.add(self)  # clear_caches / cache_info see every cache without importing its owner
+
+    def _lookup(self, key: Hashable, sig: Any) -> tuple[bool, T | None]:
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None and item[0] == sig:
+                self._items.move_to_end(key)
+                self.stats.hits += 1
+                return True, item[1]
+            return False, None
+
+    def get(self, key: Hashable, build: Callable[[], T], signature: Callable[[], Any] = lambda: None) -> T:
+        sig = signature()
+        found, value = self._lookup(key, sig)
+        if found:
+            return value  # type: ignore[return-value]
+        with self._lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            found, value = self._lookup(key, sig)  # built by another thread while we waited
+            if found:
+                return value  # type: ignore[return-value]
+            value = build()
+            if signature() != sig:
+                logger.warning("%s: %s changed while it was read; not caching it", self.name, key)
+                return value
+            with self._lock:
+                if key in self._items:
+                    self.stats.reloads += 1
+                    del self._items[key]
+                else:
+                    self.stats.misses += 1
+                self._items[key] = (sig, value)
+                while len(self._items) > max(self.maxsize, 0):
+                    old = next(iter(self._items))
+                    del self._items[old]
+                    self._key_locks.pop(old, None)
+                    self.stats.evictions += 1
+            return value
+
+    def clear(self) -> None:
+        """Forget every entry (objects already handed out stay valid) and reset the counters."""
+        with self._lock:
+            self._items.clear()
+            self._key_locks.clear()
+            self.stats = CacheStats()
+        if self.on_clear is not None:
+            self.on_clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"LoadCache({self.name!r}, entries={len(self)}/{self.maxsize}, stats={self.stats})"
+
+
+def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:
+    """The JSON object in ``path`` (the one reader of JSON config files); a missing file, invalid JSON or a
+    non-object is an ``error`` naming the file (``missing``: what to say when it does not exist)."""
+    if not path.is_file():
+        raise error(f"{path}: {missing}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def file_signature(*files: Path) -> tuple[tuple[int, int, int] | None, ...]:
+    """``(size, mtime_ns, inode)`` of each file, None where it is missing: changes when a file is rewritten or
+    replaced (a new inode catches ``os.replace`` of a copy that kept its mtime)."""
+    out = []
+    for f in files:
+        try:
+            st = os.stat(f)
+            out.append((st.st_size, st.st_mtime_ns, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def clear_caches() -> None:
+    """Empty the process-wide controller and encoder caches (the next use reloads from disk)."""
+    for c in list(_CACHES):
+        c.clear()
+
+
+def cache_info() -> dict[str, dict[str, int]]:
+    """``{cache name: {"entries", "maxsize", "hits", "misses", "reloads", "evictions"}}``."""
+    return {c.name: {"entries": len(c), "maxsize": c.maxsize, **asdict(c.stats)} for c in sorted(_CACHES, key=lambda c: c.name)}

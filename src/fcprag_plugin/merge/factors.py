@@ -1,0 +1,137 @@
+"""The merge math, once: pure functions over lists of LoRA factors (like peft's ``utils/merge_utils.py``).
+
+Every merge in the library goes through these: the merge modes (:mod:`fcprag_plugin.merge.modes`), the fused slot's
+buffer writes (:class:`~fcprag_plugin.fast.FusedSlot`) and the DyPRAG shim's aggregation. Factors are rank-major:
+``A_i [..., r_i, in]`` and ``B_i [..., out, r_i]`` (leading batch dimensions are allowed); the in-place writers take
+``B^T`` rows ``[..., r_i, out]`` so that one adapter's rank rows are contiguous in both buffers.
+
+- ``cat``: ``A = cat_i(c_i A_i)``, ``B = cat_i(B_i)`` along rank, so ``B A = sum_i c_i B_i A_i`` (exact).
+- ``separate``: ``A = sum_i a_i A_i``, ``B = sum_i b_i B_i`` (DyPRAG's aggregation; cross terms ``i != j``).
+- ``svd``: an exact low-rank product ``B A`` compressed to rank ``k`` without forming it.
+
+Rounding contract: a scaled factor is computed in float32 (float64 for float64 inputs) and rounded once to the
+destination dtype; sums are accumulated in that precision in adapter order and rounded once at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import MergeError
+
+Coef = "float | torch.Tensor"
+
+
+def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The accumulation dtype: float64 when any input is float64, else float32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def check_equal_ranks(ranks: Sequence[Any], module: str, sources: Sequence[Any], what: str = "mode 'separate'",
+                      shown: Sequence[int] | None = None) -> None:
+    """``separate`` sums factors, so every adapter needs the same rank(s) (``ranks[i]``: an int, or a tuple per
+    layer) in ``module``; else a :class:`MergeError` naming the module, the ranks (``shown``) and the adapters."""
+    if any(r != ranks[0] for r in ranks):
+        raise MergeError(f"{what} needs equal ranks per module; module '{module}' has ranks "
+                         f"{list(shown if shown is not None else ranks)} "
+                         f"(adapters {list(sources)}); use mode 'cat'")
+
+
+def scaled_copy(dst: torch.Tensor, src: torch.Tensor, coef: float | torch.Tensor) -> None:
+    """``dst[...] = coef * src``, computed in float32 (float64 for float64) and rounded once to ``dst``'s dtype;
+    one pass in the usual same-device case. ``coef`` is a Python float or a tensor broadcasting against ``src``."""
+    if isinstance(coef, torch.Tensor) and coef.device != dst.device:
+        coef = coef.to(dst.device)
+    if src.device != dst.device:
+        src = src.to(dst.device)  # place packed adapters on the model's device to skip this
+    if src.dtype in (torch.float32, dst.dtype) or (src.dtype == torch.float64 and dst.dtype == torch.float32):
+        torch.mul(src, coef, out=dst)  # computed in opmath (float32 for half types), rounded once to dst's dtype
+    elif dst.dtype in (torch.float32, torch.float64):
+        dst.copy_(src)  # widening is exact; a direct mul would round the product to src's dtype
+        dst.mul_(coef)
+    else:
+        torch.mul(src.float(), coef, out=dst)
+
+
+def weighted_sum_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor],
+                      scratch: Callable[[str, torch.Tensor, torch.dtype], torch.Tensor] | None = None,
+                      key: str = "") -> None:
+    """``dst[...] = sum_i coefs[i] * srcs[i]``, accumulated in :func:`acc_dtype` in order, rounded once.
+
+    ``scratch(name, like, dtype)`` hands out reusable temporaries (the fused slot keeps them between queries);
+    default: fresh ones.
+    """
+    if scratch is None:
+        scratch = lambda name, like, dt: torch.empty(like.shape, dtype=dt, device=like.device)  # noqa: E731
+    adt = acc_dtype(dst.dtype, *(s.dtype for s in srcs))
+    acc = dst if dst.dtype == adt else scratch(key + "acc", dst, adt)
+    tmp = scratch(key + "tmp", dst, adt) if len(srcs) > 1 else None
+    for i, (src, c) in enumerate(zip(srcs, coefs)):
+        scaled_copy(acc if i == 0 else tmp, src, c)
+        if i:
+            acc.add_(tmp)
+    if acc is not dst:
+        dst.copy_(acc)
+
+
+def weighted_sum(srcs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor],
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``sum_i coefs[i] * srcs[i]`` as a new tensor of ``dtype`` (default: the first input's)."""
+    out = torch.empty(srcs[0].shape, dtype=dtype or srcs[0].dtype, device=srcs[0].device)
+    weighted_sum_into(out, srcs, coefs)
+    return out
+
+
+def write_cat(A_rows: Sequence[torch.Tensor], BT_rows: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
+              BTs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor]) -> None:
+    """Adapter i into its own rank rows: ``A_rows[i] = coefs[i] * As[i]``, ``BT_rows[i] = BTs[i]``
+    (``[..., r_i, in]`` / ``[..., r_i, out]``)."""
+    for dA, dB, a, bt, c in zip(A_rows, BT_rows, As, BTs, coefs):
+        scaled_copy(dA, a, c)
+        dB.copy_(bt)
+
+
+def cat(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor],
+        dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A = cat_i(coefs_i A_i)`` ``[..., sum r_i, in]``, ``B = cat_i(B_i)`` ``[..., out, sum r_i]``:
+    ``B A = sum_i coefs_i B_i A_i`` exactly. Ranks may differ. ``dtype`` defaults to the first A's."""
+    a0, b0 = As[0], Bs[0]
+    ranks = [int(a.shape[-2]) for a in As]
+    total = sum(ranks)
+    dt = dtype or a0.dtype
+    A = torch.empty(*a0.shape[:-2], total, a0.shape[-1], dtype=dt, device=a0.device)
+    B = torch.empty(*b0.shape[:-1], total, dtype=dtype or b0.dtype, device=b0.device)
+    A_rows, BT_rows, off = [], [], 0
+    for r in ranks:
+        A_rows.append(A[..., off:off + r, :])
+        BT_rows.append(B[..., off:off + r].transpose(-1, -2))
+        off += r
+    write_cat(A_rows, BT_rows, As, [b.transpose(-1, -2) for b in Bs], coefs)
+    return A, B
+
+
+def separate(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], a_coefs: Sequence[float | torch.Tensor],
+             b_coefs: Sequence[float | torch.Tensor], dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A = sum_i a_i A_i``, ``B = sum_i b_i B_i`` (equal ranks: see :func:`check_equal_ranks`)."""
+    return weighted_sum(As, a_coefs, dtype), weighted_sum(Bs, b_coefs, dtype)
+
+
+def svd(A: torch.Tensor, B: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """The best rank-``k`` factors of ``B A`` (``A [R, in]``, ``B [out, R]``) without forming it, in float64.
+
+    ``B = Q_b R_b`` and ``A^T = Q_a R_a`` (thin QR), so ``B A = Q_b (R_b R_a^T) Q_a^T``; the SVD of the small
+    ``[R, R]`` core gives the factors. Returns ``(A_k [k', in], B_k [out, k'], dropped energy, total energy)``
+    with ``k' = min(k, R)`` (squared Frobenius norms).
+    """
+    A, B = A.double(), B.double()
+    Qb, Rb = torch.linalg.qr(B)  # [out, R], [R, R]
+    Qa, Ra = torch.linalg.qr(A.T)  # [in, R], [R, R]
+    U, S, Vh = torch.linalg.svd(Rb @ Ra.T)
+    kk = min(k, S.shape[0])
+    sq = S[:kk].sqrt()
+    newB = (Qb @ U[:, :kk]) * sq  # [out, k]
+    newA = sq[:, None] * (Vh[:kk] @ Qa.T)  # [k, in]
+    return newA, newB, float((S[kk:] ** 2).sum()), float((S ** 2).sum())

@@ -1,0 +1,184 @@
+"""Validation metrics for a controller on labelled data, next to the uniform and random-controller baselines.
+
+Per controller:
+    kl            sum_b omega_b KL(y_b || w_b) / sum_b omega_b        (the training objective)
+    kl_nonflat    mean KL over non-flat samples
+    top1          agreement of argmax(w) with argmax(delta) on non-flat samples; ties count fractionally
+                  (|argmax w  &  argmax delta| / |argmax w|), so uniform weights score chance level
+    spearman      mean per-sample Spearman correlation of w and delta (average ranks for ties) over samples with
+                  N >= 2 where neither is constant; None when no sample qualifies (e.g. uniform weights)
+    g_mean/g_std, tau_mean/tau_std, entropy_mean (nats), entropy_norm_mean (H / log N, samples with N >= 2)
+    gain          mean over records of sum_i (w~_i - 1) delta_i: the first-order gain in the label metric over the
+                  uniform merge (0 for uniform; targets.first_order_gain); when the merge weights are given
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from ..controller import ControllerConfig, FusionController
+from .data import LabelTensors
+from .targets import first_order_gain, kl_per_sample
+
+METRIC_KEYS = ("kl", "kl_nonflat", "top1", "spearman", "g_mean", "g_std", "tau_mean", "tau_std", "entropy_mean",
+               "entropy_norm_mean", "gain")
+BASELINES = ("uniform", "random")
+_W_TIE = 1e-9
+
+
+@torch.no_grad()
+def collect_outputs(controller: FusionController, data: LabelTensors, batch_size: int = 512,
+                    autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Run ``controller`` (eval mode) over ``data``: ``w [R, N_max]`` (0 on padding), ``g [R]``, ``tau [R]``.
+
+    ``autocast_dtype`` (``torch.bfloat16``): the MLPs' matmuls in that dtype (``torch.autocast``); None: the
+    controller as it is. Also returns ``wt`` (the merge weights ``w~``, 0 on padding).
+    """
+    was_training = controller.training
+    controller.eval()
+    R, N = data.mask.shape
+    w, wt = torch.zeros(R, N), torch.zeros(R, N)
+    g, tau = torch.zeros(R), torch.zeros(R)
+    if autocast_dtype is not None and autocast_dtype != torch.bfloat16:
+        raise ValueError(f"collect_outputs: autocast_dtype supports torch.bfloat16 only, got {autocast_dtype}")
+    ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+    try:
+        with ctx:
+            for b in data.batches(batch_size):
+                out = controller(b.e_q, b.E_p, b.mask, b.side)
+                w[b.index, : b.mask.shape[1]] = out.weights.float().cpu()
+                wt[b.index, : b.mask.shape[1]] = out.merge_weights.float().cpu()
+                g[b.index], tau[b.index] = out.g.float().cpu(), out.tau.float().cpu()
+    finally:
+        controller.train(was_training)
+    return {"w": w, "wt": wt, "g": g, "tau": tau}
+
+
+def average_ranks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1-based average ranks of ``x [B, N]`` within each row's real entries (ties share their mean rank)."""
+    xi, xj = x.unsqueeze(2), x.unsqueeze(1)
+    mj = mask.unsqueeze(1)
+    less = ((xj < xi) & mj).sum(2).to(torch.float64)
+    equal = ((xj == xi) & mj).sum(2).to(torch.float64)
+    return (less + (equal + 1) / 2).masked_fill(~mask, 0.0)
+
+
+def spearman_per_sample(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spearman correlation per row ``[B]`` (float64) and a ``[B]`` bool of the rows where it is defined."""
+    ra, rb = average_ranks(a, mask), average_ranks(b, mask)
+    m = mask.to(torch.float64)
+    n = m.sum(1).clamp_min(1)
+    ca = (ra - (ra * m).sum(1, keepdim=True) / n.unsqueeze(1)) * m
+    cb = (rb - (rb * m).sum(1, keepdim=True) / n.unsqueeze(1)) * m
+    va, vb = (ca * ca).sum(1), (cb * cb).sum(1)
+    defined = (va > 1e-12) & (vb > 1e-12) & (mask.sum(1) >= 2)
+    rho = (ca * cb).sum(1) / (va * vb).clamp_min(1e-300).sqrt()
+    return rho.masked_fill(~defined, float("nan")), defined
+
+
+def top1_credit(w: torch.Tensor, deltas: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row ``[B]``: |argmax w & argmax delta| / |argmax w| (tie-aware top-1 agreement)."""
+    wm = w.masked_fill(~mask, float("-inf"))
+    dm = deltas.masked_fill(~mask, float("-inf"))
+    top_w = (wm >= wm.amax(1, keepdim=True) - _W_TIE) & mask
+    top_d = (dm >= dm.amax(1, keepdim=True)) & mask
+    return (top_w & top_d).sum(1).to(torch.float64) / top_w.sum(1).clamp_min(1).to(torch.float64)
+
+
+def entropy(w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) per row of a masked distribution ``w [B, N]``."""
+    p = w.to(torch.float64).masked_fill(~mask, 0.0)
+    return -(torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p))).sum(1)
+
+
+def _mean(x: torch.Tensor) -> float | None:
+    return float(x.mean()) if x.numel() else None
+
+
+def _std(x: torch.Tensor) -> float | None:
+    return float(x.std(unbiased=False)) if x.numel() else None
+
+
+def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, data: LabelTensors,
+                         wt: torch.Tensor | None = None) -> dict[str, Any]:
+    """All metrics (see the module docstring) from collected outputs; plain floats (None when undefined).
+    ``wt`` (the merge weights ``w~``) adds ``gain``."""
+    mask, deltas = data.mask, data.deltas
+    y, omega, flat = data.y, data.omega.to(torch.float64), data.flat
+    kl = kl_per_sample(y.to(torch.float64), w.to(torch.float64), mask)
+    nonflat = ~flat
+    rho, defined = spearman_per_sample(w, deltas, mask)
+    ent = entropy(w, mask)
+    n = mask.sum(1)
+    multi = n >= 2
+    ent_norm = ent[multi] / n[multi].to(torch.float64).log()
+    wsum = float(omega.sum())
+    return {
+        "n": int(len(data)),
+        "n_nonflat": int(nonflat.sum()),
+        "kl": float((omega * kl).sum() / wsum) if wsum > 0 else None,
+        "kl_nonflat": _mean(kl[nonflat]),
+        "top1": _mean(top1_credit(w, deltas, mask)[nonflat]),
+        "spearman": _mean(rho[defined]),
+        "spearman_n": int(defined.sum()),
+        "g_mean": _mean(g.to(torch.float64)),
+        "g_std": _std(g.to(torch.float64)),
+        "tau_mean": _mean(tau.to(torch.float64)),
+        "tau_std": _std(tau.to(torch.float64)),
+        "entropy_mean": _mean(ent),
+        "entropy_norm_mean": _mean(ent_norm),
+        **({} if wt is None else {"gain": _mean(first_order_gain(wt.to(torch.float64), deltas, mask))}),
+    }
+
+
+def baseline_controllers(config: ControllerConfig, seed: int = 0) -> dict[str, FusionController]:
+    """The uniform (PRAG) and random-controller (same architecture, untrained, seeded) baselines."""
+    return {
+        "uniform": FusionController(dataclasses.replace(config, mode="uniform", kappa=1.0, query_scale=False, cv=None)),
+        "random": FusionController(dataclasses.replace(config, mode="random", seed=seed, kappa=1.0, cv=None)),
+    }
+
+
+def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0, batch_size: int = 512,
+             baselines: bool = True, autocast_dtype: torch.dtype | None = None
+             ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]]]:
+    """Metrics of ``controller`` (key ``"learned"``, or its mode when not learned) and of the baselines.
+
+    Returns ``(metrics, outputs)``: ``metrics[name]`` is a dict of floats, ``outputs[name]`` holds ``w, g, tau``.
+    """
+    name = "learned" if controller.config.mode == "learned" else controller.config.mode
+    models = {name: controller}
+    if baselines:
+        models.update({k: v for k, v in baseline_controllers(controller.config, seed).items() if k not in models})
+    metrics, outputs = {}, {}
+    for k, m in models.items():
+        outs = collect_outputs(m, data, batch_size, autocast_dtype if k == name else None)
+        outputs[k] = outs
+        metrics[k] = metrics_from_outputs(outs["w"], outs["g"], outs["tau"], data, outs["wt"])
+    return metrics, outputs
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def format_table(metrics: dict[str, dict[str, Any]], title: str | None = None) -> str:
+    """A plain-text table: one row per metric, one column per controller (learned first)."""
+    names = list(metrics)
+    rows = [("metric", *names)]
+    for key in ("n", "n_nonflat", *METRIC_KEYS, "spearman_n"):
+        rows.append((key, *(_fmt(metrics[n].get(key)) for n in names)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [title] if title else []
+    for j, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,235 @@
+"""The trainer end to end on synthetic label sets with a known answer; outputs, round trip, resume, splits."""
+
+import json
+
+import pytest
+import torch
+
+from fcprag_plugin.controller import FusionController
+from fcprag_plugin.errors import FcpragError, LabelFileError
+from fcprag_plugin.training import load_labels, train_controller, write_labels
+from fcprag_plugin.training.data import build_tensors
+from fcprag_plugin.training.synthetic import synthetic_records, table_encoder
+from fcprag_plugin.training.trainer import split_records
+
+SMALL = {"score_hidden": [64, 32], "calib_hidden": 32}  # the default 2048/1024 net is too slow for unit tests
+# one thread: tiny nets gain nothing from two, and a busy shared CPU makes OpenMP barriers very slow
+FAST = dict(epochs=10, lr=3e-4, val_fraction=0.2, controller=SMALL, progress=False, precision="fp32", threads=1)
+
+
+def run(records, table, out, name="syn16", calls=None, **kw):
+    args = {**FAST, **kw}
+    return train_controller(records, out, encoder=table_encoder(table, name, calls), cache_dir=out.parent / "cache",
+                            **args)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    base = tmp_path_factory.mktemp("planted")
+    recs, table = synthetic_records(800, (2, 4), 16, kind="planted", seed=1)
+    return run(recs, table, base / "run"), recs, table
+
+
+@pytest.fixture(scope="module")
+def noise(tmp_path_factory):
+    base = tmp_path_factory.mktemp("noise")
+    recs, table = synthetic_records(800, (2, 4), 16, kind="noise", noise=0.05, seed=1)
+    return run(recs, table, base / "run")
+
+
+def test_planted_signal_beats_uniform_and_random_and_finds_the_best_passage(planted):
+    res, _, _ = planted
+    v = res.metrics["val"]
+    assert res.n_val == 160 and v["learned"]["n"] == 160 and v["learned"]["n_nonflat"] == 160
+    assert v["learned"]["kl"] < 0.5 * v["uniform"]["kl"], v
+    assert v["learned"]["kl"] < 0.5 * v["random"]["kl"], v
+    assert v["learned"]["top1"] >= 0.85, v
+    assert v["learned"]["top1"] > v["uniform"]["top1"] + 0.3 and v["learned"]["top1"] > v["random"]["top1"] + 0.3
+    assert v["learned"]["spearman"] > 0.5
+    assert v["learned"]["entropy_norm_mean"] < 0.9 * v["uniform"]["entropy_norm_mean"]
+    # the uniform baseline is exactly uniform
+    assert v["uniform"]["g_mean"] == 0.0 and v["uniform"]["entropy_norm_mean"] == pytest.approx(1.0)
+    assert v["uniform"]["spearman"] is None and v["uniform"]["spearman_n"] == 0
+    # training loss went down
+    losses = [h["train_loss"] for h in res.history]
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_pure_noise_gives_no_confident_weights(planted, noise):
+    p, n = planted[0].metrics["val"]["learned"], noise.metrics["val"]
+    assert n["learned"]["g_mean"] < p["g_mean"] - 0.1, (n["learned"]["g_mean"], p["g_mean"])
+    assert n["learned"]["entropy_norm_mean"] > 0.95  # close to uniform weights
+    assert n["learned"]["kl"] <= 1.1 * n["uniform"]["kl"]  # not confidently wrong
+
+
+def test_output_directory_contents(planted):
+    res, _, _ = planted
+    out = res.out
+    for name in ("config.json", "model.safetensors", "training_args.json", "metrics.json", "train_log.jsonl",
+                 "checkpoint/model.safetensors", "checkpoint/optimizer.safetensors", "checkpoint/state.json"):
+        assert (out / name).is_file(), name
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["embedding_model"] == "syn16" and cfg["embed_dim"] == 16 and cfg["score_hidden"] == [64, 32]
+    args = json.loads((out / "training_args.json").read_text())
+    assert (args["lr"], args["batch_size"], args["weight_decay"], args["epochs"]) == (3e-4, 32, 0.01, 10)
+    assert args["n_train"] == 640 and args["n_val"] == 160 and args["embedding_model"] == "syn16"
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in log] == list(range(1, 11))
+    assert all({"train_loss", "val_loss", "val_top1", "val_g_mean", "seconds"} <= set(h) for h in log)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["val"]) == {"learned", "uniform", "random"}
+    assert metrics["val"]["learned"]["kl"] == pytest.approx(log[-1]["val_loss"], rel=1e-5)
+
+
+def test_saved_controller_gives_identical_weights(planted):
+    res, recs, table = planted
+    loaded = FusionController.from_pretrained(res.out)
+    data = build_tensors(recs[:64], table_encoder(table, "syn16"))
+    b = data.batch(torch.arange(64))
+    res.controller.eval()
+    a, c = res.controller(b.e_q, b.E_p, b.mask), loaded(b.e_q, b.E_p, b.mask)
+    assert torch.equal(a.weights, c.weights) and torch.equal(a.g, c.g) and torch.equal(a.tau, c.tau)
+    sd1, sd2 = res.controller.state_dict(), loaded.state_dict()
+    assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+
+
+def test_split_keeps_groups_together_and_is_seeded():
+    recs, _ = synthetic_records(90, 3, 8, groups=15)
+    train, val, how = split_records(recs, 0.2, seed=3)
+    assert {r.group for r in train}.isdisjoint({r.group for r in val})
+    assert len({r.group for r in val}) == 3 and len(train) + len(val) == 90 and "3 of 15 groups" in how
+    again = split_records(recs, 0.2, seed=3)[1]
+    assert [r.id for r in again] == [r.id for r in val]
+    assert [r.id for r in split_records(recs, 0.2, seed=4)[1]] != [r.id for r in val]
+    # without groups every id is its own group
+    plain, _ = synthetic_records(50, 3, 8)
+    tr, va, _ = split_records(plain, 0.2, seed=0)
+    assert len(va) == 10 and {r.id for r in tr}.isdisjoint({r.id for r in va})
+
+
+def test_split_field_decides_and_test_records_are_left_out(tmp_path):
+    recs, table = synthetic_records(40, 3, 8, seed=2)
+    for i, r in enumerate(recs):
+        r.split = "val" if i % 4 == 0 else "test" if i % 4 == 1 else "train"
+    res = run(recs, table, tmp_path / "run", epochs=1, name="syn8")
+    assert (res.n_train, res.n_val) == (20, 10)
+    assert res.metrics["split"] == "split field"
+
+
+def test_explicit_val_file_leaks_are_errors_naming_file_line_field(tmp_path):
+    recs, table = synthetic_records(30, 3, 8, seed=2)
+    vrecs, vtable = synthetic_records(10, 3, 8, seed=3, prefix="v")
+    table.update(vtable)
+    write_labels(recs, tmp_path / "train.jsonl")
+    vrecs[4].id = recs[7].id
+    vpath = write_labels(vrecs, tmp_path / "val.jsonl")
+    with pytest.raises(LabelFileError) as ei:
+        run(tmp_path / "train.jsonl", table, tmp_path / "run", val=vpath, epochs=1, name="syn8")
+    msg = str(ei.value)
+    assert f"{vpath}:5: field 'id'" in msg and "train.jsonl:8" in msg, msg
+    vrecs[4].id = "v-unique"
+    recs[2].group, vrecs[6].group = "shared", "shared"
+    write_labels(recs, tmp_path / "train.jsonl")
+    write_labels(vrecs, vpath)
+    with pytest.raises(LabelFileError) as ei:
+        run(tmp_path / "train.jsonl", table, tmp_path / "run", val=vpath, epochs=1, name="syn8")
+    msg = str(ei.value)
+    assert f"{vpath}:7: field 'group'" in msg and "train.jsonl:3" in msg, msg
+    vrecs[6].group = None
+    write_labels(vrecs, vpath)
+    res = run(tmp_path / "train.jsonl", table, tmp_path / "run", val=vpath, epochs=1, name="syn8")
+    assert (res.n_train, res.n_val) == (30, 10)
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path):
+    recs, table = synthetic_records(120, (1, 4), 8, seed=5)  # N = 1 records included: gradients must stay finite
+    # cv_folds=0: exactly `epochs` epochs (cross-validation would choose the count; its resume is tested below)
+    kw = dict(name="syn8", controller={"score_hidden": [32], "calib_hidden": 16}, lr=1e-3, cv_folds=0)
+    straight = run(recs, table, tmp_path / "straight", epochs=4, **kw)
+    first = run(recs, table, tmp_path / "resumed", epochs=2, **kw)
+    assert len(first.history) == 2
+    with pytest.raises(FcpragError, match="already holds a training run"):
+        run(recs, table, tmp_path / "resumed", epochs=4, **kw)
+    with pytest.raises(FcpragError, match=r"cannot resume, argument\(s\) \['lr'\] differ"):
+        run(recs, table, tmp_path / "resumed", epochs=4, resume=True, **{**kw, "lr": 5e-4})
+    resumed = run(recs, table, tmp_path / "resumed", epochs=4, resume=True, **kw)
+    assert [h["epoch"] for h in resumed.history] == [1, 2, 3, 4]
+    assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history]
+    assert all(torch.isfinite(torch.tensor(h["train_loss"])) for h in resumed.history)
+    sd1, sd2 = straight.controller.state_dict(), resumed.controller.state_dict()
+    assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    log = (tmp_path / "resumed" / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["epoch"] for x in log] == [1, 2, 3, 4]
+    # the label file changing under a checkpoint is refused
+    write_labels(recs, tmp_path / "a.jsonl")
+    run(tmp_path / "a.jsonl", table, tmp_path / "fromfile", epochs=1, **kw)
+    write_labels(recs[:-1], tmp_path / "a.jsonl")
+    with pytest.raises(FcpragError, match="label file\\(s\\) changed"):
+        run(tmp_path / "a.jsonl", table, tmp_path / "fromfile", epochs=2, resume=True, **kw)
+
+
+def test_cache_prevents_re_encoding_across_runs(tmp_path):
+    recs, table = synthetic_records(50, 3, 8, seed=6)
+    write_labels(recs, tmp_path / "l.jsonl")
+    calls1, calls2 = [], []
+    run(tmp_path / "l.jsonl", table, tmp_path / "a", calls=calls1, epochs=2, name="syn8")
+    n_texts = len({r.query for r in recs} | {p for r in recs for p in r.passages})
+    assert sum(len(c) for c in calls1) == n_texts  # every distinct text once, for all epochs together
+    run(tmp_path / "l.jsonl", table, tmp_path / "b", calls=calls2, epochs=2, name="syn8")
+    assert calls2 == []
+
+
+def test_skip_mode_trains_on_the_good_records_and_reports(tmp_path):
+    recs, table = synthetic_records(40, 3, 8, seed=7)
+    lines = [json.dumps({"id": r.id, "query": r.query, "passages": r.passages, "deltas": r.deltas}) for r in recs]
+    lines[3] = lines[3].replace('"deltas": [', '"deltas": [1.0, ')  # 4 deltas for 3 passages
+    lines[10] = "{broken"
+    (tmp_path / "l.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(LabelFileError, match=r"l.jsonl:4: field 'deltas'"):
+        run(tmp_path / "l.jsonl", table, tmp_path / "run", epochs=1, name="syn8")
+    res = run(tmp_path / "l.jsonl", table, tmp_path / "run", epochs=1, name="syn8", on_error="skip")
+    assert res.n_train + res.n_val == 38
+    sk = res.metrics["skipped"][str(tmp_path / "l.jsonl")]
+    assert sk["count"] == 2 and sk["by_field"] == {"deltas": 1, "<json>": 1}
+    assert [r["line"] for r in sk["records"]] == [4, 11]
+
+
+def test_bf16_mixed_precision_learns_and_leaves_the_module_untouched(tmp_path):
+    recs, table = synthetic_records(400, 3, 16, seed=8)
+    res = run(recs, table, tmp_path / "run", precision="bf16", name="syn16b", lr=1e-3)
+    v = res.metrics["val"]
+    assert v["learned"]["kl"] < 0.5 * v["uniform"]["kl"] and v["learned"]["top1"] >= 0.8
+    assert all(p.dtype == torch.float32 for p in res.controller.parameters())
+
+
+def test_argument_errors(tmp_path):
+    recs, table = synthetic_records(10, 3, 8)
+    with pytest.raises(FcpragError, match="'batch_size' is 0"):
+        run(recs, table, tmp_path / "r", batch_size=0, name="syn8")
+    with pytest.raises(FcpragError, match=r"'controller' has unknown key\(s\) \['hidden'\]"):
+        run(recs, table, tmp_path / "r", controller={"hidden": 3}, name="syn8")
+    with pytest.raises(FcpragError, match=r"unknown argument\(s\) \['epoch'\]"):
+        train_controller(recs, tmp_path / "r", encoder=table_encoder(table, "syn8"), epoch=3)
+    with pytest.raises(FcpragError, match="t_label is -1"):
+        run(recs, table, tmp_path / "r", t_label=-1, name="syn8")
+
+
+def test_labels_from_file_and_records_agree(tmp_path):
+    recs, table = synthetic_records(60, (2, 3), 8, seed=9)
+    p = write_labels(recs, tmp_path / "l.jsonl")
+    a = run(load_labels(p), table, tmp_path / "a", epochs=2, name="syn8")
+    b = run(p, table, tmp_path / "b", epochs=2, name="syn8")
+    assert [h["train_loss"] for h in a.history] == [h["train_loss"] for h in b.history]
+
+
+def test_without_validation_the_training_set_is_reported(tmp_path):
+    recs, table = synthetic_records(40, 3, 8, seed=10)
+    res = run(recs, table, tmp_path / "run", epochs=1, val_fraction=0.0, name="syn8")
+    assert (res.n_train, res.n_val) == (40, 0) and "val" not in res.metrics
+    assert set(res.metrics["train"]) == {"learned", "uniform", "random"} and res.metrics["train"]["learned"]["n"] == 40
+    assert "training set" in res.table
+    assert "val_loss" not in res.history[0]
+    # overwrite=True starts over: the old checkpoint is gone before the new run writes its own
+    res2 = run(recs, table, tmp_path / "run", epochs=1, val_fraction=0.0, name="syn8", overwrite=True, seed=1)
+    state = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
+    assert state["args"]["seed"] == 1 and res2.history[0]["epoch"] == 1
