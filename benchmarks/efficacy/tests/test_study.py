@@ -323,6 +323,7 @@ def toy_study(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "HERE", tmp_path)
     monkeypatch.setattr(study, "WORK", tmp_path / "work")
     monkeypatch.setattr(study, "STUDY_TIMINGS", tmp_path / "timings.jsonl")
+    monkeypatch.setattr(study, "SCOPE", tmp_path / "scope.json")
     monkeypatch.setattr(study, "DATASETS", {"da": None, "db": None})
     model = tiny_model("llama", seed=5, bos_token_id=2, eos_token_id=3, pad_token_id=0).eval()
     tok = tiny_tokenizer()
@@ -389,12 +390,54 @@ def test_stages_label_grid_and_evaluate_a_toy_study_and_resume_without_rescoring
     from fcprag_plugin import FusionController
 
     FusionController.random(embed_dim=16, seed=7, embedding_model="hash-16").save_pretrained(
-        study.WORK / "controllers" / "kl" / "s0")
+        study.WORK / "controllers" / "kl-paper-k1" / "s0")
     study.cmd_eval(args)
     res2 = common.read_jsonl(common.cache_dir("da") / "results_test.jsonl")
     added = res2[len(res):]
-    assert {r["name"] for r in added} == {"learned:kl:s0"} and len(added) == len(keys)
+    # not the chosen configuration (no CV result yet): scored on param/clean only
+    assert {r["name"] for r in added} == {"learned:kl-paper-k1:s0"}
+    assert {r["key"] for r in added} == {"da|q1|clean|param", "da|q3|clean|param"}
+    common.write_json(common.cache_dir("controllers") / "kl-paper-k1-s0.json",
+                      {"candidate": "kl-paper-k1", "seed": 0, "cv": {"gain": 0.01}})
+    assert study.chosen_candidate() == "kl-paper-k1"
+    study.cmd_eval(args)  # now chosen: its rows under every condition and prompt, nothing else again
+    added = common.read_jsonl(common.cache_dir("da") / "results_test.jsonl")[len(res2):]
+    assert {r["name"] for r in added} == {"learned:kl-paper-k1:s0"}
+    assert {r["key"] for r in added} == keys - {"da|q1|clean|param", "da|q3|clean|param"}
     assert len(jobs.label_rows()) == 35
+
+
+def test_freeze_keeps_the_complete_training_questions_drops_alt_and_refuses_after_test_results(toy_study,
+                                                                                            monkeypatch):
+    import argparse
+    import shutil
+
+    import adapters
+
+    study = toy_study
+    every = {ds: {p["pid"]: {} for r in common.read_jsonl(common.cache_dir(ds) / "retrieval.jsonl")
+                  for p in r["passages"]} for ds in ("da", "db")}
+    monkeypatch.setattr(adapters, "load_augs", lambda datasets: every)
+    rows = common.read_jsonl(common.cache_dir("db") / "retrieval.jsonl")
+    q2 = next(r for r in rows if r["id"] == "q2")
+    shutil.rmtree(common.work_dir("db") / "adapters" / q2["passages"][5]["pid"])  # db:q2 is incomplete
+    order_before, _ = study.adapter_plan()
+    study.cmd_freeze(argparse.Namespace(reason="toy"))
+    sc = study.scope()
+    assert sc["train_ids"] == {"da": ["q0", "q2"], "db": ["q0"]} and "alt" not in sc["conditions"]
+    assert [(r["dataset"], r["id"]) for r in study.train_questions_in_order()] == [("da", "q0"), ("db", "q0"),
+                                                                                ("da", "q2")]
+    order, _ = study.adapter_plan()
+    test_rest = {(r["dataset"], p["pid"]) for ds in ("da", "db") for r in common.read_jsonl(
+        common.cache_dir(ds) / "retrieval.jsonl") if r["split"] == "test" for p in r["passages"][3:]}
+    assert test_rest <= set(order_before) and not test_rest & set(order)
+    assert not {("db", p["pid"]) for p in q2["passages"]} & set(order)
+    with pytest.raises(SystemExit, match="frozen once"):
+        study.cmd_freeze(argparse.Namespace(reason="again"))
+    study.SCOPE.unlink()
+    common.write_jsonl(common.cache_dir("da") / "results_test.jsonl", [{"key": "x", "name": "y", "logprob": 0}])
+    with pytest.raises(SystemExit, match="before any"):
+        study.cmd_freeze(argparse.Namespace(reason="late"))
 
 
 def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_features_included(toy_study):
