@@ -486,7 +486,8 @@ def test_methods(emb: dict[str, Any]) -> Any:
     best = best_fixed()
     random_ctrl = FusionController.random(embed_dim=dim, seed=0, embedding_model=name).eval()
     store = _AdapterStore({p["pid"]: r["dataset"] for r in all_rows() for p in r["passages"]})
-    learned = [heldout.controller_method(n, FusionController.from_pretrained(d).eval(), cached, store)
+    calibration: dict[tuple[str, tuple[str, ...]], dict[str, list[float]]] = {}
+    learned = [heldout.controller_method(n, FusionController.from_pretrained(d).eval(), cached, store, calibration)
                for n, d in learned_dirs().items()]
 
     def fn(r: dict[str, Any], ps: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -498,6 +499,7 @@ def test_methods(emb: dict[str, Any]) -> Any:
         for f in learned:
             out.update(f(r, ps))
         return out
+    fn.calibration = calibration  # type: ignore[attr-defined]  # (g, tau, scale) of every learned call
     return fn
 
 
@@ -536,7 +538,8 @@ def eval_passes(chosen: str | None, conditions: list[str]) -> list[tuple[tuple[s
 def cmd_eval(a: argparse.Namespace) -> None:
     """The methods on the test questions, pass by pass (``eval_passes``); rows already scored are skipped,
     results -> ``cache/<ds>/results_test.jsonl``; one metadata line per question, condition and new set of
-    methods -> ``cache/<ds>/test_meta.jsonl`` (readers merge a question's lines)."""
+    methods (weights per position; ``calibration``: ``[g, tau, total scale]`` per learned controller) ->
+    ``cache/<ds>/test_meta.jsonl`` (readers merge a question's lines)."""
     import os
     import time
 
@@ -560,8 +563,10 @@ def cmd_eval(a: argparse.Namespace) -> None:
             have: dict[tuple[str, str], set[str]] = {}
             for m in read_jsonl(path) if path.exists() else []:
                 have.setdefault((m["id"], m["condition"]), set()).update(m["weights"])
-            new = [dict(m, weights={k: v for k, v in m["weights"].items() if keep(k)}) for m in meta
-                   if m["dataset"] == ds]
+            new = [dict(m, weights={k: v for k, v in m["weights"].items() if keep(k)},
+                        calibration={k: v for k, v in fn.calibration.get((m["id"], tuple(m["positions"])), {}).items()
+                                     if keep(k)})
+                   for m in meta if m["dataset"] == ds]
             new = [m for m in new if not set(m["weights"]) <= have.get((m["id"], m["condition"]), set())]
             if new:
                 append_jsonl(path, new)

@@ -404,6 +404,10 @@ def test_stages_label_grid_and_evaluate_a_toy_study_and_resume_without_rescoring
     added = common.read_jsonl(common.cache_dir("da") / "results_test.jsonl")[len(res2):]
     assert {r["name"] for r in added} == {"learned:kl-paper-k1:s0"}
     assert {r["key"] for r in added} == keys - {"da|q1|clean|param", "da|q3|clean|param"}
+    calib = [m["calibration"]["learned:kl-paper-k1:s0"] for m in common.read_jsonl(
+        common.cache_dir("da") / "test_meta.jsonl") if m.get("calibration")]
+    assert len(calib) == 2 + 3 * 2  # clean (q1, q3), then replace, repeat, alt once the controller was chosen
+    assert all(len(c) == 3 and 0 <= c[0] <= 1 and c[1] > 0 and c[2] == 1.0 for c in calib)
     assert len(jobs.label_rows()) == 35
 
 
