@@ -693,6 +693,61 @@ def cmd_train(a: argparse.Namespace) -> None:
                   flush=True)
 
 
+CURVE_SIZES = (16, 32, 64)  # training questions of the learning curve (plus all of them: the train stage's run)
+
+
+def cmd_curve(a: argparse.Namespace) -> None:
+    """Learning curve of the chosen configuration: trained (seed 0, the same grouped 5-fold CV) on the first
+    ``n`` training questions of the adapter stage's order, for each ``n`` in ``CURVE_SIZES`` -> the CV result in
+    ``cache/curve/<n>-s0.json``; the full set's point is the train stage's own run (copied there)."""
+    import time
+
+    chosen = chosen_candidate()
+    if chosen is None:
+        print("curve: no trained candidate yet; nothing to do", flush=True)
+        return
+    from fcprag_plugin.training import train_controller
+
+    _threads(a.threads)
+    opts = CANDIDATES[chosen]
+    out_dir = cache_dir("curve")
+    order = [f"{r['dataset']}:{r['id']}" for r in train_questions_in_order()]
+    full = json.loads((cache_dir("controllers") / f"{chosen}-s0.json").read_text())
+    write_json(out_dir / f"{full['questions']}-s0.json", {"questions": full["questions"], "seed": 0,
+                                                          "candidate": chosen, "cv": full["cv"],
+                                                          "seconds": full["seconds"]})
+    src = WORK / f"labels_train_pooled{'_side' if opts['side_features'] else ''}.jsonl"
+    recs = read_jsonl(src)
+    enc = _train_encoder()
+    for n in CURVE_SIZES:
+        if n >= len(order) or (out_dir / f"{n}-s0.json").exists():
+            continue
+        keep = set(order[:n])
+        path = WORK / f"curve_{n}.jsonl"
+        write_jsonl(path, [x for x in recs if x["group"] in keep])
+        dst = WORK / "curve" / str(n)
+        if dst.exists():
+            import shutil
+
+            shutil.rmtree(dst)
+        t0 = time.perf_counter()
+        res = train_controller(str(path), str(dst), encoder=enc, epochs=a.epochs, cv_folds=5, seed=0,
+                               val_fraction=0.0, threads=a.threads, progress=False,
+                               cache_dir=str(WORK / "embeddings"), **opts)
+        write_json(out_dir / f"{n}-s0.json", {"questions": n, "seed": 0, "candidate": chosen,
+                                               "cv": res.metrics.get("cv"),
+                                               "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} curve: {n} questions: cv {res.metrics.get('cv', {}).get('gain')}",
+              flush=True)
+
+
+def cmd_report(a: argparse.Namespace) -> None:
+    """``docs/results/efficacy.md`` from the committed caches (``report.py``)."""
+    import report
+
+    report.main([])
+
+
 def cmd_analysis(a: argparse.Namespace) -> None:
     """The registered analysis (``analysis.py``) -> ``cache/analysis.json``."""
     import analysis
@@ -700,7 +755,7 @@ def cmd_analysis(a: argparse.Namespace) -> None:
     analysis.main()
 
 
-PIPELINE = ("bench-adapters", "adapters", "labels", "grids", "train", "eval", "analysis")  # stages run by 'pipeline', in order (later stages are added as they are written)
+PIPELINE = ("bench-adapters", "adapters", "labels", "grids", "train", "eval", "analysis", "curve", "report")  # stages run by 'pipeline', in order (later stages are added as they are written)
 
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
@@ -735,6 +790,10 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("status").add_argument("--record", action="store_true",
                                           help="also append this snapshot to cache/timings.jsonl")
     sub.add_parser("analysis").add_argument("--threads", type=int, default=1)
+    sub.add_parser("report").add_argument("--threads", type=int, default=1)
+    s = sub.add_parser("curve")
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--epochs", type=int, default=10, help="the most epochs; the trainer's CV picks 0..epochs")
     s = sub.add_parser("train")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--epochs", type=int, default=10, help="the most epochs; the trainer's CV picks 0..epochs")
@@ -764,7 +823,8 @@ def main(argv: list[str] | None = None) -> None:
     {"prepare": cmd_prepare, "freeze": cmd_freeze, "adapters": cmd_adapters,
      "bench-adapters": cmd_bench_adapters,
      "pipeline": cmd_pipeline, "labels": cmd_labels, "status": cmd_status,
-     "grids": cmd_grids, "eval": cmd_eval, "train": cmd_train, "analysis": cmd_analysis}[a.cmd](a)
+     "grids": cmd_grids, "eval": cmd_eval, "train": cmd_train, "analysis": cmd_analysis,
+     "curve": cmd_curve, "report": cmd_report}[a.cmd](a)
 
 
 if __name__ == "__main__":

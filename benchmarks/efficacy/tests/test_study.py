@@ -324,6 +324,7 @@ def toy_study(tmp_path, monkeypatch):
     monkeypatch.setattr(study, "WORK", tmp_path / "work")
     monkeypatch.setattr(study, "STUDY_TIMINGS", tmp_path / "timings.jsonl")
     monkeypatch.setattr(study, "SCOPE", tmp_path / "scope.json")
+    monkeypatch.setattr(study, "CURVE_SIZES", study.CURVE_SIZES)
     monkeypatch.setattr(study, "DATASETS", {"da": None, "db": None})
     model = tiny_model("llama", seed=5, bos_token_id=2, eos_token_id=3, pad_token_id=0).eval()
     tok = tiny_tokenizer()
@@ -460,6 +461,13 @@ def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_featur
     pooled = common.read_jsonl(study.WORK / "labels_train_pooled_side.jsonl")
     assert len(pooled) == 80 and all(len(x["adapter_stats"]) == 3 for x in pooled)
     study.cmd_train(argparse.Namespace(threads=1, epochs=2, seeds=[0, 1], only=only))  # nothing left to train
+    chosen = study.chosen_candidate()
+    assert chosen in only
+    study.CURVE_SIZES = (2,)
+    study.cmd_curve(argparse.Namespace(threads=1, epochs=2))
+    curve = {p.name: json.loads(p.read_text()) for p in (common.HERE / "cache" / "curve").glob("*.json")}
+    assert set(curve) == {"2-s0.json", "4-s0.json"} and all(c["candidate"] == chosen for c in curve.values())
+    assert curve["2-s0.json"]["cv"]["n_groups"] == 2 and curve["4-s0.json"]["cv"]["n_groups"] == 4
     study.cmd_eval(args)
     names = {r["name"] for r in common.read_jsonl(common.cache_dir("db") / "results_test.jsonl")}
     assert {f"learned:{c}:s{s}" for c in only for s in (0, 1)} <= names
