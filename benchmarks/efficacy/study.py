@@ -508,11 +508,7 @@ def chosen_candidate() -> str | None:
     None before any controller is trained."""
     import analysis
 
-    cv: dict[str, list[float]] = {}
-    for f in sorted(cache_dir("controllers").glob("*.json")):
-        m = json.loads(f.read_text())
-        if m.get("cv") and m["cv"].get("gain") is not None:
-            cv.setdefault(m["candidate"], []).append(float(m["cv"]["gain"]))
+    cv = analysis.cv_gains(cache_dir("controllers"))
     return analysis.select(cv) if cv else None
 
 
@@ -610,6 +606,7 @@ for _obj in ("kl", "risk"):
                 "objective": _obj, "side_features": _side, "kappa": "auto" if _scale == "kappa" else 1.0,
                 **({"controller": {"query_scale": True}} if _scale == "query" else {})}
 SEEDS = (0, 1, 2)
+EPOCHS = 3  # the most epochs each CV fold may train (plan change 2: the best epoch was 1 in every earlier setting)
 
 
 def library_trains_candidates() -> bool:
@@ -646,9 +643,10 @@ def pooled_labels(path: Path, with_stats: bool) -> int:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
-    """Every candidate x seed on the pooled training labels (grouped 5-fold CV inside the trainer), into
+    """Seed 0 of every candidate on the pooled training labels (grouped 5-fold CV inside the trainer), then the
+    other seeds of the configuration those CV results choose (plan change 2), into
     ``work/controllers/<candidate>/s<seed>/`` (skipped when there); each run's metrics (CV gain, CI, verdict,
-    timing) -> ``cache/controllers/<candidate>-s<seed>.json``. Seed 0 of every candidate first."""
+    timing) -> ``cache/controllers/<candidate>-s<seed>.json``."""
     import shutil
     import time
 
@@ -671,26 +669,33 @@ def cmd_train(a: argparse.Namespace) -> None:
         files[side] = WORK / f"labels_train_pooled{'_side' if side else ''}.jsonl"
         pooled_labels(files[side], side)
     enc = _train_encoder()
+
+    def run(name: str, seed: int) -> None:
+        opts = CANDIDATES[name]
+        dst = WORK / "controllers" / name / f"s{seed}"
+        if (dst / "config.json").is_file():
+            return
+        if dst.exists():  # a run that was stopped: start it again
+            shutil.rmtree(dst)
+        t0 = time.perf_counter()
+        res = train_controller(str(files[bool(opts["side_features"])]), str(dst), encoder=enc,
+                               epochs=a.epochs, cv_folds=min(5, n_groups), seed=seed, val_fraction=0.0,
+                               threads=a.threads, progress=False, cache_dir=str(WORK / "embeddings"), **opts)
+        m = dict(res.metrics)
+        write_json(out_dir / f"{name}-s{seed}.json", {
+            "candidate": name, "seed": seed, "options": opts, "epochs_max": a.epochs, "questions": n_groups,
+            "seconds": round(time.perf_counter() - t0, 1), "cv": m.get("cv"),
+            "metrics": {k: v for k, v in m.items() if k != "cv"}})
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} train: {name} seed {seed}: cv {m.get('cv', {}).get('gain')}",
+              flush=True)
+
+    for name in CANDIDATES:
+        if not a.only or name in a.only:
+            run(name, 0)
+    chosen = chosen_candidate()
     for seed in a.seeds:
-        for name, opts in CANDIDATES.items():
-            if a.only and name not in a.only:
-                continue
-            dst = WORK / "controllers" / name / f"s{seed}"
-            if (dst / "config.json").is_file():
-                continue
-            if dst.exists():  # a run that was stopped: start it again
-                shutil.rmtree(dst)
-            t0 = time.perf_counter()
-            res = train_controller(str(files[bool(opts["side_features"])]), str(dst), encoder=enc,
-                                   epochs=a.epochs, cv_folds=min(5, n_groups), seed=seed, val_fraction=0.0,
-                                   threads=a.threads, progress=False, cache_dir=str(WORK / "embeddings"), **opts)
-            m = dict(res.metrics)
-            write_json(out_dir / f"{name}-s{seed}.json", {
-                "candidate": name, "seed": seed, "options": opts, "epochs_max": a.epochs, "questions": n_groups,
-                "seconds": round(time.perf_counter() - t0, 1), "cv": m.get("cv"),
-                "metrics": {k: v for k, v in m.items() if k != "cv"}})
-            print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} train: {name} seed {seed}: cv {m.get('cv', {}).get('gain')}",
-                  flush=True)
+        if seed != 0 and chosen is not None:
+            run(chosen, seed)
 
 
 CURVE_SIZES = (16, 32, 64)  # training questions of the learning curve (plus all of them: the train stage's run)
@@ -793,11 +798,11 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("report").add_argument("--threads", type=int, default=1)
     s = sub.add_parser("curve")
     s.add_argument("--threads", type=int, default=1)
-    s.add_argument("--epochs", type=int, default=10, help="the most epochs; the trainer's CV picks 0..epochs")
+    s.add_argument("--epochs", type=int, default=EPOCHS, help="the most epochs; the trainer's CV picks 0..epochs")
     s = sub.add_parser("train")
     s.add_argument("--threads", type=int, default=1)
-    s.add_argument("--epochs", type=int, default=10, help="the most epochs; the trainer's CV picks 0..epochs")
-    s.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    s.add_argument("--epochs", type=int, default=EPOCHS, help="the most epochs; the trainer's CV picks 0..epochs")
+    s.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds of the chosen configuration")
     s.add_argument("--only", nargs="*", default=None, help="only these candidates")
     for name in ("labels", "grids", "eval"):
         s = sub.add_parser(name)

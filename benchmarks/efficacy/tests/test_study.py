@@ -455,14 +455,16 @@ def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_featur
     study.cmd_labels(args)
     only = ["kl-paper-k1", "risk-side-query"]
     study.cmd_train(argparse.Namespace(threads=1, epochs=2, seeds=[0, 1], only=only))
-    assert sorted(study.learned_dirs()) == sorted(f"learned:{c}:s{s}" for c in only for s in (0, 1))
-    m = json.loads((common.HERE / "cache" / "controllers" / "risk-side-query-s1.json").read_text())
+    chosen = study.chosen_candidate()
+    assert chosen in only
+    # seed 0 of every candidate, the other seeds of the chosen configuration only
+    assert sorted(study.learned_dirs()) == sorted([f"learned:{c}:s0" for c in only] + [f"learned:{chosen}:s1"])
+    m = json.loads((common.HERE / "cache" / "controllers" / "risk-side-query-s0.json").read_text())
     assert m["cv"]["verdict"] in {"better_than_uniform", "unproven"} and m["options"]["side_features"]
     pooled = common.read_jsonl(study.WORK / "labels_train_pooled_side.jsonl")
     assert len(pooled) == 80 and all(len(x["adapter_stats"]) == 3 for x in pooled)
     study.cmd_train(argparse.Namespace(threads=1, epochs=2, seeds=[0, 1], only=only))  # nothing left to train
-    chosen = study.chosen_candidate()
-    assert chosen in only
+    assert study.chosen_candidate() == chosen  # its seed 1 does not change the choice
     study.CURVE_SIZES = (2,)
     study.cmd_curve(argparse.Namespace(threads=1, epochs=2))
     curve = {p.name: json.loads(p.read_text()) for p in (common.HERE / "cache" / "curve").glob("*.json")}
@@ -470,7 +472,18 @@ def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_featur
     assert curve["2-s0.json"]["cv"]["n_groups"] == 2 and curve["4-s0.json"]["cv"]["n_groups"] == 4
     study.cmd_eval(args)
     names = {r["name"] for r in common.read_jsonl(common.cache_dir("db") / "results_test.jsonl")}
-    assert {f"learned:{c}:s{s}" for c in only for s in (0, 1)} <= names
+    assert {f"learned:{c}:s0" for c in only} | {f"learned:{chosen}:s1"} <= names
+
+
+def test_selection_reads_seed_0_only_so_the_chosen_configurations_later_seeds_cannot_change_it(tmp_path):
+    import analysis
+
+    for cand, seed, gain in [("kl-paper-k1", 0, 0.02), ("risk-paper-k1", 0, 0.01), ("risk-paper-k1", 1, 0.5),
+                             ("kl-paper-k1", 1, -0.5), ("kl-side-k1", 0, None)]:
+        common.write_json(tmp_path / f"{cand}-s{seed}.json",
+                          {"candidate": cand, "seed": seed, "cv": None if gain is None else {"gain": gain}})
+    assert analysis.cv_gains(tmp_path) == {"kl-paper-k1": [0.02], "risk-paper-k1": [0.01]}
+    assert analysis.select(analysis.cv_gains(tmp_path)) == "kl-paper-k1"
 
 
 def test_selection_prefers_the_best_cv_gain_and_breaks_near_ties_toward_the_paper():
