@@ -527,8 +527,8 @@ def eval_passes(chosen: str | None, conditions: list[str]) -> list[tuple[tuple[s
         return core(name) or name == "random" or name.startswith(("best_", "loo:"))
 
     pert = tuple(c for c in ("replace", "repeat", "alt") if c in conditions)
-    return [(("clean",), ("param",), primary), (("clean",), ("param",), lambda name: True),
-            (("clean",), ("combine",), core)] + ([(pert, ("param",), core)] if pert else [])
+    return ([(("clean",), ("param",), primary)] + ([(pert, ("param",), core)] if pert else [])
+            + [(("clean",), ("param",), lambda name: True), (("clean",), ("combine",), core)])
 
 
 def cmd_eval(a: argparse.Namespace) -> None:

@@ -475,6 +475,20 @@ def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_featur
     assert {f"learned:{c}:s0" for c in only} | {f"learned:{chosen}:s1"} <= names
 
 
+def test_eval_passes_score_the_primary_rows_first_then_perturbations_other_methods_and_combine():
+    import study
+
+    passes = study.eval_passes("risk-side-kappa", ["clean", "replace", "repeat"])
+    assert [(c, m) for c, m, _ in passes] == [(("clean",), ("param",)), (("replace", "repeat"), ("param",)),
+                                              (("clean",), ("param",)), (("clean",), ("combine",))]
+    primary, pert, rest, combine = (k for _, _, k in passes)
+    for name in ("prag_sum", "average", "random", "best_kappa", "loo:0", "learned:risk-side-kappa:s2"):
+        assert primary(name)
+    assert not primary("learned:kl-paper-k1:s0") and rest("learned:kl-paper-k1:s0")
+    assert pert("learned:risk-side-kappa:s1") and not pert("random") and not pert("loo:0")
+    assert combine("prag_sum") and not combine("best_cos")
+
+
 def test_selection_reads_seed_0_only_so_the_chosen_configurations_later_seeds_cannot_change_it(tmp_path):
     import analysis
 
