@@ -4,10 +4,12 @@ For each demo question (``adapters/demo/manifest.json``: 3 HotpotQA questions, 3
 one LoRA per passage for SmolLM2-135M-Instruct), it fuses the passage adapters
 
 - with PRAG's uniform merge (``controller=None``: ``w~ = [1, 1, 1]``),
-- with a controller *trained right here* (seconds) with ``fcprag_plugin.training.train_controller`` from the
-  shipped label file ``examples/data/hotpotqa_train_labels.jsonl``: leave-one-out labels of 150 HotpotQA
-  training questions built by the efficacy study (``benchmarks/efficacy/``; the demo questions are not among
-  them). ``adapters/demo/controller/``, when present, is used instead; ``--no-train`` skips training;
+- with a controller *trained right here* (a minute or two) with ``fcprag_plugin.training.train_controller`` and
+  the efficacy study's recommended recipe (``RECIPE``) from the shipped label file
+  ``examples/data/efficacy_train_labels.jsonl``: the study's leave-one-out labels of 126 HotpotQA and
+  2WikiMultihopQA training questions (``benchmarks/efficacy/``; the demo questions are in its test split), with
+  the passages' retrieval ranks, BM25 scores and adapter statistics. The training prints its cross-validated
+  verdict. ``adapters/demo/controller/``, when present, is used instead; ``--no-train`` skips training;
 - with a *fixed cosine baseline* (one global g and tau, scores ``(1 + cos(e_q, e_p)) / 2``; not trained),
 - with a seeded random (untrained) controller, for contrast,
 
@@ -50,13 +52,18 @@ from demo_common import (  # noqa: E402
 FIXED_G = 0.5
 FIXED_TAU = 0.05
 RANDOM_SEED = 0
-LABELS = Path(__file__).resolve().parent / "data" / "hotpotqa_train_labels.jsonl"
+LABELS = Path(__file__).resolve().parent / "data" / "efficacy_train_labels.jsonl"
+# The efficacy study's recommended recipe (its configuration chosen by grouped CV on the training labels alone,
+# benchmarks/efficacy/controller/config.json): the risk objective, a global scale tuned on the labels, and the
+# passages' side features; CV trains at most 3 epochs (docs/results/efficacy-plan.md).
+RECIPE: dict[str, Any] = {"objective": "risk", "kappa": "auto", "epochs": 3,
+                          "side_features": ["retrieval_rank", "retrieval_score", "adapter_stats"]}
 TRAIN_OUT = Path(__file__).resolve().parent.parent / "runs" / "demo-controller"
 
 
 def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = TRAIN_OUT, out=print,
                           cache_dir: str | None = "") -> Any:
-    """Train a controller on the shipped label file (library defaults, seed 0) and return it.
+    """Train a controller on the shipped label file (``RECIPE``, seed 0) and return it.
 
     ``cache_dir``: the embedding cache; ``""`` (the default here, for tests) none, ``None`` the library's default
     ($FCPRAG_CACHE_DIR or ~/.cache/fcprag/embeddings), which `make demo` uses: a second demo, or a later
@@ -66,7 +73,7 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
 
     t0 = time.perf_counter()
     res = train_controller(str(labels), out_dir, encoder=encoder, overwrite=True, progress=False, seed=0,
-                           cache_dir=cache_dir)
+                           cache_dir=cache_dir, **RECIPE)
     out(f"trained a controller on {labels.name} ({res.n_train} train / {res.n_val} validation queries) "
         f"in {time.perf_counter() - t0:.0f}s -> {out_dir}")
     for line in res.table.splitlines():
@@ -141,7 +148,9 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
         base_answer = generate_answer(model, tok, q["question"], max_new_tokens)
         results = []
         for label, ctrl in methods:
-            res = fuse(adapters, q["question"], passages, controller=ctrl, encoder=encoder)
+            res = fuse(adapters, q["question"], passages, controller=ctrl, encoder=encoder,
+                       retrieval_ranks=[p["rank"] for p in q["passages"]],
+                       retrieval_scores=[p["bm25_score"] for p in q["passages"]])
             with activate(model, res.adapter):
                 answer = generate_answer(model, tok, q["question"], max_new_tokens)
             results.append((label, res, answer))

@@ -106,12 +106,15 @@ def test_quickstart_core_path(smollm2, encoder, manifest, tmp_path):
     # the controller trained from the shipped labels, reloaded from disk, gives the weights the demo printed
     assert "learned controller" in learned["label"]
     ctrl = FusionController.from_pretrained(tmp_path / "ctrl")
-    e = encoder.encode([q["question"]] + [p["text"] for p in q["passages"]])
-    with torch.no_grad():
-        ref = ctrl(e[:1], e[None, 1:])
+    assert ctrl.config.side_features == quickstart.RECIPE["side_features"]
+    with torch.no_grad():  # the demo passes the passages' retrieval ranks and scores; stats come from the adapters
+        ref = ctrl.predict(q["question"], [p["text"] for p in q["passages"]], encoder,
+                           retrieval_ranks=[float(p["rank"]) for p in q["passages"]],
+                           retrieval_scores=[float(p["bm25_score"]) for p in q["passages"]],
+                           adapter_stats=[LoraAdapter.from_pretrained(p["adapter_path"]) for p in q["passages"]])
     assert learned["merge_weights"] == pytest.approx(ref.merge_weights[0].tolist(), abs=1e-4)
     assert learned["g"] == pytest.approx(float(ref.g[0]), abs=1e-5)
-    assert any(line.startswith("trained a controller on hotpotqa_train_labels.jsonl") for line in lines)
+    assert any(line.startswith("trained a controller on efficacy_train_labels.jsonl") for line in lines)
     cv = json.loads((tmp_path / "ctrl" / "metrics.json").read_text())["cv"]  # the verdict is printed as recorded
     verdict = [line for line in lines if "-fold grouped CV" in line]
     assert len(verdict) == 1 and f"{cv['gain']:+.4g}" in verdict[0]

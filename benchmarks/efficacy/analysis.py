@@ -2,8 +2,9 @@
 
     python benchmarks/efficacy/analysis.py
 
-- Selection (training split only): per candidate, the mean over seeds of the trainer's grouped-CV gain
-  (``cache/controllers/<candidate>-s<seed>.json``); the highest wins, ties within ``TIE`` go to the candidate that
+- Selection (training split only): per candidate, the trainer's grouped-CV gain of seed 0
+  (``cache/controllers/<candidate>-s0.json``; plan change 2: only the chosen configuration gets seeds 1 and 2,
+  so its later seeds cannot change the choice); the highest wins, ties within ``TIE`` go to the candidate that
   changes fewer options from the paper's (KL objective, paper features, kappa 1).
 - Outcome per test question: gold log-lik. from ``cache/<ds>/results_test.jsonl``; a learned configuration's value
   is the mean over its seeds.
@@ -32,6 +33,19 @@ FLIPS = 10_000
 TIE = 0.001
 PAPER = {"objective": "kl", "features": "paper", "scale": "k1"}
 DATASETS = ("hotpotqa", "2wiki")
+
+
+SELECTION_SEEDS = (0,)  # the selection reads these seeds' CV (docs/results/efficacy-plan.md, change 2)
+
+
+def cv_gains(folder: Path, seeds: Sequence[int] = SELECTION_SEEDS) -> dict[str, list[float]]:
+    """``{candidate: [CV gain per seed in seeds]}`` from ``folder/<candidate>-s<seed>.json``."""
+    cv: dict[str, list[float]] = {}
+    for f in sorted(folder.glob("*.json")):
+        m = json.loads(f.read_text())
+        if m.get("seed") in seeds and m.get("cv") and m["cv"].get("gain") is not None:
+            cv.setdefault(m["candidate"], []).append(float(m["cv"]["gain"]))
+    return cv
 
 
 def changes_from_paper(candidate: str) -> int:
@@ -136,12 +150,7 @@ def analyse(results: dict[str, list[dict[str, Any]]], cv: dict[str, list[float]]
 def main() -> None:
     results = {ds: read_jsonl(cache_dir(ds) / "results_test.jsonl") for ds in DATASETS
                if (cache_dir(ds) / "results_test.jsonl").exists()}
-    cv: dict[str, list[float]] = {}
-    for f in sorted((HERE / "cache" / "controllers").glob("*.json")):
-        m = json.loads(f.read_text())
-        if m.get("cv") and m["cv"].get("gain") is not None:
-            cv.setdefault(m["candidate"], []).append(float(m["cv"]["gain"]))
-    out = analyse(results, cv)
+    out = analyse(results, cv_gains(cache_dir("controllers")))
     write_json(HERE / "cache" / "analysis.json", out)
     print(f"chosen: {out.get('chosen')}; primary: {out.get('primary')}")
 

@@ -22,8 +22,10 @@ from methods import oracle_weights
 WeightFn = Callable[[dict[str, Any], list[dict[str, Any]]], dict[str, list[float]]]
 
 
-def controller_method(name: str, ctrl: Any, encoder: Any, store: dict[str, Any]) -> WeightFn:
-    """``{name: w~ per position}`` from a :class:`~fcprag_plugin.FusionController` (eval mode)."""
+def controller_method(name: str, ctrl: Any, encoder: Any, store: dict[str, Any],
+                      record: dict[tuple[str, tuple[str, ...]], dict[str, list[float]]] | None = None) -> WeightFn:
+    """``{name: w~ per position}`` from a :class:`~fcprag_plugin.FusionController` (eval mode); with ``record``,
+    also ``record[(question id, pids by position)][name] = [g, tau, total scale]`` for every call."""
     side = list(getattr(ctrl.config, "side_features", None) or [])
 
     def fn(r: dict[str, Any], ps: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -36,6 +38,10 @@ def controller_method(name: str, ctrl: Any, encoder: Any, store: dict[str, Any])
                                    adapter_stats=[store[p["pid"]] for p in ps])
             else:
                 out = ctrl.predict(r["question"], texts, encoder)
+        if record is not None:
+            scale = 1.0 if out.scale is None else float(out.scale[0])
+            record.setdefault((r["id"], tuple(p["pid"] for p in ps)), {})[name] = [
+                round(float(out.g[0]), 5), round(float(out.tau[0]), 5), round(scale, 5)]
         return {name: [float(x) for x in out.merge_weights[0]]}
     return fn
 

