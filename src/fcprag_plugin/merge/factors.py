@@ -9,7 +9,6 @@ destination dtype; sums are accumulated in that precision in adapter order and r
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -82,14 +81,12 @@ def cat(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], coefs: Sequence[
         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``A = cat_i(coefs_i A_i)`` ``[..., sum r_i, in]``, ``B = cat_i(B_i)`` ``[..., out, sum r_i]``:
     ``B A = sum_i coefs_i B_i A_i`` exactly. Ranks may differ. ``dtype`` defaults to the first A's."""
-    a0, b0 = As[0], Bs[0]
-    ranks = [int(a.shape[-2]) for a in As]
-    A = torch.empty(*a0.shape[:-2], sum(ranks), a0.shape[-1], dtype=dtype or a0.dtype, device=a0.device)
-    B = torch.empty(*b0.shape[:-1], sum(ranks), dtype=dtype or b0.dtype, device=b0.device)
-    rows = [slice(o - r, o) for o, r in zip(itertools.accumulate(ranks), ranks)]
-    write_cat([A[..., s, :] for s in rows], [B[..., s].transpose(-1, -2) for s in rows], As,
-              [b.transpose(-1, -2) for b in Bs], coefs)
-    return A, B
+    dt = dtype or As[0].dtype
+    acc = torch.float64 if torch.float64 in (dt, *(a.dtype for a in As)) else torch.float32
+    # one torch.cat per factor (not a copy per adapter): the scaled copies are computed in ``acc`` and rounded once
+    A = torch.cat([a.to(acc) * (c.to(a.device) if isinstance(c, torch.Tensor) else c) for a, c in zip(As, coefs)],
+                  dim=-2)
+    return A.to(dt), torch.cat([b.to(dt) for b in Bs], dim=-1)
 
 
 def separate(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], a_coefs: Sequence[float | torch.Tensor],
