@@ -1,6 +1,6 @@
 """CPU stages of the study: split + BM25 retrieval, deterministic augmentation, embeddings.
 
-- ``retrieval(data, out, test_fraction, top_k)``: every question of a ``../shared/data``-schema file, split by
+- ``retrieval(data, out, test_fraction, top_k)``: every question (but the ``exclude``d ids) of a ``../shared/data``-schema file, split by
   question with a seeded shuffle (``test_fraction`` of the questions in test; the first 3 HotpotQA questions,
   which the demo asks, always in test), BM25 (``retrieve.bm25_rank``) of the question over its own 10 passages,
   top ``top_k`` kept with their score, rank and supporting flag.
@@ -26,13 +26,15 @@ DEMO_QUESTIONS = 3
 
 
 def retrieval(data: Path, out: Path, test_fraction: float, top_k: int, limit: int | None = None,
-              dataset: str | None = None) -> list[dict[str, Any]]:
+              dataset: str | None = None, exclude: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """``exclude``: question ids left out before ``limit`` counts (a controller's training questions)."""
     rows = read_jsonl(data)
     for n, row in enumerate(rows, 1):
         for key in ("id", "question", "answer", "passages", "titles", "supporting_titles"):
             if key not in row:
                 raise SystemExit(f"{data}:{n}: field '{key}' missing; expected the ../shared/data record schema")
     name = dataset or data.stem
+    rows = [r for r in rows if r["id"] not in exclude]
     if limit is not None:
         rows = rows[:limit]
     forced = set(range(min(DEMO_QUESTIONS, len(rows)))) if "hotpotqa" in name else set()

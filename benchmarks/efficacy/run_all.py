@@ -2,6 +2,9 @@
 
     python benchmarks/efficacy/run_all.py --data FILE --controller DIR --out WORKDIR [--limit N]
 
+Questions the controller was trained on (``<controller>/train_question_ids.json``, ``{"ids": [...]}``) are left
+out before ``--limit`` counts, so the evaluation is held out; ``--keep-trained`` keeps them.
+
 Stages (each resumable: what WORKDIR already holds is kept; wall-clock per stage in ``WORKDIR/timings.jsonl``):
 1. BM25 top-``--top-k`` of each question over its own passages (``prepare.retrieval``; every question is held out)
    -> ``retrieval.jsonl``;
@@ -41,6 +44,20 @@ def _timed(out: Path, stage: str, t0: float, **info: Any) -> None:
                                           "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}])
 
 
+def _trained_ids(ctrl_dir: Path) -> frozenset[str]:
+    """The controller's training question ids (empty when the folder does not record them)."""
+    path = ctrl_dir / "train_question_ids.json"
+    if not path.is_file():
+        return frozenset()
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))["ids"]
+    except (ValueError, KeyError, TypeError) as e:
+        _fail(f"{path}: cannot read it ({type(e).__name__}: {e}); expected {{\"ids\": [question id, ...]}}")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        _fail(f"{path}: 'ids' must be a list of question id strings")
+    return frozenset(ids)
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -58,12 +75,18 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         _fail(f"--controller {ctrl_dir}: no config.json there; expected a saved controller folder")
     if a.limit is not None and a.limit < 1:
         _fail(f"--limit {a.limit}: expected a positive number of questions")
+    trained = frozenset() if a.keep_trained else _trained_ids(ctrl_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(a.threads)
     name = data.stem
 
     t0 = time.perf_counter()
-    rows = prepare.retrieval(data, out / "retrieval.jsonl", 1.0, a.top_k, limit=a.limit, dataset=name)
+    left_out = sum(r.get("id") in trained for r in read_jsonl(data))
+    if left_out:
+        print(f"run_all.py: leaving out {left_out} question(s) of {data} that the controller was trained on "
+              f"(--keep-trained keeps them)", file=sys.stderr)
+    rows = prepare.retrieval(data, out / "retrieval.jsonl", 1.0, a.top_k, limit=a.limit, dataset=name,
+                             exclude=trained)
     for r in rows:
         r["split"] = "test"  # every question of the file is held out
     _timed(out, "retrieve", t0, questions=len(rows), top_k=a.top_k)
@@ -118,7 +141,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     summary["settings"] = {"data": str(data), "controller": str(ctrl_dir), "limit": a.limit, "top_k": a.top_k,
                            "prompt": "param", "condition": "clean", "max_tokens": a.max_tokens,
                            "adapter_dtype": adapters.DTYPE, "scorer": scoring.scorer_name(),
-                           "threads": a.threads}
+                           "threads": a.threads, "left_out_trained": left_out}
     write_json(out / "summary.json", summary)
     return summary
 
@@ -128,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", required=True, help="question file (JSON Lines, ../shared/data schema)")
     p.add_argument("--controller", required=True, help="saved controller folder (config.json + weights)")
     p.add_argument("--out", required=True, help="work folder (created; reused to resume)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N questions")
+    p.add_argument("--limit", type=int, default=None, help="only the first N questions (after leaving out trained ones)")
+    p.add_argument("--keep-trained", action="store_true",
+                   help="keep the questions listed in <controller>/train_question_ids.json")
     p.add_argument("--top-k", type=int, default=3, help="passages merged per question (BM25 top-k)")
     p.add_argument("--max-tokens", type=int, default=128, help="passage tokens per adapter training sample")
     p.add_argument("--group", type=int, default=12, help="adapters trained together")

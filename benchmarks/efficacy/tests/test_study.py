@@ -312,6 +312,53 @@ def test_run_all_user_errors_are_one_line_exit_2(tmp_path, args, msg, capsys):
     assert err.count("\n") == 0 and msg in err
 
 
+def _ctrl_with_trained(tmp_path: Path, ids_text: str) -> Path:
+    ctrl = tmp_path / "ctrl"
+    ctrl.mkdir()
+    (ctrl / "config.json").write_text("{}")
+    (ctrl / "train_question_ids.json").write_text(ids_text)
+    return ctrl
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_run_all_leaves_out_the_controllers_training_questions(tmp_path, monkeypatch, capsys, keep):
+    import run_all
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+    real = prepare.retrieval
+
+    def spy(*args, **kwargs):  # run the real retrieval, then stop before the model loads
+        seen["rows"] = real(*args, **kwargs)
+        raise Stop
+
+    monkeypatch.setattr(prepare, "retrieval", spy)
+    data = _data_file(tmp_path / "d.jsonl", 6)
+    ctrl = _ctrl_with_trained(tmp_path, json.dumps({"ids": ["q0", "q2", "not-in-file"]}))
+    with pytest.raises(Stop):
+        run_all.main(["--data", str(data), "--controller", str(ctrl), "--out", str(tmp_path / "o"), "--limit", "3"]
+                     + (["--keep-trained"] if keep else []))
+    ids = [r["id"] for r in seen["rows"]]
+    assert ids == (["q0", "q1", "q2"] if keep else ["q1", "q3", "q4"])  # --limit counts the remaining questions
+    err = capsys.readouterr().err
+    assert ("leaving out 2 question(s)" in err) is (not keep)
+
+
+@pytest.mark.parametrize("text", ["not json", '{"ids": "q0"}', '{"other": []}'])
+def test_run_all_bad_trained_ids_file_is_one_line_exit_2(tmp_path, capsys, text):
+    import run_all
+
+    ctrl = _ctrl_with_trained(tmp_path, text)
+    with pytest.raises(SystemExit) as e:
+        run_all.main(["--data", str(_data_file(tmp_path / "d.jsonl", 2)), "--controller", str(ctrl),
+                      "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "train_question_ids.json" in err
+
+
 @pytest.fixture()
 def toy_study(tmp_path, monkeypatch):
     """Two toy datasets (4 questions each, 6 passages) with real tiny adapters, and the study's stages pointed at
