@@ -11,11 +11,14 @@ Stages (each resumable: what WORKDIR already holds is kept; wall-clock per stage
 2. the documented deterministic augmentation (``prepare.augmentation``) -> ``augment.jsonl``;
 3. one PRAG-recipe adapter per retrieved passage (``adapters.build``: LoRA r 2, alpha 32, gate/up/down_proj,
    AdamW lr 3e-4, 1 epoch) -> ``adapters/<pid>/`` and ``adapters.jsonl`` (steps, losses);
-4. per question, ``param`` prompt, gold answer's mean token log-likelihood with the BM25 top-k merged by:
-   ``prag_sum`` (w~ = 1), ``average`` (1/N), ``learned`` (the controller), the ``loo:i`` rows and the
-   leave-one-out ``oracle`` (reads the answer: a reference) -> ``eval.jsonl`` (appended per batch of questions);
-5. ``summary.json``: ``{"n_questions", "methods": {name: {"gold_loglik"}}, "paired": {name: {"delta_loglik",
-   "ci95", "against": "prag_sum"}}, "settings"}`` (paired bootstrap over questions, 2,000 resamples).
+4. per question, ``--prompt`` (``param``, the default, or ``combine``), gold answer's mean token log-likelihood
+   with the BM25 top-k merged by: ``prag_sum`` (w~ = 1), ``average`` (1/N), ``learned`` (the controller),
+   ``learned_same_total`` (every passage at the mean of the learned weights: its scale without its reweighting),
+   the ``loo:i`` rows and the leave-one-out ``oracle`` (reads the answer: a reference) -> ``eval.jsonl``
+   (appended per batch of questions; adapters and rows already scored are reused across prompts);
+5. ``summary.json`` (``summary_combine.json`` for ``--prompt combine``): ``{"n_questions", "methods": {name:
+   {"gold_loglik"}}, "paired": {name: {"delta_loglik", "ci95", "against": "prag_sum"}}, "settings"}``
+   (paired bootstrap over questions, 2,000 resamples).
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ def _trained_ids(ctrl_dir: Path) -> frozenset[str]:
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         _fail(f"{path}: 'ids' must be a list of question id strings")
     return frozenset(ids)
+
+
+def _with_same_total(method: Any) -> Any:
+    """Adds ``learned_same_total``: every passage at the learned weights' mean, i.e. the controller's total scale
+    without its reweighting between passages (separates "how much" from "which")."""
+    def fn(r: dict[str, Any], ps: list[dict[str, Any]]) -> dict[str, list[float]]:
+        w = method(r, ps)["learned"]
+        return {"learned": w, "learned_same_total": [sum(w) / len(w)] * len(w)}
+    return fn
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -114,8 +126,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         ctrl = FusionController.from_pretrained(ctrl_dir).eval()
         enc = TextEncoder()
-        method = heldout.controller_method("learned", ctrl, enc, store)
-        jobs, meta = test_jobs(rows, method, generate_conditions=(), conditions=("clean",), modes=("param",),
+        method = _with_same_total(heldout.controller_method("learned", ctrl, enc, store))
+        jobs, meta = test_jobs(rows, method, generate_conditions=(), conditions=("clean",), modes=(a.prompt,),
                                top=a.top_k)
     except FcpragError as e:
         _fail(f"--controller {ctrl_dir}: {e}")
@@ -124,7 +136,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     todo_jobs = [j for j in jobs if not set(j["rows"]) <= set(have.get(j["key"], {}))]
     t0 = time.perf_counter()
     slot = scoring.make_slot(model, store, max_adapters=a.top_k * a.questions)
-    meta_by = {f"{m['dataset']}|{m['id']}|{m['condition']}|param": m for m in meta}
+    meta_by = {f"{m['dataset']}|{m['id']}|{m['condition']}|{a.prompt}": m for m in meta}
     for s in range(0, len(todo_jobs), a.questions):
         chunk = [Job.from_dict(j).encode(tok) for j in todo_jobs[s:s + a.questions]]
         res = scoring.score_jobs(model, tok, slot, chunk, store)
@@ -139,10 +151,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     keys = {j["key"] for j in jobs}
     summary = heldout.summarise({k: v for k, v in table.items() if k in keys})
     summary["settings"] = {"data": str(data), "controller": str(ctrl_dir), "limit": a.limit, "top_k": a.top_k,
-                           "prompt": "param", "condition": "clean", "max_tokens": a.max_tokens,
+                           "prompt": a.prompt, "condition": "clean", "max_tokens": a.max_tokens,
                            "adapter_dtype": adapters.DTYPE, "scorer": scoring.scorer_name(),
                            "threads": a.threads, "left_out_trained": left_out}
-    write_json(out / "summary.json", summary)
+    write_json(out / ("summary.json" if a.prompt == "param" else f"summary_{a.prompt}.json"), summary)
     return summary
 
 
@@ -154,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=None, help="only the first N questions (after leaving out trained ones)")
     p.add_argument("--keep-trained", action="store_true",
                    help="keep the questions listed in <controller>/train_question_ids.json")
+    p.add_argument("--prompt", choices=("param", "combine"), default="param",
+                   help="param: the question alone; combine: the passages in the prompt as well "
+                        "(writes summary_combine.json)")
     p.add_argument("--top-k", type=int, default=3, help="passages merged per question (BM25 top-k)")
     p.add_argument("--max-tokens", type=int, default=128, help="passage tokens per adapter training sample")
     p.add_argument("--group", type=int, default=12, help="adapters trained together")
