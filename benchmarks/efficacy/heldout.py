@@ -7,7 +7,7 @@ passages -> scored rows (``scoring.score_jobs``) -> one value per question and m
 - :func:`oracle_job`: the leave-one-out oracle's row of a scored job (``w~ = n softmax(delta / 0.1)`` from the
   job's own ``prag_sum`` and ``loo:i`` results; it reads the answer, so it is a reference, not a method).
 - :func:`summarise`: mean gold log-lik. per method and, per method against ``prag_sum``, the mean paired
-  difference with a 95% paired bootstrap CI over questions (``report.bootstrap``).
+  difference with a 95% paired bootstrap CI over questions (``analysis.paired_bootstrap``, 2,000 resamples).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def per_question(results: list[dict[str, Any]], metric: str = "logprob") -> dict
 def summarise(table: dict[str, dict[str, float]], baseline: str = "prag_sum", seed: str = "heldout"
               ) -> dict[str, Any]:
     """Means over the questions that have every method, and paired differences against ``baseline``."""
-    from report import bootstrap
+    from analysis import paired_bootstrap
 
     methods = sorted({m for v in table.values() for m in v if not m.startswith("loo:")})
     keys = sorted(k for k, v in table.items() if all(m in v for m in methods))
@@ -93,6 +93,6 @@ def summarise(table: dict[str, dict[str, float]], baseline: str = "prag_sum", se
         if m == baseline:
             continue
         diffs = [table[k][m] - table[k][baseline] for k in keys]
-        point, lo, hi = bootstrap({"d": diffs}, lambda v: sum(v["d"]) / len(v["d"]), f"{seed}:{m}")
+        point, lo, hi = paired_bootstrap({"all": diffs}, f"{seed}:{m}", n=2000)
         out["paired"][m] = {"delta_loglik": point, "ci95": [lo, hi], "against": baseline}
     return out

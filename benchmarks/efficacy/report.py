@@ -17,8 +17,6 @@ is reported as not run, with the reason; nothing is estimated in its place.
   finish: it is shown as not run with the questions it covered, never as a result (the plan's rule).
 - ``benchmarks/efficacy/discussion.md`` (written by hand) is included once, verbatim.
 
-``bootstrap`` (single-stratum bootstrap of any statistic, used by ``heldout.summarise``) and ``analyse`` (the earlier
-one-dataset study's ``eval.jsonl``, used by that stage's test) are kept for their callers.
 """
 
 from __future__ import annotations
@@ -26,11 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -47,7 +43,6 @@ DESC_BOOT = 2000  # resamples of the descriptive CIs (the registered ones in ana
 MARGIN = -0.01  # the plan's "never worse beyond noise" bar on the CI's lower bound
 BASELINES = ("prag_sum", "average", "random", "best_kappa", "best_cos", "best_bm25")
 NOT_SUMMED = ("progress", "adapters-bench", "bench-adapters")  # timings rows that are not stage runs
-BOOT = 2000  # resamples of the legacy ``bootstrap`` (heldout.py)
 
 WHY = {
     "retrieval.jsonl": "the `prepare` stage has not written it",
@@ -63,43 +58,9 @@ WHY = {
 }
 
 
-# ----------------------------------------------------------------------------- kept for other callers
+# ----------------------------------------------------------------------------- helpers
 def mean(x: Sequence[float]) -> float:
     return sum(x) / len(x) if x else float("nan")
-
-
-def bootstrap(values: dict[str, Sequence[float]], stat: Callable[[dict[str, list[float]]], float],
-              seed: str) -> tuple[float, float, float]:
-    """``values``: aligned per-question lists; ``stat`` of the resampled lists -> (point, lo, hi); ``BOOT``
-    percentile resamples, seeded (``heldout.summarise``)."""
-    keys = list(values)
-    n = len(values[keys[0]])
-    point = stat({k: list(v) for k, v in values.items()})
-    r = random.Random(f"{SEED}:{seed}")
-    stats = []
-    for _ in range(BOOT):
-        idx = [r.randrange(n) for _ in range(n)]
-        s = stat({k: [values[k][i] for i in idx] for k in keys})
-        if not math.isnan(s):
-            stats.append(s)
-    stats.sort()
-    if not stats:
-        return point, float("nan"), float("nan")
-    return point, stats[int(0.025 * len(stats))], stats[min(len(stats) - 1, int(0.975 * len(stats)))]
-
-
-def analyse(dataset: str) -> dict[str, Any]:
-    """The earlier one-dataset study's ``cache/<dataset>/eval.jsonl`` (``evaluate.py``): its methods, conditions,
-    prompts and how many test questions have every one of them (that stage's test reads this)."""
-    have: dict[tuple[str, str, str], set[str]] = defaultdict(set)
-    for r in read_jsonl(common.cache_dir(dataset) / "eval.jsonl"):
-        have[(r["condition"], r["mode"], r["method"])].add(r["id"])
-    methods = sorted({m for (_, _, m) in have if not m.startswith("loo:")})
-    conds = sorted({c for (c, _, _) in have})
-    modes = sorted({m for (_, m, _) in have})
-    cells = [have[(c, m, meth)] for c in conds for m in modes for meth in methods]
-    ids = set.intersection(*cells) if cells else set()
-    return {"dataset": dataset, "questions": len(ids), "methods": methods, "conditions": conds, "modes": modes}
 
 
 # ----------------------------------------------------------------------------- reading the caches

@@ -297,8 +297,8 @@ def test_bootstrap_ci_contains_the_mean_and_shrinks_with_n():
     r = random.Random(0)
     small = [r.gauss(1.0, 1.0) for _ in range(20)]
     large = [r.gauss(1.0, 1.0) for _ in range(200)]
-    p1, lo1, hi1 = report.bootstrap({"x": small}, lambda v: report.mean(v["x"]), "s")
-    p2, lo2, hi2 = report.bootstrap({"x": large}, lambda v: report.mean(v["x"]), "l")
+    p1, lo1, hi1 = analysis.paired_bootstrap({"x": small}, "s", n=2000)
+    p2, lo2, hi2 = analysis.paired_bootstrap({"x": large}, "l", n=2000)
     assert lo1 < p1 < hi1 and lo2 < p2 < hi2
     assert p1 == pytest.approx(sum(small) / 20)
     assert (hi2 - lo2) < (hi1 - lo1) / 2
