@@ -5,7 +5,8 @@
 Reads the committed caches under ``benchmarks/efficacy/cache/`` only (never loads a model, never reads ``work/``):
 ``scope.json``, ``analysis.json`` (the registered analysis, ``analysis.py``), ``controllers/*.json``,
 ``curve/*.json``, ``timings.jsonl`` and per dataset ``retrieval.jsonl``, ``adapters.jsonl``, ``labels_train.jsonl``,
-``results_train.jsonl``, ``results_test.jsonl``, ``test_meta.jsonl``, ``timings.jsonl``. Whatever does not exist yet
+``results_train.jsonl``, ``results_test.jsonl``, ``test_meta.jsonl``, ``timings.jsonl``; ``heldout/<file>/`` (the
+output of ``run_all.py`` with the recommended controller, section 12). Whatever does not exist yet
 is reported as not run, with the reason; nothing is estimated in its place.
 
 - The primary and secondary comparisons are quoted from ``analysis.json`` (checked against the results it was
@@ -974,6 +975,9 @@ def build(out_dir: Path, n_boot: int = DESC_BOOT) -> dict[str, Any]:
                     "duplicates": dups}
     blob["missing"] = miss
 
+    # --- 12. the held-out command
+    blob["heldout_command"] = heldout_section(common.HERE / "cache" / "heldout", L, n_boot)
+
     # --- write
     for p in out_dir.glob("efficacy_*.png"):
         if p.name not in pngs:
@@ -982,6 +986,53 @@ def build(out_dir: Path, n_boot: int = DESC_BOOT) -> dict[str, Any]:
     (out_dir / "efficacy.md").write_text("\n".join(L).rstrip("\n") + "\n", encoding="utf-8")
     write_json(out_dir / "efficacy.json", _clean(blob))
     return blob
+
+
+def heldout_section(root: Path, L: list[str], n_boot: int) -> dict[str, Any]:
+    """Section 12: ``run_all.py`` on question files with the recommended controller (``cache/heldout/<file>/``:
+    its ``eval.jsonl`` and ``summary*.json``), per file and pooled (bootstrap resampled within each file)."""
+    import heldout
+
+    L.append("## 12. The held-out command (`run_all.py`, the recommended controller)\n")
+    runs = sorted(p for p in root.glob("*/eval.jsonl")) if root.is_dir() else []
+    if not runs:
+        L.append("Not run: `cache/heldout/` holds no `run_all.py` output.\n")
+        return {}
+    L.append("`python benchmarks/efficacy/run_all.py --data ../shared/data/<file>.jsonl --controller "
+             "benchmarks/efficacy/controller --out <dir> --limit N [--prompt combine]`: each file's first N questions "
+             "after leaving out the controller's 126 training questions; BM25 top 3, adapters trained afresh, gold "
+             "answer log-lik. Paired difference against PRAG's sum, 95% bootstrap CI over questions "
+             f"(pooled: resampled within each file, {n_boot} resamples). `learned_same_total` puts every passage at "
+             "the mean of the learned weights: the controller's total scale without its reweighting. The bar is the "
+             f"issue's: lower bound >= {MARGIN}.\n")
+    out: dict[str, Any] = {}
+    rows = []
+    for prompt in ("param", "combine"):
+        per_file: dict[str, dict[str, dict[str, float]]] = {}
+        for path in runs:
+            table_ = {k: v for k, v in heldout.per_question(read_jsonl(path)).items() if k.endswith(f"|{prompt}")}
+            if table_:
+                per_file[path.parent.name] = table_
+        if not per_file:
+            continue
+        methods = sorted({m for t in per_file.values() for v in t.values() for m in v
+                          if not m.startswith("loo:") and m != "prag_sum"})
+        for m in methods:
+            diffs = {f: [v[m] - v["prag_sum"] for v in t.values() if m in v and "prag_sum" in v]
+                     for f, t in per_file.items()}
+            cells = [(f, {f: d}) for f, d in diffs.items()] + ([("pooled", diffs)] if len(diffs) > 1 else [])
+            for name, strata in cells:
+                n = sum(len(d) for d in strata.values())
+                if not n:
+                    continue
+                point, lo, hi = analysis.paired_bootstrap(strata, f"heldout:{prompt}:{name}:{m}", n=n_boot)
+                out.setdefault(prompt, {}).setdefault(name, {})[m] = {"n": n, "delta_loglik": point, "ci95": [lo, hi]}
+                rows.append([prompt, name, n, f"`{m}`", fci([point, lo, hi]),
+                             "" if m in ("average", "oracle") else ("yes" if lo >= MARGIN else "**no**")])
+    L += table(["prompt", "file", "questions", "method", "Δ vs PRAG's sum [95% CI]", f"lower bound >= {MARGIN}"],
+               rows)
+    L.append("\n`oracle` reads the answer (a reference, not a method); `average` is PRAG's 1/N merge.\n")
+    return out
 
 
 def _clean(x: Any) -> Any:

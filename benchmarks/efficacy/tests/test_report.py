@@ -1,5 +1,5 @@
-"""The two-dataset efficacy report (``report.py``) on small synthetic caches with known values, the legacy bootstrap
-kept for ``heldout.py``, and the perturbations the evaluation uses."""
+"""The two-dataset efficacy report (``report.py``) on small synthetic caches with known values, the bootstrap, the
+held-out command's section, and the perturbations the evaluation uses."""
 
 from __future__ import annotations
 
@@ -302,6 +302,33 @@ def test_bootstrap_ci_contains_the_mean_and_shrinks_with_n():
     assert lo1 < p1 < hi1 and lo2 < p2 < hi2
     assert p1 == pytest.approx(sum(small) / 20)
     assert (hi2 - lo2) < (hi1 - lo1) / 2
+
+
+def test_heldout_section_per_file_and_pooled_with_the_bar(tmp_path):
+    def rows(file, n, gain, prompt="param"):
+        out = []
+        for q in range(n):
+            prag = -2.0 - 0.1 * q
+            for name, v in (("prag_sum", prag), ("learned", prag + gain + (0.01 if q % 2 else -0.01)),
+                            ("oracle", prag + 0.3), ("loo:0", prag - 1.0)):
+                out.append({"key": f"{file}|q{q}|clean|{prompt}", "name": name, "logprob": v})
+        return out
+
+    for file, n, gain in (("fa", 6, 0.2), ("fb", 4, -0.5)):
+        (tmp_path / file).mkdir()
+        common.write_jsonl(tmp_path / file / "eval.jsonl", rows(file, n, gain) + rows(file, 2, 0.1, "combine"))
+    L: list[str] = []
+    out = report.heldout_section(tmp_path, L, 500)
+    assert out["param"]["fa"]["learned"]["delta_loglik"] == pytest.approx(0.2)
+    assert out["param"]["fb"]["learned"]["delta_loglik"] == pytest.approx(-0.5)
+    pooled = out["param"]["pooled"]["learned"]
+    assert pooled["n"] == 10 and pooled["delta_loglik"] == pytest.approx((6 * 0.2 - 4 * 0.5) / 10)
+    assert pooled["ci95"][0] < pooled["delta_loglik"] < pooled["ci95"][1]
+    assert out["combine"]["fa"]["learned"]["n"] == 2 and "loo:0" not in out["param"]["fa"]
+    text = "\n".join(L)
+    assert "| param | fa | 6 | `learned` |" in text and "| yes |" in text and "**no**" in text
+    empty: list[str] = []
+    assert report.heldout_section(tmp_path / "none", empty, 500) == {} and "Not run" in empty[-1]
 
 
 def test_perturbations_are_seeded_and_well_formed():
