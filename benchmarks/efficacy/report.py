@@ -1017,20 +1017,28 @@ def heldout_section(root: Path, L: list[str], n_boot: int) -> dict[str, Any]:
             continue
         methods = sorted({m for t in per_file.values() for v in t.values() for m in v
                           if not m.startswith("loo:") and m != "prag_sum"})
-        for m in methods:
-            diffs = {f: [v[m] - v["prag_sum"] for v in t.values() if m in v and "prag_sum" in v]
+        pairs = [(m, "prag_sum") for m in methods]
+        if {"learned", "learned_same_total"} <= set(methods):  # the reweighting's own part, at the same total
+            pairs.append(("learned", "learned_same_total"))
+        for m, ref in pairs:
+            diffs = {f: [v[m] - v[ref] for v in t.values() if m in v and ref in v]
                      for f, t in per_file.items()}
             cells = [(f, {f: d}) for f, d in diffs.items()] + ([("pooled", diffs)] if len(diffs) > 1 else [])
             for name, strata in cells:
                 n = sum(len(d) for d in strata.values())
                 if not n:
                     continue
-                point, lo, hi = analysis.paired_bootstrap(strata, f"heldout:{prompt}:{name}:{m}", n=n_boot)
-                out.setdefault(prompt, {}).setdefault(name, {})[m] = {"n": n, "delta_loglik": point, "ci95": [lo, hi]}
-                rows.append([prompt, name, n, f"`{m}`", fci([point, lo, hi]),
-                             "" if m in ("average", "oracle") else ("yes" if lo >= MARGIN else "**no**")])
+                label = m if ref == "prag_sum" else f"{m} - {ref}"
+                point, lo, hi = analysis.paired_bootstrap(strata, f"heldout:{prompt}:{name}:{label}", n=n_boot)
+                out.setdefault(prompt, {}).setdefault(name, {})[label] = {"n": n, "delta_loglik": point,
+                                                                           "ci95": [lo, hi]}
+                rows.append([prompt, name, n, f"`{label}`", fci([point, lo, hi]),
+                             "" if m in ("average", "oracle") or ref != "prag_sum"
+                             else ("yes" if lo >= MARGIN else "**no**")])
     L += table(["prompt", "file", "questions", "method", "Δ vs PRAG's sum [95% CI]", f"lower bound >= {MARGIN}"],
                rows)
+    L.append("\n`learned - learned_same_total` is the paired difference between the two rows (not against PRAG's "
+             "sum): what the controller's reweighting between passages adds at its own total scale.")
     L.append("\n`oracle` reads the answer (a reference, not a method); `average` is PRAG's 1/N merge.\n")
     return out
 

@@ -310,6 +310,7 @@ def test_heldout_section_per_file_and_pooled_with_the_bar(tmp_path):
         for q in range(n):
             prag = -2.0 - 0.1 * q
             for name, v in (("prag_sum", prag), ("learned", prag + gain + (0.01 if q % 2 else -0.01)),
+                            ("learned_same_total", prag + gain - 0.05),
                             ("oracle", prag + 0.3), ("loo:0", prag - 1.0)):
                 out.append({"key": f"{file}|q{q}|clean|{prompt}", "name": name, "logprob": v})
         return out
@@ -325,6 +326,7 @@ def test_heldout_section_per_file_and_pooled_with_the_bar(tmp_path):
     assert pooled["n"] == 10 and pooled["delta_loglik"] == pytest.approx((6 * 0.2 - 4 * 0.5) / 10)
     assert pooled["ci95"][0] < pooled["delta_loglik"] < pooled["ci95"][1]
     assert out["combine"]["fa"]["learned"]["n"] == 2 and "loo:0" not in out["param"]["fa"]
+    assert out["param"]["pooled"]["learned - learned_same_total"]["delta_loglik"] == pytest.approx(0.05)
     text = "\n".join(L)
     assert "| param | fa | 6 | `learned` |" in text and "| yes |" in text and "**no**" in text
     empty: list[str] = []
