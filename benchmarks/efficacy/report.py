@@ -1037,9 +1037,9 @@ def heldout_section(root: Path, L: list[str], n_boot: int) -> dict[str, Any]:
                              else ("yes" if lo >= MARGIN else "**no**")])
     L += table(["prompt", "file", "questions", "method", "Δ vs PRAG's sum [95% CI]", f"lower bound >= {MARGIN}"],
                rows)
-    L.append("\n`learned - learned_same_total` is the paired difference between the two rows (not against PRAG's "
-             "sum): what the controller's reweighting between passages adds at its own total scale.")
-    L.append("\n`oracle` reads the answer (a reference, not a method); `average` is PRAG's 1/N merge.\n")
+    L.append("`learned - learned_same_total` is the paired difference between the two rows (not against PRAG's "
+             "sum): what the controller's reweighting between passages adds at its own total scale.\n")
+    L.append("`oracle` reads the answer (a reference, not a method); `average` is PRAG's 1/N merge.\n")
     return out
 
 
