@@ -25,6 +25,18 @@ def test_cat_is_the_exact_weighted_sum_of_updates(batch):
     torch.testing.assert_close((B @ A).double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_cat_keeps_each_factors_dtype_unless_one_is_asked():
+    As, _ = _factors(2)
+    _, Bs = _factors(2, dtype=torch.bfloat16)
+    A, B = factors.cat(As, Bs, [0.5, 2.0])
+    assert A.dtype == torch.float32 and B.dtype == torch.bfloat16
+    ref = sum(c * (b.double() @ a.double()) for c, a, b in zip([0.5, 2.0], As, Bs))
+    torch.testing.assert_close((B.double() @ A.double()), ref, rtol=1e-9, atol=1e-9)  # bf16 B widens exactly
+    A, B = factors.cat(As, Bs, [0.5, 2.0], dtype=torch.float64)
+    assert A.dtype == B.dtype == torch.float64
+    torch.testing.assert_close(B @ A, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_separate_sums_each_factor_with_its_coefficients():
     As, Bs = _factors(3)
     a, b = [0.1, 0.2, 0.3], [1.0, -1.0, 0.5]

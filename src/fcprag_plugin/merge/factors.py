@@ -80,13 +80,15 @@ def write_cat(A_rows: Sequence[torch.Tensor], BT_rows: Sequence[torch.Tensor], A
 def cat(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor],
         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``A = cat_i(coefs_i A_i)`` ``[..., sum r_i, in]``, ``B = cat_i(B_i)`` ``[..., out, sum r_i]``:
-    ``B A = sum_i coefs_i B_i A_i`` exactly. Ranks may differ. ``dtype`` defaults to the first A's."""
-    dt = dtype or As[0].dtype
+    ``B A = sum_i coefs_i B_i A_i`` exactly. Ranks may differ. ``dtype`` defaults to each factor's own (the first
+    A's for ``A``, the first B's for ``B``); each result lives on its first factor's device."""
+    dt, dev = dtype or As[0].dtype, As[0].device
     acc = torch.float64 if torch.float64 in (dt, *(a.dtype for a in As)) else torch.float32
     # one torch.cat per factor (not a copy per adapter): the scaled copies are computed in ``acc`` and rounded once
-    A = torch.cat([a.to(acc) * (c.to(a.device) if isinstance(c, torch.Tensor) else c) for a, c in zip(As, coefs)],
+    A = torch.cat([a.to(dev, acc) * (c.to(dev) if isinstance(c, torch.Tensor) else c) for a, c in zip(As, coefs)],
                   dim=-2)
-    return A.to(dt), torch.cat([b.to(dt) for b in Bs], dim=-1)
+    B = torch.cat([b.to(Bs[0].device, dtype or Bs[0].dtype) for b in Bs], dim=-1)
+    return A.to(dt), B
 
 
 def separate(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], a_coefs: Sequence[float | torch.Tensor],
