@@ -1,9 +1,9 @@
 """CPU stages of the study: split + BM25 retrieval, deterministic augmentation, embeddings.
 
-- ``retrieval(data, out, test_fraction, top_k)``: every question (but the ``exclude``d ids) of a ``../shared/data``-schema file, split by
-  question with a seeded shuffle (``test_fraction`` of the questions in test; the first 3 HotpotQA questions,
-  which the demo asks, always in test), BM25 (``retrieve.bm25_rank``) of the question over its own 10 passages,
-  top ``top_k`` kept with their score, rank and supporting flag.
+- ``retrieval(data, out, test_fraction, top_k)``: every question of a ``../shared/data``-schema file (but the
+  ``exclude``d ids), split by question with a seeded shuffle (``test_fraction`` of the questions in test; the
+  first 3 HotpotQA questions, which the demo asks, always in test), BM25 (``retrieve.bm25_rank``) of the question
+  over its own 10 passages, top ``top_k`` kept with their score, rank and supporting flag.
 - ``augmentation(retrieval, out)``: the documented deterministic augmentation, no model generation: per passage
   the passage itself and three QA pairs from ``examples/build_demo_adapters.py:derive_qa_pairs`` (an overview
   question answered by the first sentence, cloze questions whose answer is a year or name in the passage).

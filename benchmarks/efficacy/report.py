@@ -1007,12 +1007,13 @@ def heldout_section(root: Path, L: list[str], n_boot: int) -> dict[str, Any]:
              f"issue's: lower bound >= {MARGIN}.\n")
     out: dict[str, Any] = {}
     rows = []
+    tables = {path.parent.name: heldout.per_question(read_jsonl(path)) for path in runs}  # each file read once
     for prompt in ("param", "combine"):
         per_file: dict[str, dict[str, dict[str, float]]] = {}
-        for path in runs:
-            table_ = {k: v for k, v in heldout.per_question(read_jsonl(path)).items() if k.endswith(f"|{prompt}")}
+        for file, t in tables.items():
+            table_ = {k: v for k, v in t.items() if k.endswith(f"|{prompt}")}
             if table_:
-                per_file[path.parent.name] = table_
+                per_file[file] = table_
         if not per_file:
             continue
         methods = sorted({m for t in per_file.values() for v in t.values() for m in v

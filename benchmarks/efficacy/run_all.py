@@ -93,7 +93,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     name = data.stem
 
     t0 = time.perf_counter()
-    left_out = sum(r.get("id") in trained for r in read_jsonl(data))
+    left_out = sum(r.get("id") in trained for r in read_jsonl(data)) if trained else 0
     if left_out:
         print(f"run_all.py: leaving out {left_out} question(s) of {data} that the controller was trained on "
               f"(--keep-trained keeps them)", file=sys.stderr)
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", required=True, help="question file (JSON Lines, ../shared/data schema)")
     p.add_argument("--controller", required=True, help="saved controller folder (config.json + weights)")
     p.add_argument("--out", required=True, help="work folder (created; reused to resume)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N questions (after leaving out trained ones)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N questions (counted after leaving out trained ones)")
     p.add_argument("--keep-trained", action="store_true",
                    help="keep the questions listed in <controller>/train_question_ids.json")
     p.add_argument("--prompt", choices=("param", "combine"), default="param",
