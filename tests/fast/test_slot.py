@@ -46,14 +46,15 @@ def assert_same_adapter(got: LoraAdapter, want: LoraAdapter):
         assert not bool(g.A[r:].any()), f"padding rows of A of {k} are not zero"
 
 
+@pytest.mark.parametrize("out_major", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("n", [1, 3, 6])
-def test_cat_equals_merger_and_dense(kind, n, x):
+def test_cat_equals_merger_and_dense(kind, n, x, out_major):
     model = tiny_model(kind)
     ranks = [1, 2, 4, 2, 1, 4][:n]
     ads = [random_adapter(model, r, seed=100 + i, alpha=[32, 8, 16, 3, 5, 7][i]) for i, r in enumerate(ranks)]
     w = torch.linspace(0.3, 1.7, n).tolist()
-    slot = FusedSlot(model, ads[0], max_adapters=6, max_rank=4)
+    slot = FusedSlot(model, ads[0], max_adapters=6, max_rank=4, out_major=out_major)
     with slot.fused(ads, w):
         got = logits(model, x)
         cur = slot.current_adapter()
@@ -74,13 +75,14 @@ def test_cat_equals_merger_and_dense(kind, n, x):
     slot.remove()
 
 
+@pytest.mark.parametrize("out_major", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("n", [2, 5])
-def test_separate_equals_merger(kind, n, x):
+def test_separate_equals_merger(kind, n, x, out_major):
     model = tiny_model(kind)
     ads = [random_adapter(model, 2, seed=200 + i, alpha=8 + 8 * i) for i in range(n)]
     w = torch.linspace(1.4, 0.6, n).tolist()
-    slot = FusedSlot(model, ads[0], max_adapters=5, max_rank=4)
+    slot = FusedSlot(model, ads[0], max_adapters=5, max_rank=4, out_major=out_major)
     slot.activate(ads[:1] * 5, None)  # leave rows of a larger 'cat' merge behind: they must be zeroed
     with slot.fused(ads, w, mode="separate"):
         got = logits(model, x)
@@ -100,6 +102,41 @@ def test_separate_equals_merger(kind, n, x):
             As = sum(ui * a.modules[k].scaling * a.modules[k].A.double() for ui, a in zip(u, ads))
             mods[k].weight.add_((Bs @ As).float())
     torch.testing.assert_close(got, logits(ref_model, x), rtol=1e-4, atol=1e-4)
+
+
+def test_out_major_pack_holds_the_same_factors():
+    model = tiny_model("llama")
+    ad = random_adapter(model, 3, seed=5, rank_of=lambda n: 1 if ".0." in n else 3)
+    rows, cols = pack_adapter(ad), pack_adapter(ad, out_major=True)
+    for g_rows, g_cols in zip(rows.groups, cols.groups):
+        assert torch.equal(g_rows.A, g_cols.A) and torch.equal(g_rows.BT, g_cols.BT)
+        assert g_cols.BT.transpose(1, 2).is_contiguous() and g_rows.BT.is_contiguous()
+    back = cols.to_lora()
+    for k, m in ad.modules.items():
+        assert torch.equal(back[k].A, m.A) and torch.equal(back[k].B, m.B) and back[k].scaling == m.scaling
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_activate_one_adapter_handle(x, dtype):
+    """activate() keeps B out-major and takes its packed copy as the slot's buffers where it fits (here the
+    gate/up groups; the down group has a smaller rank than the slot's R and gets its own buffers): the output is
+    the dense reference, the adapter is not written, and the handle takes a later merge like any slot."""
+    model = tiny_model("llama")
+    snap = state_snapshot(model)
+    a0 = random_adapter(model, 3, seed=1, rank_of=lambda n: 1 if "down" in n or ".0." in n else 3,
+                        alpha_of=lambda n: 4.0 if "down" in n else 6.0)
+    a1 = random_adapter(model, 3, seed=2, alpha=5)
+    before = {k: (m.A.clone(), m.B.clone()) for k, m in a0.modules.items()}
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype is None else dict(rtol=0.05, atol=0.05)
+    with activate(model, a0, dtype=dtype) as handle:
+        torch.testing.assert_close(logits(model, x), logits(dense_model(model, [a0], [1.0]), x), **tol)
+        if dtype is not None:  # the same buffer content as a default slot's (each value rounded once)
+            plain = FusedSlot(plain_copy(model), a0, max_adapters=1, dtype=dtype).activate([a0])
+            assert_same_adapter(handle.current_adapter(), plain.current_adapter())
+        handle.activate([a1], [0.7])
+        torch.testing.assert_close(logits(model, x), logits(dense_model(model, [a1], [0.7]), x), **tol)
+    assert all(torch.equal(m.A, before[k][0]) and torch.equal(m.B, before[k][1]) for k, m in a0.modules.items())
+    assert_bit_identical(model, snap)
 
 
 def test_rank_and_alpha_patterns(x):

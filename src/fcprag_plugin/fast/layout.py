@@ -100,7 +100,7 @@ class PackedGroup:
     """One adapter's share of one layout group (see the module docstring for the shapes)."""
 
     A: torch.Tensor  # [L, r, in]
-    BT: torch.Tensor  # [L, r, out]
+    BT: torch.Tensor  # [L, r, out] (out_major: the transposed view of a contiguous [L, out, r])
     scales: torch.Tensor  # [L] float64, on the CPU
     ranks: tuple[int, ...]  # the true rank of each module (<= r)
     scale: float | None = None  # the common scaling if all modules share one (the usual case)
@@ -163,13 +163,16 @@ FactorGetter = Callable[[str], "tuple[torch.Tensor, torch.Tensor, float]"]
 
 
 def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, error: type[Exception] = MergeError) -> PackedAdapter:
+                 dtype: torch.dtype | None = None, error: type[Exception] = MergeError,
+                 out_major: bool = False) -> PackedAdapter:
     """Pack one adapter given per module by ``factors(name) -> (A [r, in], B [out, r], scaling)`` into ``layout``
     on ``device`` in ``dtype`` (defaults: the factors' own). The one packer: adapters, live PEFT layers and DyPRAG
     translator outputs all come through here.
 
     Modules of one group with different ranks are zero-padded to the largest (``B @ A`` unchanged). A factor of
-    the wrong shape is an ``error`` naming the module, the adapter (``source``) and both shapes.
+    the wrong shape is an ``error`` naming the module, the adapter (``source``) and both shapes. ``out_major``
+    stacks ``B`` as it is stored (``[L, out, r]``; ``BT`` is its transposed view) for an ``out_major``
+    :class:`~fcprag_plugin.fast.slot.FusedSlot`: transposing a skinny ``B`` costs ~10x a plain copy.
     """
     dev = torch.device(device) if device is not None else None
     groups = []
@@ -183,30 +186,33 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
                             f"fit the model's [out, in] = [{g.out_features}, {g.in_features}] (expected A [r, "
                             f"{g.in_features}], B [{g.out_features}, r])")
             As.append(A)
-            BTs.append(B.T)
+            BTs.append(B if out_major else B.T)
             scales.append(float(s))
             ranks.append(int(A.shape[0]))
         r = max(ranks)
         d, dt = dev or As[0].device, dtype or As[0].dtype
 
-        def stack(ts: list[torch.Tensor]) -> torch.Tensor:  # rank_pattern: zero rows pad smaller ranks (B @ A kept)
-            ts = [t if t.shape[0] == r else torch.nn.functional.pad(t, (0, 0, 0, r - t.shape[0])) for t in ts]
+        def stack(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:  # zero rank rows pad (B @ A kept)
+            pad = [(0, r - t.shape[dim]) if dim else (0, 0, 0, r - t.shape[0]) for t in ts]
+            ts = [t if t.shape[dim] == r else torch.nn.functional.pad(t, p) for t, p in zip(ts, pad)]
             return torch.stack(ts).to(device=d, dtype=dt).contiguous()
 
+        BT = stack(BTs, 1).transpose(1, 2) if out_major else stack(BTs)
         common = set(scales)
-        groups.append(PackedGroup(stack(As), stack(BTs), torch.tensor(scales, dtype=torch.float64),
+        groups.append(PackedGroup(stack(As), BT, torch.tensor(scales, dtype=torch.float64),
                                   tuple(ranks), common.pop() if len(common) == 1 else None))
     return PackedAdapter(layout, tuple(groups), source)
 
 
 def pack_adapter(adapter: LoraAdapter, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> PackedAdapter:
-    """Copy ``adapter`` into per-group stacks on ``device`` (default: where it is) in ``dtype`` (default: its own)."""
+                 dtype: torch.dtype | None = None, out_major: bool = False) -> PackedAdapter:
+    """Copy ``adapter`` into per-group stacks on ``device`` (default: where it is) in ``dtype`` (default: its own);
+    ``out_major``: see :func:`pack_factors`."""
     if not adapter.modules:
         raise AdapterError(f"{adapter.source}: the adapter has no LoRA modules to pack")
     mods = adapter.modules
     packed = pack_factors(layout_of(adapter), lambda n: (mods[n].A, mods[n].B, mods[n].scaling), adapter.source,
-                          device=device, dtype=dtype)
+                          device=device, dtype=dtype, out_major=out_major)
     packed.config = dict(adapter.config)
     return packed
 

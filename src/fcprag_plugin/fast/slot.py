@@ -56,7 +56,7 @@ class _Segment:
     l0: int  # first layer (index within the group)
     l1: int
     A: torch.Tensor  # [l1-l0, K*R, in]
-    BT: torch.Tensor  # [l1-l0, K*R, out]
+    BT: torch.Tensor  # [l1-l0, K*R, out] (out_major: a transposed view)
     R: int = 1  # rank rows per adapter position
     dirty: int = 0  # rows [dirty:] of A are known to be zero
     views: dict = field(default_factory=dict)  # (kind, start, stop) -> cached row views
@@ -193,10 +193,18 @@ class FusedSlot:
         max_rank: R, the largest adapter rank (default: the template's, else 8).
         dtype: buffer dtype (default: each target weight's dtype).
         store: an :class:`~fcprag_plugin.fast.adapter_store.AdapterStore` used when adapters are given as paths.
+        out_major: keep ``B`` as stored, ``[L, out, K*R]`` (``BT`` is its transposed view): adapters given as
+            :class:`LoraAdapter` are then packed and written by plain copies, not transposes (what :func:`activate`
+            wants for its one adapter). Adapters from an ``AdapterStore`` are packed ``[L, r, out]``: keep the
+            default for them.
+        buffers_from: a packed adapter whose stacks the slot takes as its buffers where they fit (``K*R`` rows,
+            the buffer's dtype and device, not split over devices) instead of allocating; the slot then owns and
+            overwrites them. For a freshly packed adapter that only the slot will use (:func:`activate`).
     """
 
     def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
-                 dtype: torch.dtype | None = None, store: Any = None) -> None:
+                 dtype: torch.dtype | None = None, store: Any = None, out_major: bool = False,
+                 buffers_from: PackedAdapter | None = None) -> None:
         max_rank = _targets_rank(targets, DEFAULT_MAX_RANK) if max_rank is None else max_rank
         _check_sizes(max_adapters, max_rank)
         self._model_ref = weakref.ref(model)  # the hooks live on the modules; the slot must not keep a model alive
@@ -205,6 +213,7 @@ class FusedSlot:
         self.max_rank = max_rank
         self.dtype = dtype
         self.store = store
+        self.out_major = out_major
         self.mode: str | None = None
         self.n_active = 0
         self._state = _State()
@@ -215,7 +224,7 @@ class FusedSlot:
         table = dict(model.named_modules())
         self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
                          for g in self.layout.groups]
-        self._allocate()
+        self._allocate(buffers_from)
         try:
             for gi, mods in enumerate(self._modules):
                 for entry, mod in zip(self._entries[gi], mods):
@@ -245,7 +254,7 @@ class FusedSlot:
         _SLOTS[model] = slot
         return slot
 
-    def _allocate(self) -> None:
+    def _allocate(self, buffers_from: PackedAdapter | None = None) -> None:
         KR = self.max_adapters * self.max_rank
         self._segments: list[_Segment] = []
         new_entries: list[list[_Entry]] = []
@@ -257,8 +266,16 @@ class FusedSlot:
                 l0, l1 = run[0], run[-1] + 1
                 w = mods[l0].weight
                 dt = self.dtype or w.dtype
-                seg = _Segment(gi, l0, l1, torch.zeros(l1 - l0, KR, g.in_features, device=w.device, dtype=dt),
-                               torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt), self.max_rank)
+                pg = buffers_from.groups[gi] if buffers_from is not None else None
+                if pg is not None and (l0, l1, KR, dt, w.device) == (0, len(mods), pg.rank, pg.A.dtype, pg.A.device) \
+                        and (pg.BT.transpose(1, 2) if self.out_major else pg.BT).is_contiguous():
+                    A, BT = pg.A, pg.BT  # taken over: no allocation (page faults of fresh pages) and no copy
+                else:
+                    A = torch.zeros(l1 - l0, KR, g.in_features, device=w.device, dtype=dt)
+                    BT = torch.zeros(l1 - l0, *((g.out_features, KR) if self.out_major else (KR, g.out_features)),
+                                     device=w.device, dtype=dt)
+                    BT = BT.transpose(1, 2) if self.out_major else BT
+                seg = _Segment(gi, l0, l1, A, BT, self.max_rank)
                 self._segments.append(seg)
                 for l in range(l0, l1):
                     entries.append(_Entry(g.names[l], seg.A[l - l0], seg.BT[l - l0]))
@@ -307,7 +324,7 @@ class FusedSlot:
             if isinstance(a, PackedAdapter):
                 packed.append(a)
             elif isinstance(a, LoraAdapter):
-                packed.append(pack_adapter(a))
+                packed.append(pack_adapter(a, out_major=self.out_major))
             elif isinstance(a, (str, Path)):
                 if self.store is None:
                     self.store = AdapterStore()
@@ -518,9 +535,10 @@ class FusedSlot:
 def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:
     """Apply ``adapter`` to ``model`` until the returned handle is removed (``handle.remove()``, or use it as a
     context manager): a one-adapter :class:`FusedSlot` (buffers in ``dtype``, default each weight's) holding it."""
-    slot = FusedSlot(model, adapter, max_adapters=1, dtype=dtype)
+    packed = pack_adapter(adapter, out_major=True)
+    slot = FusedSlot(model, packed, max_adapters=1, dtype=dtype, out_major=True, buffers_from=packed)
     try:
-        slot.activate([adapter])
+        slot.activate([packed])
     except Exception:
         slot.remove()
         raise
