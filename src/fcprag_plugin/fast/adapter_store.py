@@ -54,8 +54,10 @@ def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file as a zero-copy view into one private memory map of the file.
 
     The format is an 8-byte little-endian header length, a JSON header ``{key: {dtype, shape, data_offsets}}``
-    and the raw data. Anything unusual raises :class:`_NotFastPath` and the store falls back to ``safe_open``
-    (several times slower on the cold path: ``benchmarks/bench_fusion.py`` column (c)).
+    and the raw data. Anything unusual raises :class:`_NotFastPath` and the store falls back to safetensors'
+    ``load_file``. Kept because it matters on the cold path: ``AdapterStore.load`` of one bench_fusion adapter
+    (r=2, gate/up/down, 1 thread, 2026-11-25) took 2.6-5.6 ms with it against 8.5-10.2 ms through ``load_file``
+    at the SmolLM2-135M shape (180 tensors, 1.5 MB), 6.5 against 7.7 ms at the Llama-3.2-1B shape (96, 3.9 MB).
     """
     size = file.stat().st_size
     with open(file, "rb") as f:
