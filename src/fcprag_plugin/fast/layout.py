@@ -5,7 +5,8 @@ Target modules are grouped by *pattern* (the module path with its layer numbers 
 Per group an adapter is stored as
 
     A  [L, r, in]    the raw ``lora_A`` weights, stacked over layers
-    BT [L, r, out]   ``lora_B`` transposed, so one adapter's rank rows are contiguous like A's
+    BT [L, r, out]   ``lora_B`` transposed, so one adapter's rank rows are contiguous like A's (``out_major``
+                     packs keep ``B`` as stored, ``[L, out, r]``, and BT is its transposed view)
     scales [L]       the per-module LoRA scaling (``alpha / r``), float64
 
 ``r`` is the largest rank in the group; a module of smaller rank is zero-padded (zero rows of A, zero rows of
