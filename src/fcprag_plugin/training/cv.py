@@ -1,13 +1,5 @@
-"""Grouped k-fold cross-validation: how many epochs to train (0 = stay uniform) and what that is worth.
-
-Folds are by group (the record's ``group``, i.e. its question, else its id), so one question never spans folds.
-Per fold a fresh controller (the same uniform initialisation and seed) trains on the other folds for up to
-``epochs`` epochs; after every epoch, each held-out record's first-order gain over uniform,
-``sum_i (w~_i - 1) delta_i`` (``targets.first_order_gain``), is recorded. Epoch 0 (the initialisation) gains 0.
-
-The selected epoch count maximises the mean held-out gain (ties: the fewest epochs), never a training loss. Its
-per-record gains give the 95% CI: a seeded percentile bootstrap over groups. The selection takes a maximum over the
-same curve, so the interval is somewhat optimistic; a lower bound that does not clear 0 is "unproven".
+"""Grouped k-fold cross-validation: how many epochs to train (0 = stay uniform) and what that is worth, by held-out
+first-order gain over uniform with a group-bootstrap 95% CI (``docs/label-format.md``, "model selection").
 """
 
 from __future__ import annotations

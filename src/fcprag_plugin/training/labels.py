@@ -1,12 +1,5 @@
-"""Leave-one-out label files: parsing and validation (JSON Lines or a JSON array; the format is in
-``docs/label-format.md`` and ``schemas/labels.schema.json``).
-
-A record is one training query and its N passages (one adapter each) with ``deltas`` or ``metric_all`` +
-``metric_without`` (``delta_i = metric_all - metric_without_i``: how much the answer got worse without passage i).
-
-Every problem is reported as ``FILE:LINE: field 'NAME': what is wrong (expected ...)``. With ``on_error="fail"``
-(the default) the first bad record raises :class:`LabelFileError`; with ``"skip"`` bad records are left out and
-listed in :attr:`LabelSet.skipped` (a record is either kept exactly or skipped).
+"""Leave-one-out label files: parsing and validation (JSON Lines or a JSON array; the format, the error messages
+``FILE:LINE: field 'NAME': ...`` and ``on_error`` are in ``docs/label-format.md`` and ``schemas/labels.schema.json``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Train a :class:`FusionController` on leave-one-out label files (orchestration; math in ``targets``, ``evaluation``).
 
-Notebook use::
-
-    from fcprag_plugin.training import train_controller
-    result = train_controller("labels.jsonl", "runs/ctrl", epochs=10)
-    print(result.table)            # validation metrics next to the uniform / random baselines
-    result.controller              # the trained FusionController (also saved in runs/ctrl)
-
-The output directory (controller, training_args.json, metrics.json, cv.json, train_log.jsonl, checkpoint/,
-plots/) is described in ``docs/label-format.md``.
+``train_controller("labels.jsonl", "runs/ctrl")`` returns a :class:`TrainResult` (``.table``, ``.controller``); the
+output directory is described in ``docs/label-format.md``.
 """
 
 from __future__ import annotations
