@@ -58,7 +58,7 @@ def bootstrap_ci(values: torch.Tensor, groups: Sequence[str], seed: int, n_boot:
 
 def cross_validate(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
                    progress: bool = False) -> dict[str, Any]:
-    """Run the grouped CV described in the module docstring; returns a JSON-ready dict.
+    """Run the grouped CV (folds by :func:`group_kfold`, the CI by :func:`bootstrap_ci`); returns a JSON-ready dict.
 
     ``args`` is the run's ``TrainArgs`` (``cv_folds``, ``epochs`` = the most epochs tried, ``kappa``, seed...);
     ``trainer(train_data, None, None, args, embedding_model)`` builds one fold's trainer (the trainer module's

@@ -238,7 +238,6 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- raw parsing
 def _iter_jsonl(text: str) -> Iterator[tuple[int, Any, str | None]]:
     """Yield ``(line, value, parse_error)`` per non-blank line."""
     for lineno, line in enumerate(text.splitlines(), 1):
