@@ -53,11 +53,8 @@ def kappa_value(text: str) -> float | str:
 
 
 def check_line_lengths(path: str, limit: int = MAX_LINE_BYTES) -> None:
-    """Refuse a label file with a line longer than ``limit`` bytes, reading at most ``limit + 1`` bytes of a line
-    (never a huge line whole).
-
-    Raises :class:`LabelFileError` naming the file and the line. A missing file is left to the label reader.
-    """
+    """Raise :class:`LabelFileError` naming the file and the line when a line is longer than ``limit`` bytes,
+    reading at most ``limit + 1`` bytes of a line (never a huge line whole). A missing file is left to the reader."""
     p = Path(path)
     if not p.is_file():
         return

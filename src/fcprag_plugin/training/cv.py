@@ -48,7 +48,7 @@ def bootstrap_ci(values: torch.Tensor, groups: Sequence[str], seed: int, n_boot:
     gid = torch.tensor([index[g] for g in groups])
     G = len(index)
     sums = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, values.to(torch.float64))
-    counts = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, torch.ones(len(groups), dtype=torch.float64))
+    counts = torch.bincount(gid, minlength=G).to(torch.float64)
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, G, (n_boot, G), generator=gen)
     means = sums[idx].sum(1) / counts[idx].sum(1)

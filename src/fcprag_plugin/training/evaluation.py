@@ -141,7 +141,8 @@ def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0,
     models = {name: controller}
     if baselines:
         models.update({k: v for k, v in baseline_controllers(controller.config, seed).items() if k not in models})
-    outputs = {k: collect_outputs(m, data, batch_size, autocast_dtype if k == name else None) for k, m in models.items()}
+    outputs = {k: collect_outputs(m, data, batch_size, autocast_dtype if k == name else None)
+               for k, m in models.items()}
     metrics = {k: metrics_from_outputs(o["w"], o["g"], o["tau"], data, o["wt"]) for k, o in outputs.items()}
     return metrics, outputs
 

@@ -165,12 +165,11 @@ def validate_record(obj: Any) -> LabelRecord:
 
     has_deltas = "deltas" in obj
     has_all, has_without = "metric_all" in obj, "metric_without" in obj
+    missing = "metric_without" if has_all else "metric_all" if has_without else "deltas"
     if not has_deltas and not (has_all and has_without):
-        missing = "metric_without" if has_all else "metric_all" if has_without else "deltas"
         raise _RecordError(missing, "is missing; expected 'deltas' (N numbers) or both 'metric_all' (a number) "
                                     "and 'metric_without' (N numbers)")
     if has_all != has_without:
-        missing = "metric_without" if has_all else "metric_all"
         raise _RecordError(missing, "is missing; 'metric_all' and 'metric_without' must be given together")
     metric_all = metric_without = None
     if has_all:

@@ -544,9 +544,7 @@ def evaluate_controller(controller: FusionController | str | Path, labels: Any, 
     if seen:
         logger.warning("fcprag eval: %s is the label file this controller was %s on (same sha256 as in its %s); "
                        "these numbers are not a held-out evaluation", label_set.path, seen, ARGS_NAME)
-    if encoder is None:
-        encoder = controller.config.embedding_model
-    name, enc = resolve_encoder(encoder)
+    name, enc = resolve_encoder(controller.config.embedding_model if encoder is None else encoder)
     if getattr(enc, "dim", None) is not None:
         controller.check_encoder(enc)
     cache = open_cache(cache_dir, name, getattr(enc, "dim", None))
