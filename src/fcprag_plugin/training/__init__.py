@@ -1,9 +1,5 @@
-"""Train a :class:`~fcprag_plugin.controller.FusionController` from leave-one-out label files.
-
-Modules: ``labels`` (parse + validate), ``targets`` (soft targets, the objectives), ``embed_cache`` (on-disk
-embeddings), ``data`` (padded batches), ``trainer`` (the loop, outputs), ``cv`` (epoch selection), ``checkpoint``,
-``evaluation`` (metrics), ``plots``, ``cli`` (``fcprag train`` / ``fcprag eval``).
-"""
+"""Train a :class:`~fcprag_plugin.controller.FusionController` from leave-one-out label files (``trainer`` runs
+the loop; ``cli`` holds ``fcprag train`` / ``fcprag eval``)."""
 
 from __future__ import annotations
 

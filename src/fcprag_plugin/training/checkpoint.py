@@ -37,8 +37,7 @@ def save_checkpoint(out: Path, controller: FusionController, optimizer: torch.op
     tensors: dict[str, torch.Tensor] = {}
     for idx, st in sd["state"].items():
         for k, v in st.items():
-            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-            tensors[f"state.{idx}.{k}"] = t.detach().cpu().contiguous()
+            tensors[f"state.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["rng.shuffle"] = shuffle_gen.get_state()
     save_file(tensors, str(tmp / OPTIM_NAME), metadata={"param_groups": json.dumps(sd["param_groups"])})

@@ -53,24 +53,16 @@ def kappa_value(text: str) -> float | str:
 
 
 def check_line_lengths(path: str, limit: int = MAX_LINE_BYTES) -> None:
-    """Refuse a label file with a line longer than ``limit`` bytes, reading it in 1 MiB blocks (never whole).
-
-    Raises :class:`LabelFileError` naming the file and the line. A missing file is left to the label reader.
-    """
+    """Raise :class:`LabelFileError` naming the file and the line when a line is longer than ``limit`` bytes,
+    reading at most ``limit + 1`` bytes of a line (never a huge line whole). A missing file is left to the reader."""
     p = Path(path)
     if not p.is_file():
         return
-    line, run = 1, 0
     with p.open("rb") as f:
-        while block := f.read(2**20):
-            parts = block.split(b"\n")
-            for k, part in enumerate(parts):
-                run += len(part)
-                if run > limit:
-                    raise LabelFileError(f"{p}:{line}: line is longer than {limit // 2**20} MiB; expected one record "
-                                         "per line (JSON Lines) of at most that size")
-                if k < len(parts) - 1:
-                    line, run = line + 1, 0
+        for line, text in enumerate(iter(lambda: f.readline(limit + 1), b""), 1):
+            if len(text.removesuffix(b"\n")) > limit:
+                raise LabelFileError(f"{p}:{line}: line is longer than {limit // 2**20} MiB; expected one record "
+                                     "per line (JSON Lines) of at most that size")
 
 
 def check_delta_range(label_set, t_label: float, on_error: str) -> None:

@@ -1,13 +1,5 @@
-"""Grouped k-fold cross-validation: how many epochs to train (0 = stay uniform) and what that is worth.
-
-Folds are by group (the record's ``group``, i.e. its question, else its id), so one question never spans folds.
-Per fold a fresh controller (the same uniform initialisation and seed) trains on the other folds for up to
-``epochs`` epochs; after every epoch, each held-out record's first-order gain over uniform,
-``sum_i (w~_i - 1) delta_i`` (``targets.first_order_gain``), is recorded. Epoch 0 (the initialisation) gains 0.
-
-The selected epoch count maximises the mean held-out gain (ties: the fewest epochs), never a training loss. Its
-per-record gains give the 95% CI: a seeded percentile bootstrap over groups. The selection takes a maximum over the
-same curve, so the interval is somewhat optimistic; a lower bound that does not clear 0 is "unproven".
+"""Grouped k-fold cross-validation: how many epochs to train (0 = stay uniform) and what that is worth, by held-out
+first-order gain over uniform with a group-bootstrap 95% CI (``docs/label-format.md``, "model selection").
 """
 
 from __future__ import annotations
@@ -56,7 +48,7 @@ def bootstrap_ci(values: torch.Tensor, groups: Sequence[str], seed: int, n_boot:
     gid = torch.tensor([index[g] for g in groups])
     G = len(index)
     sums = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, values.to(torch.float64))
-    counts = torch.zeros(G, dtype=torch.float64).index_add_(0, gid, torch.ones(len(groups), dtype=torch.float64))
+    counts = torch.bincount(gid, minlength=G).to(torch.float64)
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, G, (n_boot, G), generator=gen)
     means = sums[idx].sum(1) / counts[idx].sum(1)
@@ -66,7 +58,7 @@ def bootstrap_ci(values: torch.Tensor, groups: Sequence[str], seed: int, n_boot:
 
 def cross_validate(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
                    progress: bool = False) -> dict[str, Any]:
-    """Run the grouped CV described in the module docstring; returns a JSON-ready dict.
+    """Run the grouped CV (folds by :func:`group_kfold`, the CI by :func:`bootstrap_ci`); returns a JSON-ready dict.
 
     ``args`` is the run's ``TrainArgs`` (``cv_folds``, ``epochs`` = the most epochs tried, ``kappa``, seed...);
     ``trainer(train_data, None, None, args, embedding_model)`` builds one fold's trainer (the trainer module's

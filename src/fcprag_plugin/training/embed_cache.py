@@ -1,12 +1,6 @@
-"""On-disk embedding cache: safetensors shards keyed by ``sha256(text)`` per embedding model.
-
-Layout of a cache directory::
-
-    <dir>/<slug>-<model hash>/shard-<n>.safetensors     keys [M, 32] uint8 (sha256 of the text), emb [M, d] float32
-
-Each run that encodes new texts appends one shard (written atomically), so epochs and re-runs never re-encode and
-never rewrite old data. The model name (and dimension) is in every shard's metadata and is checked on load.
-Only the hashes are stored, never the texts.
+"""On-disk embedding cache: ``<dir>/<slug>-<model hash>/shard-<n>.safetensors`` with ``keys [M, 32]`` uint8 (the
+sha256 of each text; texts are never stored) and ``emb [M, d]`` float32; the model name and dim are in each shard's
+metadata, checked on load. A run that encodes new texts appends one shard (atomically); old shards are never rewritten.
 """
 
 from __future__ import annotations

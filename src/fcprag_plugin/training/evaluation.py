@@ -1,15 +1,5 @@
-"""Validation metrics for a controller on labelled data, next to the uniform and random-controller baselines.
-
-Per controller:
-    kl            sum_b omega_b KL(y_b || w_b) / sum_b omega_b        (the training objective)
-    kl_nonflat    mean KL over non-flat samples
-    top1          agreement of argmax(w) with argmax(delta) on non-flat samples; ties count fractionally
-                  (|argmax w  &  argmax delta| / |argmax w|), so uniform weights score chance level
-    spearman      mean per-sample Spearman correlation of w and delta (average ranks for ties) over samples with
-                  N >= 2 where neither is constant; None when no sample qualifies (e.g. uniform weights)
-    g_mean/g_std, tau_mean/tau_std, entropy_mean (nats), entropy_norm_mean (H / log N, samples with N >= 2)
-    gain          mean over records of sum_i (w~_i - 1) delta_i: the first-order gain in the label metric over the
-                  uniform merge (0 for uniform; targets.first_order_gain); when the merge weights are given
+"""Validation metrics for a controller on labelled data, next to the uniform and random-controller baselines (the
+metrics are defined in ``docs/label-format.md``, end of "Outputs"; the helpers below state their formulas).
 """
 
 from __future__ import annotations
@@ -151,11 +141,9 @@ def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0,
     models = {name: controller}
     if baselines:
         models.update({k: v for k, v in baseline_controllers(controller.config, seed).items() if k not in models})
-    metrics, outputs = {}, {}
-    for k, m in models.items():
-        outs = collect_outputs(m, data, batch_size, autocast_dtype if k == name else None)
-        outputs[k] = outs
-        metrics[k] = metrics_from_outputs(outs["w"], outs["g"], outs["tau"], data, outs["wt"])
+    outputs = {k: collect_outputs(m, data, batch_size, autocast_dtype if k == name else None)
+               for k, m in models.items()}
+    metrics = {k: metrics_from_outputs(o["w"], o["g"], o["tau"], data, o["wt"]) for k, o in outputs.items()}
     return metrics, outputs
 
 

@@ -1,12 +1,5 @@
-"""Leave-one-out label files: parsing and validation (JSON Lines or a JSON array; the format is in
-``docs/label-format.md`` and ``schemas/labels.schema.json``).
-
-A record is one training query and its N passages (one adapter each) with ``deltas`` or ``metric_all`` +
-``metric_without`` (``delta_i = metric_all - metric_without_i``: how much the answer got worse without passage i).
-
-Every problem is reported as ``FILE:LINE: field 'NAME': what is wrong (expected ...)``. With ``on_error="fail"``
-(the default) the first bad record raises :class:`LabelFileError`; with ``"skip"`` bad records are left out and
-listed in :attr:`LabelSet.skipped` (a record is either kept exactly or skipped).
+"""Leave-one-out label files: parsing and validation (JSON Lines or a JSON array; the format, the error messages
+``FILE:LINE: field 'NAME': ...`` and ``on_error`` are in ``docs/label-format.md`` and ``schemas/labels.schema.json``).
 """
 
 from __future__ import annotations
@@ -172,12 +165,11 @@ def validate_record(obj: Any) -> LabelRecord:
 
     has_deltas = "deltas" in obj
     has_all, has_without = "metric_all" in obj, "metric_without" in obj
+    missing = "metric_without" if has_all else "metric_all" if has_without else "deltas"
     if not has_deltas and not (has_all and has_without):
-        missing = "metric_without" if has_all else "metric_all" if has_without else "deltas"
         raise _RecordError(missing, "is missing; expected 'deltas' (N numbers) or both 'metric_all' (a number) "
                                     "and 'metric_without' (N numbers)")
     if has_all != has_without:
-        missing = "metric_without" if has_all else "metric_all"
         raise _RecordError(missing, "is missing; 'metric_all' and 'metric_without' must be given together")
     metric_all = metric_without = None
     if has_all:
@@ -245,7 +237,6 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- raw parsing
 def _iter_jsonl(text: str) -> Iterator[tuple[int, Any, str | None]]:
     """Yield ``(line, value, parse_error)`` per non-blank line."""
     for lineno, line in enumerate(text.splitlines(), 1):

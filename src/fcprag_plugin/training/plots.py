@@ -1,8 +1,5 @@
-"""PNG plots of a training run / an evaluation (needs matplotlib: ``pip install 'fcprag-plugin[plot]'``).
-
-    loss.png       train and validation loss per epoch, with the uniform (PRAG) merge's loss as a reference line
-    g_tau.png      learned (g, tau) per sample, with uniform (g = 0) and the best fixed cosine (g, tau) marked
-    entropy.png    per-sample normalized weight entropy, one strip per controller (learned vs the baselines)
+"""PNG plots of a training run (``loss.png``) or an evaluation (``g_tau.png``, ``entropy.png``); needs matplotlib
+(``pip install 'fcprag-plugin[plot]'``).
 """
 
 from __future__ import annotations

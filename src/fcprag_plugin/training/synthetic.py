@@ -1,11 +1,5 @@
-"""Synthetic label sets with a known answer, for tests, benchmarks and sanity checks of a training setup.
-
-``planted``: in every record one passage is much closer to the query in embedding space than the others, and
-that passage gets the largest delta (``gap``), plus Gaussian noise on every delta. A controller that learns
-anything should put most weight on it. ``noise``: deltas are pure noise, independent of the embeddings; the best
-a controller can do is stay close to uniform.
-
-Texts are opaque ids (``q17``, ``p17_2``); :func:`table_encoder` maps them to the generated vectors.
+"""Synthetic label sets with a known answer, for tests, benchmarks and sanity checks of a training setup. Texts are
+opaque ids (``q17``, ``p17_2``); :func:`table_encoder` maps them to the generated vectors.
 """
 
 from __future__ import annotations
@@ -25,7 +19,9 @@ def synthetic_records(n: int, n_passages: int | tuple[int, int] = 3, dim: int = 
 
     Args:
         n_passages: N per record, or ``(lo, hi)`` for a variable N drawn uniformly in [lo, hi].
-        kind: ``"planted"`` or ``"noise"``.
+        kind: ``"planted"``: one passage per record is much closer to the query than the others and gets the
+            largest delta (``gap``), plus noise: a controller that learns anything should weight it most.
+            ``"noise"``: the deltas are pure noise; the best a controller can do is stay close to uniform.
         gap: delta advantage of the closest passage (planted).
         noise: std of the Gaussian noise on every delta (for ``"noise"``: the deltas' std).
         closeness: std of the perturbation of the planted passage around the query (smaller = closer).

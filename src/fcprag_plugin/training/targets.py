@@ -1,20 +1,9 @@
-"""Training targets and the objective (math only, no I/O).
+"""Training targets and the objectives "kl" and "risk" (math only, no I/O; derived in ``docs/label-format.md``,
+"Targets and objective").
 
     y_b     = softmax(delta_b / T_label)                  over the real passages of sample b
     flat_b  = max(delta_b) - min(delta_b) <= eps          nothing to learn about the ranking
     omega_b = flat_weight if flat_b else 1
-    loss    = sum_b omega_b * KL(y_b || w_b) / (sum_b omega_b + eps)            objective "kl" (the paper's)
-
-The risk-aware objective (the paper's appendix, ``sum_i w_i mu_i - lambda sigma^2 sum_i w_i^2``, written for the
-deviation from PRAG's merge ``u_i = w~_i - 1``) maximises per record
-
-    J_b = sum_i u_i delta_i - lambda sum_i u_i^2                                   objective "risk"
-
-``sum_i u_i delta_i`` is the first-order change of the label metric when the merge moves from uniform to ``w~``;
-the penalty keeps the step where that linearisation and the noisy labels can be trusted. The loss is
-``-mean_b J_b``. The per-record optimum (fixed total weight) is ``u_i = (delta_i - mean_j delta_j) / (2 lambda)``:
-with lambda the pooled within-record std of the deltas (:func:`estimate_lambda`), a passage one std above its
-set's mean gets ``w~ = 1.5`` and one below it 0.5.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Train a :class:`FusionController` on leave-one-out label files (orchestration; math in ``targets``, ``evaluation``).
 
-Notebook use::
-
-    from fcprag_plugin.training import train_controller
-    result = train_controller("labels.jsonl", "runs/ctrl", epochs=10)
-    print(result.table)            # validation metrics next to the uniform / random baselines
-    result.controller              # the trained FusionController (also saved in runs/ctrl)
-
-The output directory (controller, training_args.json, metrics.json, cv.json, train_log.jsonl, checkpoint/,
-plots/) is described in ``docs/label-format.md``.
+``train_controller("labels.jsonl", "runs/ctrl")`` returns a :class:`TrainResult` (``.table``, ``.controller``); the
+output directory is described in ``docs/label-format.md``.
 """
 
 from __future__ import annotations
@@ -154,7 +147,6 @@ class EvalResult:
         return format_table(self.metrics)
 
 
-# ---------------------------------------------------------------------------------------------- inputs
 def _as_label_set(labels: Any, on_error: str, what: str) -> LabelSet:
     if isinstance(labels, LabelSet):
         return labels
@@ -268,7 +260,6 @@ def make_optimizer(controller: FusionController, args: TrainArgs) -> torch.optim
         return torch.optim.AdamW(controller.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
 
-# ---------------------------------------------------------------------------------------------- trainer
 class Trainer:
     """Holds the data (``val`` may be None), the controller and the optimizer; :meth:`fit` runs (or resumes) the
     epochs into ``out``. ``embedding_model`` is recorded in the controller config, ``info`` (provenance) in the
@@ -292,7 +283,6 @@ class Trainer:
         self.risk_lambda = float(args.risk_lambda) if args.risk_lambda is not None else \
             estimate_lambda(train.deltas, train.mask)
 
-    # -------------------------------------------------------------------- one epoch
     def loss(self, b: Any) -> torch.Tensor:
         """The training objective on batch ``b`` (a scalar to minimise)."""
         with autocast(self.precision):
@@ -336,7 +326,6 @@ class Trainer:
         o = collect_outputs(self.controller, self.train_data, self.args.eval_batch_size)
         return best_kappa(o["wt"], self.train_data.deltas, self.train_data.mask, self.risk_lambda)
 
-    # -------------------------------------------------------------------- state
     def _state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "history": self.history, "args": asdict(self.args), "precision": self.precision,
                 "info_label_sha256": self.info.get("label_sha256")}
@@ -364,7 +353,6 @@ class Trainer:
         logger.info("resumed from %s at epoch %d", self.out / CHECKPOINT_DIR, self.epoch)
         return True
 
-    # -------------------------------------------------------------------- loop
     def fit(self, progress: bool = True, epochs: int | None = None) -> list[dict[str, Any]]:
         """Train from ``self.epoch`` up to ``epochs`` (default ``args.epochs``; 0 keeps the uniform
         initialisation), checkpointing and logging after every epoch."""
@@ -394,7 +382,6 @@ class Trainer:
         return self.history
 
 
-# ---------------------------------------------------------------------------------------------- entry point
 def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: Any = None, resume: bool = False,
                      overwrite: bool = False, progress: bool = True, **kwargs: Any) -> TrainResult:
     """Train a controller from a label file and write it (plus args, metrics, log, checkpoint) to ``out``.
@@ -557,12 +544,10 @@ def evaluate_controller(controller: FusionController | str | Path, labels: Any, 
     if seen:
         logger.warning("fcprag eval: %s is the label file this controller was %s on (same sha256 as in its %s); "
                        "these numbers are not a held-out evaluation", label_set.path, seen, ARGS_NAME)
-    if encoder is None:
-        encoder = controller.config.embedding_model
-    name, enc = resolve_encoder(encoder)
+    name, enc = resolve_encoder(controller.config.embedding_model if encoder is None else encoder)
     if getattr(enc, "dim", None) is not None:
         controller.check_encoder(enc)
-    cache = open_cache(None if cache_dir is None else str(cache_dir), name, getattr(enc, "dim", None))
+    cache = open_cache(cache_dir, name, getattr(enc, "dim", None))
     data = build_tensors(label_set.records, enc, cache, **targets, progress=progress,
                          side_features=controller.config.side_features)
     if data.dim != controller.config.embed_dim:
