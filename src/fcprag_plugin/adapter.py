@@ -18,7 +18,7 @@ import torch
 
 from .compat import layer_has_lora_bias, layer_use_dora, torch_load_weights_only
 from .errors import AdapterError, UnsupportedAdapterError
-from .loading import read_json_object
+from .loading import read_json_object, read_tensor_file
 
 logger = logging.getLogger(__name__)
 
@@ -350,15 +350,7 @@ def adapter_from_state_dict(
 
 # ----------------------------------------------------------------------------- files
 def load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise AdapterError(f"{path}: weights file not found")
-    try:
-        return load_file(str(path), device=str(device))
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise AdapterError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
+    return read_tensor_file(path, device, AdapterError, "weights file not found")
 
 
 def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu", check_values: bool = True,

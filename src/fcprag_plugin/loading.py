@@ -122,6 +122,20 @@ def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[s
     return obj
 
 
+def read_tensor_file(path: Path, device: Any, error: type[Exception], missing: str) -> dict[str, Any]:
+    """The tensors of safetensors file ``path`` on ``device``; a missing or unreadable file is an ``error`` naming
+    it (``missing``: what to say when it does not exist)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise error(f"{path}: {missing}")
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise error(f"{path}: corrupt or unreadable safetensors file ({e})") from e
+
+
 def file_signature(*files: Path) -> tuple[tuple[int, int, int] | None, ...]:
     """``(size, mtime_ns, inode)`` of each file, None where it is missing: changes when a file is rewritten or
     replaced (a new inode catches ``os.replace`` of a copy that kept its mtime)."""
