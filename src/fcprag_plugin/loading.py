@@ -1,10 +1,7 @@
-"""Process-wide load caches, so a controller directory and an embedding model are each loaded once per process.
-
-:func:`fcprag_plugin.controller.cached_controller` keys controllers by resolved directory and map location and
-re-reads a directory whose ``config.json`` / ``model.safetensors`` changed (size, mtime, inode);
-:func:`fcprag_plugin.encoding.get_encoder` keys encoders by model name, resolved path and device. Both are
-:class:`LoadCache` s. Cached objects are shared: a cached controller is in eval mode and must not be trained or
-modified in place (use :meth:`FusionController.from_pretrained` for a private copy).
+"""Process-wide load caches (:class:`LoadCache`), so a controller directory (``controller.cached_controller``)
+and an embedding model (``encoding.get_encoder``) are each loaded once per process; the JSON and safetensors
+readers. Cached objects are shared: do not train or modify them in place (``FusionController.from_pretrained``
+gives a private copy).
 """
 
 from __future__ import annotations
