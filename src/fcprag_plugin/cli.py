@@ -1,7 +1,5 @@
-"""The ``fcprag`` command line: ``fuse``, ``inspect``, ``train``, ``eval``, ``run``, ``labels``.
-
-Each command group lives next to the code it drives and exposes ``register(subparsers)``; this module only
-assembles them.
+"""The ``fcprag`` command line: ``fuse`` and ``inspect`` here; ``train``, ``eval``, ``run`` and ``labels`` live next
+to the code they drive, each module exposing ``register(subparsers)``.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from typing import Any, Callable, NoReturn, Sequence
 from .errors import FcpragError
 from .weights import finite_or_none
 
-# Command groups outside the core; each module's register(subparsers) adds its own sub-commands.
 _COMMAND_MODULES = ("fcprag_plugin.training.cli", "fcprag_plugin.hooks.cli", "fcprag_plugin.labels.cli")
 
 

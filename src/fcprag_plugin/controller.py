@@ -145,11 +145,9 @@ class ControllerOutput:
 
 def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:
     """Linear -> ReLU -> Dropout -> ... -> Linear (the indices 0, 3, 6, ... are the Linears: saved files' keys)."""
-    layers: list[nn.Module] = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers += [nn.ReLU(), nn.Dropout(dropout)]
+    layers: list[nn.Module] = [nn.Linear(sizes[0], sizes[1])]
+    for d_in, d_out in zip(sizes[1:], sizes[2:]):
+        layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(d_in, d_out)]
     return layers
 
 

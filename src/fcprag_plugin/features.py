@@ -1,8 +1,6 @@
 """Query-passage pair features ``x_i = [e_q; e_p_i; e_q*e_p_i; |e_q-e_p_i|]``, set statistics and side features.
 
-The controller never builds ``x``: it keeps the per-passage part (:func:`passage_features`) and applies the query
-block of a first-layer weight once per query (``controller.split_first_linear``). The ``masked_*`` reductions take
-``mask=None`` for "every entry is real" (no masking ops at all).
+The ``masked_*`` reductions take ``mask=None`` for "every entry is real" (no masking ops at all).
 """
 
 from __future__ import annotations
