@@ -110,8 +110,7 @@ def adapter_stats(adapter: Any) -> dict[str, float]:
     mods = getattr(adapter, "modules", None)
     if not isinstance(mods, dict) or not mods:
         raise ValueError(f"adapter_stats expects a LoraAdapter with at least one module, got {type(adapter).__name__}")
-    norms = adapter.norms()  # per module ||s B A||_F from r x r Gram products (LoraAdapter.norms)
-    norm = {name: abs(norms[name]["delta"]) for name in mods}
+    norm = {name: abs(v["delta"]) for name, v in adapter.norms().items()}  # per module ||s B A||_F
     group_norm = {g: sum(v for name, v in norm.items() if name.rsplit(".", 1)[-1] == g) for g in ADAPTER_GROUPS}
     out = {f"log_norm_{g}": math.log(v + _NORM_FLOOR) for g, v in group_norm.items()}
     out["log_norm_all"] = math.log(sum(norm.values()) + _NORM_FLOOR)
