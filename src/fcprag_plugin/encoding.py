@@ -1,7 +1,5 @@
-"""``TextEncoder``: normalized sentence embeddings with an LRU cache, offline-first model resolution.
-
-:func:`get_encoder` is the process-wide way to get one: each (model, device) is loaded once and shared, by
-``FusionController.encoder``, ``fuse()``, the shims and the trainer (see :mod:`fcprag_plugin.loading`).
+"""``TextEncoder``: normalized sentence embeddings with an LRU cache, offline-first model resolution; one shared
+encoder per (model, device) from :func:`get_encoder`.
 """
 
 from __future__ import annotations
