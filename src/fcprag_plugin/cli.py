@@ -110,14 +110,13 @@ def write_dir_atomically(out: Path, fill: Callable[[Path], None]) -> Path:
 
 
 def _check_svd_rank(args: argparse.Namespace, adapters: Sequence[Any]) -> None:
-    """``--rank`` only with ``--mode svd``, and between 1 and the rank of the exact ``cat`` merge."""
+    """``--rank`` only with ``--mode svd``, and at most the rank of the exact ``cat`` merge (``positive_int`` has
+    refused ``--rank`` < 1 already)."""
     if args.rank is None:
         return
     if args.mode != "svd":
         raise FcpragError(f"--rank {args.rank} is only used by --mode svd (got --mode {args.mode}); drop --rank or "
                           "pass --mode svd")
-    if args.rank < 1:
-        raise FcpragError(f"--rank {args.rank}: expected an integer >= 1 (default for svd: the largest input rank)")
     per_module: Counter[str] = Counter()
     for ad in adapters:
         per_module.update(ad.ranks)

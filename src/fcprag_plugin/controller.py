@@ -385,9 +385,8 @@ class FusionController(nn.Module):
         if mask is not None:
             s = s.masked_fill(~mask, 0.0)
         # calibrate
-        q_scale = None
         if c.mode == "fixed":
-            g, tau = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau)
+            g, tau, q_scale = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau), None
         else:
             g, tau, q_scale = self.calib_net(calibration_summary(e_q, xp, s, mask))
         # combine
