@@ -16,9 +16,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from .compat import layer_has_lora_bias, layer_use_dora, torch_load_weights_only
+from .compat import layer_has_lora_bias, layer_use_dora, live_lora_layers, torch_load_weights_only
 from .errors import AdapterError, UnsupportedAdapterError
-from .loading import read_json_object
+from .loading import read_json_object, read_tensor_file
 
 logger = logging.getLogger(__name__)
 
@@ -89,21 +89,15 @@ class LoraAdapter:
         LoRA layers)."""
         where = f"live model adapter '{adapter_name}'"
         modules: dict[str, LoraModule] = {}
-        for name, module in model.named_modules():
-            lora_A = getattr(module, "lora_A", None)
-            if lora_A is None or not hasattr(lora_A, "keys"):
-                continue
-            emb = getattr(module, "lora_embedding_A", None)
-            if emb is not None and adapter_name in emb:
+        for name, module in live_lora_layers(model, adapter_name):
+            if adapter_name in getattr(module, "lora_embedding_A", {}):
                 raise UnsupportedAdapterError(f"{where}: module '{name}' is an embedding LoRA: only Linear LoRA is "
                                               "supported")
-            if adapter_name not in lora_A:
-                continue
             if layer_use_dora(module, adapter_name):
                 raise UnsupportedAdapterError(f"{where}: module '{name}' uses DoRA, which is not supported")
             if layer_has_lora_bias(module, adapter_name):
                 raise UnsupportedAdapterError(f"{where}: module '{name}' has a LoRA bias, which is not supported")
-            A = lora_A[adapter_name].weight.detach().clone()
+            A = module.lora_A[adapter_name].weight.detach().clone()
             B = module.lora_B[adapter_name].weight.detach().clone()
             modules[strip_peft_prefix(name)[0]] = LoraModule(A, B, float(module.scaling[adapter_name]))
         configs = getattr(model, "peft_config", {}) or {}
@@ -350,15 +344,7 @@ def adapter_from_state_dict(
 
 # ----------------------------------------------------------------------------- files
 def load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise AdapterError(f"{path}: weights file not found")
-    try:
-        return load_file(str(path), device=str(device))
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise AdapterError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
+    return read_tensor_file(path, device, AdapterError, "weights file not found")
 
 
 def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu", check_values: bool = True,

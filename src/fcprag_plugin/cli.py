@@ -1,7 +1,5 @@
-"""The ``fcprag`` command line: ``fuse``, ``inspect``, ``train``, ``eval``, ``run``, ``labels``.
-
-Each command group lives next to the code it drives and exposes ``register(subparsers)``; this module only
-assembles them.
+"""The ``fcprag`` command line: ``fuse`` and ``inspect`` here; ``train``, ``eval``, ``run`` and ``labels`` live next
+to the code they drive, each module exposing ``register(subparsers)``.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from typing import Any, Callable, NoReturn, Sequence
 from .errors import FcpragError
 from .weights import finite_or_none
 
-# Command groups outside the core; each module's register(subparsers) adds its own sub-commands.
 _COMMAND_MODULES = ("fcprag_plugin.training.cli", "fcprag_plugin.hooks.cli", "fcprag_plugin.labels.cli")
 
 
@@ -113,14 +110,13 @@ def write_dir_atomically(out: Path, fill: Callable[[Path], None]) -> Path:
 
 
 def _check_svd_rank(args: argparse.Namespace, adapters: Sequence[Any]) -> None:
-    """``--rank`` only with ``--mode svd``, and between 1 and the rank of the exact ``cat`` merge."""
+    """``--rank`` only with ``--mode svd``, and at most the rank of the exact ``cat`` merge (``positive_int`` has
+    refused ``--rank`` < 1 already)."""
     if args.rank is None:
         return
     if args.mode != "svd":
         raise FcpragError(f"--rank {args.rank} is only used by --mode svd (got --mode {args.mode}); drop --rank or "
                           "pass --mode svd")
-    if args.rank < 1:
-        raise FcpragError(f"--rank {args.rank}: expected an integer >= 1 (default for svd: the largest input rank)")
     per_module: Counter[str] = Counter()
     for ad in adapters:
         per_module.update(ad.ranks)

@@ -6,19 +6,14 @@
     pi = softmax(s / tau),  w_i = g*pi_i + (1-g)/N,  w~_i = N*w_i / sum w        (combine)
     merge weights = kappa * c * w~                             kappa = 1, c = 1 unless configured
 
-``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates). A learned controller built with
-``init="uniform"`` (the trainer's choice: the score head's output layer is zero, so all scores are equal) gives
-exactly that, so training moves away from PRAG's merge only as far as the data supports; the constructor's default
-``init="random"`` keeps PyTorch's initialisation.
-
-The calibration summary (:func:`features.calibration_summary`, permutation-invariant) lets the net open the gate
-and sharpen when one passage stands out, and fall back to uniform when nothing does. Side features (opt-in
-``side_features``: retrieval rank, retrieval score, :func:`features.adapter_stats`) are centered within the set,
-divided by ``side_scale`` (:func:`features.center_side`) and appended to the score net's input only.
-
-Total scale: ``kappa`` (a global factor, tuned on training labels with ``fcprag train --kappa auto``) and, with
-``query_scale``, a per-query factor ``c = 2*sigmoid(o_3)`` from a third calibration output (1 at initialisation).
-Both default to the paper's ``sum w~ = N``.
+``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates); ``init="uniform"`` (the trainer's choice,
+:meth:`FusionController.reset_to_uniform_`) starts exactly there, so training moves away from it only as far as
+the data supports; the default ``init="random"`` keeps PyTorch's initialisation. The permutation-invariant
+calibration summary (:func:`features.calibration_summary`) lets the net open the gate and sharpen when one passage
+stands out, and fall back to uniform when nothing does. Side features (opt-in: retrieval rank and score,
+:func:`features.adapter_stats`) feed the score net only, centered within the set (:func:`features.center_side`).
+``kappa`` (tuned by ``fcprag train --kappa auto``) and, with ``query_scale``, ``c = 2*sigmoid(o_3)`` (1 at
+initialisation) scale the total; both default to the paper's ``sum w~ = N``.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ from torch import nn
 
 from .encoding import check_recorded_model, get_encoder
 from .errors import ControllerError
-from .loading import LoadCache, file_signature, read_json_object
+from .loading import LoadCache, file_signature, read_json_object, read_tensor_file
 from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_stats, calibration_summary,
                        center_side, passage_features, side_feature_columns)
 
@@ -81,12 +76,10 @@ class ControllerConfig:
     cv: dict[str, Any] | None = None
 
     def validate(self, where: str = "controller config") -> "ControllerConfig":
-        if self.mode not in CONTROLLER_MODES:
-            raise ControllerError(f"{where}: key 'mode' is '{self.mode}', expected one of {list(CONTROLLER_MODES)}")
-        if self.scorer not in SCORERS:
-            raise ControllerError(f"{where}: key 'scorer' is '{self.scorer}', expected one of {list(SCORERS)}")
-        if self.init not in INITS:
-            raise ControllerError(f"{where}: key 'init' is '{self.init}', expected one of {list(INITS)}")
+        for key, allowed in (("mode", CONTROLLER_MODES), ("scorer", SCORERS), ("init", INITS)):
+            value = getattr(self, key)
+            if value not in allowed:
+                raise ControllerError(f"{where}: key '{key}' is '{value}', expected one of {list(allowed)}")
         if not (isinstance(self.embed_dim, int) and self.embed_dim > 0):
             raise ControllerError(f"{where}: key 'embed_dim' must be a positive integer, got {self.embed_dim!r}")
         if not (0 < self.tau_min <= self.tau_max):
@@ -152,11 +145,9 @@ class ControllerOutput:
 
 def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:
     """Linear -> ReLU -> Dropout -> ... -> Linear (the indices 0, 3, 6, ... are the Linears: saved files' keys)."""
-    layers: list[nn.Module] = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers += [nn.ReLU(), nn.Dropout(dropout)]
+    layers: list[nn.Module] = [nn.Linear(sizes[0], sizes[1])]
+    for d_in, d_out in zip(sizes[1:], sizes[2:]):
+        layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(d_in, d_out)]
     return layers
 
 
@@ -168,18 +159,17 @@ def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torc
     ``w~`` is computed as ``1 + g*N*(pi - 1/N)``, the same value (``sum w = 1``; ``eps`` only guards a zero sum,
     which a distribution never has) up to float rounding, written so that equal scores give exactly ``w~ = 1``.
     """
-    g1 = g.unsqueeze(1)
+    g1, logits = g.unsqueeze(1), scores / tau.unsqueeze(1)
     if mask is None:
         n: torch.Tensor | int = scores.shape[1]
-        pi = torch.softmax(scores / tau.unsqueeze(1), dim=1)
-        w = g1 * pi + (1 - g1) / n
-        return w, 1 + g1 * n * (pi - 1.0 / n)
-    n = mask.sum(1, keepdim=True).to(scores.dtype)
-    logits = (scores / tau.unsqueeze(1)).masked_fill(~mask, float("-inf"))
-    pi = torch.softmax(logits, dim=1).masked_fill(~mask, 0.0)
-    w = (g1 * pi + (1 - g1) / n).masked_fill(~mask, 0.0)
-    w_tilde = (1 + g1 * n * (pi - 1.0 / n)).masked_fill(~mask, 0.0)
-    return w, w_tilde
+        pi = torch.softmax(logits, dim=1)
+    else:
+        n = mask.sum(1, keepdim=True).to(scores.dtype)
+        pi = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=1).masked_fill(~mask, 0.0)
+    w, w_tilde = g1 * pi + (1 - g1) / n, 1 + g1 * n * (pi - 1.0 / n)
+    if mask is None:
+        return w, w_tilde
+    return w.masked_fill(~mask, 0.0), w_tilde.masked_fill(~mask, 0.0)
 
 
 def split_first_linear(weight: torch.Tensor, bias: torch.Tensor | None, e_q: torch.Tensor, xp: torch.Tensor
@@ -395,9 +385,8 @@ class FusionController(nn.Module):
         if mask is not None:
             s = s.masked_fill(~mask, 0.0)
         # calibrate
-        q_scale = None
         if c.mode == "fixed":
-            g, tau = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau)
+            g, tau, q_scale = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau), None
         else:
             g, tau, q_scale = self.calib_net(calibration_summary(e_q, xp, s, mask))
         # combine
@@ -503,9 +492,6 @@ class FusionController(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, map_location: str | torch.device = "cpu") -> "FusionController":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         path = Path(path)
         cfg_path, w_path = path / CONFIG_NAME, path / WEIGHTS_NAME
         if not path.is_dir():
@@ -521,12 +507,7 @@ class FusionController(nn.Module):
                                   f"library supports ({FORMAT_VERSION}); upgrade fcprag-plugin")
         config = ControllerConfig(**raw).validate(str(cfg_path))  # every key is a field (checked above)
         model = cls(config)
-        if not w_path.is_file():
-            raise ControllerError(f"{w_path}: controller weights not found")
-        try:
-            state = load_file(str(w_path), device=str(map_location))
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise ControllerError(f"{w_path}: corrupt or unreadable safetensors file ({e})") from e
+        state = read_tensor_file(w_path, map_location, ControllerError, "controller weights not found")
         own = model.state_dict()
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or extra:

@@ -1,7 +1,5 @@
-"""``TextEncoder``: normalized sentence embeddings with an LRU cache, offline-first model resolution.
-
-:func:`get_encoder` is the process-wide way to get one: each (model, device) is loaded once and shared, by
-``FusionController.encoder``, ``fuse()``, the shims and the trainer (see :mod:`fcprag_plugin.loading`).
+"""``TextEncoder``: normalized sentence embeddings with an LRU cache, offline-first model resolution; one shared
+encoder per (model, device) from :func:`get_encoder`.
 """
 
 from __future__ import annotations
@@ -188,7 +186,7 @@ class TextEncoder:
             fresh: dict[str, torch.Tensor] = {}
             if todo:
                 emb = self._fn(todo)
-                if emb.ndim != 2 or emb.shape != (len(todo), self.dim):
+                if emb.shape != (len(todo), self.dim):
                     raise EncoderError(f"encoder '{self.name}' returned shape {list(emb.shape)}, "
                                        f"expected [{len(todo)}, {self.dim}]")
                 fresh = dict(zip(todo, torch.nn.functional.normalize(emb.float(), dim=-1)))
@@ -254,12 +252,8 @@ def check_recorded_model(recorded: str | None, encoder: Any) -> None:
         return
     _MODEL_CHECKS.add(pair)
     if source is not None:
-        try:
-            rec_path = resolve_model(recorded)[1]
-        except EncoderError:
-            rec_path = None
-        if rec_path is not None and os.path.exists(rec_path) and os.path.exists(source) and \
-                os.path.samefile(rec_path, source):
+        rec_path = resolve_model(recorded)[1]  # an explicit name never raises
+        if os.path.exists(rec_path) and os.path.exists(source) and os.path.samefile(rec_path, source):
             return
     logger.warning("the controller was trained with embedding model '%s' but the encoder in use is '%s' "
                    "(same dimension): its weights assume the other model's embeddings (logged once)", recorded, name)

@@ -1,8 +1,6 @@
 """Query-passage pair features ``x_i = [e_q; e_p_i; e_q*e_p_i; |e_q-e_p_i|]``, set statistics and side features.
 
-The controller never builds ``x``: it keeps the per-passage part (:func:`passage_features`) and applies the query
-block of a first-layer weight once per query (``controller.split_first_linear``). The ``masked_*`` reductions take
-``mask=None`` for "every entry is real" (no masking ops at all).
+The ``masked_*`` reductions take ``mask=None`` for "every entry is real" (no masking ops at all).
 """
 
 from __future__ import annotations
@@ -112,8 +110,7 @@ def adapter_stats(adapter: Any) -> dict[str, float]:
     mods = getattr(adapter, "modules", None)
     if not isinstance(mods, dict) or not mods:
         raise ValueError(f"adapter_stats expects a LoraAdapter with at least one module, got {type(adapter).__name__}")
-    norms = adapter.norms()  # per module ||s B A||_F from r x r Gram products (LoraAdapter.norms)
-    norm = {name: abs(norms[name]["delta"]) for name in mods}
+    norm = {name: abs(v["delta"]) for name, v in adapter.norms().items()}  # per module ||s B A||_F
     group_norm = {g: sum(v for name, v in norm.items() if name.rsplit(".", 1)[-1] == g) for g in ADAPTER_GROUPS}
     out = {f"log_norm_{g}": math.log(v + _NORM_FLOOR) for g, v in group_norm.items()}
     out["log_norm_all"] = math.log(sum(norm.values()) + _NORM_FLOOR)

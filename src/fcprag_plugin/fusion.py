@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -71,11 +72,7 @@ def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAda
 def warn_duplicates(adapters: Sequence[Any]) -> list[str]:
     """Warn (one warning per fusion) when adapter paths repeat: each copy counts as its own passage update, so the
     same update is added twice (PRAG does the same, silently). Returns the repeated paths."""
-    seen: dict[str, int] = {}
-    for a in adapters:
-        if isinstance(a, (str, Path)):
-            key = os.path.realpath(a)
-            seen[key] = seen.get(key, 0) + 1
+    seen = Counter(os.path.realpath(a) for a in adapters if isinstance(a, (str, Path)))
     dups = [k for k, c in seen.items() if c > 1]
     if dups:
         logger.warning("fuse: adapter path(s) %s are given more than once; each copy counts as its own passage "

@@ -1,10 +1,7 @@
-"""Process-wide load caches, so a controller directory and an embedding model are each loaded once per process.
-
-:func:`fcprag_plugin.controller.cached_controller` keys controllers by resolved directory and map location and
-re-reads a directory whose ``config.json`` / ``model.safetensors`` changed (size, mtime, inode);
-:func:`fcprag_plugin.encoding.get_encoder` keys encoders by model name, resolved path and device. Both are
-:class:`LoadCache` s. Cached objects are shared: a cached controller is in eval mode and must not be trained or
-modified in place (use :meth:`FusionController.from_pretrained` for a private copy).
+"""Process-wide load caches (:class:`LoadCache`), so a controller directory (``controller.cached_controller``)
+and an embedding model (``encoding.get_encoder``) are each loaded once per process; the JSON and safetensors
+readers. Cached objects are shared: do not train or modify them in place (``FusionController.from_pretrained``
+gives a private copy).
 """
 
 from __future__ import annotations
@@ -120,6 +117,20 @@ def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[s
     if not isinstance(obj, dict):
         raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
+
+
+def read_tensor_file(path: Path, device: Any, error: type[Exception], missing: str) -> dict[str, Any]:
+    """The tensors of safetensors file ``path`` on ``device``; a missing or unreadable file is an ``error`` naming
+    it (``missing``: what to say when it does not exist)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise error(f"{path}: {missing}")
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise error(f"{path}: corrupt or unreadable safetensors file ({e})") from e
 
 
 def file_signature(*files: Path) -> tuple[tuple[int, int, int] | None, ...]:
