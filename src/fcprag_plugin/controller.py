@@ -128,20 +128,6 @@ class ControllerOutput:
     mask: torch.Tensor
     scale: torch.Tensor | None = None
 
-    def sample(self, b: int = 0) -> dict[str, Any]:
-        """Plain-Python view of sample ``b`` (only its real passages)."""
-        m = self.mask[b]
-        out = {
-            "scores": self.scores[b][m].tolist(),
-            "g": float(self.g[b]),
-            "tau": float(self.tau[b]),
-            "weights": self.weights[b][m].tolist(),
-            "merge_weights": self.merge_weights[b][m].tolist(),
-        }
-        if self.scale is not None:
-            out["scale"] = float(self.scale[b])
-        return out
-
 
 def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:
     """Linear -> ReLU -> Dropout -> ... -> Linear (the indices 0, 3, 6, ... are the Linears: saved files' keys)."""
