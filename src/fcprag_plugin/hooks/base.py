@@ -1,8 +1,5 @@
-"""What the integration shims share; ``prag.py`` / ``dyprag.py`` add only their patches and their merge step:
-reversible patches, the query context (:func:`set_context`, else the caller's locals, else the shim's fallback;
-never a silent uniform merge), the weight hook and its log, the fused slots of ``use_slot``, the install lifecycle
-and the script launcher.
-"""
+"""What the host shims share: reversible patches, the query context, the weight hook and its log, the fused slots
+of ``use_slot``, the install lifecycle and the script launcher (``prag.py`` / ``dyprag.py`` add their patches)."""
 
 from __future__ import annotations
 
@@ -381,8 +378,7 @@ class Lifecycle:
         finally:
             self.uninstall()
             if previous is not None:
-                previous.apply()
-                self.current = previous
+                self.install(previous)
 
     def launch(self, script: str | Path, script_args: Sequence[str], shim: Shim) -> int:
         """Run the unmodified host ``script`` as ``__main__`` with ``shim`` installed; returns its exit status."""
