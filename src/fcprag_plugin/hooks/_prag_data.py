@@ -98,13 +98,12 @@ class PragDataFile:
             raise HookError(f"{where}: key 'question' must be a string, got {question!r:.80}")
         if not isinstance(passages, list) or not all(isinstance(t, str) for t in passages):
             raise HookError(f"{where}: key 'passages' must be a list of strings")
-        picked = []
         for p in parsed:
             if p.pid >= len(passages):
                 raise HookError(f"adapter {p.path}: passage {p.pid} does not exist, {where} has "
                                 f"{len(passages)} passages")
-            picked.append(passages[p.pid])
-        return {"question": question, "passages": picked, "test_id": first.test_id, "data_file": str(file)}
+        return {"question": question, "passages": [passages[p.pid] for p in parsed], "test_id": first.test_id,
+                "data_file": str(file)}
 
 
 def _read_records(file: Path) -> list[Any]:

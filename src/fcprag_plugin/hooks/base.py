@@ -107,10 +107,9 @@ def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, 
     loc = find_in_callers(("question", "passages"), sys._getframe(1))
     if loc is not None and isinstance(loc["question"], str) and isinstance(loc["passages"], (list, tuple)):
         return {"question": loc["question"], "passages": list(loc["passages"]), "source": "caller_locals"}
-    if fallback is not None:
-        fb = fallback()
-        if fb is not None:
-            return {**fb, "source": fb.get("source", "fallback")}
+    fb = fallback() if fallback is not None else None
+    if fb is not None:
+        return {**fb, "source": fb.get("source", "fallback")}
     raise HookError(f"fcprag: cannot tell which question and passages this {what} is for: call "
                     "fcprag_plugin.hooks.set_context(question, passages) before it, keep local variables named "
                     "'question' and 'passages' in the calling function, or give the shim a data file to map adapter "

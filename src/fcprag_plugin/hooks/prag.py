@@ -250,9 +250,8 @@ def _remerge(tuner: Any, names: list[str], merge_name: str, w_tilde: list[float]
         if module not in layers:
             raise HookError(f"merged module '{module}' has no '{merge_name}' layer in the model")
         set_lora_factors(layers[module], merge_name, m.A, m.B, m.scaling)
-    ranks = {m.rank for m in merged.modules.values()}
     cfg = tuner.peft_config[merge_name]
-    cfg.r = cfg.lora_alpha = max(ranks)  # scaling 1; the live layers are authoritative
+    cfg.r = cfg.lora_alpha = max(m.rank for m in merged.modules.values())  # scaling 1; the live layers rule
 
 
 # ----------------------------------------------------------------------------- patch factories
