@@ -230,15 +230,14 @@ def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:
     return LoraAdapter(mods, {}, f"ParameterTranslator output {index}")
 
 
-def _resolve_module(mod: ModuleType | str | None, default: str, what: str) -> ModuleType:
+def _resolve_module(mod: ModuleType | str, what: str) -> ModuleType:
     if isinstance(mod, ModuleType):
         return mod
-    name = mod or default
     try:
-        return importlib.import_module(name)
+        return importlib.import_module(mod)
     except ImportError as e:
         raise HookError(
-            f"fcprag dyprag: cannot import DyPRAG's '{name}' module ({what}): {e}. Run from DyPRAG's src/ "
+            f"fcprag dyprag: cannot import DyPRAG's '{mod}' module ({what}): {e}. Run from DyPRAG's src/ "
             f"directory, put it on sys.path, or use `fcprag run dyprag -- src/inference_dyprag.py ...`") from e
 
 
@@ -280,8 +279,8 @@ def _make(controller: Any, encoder: Any, mode: str, log: str | Path | None, util
     if mode not in MODES:
         raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
     check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
-    utils_mod = _resolve_module(utils, UTILS_MODULE, "delta_inject")
-    projector_mod = _resolve_module(projector, PROJECTOR_MODULE, TRANSLATOR_CLASS)
+    utils_mod = _resolve_module(utils or UTILS_MODULE, "delta_inject")
+    projector_mod = _resolve_module(projector or PROJECTOR_MODULE, TRANSLATOR_CLASS)
     _check_host(utils_mod, projector_mod)
     hook = MergeHook(controller, encoder, mode=mode, log=log)
     _ = hook.encoder  # load it and check its dimension now, before the host script runs
@@ -327,8 +326,8 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
     old_path = sys.path[:]
     sys.path.insert(0, str(src))
     try:
-        utils_mod = _resolve_module(None, UTILS_MODULE, "delta_inject")
-        projector_mod = _resolve_module(None, PROJECTOR_MODULE, TRANSLATOR_CLASS)
+        utils_mod = _resolve_module(UTILS_MODULE, "delta_inject")
+        projector_mod = _resolve_module(PROJECTOR_MODULE, TRANSLATOR_CLASS)
         for m in (utils_mod, projector_mod):
             f = getattr(m, "__file__", None)
             if f is None or Path(f).resolve().parent != src:
