@@ -265,8 +265,7 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
         utils, projector: the host modules (or their import names); default: import ``utils`` / ``projector``.
         use_slot: write each question's update into a :class:`~fcprag_plugin.fast.FusedSlot` instead of DyPRAG's
             dense per-module ``delta``.
-        max_adapters: with ``use_slot``, a fixed slot capacity (more passages is a :class:`HookError`); default:
-            sized for the first question and grown when a later one has more.
+        max_adapters: with ``use_slot``, a fixed slot capacity (:class:`~fcprag_plugin.hooks.base.ShimSlots`).
 
     Install before the script runs ``from utils import delta_inject`` (the launcher does); installing again
     replaces the previous shim. Returns the shim (also a context manager that uninstalls).

@@ -345,8 +345,7 @@ def install(controller: FusionController | str | Path | None = None, encoder: An
             neither :func:`set_context` nor the caller's locals give them.
         repair: clear the stale ``peft_config`` after ``unload()`` on peft < 0.19 (False reproduces the bug).
         use_slot: merge into a :class:`~fcprag_plugin.fast.FusedSlot` instead of building merged PEFT modules.
-        max_adapters: with ``use_slot``, a fixed slot capacity (more passages is a :class:`HookError`); default:
-            sized for the first question and grown when a later one has more.
+        max_adapters: with ``use_slot``, a fixed slot capacity (:class:`~fcprag_plugin.hooks.base.ShimSlots`).
     """
     return _LIFE.install(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
