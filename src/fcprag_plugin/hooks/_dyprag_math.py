@@ -89,14 +89,6 @@ def _weights_for(u: torch.Tensor | Sequence[float], n: int) -> list[float]:
     return u
 
 
-def aggregate_separate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float]
-                       ) -> dict[str, torch.Tensor]:
-    """``{key: sum_i u_i * outputs[i][key]}`` for every key (``A* = sum u_i A_i``, ``B* = sum u_i B_i``;
-    :func:`~fcprag_plugin.merge.factors.weighted_sum`)."""
-    w = _weights_for(u, len(outputs))
-    return {key: factors.weighted_sum([o[key] for o in outputs], w) for key in outputs[0]}
-
-
 def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
                hint: str = "use mode 'separate' for other keys") -> dict[str, tuple[str, str]]:
     """``{module: (A key, B key)}``; every key must be one half of a complete pair (``need`` / ``hint`` word the
@@ -104,19 +96,15 @@ def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
     mods: dict[str, dict[str, str]] = {}
     for k in keys:
         kind = "A" if k.endswith(A_SUFFIX) else "B" if k.endswith(B_SUFFIX) else None
-        if kind is not None:
-            mods.setdefault(k[: -len(A_SUFFIX)], {})[kind] = k  # both suffixes have the same length
-        else:
+        if kind is None:
             raise HookError(f"fcprag dyprag: key '{k}' is neither '...{A_SUFFIX}' nor '...{B_SUFFIX}'; "
                             f"{need} needs LoRA factor pairs ({hint})")
-    pairs = {}
+        mods.setdefault(k[: -len(A_SUFFIX)], {})[kind] = k  # both suffixes have the same length
     for mod, d in mods.items():
         if "A" not in d or "B" not in d:
-            have = d.get("A") or d.get("B")
-            raise HookError(f"fcprag dyprag: module '{mod}' has only '{have}'; {need} needs both its "
-                            f"'{A_SUFFIX[1:]}' and '{B_SUFFIX[1:]}'")
-        pairs[mod] = (d["A"], d["B"])
-    return pairs
+            raise HookError(f"fcprag dyprag: module '{mod}' has only '{d.get('A') or d.get('B')}'; {need} needs "
+                            f"both its '{A_SUFFIX[1:]}' and '{B_SUFFIX[1:]}'")
+    return {mod: (d["A"], d["B"]) for mod, d in mods.items()}
 
 
 def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -147,10 +135,15 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
     return out
 
 
-def aggregate_delta(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float]
-                    ) -> dict[str, torch.Tensor]:
-    """Rank-stacked factors with ``B A = sum_i u_i B_i A_i``: ``A = cat(u_i A_i)`` ``[..., N r, in]``,
-    ``B = cat(B_i)`` ``[..., out, N r]``, so ``delta_inject``'s ``B @ A`` is the exact weighted mean update."""
+def aggregate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float], mode: str
+              ) -> dict[str, torch.Tensor]:
+    """The ``outputs`` re-aggregated with weights ``u`` ``[N]`` as in the module docstring, keys in DyPRAG's order
+    (``delta``: ``A`` ``[..., N r, in]``, ``B`` ``[..., out, N r]``, so ``delta_inject``'s ``B @ A`` is exact)."""
+    if mode == "separate":
+        w = _weights_for(u, len(outputs))
+        return {key: factors.weighted_sum([o[key] for o in outputs], w) for key in outputs[0]}
+    if mode != "delta":
+        raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(DYPRAG_MODES)}")
     first = outputs[0]
     out: dict[str, torch.Tensor] = {}
     for mod, (ka, kb) in lora_pairs(list(first)).items():
@@ -160,14 +153,4 @@ def aggregate_delta(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tens
                             "do not form B @ A (expected A [r, in], B [out, r])")
         out[ka], out[kb] = factors.cat([o[ka] for o in outputs], [o[kb] for o in outputs],
                                        _weights_for(u, len(outputs)))
-    return {k: out[k] for k in first}  # keep DyPRAG's key order
-
-
-def aggregate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float], mode: str
-              ) -> dict[str, torch.Tensor]:
-    """Dispatch on ``mode`` (``separate`` | ``delta``)."""
-    if mode == "separate":
-        return aggregate_separate(outputs, u)
-    if mode == "delta":
-        return aggregate_delta(outputs, u)
-    raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(DYPRAG_MODES)}")
+    return {k: out[k] for k in first}

@@ -72,11 +72,6 @@ class PragDataFile:
                 return cand
         raise HookError(f"adapter {adapter_path}: no data file '{group}.json' or '{group}.jsonl' in {self.path}")
 
-    def records(self, file: Path) -> list[Any]:
-        if file not in self._cache:
-            self._cache[file] = _read_records(file)
-        return self._cache[file]
-
     # ----------------------------------------------------------------- lookup
     def context(self, parsed: Sequence[PragAdapterPath]) -> dict[str, Any]:
         """``{"question", "passages" (one per adapter, in adapter order), "test_id", "data_file"}``."""
@@ -85,7 +80,9 @@ class PragDataFile:
             if (p.group, p.test_id) != (first.group, first.test_id):
                 raise HookError(f"the adapters being merged come from different questions: {first.path} and {p.path}")
         file = self.file_for(first.group, first.path)
-        recs = self.records(file)
+        if file not in self._cache:
+            self._cache[file] = _read_records(file)
+        recs = self._cache[file]
         if first.test_id >= len(recs):
             raise HookError(f"adapter {first.path}: test_id {first.test_id} is out of range for {file} "
                             f"({len(recs)} records)")
@@ -98,13 +95,12 @@ class PragDataFile:
             raise HookError(f"{where}: key 'question' must be a string, got {question!r:.80}")
         if not isinstance(passages, list) or not all(isinstance(t, str) for t in passages):
             raise HookError(f"{where}: key 'passages' must be a list of strings")
-        picked = []
         for p in parsed:
             if p.pid >= len(passages):
                 raise HookError(f"adapter {p.path}: passage {p.pid} does not exist, {where} has "
                                 f"{len(passages)} passages")
-            picked.append(passages[p.pid])
-        return {"question": question, "passages": picked, "test_id": first.test_id, "data_file": str(file)}
+        return {"question": question, "passages": [passages[p.pid] for p in parsed], "test_id": first.test_id,
+                "data_file": str(file)}
 
 
 def _read_records(file: Path) -> list[Any]:

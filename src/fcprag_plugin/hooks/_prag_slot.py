@@ -1,11 +1,6 @@
-"""PRAG's adapter verbs over a fused slot: what ``PeftModel.from_pretrained`` returns under ``use_slot``.
-
-PRAG's loop, per question: ``from_pretrained``, ``load_adapter`` for the other passages, ``add_weighted_adapter``,
-``set_adapter("merge")``, ``generate``, ``delete_adapter("merge")``, ``unload()``. Under ``use_slot`` adapters are
-read (memory-mapped, packed, checked) into the shim's :class:`~fcprag_plugin.fast.AdapterStore`, no LoRA module is
-ever created, and the active adapter's update is written into the base model's
-:class:`~fcprag_plugin.fast.FusedSlot` by ``set_adapter`` or, when the active adapter changed otherwise, by a
-forward pre-hook just before the next forward pass: one write per question.
+"""What ``PeftModel.from_pretrained`` returns under PRAG's ``use_slot``: PRAG's adapter verbs over an adapter store
+and a fused slot, no LoRA modules (see ``examples/prag/README.md``). The active adapter's update is written by
+``set_adapter`` or, when it changed otherwise, by a forward pre-hook before the next forward: one write per question.
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ class SlotPeftModel:
         self._closed = False
         self.load_adapter(model_id, adapter_name)
         self._active = str(adapter_name)  # active, as after PEFT's from_pretrained; written at the next forward
-        self._hook = base.register_forward_pre_hook(self._sync_hook)
+        self._hook = base.register_forward_pre_hook(lambda module, args: self._sync())
 
     # ----------------------------------------------------------------- loading
     def load_adapter(self, model_id: Any, adapter_name: str = "default", is_trainable: bool = False,
@@ -177,8 +172,7 @@ class SlotPeftModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._base(*args, **kwargs)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._base(*args, **kwargs)
+    forward = __call__
 
     def eval(self) -> "SlotPeftModel":
         self._base.eval()
@@ -195,7 +189,9 @@ class SlotPeftModel:
     def __getattr__(self, name: str) -> Any:  # only called when normal lookup fails
         if name.startswith("_"):
             raise AttributeError(name)
-        if name in _REFUSED or _peft_only(name, self._base):
+        from peft import PeftModel
+
+        if name in _REFUSED or (hasattr(PeftModel, name) and not hasattr(type(self._base), name)):
             raise HookError(f"fcprag prag (use_slot): {name} is a PeftModel feature the fused slot does not provide "
                             "(it holds inference-only merged updates, no PEFT modules): run without use_slot")
         return getattr(self._base, name)
@@ -221,15 +217,9 @@ class SlotPeftModel:
             raise HookError(f"fcprag prag (use_slot): {verb}() after unload(): this model was unloaded; use the "
                             "model unload() returned")
 
-    def _want(self) -> str | None:
-        return None if self._disabled else self._active
-
-    def _sync_hook(self, module: Any, args: Any) -> None:
-        self._sync()
-
     def _sync(self) -> None:
         """Make the slot hold (and apply) the active adapter's update, or nothing."""
-        want = self._want()
+        want = None if self._disabled else self._active
         if want == self._holding:
             return
         if want is None:
@@ -245,10 +235,3 @@ class SlotPeftModel:
             if slot is not None:
                 slot.deactivate()
             self._holding = None
-
-
-def _peft_only(name: str, base: Any) -> bool:
-    """True for a ``PeftModel`` method or attribute the base model does not have."""
-    from peft import PeftModel
-
-    return hasattr(PeftModel, name) and not hasattr(type(base), name)

@@ -1,8 +1,5 @@
-"""What the integration shims share; ``prag.py`` / ``dyprag.py`` add only their patches and their merge step:
-reversible patches, the query context (:func:`set_context`, else the caller's locals, else the shim's fallback;
-never a silent uniform merge), the weight hook and its log, the fused slots of ``use_slot``, the install lifecycle
-and the script launcher.
-"""
+"""What the host shims share: reversible patches, the query context, the weight hook and its log, the fused slots
+of ``use_slot``, the install lifecycle and the script launcher (``prag.py`` / ``dyprag.py`` add their patches)."""
 
 from __future__ import annotations
 
@@ -110,10 +107,9 @@ def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, 
     loc = find_in_callers(("question", "passages"), sys._getframe(1))
     if loc is not None and isinstance(loc["question"], str) and isinstance(loc["passages"], (list, tuple)):
         return {"question": loc["question"], "passages": list(loc["passages"]), "source": "caller_locals"}
-    if fallback is not None:
-        fb = fallback()
-        if fb is not None:
-            return {**fb, "source": fb.get("source", "fallback")}
+    fb = fallback() if fallback is not None else None
+    if fb is not None:
+        return {**fb, "source": fb.get("source", "fallback")}
     raise HookError(f"fcprag: cannot tell which question and passages this {what} is for: call "
                     "fcprag_plugin.hooks.set_context(question, passages) before it, keep local variables named "
                     "'question' and 'passages' in the calling function, or give the shim a data file to map adapter "
@@ -381,8 +377,7 @@ class Lifecycle:
         finally:
             self.uninstall()
             if previous is not None:
-                previous.apply()
-                self.current = previous
+                self.install(previous)
 
     def launch(self, script: str | Path, script_args: Sequence[str], shim: Shim) -> int:
         """Run the unmodified host ``script`` as ``__main__`` with ``shim`` installed; returns its exit status."""

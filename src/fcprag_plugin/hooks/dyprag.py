@@ -1,21 +1,12 @@
-"""DyPRAG shim: replace DyPRAG's per-question average of translator-generated LoRA factors with a
-controller-weighted aggregation, without changing DyPRAG's code.
+"""DyPRAG shim: DyPRAG's per-question average of translator-generated LoRA factors becomes a controller-weighted
+aggregation (``u = w~/N``, :mod:`._dyprag_math`), without changing DyPRAG's code.
 
-DyPRAG's ``src/inference_dyprag.py`` calls ``projector(embedding)`` (a ``ParameterTranslator``) once per passage,
-averages every key over the passages and calls ``delta_inject(model, merged)``, which sets ``delta = B @ A`` on
-each module. The shim captures every ``ParameterTranslator.forward`` output (class-level patch, in call order) and
-wraps ``utils.delta_inject``: the captured outputs must line up with ``merged`` (N = len(passages) dicts whose
-plain mean is ``merged``, else :class:`HookError`); ``w~`` comes from the controller on the question and passage
-texts (:func:`set_context`, else the caller's locals), and DyPRAG's own ``delta_inject`` gets the re-aggregated
-dict with ``u = w~/N`` (:mod:`._dyprag_math`: ``separate`` sums the factors, ``delta`` stacks them along rank so
-``B @ A = sum u_i B_i A_i``). The capture is emptied at every ``delta_inject`` and on every error.
-
-``use_slot=True`` writes the same update in low-rank form into a :class:`~fcprag_plugin.fast.FusedSlot` on the
-model's target Linear layers instead (DyPRAG's ``delta_inject`` is not called, so no dense ``delta`` is built);
-the patched ``delta_remove`` switches the slot off. :func:`uninstall` removes the slot.
-
-Use: ``fcprag run dyprag --controller DIR -- src/inference_dyprag.py ARGS...`` (see :func:`launch`), or
-``install(...)`` at the top of the script (before ``from utils import ...``) / ``with installed(...):``.
+Captures every ``ParameterTranslator.forward`` output (class-level patch, in call order) and wraps
+``utils.delta_inject``: the capture must be the N passages whose plain mean DyPRAG passes (else :class:`HookError`);
+it is emptied at every ``delta_inject`` and on every error. ``use_slot=True`` writes the update into a
+:class:`~fcprag_plugin.fast.FusedSlot` instead (no dense ``delta``; the patched ``delta_remove`` switches it off).
+Use: ``fcprag run dyprag --controller DIR -- src/inference_dyprag.py ARGS...`` or :func:`install` before
+``from utils import ...``. See ``examples/dyprag/README.md``.
 """
 
 from __future__ import annotations
@@ -93,33 +84,32 @@ class DyPragShim(Shim):
     def reaggregate(self, merged: Mapping[str, Any]) -> dict[str, Any]:
         """Check the captured outputs against DyPRAG's ``merged`` and return the weighted dict (same keys).
         Consumes the capture buffer (also when it raises)."""
-        outs, ctx, fw, t0, t1 = self._weigh(merged)
-        u = [w / fw.n for w in fw.merge_weights]
+        outs, ctx, fw, u, times = self._weigh(merged)
         if self.mode == "separate" and fw.uniform_merge:
             new = dict(merged)  # uniform: exactly DyPRAG's average (checked equal to the capture above)
         else:
             new = dm.aggregate(outs, u, self.mode)
-        self._record(merged, ctx, fw, u, t0, t1, time.perf_counter())
+        self._record(merged, ctx, fw, u, times)
         return new
 
     def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
         """``use_slot``: the same checks and weights as :meth:`reaggregate`, but the update is written into the
         model's fused slot (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with
         ``u = w~/N``) and switched on, instead of a dict for DyPRAG's dense ``delta_inject``."""
-        outs, ctx, fw, t0, t1 = self._weigh(merged)
-        n = len(outs)
-        u = [w / n for w in fw.merge_weights]
+        outs, ctx, fw, u, times = self._weigh(merged)
         factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
         getters = [lambda m, f=f: (*f[m], 1.0) for f in factors]  # DyPRAG's delta is B @ A: scaling 1
-        sources = [f"ParameterTranslator output {i}" for i in range(n)]
+        sources = [f"ParameterTranslator output {i}" for i in range(len(outs))]
         # separate: A = sum u_i A_i, B = sum u_i B_i (the slot divides w~ by N); delta: sum u_i B_i A_i
         weights, mode = (fw.merge_weights, "separate") if self.mode == "separate" else (u, "cat")
         slot = self.slots.write(model, list(factors[0]), rank, getters, sources, weights, mode)
-        self._record(merged, ctx, fw, u, t0, t1, time.perf_counter(), slot=repr(slot))
+        self._record(merged, ctx, fw, u, times, slot=repr(slot))
 
-    def _weigh(self, merged: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any], FusionWeights, float, float]:
-        """Take the capture, resolve the question, check the alignment and compute ``w~``."""
+    def _weigh(self, merged: Mapping[str, Any]
+               ) -> tuple[list[Any], dict[str, Any], FusionWeights, list[float], tuple[float, float]]:
+        """Take the capture, resolve the question, check the alignment and compute ``w~`` and ``u = w~/N``; also
+        returns when the weights' computation started and ended."""
         outs = self._take()
         ctx = self._context()
         q_text, p_texts = ctx["question"], ctx["passages"]
@@ -127,10 +117,12 @@ class DyPragShim(Shim):
         t0 = time.perf_counter()
         fw = self.hook.weights(q_text, p_texts,
                                adapters=lambda: [_translator_adapter(o, i) for i, o in enumerate(outs)])
-        return outs, ctx, fw, t0, time.perf_counter()
+        t1 = time.perf_counter()
+        return outs, ctx, fw, [w / fw.n for w in fw.merge_weights], (t0, t1)
 
     def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], fw: FusionWeights, u: list[float],
-                t0: float, t1: float, t2: float, slot: str | None = None) -> None:
+                times: tuple[float, float], slot: str | None = None) -> None:
+        (t0, t1), t2 = times, time.perf_counter()
         record = {
             "shim": "dyprag", "call": self.merges + 1, "test_id": caller_test_id(ctx), "question": ctx["question"],
             "n": len(u), "mode": self.mode,
@@ -238,15 +230,14 @@ def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:
     return LoraAdapter(mods, {}, f"ParameterTranslator output {index}")
 
 
-def _resolve_module(mod: ModuleType | str | None, default: str, what: str) -> ModuleType:
+def _resolve_module(mod: ModuleType | str, what: str) -> ModuleType:
     if isinstance(mod, ModuleType):
         return mod
-    name = mod or default
     try:
-        return importlib.import_module(name)
+        return importlib.import_module(mod)
     except ImportError as e:
         raise HookError(
-            f"fcprag dyprag: cannot import DyPRAG's '{name}' module ({what}): {e}. Run from DyPRAG's src/ "
+            f"fcprag dyprag: cannot import DyPRAG's '{mod}' module ({what}): {e}. Run from DyPRAG's src/ "
             f"directory, put it on sys.path, or use `fcprag run dyprag -- src/inference_dyprag.py ...`") from e
 
 
@@ -274,8 +265,7 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
         utils, projector: the host modules (or their import names); default: import ``utils`` / ``projector``.
         use_slot: write each question's update into a :class:`~fcprag_plugin.fast.FusedSlot` instead of DyPRAG's
             dense per-module ``delta``.
-        max_adapters: with ``use_slot``, a fixed slot capacity (more passages is a :class:`HookError`); default:
-            sized for the first question and grown when a later one has more.
+        max_adapters: with ``use_slot``, a fixed slot capacity (:class:`~fcprag_plugin.hooks.base.ShimSlots`).
 
     Install before the script runs ``from utils import delta_inject`` (the launcher does); installing again
     replaces the previous shim. Returns the shim (also a context manager that uninstalls).
@@ -288,8 +278,8 @@ def _make(controller: Any, encoder: Any, mode: str, log: str | Path | None, util
     if mode not in MODES:
         raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
     check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
-    utils_mod = _resolve_module(utils, UTILS_MODULE, "delta_inject")
-    projector_mod = _resolve_module(projector, PROJECTOR_MODULE, TRANSLATOR_CLASS)
+    utils_mod = _resolve_module(utils or UTILS_MODULE, "delta_inject")
+    projector_mod = _resolve_module(projector or PROJECTOR_MODULE, TRANSLATOR_CLASS)
     _check_host(utils_mod, projector_mod)
     hook = MergeHook(controller, encoder, mode=mode, log=log)
     _ = hook.encoder  # load it and check its dimension now, before the host script runs
@@ -335,8 +325,8 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
     old_path = sys.path[:]
     sys.path.insert(0, str(src))
     try:
-        utils_mod = _resolve_module(None, UTILS_MODULE, "delta_inject")
-        projector_mod = _resolve_module(None, PROJECTOR_MODULE, TRANSLATOR_CLASS)
+        utils_mod = _resolve_module(UTILS_MODULE, "delta_inject")
+        projector_mod = _resolve_module(PROJECTOR_MODULE, TRANSLATOR_CLASS)
         for m in (utils_mod, projector_mod):
             f = getattr(m, "__file__", None)
             if f is None or Path(f).resolve().parent != src:

@@ -1,24 +1,10 @@
-"""PRAG integration: replace PRAG's uniform ``add_weighted_adapter`` merge with controller weights.
+"""PRAG shim: PRAG's uniform ``add_weighted_adapter`` merge gets controller weights; PRAG's code stays as it is.
 
-One line in PRAG's ``src/inference.py`` (before the loop)::
-
-    from fcprag_plugin.hooks import prag; prag.install(controller="path/to/controller", log="fusion.jsonl")
-
-or the unmodified script through the launcher: ``fcprag run prag --controller DIR -- src/inference.py ARGS...``.
-The shim patches peft at class level (reversible, idempotent):
-
-- ``LoraModel.add_weighted_adapter``: checks that all N adapters have non-zero LoRA layers in the model, finds the
-  question and passages (:func:`set_context`, else the caller's locals ``question``/``passages``, else the adapter
-  paths ``.../data_{test_id}/passage_{pid}`` mapped back to PRAG's data file), computes ``w~`` and merges: ``cat``
-  is peft's own cat with ``weights=w~`` (exact); ``separate`` / ``svd`` go through :mod:`fcprag_plugin.merge`.
-  One JSON line per question goes to the log. No controller (or a ``uniform`` one) gives PRAG's own merge.
-- ``PeftModel.from_pretrained`` / ``load_adapter``: remember each adapter's path (log, errors, data-file mapping).
-- On peft < 0.19, ``unload`` / ``merge_and_unload`` (and ``from_pretrained`` on an unloaded model): clear the
-  ``peft_config`` peft leaves on the base model, without which later questions merge only some passages.
-
-``use_slot=True`` (modes ``cat`` / ``separate``): ``PeftModel.from_pretrained`` returns a
-:class:`~fcprag_plugin.hooks._prag_slot.SlotPeftModel` that builds no PEFT modules and writes each question's
-merge into a :class:`~fcprag_plugin.fast.FusedSlot` (see there). A trainable ``from_pretrained`` stays PEFT's own.
+``prag.install(controller=DIR, log=...)`` before PRAG's question loop, or ``fcprag run prag --controller DIR --
+src/inference.py ARGS...``. Patches peft at class level (reversible, idempotent): ``add_weighted_adapter`` (checks,
+context, ``w~``, log), ``PeftModel.from_pretrained`` / ``load_adapter`` (remember adapter paths) and, on peft <
+0.19, ``unload`` / ``merge_and_unload`` (clear the stale ``peft_config``). ``use_slot=True``: ``from_pretrained``
+returns a :class:`~fcprag_plugin.hooks._prag_slot.SlotPeftModel`. See ``examples/prag/README.md``.
 """
 
 from __future__ import annotations
@@ -84,14 +70,13 @@ class PragShim(Shim):
         from peft.tuners.lora import LoraModel
 
         self.patches.patch(LoraModel, "add_weighted_adapter", _wrap_add_weighted_adapter)
-        self.patches.patch(PeftModel, "from_pretrained", _wrap_from_pretrained(PeftModel))
+        self.patches.patch(PeftModel, "from_pretrained", _wrap_from_pretrained)
         self.patches.patch(PeftModel, "load_adapter", _wrap_load_adapter)
         if peft_has_stale_config_bug():
-            self.patches.patch(LoraModel, "unload", _wrap_unload("unload"))
-            self.patches.patch(LoraModel, "merge_and_unload", _wrap_unload("merge_and_unload"))
+            self.patches.patch(LoraModel, "unload", _wrap_unload)
+            self.patches.patch(LoraModel, "merge_and_unload", _wrap_unload)
 
     def close(self) -> None:
-        """Switch off and remove this shim's fused slots (the base models are exactly as before)."""
         for sm in list(self._slot_models.values()):
             sm.close()
         self._slot_models = weakref.WeakKeyDictionary()
@@ -107,8 +92,7 @@ class PragShim(Shim):
             return original(*bound.args, **bound.kwargs)
         names = [str(n) for n in args["adapters"]]
         paths = [_paths.get(tuner, {}).get(n) for n in names]
-        if names:
-            verify_adapters(tuner, names, paths)
+        verify_adapters(tuner, names, paths)
         if self.use_slot:
             self.warn_once("peft_layers", "fcprag prag (use_slot): adapters %s are PEFT modules (loaded before the "
                            "shim was installed, or trainable): PEFT merges them, not the fused slot", names)
@@ -181,7 +165,7 @@ class PragShim(Shim):
         shown = [p or n for n, p in zip(names, paths)]
         ctx = get_context(from_data_file, what=f"merge of adapters {shown}")
         if not ctx.get("aligned"):
-            ctx["passages"] = _align_passages(ctx["passages"], names, paths, parsed, ctx["source"])
+            ctx["passages"] = _align_passages(ctx["passages"], shown, parsed, ctx["source"])
         if ctx.get("test_id") is None:
             ctx["test_id"] = common_test_id(parsed)
         ctx["test_id"] = caller_test_id(ctx)
@@ -218,9 +202,10 @@ class PragShim(Shim):
                                 "merge only some of their passages.", peft_version(), where)
 
 
-def _align_passages(passages: Sequence[str], names: list[str], paths: list[str | None],
-                    parsed: list[PragAdapterPath | None], source: str) -> list[str]:
-    """One passage per adapter: by the ``passage_{pid}`` in its path when all paths have one, else by position."""
+def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[PragAdapterPath | None],
+                    source: str) -> list[str]:
+    """One passage per adapter (``shown``: their paths or names): by the ``passage_{pid}`` in its path when all
+    paths have one, else by position."""
     passages = list(passages)
     if parsed and all(p is not None for p in parsed):
         for p in parsed:
@@ -228,9 +213,8 @@ def _align_passages(passages: Sequence[str], names: list[str], paths: list[str |
                 raise HookError(f"adapter {p.path} is passage {p.pid} but the {source} context has only "
                                 f"{len(passages)} passages")
         return [passages[p.pid] for p in parsed]
-    if len(passages) != len(names):
-        shown = [p or n for n, p in zip(names, paths)]
-        raise HookError(f"merging {len(names)} adapters {shown} but the {source} context has {len(passages)} "
+    if len(passages) != len(shown):
+        raise HookError(f"merging {len(shown)} adapters {shown} but the {source} context has {len(passages)} "
                         "passages; they must pair up in order")
     return passages
 
@@ -266,9 +250,8 @@ def _remerge(tuner: Any, names: list[str], merge_name: str, w_tilde: list[float]
         if module not in layers:
             raise HookError(f"merged module '{module}' has no '{merge_name}' layer in the model")
         set_lora_factors(layers[module], merge_name, m.A, m.B, m.scaling)
-    ranks = {m.rank for m in merged.modules.values()}
     cfg = tuner.peft_config[merge_name]
-    cfg.r = cfg.lora_alpha = max(ranks)  # scaling 1; the live layers are authoritative
+    cfg.r = cfg.lora_alpha = max(m.rank for m in merged.modules.values())  # scaling 1; the live layers rule
 
 
 # ----------------------------------------------------------------------------- patch factories
@@ -295,35 +278,32 @@ def _wrap_add_weighted_adapter(original: Callable[..., Any]) -> Callable[..., An
     return add_weighted_adapter
 
 
-def _remember(tuner: Any, name: Any, path: Any) -> None:
+def _remember(peft_model: Any, bound: inspect.BoundArguments | None) -> None:
+    """Note the path of the adapter just loaded into ``peft_model`` (``bound``: the load call's arguments)."""
+    a = bound.arguments if bound is not None else {}
+    tuner, name, path = getattr(peft_model, "base_model", None), a.get("adapter_name"), a.get("model_id")
     if tuner is not None and name is not None and path is not None:
         _paths.setdefault(tuner, {})[str(name)] = str(path)
 
 
-def _wrap_from_pretrained(owner: type) -> Callable[[Any], Any]:
-    def make(_bound_method: Any) -> Any:
-        original_cm = vars(owner)["from_pretrained"]  # the classmethod object itself
-        func = original_cm.__func__
-        sig = inspect.signature(func)
+def _wrap_from_pretrained(original: Any) -> Any:
+    func = original.__func__  # the function under the classmethod
+    sig = inspect.signature(func)
 
-        @functools.wraps(func)
-        def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-            shim = _LIFE.current
-            bound = _bind(sig, cls, *args, **kwargs)
-            if bound is not None:
-                a = bound.arguments
-                if shim.use_slot and not a.get("is_trainable") and a.get("config") is None:
-                    return shim.slot_model(a["model"], a["model_id"], a.get("adapter_name", "default"))
-                shim.repair_stale_config(a["model"], "PeftModel.from_pretrained")
-            result = func(cls, *args, **kwargs)
-            if bound is not None:
-                _remember(getattr(result, "base_model", None), bound.arguments.get("adapter_name"),
-                          bound.arguments.get("model_id"))
-            return result
+    @functools.wraps(func)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        shim = _LIFE.current
+        bound = _bind(sig, cls, *args, **kwargs)
+        if bound is not None:
+            a = bound.arguments
+            if shim.use_slot and not a.get("is_trainable") and a.get("config") is None:
+                return shim.slot_model(a["model"], a["model_id"], a.get("adapter_name", "default"))
+            shim.repair_stale_config(a["model"], "PeftModel.from_pretrained")
+        result = func(cls, *args, **kwargs)
+        _remember(result, bound)
+        return result
 
-        return classmethod(from_pretrained)
-
-    return make
+    return classmethod(from_pretrained)
 
 
 def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -332,28 +312,22 @@ def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        bound = _bind(sig, self, *args, **kwargs)
-        if bound is not None:
-            _remember(getattr(self, "base_model", None), bound.arguments.get("adapter_name"),
-                      bound.arguments.get("model_id"))
+        _remember(self, _bind(sig, self, *args, **kwargs))
         return result
 
     return load_adapter
 
 
-def _wrap_unload(how: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def unload(self: Any, *args: Any, **kwargs: Any) -> Any:
-            shim = _LIFE.current
-            model = original(self, *args, **kwargs)
-            if shim is not None:
-                shim.repair_stale_config(model, f"{how}()")
-            return model
+def _wrap_unload(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def unload(self: Any, *args: Any, **kwargs: Any) -> Any:
+        shim = _LIFE.current
+        model = original(self, *args, **kwargs)
+        if shim is not None:
+            shim.repair_stale_config(model, f"{original.__name__}()")
+        return model
 
-        return unload
-
-    return make
+    return unload
 
 
 # ----------------------------------------------------------------------------- public API
@@ -371,8 +345,7 @@ def install(controller: FusionController | str | Path | None = None, encoder: An
             neither :func:`set_context` nor the caller's locals give them.
         repair: clear the stale ``peft_config`` after ``unload()`` on peft < 0.19 (False reproduces the bug).
         use_slot: merge into a :class:`~fcprag_plugin.fast.FusedSlot` instead of building merged PEFT modules.
-        max_adapters: with ``use_slot``, a fixed slot capacity (more passages is a :class:`HookError`); default:
-            sized for the first question and grown when a later one has more.
+        max_adapters: with ``use_slot``, a fixed slot capacity (:class:`~fcprag_plugin.hooks.base.ShimSlots`).
     """
     return _LIFE.install(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
