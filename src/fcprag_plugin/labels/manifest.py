@@ -1,13 +1,5 @@
-"""The label builder's input: a JSON Lines manifest, and its conversion from PRAG's on-disk layout.
-
-One manifest record per line::
-
-    {"id": "q1", "question": "...", "answer": "Paris" | ["Paris", "City of Paris"],
-     "passages": ["text 1", "text 2"], "adapters": ["dir/passage_0", "dir/passage_1"]}
-
-Optional ``group`` / ``split`` are carried into the label records (the trainer splits by ``group``).
-Relative adapter paths are resolved against the manifest file's folder.
-"""
+"""The label builder's input: a JSON Lines manifest (format: ``docs/labels-builder.md`` section 1), and its
+conversion from PRAG's on-disk layout."""
 
 from __future__ import annotations
 
@@ -140,11 +132,6 @@ def read_manifest(path: str | Path) -> list[ManifestRecord]:
     if not records:
         raise LabelFileError(f"{path}: the manifest has no records")
     return records
-
-
-def record_to_json(rec: ManifestRecord) -> dict[str, Any]:
-    return {"id": rec.id, "question": rec.question, "answer": rec.answers[0] if len(rec.answers) == 1 else rec.answers,
-            "passages": rec.passages, "adapters": [str(a) for a in rec.adapters], **rec.extra}
 
 
 # ----------------------------------------------------------------------------- PRAG layout
