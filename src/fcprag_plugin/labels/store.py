@@ -1,8 +1,5 @@
-"""JSON Lines label output: crash-safe appends and the resume scan.
-
-Each finished record is appended with one ``write`` of a full line, then flushed and fsync'ed, so a crash can
-only leave a partial *last* line; the resume scan drops it (and only it) before appending again.
-"""
+"""JSON Lines label output: crash-safe appends (a crash can only leave a partial *last* line) and the resume scan,
+which drops that line before appending again."""
 
 from __future__ import annotations
 
