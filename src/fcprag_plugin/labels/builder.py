@@ -322,9 +322,7 @@ class LabelBuilder:
 def _one(builder: LabelBuilder, rec: ManifestRecord) -> dict[str, Any] | Exception:
     try:
         return builder.label(rec)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:
+    except Exception as e:  # not KeyboardInterrupt / SystemExit
         return e
 
 
@@ -337,9 +335,7 @@ def _outcomes(builder: LabelBuilder, group: Sequence[ManifestRecord], batched: b
         return (_one(builder, rec) for rec in group)
     try:
         return builder.label_many(group)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:
+    except Exception as e:  # not KeyboardInterrupt / SystemExit
         logger.warning("batched evaluation of %d records failed (%s: %s); retrying them one by one",
                        len(group), type(e).__name__, e)
         return [_one(builder, rec) if len(group) > 1 else e for rec in group]
@@ -373,16 +369,15 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
     out = Path(out)
     records = list(records)
     present = set(done_ids(out, repair=True)) | set(skip_ids)
-    todo = [r for r in records if r.id not in present]
     batched = builder.options.batched
     # Batched: the groups are planned over all records, done or not, and a group with any record left is
     # evaluated whole. A record's float rounding depends on its batch neighbours (padding, matrix shapes), so
     # this keeps a resumed run byte-identical to an uninterrupted one; only the missing records are written.
-    plan = builder.group(records) if batched else []
-    groups = [g for g in plan if any(r.id not in present for r in g)] if batched else [[r] for r in todo]
-    if records:  # the slot's adapter capacity, once: a record's N, or a group's union when batched
-        builder.reserve(max([r.n for r in records] + [sum(r.n for r in g) for g in plan]))
-    done_before = len(records) - len(todo)
+    plan = builder.group(records) if batched else [[r] for r in records]
+    groups = [g for g in plan if any(r.id not in present for r in g)]
+    if records:  # the slot's adapter capacity, once: the largest group's union of adapters (a record's N)
+        builder.reserve(max(sum(r.n for r in g) for g in plan))
+    done_before = sum(r.id in present for r in records)
     if done_before:
         logger.info("%s: resuming, %d of %d records already labelled", out, done_before, len(records))
     failed: list[tuple[str, str]] = []

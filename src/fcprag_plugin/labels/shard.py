@@ -86,7 +86,7 @@ def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord],
         part = Path(part)
         if not part.is_file():
             raise LabelFileError(f"{part}: part file not found")
-        lines, _ = read_label_lines(part, partial="error")
+        lines = read_label_lines(part, partial="error")
         per_file[str(part)] = len(lines)
         for sl in lines:
             rid = sl.record["id"]

@@ -24,10 +24,10 @@ class StoredLine:
     line: int
 
 
-def read_label_lines(path: str | Path, *, partial: str = "error") -> tuple[list[StoredLine], int]:
+def read_label_lines(path: str | Path, *, partial: str = "error") -> list[StoredLine]:
     """The complete lines of a JSON Lines label file (each a JSON object with a string ``id``; errors name the file
-    and line) and the byte length of the complete part. ``partial``: what to do with a trailing line without its
-    newline (an interrupted append): ``"error"``, ``"ignore"`` or ``"truncate"`` (cut it off the file)."""
+    and line). ``partial``: what to do with a trailing line without its newline (an interrupted append):
+    ``"error"``, ``"ignore"`` or ``"truncate"`` (cut it off the file)."""
     path = Path(path)
     data = path.read_bytes()
     cut = data.rfind(b"\n") + 1  # bytes up to and including the last newline
@@ -55,7 +55,7 @@ def read_label_lines(path: str | Path, *, partial: str = "error") -> tuple[list[
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
             raise LabelFileError(f"{path}:{lineno}: field 'id': expected a JSON object with a string 'id'")
         lines.append(StoredLine(obj, raw if raw.endswith("\n") else raw + "\n", lineno))
-    return lines, cut
+    return lines
 
 
 def done_ids(path: str | Path, *, repair: bool) -> dict[str, int]:
@@ -64,7 +64,7 @@ def done_ids(path: str | Path, *, repair: bool) -> dict[str, int]:
     path = Path(path)
     if not path.exists():
         return {}
-    lines, _ = read_label_lines(path, partial="truncate" if repair else "ignore")
+    lines = read_label_lines(path, partial="truncate" if repair else "ignore")
     seen: dict[str, int] = {}
     for sl in lines:
         rid = sl.record["id"]
