@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 from ..adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from ..errors import LabelFileError
-from .store import write_atomic
+from .store import json_lines, write_atomic
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
 PASS_THROUGH_FIELDS = ("group", "split")
@@ -116,14 +116,8 @@ def read_manifest(path: str | Path) -> list[ManifestRecord]:
     seen: dict[str, int] = {}
     base = path.resolve().parent
     with path.open("r", encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
+        for lineno, _, obj in json_lines(path, f):
             where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise LabelFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
             rec = parse_record(obj, where, base, line=lineno, source=str(path))
             if rec.id in seen:
                 raise LabelFileError(f"{where}: field 'id': duplicate id '{rec.id}' (first on line {seen[rec.id]})")
@@ -152,14 +146,7 @@ def read_data_aug(path: str | Path) -> list[tuple[int, Any]]:
         except json.JSONDecodeError as e:
             raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
         return [(0, r) for r in data]
-    out = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                out.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
-    return out
+    return [(lineno, obj) for lineno, _, obj in json_lines(path, text.splitlines())]
 
 
 @dataclass

@@ -8,11 +8,22 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from ..errors import LabelFileError
 
 logger = logging.getLogger(__name__)
+
+
+def json_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, str, Any]]:
+    """``(line number, raw line, parsed object)`` per non-blank line; invalid JSON is an error naming file and line."""
+    for lineno, raw in enumerate(lines, start=1):
+        if raw.strip():
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+            yield lineno, raw, obj
 
 
 @dataclass
@@ -45,13 +56,7 @@ def read_label_lines(path: str | Path, *, partial: str = "error") -> list[Stored
                 f.flush()
                 os.fsync(f.fileno())
     lines: list[StoredLine] = []
-    for lineno, raw in enumerate(data[:cut].decode("utf-8").splitlines(keepends=True), start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+    for lineno, raw, obj in json_lines(path, data[:cut].decode("utf-8").splitlines(keepends=True)):
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
             raise LabelFileError(f"{path}:{lineno}: field 'id': expected a JSON object with a string 'id'")
         lines.append(StoredLine(obj, raw if raw.endswith("\n") else raw + "\n", lineno))
