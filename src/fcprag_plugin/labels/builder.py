@@ -135,12 +135,11 @@ class LabelBuilder:
     # ----------------------------------------------------------------- pieces
     def prompts(self, rec: ManifestRecord) -> tuple[EncodedPrompt, EncodedPrompt, list[list[int]]]:
         """(scoring prompt, generation prompt, answer ids per alias). Scoring never uses chain-of-thought."""
-        o = self.options
-        ctx = rec.passages if o.prompt_mode == "combine" else None
-        score = render_prompt(self.tokenizer, o.template, rec.question, ctx, o.prompt_mode, cot=False,
+        o = self.options  # the passages only reach the prompt in "combine" mode
+        score = render_prompt(self.tokenizer, o.template, rec.question, rec.passages, o.prompt_mode, cot=False,
                               use_chat_template=o.use_chat_template)
-        gen = score if not o.cot else render_prompt(self.tokenizer, o.template, rec.question, ctx, o.prompt_mode,
-                                                    cot=True, use_chat_template=o.use_chat_template)
+        gen = score if not o.cot else render_prompt(self.tokenizer, o.template, rec.question, rec.passages,
+                                                    o.prompt_mode, cot=True, use_chat_template=o.use_chat_template)
         return score, gen, [answer_ids(self.tokenizer, score, a) for a in rec.answers]
 
     def load_adapters(self, rec: ManifestRecord) -> list[LoraAdapter]:

@@ -52,9 +52,9 @@ def _nonempty(obj: dict[str, Any], name: str, where: str) -> str:
     return value
 
 
-def _str_list(value: Any, where: str, name: str, *, min_len: int = 1) -> list[str]:
-    if not isinstance(value, list) or len(value) < min_len:
-        raise _fail(where, name, f"a list of at least {min_len} non-empty strings", value)
+def _str_list(value: Any, where: str, name: str) -> list[str]:
+    if not isinstance(value, list) or not value:
+        raise _fail(where, name, "a list of at least 1 non-empty strings", value)
     for i, v in enumerate(value):
         if not isinstance(v, str) or not v.strip():
             raise _fail(where, f"{name}[{i}]", "a non-empty string", v)
@@ -174,9 +174,7 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
         raise LabelFileError(f"{root}: adapters root is not a directory (expected "
                              "{root}/data_{test_id}/passage_{pid})")
     prefix = f"{data_aug.stem}-" if id_prefix is None else id_prefix
-    items = read_data_aug(data_aug)
-    if limit is not None:
-        items = items[:limit]
+    items = read_data_aug(data_aug)[:limit]
     records, missing, incomplete = [], [], []
     for test_id, (lineno, obj) in enumerate(items):
         where = f"{data_aug}:{lineno}" if lineno else f"{data_aug}: record {test_id}"
