@@ -257,15 +257,14 @@ class LabelBuilder:
                 packed = [pack_adapter(a) for a in adapters]
             except LabelBuildError as e:
                 outs[j] = e
-                continue
             except FcpragError as e:
                 outs[j] = LabelBuildError(f"record '{rec.id}' ({rec.where}): {e}")
-                continue
-            ready.append((j, rec, len(rows)))
-            packed_all += packed
-            rows += [ScoreRow(score_prompt.ids, answers_ids, [packed[i] for i in s],
-                              gen_prompt_ids=gen_prompt.ids if o.generate else None)
-                     for s in leave_one_out_subsets(rec.n)]
+            else:
+                ready.append((j, rec, len(rows)))
+                packed_all += packed
+                rows += [ScoreRow(score_prompt.ids, answers_ids, [packed[i] for i in s],
+                                  gen_prompt_ids=gen_prompt.ids if o.generate else None)
+                         for s in leave_one_out_subsets(rec.n)]
         try:
             scores = score_rows(self.model, self.tokenizer, self._slot_for(packed_all), rows, mode=o.merge_mode,
                                 batch_size=o.batch_size, max_new_tokens=o.max_new_tokens) if ready else []
@@ -389,15 +388,14 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
                 if rec.id in present:  # evaluated again only for its group's sake (batched resume)
                     continue
                 if isinstance(label, BaseException):
-                    e = label
-                    err = e if isinstance(e, LabelBuildError) else LabelBuildError(
-                        f"record '{rec.id}' ({rec.where}): {type(e).__name__}: {e}")
+                    err = label if isinstance(label, LabelBuildError) else LabelBuildError(
+                        f"record '{rec.id}' ({rec.where}): {type(label).__name__}: {label}")
                     if on_error == "fail":
-                        if err is e:
+                        if err is label:
                             raise err
-                        raise err from e
+                        raise err from label
                     logger.warning("skipping: %s", err)
-                    logger.debug("traceback", exc_info=e)
+                    logger.debug("traceback", exc_info=label)
                     failed.append((rec.id, str(err)))
                 else:
                     app.append(label)
