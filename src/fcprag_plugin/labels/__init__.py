@@ -1,6 +1,5 @@
-"""Leave-one-out label builder (``fcprag labels build`` / ``from-prag`` / ``merge``): per training question, the
-model with all N passage adapters merged uniformly (PRAG's sum) and with each one left out, written as label
-records in the trainer's format (``metric_all``, ``metric_without``)."""
+"""Leave-one-out label builder (``fcprag labels build`` / ``from-prag`` / ``merge``): label records in the trainer's
+format (``metric_all``, ``metric_without``); see ``docs/labels-builder.md``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Batched scoring: many (prompt, answer) rows or prompts in one forward / one ``generate``.
+"""Batched scoring: many rows in one forward / one ``generate``, each row under its own adapter mixture.
 
 Rows are left-padded with explicit ``position_ids`` (each row's real tokens at positions ``0 .. n-1``, as when it
-runs alone), so every row's logits equal its unbatched logits up to float rounding. :func:`score_rows` packs rows,
-each with its own adapters and weights, into forwards whose adapter union is written once into a
-:class:`~fcprag_plugin.fast.FusedSlot` with a per-row mixture; the label builder and the efficacy study call it.
+runs alone), so every row's logits equal its unbatched logits up to float rounding.
 """
 
 from __future__ import annotations
@@ -67,10 +65,9 @@ def batched_answer_logprobs(model: Any, rows: Sequence[tuple[Sequence[int], Sequ
     return [float(tok[b, t_max - len(a):].mean()) for b, (_, a) in enumerate(rows)]
 
 
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The token ids ``generate`` stops at: the generation config's, else the tokenizer's EOS."""
-    cfg = getattr(model, "generation_config", None)
-    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+def eos_ids(model: Any) -> set[int]:
+    """The token ids ``generate`` stops at: the generation config's EOS (none without one)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
@@ -84,7 +81,7 @@ def batched_greedy(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     pad = pad if pad is not None else 0
     ids, mask, _ = left_pad(prompts, pad, model_device(model))
-    stops = eos_ids(model, tokenizer) if stop_ids is None else {int(t) for t in stop_ids}
+    stops = eos_ids(model) if stop_ids is None else {int(t) for t in stop_ids}
     extra: dict[str, Any] = {} if stop_ids is None else {"eos_token_id": sorted(stops) or None}
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          num_beams=1, pad_token_id=pad, **extra)
@@ -139,14 +136,14 @@ def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size:
     keys: set = set()
     for i in order:
         seqs, length = cost(rows[i])
-        new = keys | {adapter_key(a) for a in rows[i].adapters}
-        fits = (n_seq + seqs <= batch_size and len(new) <= max_adapters
+        row_keys = {adapter_key(a) for a in rows[i].adapters}
+        fits = (n_seq + seqs <= batch_size and len(keys | row_keys) <= max_adapters
                 and (max_tokens is None or (n_seq + seqs) * max(width, length) <= max_tokens))
         if cur and not fits:
             yield cur
-            cur, n_seq, width, new = [], 0, 0, {adapter_key(a) for a in rows[i].adapters}
+            cur, n_seq, width, keys = [], 0, 0, set()
         cur.append(i)
-        n_seq, width, keys = n_seq + seqs, max(width, length), new
+        n_seq, width, keys = n_seq + seqs, max(width, length), keys | row_keys
     if cur:
         yield cur
 
@@ -162,9 +159,9 @@ def _mixture(slot: Any, rows: Sequence[ScoreRow], seq_rows: Sequence[int], mode:
         return
     if slot is None:
         raise FcpragError("score_rows: rows with adapters need a FusedSlot (slot=None only scores the base model)")
-    union, Wu, Mu = union_weights([rows[seq_rows[s]].adapters for s in used],
-                                  [rows[seq_rows[s]].weights if rows[seq_rows[s]].weights is not None
-                                   else [1.0] * len(rows[seq_rows[s]].adapters) for s in used])
+    mixed = [rows[seq_rows[s]] for s in used]
+    union, Wu, Mu = union_weights([r.adapters for r in mixed],
+                                  [r.weights if r.weights is not None else [1.0] * len(r.adapters) for r in mixed])
     W = torch.zeros(len(seq_rows), len(union))
     M = torch.zeros(len(seq_rows), len(union), dtype=torch.bool)
     W[used], M[used] = Wu, Mu
@@ -194,15 +191,13 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
     k_max = slot.max_adapters if slot is not None else 0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     alias_lps: list[list[float]] = [[] for _ in rows]
-    order = list(range(len(rows)))
-    gen_order = [i for i in order if rows[i].gen_prompt_ids is not None]
+    gen_order = [i for i in range(len(rows)) if rows[i].gen_prompt_ids is not None]
     tf_cost = lambda r: (len(r.gold_ids), len(r.prompt_ids) + max(len(g) for g in r.gold_ids))  # noqa: E731
     gen_cost = lambda r: (1, len(r.gen_prompt_ids) + max_new_tokens)  # noqa: E731
-    tf_chunks = list(_pack(rows, order, tf_cost, batch_size, max_tokens, k_max))
+    tf_chunks = list(_pack(rows, range(len(rows)), tf_cost, batch_size, max_tokens, k_max))
     gen_chunks = list(_pack(rows, gen_order, gen_cost, batch_size, max_tokens, k_max))
-    bar = tqdm(total=len(tf_chunks) + len(gen_chunks), unit="fwd", desc="scoring", disable=not progress,
-               dynamic_ncols=True)
-    with bar:
+    with tqdm(total=len(tf_chunks) + len(gen_chunks), unit="fwd", desc="scoring", disable=not progress,
+              dynamic_ncols=True) as bar:
         for chunk in tf_chunks:
             seq_rows = [i for i in chunk for _ in rows[i].gold_ids]
             with _mixture(slot, rows, seq_rows, mode):

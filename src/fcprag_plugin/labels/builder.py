@@ -1,11 +1,7 @@
 """Per-record leave-one-out evaluation and the resumable run loop (see ``docs/labels-builder.md``).
 
-For a record with N adapters the builder evaluates N + 1 subsets: all adapters, then each one left out (for
-N == 1 the empty set, i.e. the base model), each merged with uniform weights (PRAG's sum of the passage updates)
-and applied through ``fcprag_plugin.activate`` or, with ``use_slot``, one :class:`~fcprag_plugin.fast.FusedSlot`.
-With ``batch_size > 1`` the subsets of one or several records go through :func:`.batched.score_rows`, every row
-with its own adapter mixture; the labels equal the sequential path's up to float rounding (tested). The label
-record is the trainer's format (``docs/label-format.md``).
+A record with N adapters is measured with all of them and with each left out (N + 1 subsets, uniform weights),
+one subset at a time or, with ``batch_size > 1``, through :func:`.batched.score_rows`.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from ..fast import activate
 from ..merge import merge_adapters
 from .errors import LabelBuildError
 from .manifest import ManifestRecord
-from .metrics import SCORINGS, answer_logprob, exact_match, extract_answer, f1_score, greedy_generate
+from .metrics import SCORINGS, answer_logprob, greedy_generate, score_generation
 from .prompts import PROMPT_MODES, EncodedPrompt, PromptTemplate, answer_ids, render_prompt
 from .store import JsonlAppender, done_ids
 
@@ -139,12 +135,11 @@ class LabelBuilder:
     # ----------------------------------------------------------------- pieces
     def prompts(self, rec: ManifestRecord) -> tuple[EncodedPrompt, EncodedPrompt, list[list[int]]]:
         """(scoring prompt, generation prompt, answer ids per alias). Scoring never uses chain-of-thought."""
-        o = self.options
-        ctx = rec.passages if o.prompt_mode == "combine" else None
-        score = render_prompt(self.tokenizer, o.template, rec.question, ctx, o.prompt_mode, cot=False,
+        o = self.options  # the passages only reach the prompt in "combine" mode
+        score = render_prompt(self.tokenizer, o.template, rec.question, rec.passages, o.prompt_mode, cot=False,
                               use_chat_template=o.use_chat_template)
-        gen = score if not o.cot else render_prompt(self.tokenizer, o.template, rec.question, ctx, o.prompt_mode,
-                                                    cot=True, use_chat_template=o.use_chat_template)
+        gen = score if not o.cot else render_prompt(self.tokenizer, o.template, rec.question, rec.passages,
+                                                    o.prompt_mode, cot=True, use_chat_template=o.use_chat_template)
         return score, gen, [answer_ids(self.tokenizer, score, a) for a in rec.answers]
 
     def load_adapters(self, rec: ManifestRecord) -> list[LoraAdapter]:
@@ -157,41 +152,20 @@ class LabelBuilder:
                                       f"{e}") from e
         return out
 
-    def evaluate(self, rec: ManifestRecord, adapters: Sequence[Any], subset: Sequence[int],
-                 score_prompt: EncodedPrompt, gen_prompt: EncodedPrompt, answers_ids: Sequence[Sequence[int]],
-                 slot: Any = None) -> SubsetResult:
-        """Measure one subset. ``adapters`` are ``LoraAdapter`` s, or ``PackedAdapter`` s when ``slot`` is given."""
-        o = self.options
-        chosen = [adapters[i] for i in subset]
-        if not chosen:
-            ctx: Any = contextlib.nullcontext()  # the base model
-        elif slot is not None:
-            ctx = slot.fused(chosen, [1.0] * len(chosen), o.merge_mode)
-        else:
-            merged = merge_adapters(chosen, [1.0] * len(chosen), o.merge_mode).adapter
-            ctx = activate(self.model, merged)
-        with ctx, torch.no_grad():
-            lp = max(answer_logprob(self.model, score_prompt.ids, a) for a in answers_ids)
-            generation = greedy_generate(self.model, self.tokenizer, gen_prompt.ids, o.max_new_tokens) \
-                if o.generate else None
-        return self._result(rec, subset, lp, generation)
-
     def _result(self, rec: ManifestRecord, subset: Sequence[int], lp: float, generation: str | None) -> SubsetResult:
         """One subset's measurements from its answer log-probability and greedy text (both paths end here)."""
         o = self.options
         values: dict[str, float] = {"answer_logprob": lp}
         prediction, empty = None, False
         if o.generate:
-            prediction = extract_answer(generation, o.cot, o.scoring)
-            if not prediction.strip():
-                empty = True
-                if o.empty_generation == "fail":
-                    raise LabelBuildError(
-                        f"record '{rec.id}' ({rec.where}): empty generation with {describe_subset(subset, rec.n)} "
-                        f"(raw output {generation!r}); fix the prompt/max_new_tokens or pass --empty-generation zero "
-                        "to score it 0")
-            values["f1"] = f1_score(prediction, rec.answers)
-            values["em"] = exact_match(prediction, rec.answers)
+            prediction, values["f1"], values["em"] = score_generation(generation, rec.answers, cot=o.cot,
+                                                                      scoring=o.scoring)
+            empty = not prediction.strip()
+            if empty and o.empty_generation == "fail":
+                raise LabelBuildError(
+                    f"record '{rec.id}' ({rec.where}): empty generation with {describe_subset(subset, rec.n)} "
+                    f"(raw output {generation!r}); fix the prompt/max_new_tokens or pass --empty-generation zero "
+                    "to score it 0")
         for k, v in values.items():
             if not math.isfinite(v):
                 raise LabelBuildError(f"record '{rec.id}' ({rec.where}): {k} is {v} with "
@@ -231,13 +205,22 @@ class LabelBuilder:
                 raise LabelBuildError(f"record '{rec.id}' ({rec.where}): fused slot: {e}") from e
         results = []
         for subset in leave_one_out_subsets(rec.n):
+            chosen = [adapters[i] for i in subset]
             try:
-                results.append(self.evaluate(rec, adapters, subset, score_prompt, gen_prompt, answers_ids, slot))
-            except LabelBuildError:
-                raise
+                if not chosen:
+                    ctx: Any = contextlib.nullcontext()  # the base model
+                elif slot is not None:
+                    ctx = slot.fused(chosen, [1.0] * len(chosen), o.merge_mode)
+                else:
+                    ctx = activate(self.model, merge_adapters(chosen, [1.0] * len(chosen), o.merge_mode).adapter)
+                with ctx, torch.no_grad():
+                    lp = max(answer_logprob(self.model, score_prompt.ids, a) for a in answers_ids)
+                    generation = greedy_generate(self.model, self.tokenizer, gen_prompt.ids, o.max_new_tokens) \
+                        if o.generate else None
             except FcpragError as e:  # an incompatible adapter: name the record and the subset
                 raise LabelBuildError(f"record '{rec.id}' ({rec.where}), {describe_subset(subset, rec.n)}: "
                                       f"{e}") from e
+            results.append(self._result(rec, subset, lp, generation))
         return self._label_record(rec, results)
 
     # ----------------------------------------------------------------- several records, batched
@@ -261,55 +244,47 @@ class LabelBuilder:
         by one instead, so that an error names its record and subset as on the sequential path.
         """
         from ..fast import pack_adapter
+        from .batched import ScoreRow, score_rows
 
+        o = self.options
         outs: list[dict[str, Any] | LabelBuildError | None] = [None] * len(records)
-        ready = []  # (index, record, score prompt, gen prompt, answer ids, packed adapters)
+        ready = []  # (index, record, its first row): one row per subset, the empty subset is the base model
+        rows: list[ScoreRow] = []
+        packed_all = []
         for j, rec in enumerate(records):
             try:
                 score_prompt, gen_prompt, answers_ids, adapters = self._prepare(rec)
-                ready.append((j, rec, score_prompt, gen_prompt, answers_ids, [pack_adapter(a) for a in adapters]))
+                packed = [pack_adapter(a) for a in adapters]
             except LabelBuildError as e:
                 outs[j] = e
             except FcpragError as e:
                 outs[j] = LabelBuildError(f"record '{rec.id}' ({rec.where}): {e}")
+            else:
+                ready.append((j, rec, len(rows)))
+                packed_all += packed
+                rows += [ScoreRow(score_prompt.ids, answers_ids, [packed[i] for i in s],
+                                  gen_prompt_ids=gen_prompt.ids if o.generate else None)
+                         for s in leave_one_out_subsets(rec.n)]
         try:
-            measured = self._measure_batched([r[1:] for r in ready]) if ready else []
+            scores = score_rows(self.model, self.tokenizer, self._slot_for(packed_all), rows, mode=o.merge_mode,
+                                batch_size=o.batch_size, max_new_tokens=o.max_new_tokens) if ready else []
         except FcpragError as e:
             logger.info("batched evaluation not possible (%s); labelling these %d records one by one", e, len(ready))
-            for j, rec, *_ in ready:
-                outs[j] = self._sequential_outcome(rec)
+            for j, rec, _ in ready:
+                try:
+                    outs[j] = self.label_sequential(rec)
+                except LabelBuildError as err:
+                    outs[j] = err
             return outs  # type: ignore[return-value]
-        for (j, rec, *_), per_subset in zip(ready, measured):
+        for j, rec, start in ready:
+            subsets = leave_one_out_subsets(rec.n)
             try:
-                results = [self._result(rec, subset, lp, gen) for subset, lp, gen in per_subset]
+                results = [self._result(rec, s, sc.logprob, sc.generation)
+                           for s, sc in zip(subsets, scores[start:start + len(subsets)])]
                 outs[j] = self._label_record(rec, results)
             except LabelBuildError as e:
                 outs[j] = e
         return outs  # type: ignore[return-value]
-
-    def _sequential_outcome(self, rec: ManifestRecord) -> dict[str, Any] | LabelBuildError:
-        try:
-            return self.label_sequential(rec)
-        except LabelBuildError as e:
-            return e
-
-    def _measure_batched(self, ready: Sequence[tuple]) -> list[list[tuple[list[int], float, str | None]]]:
-        """``ready``: (record, score prompt, gen prompt, answer ids, packed adapters) -> per record, per subset
-        ``(subset, answer log-prob, greedy text or None)``, through :func:`.batched.score_rows` (one row per
-        subset, uniform weights; the empty subset is the base model)."""
-        from .batched import ScoreRow, score_rows
-
-        o = self.options
-        slot = self._slot_for([p for r in ready for p in r[4]])
-        subsets = [(k, s) for k, r in enumerate(ready) for s in leave_one_out_subsets(r[0].n)]
-        rows = [ScoreRow(ready[k][1].ids, ready[k][3], [ready[k][4][i] for i in s],
-                         gen_prompt_ids=ready[k][2].ids if o.generate else None) for k, s in subsets]
-        scores = score_rows(self.model, self.tokenizer, slot, rows, mode=o.merge_mode, batch_size=o.batch_size,
-                            max_new_tokens=o.max_new_tokens)
-        out: list[list[tuple[list[int], float, str | None]]] = [[] for _ in ready]
-        for (k, s), sc in zip(subsets, scores):
-            out[k].append((s, sc.logprob, sc.generation))
-        return out
 
     def _label_record(self, rec: ManifestRecord, results: Sequence[SubsetResult]) -> dict[str, Any]:
         o = self.options
@@ -345,9 +320,7 @@ class LabelBuilder:
 def _one(builder: LabelBuilder, rec: ManifestRecord) -> dict[str, Any] | Exception:
     try:
         return builder.label(rec)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:
+    except Exception as e:  # not KeyboardInterrupt / SystemExit
         return e
 
 
@@ -360,9 +333,7 @@ def _outcomes(builder: LabelBuilder, group: Sequence[ManifestRecord], batched: b
         return (_one(builder, rec) for rec in group)
     try:
         return builder.label_many(group)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:
+    except Exception as e:  # not KeyboardInterrupt / SystemExit
         logger.warning("batched evaluation of %d records failed (%s: %s); retrying them one by one",
                        len(group), type(e).__name__, e)
         return [_one(builder, rec) if len(group) > 1 else e for rec in group]
@@ -396,16 +367,15 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
     out = Path(out)
     records = list(records)
     present = set(done_ids(out, repair=True)) | set(skip_ids)
-    todo = [r for r in records if r.id not in present]
     batched = builder.options.batched
     # Batched: the groups are planned over all records, done or not, and a group with any record left is
     # evaluated whole. A record's float rounding depends on its batch neighbours (padding, matrix shapes), so
     # this keeps a resumed run byte-identical to an uninterrupted one; only the missing records are written.
-    plan = builder.group(records) if batched else []
-    groups = [g for g in plan if any(r.id not in present for r in g)] if batched else [[r] for r in todo]
-    if records:  # the slot's adapter capacity, once: a record's N, or a group's union when batched
-        builder.reserve(max([r.n for r in records] + [sum(r.n for r in g) for g in plan]))
-    done_before = len(records) - len(todo)
+    plan = builder.group(records) if batched else [[r] for r in records]
+    groups = [g for g in plan if any(r.id not in present for r in g)]
+    if records:  # the slot's adapter capacity, once: the largest group's union of adapters (a record's N)
+        builder.reserve(max(sum(r.n for r in g) for g in plan))
+    done_before = sum(r.id in present for r in records)
     if done_before:
         logger.info("%s: resuming, %d of %d records already labelled", out, done_before, len(records))
     failed: list[tuple[str, str]] = []
@@ -418,19 +388,17 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
                 if rec.id in present:  # evaluated again only for its group's sake (batched resume)
                     continue
                 if isinstance(label, BaseException):
-                    e = label
-                    err = e if isinstance(e, LabelBuildError) else LabelBuildError(
-                        f"record '{rec.id}' ({rec.where}): {type(e).__name__}: {e}")
+                    err = label if isinstance(label, LabelBuildError) else LabelBuildError(
+                        f"record '{rec.id}' ({rec.where}): {type(label).__name__}: {label}")
                     if on_error == "fail":
-                        if err is e:
+                        if err is label:
                             raise err
-                        raise err from e
+                        raise err from label
                     logger.warning("skipping: %s", err)
-                    logger.debug("traceback", exc_info=e)
+                    logger.debug("traceback", exc_info=label)
                     failed.append((rec.id, str(err)))
-                    bar.update(1)
-                    continue
-                app.append(label)
-                written += 1
+                else:
+                    app.append(label)
+                    written += 1
                 bar.update(1)
     return BuildSummary(out, len(records), done_before, written, failed, time.perf_counter() - t0)

@@ -1,13 +1,5 @@
-"""The label builder's input: a JSON Lines manifest, and its conversion from PRAG's on-disk layout.
-
-One manifest record per line::
-
-    {"id": "q1", "question": "...", "answer": "Paris" | ["Paris", "City of Paris"],
-     "passages": ["text 1", "text 2"], "adapters": ["dir/passage_0", "dir/passage_1"]}
-
-Optional ``group`` / ``split`` are carried into the label records (the trainer splits by ``group``).
-Relative adapter paths are resolved against the manifest file's folder.
-"""
+"""The label builder's input: a JSON Lines manifest (format: ``docs/labels-builder.md`` section 1), and its
+conversion from PRAG's on-disk layout."""
 
 from __future__ import annotations
 
@@ -18,7 +10,7 @@ from typing import Any, Iterable
 
 from ..adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from ..errors import LabelFileError
-from .store import write_atomic
+from .store import json_lines, write_atomic
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
 PASS_THROUGH_FIELDS = ("group", "split")
@@ -60,9 +52,9 @@ def _nonempty(obj: dict[str, Any], name: str, where: str) -> str:
     return value
 
 
-def _str_list(value: Any, where: str, name: str, *, min_len: int = 1) -> list[str]:
-    if not isinstance(value, list) or len(value) < min_len:
-        raise _fail(where, name, f"a list of at least {min_len} non-empty strings", value)
+def _str_list(value: Any, where: str, name: str) -> list[str]:
+    if not isinstance(value, list) or not value:
+        raise _fail(where, name, "a list of at least 1 non-empty strings", value)
     for i, v in enumerate(value):
         if not isinstance(v, str) or not v.strip():
             raise _fail(where, f"{name}[{i}]", "a non-empty string", v)
@@ -124,14 +116,8 @@ def read_manifest(path: str | Path) -> list[ManifestRecord]:
     seen: dict[str, int] = {}
     base = path.resolve().parent
     with path.open("r", encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
+        for lineno, _, obj in json_lines(path, f):
             where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise LabelFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
             rec = parse_record(obj, where, base, line=lineno, source=str(path))
             if rec.id in seen:
                 raise LabelFileError(f"{where}: field 'id': duplicate id '{rec.id}' (first on line {seen[rec.id]})")
@@ -140,11 +126,6 @@ def read_manifest(path: str | Path) -> list[ManifestRecord]:
     if not records:
         raise LabelFileError(f"{path}: the manifest has no records")
     return records
-
-
-def record_to_json(rec: ManifestRecord) -> dict[str, Any]:
-    return {"id": rec.id, "question": rec.question, "answer": rec.answers[0] if len(rec.answers) == 1 else rec.answers,
-            "passages": rec.passages, "adapters": [str(a) for a in rec.adapters], **rec.extra}
 
 
 # ----------------------------------------------------------------------------- PRAG layout
@@ -165,14 +146,7 @@ def read_data_aug(path: str | Path) -> list[tuple[int, Any]]:
         except json.JSONDecodeError as e:
             raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
         return [(0, r) for r in data]
-    out = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                out.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
-    return out
+    return [(lineno, obj) for lineno, _, obj in json_lines(path, text.splitlines())]
 
 
 @dataclass
@@ -200,9 +174,7 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
         raise LabelFileError(f"{root}: adapters root is not a directory (expected "
                              "{root}/data_{test_id}/passage_{pid})")
     prefix = f"{data_aug.stem}-" if id_prefix is None else id_prefix
-    items = read_data_aug(data_aug)
-    if limit is not None:
-        items = items[:limit]
+    items = read_data_aug(data_aug)[:limit]
     records, missing, incomplete = [], [], []
     for test_id, (lineno, obj) in enumerate(items):
         where = f"{data_aug}:{lineno}" if lineno else f"{data_aug}: record {test_id}"

@@ -1,10 +1,5 @@
-"""Label metrics: answer log-probability under teacher forcing, greedy generation, and SQuAD-style F1 / EM.
-
-Text metrics follow the usual open-domain QA convention (and PRAG's): lower-case, drop punctuation and the
-articles a/an/the, collapse whitespace; token F1 with the HotpotQA rule that a yes/no/noanswer prediction or
-gold scores 0 unless both are equal; the max over gold aliases.
-The short answer is cut out of a generation by :func:`extract_answer` (``scoring`` ``default`` or ``prag``).
-"""
+"""Label metrics: answer log-probability under teacher forcing, greedy generation, and SQuAD-style F1 / EM with
+PRAG's answer extraction (the conventions: ``docs/labels-builder.md``, section 2)."""
 
 from __future__ import annotations
 

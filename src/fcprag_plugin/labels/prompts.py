@@ -1,10 +1,5 @@
-"""The prompt the labels are measured with: modes ``param`` (question only) and ``combine`` (passages in context).
-
-The user message is wrapped in the chat template when the tokenizer has one; the assistant turn starts with
-``answer_prefix`` and the gold answer is scored after it (teacher forcing). With chain-of-thought the ``cot`` line
-is appended to the user message and the assistant turn starts empty. A custom template is a JSON object with any
-of the fields of :class:`PromptTemplate` (``--prompt-template``).
-"""
+"""The prompt the labels are measured with: modes ``param`` (question only) and ``combine`` (passages in context);
+texts, chat template and ``--prompt-template``: ``docs/labels-builder.md``, "The prompt"."""
 
 from __future__ import annotations
 
@@ -89,12 +84,11 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def render_prompt(tokenizer: Any, template: PromptTemplate, question: str, passages: Sequence[str] | None,
-                  mode: str, *, cot: bool = False, use_chat_template: bool | None = None,
-                  assistant_prefix: bool = True) -> EncodedPrompt:
+                  mode: str, *, cot: bool = False, use_chat_template: bool | None = None) -> EncodedPrompt:
     """The prompt text and ids: the user message, through the chat template when the tokenizer has one
     (``use_chat_template=None``: automatic), followed by the assistant prefix (``answer_prefix``, unless ``cot``)."""
     user = template.user_message(question, passages, mode, cot)
-    prefix = template.answer_prefix if (assistant_prefix and not cot) else ""
+    prefix = "" if cot else template.answer_prefix
     chat = has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
     if chat:
         if not has_chat_template(tokenizer):
@@ -105,7 +99,7 @@ def render_prompt(tokenizer: Any, template: PromptTemplate, question: str, passa
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template already has its special tokens
     else:
         head = f"{template.system}\n\n" if template.system else ""
-        text = f"{head}{user}\n{prefix}" if prefix else f"{head}{user}\n"
+        text = f"{head}{user}\n{prefix}"
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     return EncodedPrompt(text, list(ids))
 

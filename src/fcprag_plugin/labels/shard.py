@@ -1,9 +1,5 @@
-"""Sharding over processes (torchrun / accelerate launch) and merging the per-rank part files.
-
-Both launchers export ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. Rank ``r`` of ``W`` takes manifest records
-``i % W == r`` and writes ``OUT.part{r}-of{W}.jsonl``; ``merge_parts`` validates them against the manifest and
-concatenates them in manifest order. A plain process (no such variables) is rank 0 of 1 and writes ``OUT``.
-"""
+"""Sharding over processes (torchrun / accelerate launch): rank ``r`` of ``W`` takes records ``i % W == r`` and
+writes ``OUT.part{r}-of{W}.jsonl``; ``merge_parts`` validates the parts and concatenates them in manifest order."""
 
 from __future__ import annotations
 
@@ -32,20 +28,19 @@ class ShardInfo:
 def shard_from_env(env: Mapping[str, str] | None = None) -> ShardInfo:
     """Rank, world size and local rank from the launcher's environment (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``)."""
     env = os.environ if env is None else env
-    values = {}
-    for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", None)):
-        raw = env.get(key, default)
-        if raw is None:
-            continue
+
+    def read(key: str, default: str) -> int:
         try:
-            values[key] = int(raw)
+            return int(env.get(key, default))
         except ValueError:
-            raise LabelFileError(f"environment variable {key}={raw!r}: expected an integer (set by torchrun / "
+            raise LabelFileError(f"environment variable {key}={env[key]!r}: expected an integer (set by torchrun / "
                                  "accelerate launch)") from None
-    rank, world = values["RANK"], values["WORLD_SIZE"]
+
+    rank, world = read("RANK", "0"), read("WORLD_SIZE", "1")
+    local_rank = read("LOCAL_RANK", str(rank))
     if world < 1 or not 0 <= rank < world:
         raise LabelFileError(f"environment: RANK={rank}, WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
-    return ShardInfo(rank, world, values.get("LOCAL_RANK", rank))
+    return ShardInfo(rank, world, local_rank)
 
 
 def shard_records(records: Sequence[ManifestRecord], rank: int, world: int) -> list[ManifestRecord]:
@@ -91,7 +86,7 @@ def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord],
         part = Path(part)
         if not part.is_file():
             raise LabelFileError(f"{part}: part file not found")
-        lines, _ = read_label_lines(part, partial="error")
+        lines = read_label_lines(part, partial="error")
         per_file[str(part)] = len(lines)
         for sl in lines:
             rid = sl.record["id"]

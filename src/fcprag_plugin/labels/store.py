@@ -1,8 +1,5 @@
-"""JSON Lines label output: crash-safe appends and the resume scan.
-
-Each finished record is appended with one ``write`` of a full line, then flushed and fsync'ed, so a crash can
-only leave a partial *last* line; the resume scan drops it (and only it) before appending again.
-"""
+"""JSON Lines label output: crash-safe appends (a crash can only leave a partial *last* line) and the resume scan,
+which drops that line before appending again."""
 
 from __future__ import annotations
 
@@ -11,11 +8,22 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from ..errors import LabelFileError
 
 logger = logging.getLogger(__name__)
+
+
+def json_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, str, Any]]:
+    """``(line number, raw line, parsed object)`` per non-blank line; invalid JSON is an error naming file and line."""
+    for lineno, raw in enumerate(lines, start=1):
+        if raw.strip():
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+            yield lineno, raw, obj
 
 
 @dataclass
@@ -27,10 +35,10 @@ class StoredLine:
     line: int
 
 
-def read_label_lines(path: str | Path, *, partial: str = "error") -> tuple[list[StoredLine], int]:
+def read_label_lines(path: str | Path, *, partial: str = "error") -> list[StoredLine]:
     """The complete lines of a JSON Lines label file (each a JSON object with a string ``id``; errors name the file
-    and line) and the byte length of the complete part. ``partial``: what to do with a trailing line without its
-    newline (an interrupted append): ``"error"``, ``"ignore"`` or ``"truncate"`` (cut it off the file)."""
+    and line). ``partial``: what to do with a trailing line without its newline (an interrupted append):
+    ``"error"``, ``"ignore"`` or ``"truncate"`` (cut it off the file)."""
     path = Path(path)
     data = path.read_bytes()
     cut = data.rfind(b"\n") + 1  # bytes up to and including the last newline
@@ -48,17 +56,11 @@ def read_label_lines(path: str | Path, *, partial: str = "error") -> tuple[list[
                 f.flush()
                 os.fsync(f.fileno())
     lines: list[StoredLine] = []
-    for lineno, raw in enumerate(data[:cut].decode("utf-8").splitlines(keepends=True), start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+    for lineno, raw, obj in json_lines(path, data[:cut].decode("utf-8").splitlines(keepends=True)):
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
             raise LabelFileError(f"{path}:{lineno}: field 'id': expected a JSON object with a string 'id'")
         lines.append(StoredLine(obj, raw if raw.endswith("\n") else raw + "\n", lineno))
-    return lines, cut
+    return lines
 
 
 def done_ids(path: str | Path, *, repair: bool) -> dict[str, int]:
@@ -67,7 +69,7 @@ def done_ids(path: str | Path, *, repair: bool) -> dict[str, int]:
     path = Path(path)
     if not path.exists():
         return {}
-    lines, _ = read_label_lines(path, partial="truncate" if repair else "ignore")
+    lines = read_label_lines(path, partial="truncate" if repair else "ignore")
     seen: dict[str, int] = {}
     for sl in lines:
         rid = sl.record["id"]
