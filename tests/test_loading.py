@@ -1,5 +1,6 @@
 """Every load paid once (issue 17): controller directories and embedding models are read once per process."""
 
+import json
 import logging
 import os
 import threading
@@ -179,3 +180,43 @@ def test_two_threads_fusing_get_the_same_weights_as_one(minilm_controller_dir, a
         assert w == s.merge_weights and adapter.target_modules == s.adapter.target_modules
         for k in adapter:
             assert torch.equal(adapter[k].A, s.adapter[k].A) and torch.equal(adapter[k].B, s.adapter[k].B)
+
+
+# U+2028 / U+2029 / U+0085 / U+001C-U+001E: str.splitlines() breaks lines there; json.dumps(ensure_ascii=False), as
+# every JSON Lines writer of the library calls it, keeps them raw inside strings
+ODD = "a\u2028b\u2029c\x85d\x1ce\x1df\x1eg"
+
+
+def test_split_lines_breaks_at_newlines_only():
+    from fcprag_plugin.loading import split_lines
+
+    text = f"{ODD}\r\n\nx\ny"
+    assert split_lines(text) == [ODD + "\r", "", "x", "y"]
+    assert split_lines(text, keepends=True) == [ODD + "\r\n", "\n", "x\n", "y"]
+    assert split_lines("") == [] and split_lines("a\n") == ["a"] and split_lines("a\n", keepends=True) == ["a\n"]
+
+
+def test_json_lines_readers_keep_odd_line_separators_inside_strings(tmp_path):
+    from fcprag_plugin.hooks._prag_data import _read_records
+    from fcprag_plugin.labels.manifest import read_data_aug
+    from fcprag_plugin.labels.store import JsonlAppender, done_ids, read_label_lines
+    from fcprag_plugin.training import load_labels, write_labels
+    from fcprag_plugin.training.synthetic import synthetic_records
+
+    labels = tmp_path / "labels.jsonl"
+    with JsonlAppender(labels) as out:
+        out.append({"id": "q1", "question": ODD})
+        out.append({"id": "q2", "question": "plain"})
+    assert [line.record["question"] for line in read_label_lines(labels)] == [ODD, "plain"]
+    assert set(done_ids(labels, repair=False)) == {"q1", "q2"}
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"question": ODD, "i": i}, ensure_ascii=False) for i in range(2)) + "\n",
+                    encoding="utf-8")
+    assert [r["question"] for _, r in read_data_aug(data)] == [ODD, ODD]
+    assert [r["i"] for r in _read_records(data)] == [0, 1]
+
+    recs, _ = synthetic_records(2, 3, 8, seed=1)
+    recs[0].query = ODD
+    write_labels(recs, tmp_path / "train.jsonl")
+    assert [r.query for r in load_labels(tmp_path / "train.jsonl").records] == [ODD, recs[1].query]

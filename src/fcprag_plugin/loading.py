@@ -105,6 +105,17 @@ class LoadCache(Generic[T]):
         return f"LoadCache({self.name!r}, entries={len(self)}/{self.maxsize}, stats={self.stats})"
 
 
+def split_lines(text: str, keepends: bool = False) -> list[str]:
+    """``text``'s lines, broken at ``"\\n"`` only (a ``"\\r"`` before it stays: JSON reads it as whitespace). The
+    JSON Lines readers use this, not ``str.splitlines()``, which also breaks at U+2028, U+0085 and other characters
+    that JSON strings written with ``ensure_ascii=False`` hold raw."""
+    lines = text.split("\n")
+    last = lines.pop()  # "" when the text ends with a newline (or is empty)
+    if keepends:
+        lines = [line + "\n" for line in lines]
+    return lines + [last] if last else lines
+
+
 def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:
     """The JSON object in ``path`` (the one reader of JSON config files); a missing file, invalid JSON or a
     non-object is an ``error`` naming the file (``missing``: what to say when it does not exist)."""

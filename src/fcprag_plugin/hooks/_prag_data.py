@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import HookError
+from ..loading import split_lines
 
 _DATA_RE = re.compile(r"^data_(\d+)$")
 _PASSAGE_RE = re.compile(r"^passage_(\d+)$")
@@ -107,7 +108,7 @@ def _read_records(file: Path) -> list[Any]:
     text = file.read_text(encoding="utf-8")
     if file.suffix == ".jsonl":
         out = []
-        for i, line in enumerate(text.splitlines(), start=1):
+        for i, line in enumerate(split_lines(text), start=1):
             if line.strip():
                 try:
                     out.append(json.loads(line))

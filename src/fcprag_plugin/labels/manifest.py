@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from ..adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from ..errors import LabelFileError
+from ..loading import split_lines
 from .store import json_lines, write_atomic
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
@@ -146,7 +147,7 @@ def read_data_aug(path: str | Path) -> list[tuple[int, Any]]:
         except json.JSONDecodeError as e:
             raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
         return [(0, r) for r in data]
-    return [(lineno, obj) for lineno, _, obj in json_lines(path, text.splitlines())]
+    return [(lineno, obj) for lineno, _, obj in json_lines(path, split_lines(text))]
 
 
 @dataclass

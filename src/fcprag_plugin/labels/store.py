@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ..errors import LabelFileError
+from ..loading import split_lines
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def read_label_lines(path: str | Path, *, partial: str = "error") -> list[Stored
                 f.flush()
                 os.fsync(f.fileno())
     lines: list[StoredLine] = []
-    for lineno, raw, obj in json_lines(path, data[:cut].decode("utf-8").splitlines(keepends=True)):
+    for lineno, raw, obj in json_lines(path, split_lines(data[:cut].decode("utf-8"), keepends=True)):
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
             raise LabelFileError(f"{path}:{lineno}: field 'id': expected a JSON object with a string 'id'")
         lines.append(StoredLine(obj, raw if raw.endswith("\n") else raw + "\n", lineno))

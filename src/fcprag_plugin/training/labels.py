@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import LabelFileError
+from ..loading import split_lines
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +240,7 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
 
 def _iter_jsonl(text: str) -> Iterator[tuple[int, Any, str | None]]:
     """Yield ``(line, value, parse_error)`` per non-blank line."""
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(split_lines(text), 1):
         if not line.strip():
             continue
         try:
