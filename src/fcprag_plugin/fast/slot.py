@@ -445,15 +445,6 @@ class FusedSlot:
         self._state.active = False
         self._state.transform = None
 
-    def resume(self) -> None:
-        """Switch the merge last written by :meth:`activate` back on after :meth:`deactivate` (nothing is
-        rewritten). Lets a caller write a merge ahead of time and toggle it per forward pass."""
-        self._check_usable()
-        if self.mode not in SLOT_MODES:
-            raise MergeError(f"the slot holds no weighted merge to resume (mode {self.mode!r}); call activate() first")
-        self._state.transform = None
-        self._state.active = True
-
     def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> ContextManager["FusedSlot"]:
         """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
         return self._block(lambda: self.activate(adapters, weights, mode),
