@@ -193,9 +193,11 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
         r = max(ranks)
         d, dt = dev or As[0].device, dtype or As[0].dtype
 
-        def stack(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:  # zero rank rows pad (B @ A kept)
-            pad = [(0, r - t.shape[dim]) if dim else (0, 0, 0, r - t.shape[0]) for t in ts]
-            ts = [t if t.shape[dim] == r else torch.nn.functional.pad(t, p) for t, p in zip(ts, pad)]
+        def stack(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+            # rank_pattern: a smaller rank is zero-padded along its rank dim ``dim`` (rows of A / BT, columns of an
+            # out-major B), which keeps B @ A
+            ts = [t if t.shape[dim] == r else torch.nn.functional.pad(
+                t, (0, r - t.shape[1]) if dim else (0, 0, 0, r - t.shape[0])) for t in ts]
             return torch.stack(ts).to(device=d, dtype=dt).contiguous()
 
         BT = stack(BTs, 1).transpose(1, 2) if out_major else stack(BTs)

@@ -37,7 +37,7 @@ from ..errors import MergeError
 from ..merge import factors
 from ..weights import check_weights
 from .adapter_store import AdapterStore
-from .layout import Layout, PackedAdapter, check_layouts, layout_from_shapes, layout_of, pack_adapter
+from .layout import Layout, PackedAdapter, PackedGroup, check_layouts, layout_from_shapes, layout_of, pack_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -267,14 +267,14 @@ class FusedSlot:
                 w = mods[l0].weight
                 dt = self.dtype or w.dtype
                 pg = buffers_from.groups[gi] if buffers_from is not None else None
-                if pg is not None and (l0, l1, KR, dt, w.device) == (0, len(mods), pg.rank, pg.A.dtype, pg.A.device) \
-                        and (pg.BT.transpose(1, 2) if self.out_major else pg.BT).is_contiguous():
+                if pg is not None and self._fits(pg, l1 - l0 == len(mods), KR, dt, w.device):
                     A, BT = pg.A, pg.BT  # taken over: no allocation (page faults of fresh pages) and no copy
                 else:
                     A = torch.zeros(l1 - l0, KR, g.in_features, device=w.device, dtype=dt)
-                    BT = torch.zeros(l1 - l0, *((g.out_features, KR) if self.out_major else (KR, g.out_features)),
-                                     device=w.device, dtype=dt)
-                    BT = BT.transpose(1, 2) if self.out_major else BT
+                    if self.out_major:  # B as stored, [L, out, K*R]; BT is its transposed view
+                        BT = torch.zeros(l1 - l0, g.out_features, KR, device=w.device, dtype=dt).transpose(1, 2)
+                    else:
+                        BT = torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt)
                 seg = _Segment(gi, l0, l1, A, BT, self.max_rank)
                 self._segments.append(seg)
                 for l in range(l0, l1):
@@ -286,6 +286,12 @@ class FusedSlot:
                     o.A, o.BT = n.A, n.BT
         else:
             self._entries = new_entries
+
+    def _fits(self, pg: PackedGroup, whole_group: bool, KR: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a packed group's stacks can serve as one segment's buffers as they are."""
+        BT = pg.BT.transpose(1, 2) if self.out_major else pg.BT  # the layout the slot's writes assume
+        return whole_group and pg.rank == KR and (pg.A.dtype, pg.A.device) == (dtype, device) \
+            and pg.A.is_contiguous() and BT.is_contiguous()
 
     # ------------------------------------------------------------------ properties
     @property
