@@ -220,3 +220,24 @@ def test_json_lines_readers_keep_odd_line_separators_inside_strings(tmp_path):
     recs[0].query = ODD
     write_labels(recs, tmp_path / "train.jsonl")
     assert [r.query for r in load_labels(tmp_path / "train.jsonl").records] == [ODD, recs[1].query]
+
+
+def test_write_atomic_replaces_whole_files_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    from fcprag_plugin import loading
+
+    path = tmp_path / "sub" / "metrics.json"
+    loading.write_json(path, {"gain": float("nan"), "n": 3, "where": tmp_path})
+    assert json.loads(path.read_text(encoding="utf-8")) == {"gain": None, "n": 3, "where": str(tmp_path)}
+    before = path.read_bytes()
+
+    def fail(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(loading.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        loading.write_atomic(path, "half")
+    assert path.read_bytes() == before  # the old file is untouched, and no temp file is left beside it
+    assert sorted(p.name for p in path.parent.iterdir()) == ["metrics.json"]
+    monkeypatch.undo()
+    loading.write_atomic(path, "a\u2028b\r\n")
+    assert path.read_bytes() == "a\u2028b\r\n".encode("utf-8")  # written as given (no newline translation)

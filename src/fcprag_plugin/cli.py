@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import math
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from .errors import FcpragError
-from .weights import finite_or_none
+from .loading import write_json
 
 _COMMAND_MODULES = ("fcprag_plugin.training.cli", "fcprag_plugin.hooks.cli", "fcprag_plugin.labels.cli")
 
@@ -36,21 +35,6 @@ def read_text_arg(value: str, option: str) -> str:
     except OSError as e:
         raise FcpragError(f"{option} {value}: cannot read {path} ({e.strerror or e}); expected a readable text "
                           "file") from None
-
-
-def write_json(path: str | Path, obj: Any) -> Path:
-    """Write ``obj`` as indented strict JSON (NaN/inf as null) through a temp file + rename (no temp file is left
-    behind when the write or the rename fails)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(finite_or_none(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def refuse_inputs(option: str, out: str | Path, inputs: Sequence[tuple[str, str | Path | None]]) -> None:

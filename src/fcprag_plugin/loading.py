@@ -1,6 +1,6 @@
 """Process-wide load caches (:class:`LoadCache`), so a controller directory (``controller.cached_controller``)
 and an embedding model (``encoding.get_encoder``) are each loaded once per process; the JSON and safetensors
-readers. Cached objects are shared: do not train or modify them in place (``FusionController.from_pretrained``
+readers and the one atomic file writer. Cached objects are shared: do not train or modify them in place (``FusionController.from_pretrained``
 gives a private copy).
 """
 
@@ -15,6 +15,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, Hashable, TypeVar
+
+from .weights import finite_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,29 @@ def split_lines(text: str, keepends: bool = False) -> list[str]:
     if keepends:
         lines = [line + "\n" for line in lines]
     return lines + [last] if last else lines
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through a temp file beside it, ``fsync`` and ``os.replace``: a reader,
+    or a run resumed after a crash, never sees a half-written file, and no temp file is left when a step fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented strict JSON (NaN/inf as null, other non-JSON values as ``str``), atomically."""
+    return write_atomic(path, json.dumps(finite_or_none(obj), indent=2, allow_nan=False, default=str) + "\n")
 
 
 def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from typing import Any, Iterable
 
 from ..adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from ..errors import LabelFileError
-from ..loading import split_lines
-from .store import json_lines, write_atomic
+from ..loading import split_lines, write_atomic
+from .store import json_lines
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
 PASS_THROUGH_FIELDS = ("group", "split")
@@ -213,5 +213,5 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
 def write_manifest(records: Iterable[dict[str, Any]], out: str | Path) -> int:
     """Write manifest records as JSON Lines (atomically: a crash leaves no half file)."""
     lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in records]
-    write_atomic(out, lines)
+    write_atomic(out, "".join(lines))
     return len(lines)

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..errors import LabelFileError
+from ..loading import write_atomic
 from .manifest import ManifestRecord
-from .store import read_label_lines, write_atomic
+from .store import read_label_lines
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord],
         raise LabelFileError(f"{len(missing)} manifest ids have no labels in the given parts: {shown} "
                              "(re-run 'fcprag labels build' to fill them in, or pass --allow-missing)")
     ordered = sorted(found, key=order.__getitem__)
-    write_atomic(out, [found[rid][2] for rid in ordered])
+    write_atomic(out, "".join(found[rid][2] for rid in ordered))
     return MergeSummary(len(ordered), missing, per_file)
 
 

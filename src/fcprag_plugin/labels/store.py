@@ -107,14 +107,3 @@ class JsonlAppender:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def write_atomic(path: str | Path, lines: list[str]) -> None:
-    """Write a whole file through a temp file and ``os.replace`` (readers never see a half-written file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -6,7 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..cli import check_out_file, finite_float, int_at_least, positive_int, refuse_inputs, write_json
+from ..cli import check_out_file, finite_float, int_at_least, positive_int, refuse_inputs
+from ..loading import write_json
 from ..errors import FcpragError, LabelFileError
 from ..features import SIDE_FEATURES
 from .checkpoint import CHECKPOINT_DIR, read_checkpoint_state

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ..controller import ControllerConfig, FusionController
 from ..errors import FcpragError, LabelFileError
 from ..features import SIDE_FEATURES, center_side
+from ..loading import write_json
 from ..weights import finite_or_none
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
 from .data import LabelTensors, build_tensors
@@ -236,10 +237,6 @@ def _versions() -> dict[str, str]:
         with contextlib.suppress(md.PackageNotFoundError):
             out[pkg] = md.version(pkg)
     return out
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(finite_or_none(obj), indent=2, allow_nan=False, default=str) + "\n", encoding="utf-8")
 
 
 def side_scales(data: LabelTensors) -> list[float] | None:
@@ -466,7 +463,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         (out / CV_NAME).unlink(missing_ok=True)
-    _write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": trainer.precision,
+    write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": trainer.precision,
                                   "risk_lambda_used": trainer.risk_lambda, **info})
     t_fit = time.perf_counter()
     cv = None
@@ -476,7 +473,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         cv = json.loads((out / CV_NAME).read_text(encoding="utf-8")) if (out / CV_NAME).is_file() else None
         if cv is None or cv.get("max_epochs") != args.epochs:
             cv = cross_validate(train_t, args, name, Trainer, progress)
-            _write_json(out / CV_NAME, cv)
+            write_json(out / CV_NAME, cv)
         if trainer.epoch > cv["selected_epochs"]:
             logger.warning("%s: the checkpoint has %d epochs but cross-validation selects %d; training again from "
                            "the start", out / CHECKPOINT_DIR, trainer.epoch, cv["selected_epochs"])
@@ -511,7 +508,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         "timing_s": {"data": round(t_data, 3), "fit": round(t_fit, 3),
                      "total": round(time.perf_counter() - t_start, 3)},
     })
-    _write_json(out / METRICS_NAME, metrics)
+    write_json(out / METRICS_NAME, metrics)
     if args.plots:
         from .plots import write_training_plots
 
