@@ -1,11 +1,11 @@
 """Controller forward latency for one query (batch 1, N = 3 passages, precomputed embeddings).
 
-Target (issue 6): controller forward under 1 ms for N = 3, batch 1. The float32 controller is memory-bound: its
-score net streams 21 MB (d = 384) / 34 MB (d = 768) of weights per call. The script times, side by side in one
-run, the float32 reference (``FusionController.forward``) and the bfloat16 copy of ``for_inference``, for
-d = 384 and 768 and torch threads 1 and 2; variants are interleaved in rounds so a change
-in the machine's load hits all of them alike. Reported: the median of many calls, the ratio to float32, and
-whether the 1 ms target holds, plus the machine's load average.
+The float32 controller is memory-bound: its score net streams 21 MB (d = 384) / 34 MB (d = 768) of weights per
+call. The script times, side by side in one run, the float32 reference (``FusionController.forward``) and the
+bfloat16 copy of ``for_inference``, for d = 384 and 768 and torch threads 1 and 2; variants are interleaved in
+rounds so a change in the machine's load hits all of them alike. Reported: the median of many calls and the ratio to float32, plus
+the machine's load average. Issue 6's 1 ms target is retired (issue 12): a few ms sit next to tens of ms of
+sentence encoding and seconds of generation per query.
 
 Two cache states:
   hot   calls back to back: the weights stay in the CPU caches (best case; what a tight loop sees);
@@ -33,9 +33,6 @@ from pathlib import Path
 import torch
 
 from fcprag_plugin.controller import ControllerConfig, FusionController
-
-TARGET_MS = 1.0
-
 
 def _evict(buf: torch.Tensor) -> None:
     buf.add_(1.0)  # read + write 64 MB: larger than the last-level cache
@@ -77,11 +74,11 @@ def main() -> int:
           f"(OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}); load average at start "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (other jobs on the CPU slow every figure below)")
     print(f"task: controller forward, batch 1, N = {a.n}, precomputed embeddings; median of {a.calls} calls per "
-          f"variant, interleaved in {a.rounds} rounds; target < {TARGET_MS:g} ms")
+          f"variant, interleaved in {a.rounds} rounds")
     caches = ["hot", "cold"] if a.cache == "both" else [a.cache]
     prev_threads = torch.get_num_threads()
     results = []
-    header = f"{'d':>4} {'thr':>3} {'cache':>5} | {'fp32 ms':>8} | {'bf16 ms':>8} {'x':>6} {'<1ms':>4}"
+    header = f"{'d':>4} {'thr':>3} {'cache':>5} | {'fp32 ms':>8} | {'bf16 ms':>8} {'x':>6}"
     print(header)
     print("-" * len(header))
     for d in a.dims:
@@ -104,11 +101,10 @@ def main() -> int:
                        "load_avg_1min": round(os.getloadavg()[0], 2),
                        **{f"{k}_ms": round(v, 4) for k, v in med.items()},
                        **{f"{k}_speedup": round(med["fp32"] / med[k], 2) for k in med if k != "fp32"},
-                       **{f"{k}_meets_target": med[k] < TARGET_MS for k in med},
                        **{f"{k}_max_abs_dw": v for k, v in dev.items()}}
                 results.append(row)
                 line = f"{d:>4} {th:>3} {cache:>5} | {med['fp32']:>8.3f} | {med['bf16']:>8.3f} " \
-                       f"{med['fp32'] / med['bf16']:>5.2f}x {'yes' if med['bf16'] < TARGET_MS else 'NO':>4}"
+                       f"{med['fp32'] / med['bf16']:>5.2f}x"
                 print(line, flush=True)
     torch.set_num_threads(prev_threads)
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -503,6 +503,8 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{c['forward']['median_ms']:.2f} | "
                  f"{c['weight_bytes_copy']['median_ms']:.2f} | {c['ratio_forward_over_weight_copy']:.1f}x | "
                  f"{c.get('max_abs_merge_weight_diff_vs_fp32', 0.0):.1e} |")
+    L += ["", "A few ms per query, next to tens of ms of sentence encoding and seconds of generation; no target (the "
+              "earlier < 1 ms target is retired, issue 12)."]
     peer_rows = [r for r in res["fusion"] if "peers" in r]
     if peer_rows:
         L += ["", "**PEFT's own fastest per-query merges** (same run, interleaved with a fresh (b) and (d); ratios to "
@@ -540,21 +542,8 @@ def markdown(res: dict[str, Any]) -> str:
                f"(`add_weighted_adapter`); max |logit diff| vs ours {mx['peft_max_abs_diff']:.1e}."
                if "peft_adapter_names" in mx else ""), "",
           "**Targets**", ""]
-    ctl = {(c["embed_dim"], c.get("dtype", "float32")): c for c in res["controller"] if c["threads"] == env["threads"]}
-    copies = ", ".join(f"{ctl[(d, 'float32')]['weight_bytes_copy']['median_ms']:.2f} ms (d={d})" for d in (768, 384)
-                       if (d, "float32") in ctl)
-    speed = ", ".join(f"{ctl[(d, 'float32')]['forward']['median_ms'] / ctl[(d, 'bfloat16')]['forward']['median_ms']:.1f}x"
-                      f" (d={d}, w~ moves by {ctl[(d, 'bfloat16')]['max_abs_merge_weight_diff_vs_fp32']:.0e})"
-                      for d in (768, 384) if (d, "float32") in ctl and (d, "bfloat16") in ctl)
-    notes = {"controller": f"a batch-1 MLP must stream all its weights every forward, and one plain copy of the "
-                           f"controller's fp32 weights already takes {copies} here; with N=3 rows the score net runs "
-                           "as an M=3 GEMM, which MKL runs at a few GFLOP/s on this AMD VM (an M=1 GEMV runs at copy "
-                           f"speed). bfloat16 weights (oneDNN) speed it up {speed}. < 1 ms needs a smaller or "
-                           "lower-precision controller, or a GPU (none was lent to this task)."}
     for t in res["targets"]:
         L.append(f"- {'PASS' if t['ok'] else 'MISS'}: {t['what']} -- {t['value']}")
-    if any(not t["ok"] and "controller" in t["what"] for t in res["targets"]):
-        L += ["", f"Controller target: {notes['controller']}"]
     return "\n".join(L) + "\n"
 
 
@@ -574,10 +563,6 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     m = res["memory"]
     out.append({"what": f"RSS growth < 1% over {m['queries']} fused queries", "ok": m["growth_pct"] < 1,
                 "value": f"{m['growth_pct']:.3f}%"})
-    for c in res["controller"]:
-        out.append({"what": f"controller forward < 1 ms (embed_dim {c['embed_dim']}, N=3, batch 1, "
-                            f"{c['threads']} thread(s), {c.get('dtype', 'float32')})",
-                    "ok": c["forward"]["median_ms"] < 1, "value": f"{c['forward']['median_ms']:.2f} ms"})
     return out
 
 
