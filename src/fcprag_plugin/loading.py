@@ -14,7 +14,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Generic, Hashable, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterable, Iterator, TypeVar
 
 from .weights import finite_or_none
 
@@ -139,6 +139,19 @@ def write_atomic(path: str | Path, text: str) -> Path:
 def write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented strict JSON (NaN/inf as null, other non-JSON values as ``str``), atomically."""
     return write_atomic(path, json.dumps(finite_or_none(obj), indent=2, allow_nan=False, default=str) + "\n")
+
+
+def parse_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, str, Any, json.JSONDecodeError | None]]:
+    """``(line number, raw line, value, error)`` per non-blank line (``lines`` from :func:`split_lines` or a text
+    file); where a line is not valid JSON, ``value`` is None and ``error`` says why. The one JSON Lines parser:
+    each reader turns ``error`` into its own message."""
+    for lineno, raw in enumerate(lines, start=1):
+        if raw.strip():
+            try:
+                value, error = json.loads(raw), None
+            except json.JSONDecodeError as e:
+                value, error = None, e
+            yield lineno, raw, value, error
 
 
 def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import HookError
-from ..loading import split_lines
+from ..loading import parse_json_lines, split_lines
 
 _DATA_RE = re.compile(r"^data_(\d+)$")
 _PASSAGE_RE = re.compile(r"^passage_(\d+)$")
@@ -108,12 +108,10 @@ def _read_records(file: Path) -> list[Any]:
     text = file.read_text(encoding="utf-8")
     if file.suffix == ".jsonl":
         out = []
-        for i, line in enumerate(split_lines(text), start=1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise HookError(f"{file}: line {i} is not valid JSON ({e})") from e
+        for i, _, value, e in parse_json_lines(split_lines(text)):
+            if e is not None:
+                raise HookError(f"{file}: line {i} is not valid JSON ({e})") from e
+            out.append(value)
         return out
     try:
         data = json.loads(text)

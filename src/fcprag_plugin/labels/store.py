@@ -11,20 +11,17 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ..errors import LabelFileError
-from ..loading import split_lines
+from ..loading import parse_json_lines, split_lines
 
 logger = logging.getLogger(__name__)
 
 
 def json_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, str, Any]]:
     """``(line number, raw line, parsed object)`` per non-blank line; invalid JSON is an error naming file and line."""
-    for lineno, raw in enumerate(lines, start=1):
-        if raw.strip():
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
-            yield lineno, raw, obj
+    for lineno, raw, obj, e in parse_json_lines(lines):
+        if e is not None:
+            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+        yield lineno, raw, obj
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import LabelFileError
-from ..loading import split_lines
+from ..loading import parse_json_lines, split_lines
 
 logger = logging.getLogger(__name__)
 
@@ -240,13 +240,8 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
 
 def _iter_jsonl(text: str) -> Iterator[tuple[int, Any, str | None]]:
     """Yield ``(line, value, parse_error)`` per non-blank line."""
-    for lineno, line in enumerate(split_lines(text), 1):
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line), None
-        except json.JSONDecodeError as e:
-            yield lineno, None, f"not valid JSON ({e.msg} at column {e.colno})"
+    for lineno, _, value, e in parse_json_lines(split_lines(text)):
+        yield lineno, value, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})"
 
 
 def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | None]]:
