@@ -1,4 +1,5 @@
-"""Every load paid once (issue 17): controller directories and embedding models are read once per process."""
+"""loading.py: load caches, so controller directories and embedding models are read once per process (issue 17);
+the JSON Lines helpers and the atomic writer."""
 
 import json
 import logging

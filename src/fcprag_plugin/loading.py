@@ -1,7 +1,7 @@
 """Process-wide load caches (:class:`LoadCache`), so a controller directory (``controller.cached_controller``)
 and an embedding model (``encoding.get_encoder``) are each loaded once per process; the JSON and safetensors
-readers and the one atomic file writer. Cached objects are shared: do not train or modify them in place (``FusionController.from_pretrained``
-gives a private copy).
+readers and the one atomic file writer. Cached objects are shared: do not train or modify them in place
+(``FusionController.from_pretrained`` gives a private copy).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import logging
 from pathlib import Path
 
 from ..cli import check_out_file, finite_float, int_at_least, positive_int, refuse_inputs
-from ..loading import write_json
 from ..errors import FcpragError, LabelFileError
 from ..features import SIDE_FEATURES
+from ..loading import write_json
 from .checkpoint import CHECKPOINT_DIR, read_checkpoint_state
 from .evaluation import format_table
 from .labels import ON_ERROR, SkippedRecord, load_labels

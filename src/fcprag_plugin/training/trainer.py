@@ -464,7 +464,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     if not resume:
         (out / CV_NAME).unlink(missing_ok=True)
     write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": trainer.precision,
-                                  "risk_lambda_used": trainer.risk_lambda, **info})
+                                 "risk_lambda_used": trainer.risk_lambda, **info})
     t_fit = time.perf_counter()
     cv = None
     if args.cv_folds:
