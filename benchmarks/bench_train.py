@@ -33,7 +33,7 @@ import torch
 
 from fcprag_plugin.training import train_controller, write_labels
 from fcprag_plugin.training.precision import resolve_precision
-from fcprag_plugin.training.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 from readme_example import adapter_dirs, controller, encoder, inputs, model, output, passages, query, result
 
 from fcprag_plugin import fuse
-from fcprag_plugin.fast import AdapterStore, FusedSlot
+from fcprag_plugin.slot import AdapterStore, FusedSlot
 
 store = AdapterStore(budget_bytes=2**30)  # memory-mapped adapter directories, LRU bounded by bytes
 slot = FusedSlot(model, store.get(adapter_dirs[0]), max_adapters=10, store=store)  # hooks the model once

@@ -213,7 +213,7 @@ def options(parser: argparse.ArgumentParser):
 
 def cli_leaves() -> list:
     """``(command words, parser)`` for every leaf sub-command of ``fcprag``."""
-    from fcprag_plugin.cli import build_parser
+    from fcprag_tools.cli import build_parser
 
     return list(leaf_parsers(build_parser()))
 

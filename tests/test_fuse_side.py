@@ -7,7 +7,7 @@ from fcprag_plugin import FusionController, fuse
 from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.controller import ControllerConfig
 from fcprag_plugin.errors import ControllerError
-from fcprag_plugin.hooks.base import MergeHook
+from fcprag_plugin.hosts.base import MergeHook
 from helpers import dense_reference, tiny_model
 
 Q = "who wrote the novel"
@@ -84,7 +84,7 @@ def test_a_uniform_controller_with_kappa_scales_the_uniform_merge(adapter_dirs):
 def test_fcprag_fuse_passes_retrieval_ranks(adapter_dirs, encoder16, tmp_path, monkeypatch, capsys):
     import json
 
-    from fcprag_plugin import cli
+    from fcprag_tools import cli
 
     ctrl = side_controller("retrieval_rank")
     d = ctrl.save_pretrained(tmp_path / "ctrl")

@@ -90,7 +90,7 @@ DOCS = [README, REPO / "docs" / "labels-builder.md", REPO / "examples" / "prag" 
 @pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
 def test_documented_commands_parse(doc, capsys):
     """Every documented `fcprag ...` command line uses sub-commands and options that exist, with valid values."""
-    from fcprag_plugin.cli import build_parser
+    from fcprag_tools.cli import build_parser
 
     commands = command_lines(doc.read_text(encoding="utf-8"))
     assert commands

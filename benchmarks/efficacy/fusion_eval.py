@@ -1,7 +1,7 @@
 """Scoring fused adapters on one prompt: many weightings of the same passages in one mixed batch.
 
 Every row of a batch is the same prompt with its own merge weights ``w~`` over the question's adapters
-(``fcprag_plugin.fast.fused_mixed``: one slot, per-sample mixtures, PRAG's exact ``cat`` sum). One prefill
+(``fcprag_plugin.slot.fused_mixed``: one slot, per-sample mixtures, PRAG's exact ``cat`` sum). One prefill
 pass serves both the gold-answer log-likelihood (teacher forcing on a copy of the KV cache) and greedy
 decoding, so each row costs what the label builder's two passes cost, and all rows of a question run together.
 """
@@ -15,10 +15,10 @@ from typing import Any, Sequence
 import torch
 
 from fcprag_plugin import LoraAdapter
-from fcprag_plugin.fast import FusedSlot
-from fcprag_plugin.fast.mixed import fused_mixed
-from fcprag_plugin.labels.metrics import exact_match, extract_answer, f1_score
-from fcprag_plugin.labels.prompts import PromptTemplate, answer_ids, render_prompt
+from fcprag_plugin.slot import FusedSlot
+from fcprag_tools.mixed import fused_mixed
+from fcprag_tools.labels.metrics import exact_match, extract_answer, f1_score
+from fcprag_tools.labels.prompts import PromptTemplate, answer_ids, render_prompt
 
 TEMPLATE = PromptTemplate()  # the label builder's default prompt, so labels and evaluation ask the same way
 

@@ -7,7 +7,7 @@ A job (:class:`batch_scorer.Job`) is one question asked one way (prompt mode, go
 token log-likelihood under teacher forcing (max over aliases) with the row's adapters merged by PRAG's ``cat``
 sum weighted by ``w~``, plus, for jobs with ``generate``, the greedy answer with F1 / EM.
 
-Scoring is the library's batched scorer (``fcprag_plugin.labels.batched.score_rows``), the code path of
+Scoring is the library's batched scorer (``fcprag_tools.labels.batched.score_rows``), the code path of
 ``fcprag labels build``: one code path for labels and evaluation. Each result names the scorer that made it
 (``"scorer": "library"``; caches written by the study's earlier own scorer say ``"study"``).
 """
@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 
 from batch_scorer import Job
-from fcprag_plugin.labels.batched import ScoreRow, score_rows
-from fcprag_plugin.labels.metrics import exact_match, extract_answer, f1_score
+from fcprag_tools.labels.batched import ScoreRow, score_rows
+from fcprag_tools.labels.metrics import exact_match, extract_answer, f1_score
 
 MAX_RANK = 2
 
@@ -37,7 +37,7 @@ def stop_ids(model: Any, tok: Any) -> set[int]:
 
 
 def make_slot(model: Any, store: dict[str, Any], max_adapters: int) -> Any:
-    from fcprag_plugin.fast import FusedSlot
+    from fcprag_plugin.slot import FusedSlot
 
     return FusedSlot(model, next(iter(store.values())), max_adapters=max_adapters, max_rank=MAX_RANK)
 

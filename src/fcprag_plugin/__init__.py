@@ -13,7 +13,7 @@ from .errors import (AdapterError, ControllerError, EncoderError, FcpragError, F
                      LabelFileError, MergeError, UnsupportedAdapterError)
 from .fusion import FusionResult, fuse
 from .loading import cache_info, clear_caches
-from .fast import activate
+from .slot import activate
 from .merge import MergeResult, WeightedAdapterMerger
 
 

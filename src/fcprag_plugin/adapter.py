@@ -293,7 +293,7 @@ def adapter_from_state_dict(
     """Parse PEFT-layout keys into per-module ``A``/``B``; repair PRAG's doubled prefix with a warning.
 
     ``check_values=False`` skips the per-tensor finiteness check and the all-zero warning (the caller does
-    both in bulk, e.g. :class:`fcprag_plugin.fast.AdapterStore` on its packed stacks).
+    both in bulk, e.g. :class:`fcprag_plugin.slot.AdapterStore` on its packed stacks).
     """
     cfg = dict(config)
     check_config(cfg, source)

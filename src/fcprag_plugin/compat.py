@@ -77,25 +77,14 @@ def _is_peft_model(model: Any) -> bool:
 
 
 def load_gguf_causal_lm(pkg_dir: str, gguf_file: str, **kwargs: Any):
-    """Load a GGUF causal LM and its tokenizer; set a chat template when old transformers read none from GGUF."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Deprecated alias of :func:`fcprag_tools.labels.model_io.load_gguf_causal_lm` (model loading is tooling)."""
+    import warnings
 
-    tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf_file, **kwargs)
-    if not getattr(tok, "chat_template", None):
-        tok.chat_template = CHATML_TEMPLATE
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return model, tok
+    from fcprag_tools.labels.model_io import load_gguf_causal_lm as load
 
-
-# ChatML, the template SmolLM2-Instruct was trained with (written here for transformers that drop it from GGUF).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+    warnings.warn("fcprag_plugin.compat.load_gguf_causal_lm moved to fcprag_tools.labels.model_io; the alias goes "
+                  "in the next release", DeprecationWarning, stacklevel=2)
+    return load(pkg_dir, gguf_file, **kwargs)
 
 
 # ----------------------------------------------------------------------------- live LoRA layers (used by the shims)

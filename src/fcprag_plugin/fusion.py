@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from .adapter import LoraAdapter
 from .controller import FusionController, load_controller
 from .errors import FusionInputError
-from .fast import AdapterStore, FusedSlot, pack_adapter
+from .slot import AdapterStore, FusedSlot, pack_adapter
 from .merge import MergeResult, merge_adapters
 from .weights import FusionWeights, finite_or_none, side_inputs
 
@@ -122,10 +122,10 @@ def fuse(
         encoder: a :class:`TextEncoder`; default: the controller's recorded embedding model.
         mode: merge mode (``cat``, ``separate``, ``svd``).
         model: the live model (needed for adapter names and for ``use_slot``).
-        use_slot: write the merge into the model's :class:`~fcprag_plugin.fast.FusedSlot` and switch it on instead
+        use_slot: write the merge into the model's :class:`~fcprag_plugin.slot.FusedSlot` and switch it on instead
             of building a merged adapter (``result.adapter`` is None; leaving the ``with`` block or
             ``result.slot.deactivate()`` switches it off). Modes ``cat`` and ``separate``.
-        store: the :class:`~fcprag_plugin.fast.AdapterStore` that caches adapter directories for the slot.
+        store: the :class:`~fcprag_plugin.slot.AdapterStore` that caches adapter directories for the slot.
         retrieval_ranks, retrieval_scores: one number per passage, for a controller trained with these side
             features (required then, ignored otherwise); adapter statistics are computed from ``adapters``.
     """

@@ -18,7 +18,7 @@ HOST_MODULES = ("utils", "projector")
 A, B = ".lora_A.weight", ".lora_B.weight"
 
 TOPICS = ["novel", "bridge", "river", "painting", "opera"]
-# the launch tests' questions (the ``double`` fixture of tests/hooks/conftest.py): one per count, a count repeated
+# the launch tests' questions (the ``double`` fixture of tests/hosts/conftest.py): one per count, a count repeated
 COUNTS = (1, 2, 3, 4, 5, 3)
 
 
@@ -63,7 +63,7 @@ def host_modules(src_dir: Path) -> Iterator[tuple]:
 
 def run_plain(script: Path, args: Sequence[str]) -> None:
     """Run the double without any shim (DyPRAG's own behaviour)."""
-    from fcprag_plugin.hooks.base import run_script
+    from fcprag_plugin.hosts.base import run_script
 
     with host_modules(script.parent):
         run_script(script, list(args))

@@ -14,7 +14,7 @@ from fcprag_plugin.training import train_controller, write_labels
 from fcprag_plugin.training.cv import bootstrap_ci, group_kfold
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.training.evaluation import collect_outputs
-from fcprag_plugin.training.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder
 from fcprag_plugin.training.targets import estimate_lambda, first_order_gain, risk_loss
 from fcprag_plugin.training.trainer import TrainArgs, Trainer, evaluate_controller
 
@@ -268,7 +268,7 @@ def test_argument_errors(tmp_path):
 
 
 def test_cli_train_states_the_cross_validated_verdict(tmp_path, capsys):
-    from fcprag_plugin.cli import main
+    from fcprag_tools.cli import main
 
     recs, table = synthetic_records(150, 3, 8, seed=7, groups=50)
     write_labels(recs, tmp_path / "train.jsonl")

@@ -9,7 +9,7 @@ from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import FcpragError, LabelFileError
 from fcprag_plugin.training import load_labels, train_controller, write_labels
 from fcprag_plugin.training.data import build_tensors
-from fcprag_plugin.training.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder
 from fcprag_plugin.training.trainer import split_records
 
 SMALL = {"score_hidden": [64, 32], "calib_hidden": 32}  # the default 2048/1024 net is too slow for unit tests

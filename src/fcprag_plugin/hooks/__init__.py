@@ -1,6 +1,7 @@
-"""Integration shims for host codebases (:mod:`.prag`: PRAG's ``add_weighted_adapter`` merge; :mod:`.dyprag`:
-DyPRAG's average of translator outputs; :mod:`.base`: what they share). The core never imports them."""
+"""Deprecated: now :mod:`fcprag_plugin.hosts` (the PRAG and DyPRAG shims)."""
 
-from .base import MergeHook, PatchSet, clear_context, get_context, run_script, set_context
+from .._deprecated import alias
+from ..hosts import *  # noqa: F401,F403
+from ..hosts import base, dyprag, prag  # noqa: F401
 
-__all__ = ["MergeHook", "PatchSet", "set_context", "clear_context", "get_context", "run_script"]
+alias(__name__, "fcprag_plugin.hosts", ("base", "prag", "dyprag"))

@@ -1,12 +1,7 @@
-"""Leave-one-out label builder (``fcprag labels build`` / ``from-prag`` / ``merge``): label records in the trainer's
-format (``metric_all``, ``metric_without``); see ``docs/labels-builder.md``."""
+"""Deprecated: the label builder is now :mod:`fcprag_tools.labels` (tooling beside the library)."""
 
-from __future__ import annotations
+from fcprag_tools.labels import *  # noqa: F401,F403
 
-from .errors import LabelBuildError
-from .manifest import ManifestRecord, from_prag, read_manifest
-from .metrics import exact_match, extract_answer, f1_score, normalize_answer
-from .prompts import PromptTemplate
+from .._deprecated import alias
 
-__all__ = ["LabelBuildError", "ManifestRecord", "PromptTemplate", "exact_match", "extract_answer", "f1_score",
-           "from_prag", "normalize_answer", "read_manifest"]
+alias(__name__, "fcprag_tools.labels", ("builder", "manifest", "metrics", "prompts", "store", "shard", "batched"))

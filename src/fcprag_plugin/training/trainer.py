@@ -418,7 +418,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         raise FcpragError(f"{out}: already holds a training run; pass resume=True (--resume) to continue it or "
                           "overwrite=True (--overwrite) to start over")
     if args.plots:
-        from .plots import _pyplot
+        from fcprag_tools.plots import _pyplot  # the plots live with the tooling
 
         _pyplot()  # a missing matplotlib should stop the run before training, not after
     t_start = time.perf_counter()
@@ -510,7 +510,7 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
     })
     write_json(out / METRICS_NAME, metrics)
     if args.plots:
-        from .plots import write_training_plots
+        from fcprag_tools.plots import write_training_plots
 
         write_training_plots(out / "plots", history, outputs, report_on)
     result = TrainResult(controller, out, metrics, history, len(train_recs), len(val_recs))

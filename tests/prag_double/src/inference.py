@@ -29,7 +29,7 @@ def main(args):
             n_passages = len(psgs)
             text = q_text
             if args.context == "set_context":
-                from fcprag_plugin.hooks import prag
+                from fcprag_plugin.hosts import prag
 
                 prag.set_context(q_text, psgs)
         for pid in range(n_passages):

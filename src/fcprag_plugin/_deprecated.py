@@ -1,0 +1,17 @@
+"""Aliases for renamed public modules, kept for one release: importing one warns once and points to the new name."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from types import ModuleType
+
+
+def alias(old: str, new: str, submodules: tuple[str, ...] = ()) -> ModuleType:
+    """Warn that ``old`` is now ``new`` and register ``old.<sub>`` as ``new.<sub>`` for each of ``submodules``."""
+    warnings.warn(f"{old} is now {new}; the old name goes in the next release", DeprecationWarning, stacklevel=3)
+    module = importlib.import_module(new)
+    for sub in submodules:
+        sys.modules[f"{old}.{sub}"] = importlib.import_module(f"{new}.{sub}")
+    return module

@@ -1,0 +1,389 @@
+"""What the host shims share: reversible patches, the query context, the weight hook and its log, the fused slots
+of ``use_slot``, the install lifecycle and the script launcher (``prag.py`` / ``dyprag.py`` add their patches)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import runpy
+import sys
+import threading
+import weakref
+from pathlib import Path
+from types import FrameType
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from torch import nn
+
+from ..controller import FusionController, load_controller
+from ..errors import HookError
+from ..slot.layout import FactorGetter, PackedAdapter, pack_factors
+from ..slot.fused import FusedSlot
+from ..weights import FusionWeights, finite_or_none, is_uniform, side_inputs
+
+logger = logging.getLogger(__name__)
+
+_MISSING = object()
+
+
+# ----------------------------------------------------------------------------- patches
+class PatchSet:
+    """A named group of attribute patches. ``apply`` is idempotent; ``revert`` restores the originals exactly."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._patches: list[tuple[Any, str, Any]] = []  # (owner, attr, original in owner.__dict__ or _MISSING)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._patches)
+
+    def patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+        """Replace ``owner.attr`` with ``make(current)``; patching the same (owner, attr) twice is a no-op."""
+        if any(o is owner and a == attr for o, a, _ in self._patches):
+            return
+        original = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        setattr(owner, attr, make(getattr(owner, attr)))
+        self._patches.append((owner, attr, original))
+
+    def revert(self) -> None:
+        for owner, attr, original in reversed(self._patches):
+            if original is not _MISSING:
+                setattr(owner, attr, original)
+            else:  # it was inherited or absent
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, attr)
+        self._patches.clear()
+
+
+# ----------------------------------------------------------------------------- query context
+_ctx = threading.local()
+
+
+def set_context(question: str, passages: Sequence[str], **extra: Any) -> None:
+    """Tell the shims which question and passages the next merge is for (the most reliable source)."""
+    _ctx.value = {"question": question, "passages": list(passages), **extra}
+
+
+def clear_context() -> None:
+    _ctx.value = None
+
+
+def explicit_context() -> dict[str, Any] | None:
+    return getattr(_ctx, "value", None)
+
+
+def find_in_callers(names: Iterable[str], frame: FrameType | None = None,
+                    max_depth: int = 30) -> dict[str, Any] | None:
+    """The nearest caller frame whose locals hold all ``names`` (e.g. ``question`` and ``passages``)."""
+    names = list(names)
+    f = frame or sys._getframe(1)
+    for _ in range(max_depth):
+        if f is None:
+            return None
+        if all(n in f.f_locals for n in names):
+            return {n: f.f_locals[n] for n in names}
+        f = f.f_back
+    return None
+
+
+def caller_test_id(ctx: dict[str, Any]) -> int | str | None:
+    """The host's question index: ``set_context(..., test_id=...)``, else a ``test_id`` local of a calling function
+    (PRAG's and DyPRAG's loops both have one), else None."""
+    tid = ctx.get("test_id")
+    if tid is None:
+        found = find_in_callers(("test_id",), sys._getframe(1))
+        tid = found["test_id"] if found else None
+    return tid if isinstance(tid, (int, str)) and not isinstance(tid, bool) else None
+
+
+def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, what: str = "merge"
+                ) -> dict[str, Any]:
+    """Resolve ``{"question", "passages", "source", ...}``: explicit, else callers' locals, else ``fallback``."""
+    ctx = explicit_context()
+    if ctx is not None:
+        return {**ctx, "source": "set_context"}
+    loc = find_in_callers(("question", "passages"), sys._getframe(1))
+    if loc is not None and isinstance(loc["question"], str) and isinstance(loc["passages"], (list, tuple)):
+        return {"question": loc["question"], "passages": list(loc["passages"]), "source": "caller_locals"}
+    fb = fallback() if fallback is not None else None
+    if fb is not None:
+        return {**fb, "source": fb.get("source", "fallback")}
+    raise HookError(f"fcprag: cannot tell which question and passages this {what} is for: call "
+                    "fcprag_plugin.hosts.set_context(question, passages) before it, keep local variables named "
+                    "'question' and 'passages' in the calling function, or give the shim a data file to map adapter "
+                    "paths")
+
+
+# ----------------------------------------------------------------------------- the hook
+class MergeHook:
+    """Controller + encoder -> merge weights for one question, and the per-question JSON Lines log.
+
+    ``controller=None`` or a ``uniform`` controller gives ``w~ = [1]*N`` (the host's original merge).
+    ``encoder``: a :class:`TextEncoder`, a model name/path, or None (the controller's recorded embedding model).
+    """
+
+    def __init__(self, controller: FusionController | str | Path | None = None, encoder: Any = None,
+                 mode: str = "cat", log: str | Path | None = None) -> None:
+        self.controller = load_controller(controller)
+        # A name/path is loaded lazily, and only when the weights need an encoder (not for uniform merges).
+        self._encoder_name = str(encoder) if isinstance(encoder, (str, Path)) else None
+        self._encoder = None if self._encoder_name is not None else encoder
+        self.mode = mode
+        self.log_path = Path(log) if log is not None else None
+        self.calls = 0
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def encoder(self) -> Any:
+        if self._encoder is None and not is_uniform(self.controller):
+            from ..encoding import get_encoder
+
+            # shared per process: the controller's own encoder unless a model was named
+            self._encoder = get_encoder(self._encoder_name) if self._encoder_name else self.controller.encoder
+        if self._encoder is not None and self.controller is not None:
+            self.controller.check_encoder(self._encoder)
+        return self._encoder
+
+    def weights(self, question: str, passages: Sequence[str], adapters: Any = None) -> FusionWeights:
+        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question.
+
+        Side features: the hosts hand over their passages in retrieval order, so ``retrieval_rank`` is the
+        position (1..N); ``adapter_stats`` come from ``adapters`` (LoraAdapters, or a callable giving them, read
+        only when needed); the hosts keep no retrieval scores, so a controller trained with ``retrieval_score``
+        is refused by ``predict`` with a message naming the argument.
+        """
+        from ..fusion import check_texts
+
+        check_texts(question, passages)
+        side = side_inputs(self.controller, adapters=adapters,
+                           retrieval_ranks=[float(i + 1) for i in range(len(passages))])
+        return FusionWeights.for_query(question, passages, self.controller, self.encoder, side)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.calls += 1
+        if self.log_path is None:
+            return
+        line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+        with open(self.log_path, "a", encoding="utf-8") as f:  # one write per line: no torn records
+            f.write(line + "\n")
+
+
+# ----------------------------------------------------------------------------- launcher
+def run_script(script: str | Path, argv: Sequence[str] = (), *, extra_paths: Sequence[str | Path] = ()) -> dict:
+    """Run ``script`` as ``__main__`` like ``python script ARGS``: its directory first on sys.path, sys.argv set.
+
+    Patches must be installed before this call (hosts bind names at import time).
+    """
+    script = Path(script)
+    if not script.is_file():
+        raise HookError(f"{script}: script not found")
+    old_argv, old_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(script), *argv]
+    sys.path[:0] = [str(script.parent.resolve()), *[str(Path(p).resolve()) for p in extra_paths]]
+    try:
+        return runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+
+
+def run_host_script(script: str | Path, argv: Sequence[str] = ()) -> int:
+    """:func:`run_script`, returning the exit status ``python script ARGS`` would have (``sys.exit`` is caught)."""
+    try:
+        run_script(script, argv)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return int(e.code or 0)
+        sys.stderr.write(f"{e.code}\n")  # what python prints for sys.exit("message")
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------- use_slot: one fused slot per model
+def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | None:
+    """Validate the ``max_adapters`` option (``None``: the slot grows with the largest question)."""
+    if max_adapters is None:
+        return None
+    if not use_slot:
+        raise HookError(f"{who}: max_adapters / --slot-max-adapters only applies with use_slot=True / --use-slot")
+    if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
+        raise HookError(f"{who}: max_adapters must be a positive integer (the most passages one question may have), "
+                        f"got {max_adapters!r}")
+    return max_adapters
+
+
+class ShimSlots:
+    """The fused slots one shim installed, one per live model (held weakly); :meth:`close` removes them all.
+
+    ``max_adapters``: fixed slot capacity K (more adapters is a :class:`HookError`); ``None`` sizes the slot for
+    the first question and grows it (logged) when a later question has more adapters or a larger rank.
+    """
+
+    def __init__(self, max_adapters: int | None, who: str) -> None:
+        self.max_adapters = max_adapters
+        self.who = who
+        self._slots: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDictionary()
+        self.resizes = 0
+
+    def get(self, model: nn.Module, modules: Sequence[str], n: int, rank: int) -> FusedSlot:
+        """The slot on ``model`` covering exactly ``modules`` (base-model paths), with room for ``n`` adapters of
+        rank ``rank``."""
+        if self.max_adapters is not None and n > self.max_adapters:
+            raise HookError(f"{self.who}: this question merges {n} adapters but the fused slot holds "
+                            f"max_adapters={self.max_adapters}; raise max_adapters (--slot-max-adapters) or leave it "
+                            "unset so the slot grows with the largest question")
+        slot = self._slots.get(model)
+        if slot is not None and set(slot.layout.module_names) != set(modules):
+            logger.info("%s: the target modules changed (%d -> %d modules); rebuilding the fused slot", self.who,
+                        slot.layout.num_modules, len(modules))
+            slot.remove()
+            del self._slots[model]
+            slot = None
+        if slot is None:
+            slot = FusedSlot(model, list(modules), max_adapters=self.max_adapters or n, max_rank=rank)
+            self._slots[model] = slot
+            logger.info("%s: fused slot installed on %d modules (K=%d, R=%d, %d bytes)", self.who,
+                        slot.layout.num_modules, slot.max_adapters, slot.max_rank, slot.nbytes)
+        elif n > slot.max_adapters or rank > slot.max_rank:
+            slot.resize(max(n, slot.max_adapters), max(rank, slot.max_rank))
+            self.resizes += 1
+        return slot
+
+    def write(self, model: nn.Module, modules: Sequence[str], rank: int, factors: Sequence[FactorGetter],
+              sources: Sequence[str], weights: Sequence[float], mode: str) -> FusedSlot:
+        """Pack each adapter's factors (``factors[i](module) -> (A, B, s)``, named ``sources[i]`` in errors) into
+        the slot of ``model`` and write their ``mode`` merge with ``weights`` (switched on)."""
+        slot = self.get(model, modules, len(factors), rank)
+        packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
+        return slot.activate(packed, list(weights), mode)
+
+    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], weights: Sequence[float],
+                     mode: str) -> FusedSlot:
+        """Write the ``mode`` merge of already packed adapters into the slot of ``model`` (switched on)."""
+        slot = self.get(model, packed[0].layout.module_names, len(packed), max(p.max_rank for p in packed))
+        return slot.activate(list(packed), list(weights), mode)
+
+    def slot_of(self, model: nn.Module) -> FusedSlot | None:
+        return self._slots.get(model)
+
+    def slots(self) -> list[FusedSlot]:
+        return list(self._slots.values())
+
+    def close(self) -> None:
+        """Remove every slot (hooks and buffers): the models are exactly as before the first question."""
+        for slot in list(self._slots.values()):
+            slot.remove()
+        self._slots = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------------------------- the shim lifecycle
+class Shim:
+    """What every host shim holds: the weight hook (controller, encoder, log), the merge ``mode``, the fused slots
+    of ``use_slot`` (``slots``), its patches, and the per-question log (``merges`` counts questions,
+    ``last_record``). Subclasses set ``who`` and ``lifecycle`` and implement :meth:`apply` (their patches).
+    """
+
+    who = "fcprag"
+    lifecycle: "Lifecycle"
+
+    def __init__(self, hook: MergeHook, mode: str, *, use_slot: bool = False, max_adapters: int | None = None
+                 ) -> None:
+        self.hook = hook
+        self.mode = mode
+        self.use_slot = bool(use_slot)
+        self.slots = ShimSlots(check_max_adapters(max_adapters, self.use_slot, self.who), self.who)
+        self.patches = PatchSet(self.who)
+        self.merges = 0
+        self.last_record: dict[str, Any] | None = None
+        self._warned: set[str] = set()
+
+    def apply(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Switch off and remove this shim's fused slots (the base models are exactly as before)."""
+        self.slots.close()
+
+    def teardown(self) -> None:
+        """Restore every patched attribute exactly and :meth:`close`."""
+        self.patches.revert()
+        self.close()
+
+    @property
+    def active(self) -> bool:
+        return self.lifecycle.current is self
+
+    def uninstall(self) -> None:
+        if self.active:
+            self.lifecycle.uninstall()
+        else:
+            self.teardown()
+
+    def __enter__(self) -> "Shim":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+    def warn_once(self, key: str, msg: str, *args: Any) -> None:
+        """One warning per kind per installed shim (per run), not one per question."""
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg, *args)
+
+    def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Count the question and write its record (strict JSON: NaN / inf become null) to the log."""
+        record = finite_or_none(record)
+        self.merges += 1
+        self.last_record = record
+        self.hook.log(record)
+        return record
+
+
+class Lifecycle:
+    """install / uninstall / installed / launch of one host's shims: at most one is installed at a time."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.current: Shim | None = None
+
+    def install(self, shim: Shim) -> Shim:
+        """Install ``shim`` (its patches), replacing the installed one."""
+        if self.current is not None:
+            logger.info("%s: replacing the installed shim", self.who)
+            self.uninstall()
+        shim.apply()
+        self.current = shim
+        return shim
+
+    def uninstall(self) -> None:
+        """Undo :meth:`install` (no-op when nothing is installed)."""
+        shim, self.current = self.current, None
+        if shim is not None:
+            shim.teardown()
+
+    def is_installed(self) -> bool:
+        return self.current is not None
+
+    @contextlib.contextmanager
+    def installed(self, shim: Shim) -> Iterator[Shim]:
+        """Install ``shim`` for the block; restores the previous state (installed or not) on exit."""
+        previous = self.current
+        self.install(shim)
+        try:
+            yield shim
+        finally:
+            self.uninstall()
+            if previous is not None:
+                self.install(previous)
+
+    def launch(self, script: str | Path, script_args: Sequence[str], shim: Shim) -> int:
+        """Run the unmodified host ``script`` as ``__main__`` with ``shim`` installed; returns its exit status."""
+        with self.installed(shim):
+            code = run_host_script(script, list(script_args))
+            ctrl = shim.hook.controller
+            logger.info("%s: merged %d question(s) with %s weights", self.who, shim.merges,
+                        "uniform" if is_uniform(ctrl) else ctrl.config.mode)
+        return code

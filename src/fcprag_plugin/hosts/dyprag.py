@@ -1,0 +1,344 @@
+"""DyPRAG shim: DyPRAG's per-question average of translator-generated LoRA factors becomes a controller-weighted
+aggregation (``u = w~/N``, :mod:`._dyprag_math`), without changing DyPRAG's code.
+
+Captures every ``ParameterTranslator.forward`` output (class-level patch, in call order) and wraps
+``utils.delta_inject``: the capture must be the N passages whose plain mean DyPRAG passes (else :class:`HookError`);
+it is emptied at every ``delta_inject`` and on every error. ``use_slot=True`` writes the update into a
+:class:`~fcprag_plugin.slot.FusedSlot` instead (no dense ``delta``; the patched ``delta_remove`` switches it off).
+Use: ``fcprag run dyprag --controller DIR -- src/inference_dyprag.py ARGS...`` or :func:`install` before
+``from utils import ...``. See ``examples/dyprag/README.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, ContextManager, Mapping, Sequence
+
+from ..adapter import LoraAdapter, LoraModule
+from ..errors import HookError
+from ..weights import FusionWeights
+from . import _dyprag_math as dm
+from .base import (Lifecycle, MergeHook, Shim, caller_test_id, check_max_adapters, clear_context, find_in_callers,
+                   get_context)
+from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
+
+logger = logging.getLogger(__name__)
+
+UTILS_MODULE = "utils"
+PROJECTOR_MODULE = "projector"
+TRANSLATOR_CLASS = "ParameterTranslator"
+MODES = dm.DYPRAG_MODES
+_WARN_PENDING = 1000  # captured outputs without a delta_inject: the inject patch is probably not in effect
+_LIFE = Lifecycle("fcprag dyprag")
+
+
+class DyPragShim(Shim):
+    """The installed shim (see :class:`~fcprag_plugin.hosts.base.Shim`) with the capture buffer; ``mode`` is
+    ``separate`` or ``delta``. Use :func:`install` to make one."""
+
+    who = "fcprag dyprag"
+    lifecycle = _LIFE
+
+    def __init__(self, hook: MergeHook, mode: str, utils: ModuleType, projector: ModuleType, *,
+                 use_slot: bool = False, max_adapters: int | None = None) -> None:
+        super().__init__(hook, mode, use_slot=use_slot, max_adapters=max_adapters)
+        self.utils = utils
+        self.projector = projector
+        self._captured: list[Any] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ capture
+    @property
+    def captured(self) -> list[Any]:
+        """A copy of the translator outputs captured since the last ``delta_inject``."""
+        with self._lock:
+            return list(self._captured)
+
+    def clear(self) -> None:
+        """Drop the captured translator outputs (done automatically per question and on errors)."""
+        with self._lock:
+            self._captured.clear()
+
+    def _capture(self, output: Any) -> None:
+        with self._lock:
+            self._captured.append(output)  # a reference: DyPRAG keeps these alive until its merge anyway
+            pending = len(self._captured)
+        if pending > _WARN_PENDING:
+            self.warn_once("pending", "fcprag dyprag: %d ParameterTranslator outputs captured without a delta_inject "
+                           "call; is delta_inject bound before the shim was installed (install before 'from utils "
+                           "import')?", pending)
+
+    def _take(self) -> list[Any]:
+        with self._lock:
+            outs, self._captured = self._captured, []
+        return outs
+
+    # ------------------------------------------------------------------ the merge
+    def reaggregate(self, merged: Mapping[str, Any]) -> dict[str, Any]:
+        """Check the captured outputs against DyPRAG's ``merged`` and return the weighted dict (same keys).
+        Consumes the capture buffer (also when it raises)."""
+        outs, ctx, fw, u, times = self._weigh(merged)
+        if self.mode == "separate" and fw.uniform_merge:
+            new = dict(merged)  # uniform: exactly DyPRAG's average (checked equal to the capture above)
+        else:
+            new = dm.aggregate(outs, u, self.mode)
+        self._record(merged, ctx, fw, u, times)
+        return new
+
+    def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
+        """``use_slot``: the same checks and weights as :meth:`reaggregate`, but the update is written into the
+        model's fused slot (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with
+        ``u = w~/N``) and switched on, instead of a dict for DyPRAG's dense ``delta_inject``."""
+        outs, ctx, fw, u, times = self._weigh(merged)
+        factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
+        rank = max(int(a.shape[0]) for a, _ in factors[0].values())
+        getters = [lambda m, f=f: (*f[m], 1.0) for f in factors]  # DyPRAG's delta is B @ A: scaling 1
+        sources = [f"ParameterTranslator output {i}" for i in range(len(outs))]
+        # separate: A = sum u_i A_i, B = sum u_i B_i (the slot divides w~ by N); delta: sum u_i B_i A_i
+        weights, mode = (fw.merge_weights, "separate") if self.mode == "separate" else (u, "cat")
+        slot = self.slots.write(model, list(factors[0]), rank, getters, sources, weights, mode)
+        self._record(merged, ctx, fw, u, times, slot=repr(slot))
+
+    def _weigh(self, merged: Mapping[str, Any]
+               ) -> tuple[list[Any], dict[str, Any], FusionWeights, list[float], tuple[float, float]]:
+        """Take the capture, resolve the question, check the alignment and compute ``w~`` and ``u = w~/N``; also
+        returns when the weights' computation started and ended."""
+        outs = self._take()
+        ctx = self._context()
+        q_text, p_texts = ctx["question"], ctx["passages"]
+        dm.check_alignment(outs, merged, len(p_texts), q_text)
+        t0 = time.perf_counter()
+        fw = self.hook.weights(q_text, p_texts,
+                               adapters=lambda: [_translator_adapter(o, i) for i, o in enumerate(outs)])
+        t1 = time.perf_counter()
+        return outs, ctx, fw, [w / fw.n for w in fw.merge_weights], (t0, t1)
+
+    def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], fw: FusionWeights, u: list[float],
+                times: tuple[float, float], slot: str | None = None) -> None:
+        (t0, t1), t2 = times, time.perf_counter()
+        record = {
+            "shim": "dyprag", "call": self.merges + 1, "test_id": caller_test_id(ctx), "question": ctx["question"],
+            "n": len(u), "mode": self.mode,
+            **fw.to_json(), "u": u, "context_source": ctx["source"], "keys": len(merged),
+            "use_slot": self.use_slot, "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
+        }
+        if slot is not None:
+            record["slot"] = slot
+        self.log_record(record)
+        logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", len(u), self.mode, fw.merge_weights,
+                     (t2 - t1) * 1e3)
+
+    @staticmethod
+    def _context() -> dict[str, Any]:
+        def passages_list() -> dict[str, Any] | None:
+            # DyPRAG's own loop keeps the passage texts in 'passages_list' ('passages' is their joined string)
+            loc = find_in_callers(("question", "passages_list"))
+            if loc is None or not isinstance(loc["question"], str) or not isinstance(loc["passages_list"], list):
+                return None
+            return {"question": loc["question"], "passages": loc["passages_list"], "source": "caller_locals"}
+
+        try:
+            ctx = get_context(passages_list, what="DyPRAG delta_inject merge")
+        except HookError:
+            raise HookError(
+                "fcprag dyprag: cannot tell which question and passages this delta_inject call is for: call "
+                "fcprag_plugin.hosts.set_context(question, passages) before delta_inject, or call delta_inject from "
+                "a function with local variables 'question' (a str) and 'passages' (a list of str), as DyPRAG's "
+                "inference_dyprag.py main() does") from None
+        if ctx["source"] == "set_context":
+            clear_context()  # one question per set_context: a stale context must not weight the next question
+        return ctx
+
+    # ------------------------------------------------------------------ patching
+    def apply(self) -> None:
+        cls = getattr(self.projector, TRANSLATOR_CLASS)
+        originals = {"delta_inject": self.utils.delta_inject}
+        if self.use_slot:
+            originals["delta_remove"] = getattr(self.utils, "delta_remove", None)
+            if not callable(originals["delta_remove"]):
+                where = getattr(self.utils, "__file__", self.utils.__name__)
+                raise HookError(f"fcprag dyprag: {where} has no function 'delta_remove'; use_slot needs it to "
+                                "switch the fused slot off after each question")
+
+        def make_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    out = orig(module, *args, **kwargs)
+                except BaseException:
+                    self.clear()  # this question's capture is incomplete: never let it reach the next one
+                    raise
+                self._capture(out)
+                return out
+
+            return _wrapping(orig, forward)
+
+        def make_inject(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def delta_inject(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
+                if self.use_slot:
+                    self.inject_on_slot(model, adapter_weights)  # no dense delta: the slot carries the update
+                    return None
+                return orig(model, self.reaggregate(adapter_weights), *args, **kwargs)
+
+            return _wrapping(orig, delta_inject)
+
+        def make_remove(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def delta_remove(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
+                slot = self.slots.slot_of(model)
+                if slot is not None and slot.active:
+                    slot.deactivate()  # this question's update lived in the slot; DyPRAG set no delta to delete
+                    return None
+                return orig(model, adapter_weights, *args, **kwargs)
+
+            return _wrapping(orig, delta_remove)
+
+        self.patches.patch(cls, "forward", make_forward)
+        self.patches.patch(self.utils, "delta_inject", make_inject)
+        if self.use_slot:
+            self.patches.patch(self.utils, "delta_remove", make_remove)
+        main = sys.modules.get("__main__")
+        for name, orig_fn in originals.items():
+            patched = getattr(self.utils, name)
+            # A script that imported the function before install() holds the original: re-point that name too.
+            if main is not None and main is not self.utils and getattr(main, name, None) is orig_fn:
+                self.patches.patch(main, name, lambda _orig, patched=patched: patched)
+                logger.info("fcprag dyprag: also patched __main__.%s (imported before install)", name)
+
+    def close(self) -> None:
+        """Drop the capture and remove the fused slots (the model is exactly as before)."""
+        self.clear()
+        super().close()
+
+
+def _wrapping(orig: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` dressed as ``orig`` (``functools.wraps``), with ``orig`` kept as ``fn.__fcprag_original__``."""
+    fn = functools.wraps(orig)(fn)
+    fn.__fcprag_original__ = orig  # type: ignore[attr-defined]
+    return fn
+
+
+def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:
+    """One passage's translator output as a :class:`LoraAdapter` (DyPRAG injects ``B @ A``: scaling 1), for a
+    controller trained with ``adapter_stats``."""
+    mods = {m: LoraModule(A, B, 1.0) for m, (A, B) in dm.module_factors(output, index).items()}
+    return LoraAdapter(mods, {}, f"ParameterTranslator output {index}")
+
+
+def _resolve_module(mod: ModuleType | str, what: str) -> ModuleType:
+    if isinstance(mod, ModuleType):
+        return mod
+    try:
+        return importlib.import_module(mod)
+    except ImportError as e:
+        raise HookError(
+            f"fcprag dyprag: cannot import DyPRAG's '{mod}' module ({what}): {e}. Run from DyPRAG's src/ "
+            f"directory, put it on sys.path, or use `fcprag run dyprag -- src/inference_dyprag.py ...`") from e
+
+
+def _check_host(utils: ModuleType, projector: ModuleType) -> None:
+    if not callable(getattr(utils, "delta_inject", None)):
+        raise HookError(f"fcprag dyprag: {getattr(utils, '__file__', utils.__name__)} has no function 'delta_inject'; "
+                        "expected DyPRAG's src/utils.py")
+    cls = getattr(projector, TRANSLATOR_CLASS, None)
+    if not isinstance(cls, type) or not callable(getattr(cls, "forward", None)):
+        raise HookError(f"fcprag dyprag: {getattr(projector, '__file__', projector.__name__)} has no class "
+                        f"'{TRANSLATOR_CLASS}' with a forward(); expected DyPRAG's src/projector.py")
+
+
+def install(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
+            utils: ModuleType | str | None = None, projector: ModuleType | str | None = None,
+            use_slot: bool = False, max_adapters: int | None = None) -> DyPragShim:
+    """Patch DyPRAG's ``utils.delta_inject`` and ``projector.ParameterTranslator.forward``.
+
+    Args:
+        controller: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (uniform:
+            DyPRAG's own average in ``separate`` mode).
+        encoder: a :class:`~fcprag_plugin.encoding.TextEncoder` or model name/path (default: the controller's).
+        mode: ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i B_i``) or ``delta`` (exact ``sum u_i B_i A_i``).
+        log: JSON Lines file, one record per question.
+        utils, projector: the host modules (or their import names); default: import ``utils`` / ``projector``.
+        use_slot: write each question's update into a :class:`~fcprag_plugin.slot.FusedSlot` instead of DyPRAG's
+            dense per-module ``delta``.
+        max_adapters: with ``use_slot``, a fixed slot capacity (:class:`~fcprag_plugin.hosts.base.ShimSlots`).
+
+    Install before the script runs ``from utils import delta_inject`` (the launcher does); installing again
+    replaces the previous shim. Returns the shim (also a context manager that uninstalls).
+    """
+    return _LIFE.install(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
+
+
+def _make(controller: Any, encoder: Any, mode: str, log: str | Path | None, utils: ModuleType | str | None,
+          projector: ModuleType | str | None, use_slot: bool, max_adapters: int | None) -> DyPragShim:
+    if mode not in MODES:
+        raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
+    check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
+    utils_mod = _resolve_module(utils or UTILS_MODULE, "delta_inject")
+    projector_mod = _resolve_module(projector or PROJECTOR_MODULE, TRANSLATOR_CLASS)
+    _check_host(utils_mod, projector_mod)
+    hook = MergeHook(controller, encoder, mode=mode, log=log)
+    _ = hook.encoder  # load it and check its dimension now, before the host script runs
+    logger.info("fcprag dyprag: installing (mode=%s, controller=%s, use_slot=%s)", mode,
+                "uniform" if hook.controller is None else hook.controller.config.mode, bool(use_slot))
+    return DyPragShim(hook, mode, utils_mod, projector_mod, use_slot=use_slot, max_adapters=max_adapters)
+
+
+uninstall = _LIFE.uninstall  # undo install() (no-op when not installed)
+is_installed = _LIFE.is_installed
+
+
+def installed(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
+              utils: ModuleType | str | None = None, projector: ModuleType | str | None = None,
+              use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[DyPragShim]:
+    """``with dyprag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
+    return _LIFE.installed(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
+
+
+def current() -> DyPragShim | None:
+    """The installed shim, or None."""
+    return _LIFE.current  # type: ignore[return-value]
+
+
+def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
+           mode: str | None = None, log: str | Path | None = None, use_slot: bool | None = None,
+           slot_max_adapters: int | None = None, **options: Any) -> int:
+    """``fcprag run dyprag``: run DyPRAG's unmodified ``script`` as ``__main__`` with the shim installed; returns
+    its exit status. The script's own ``utils`` and ``projector`` are imported fresh (its directory first on
+    sys.path) and patched; sys.path and those sys.modules entries are restored afterwards.
+    """
+    if options:
+        raise HookError(f"fcprag run dyprag: option(s) {sorted(options)} do not apply to DyPRAG "
+                        f"(--data-file is for prag); use --controller, --encoder, --mode, --log, --use-slot, "
+                        f"--slot-max-adapters")
+    check_max_adapters(slot_max_adapters, bool(use_slot), "fcprag run dyprag")
+    script = Path(script)
+    if not script.is_file():
+        raise HookError(f"fcprag run dyprag: {script}: script not found (expected DyPRAG's src/inference_dyprag.py)")
+    src = script.resolve().parent
+    names = (UTILS_MODULE, PROJECTOR_MODULE)
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}  # another directory's 'utils' must not win
+    old_path = sys.path[:]
+    sys.path.insert(0, str(src))
+    try:
+        utils_mod = _resolve_module(UTILS_MODULE, "delta_inject")
+        projector_mod = _resolve_module(PROJECTOR_MODULE, TRANSLATOR_CLASS)
+        for m in (utils_mod, projector_mod):
+            f = getattr(m, "__file__", None)
+            if f is None or Path(f).resolve().parent != src:
+                raise HookError(f"fcprag run dyprag: '{m.__name__}' was imported from {f}, not from {src}")
+        return _LIFE.launch(script, script_args, _make(controller, encoder, mode or "separate", log, utils_mod,
+                                                       projector_mod, bool(use_slot), slot_max_adapters))
+    finally:
+        sys.path[:] = old_path
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
+
+
+__all__ = ["DyPragShim", "install", "uninstall", "installed", "is_installed", "current", "launch", "set_context",
+           "clear_context", "MODES"]

@@ -1,0 +1,370 @@
+"""PRAG shim: PRAG's uniform ``add_weighted_adapter`` merge gets controller weights; PRAG's code stays as it is.
+
+``prag.install(controller=DIR, log=...)`` before PRAG's question loop, or ``fcprag run prag --controller DIR --
+src/inference.py ARGS...``. Patches peft at class level (reversible, idempotent): ``add_weighted_adapter`` (checks,
+context, ``w~``, log), ``PeftModel.from_pretrained`` / ``load_adapter`` (remember adapter paths) and, on peft <
+0.19, ``unload`` / ``merge_and_unload`` (clear the stale ``peft_config``). ``use_slot=True``: ``from_pretrained``
+returns a :class:`~fcprag_plugin.hosts._prag_slot.SlotPeftModel`. See ``examples/prag/README.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+
+from ..compat import (clear_stale_peft_config, has_stale_peft_config, live_lora_layers, lora_b_weight,
+                      peft_has_stale_config_bug, peft_version, set_lora_factors)
+from ..adapter import LoraAdapter
+from ..controller import FusionController
+from ..errors import HookError
+from ..slot import AdapterStore
+from ..slot.fused import SLOT_MODES
+from ..merge import get_merge_mode, merge_adapters
+from ._prag_slot import SlotPeftModel
+from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
+from .base import Lifecycle, MergeHook, Shim, caller_test_id, clear_context, get_context
+from .base import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PragShim", "install", "uninstall", "installed", "is_installed", "launch", "set_context", "clear_context"]
+
+_LIFE = Lifecycle("fcprag prag")
+# adapter name -> path, per live LoraModel (weak: PRAG builds a new one per question)
+_paths: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------------------------- the handle
+class PragShim(Shim):
+    """An installed PRAG shim (see :class:`~fcprag_plugin.hosts.base.Shim`) with its data-file mapping; a context
+    manager, or call :meth:`uninstall`."""
+
+    who = "fcprag prag"
+    lifecycle = _LIFE
+
+    def __init__(self, controller: FusionController | str | Path | None = None, encoder: Any = None,
+                 mode: str = "cat", log: str | Path | None = None, data_file: str | Path | None = None,
+                 repair: bool = True, use_slot: bool = False, max_adapters: int | None = None) -> None:
+        get_merge_mode(mode)  # a typo fails now, not at the first question
+        if use_slot and mode not in SLOT_MODES:
+            raise HookError(f"fcprag prag: use_slot supports modes {list(SLOT_MODES)}, not '{mode}' (an SVD merge "
+                            "needs the materialised adapter): run without use_slot / --use-slot")
+        super().__init__(MergeHook(controller, encoder, mode=mode, log=log), mode, use_slot=use_slot,
+                         max_adapters=max_adapters)
+        self._slot_models: "weakref.WeakKeyDictionary[Any, SlotPeftModel]" = weakref.WeakKeyDictionary()
+        self._stores: dict[torch.device, AdapterStore] = {}
+        _ = self.hook.encoder  # load it and check its dimension now, before the host script runs for hours
+        self.data = PragDataFile(data_file) if data_file is not None else None
+        self.repair = repair
+
+    def apply(self) -> None:
+        """Patch peft at class level (see the module docstring)."""
+        from peft import PeftModel
+        from peft.tuners.lora import LoraModel
+
+        self.patches.patch(LoraModel, "add_weighted_adapter", _wrap_add_weighted_adapter)
+        self.patches.patch(PeftModel, "from_pretrained", _wrap_from_pretrained)
+        self.patches.patch(PeftModel, "load_adapter", _wrap_load_adapter)
+        if peft_has_stale_config_bug():
+            self.patches.patch(LoraModel, "unload", _wrap_unload)
+            self.patches.patch(LoraModel, "merge_and_unload", _wrap_unload)
+
+    def close(self) -> None:
+        for sm in list(self._slot_models.values()):
+            sm.close()
+        self._slot_models = weakref.WeakKeyDictionary()
+        self._stores.clear()
+        super().close()
+
+    # ----------------------------------------------------------------- the merge
+    def merge(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
+        """Run ``LoraModel.add_weighted_adapter`` (arguments in ``bound``) with controller weights."""
+        args = bound.arguments
+        tuner, merge_name = args["self"], args["adapter_name"]
+        if merge_name in tuner.peft_config:  # peft returns without doing anything: keep that
+            return original(*bound.args, **bound.kwargs)
+        names = [str(n) for n in args["adapters"]]
+        paths = [_paths.get(tuner, {}).get(n) for n in names]
+        verify_adapters(tuner, names, paths)
+        if self.use_slot:
+            self.warn_once("peft_layers", "fcprag prag (use_slot): adapters %s are PEFT modules (loaded before the "
+                           "shim was installed, or trainable): PEFT merges them, not the fused slot", names)
+
+        def apply(w_tilde: list[float]) -> tuple[Any, None]:
+            args["weights"], args["combination_type"] = w_tilde, "cat"
+            result = original(*bound.args, **bound.kwargs)
+            if self.mode != "cat":
+                _remerge(tuner, names, merge_name, w_tilde, self.mode)
+            return result, None
+
+        return self.merge_adapters(names, paths, merge_name, args.get("weights"), args.get("combination_type"),
+                                   lambda: [LoraAdapter.from_peft_model(tuner.model, n) for n in names], apply)
+
+    def merge_adapters(self, names: list[str], paths: list[str | None], merge_name: str,
+                       host_weights: Sequence[float] | None, host_type: Any,
+                       adapters: Callable[[], list[LoraAdapter]],
+                       apply: Callable[[list[float]], tuple[Any, str | None]]) -> Any:
+        """One question's merge: find the question and passages, ask the controller for ``w~``, ``apply(w~)`` (the
+        PEFT merge, or the slot model's recipe) and log one record. ``adapters`` gives the factors lazily (only a
+        controller with adapter statistics reads them). Returns what ``apply`` returned first."""
+        t0 = time.perf_counter()
+        if not names:
+            raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); "
+                            "load at least one passage adapter first")
+        parsed = [parse_adapter_path(p) for p in paths]
+        ctx = self._context(names, paths, parsed)
+        fw = self.hook.weights(ctx["question"], ctx["passages"], adapters=adapters)
+        w_tilde = list(fw.merge_weights)
+        if host_weights is not None and any(float(x) != 1.0 for x in host_weights):
+            self.warn_once("host_weights", "fcprag: add_weighted_adapter was called with non-uniform weights "
+                            "%s; they are replaced by the controller's weights", list(host_weights))
+        result, slot_info = apply(w_tilde)
+        if ctx["source"] == "set_context":
+            clear_context()  # consumed: a forgotten set_context must not leak into the next question
+        record = {
+            "test_id": ctx.get("test_id"),
+            "question": ctx["question"],
+            "adapters": names,
+            "adapter_paths": paths,
+            **fw.to_json(),
+            "mode": self.mode,
+            "n": len(names),
+            "context_source": ctx["source"],
+            "host_combination_type": host_type,
+            "merge_adapter": merge_name,
+            "use_slot": slot_info is not None,
+            "merge_time_s": time.perf_counter() - t0,
+        }
+        if slot_info is not None:
+            record["slot"] = slot_info
+        self.log_record(record)
+        logger.debug("prag merge %s: w~=%s (%s)", merge_name, w_tilde, ctx["source"])
+        return result
+
+    def _context(self, names: list[str], paths: list[str | None],
+                 parsed: list[PragAdapterPath | None]) -> dict[str, Any]:
+        """Question and one passage per adapter (in adapter order), plus ``test_id`` and ``source``."""
+        data = self.data
+
+        def from_data_file() -> dict[str, Any] | None:
+            if data is None:
+                return None
+            bad = [p or f"adapter '{n}' (path unknown)" for n, p, q in zip(names, paths, parsed) if q is None]
+            if bad:
+                raise HookError(f"cannot map {bad[0]} to the PRAG data file {data.path}: expected an adapter "
+                                "loaded from '.../data_{test_id}/passage_{pid}'")
+            return {**data.context(parsed), "source": "data_file", "aligned": True}  # type: ignore[arg-type]
+
+        shown = [p or n for n, p in zip(names, paths)]
+        ctx = get_context(from_data_file, what=f"merge of adapters {shown}")
+        if not ctx.get("aligned"):
+            ctx["passages"] = _align_passages(ctx["passages"], shown, parsed, ctx["source"])
+        if ctx.get("test_id") is None:
+            ctx["test_id"] = common_test_id(parsed)
+        ctx["test_id"] = caller_test_id(ctx)
+        return ctx
+
+    # ----------------------------------------------------------------- use_slot
+    def slot_model(self, base: Any, model_id: Any, adapter_name: Any) -> SlotPeftModel:
+        """``PeftModel.from_pretrained(base, model_id, adapter_name)`` under ``use_slot``: a :class:`SlotPeftModel`
+        with adapter ``adapter_name`` loaded and active (the previous question's one on ``base`` is closed)."""
+        if isinstance(base, SlotPeftModel):
+            raise HookError("fcprag prag (use_slot): PeftModel.from_pretrained() on a model that already holds "
+                            "adapters; call unload() on it first and pass the model unload() returns")
+        old = self._slot_models.get(base)
+        if old is not None:
+            old.close()  # a previous question dropped without unload(), as PEFT would leave its layers
+        sm = SlotPeftModel(self, base, model_id, str(adapter_name))
+        self._slot_models[base] = sm
+        return sm
+
+    def read_adapter(self, model_id: Any, base: Any) -> Any:
+        """The packed adapter of directory ``model_id`` on ``base``'s device, through the shim's store."""
+        device = next(base.parameters()).device
+        store = self._stores.get(device)
+        if store is None:
+            store = self._stores[device] = AdapterStore(device=device)
+        return store.get(model_id)
+
+    # ----------------------------------------------------------------- stale peft_config repair
+    def repair_stale_config(self, model: Any, where: str) -> None:
+        if self.repair and peft_has_stale_config_bug() and has_stale_peft_config(model):
+            if clear_stale_peft_config(model):
+                self.warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() "
+                                "(fixed in peft 0.19); cleared it (seen at %s). Without this, later questions would "
+                                "merge only some of their passages.", peft_version(), where)
+
+
+def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[PragAdapterPath | None],
+                    source: str) -> list[str]:
+    """One passage per adapter (``shown``: their paths or names): by the ``passage_{pid}`` in its path when all
+    paths have one, else by position."""
+    passages = list(passages)
+    if parsed and all(p is not None for p in parsed):
+        for p in parsed:
+            if p.pid >= len(passages):
+                raise HookError(f"adapter {p.path} is passage {p.pid} but the {source} context has only "
+                                f"{len(passages)} passages")
+        return [passages[p.pid] for p in parsed]
+    if len(passages) != len(shown):
+        raise HookError(f"merging {len(shown)} adapters {shown} but the {source} context has {len(passages)} "
+                        "passages; they must pair up in order")
+    return passages
+
+
+# ----------------------------------------------------------------------------- checks and merges on the live model
+def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None]) -> None:
+    """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` somewhere.
+
+    A failure names the adapter and the path it was loaded from.
+    """
+    hint = ("; peft %s < 0.19 leaves a stale peft_config after unload(), so load_adapter() creates no layers: "
+            "install the shim before the first question" % peft_version()) if peft_has_stale_config_bug() else ""
+    configured = set(getattr(tuner, "peft_config", {}) or {})
+    for name, path in zip(names, paths):
+        label = f"adapter '{name}'" + (f" loaded from {path}" if path else "")
+        if name not in configured:
+            raise HookError(f"{label} is not loaded in the model (loaded: {sorted(configured)})")
+        layers = live_lora_layers(tuner.model, name)
+        if not layers:
+            raise HookError(f"{label} has no LoRA layers in the model: its weights were loaded nowhere{hint}")
+        nonzero = torch.stack([lora_b_weight(layer, name).detach().ne(0).any() for _, layer in layers]).any()
+        if not bool(nonzero):
+            raise HookError(f"{label}: every lora_B weight in the model is zero, so it would change nothing "
+                            "(weights not loaded, or the adapter was saved before training)")
+
+
+def _remerge(tuner: Any, names: list[str], merge_name: str, w_tilde: list[float], mode: str) -> None:
+    """Overwrite the (cat-built) merged adapter with a ``separate`` / ``svd`` merge of the live adapters."""
+    adapters = [LoraAdapter.from_peft_model(tuner.model, n) for n in names]
+    merged = merge_adapters(adapters, w_tilde, mode).adapter
+    layers = dict(live_lora_layers(tuner.model, merge_name))
+    for module, m in merged.modules.items():
+        if module not in layers:
+            raise HookError(f"merged module '{module}' has no '{merge_name}' layer in the model")
+        set_lora_factors(layers[module], merge_name, m.A, m.B, m.scaling)
+    cfg = tuner.peft_config[merge_name]
+    cfg.r = cfg.lora_alpha = max(m.rank for m in merged.modules.values())  # scaling 1; the live layers rule
+
+
+# ----------------------------------------------------------------------------- patch factories
+def _bind(sig: inspect.Signature, *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
+    """The call's arguments (defaults applied) while a shim is installed; else, or for a bad call, None."""
+    if _LIFE.current is None:
+        return None
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return None  # let peft report the bad call itself
+    bound.apply_defaults()
+    return bound
+
+
+def _wrap_add_weighted_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def add_weighted_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = _bind(sig, self, *args, **kwargs)
+        return original(self, *args, **kwargs) if bound is None else _LIFE.current.merge(original, bound)
+
+    return add_weighted_adapter
+
+
+def _remember(peft_model: Any, bound: inspect.BoundArguments | None) -> None:
+    """Note the path of the adapter just loaded into ``peft_model`` (``bound``: the load call's arguments)."""
+    a = bound.arguments if bound is not None else {}
+    tuner, name, path = getattr(peft_model, "base_model", None), a.get("adapter_name"), a.get("model_id")
+    if tuner is not None and name is not None and path is not None:
+        _paths.setdefault(tuner, {})[str(name)] = str(path)
+
+
+def _wrap_from_pretrained(original: Any) -> Any:
+    func = original.__func__  # the function under the classmethod
+    sig = inspect.signature(func)
+
+    @functools.wraps(func)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        shim = _LIFE.current
+        bound = _bind(sig, cls, *args, **kwargs)
+        if bound is not None:
+            a = bound.arguments
+            if shim.use_slot and not a.get("is_trainable") and a.get("config") is None:
+                return shim.slot_model(a["model"], a["model_id"], a.get("adapter_name", "default"))
+            shim.repair_stale_config(a["model"], "PeftModel.from_pretrained")
+        result = func(cls, *args, **kwargs)
+        _remember(result, bound)
+        return result
+
+    return classmethod(from_pretrained)
+
+
+def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def load_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        _remember(self, _bind(sig, self, *args, **kwargs))
+        return result
+
+    return load_adapter
+
+
+def _wrap_unload(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def unload(self: Any, *args: Any, **kwargs: Any) -> Any:
+        shim = _LIFE.current
+        model = original(self, *args, **kwargs)
+        if shim is not None:
+            shim.repair_stale_config(model, f"{original.__name__}()")
+        return model
+
+    return unload
+
+
+# ----------------------------------------------------------------------------- public API
+def install(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
+            log: str | Path | None = None, data_file: str | Path | None = None, *, repair: bool = True,
+            use_slot: bool = False, max_adapters: int | None = None) -> PragShim:
+    """Install the PRAG shim (idempotent: installing again keeps one set of patches and the new options).
+
+    Args:
+        controller: a :class:`FusionController` or its directory; None = uniform (PRAG's own merge).
+        encoder: a :class:`TextEncoder` or a model name/path; default: the controller's embedding model.
+        mode: ``cat`` (exact, peft's own cat with ``w~``), ``separate`` or ``svd``.
+        log: JSON Lines file, one record per merged question.
+        data_file: PRAG's augmented data file (or its directory), to map adapter paths back to questions when
+            neither :func:`set_context` nor the caller's locals give them.
+        repair: clear the stale ``peft_config`` after ``unload()`` on peft < 0.19 (False reproduces the bug).
+        use_slot: merge into a :class:`~fcprag_plugin.slot.FusedSlot` instead of building merged PEFT modules.
+        max_adapters: with ``use_slot``, a fixed slot capacity (:class:`~fcprag_plugin.hosts.base.ShimSlots`).
+    """
+    return _LIFE.install(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
+
+
+uninstall = _LIFE.uninstall  # every patch reverted exactly, the shim's fused slots removed
+is_installed = _LIFE.is_installed
+
+
+def installed(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
+              log: str | Path | None = None, data_file: str | Path | None = None, *, repair: bool = True,
+              use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[PragShim]:
+    """``with prag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
+    return _LIFE.installed(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
+
+
+def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
+           mode: str | None = None, log: str | Path | None = None, data_file: str | Path | None = None,
+           use_slot: bool | None = None, slot_max_adapters: int | None = None) -> int:
+    """Run PRAG's unmodified ``script`` as ``__main__`` with the shim installed (:func:`install`'s options;
+    ``slot_max_adapters`` is ``max_adapters``) and removed afterwards; returns the script's exit status."""
+    return _LIFE.launch(script, script_args, PragShim(controller, encoder, mode or "cat", log, data_file,
+                                                      use_slot=bool(use_slot), max_adapters=slot_max_adapters))

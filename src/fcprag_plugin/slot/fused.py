@@ -1,0 +1,542 @@
+"""``FusedSlot``: a LoRA slot injected once into a live model; per query only its buffers are rewritten.
+
+A slot registers one forward hook per target module at construction and preallocates, per layout group (see
+:mod:`fcprag_plugin.slot.layout`),
+
+    A  [L, K*R, in]    rank rows of up to K adapters of rank <= R (adapter i owns rows i*R .. i*R+R)
+    BT [L, K*R, out]   lora_B transposed, same row layout
+
+A query writes ``w~_i * s_i * A_i`` and ``B_i^T`` into the rows (``cat``: the exact ``sum_i w~_i s_i B_i A_i``) or
+the DyPRAG ``separate`` sums into the first R rows, zeroes rows left over from a larger previous query, and turns
+the hook on: ``y = W x + BT^T (A x)``. Shapes never change (``torch.compile`` friendly), no module is created,
+and no parameter of the model is ever written: ``remove()`` leaves it exactly as it was.
+
+>>> slot = FusedSlot(model, adapters[0], max_adapters=10)           # doctest: +SKIP
+>>> with slot.fused(adapters, weights):                             # doctest: +SKIP
+...     out = model.generate(**inputs)
+>>> slot.remove()                                                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import weakref
+from array import array
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
+from ..errors import MergeError
+from ..merge import factors
+from ..weights import check_weights
+from .store import AdapterStore
+from .layout import Layout, PackedAdapter, PackedGroup, check_layouts, layout_from_shapes, layout_of, pack_adapter
+
+logger = logging.getLogger(__name__)
+
+SLOT_MODES = ("cat", "separate")
+DEFAULT_MAX_RANK = 8
+
+# A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (used by mixed batches).
+RankTransform = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+@dataclass
+class _Segment:
+    """The slot buffers of one layout group's consecutive modules living on one device."""
+
+    group: int  # index into layout.groups
+    l0: int  # first layer (index within the group)
+    l1: int
+    A: torch.Tensor  # [l1-l0, K*R, in]
+    BT: torch.Tensor  # [l1-l0, K*R, out] (out_major: a transposed view)
+    R: int = 1  # rank rows per adapter position
+    dirty: int = 0  # rows [dirty:] of A are known to be zero
+    views: dict = field(default_factory=dict)  # (kind, start, stop) -> cached row views
+    scratch: dict = field(default_factory=dict)  # for 'separate': f32 accumulators / products
+    a_chunks: list = field(default_factory=list)  # position i -> A[:, i*R:(i+1)*R]
+    bt_chunks: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        K = self.A.shape[1] // self.R
+        self.a_chunks = [self.A[:, i * self.R:(i + 1) * self.R] for i in range(K)]
+        self.bt_chunks = [self.BT[:, i * self.R:(i + 1) * self.R] for i in range(K)]
+
+    def rows(self, kind: str, start: int, stop: int) -> torch.Tensor:
+        key = (kind, start, stop)
+        v = self.views.get(key)
+        if v is None:
+            v = self.views[key] = (self.A if kind == "A" else self.BT)[:, start:stop]
+        return v
+
+
+class _Entry:
+    """What one module's hook reads: its views into the segment buffers (swapped on resize)."""
+
+    __slots__ = ("name", "A", "BT")
+
+    def __init__(self, name: str, A: torch.Tensor, BT: torch.Tensor) -> None:
+        self.name, self.A, self.BT = name, A, BT
+
+
+class _State:
+    __slots__ = ("active", "transform")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.transform: RankTransform | None = None
+
+
+def _make_hook(entry: _Entry, state: _State):
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if not state.active:
+            return None  # output untouched: the base model, bit for bit
+        A = entry.A
+        h = inputs[0].to(A.dtype) @ A.T  # [..., K*R]
+        if state.transform is not None:
+            h = state.transform(h, entry.name)
+        return output + (h @ entry.BT).to(output.dtype)
+
+    return hook
+
+
+def resolve_module(table: dict[str, nn.Module], name: str) -> nn.Module:
+    """Find a target module by its base-model path in ``dict(model.named_modules())``, also inside a ``PeftModel``."""
+    for cand in (name, PEFT_PREFIX + name, PEFT_PREFIX + PEFT_PREFIX + name):
+        mod = table.get(cand)
+        if mod is not None:
+            base = getattr(mod, "base_layer", None)  # a peft LoRA wrapper: hook its frozen base layer
+            return base if isinstance(base, nn.Module) else mod
+    sample = [n for n in table if n.endswith(name.split(".")[-1])][:2]
+    raise MergeError(f"module '{name}' of the adapter is not in the model (e.g. the model has {sample})")
+
+
+def resolve_target(table: dict[str, nn.Module], name: str, out_features: int, in_features: int) -> nn.Module:
+    """:func:`resolve_module`, then check that its weight is ``[out, in]`` (error names the module and both shapes)."""
+    mod = resolve_module(table, name)
+    weight = getattr(mod, "weight", None)
+    if weight is None or tuple(weight.shape) != (out_features, in_features):
+        shape = None if weight is None else list(weight.shape)
+        raise MergeError(f"module '{name}': model weight is {shape}, the slot's targets expect "
+                         f"[{out_features}, {in_features}]")
+    return mod
+
+
+def _targets_rank(targets: Any, default: int) -> int:
+    """The largest rank of an adapter given as ``targets``; ``default`` for module names."""
+    if isinstance(targets, PackedAdapter):
+        return targets.max_rank
+    return max(targets.ranks.values()) if isinstance(targets, LoraAdapter) else default
+
+
+def _check_sizes(max_adapters: Any, max_rank: Any) -> None:
+    for key, v in (("max_adapters", max_adapters), ("max_rank", max_rank)):
+        if not isinstance(v, int) or v < 1:
+            raise MergeError(f"{key} must be a positive integer, got {v!r}")
+
+
+def _target_layout(model: nn.Module, targets: Any) -> Layout:
+    """The layout of ``targets``; module paths use the base model's names (no PEFT prefix)."""
+    if isinstance(targets, PackedAdapter):
+        return targets.layout
+    if isinstance(targets, LoraAdapter):
+        return layout_of(targets)
+    if isinstance(targets, str) or not isinstance(targets, Sequence) or not targets:
+        raise MergeError(f"targets must be a LoraAdapter, a PackedAdapter or a non-empty list of module names, "
+                         f"got {targets!r}")
+    table = dict(model.named_modules())
+    out: dict[str, tuple[int, int]] = {}
+    suffixes = {t for t in targets if "." not in t}
+    for t in targets:
+        if "." in t:  # a full path
+            mod = resolve_module(table, t)
+            w = getattr(mod, "weight", None)
+            if w is None or w.ndim != 2:
+                raise MergeError(f"target module '{t}' has no 2-D weight (got {type(mod).__name__})")
+            out[t] = (int(w.shape[0]), int(w.shape[1]))
+    if suffixes:
+        found = set()
+        for name, mod in table.items():
+            parts = name.split(".")
+            if "base_layer" in parts or any(p.startswith("lora_") for p in parts) or parts[-1] not in suffixes:
+                continue
+            base = getattr(mod, "base_layer", None)
+            mod = base if isinstance(base, nn.Module) else mod
+            w = getattr(mod, "weight", None)
+            if isinstance(w, torch.Tensor) and w.ndim == 2:
+                out[strip_peft_prefix(name)[0]] = (int(w.shape[0]), int(w.shape[1]))
+                found.add(parts[-1])
+        missing = sorted(suffixes - found)
+        if missing:
+            raise MergeError(f"target module name(s) {missing} match no module with a 2-D weight in the model")
+    return layout_from_shapes(out)
+
+
+_SLOTS: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDictionary()
+
+
+class FusedSlot:
+    """A reusable LoRA slot for up to ``max_adapters`` adapters of rank <= ``max_rank`` on a live model.
+
+    Args:
+        model: a transformers model or a ``PeftModel`` (the slot hooks the frozen base layers).
+        targets: what the slot covers: an adapter (:class:`LoraAdapter` / :class:`PackedAdapter`) whose modules
+            every later adapter must share, or module names (full paths, or bare names like ``"gate_proj"``).
+        max_adapters: K, the most adapters one query may merge. More is a :class:`MergeError`; see :meth:`resize`.
+        max_rank: R, the largest adapter rank (default: the template's, else 8).
+        dtype: buffer dtype (default: each target weight's dtype).
+        store: an :class:`~fcprag_plugin.slot.store.AdapterStore` used when adapters are given as paths.
+        out_major: keep ``B`` as stored, ``[L, out, K*R]`` (``BT`` is its transposed view): adapters given as
+            :class:`LoraAdapter` are then packed and written by plain copies, not transposes (what :func:`activate`
+            wants for its one adapter). Adapters from an ``AdapterStore`` are packed ``[L, r, out]``: keep the
+            default for them.
+        buffers_from: a packed adapter whose stacks the slot takes as its buffers where they fit (``K*R`` rows,
+            the buffer's dtype and device, not split over devices) instead of allocating; the slot then owns and
+            overwrites them. For a freshly packed adapter that only the slot will use (:func:`activate`).
+    """
+
+    def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
+                 dtype: torch.dtype | None = None, store: Any = None, out_major: bool = False,
+                 buffers_from: PackedAdapter | None = None) -> None:
+        max_rank = _targets_rank(targets, DEFAULT_MAX_RANK) if max_rank is None else max_rank
+        _check_sizes(max_adapters, max_rank)
+        self._model_ref = weakref.ref(model)  # the hooks live on the modules; the slot must not keep a model alive
+        self.layout: Layout = _target_layout(model, targets)
+        self.max_adapters = max_adapters
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.store = store
+        self.out_major = out_major
+        self.mode: str | None = None
+        self.n_active = 0
+        self._state = _State()
+        self._in_context = False
+        self._removed = False
+        self._handles: list[Any] = []
+        self._entries: list[list[_Entry]] = []  # per group, per layer
+        table = dict(model.named_modules())
+        self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
+                         for g in self.layout.groups]
+        self._allocate(buffers_from)
+        try:
+            for gi, mods in enumerate(self._modules):
+                for entry, mod in zip(self._entries[gi], mods):
+                    self._handles.append(mod.register_forward_hook(_make_hook(entry, self._state)))
+        except Exception:
+            self.remove()
+            raise
+        logger.debug("FusedSlot: %d modules in %d groups, K=%d, R=%d, %d bytes", self.layout.num_modules,
+                     len(self.layout.groups), max_adapters, max_rank, self.nbytes)
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def for_model(cls, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
+                  **kwargs: Any) -> "FusedSlot":
+        """The model's existing slot if it covers ``targets``, grown to ``max_adapters`` / ``max_rank`` when
+        needed (a documented resize); otherwise a new one (an old, incompatible slot is removed first)."""
+        slot = _SLOTS.get(model)
+        if slot is not None and not slot._removed:
+            want = _target_layout(model, targets)
+            if want is slot.layout or want == slot.layout:
+                max_rank = _targets_rank(targets, slot.max_rank) if max_rank is None else max_rank
+                if max_adapters > slot.max_adapters or max_rank > slot.max_rank:
+                    slot.resize(max(max_adapters, slot.max_adapters), max(max_rank, slot.max_rank))
+                return slot
+            slot.remove()
+        slot = cls(model, targets, max_adapters=max_adapters, max_rank=max_rank, **kwargs)
+        _SLOTS[model] = slot
+        return slot
+
+    def _allocate(self, buffers_from: PackedAdapter | None = None) -> None:
+        KR = self.max_adapters * self.max_rank
+        self._segments: list[_Segment] = []
+        new_entries: list[list[_Entry]] = []
+        for gi, (g, mods) in enumerate(zip(self.layout.groups, self._modules)):
+            entries: list[_Entry] = []
+            # consecutive layers on the same device share one buffer (one segment per group without device_map)
+            for _, run in itertools.groupby(range(len(mods)), lambda l: (mods[l].weight.device, mods[l].weight.dtype)):
+                run = list(run)
+                l0, l1 = run[0], run[-1] + 1
+                w = mods[l0].weight
+                dt = self.dtype or w.dtype
+                pg = buffers_from.groups[gi] if buffers_from is not None else None
+                if pg is not None and self._fits(pg, l1 - l0 == len(mods), KR, dt, w.device):
+                    A, BT = pg.A, pg.BT  # taken over: no allocation (page faults of fresh pages) and no copy
+                else:
+                    A = torch.zeros(l1 - l0, KR, g.in_features, device=w.device, dtype=dt)
+                    if self.out_major:  # B as stored, [L, out, K*R]; BT is its transposed view
+                        BT = torch.zeros(l1 - l0, g.out_features, KR, device=w.device, dtype=dt).transpose(1, 2)
+                    else:
+                        BT = torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt)
+                seg = _Segment(gi, l0, l1, A, BT, self.max_rank)
+                self._segments.append(seg)
+                for l in range(l0, l1):
+                    entries.append(_Entry(g.names[l], seg.A[l - l0], seg.BT[l - l0]))
+            new_entries.append(entries)
+        if self._entries:  # resize: keep the entry objects the hooks hold, point them at the new buffers
+            for old, new in zip(self._entries, new_entries):
+                for o, n in zip(old, new):
+                    o.A, o.BT = n.A, n.BT
+        else:
+            self._entries = new_entries
+
+    def _fits(self, pg: PackedGroup, whole_group: bool, KR: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a packed group's stacks can serve as one segment's buffers as they are."""
+        BT = pg.BT.transpose(1, 2) if self.out_major else pg.BT  # the layout the slot's writes assume
+        return whole_group and pg.rank == KR and (pg.A.dtype, pg.A.device) == (dtype, device) \
+            and pg.A.is_contiguous() and BT.is_contiguous()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model_ref()
+
+    @property
+    def active(self) -> bool:
+        return self._state.active
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self._segments for t in (s.A, s.BT))
+
+    def __repr__(self) -> str:
+        return (f"FusedSlot(modules={self.layout.num_modules}, max_adapters={self.max_adapters}, "
+                f"max_rank={self.max_rank}, active={self.active}, n_active={self.n_active}, mode={self.mode})")
+
+    # ------------------------------------------------------------------ inputs
+    def _check_usable(self) -> None:
+        if self._removed:
+            raise MergeError("this FusedSlot was removed from its model; create a new one")
+
+    def prepare(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
+        """Adapters (``PackedAdapter``, ``LoraAdapter`` or adapter directories) -> packed, checked against the slot."""
+        if isinstance(adapters, (str, Path, LoraAdapter, PackedAdapter)):
+            raise MergeError("adapters must be a list (one per passage), got a single adapter")
+        n = len(adapters)
+        if n == 0:
+            raise MergeError("no adapters to merge (N == 0)")
+        if n > self.max_adapters:
+            raise MergeError(f"{n} adapters do not fit this slot (max_adapters K={self.max_adapters}); create the slot "
+                             f"with max_adapters>={n} or call slot.resize({n})")
+        packed: list[PackedAdapter] = []
+        for i, a in enumerate(adapters):
+            if isinstance(a, PackedAdapter):
+                packed.append(a)
+            elif isinstance(a, LoraAdapter):
+                packed.append(pack_adapter(a, out_major=self.out_major))
+            elif isinstance(a, (str, Path)):
+                if self.store is None:
+                    self.store = AdapterStore()
+                packed.append(self.store.get(a))
+            else:
+                raise MergeError(f"adapter {i} is a {type(a).__name__}; expected a PackedAdapter, a LoraAdapter "
+                                 "or an adapter directory")
+        check_layouts(self.layout, packed, "FusedSlot")
+        for i, p in enumerate(packed):
+            if p.max_rank > self.max_rank:
+                raise MergeError(f"adapter {i} ({p.source}) has rank {p.max_rank} > the slot's max_rank "
+                                 f"R={self.max_rank}; create the slot with max_rank>={p.max_rank} or call "
+                                 f"slot.resize(max_rank={p.max_rank})")
+        return packed
+
+    # ------------------------------------------------------------------ writing
+    def _zero_tail(self, seg: _Segment, used: int) -> None:
+        if seg.dirty > used:
+            seg.rows("A", used, seg.dirty).zero_()
+        seg.dirty = used
+
+    def _sources(self, seg: _Segment, p: PackedAdapter, coef: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Adapter ``p``'s rows for segment ``seg``: ``(A [l, r, in], BT [l, r, out], coef * its scaling)``."""
+        pg = p.groups[seg.group]
+        src_A, src_B = pg.A, pg.BT
+        if seg.l0 != 0 or seg.l1 != src_A.shape[0]:
+            src_A, src_B = src_A[seg.l0:seg.l1], src_B[seg.l0:seg.l1]
+        if pg.scale is not None:
+            return src_A, src_B, coef * pg.scale
+        return src_A, src_B, (coef * pg.scales[seg.l0:seg.l1]).to(torch.float32).view(-1, 1, 1)
+
+    @torch.no_grad()
+    def _write_cat(self, packed: Sequence[PackedAdapter], coefs: Sequence[float]) -> None:
+        """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T`` (:func:`factors.write_cat`)."""
+        R = self.max_rank
+        for seg in self._segments:
+            A_rows, BT_rows, As, BTs, cs = [], [], [], [], []
+            for i, p in enumerate(packed):
+                src_A, src_B, c = self._sources(seg, p, coefs[i])
+                r = src_A.shape[1]
+                A_rows.append(seg.a_chunks[i] if r == R else seg.rows("A", i * R, i * R + r))
+                BT_rows.append(seg.bt_chunks[i] if r == R else seg.rows("BT", i * R, i * R + r))
+                As.append(src_A)
+                BTs.append(src_B)
+                cs.append(c)
+                if r < R and seg.dirty > i * R + r:
+                    seg.rows("A", i * R + r, i * R + R).zero_()  # leftovers of a larger adapter
+            factors.write_cat(A_rows, BT_rows, As, BTs, cs)
+            self._zero_tail(seg, len(packed) * R)
+
+    def _check_equal_ranks(self, packed: Sequence[PackedAdapter], what: str = "mode 'separate'") -> None:
+        """:func:`factors.check_equal_ranks` for every layout group of the slot."""
+        for gi, g in enumerate(self.layout.groups):
+            factors.check_equal_ranks([p.groups[gi].ranks for p in packed], g.names[0], [p.source for p in packed],
+                                      what, [p.groups[gi].rank for p in packed])
+
+    @torch.no_grad()
+    def _write_separate(self, packed: Sequence[PackedAdapter], u: Sequence[float]) -> None:
+        """Rows ``0 .. r``: ``A = sum_i u_i s_i A_i``, ``BT = sum_i u_i B_i^T`` (:func:`factors.weighted_sum_into`)."""
+        self._check_equal_ranks(packed)
+        for seg in self._segments:
+            r = packed[0].groups[seg.group].rank
+            srcs = [self._sources(seg, p, u[i]) for i, p in enumerate(packed)]
+            scratch = functools.partial(self._scratch, seg)
+            factors.weighted_sum_into(seg.rows("A", 0, r), [s[0] for s in srcs], [s[2] for s in srcs], scratch, "A")
+            factors.weighted_sum_into(seg.rows("BT", 0, r), [s[1] for s in srcs], u, scratch, "BT")
+            self._zero_tail(seg, r)
+
+    @staticmethod
+    def _scratch(seg: _Segment, key: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = seg.scratch.get(key)
+        if t is None or t.shape != like.shape or t.dtype != dtype:
+            t = seg.scratch[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
+        return t
+
+    @torch.no_grad()
+    def write_union(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
+        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches),
+        without activating the slot; returns the packed adapters."""
+        self._check_usable()
+        packed = self.prepare(adapters)
+        self.deactivate()
+        self._write_cat(packed, [1.0] * len(packed))
+        self.n_active, self.mode = len(packed), "union"
+        return packed
+
+    # ------------------------------------------------------------------ activation
+    def activate(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> "FusedSlot":
+        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) in place of what the
+        slot held and switch it on; ``cat`` is the exact ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's
+        ``(sum u_i B_i)(sum u_i s_i A_i)`` with ``u = w~/N``. Returns the slot."""
+        self._check_usable()
+        if mode not in SLOT_MODES:
+            raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "
+                             "(use fcprag_plugin.merge for 'svd')")
+        packed = self.prepare(adapters)
+        n = len(packed)
+        w = check_weights(weights, n)
+        self.deactivate()
+        if mode == "cat":
+            self._write_cat(packed, w)
+        else:
+            self._write_separate(packed, array("f", [v / n for v in w]).tolist())  # = float32 w / N
+        self.n_active, self.mode = len(packed), mode
+        self._state.active = True
+        return self
+
+    def activate_transform(self, transform: RankTransform) -> None:
+        """Switch the slot on with a rank-space transform between A and B (see :mod:`fcprag_tools.mixed`)."""
+        self._check_usable()
+        if self.mode != "union":
+            raise MergeError("activate_transform needs the adapters written with write_union() first")
+        self._state.transform = transform
+        self._state.active = True
+
+    def deactivate(self) -> None:
+        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept)."""
+        self._state.active = False
+        self._state.transform = None
+
+    def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> ContextManager["FusedSlot"]:
+        """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
+        return self._block(lambda: self.activate(adapters, weights, mode),
+                          "FusedSlot.fused() blocks cannot be nested: the slot holds one merge at a time")
+
+    @contextmanager
+    def _block(self, switch_on: Callable[[], Any], nested_error: str) -> Iterator["FusedSlot"]:
+        """``switch_on()`` for the block only (:meth:`fused`, :func:`~fcprag_tools.mixed.fused_mixed`); a block
+        inside another block of the slot is a :class:`MergeError` saying ``nested_error``."""
+        if self._in_context:
+            raise MergeError(nested_error)
+        switch_on()
+        self._in_context = True
+        try:
+            yield self
+        finally:
+            self._in_context = False
+            self.deactivate()
+
+    @torch.no_grad()
+    def clear(self) -> None:
+        """Deactivate and zero every buffer."""
+        self.deactivate()
+        for seg in self._segments:
+            seg.A.zero_()
+            seg.BT.zero_()
+            seg.dirty = 0
+        self.n_active, self.mode = 0, None
+
+    def resize(self, max_adapters: int | None = None, max_rank: int | None = None) -> None:
+        """Reallocate for a new K and/or R (content is cleared; the hooks stay, pointed at the new buffers)."""
+        self._check_usable()
+        if self._in_context:
+            raise MergeError("cannot resize a FusedSlot inside a fused() block")
+        k = self.max_adapters if max_adapters is None else max_adapters
+        r = self.max_rank if max_rank is None else max_rank
+        _check_sizes(k, r)
+        self.deactivate()
+        self.max_adapters, self.max_rank = k, r
+        self._allocate()
+        self.n_active, self.mode = 0, None
+        logger.info("FusedSlot resized to K=%d, R=%d (%d bytes)", k, r, self.nbytes)
+
+    def current_adapter(self) -> LoraAdapter:
+        """The slot's current merge as a :class:`LoraAdapter` (scaling 1; copies, for checks and saving)."""
+        if self.mode not in SLOT_MODES:
+            raise MergeError(f"the slot holds no weighted merge (mode {self.mode!r}); call activate() first")
+        rows = self.n_active * self.max_rank if self.mode == "cat" else self.max_rank
+        modules = {}
+        for seg in self._segments:
+            g = self.layout.groups[seg.group]
+            for l in range(seg.l0, seg.l1):
+                A = seg.A[l - seg.l0, :rows].float().cpu().clone()
+                B = seg.BT[l - seg.l0, :rows].T.float().cpu().contiguous()
+                B[:, (A == 0).all(1)] = 0  # padding rows: B may hold leftovers there (harmless: A is zero)
+                modules[g.names[l]] = LoraModule(A, B, 1.0)
+        return LoraAdapter(modules, {"r": rows, "lora_alpha": rows}, f"FusedSlot[{self.mode},N={self.n_active}]")
+
+    def remove(self) -> None:
+        """Remove the hooks and free the buffers: the model is exactly as before the slot was created."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.deactivate()
+        self._segments = []
+        self._entries = []
+        self._removed = True
+        model = self.model
+        if model is not None and _SLOTS.get(model) is self:
+            del _SLOTS[model]
+
+    def __enter__(self) -> "FusedSlot":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:
+    """Apply ``adapter`` to ``model`` until the returned handle is removed (``handle.remove()``, or use it as a
+    context manager): a one-adapter :class:`FusedSlot` (buffers in ``dtype``, default each weight's) holding it."""
+    packed = pack_adapter(adapter, out_major=True)
+    slot = FusedSlot(model, packed, max_adapters=1, dtype=dtype, out_major=True, buffers_from=packed)
+    try:
+        slot.activate([packed])
+    except Exception:
+        slot.remove()
+        raise
+    return slot

@@ -1,0 +1,228 @@
+"""Packed adapters: each adapter held as a few contiguous per-layer stacks, so a merge is a handful of big ops.
+
+Target modules are grouped by *pattern* (the module path with its layer numbers replaced by ``*``) and shape:
+``model.layers.0.mlp.gate_proj`` ... ``model.layers.29.mlp.gate_proj`` form one group of ``L = 30`` modules.
+Per group an adapter is stored as
+
+    A  [L, r, in]    the raw ``lora_A`` weights, stacked over layers
+    BT [L, r, out]   ``lora_B`` transposed, so one adapter's rank rows are contiguous like A's (``out_major``
+                     packs keep ``B`` as stored, ``[L, out, r]``, and BT is its transposed view)
+    scales [L]       the per-module LoRA scaling (``alpha / r``), float64
+
+``r`` is the largest rank in the group; a module of smaller rank is zero-padded (zero rows of A, zero rows of
+BT), which leaves its update ``B @ A`` unchanged. The layout (groups and module order) depends only on the module
+names and shapes, so every adapter of the same model and target modules gets the *same* layout object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from ..adapter import LoraAdapter, LoraModule
+from ..errors import AdapterError, MergeError
+
+
+@dataclass(frozen=True)
+class LayoutGroup:
+    """Modules sharing one path pattern and one ``[out, in]`` shape, in layer order."""
+
+    pattern: str
+    in_features: int
+    out_features: int
+    names: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An ordered set of :class:`LayoutGroup` s; interned, so equal layouts are usually the same object."""
+
+    groups: tuple[LayoutGroup, ...]
+
+    @property
+    def module_names(self) -> list[str]:
+        return [n for g in self.groups for n in g.names]
+
+    @property
+    def num_modules(self) -> int:
+        return sum(g.size for g in self.groups)
+
+    def describe_difference(self, other: "Layout") -> str:
+        """A short human-readable reason why ``other`` does not match this layout."""
+        mine, theirs = set(self.module_names), set(other.module_names)
+        missing, extra = sorted(mine - theirs), sorted(theirs - mine)
+        if missing or extra:
+            return (f"missing modules {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                    f"extra modules {extra[:3]}{'...' if len(extra) > 3 else ''}")
+        shapes = {n: (g.out_features, g.in_features) for g in self.groups for n in g.names}
+        for g in other.groups:
+            for n in g.names:
+                if shapes[n] != (g.out_features, g.in_features):
+                    return (f"module '{n}' is [out, in] = {list(shapes[n])} here but "
+                            f"{[g.out_features, g.in_features]} there")
+        return "same modules in a different grouping"
+
+
+_INTERNED: dict[Layout, Layout] = {}
+_BY_SHAPES: dict[tuple, Layout] = {}  # (name, out, in) items in the order seen -> layout: skips regrouping
+
+
+def layout_from_shapes(shapes: Mapping[str, tuple[int, int]]) -> Layout:
+    """Build (and intern) the layout of modules ``name -> (out_features, in_features)``."""
+    if not shapes:
+        raise MergeError("no target modules: a layout needs at least one module")
+    key = tuple((k, int(v[0]), int(v[1])) for k, v in shapes.items())
+    if key in _BY_SHAPES:
+        return _BY_SHAPES[key]
+    buckets: dict[tuple[str, int, int], list[tuple[tuple[int, ...], str]]] = {}
+    for name, out_f, in_f in key:
+        parts = name.split(".")
+        pattern = ".".join("*" if p.isdigit() else p for p in parts)
+        buckets.setdefault((pattern, in_f, out_f), []).append((tuple(int(p) for p in parts if p.isdigit()), name))
+    layout = Layout(tuple(LayoutGroup(pattern, in_f, out_f, tuple(n for _, n in sorted(members)))
+                          for (pattern, in_f, out_f), members in sorted(buckets.items())))
+    if len(_BY_SHAPES) < 256:  # a handful of models per process; bounded all the same
+        layout = _BY_SHAPES[key] = _INTERNED.setdefault(layout, layout)
+    return layout
+
+
+def layout_of(adapter: LoraAdapter) -> Layout:
+    return layout_from_shapes({k: (m.out_features, m.in_features) for k, m in adapter.modules.items()})
+
+
+@dataclass
+class PackedGroup:
+    """One adapter's share of one layout group (see the module docstring for the shapes)."""
+
+    A: torch.Tensor  # [L, r, in]
+    BT: torch.Tensor  # [L, r, out] (out_major: the transposed view of a contiguous [L, out, r])
+    scales: torch.Tensor  # [L] float64, on the CPU
+    ranks: tuple[int, ...]  # the true rank of each module (<= r)
+    scale: float | None = None  # the common scaling if all modules share one (the usual case)
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[1])
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter as per-group contiguous stacks (:class:`PackedGroup`), ready to be written into a slot.
+
+    Build with :func:`pack_adapter` or :class:`~fcprag_plugin.slot.store.AdapterStore`. Read-only by convention:
+    slots copy from it and never write to it.
+    """
+
+    layout: Layout
+    groups: tuple[PackedGroup, ...]
+    source: str = "<memory>"
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_rank(self) -> int:
+        return max(g.rank for g in self.groups)
+
+    @property
+    def device(self) -> torch.device:
+        return self.groups[0].A.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.groups[0].A.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for g in self.groups for t in (g.A, g.BT))
+
+    @property
+    def all_zero(self) -> bool:
+        """True when every ``B`` is zero: the adapter changes nothing (e.g. saved before training)."""
+        return not any(bool(g.BT.any()) for g in self.groups)
+
+    def to_lora(self) -> LoraAdapter:
+        """Unpack into a :class:`LoraAdapter` (copies; for checks and interop, not for the hot path)."""
+        modules = {}
+        for lg, pg in zip(self.layout.groups, self.groups):
+            for l, name in enumerate(lg.names):
+                r = pg.ranks[l]
+                modules[name] = LoraModule(pg.A[l, :r].clone(), pg.BT[l, :r].T.contiguous(), float(pg.scales[l]))
+        return LoraAdapter(modules, dict(self.config), self.source)
+
+    def __repr__(self) -> str:
+        return (f"PackedAdapter(source={self.source!r}, groups={len(self.groups)}, modules={self.layout.num_modules}, "
+                f"max_rank={self.max_rank}, dtype={self.dtype}, device={self.device}, bytes={self.nbytes})")
+
+
+# module name -> (A [r, in], B [out, r], scaling)
+FactorGetter = Callable[[str], "tuple[torch.Tensor, torch.Tensor, float]"]
+
+
+def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, error: type[Exception] = MergeError,
+                 out_major: bool = False) -> PackedAdapter:
+    """Pack one adapter given per module by ``factors(name) -> (A [r, in], B [out, r], scaling)`` into ``layout``
+    on ``device`` in ``dtype`` (defaults: the factors' own). The one packer: adapters, live PEFT layers and DyPRAG
+    translator outputs all come through here.
+
+    Modules of one group with different ranks are zero-padded to the largest (``B @ A`` unchanged). A factor of
+    the wrong shape is an ``error`` naming the module, the adapter (``source``) and both shapes. ``out_major``
+    stacks ``B`` as it is stored (``[L, out, r]``; ``BT`` is its transposed view) for an ``out_major``
+    :class:`~fcprag_plugin.slot.fused.FusedSlot`: transposing a skinny ``B`` costs ~10x a plain copy.
+    """
+    dev = torch.device(device) if device is not None else None
+    groups = []
+    for g in layout.groups:
+        As, BTs, scales, ranks = [], [], [], []
+        for name in g.names:
+            A, B, s = factors(name)
+            if A.ndim != 2 or B.ndim != 2 or A.shape[1] != g.in_features or B.shape[0] != g.out_features \
+                    or A.shape[0] != B.shape[1]:
+                raise error(f"{source}: module '{name}': lora_A {list(A.shape)} / lora_B {list(B.shape)} do not "
+                            f"fit the model's [out, in] = [{g.out_features}, {g.in_features}] (expected A [r, "
+                            f"{g.in_features}], B [{g.out_features}, r])")
+            As.append(A)
+            BTs.append(B if out_major else B.T)
+            scales.append(float(s))
+            ranks.append(int(A.shape[0]))
+        r = max(ranks)
+        d, dt = dev or As[0].device, dtype or As[0].dtype
+
+        def stack(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+            # rank_pattern: a smaller rank is zero-padded along its rank dim ``dim`` (rows of A / BT, columns of an
+            # out-major B), which keeps B @ A
+            ts = [t if t.shape[dim] == r else torch.nn.functional.pad(
+                t, (0, r - t.shape[1]) if dim else (0, 0, 0, r - t.shape[0])) for t in ts]
+            return torch.stack(ts).to(device=d, dtype=dt).contiguous()
+
+        BT = stack(BTs, 1).transpose(1, 2) if out_major else stack(BTs)
+        common = set(scales)
+        groups.append(PackedGroup(stack(As), BT, torch.tensor(scales, dtype=torch.float64),
+                                  tuple(ranks), common.pop() if len(common) == 1 else None))
+    return PackedAdapter(layout, tuple(groups), source)
+
+
+def pack_adapter(adapter: LoraAdapter, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, out_major: bool = False) -> PackedAdapter:
+    """Copy ``adapter`` into per-group stacks on ``device`` (default: where it is) in ``dtype`` (default: its own);
+    ``out_major``: see :func:`pack_factors`."""
+    if not adapter.modules:
+        raise AdapterError(f"{adapter.source}: the adapter has no LoRA modules to pack")
+    mods = adapter.modules
+    packed = pack_factors(layout_of(adapter), lambda n: (mods[n].A, mods[n].B, mods[n].scaling), adapter.source,
+                          device=device, dtype=dtype, out_major=out_major)
+    packed.config = dict(adapter.config)
+    return packed
+
+
+def check_layouts(reference: Layout, packed: Iterable[PackedAdapter], where: str) -> None:
+    """Every packed adapter must have ``reference``'s layout; name the first that does not."""
+    for i, p in enumerate(packed):
+        if p.layout is not reference and p.layout != reference:
+            raise MergeError(f"{where}: adapter {i} ({p.source}) does not fit: "
+                             f"{reference.describe_difference(p.layout)}")

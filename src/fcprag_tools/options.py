@@ -1,0 +1,121 @@
+"""Argument types and output-path checks shared by the ``fcprag`` commands (one-line errors naming the option)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, NoReturn, Sequence
+
+from fcprag_plugin.errors import FcpragError
+
+
+def read_text_arg(value: str, option: str) -> str:
+    """``@FILE`` -> the file's UTF-8 text; anything else is returned as is. Errors name the option and the file."""
+    if not value.startswith("@"):
+        return value
+    path = Path(value[1:])
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise FcpragError(f"{option} {value}: {path} is not valid UTF-8 (byte {e.start}); expected a UTF-8 text "
+                          "file") from None
+    except OSError as e:
+        raise FcpragError(f"{option} {value}: cannot read {path} ({e.strerror or e}); expected a readable text "
+                          "file") from None
+
+
+def refuse_inputs(option: str, out: str | Path, inputs: Sequence[tuple[str, str | Path | None]]) -> None:
+    """Refuse an output path that is an input, lies inside one (a controller directory) or contains one.
+
+    ``inputs`` are ``(option, path)`` pairs; ``None`` paths are ignored. Raises :class:`FcpragError` naming both.
+    """
+    res = Path(out).resolve()
+    for name, path in inputs:
+        if path is None:
+            continue
+        p = Path(path).resolve()
+        if res == p or p in res.parents or res in p.parents:
+            where = "is" if res == p else "is inside" if p in res.parents else "contains"
+            raise FcpragError(f"{option} {out} {where} the {name} input {path}; write to a new path (an input is "
+                              "never overwritten, even with --overwrite)")
+
+
+def check_out_file(option: str, out: str | Path, inputs: Sequence[tuple[str, str | Path | None]] = ()) -> None:
+    """An output file: not an input (see :func:`refuse_inputs`) and not an existing directory."""
+    refuse_inputs(option, out, inputs)
+    if Path(out).is_dir():
+        raise FcpragError(f"{option} {out} is an existing directory; expected the path of a file to write")
+
+
+def check_out_dir(out: Path, inputs: Sequence[tuple[str, str]], overwrite: bool) -> None:
+    """An output directory: not an input (see :func:`refuse_inputs`, even with ``overwrite``), not an existing
+    file, and an existing non-empty directory only with ``overwrite``."""
+    refuse_inputs("--out", out, inputs)
+    if out.exists() and not out.is_dir():
+        raise FcpragError(f"--out {out} is an existing file; expected a directory to create")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FcpragError(f"--out {out} is an existing non-empty directory; choose a new directory or pass "
+                          "--overwrite to replace it")
+
+
+def write_dir_atomically(out: Path, fill: Callable[[Path], None]) -> Path:
+    """Run ``fill(tmp)`` on a fresh temp directory next to ``out``, then rename it to ``out`` (an existing ``out``
+    is replaced only after the new one is complete). An interruption leaves ``out`` as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old = None
+    try:
+        fill(tmp)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None and old.exists() and not out.exists():
+            os.replace(old, out)  # put the user's directory back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with one-line errors (``fcprag CMD: error: ...``, exit 2) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer; expected an integer >= {minimum}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} is too small; expected an integer >= {minimum}")
+        return v
+
+    parse.__name__ = parse.__qualname__ = f"int_at_least_{minimum}"
+    parse.minimum = minimum  # type: ignore[attr-defined]  (read by the CLI tests' bad-value generator)
+    return parse
+
+
+positive_int = int_at_least(1)
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (``nan`` / ``inf`` are refused here, not deep inside training)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"'{text}': expected a finite number")
+    return v

@@ -1,0 +1,50 @@
+"""``fcprag run {prag,dyprag} [options] -- SCRIPT ARGS...``: run an unmodified host script with a shim installed."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.hosts import dyprag, prag
+
+from .options import positive_int
+
+_SHIMS = {"prag": prag, "dyprag": dyprag}
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    rest = list(args.rest)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest:
+        raise FcpragError(f"give the host script after '--', e.g. fcprag run {args.host} --controller DIR -- "
+                          "src/inference.py ARGS...")
+    if not Path(rest[0]).is_file():
+        raise FcpragError(f"host script {rest[0]} not found; expected the path of PRAG's / DyPRAG's inference script "
+                          "after '--'")
+    shim = _SHIMS[args.host]
+    options = {k: v for k, v in vars(args).items()
+               if k in {"controller", "encoder", "mode", "log", "data_file", "use_slot", "slot_max_adapters"}
+               and v is not None}
+    return int(shim.launch(rest[0], rest[1:], **options) or 0)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("run", help="run PRAG's or DyPRAG's unmodified inference script with learned fusion",
+                       usage="fcprag run {dyprag,prag} [options] -- SCRIPT [ARGS ...]",
+                       description="Everything after '--' is the host script and its own arguments.")
+    r.add_argument("host", choices=sorted(_SHIMS), help="which host's merge to replace: prag or dyprag")
+    r.add_argument("--controller", help="controller directory (omit for the uniform baseline)")
+    r.add_argument("--encoder", help="embedding model name or path (default: the controller's)")
+    r.add_argument("--mode",
+                   help="merge mode: prag: cat (default) | separate | svd; dyprag: separate (default) | delta")
+    r.add_argument("--log", help="per-question JSON Lines log")
+    r.add_argument("--data-file", dest="data_file",
+                   help="prag: PRAG's augmented data file, to map adapter paths back to questions")
+    r.add_argument("--use-slot", dest="use_slot", action="store_const", const=True,
+                   help="merge into a pre-allocated fused slot (fcprag_plugin.slot): prag builds no merged PEFT "
+                        "modules, dyprag builds no dense deltas (prag modes cat/separate)")
+    r.add_argument("--slot-max-adapters", dest="slot_max_adapters", type=positive_int,
+                   help="with --use-slot: fixed slot capacity (most passages per question); default: grow as needed")
+    r.set_defaults(func=_cmd_run, accepts_rest=True)

@@ -1,0 +1,68 @@
+"""Synthetic label sets with a known answer, for tests, benchmarks and sanity checks of a training setup. Texts are
+opaque ids (``q17``, ``p17_2``); :func:`table_encoder` maps them to the generated vectors.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from fcprag_plugin.training.labels import LabelRecord
+
+
+def synthetic_records(n: int, n_passages: int | tuple[int, int] = 3, dim: int = 16, *, kind: str = "planted",
+                      gap: float = 0.5, noise: float = 0.05, closeness: float = 0.5, seed: int = 0,
+                      prefix: str = "", groups: int | None = None
+                      ) -> tuple[list[LabelRecord], dict[str, torch.Tensor]]:
+    """``n`` records and the ``text -> [dim]`` embedding table.
+
+    Args:
+        n_passages: N per record, or ``(lo, hi)`` for a variable N drawn uniformly in [lo, hi].
+        kind: ``"planted"``: one passage per record is much closer to the query than the others and gets the
+            largest delta (``gap``), plus noise: a controller that learns anything should weight it most.
+            ``"noise"``: the deltas are pure noise; the best a controller can do is stay close to uniform.
+        gap: delta advantage of the closest passage (planted).
+        noise: std of the Gaussian noise on every delta (for ``"noise"``: the deltas' std).
+        closeness: std of the perturbation of the planted passage around the query (smaller = closer).
+        prefix: prepended to ids and texts (to build disjoint sets).
+        groups: when set, records get ``group = i % groups``.
+    """
+    if kind not in ("planted", "noise"):
+        raise ValueError(f"kind is {kind!r}, expected 'planted' or 'noise'")
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (n_passages, n_passages) if isinstance(n_passages, int) else n_passages
+    table: dict[str, torch.Tensor] = {}
+    records = []
+    for r in range(n):
+        k = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        q = torch.nn.functional.normalize(torch.randn(dim, generator=g), dim=0)
+        P = torch.nn.functional.normalize(torch.randn(k, dim, generator=g), dim=1)
+        gold = int(torch.randint(0, k, (1,), generator=g))
+        P[gold] = torch.nn.functional.normalize(q + closeness * torch.randn(dim, generator=g), dim=0)
+        cos = P @ q
+        if kind == "planted":
+            deltas = gap * torch.nn.functional.one_hot(cos.argmax(), k).float() + noise * torch.randn(k, generator=g)
+        else:
+            deltas = noise * torch.randn(k, generator=g)
+        qt = f"{prefix}q{r}"
+        pts = [f"{prefix}p{r}_{i}" for i in range(k)]
+        table[qt] = q
+        table.update(zip(pts, P))
+        records.append(LabelRecord(id=f"{prefix}{r}", query=qt, passages=pts, deltas=[float(x) for x in deltas],
+                                   group=None if groups is None else str(r % groups)))
+    return records, table
+
+
+def table_encoder(table: dict[str, torch.Tensor], name: str = "synthetic", calls: list | None = None):
+    """A :class:`TextEncoder` that looks texts up in ``table``; appends each call's texts to ``calls``."""
+    from fcprag_plugin.encoding import TextEncoder
+
+    dim = int(next(iter(table.values())).shape[0])
+
+    def fn(texts: Sequence[str]) -> torch.Tensor:
+        if calls is not None:
+            calls.append(list(texts))
+        return torch.stack([table[t] for t in texts])
+
+    return TextEncoder.from_function(fn, dim, name=name)

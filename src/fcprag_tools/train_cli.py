@@ -1,0 +1,265 @@
+"""``fcprag train LABELS --out DIR ...`` and ``fcprag eval CONTROLLER LABELS ...``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from .options import check_out_file, finite_float, int_at_least, positive_int, refuse_inputs
+from fcprag_plugin.errors import FcpragError, LabelFileError
+from fcprag_plugin.features import SIDE_FEATURES
+from fcprag_plugin.loading import write_json
+from fcprag_plugin.training.checkpoint import CHECKPOINT_DIR, read_checkpoint_state
+from fcprag_plugin.training.evaluation import format_table
+from fcprag_plugin.training.labels import ON_ERROR, SkippedRecord, load_labels
+from .plots import _pyplot, write_eval_plots
+from fcprag_plugin.training.targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
+from fcprag_plugin.training.trainer import OBJECTIVES, PRECISIONS, TrainArgs
+
+
+# A label record is one line of a JSON Lines file: a longer line is refused before it is parsed (parsing a huge
+# line costs minutes and gigabytes). Real records (a query, N passages, N numbers) are KBs.
+MAX_LINE_BYTES = 16 * 2**20
+# |delta| / t_label above this overflows float32 in softmax(delta / T) or in max - min of a record.
+MAX_SCALED_DELTA = 1e37
+# the parsed options that go to train_controller under their own names
+_TRAIN_ARGS = ("epochs", "batch_size", "lr", "weight_decay", "seed", "t_label", "flat_eps", "flat_weight",
+               "val_fraction", "on_error", "precision", "cache_dir", "threads", "plots", "objective", "risk_lambda",
+               "cv_folds", "kappa", "side_features")
+
+
+def hidden_sizes(text: str) -> list[int]:
+    """argparse type for ``--score-hidden``: comma-separated integers >= 1, e.g. ``2048,1024``."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': expected comma-separated integers >= 1, e.g. 2048,1024") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': every hidden size must be an integer >= 1, e.g. 2048,1024")
+    return sizes
+
+
+def kappa_value(text: str) -> float | str:
+    """argparse type for ``--kappa``: a finite number > 0, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        v = finite_float(text)
+    except argparse.ArgumentTypeError:
+        v = 0.0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}': expected a number > 0 or 'auto'")
+    return v
+
+
+def check_line_lengths(path: str, limit: int = MAX_LINE_BYTES) -> None:
+    """Raise :class:`LabelFileError` naming the file and the line when a line is longer than ``limit`` bytes,
+    reading at most ``limit + 1`` bytes of a line (never a huge line whole). A missing file is left to the reader."""
+    p = Path(path)
+    if not p.is_file():
+        return
+    with p.open("rb") as f:
+        for line, text in enumerate(iter(lambda: f.readline(limit + 1), b""), 1):
+            if len(text.removesuffix(b"\n")) > limit:
+                raise LabelFileError(f"{p}:{line}: line is longer than {limit // 2**20} MiB; expected one record "
+                                     "per line (JSON Lines) of at most that size")
+
+
+def check_delta_range(label_set, t_label: float, on_error: str) -> None:
+    """Refuse (or with ``on_error='skip'``, skip) records whose deltas overflow float32 once divided by
+    ``t_label``: they would pass the finiteness check and turn every loss into NaN."""
+    bound = MAX_SCALED_DELTA * t_label
+    keep = []
+    for rec in label_set.records:
+        bad = next((i for i, d in enumerate(rec.deltas) if not abs(d) <= bound), None)
+        if bad is None:
+            keep.append(rec)
+            continue
+        msg = (f"{rec.file}:{rec.line}: field 'deltas[{bad}]': is {rec.deltas[bad]:g}, expected |delta| <= "
+               f"{bound:.3g} (float32 range at --t-label {t_label:g})")
+        if on_error == "fail":
+            raise LabelFileError(msg)
+        label_set.skipped.append(SkippedRecord(rec.file, rec.line, f"deltas[{bad}]", msg))
+    if len(keep) != len(label_set.records):
+        label_set.records[:] = keep
+        label_set.skipped.sort(key=lambda k: k.line)
+        if not keep:
+            raise LabelFileError(f"{label_set.path}: no valid records ({len(label_set.skipped)} skipped)")
+
+
+def read_label_file(path: str, on_error: str, t_label: float):
+    """The CLI's label reader: bounded line length, the library's validation, deltas in float32 range."""
+    check_line_lengths(path)
+    log = logging.getLogger("fcprag_plugin.training.labels")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the reader logs skipped records; _print_skipped prints them (once)
+    try:
+        ls = load_labels(path, on_error)
+    finally:
+        log.setLevel(level)
+    check_delta_range(ls, t_label, on_error)
+    return ls
+
+
+def _print_skipped(label_sets) -> None:
+    for ls in label_sets:
+        if ls is not None and ls.skipped:
+            print(f"skipped {len(ls.skipped)} record(s) of {ls.path}: "
+                  + ", ".join(f"{k}: {v}" for k, v in sorted(ls.skip_counts().items())))
+            for s in ls.skipped[:10]:
+                print(f"  {s.message}")
+            if len(ls.skipped) > 10:
+                print(f"  ... and {len(ls.skipped) - 10} more (all listed in metrics.json)")
+
+
+def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
+    """Refuse a run directory that is a file, or a non-empty directory holding no training run (a controller or
+    anything else the user has would be overwritten) unless ``overwrite``. A directory that holds a run is the
+    trainer's business (``--resume`` / ``--overwrite``)."""
+    if out.exists() and not out.is_dir():
+        raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
+    if out.is_dir() and any(out.iterdir()) and not (out / CHECKPOINT_DIR).exists() and not overwrite:
+        what = "--resume found no checkpoint there and it" if resume else "it"
+        raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
+                          f"({CHECKPOINT_DIR}/); choose a new directory or pass --overwrite to write the run into it")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from fcprag_plugin.training.trainer import train_controller  # looked up per call (tests replace it)
+
+    refuse_inputs("--out", args.out, [("labels", args.labels), ("--val", args.val)])
+    check_train_out(Path(args.out), args.overwrite, args.resume)
+    train_set = read_label_file(args.labels, args.on_error, args.t_label)
+    val_set = read_label_file(args.val, args.on_error, args.t_label) if args.val else None
+    _print_skipped([train_set, val_set])
+    controller = {k: getattr(args, k) for k in ("score_hidden", "calib_hidden") if getattr(args, k)}
+    if args.resume:
+        state = read_checkpoint_state(Path(args.out))
+        done = int(state["epoch"]) if state else 0
+        if done >= args.epochs:
+            print(f"{args.out}: the checkpoint has already trained {done} epochs (>= --epochs {args.epochs}): no "
+                  f"training; the epoch-{done} controller is re-evaluated and written again. To train longer, pass "
+                  f"--epochs above {done}")
+        elif state:
+            print(f"{args.out}: resuming after epoch {done}, training epochs {done + 1}..{args.epochs}")
+    args.interrupt_hint = (f"{args.out}/checkpoint holds the last finished epoch; the same command with --resume "
+                           "continues from there")
+    res = train_controller(train_set, args.out, val=val_set, encoder=args.encoder, resume=args.resume,
+                           overwrite=args.overwrite, progress=not args.no_progress, controller=controller,
+                           **{k: getattr(args, k) for k in _TRAIN_ARGS})
+    print(res.table)
+    t = res.metrics["timing_s"]
+    print(f"\n{res.n_train} training / {res.n_val} validation records, {res.metrics['epochs']} epochs, "
+          f"fit {t['fit']:.1f} s; wrote {res.out} (controller, training_args.json, metrics.json, train_log.jsonl"
+          + (", plots/" if args.plots else "") + ")")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from fcprag_plugin.training.trainer import evaluate_controller  # looked up per call (tests replace it)
+
+    inputs = [("controller", args.controller), ("labels", args.labels)]
+    if args.json:
+        check_out_file("--json", args.json, inputs)
+    if args.plots:
+        _pyplot()  # a missing matplotlib stops here, not after the evaluation
+        refuse_inputs("--plots", args.plots, [("labels", args.labels)])
+        if Path(args.plots).exists() and not Path(args.plots).is_dir():
+            raise FcpragError(f"--plots {args.plots} is an existing file; expected a directory for the PNGs")
+    labels = read_label_file(args.labels, args.on_error, args.t_label or DEFAULT_T_LABEL)
+    res = evaluate_controller(
+        args.controller, labels, encoder=args.encoder, cache_dir=args.cache_dir, on_error=args.on_error,
+        t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, seed=args.seed,
+        progress=not args.no_progress)
+    _print_skipped([res.label_set])
+    print(format_table(res.metrics, f"{args.controller} on {args.labels}"))
+    if args.json:
+        write_json(args.json, {"controller": str(args.controller), "labels": str(args.labels),
+                               "metrics": res.metrics, "skipped": len(res.label_set.skipped)})
+        print(f"wrote {args.json}")
+    if args.plots:
+        for p in write_eval_plots(args.plots, res.outputs, res.data):
+            print(f"wrote {p}")
+    return 0
+
+
+def _label_options(p: argparse.ArgumentParser, encoder_help: str) -> None:
+    """The options ``fcprag train`` and ``fcprag eval`` share."""
+    p.add_argument("labels", help="label file (JSON Lines or JSON array)")
+    p.add_argument("--encoder", help=encoder_help)
+    p.add_argument("--cache-dir", help="embedding cache directory (default: $FCPRAG_CACHE_DIR or "
+                                       "~/.cache/fcprag/embeddings)")
+    p.add_argument("--on-error", choices=ON_ERROR, default="fail",
+                   help="fail at the first bad record (default) or skip bad records and report them")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    d = TrainArgs()
+    t = sub.add_parser("train", help="train a fusion controller from a leave-one-out label file",
+                       description="Train a FusionController on LABELS (JSON Lines or a JSON array; see "
+                                   "docs/label-format.md) and write it to --out.")
+    _label_options(t, "embedding model name or path (default: BAAI/bge-base-en-v1.5 when cached, else the packaged "
+                      "all-MiniLM-L6-v2)")
+    t.add_argument("--out", required=True, help="output directory (controller + training_args/metrics/log)")
+    t.add_argument("--val", help="explicit validation label file (default: a group/id-based split of LABELS)")
+    t.add_argument("--epochs", type=positive_int, default=d.epochs,
+                   help=f"total epochs (default {d.epochs}); with --resume, the total including the finished ones")
+    t.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                   help=f"records per optimizer step (default {d.batch_size})")
+    t.add_argument("--lr", type=finite_float, default=d.lr, help=f"AdamW learning rate (default {d.lr:g})")
+    t.add_argument("--weight-decay", type=finite_float, default=d.weight_decay,
+                   help=f"AdamW weight decay (default {d.weight_decay:g})")
+    t.add_argument("--seed", type=int, default=d.seed, help=f"seed of the split, init and shuffling ({d.seed})")
+    t.add_argument("--t-label", type=finite_float, default=DEFAULT_T_LABEL,
+                   help="temperature of the targets y = softmax(delta / T)")
+    t.add_argument("--flat-eps", type=finite_float, default=DEFAULT_FLAT_EPS,
+                   help="a sample is flat when max(delta) - min(delta) <= this")
+    t.add_argument("--flat-weight", type=finite_float, default=DEFAULT_FLAT_WEIGHT,
+                   help="sample weight of flat samples (informative samples weigh 1)")
+    t.add_argument("--val-fraction", type=finite_float, default=d.val_fraction,
+                   help="fraction of groups (else ids) held out for validation when --val is not given")
+    t.add_argument("--precision", choices=PRECISIONS, default=d.precision,
+                   help="auto (default): bf16 on CPUs with native bfloat16 (AVX512-BF16/AMX), else fp32; bf16: the "
+                        "controller's MLPs in bfloat16 with fp32 master weights")
+    t.add_argument("--score-hidden", type=hidden_sizes, metavar="N[,N...]",
+                   help="score net hidden sizes, e.g. 2048,1024 (default)")
+    t.add_argument("--calib-hidden", type=positive_int, metavar="N", help="calibration net hidden size (default 256)")
+    t.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
+                   help="kl (default, the paper's): KL to softmax(delta / T_label); risk: maximise "
+                        "sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record (docs/label-format.md)")
+    t.add_argument("--risk-lambda", type=finite_float, default=None, metavar="X",
+                   help="lambda of the risk objective (default: the pooled within-record std of the deltas)")
+    t.add_argument("--cv-folds", type=int_at_least(0), default=d.cv_folds, metavar="K",
+                   help="grouped k-fold cross-validation choosing the epoch count (up to --epochs; 0 = stay uniform) "
+                        "by held-out gain over uniform and stating it with a 95%% CI (default "
+                        f"{d.cv_folds}; 0: off, train exactly --epochs)")
+    t.add_argument("--kappa", type=kappa_value, default=d.kappa, metavar="X|auto",
+                   help="global scale of the merge weights, w~ * kappa (default 1, the paper's); 'auto': tuned on "
+                        "the training labels with the risk objective")
+    t.add_argument("--side-features", nargs="+", default=[], metavar="NAME", choices=SIDE_FEATURES,
+                   help="opt-in per-passage inputs read from the label records: " + ", ".join(SIDE_FEATURES))
+    t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint (the last finished epoch)")
+    t.add_argument("--overwrite", action="store_true", help="start over in a directory that holds a run")
+    t.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads (default: torch's choice; 1 is faster for small nets on a busy machine)")
+    t.add_argument("--plots", action="store_true", help="write DIR/plots/*.png (needs matplotlib)")
+    t.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("eval", help="metrics of a controller on a label file, next to uniform and random baselines",
+                       description="Metrics of a saved controller on LABELS (KL to the targets, top-1 agreement, "
+                                   "Spearman, g/tau, weight entropy), next to the uniform (PRAG's merge) and random "
+                                   "baselines on the same records. --plots writes g_tau.png and entropy.png.")
+    e.add_argument("controller", help="controller directory")
+    _label_options(e, "embedding model (default: the controller's embedding_model)")
+    e.add_argument("--t-label", type=finite_float,
+                   help="target temperature (default: the controller's training_args.json, else the library's)")
+    e.add_argument("--flat-eps", type=finite_float,
+                   help="flat-sample threshold (default: from training_args.json, else the library's)")
+    e.add_argument("--flat-weight", type=finite_float,
+                   help="weight of flat samples (default: from training_args.json, else the library's)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the random-controller baseline")
+    e.add_argument("--plots", help="write g_tau.png and entropy.png into this directory")
+    e.add_argument("--json", help="write the metrics to this JSON file")
+    e.set_defaults(func=_cmd_eval)

@@ -1,0 +1,125 @@
+"""``fcprag train`` / ``fcprag eval`` and the plots."""
+
+import json
+import sys
+
+import pytest
+
+from fcprag_tools.cli import main
+from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.training import train_controller, write_labels
+from fcprag_tools.synthetic import synthetic_records, table_encoder
+from helpers import SMALL_TRAIN_ARGS as SMALL
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_train_then_eval(labelled, capsys):
+    tmp, cache = labelled
+    out = tmp / "ctrl"
+    rc = main(["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
+               "--val", str(tmp / "val.jsonl"), "--epochs", "3", "--lr", "1e-3", "--batch-size", "16", "--seed", "2",
+               "--t-label", "0.2", "--flat-eps", "1e-4", "--flat-weight", "0.5", *SMALL])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "learned" in text and "uniform" in text and "random" in text and "120 training / 30 validation" in text
+    args = json.loads((out / "training_args.json").read_text())
+    assert (args["epochs"], args["lr"], args["batch_size"], args["seed"]) == (3, 1e-3, 16, 2)
+    assert (args["t_label"], args["flat_eps"], args["flat_weight"]) == (0.2, 1e-4, 0.5)
+    assert args["controller"] == {"score_hidden": [32], "calib_hidden": 16}
+    from fcprag_plugin.training.precision import native_bf16
+
+    assert args["precision"] == "auto" and args["precision_used"] == ("bf16" if native_bf16() else "fp32")
+    assert len((out / "train_log.jsonl").read_text().splitlines()) == 3
+
+    rc = main(["eval", str(out), str(tmp / "val.jsonl"), "--cache-dir", str(cache), "--json", str(tmp / "m.json"),
+               "--plots", str(tmp / "plots"), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "kl" in text and "top1" in text
+    m = json.loads((tmp / "m.json").read_text())
+    saved = json.loads((out / "metrics.json").read_text())["val"]
+    # same controller, same file, same targets (read back from training_args.json) -> same numbers
+    assert m["metrics"]["learned"]["kl"] == pytest.approx(saved["learned"]["kl"], rel=1e-6)
+    assert m["metrics"]["uniform"]["kl"] == pytest.approx(saved["uniform"]["kl"], rel=1e-6)
+    for name in ("g_tau.png", "entropy.png"):
+        assert (tmp / "plots" / name).read_bytes()[:8] == PNG
+
+
+def test_cli_resume_and_errors(labelled, capsys):
+    tmp, cache = labelled
+    out = tmp / "ctrl"
+    base = ["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
+            *SMALL]
+    assert main(base + ["--epochs", "1"]) == 0
+    assert main(base + ["--epochs", "2"]) == 2
+    assert "already holds a training run" in capsys.readouterr().err
+    assert main(base + ["--epochs", "2", "--resume"]) == 0
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in log] == [1, 2]
+    bad = tmp / "bad.jsonl"
+    bad.write_text((tmp / "train.jsonl").read_text().replace('"deltas": [', '"deltas": [7, ', 1))
+    assert main(["train", str(bad), "--out", str(tmp / "x"), "--encoder", "syn8", "--cache-dir", str(cache),
+                 *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:1: field 'deltas'" in err
+    assert main(["train", str(bad), "--out", str(tmp / "x"), "--encoder", "syn8", "--cache-dir", str(cache),
+                 "--on-error", "skip", "--epochs", "1", *SMALL]) == 0
+    assert "skipped 1 record(s)" in capsys.readouterr().out
+
+
+def test_training_plots_are_pngs(labelled):
+    tmp, cache = labelled
+    recs, table = synthetic_records(60, 3, 8, seed=13)
+    res = train_controller(recs, tmp / "p", encoder=table_encoder(table, "syn8p"), cache_dir=cache, epochs=2,
+                           plots=True, progress=False, threads=1, controller={"score_hidden": [8], "calib_hidden": 8})
+    for name in ("loss.png", "g_tau.png", "entropy.png"):
+        data = (res.out / "plots" / name).read_bytes()
+        assert data[:8] == PNG and len(data) > 1000
+
+
+def test_missing_matplotlib_is_a_clear_error_before_training(labelled, monkeypatch):
+    tmp, cache = labelled
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    recs, table = synthetic_records(20, 3, 8, seed=14)
+    calls = []
+    with pytest.raises(FcpragError, match=r"plots need matplotlib.*pip install 'fcprag-plugin\[plot\]'"):
+        train_controller(recs, tmp / "np", encoder=table_encoder(table, "syn8", calls), cache_dir=cache,
+                         plots=True, progress=False)
+    assert calls == [] and not (tmp / "np").exists()  # failed before any work
+
+
+@pytest.mark.integration
+def test_real_encoder_on_hotpotqa_gold_passages(tmp_path, monkeypatch):
+    """The default offline TextEncoder on real questions: gold passages get delta 1, distractors 0."""
+    from pathlib import Path
+
+    from fcprag_plugin.encoding import TextEncoder
+    from fcprag_plugin.training import evaluate_controller
+
+    data = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
+    if not data.is_file():
+        pytest.skip(f"{data} not available")
+    rows = [json.loads(x) for x in data.read_text().splitlines()[:40]]
+    records = []
+    for r in rows:
+        gold = [p for p, t in zip(r["passages"], r["titles"]) if t in r["supporting_titles"]][:2]
+        other = [p for p, t in zip(r["passages"], r["titles"]) if t not in r["supporting_titles"]][:2]
+        records.append({"id": r["id"], "query": r["question"], "passages": gold + other,
+                        "deltas": [1.0] * len(gold) + [0.0] * len(other), "metric": "gold-support"})
+    write_labels(records, tmp_path / "hotpot.jsonl")
+    enc = TextEncoder()
+    res = train_controller(tmp_path / "hotpot.jsonl", tmp_path / "ctrl", encoder=enc, cache_dir=tmp_path / "cache",
+                           epochs=3, progress=False, threads=1)
+    cfg = json.loads((tmp_path / "ctrl" / "config.json").read_text())
+    assert cfg["embed_dim"] == enc.dim == 384 and cfg["embedding_model"] == enc.name
+    v = res.metrics["val"]
+    assert res.n_val == 4 and all(v[k]["kl"] is not None for k in ("learned", "uniform", "random"))
+
+    # everything is cached now: evaluating by model name must not load the model again
+    def no_load(*a, **k):
+        raise AssertionError("model loaded although every text is cached")
+
+    monkeypatch.setattr(TextEncoder, "__init__", no_load)
+    ev = evaluate_controller(tmp_path / "ctrl", tmp_path / "hotpot.jsonl", cache_dir=tmp_path / "cache")
+    assert ev.metrics["learned"]["n"] == 40
