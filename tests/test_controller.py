@@ -39,7 +39,7 @@ def test_formula_against_independent_computation():
     assert 0 < g < 1 and c.config.tau_min <= tau <= c.config.tau_max
     pi = torch.exp(s / tau) / torch.exp(s / tau).sum()
     w = g * pi + (1 - g) / 4
-    torch.testing.assert_close(out.weights[0], w)
+    torch.testing.assert_close(out.probabilities[0], w)
     torch.testing.assert_close(out.merge_weights[0], 4 * w / (w.sum() + 1e-8))
 
 
@@ -69,7 +69,7 @@ def test_masking_mixed_n_equals_unpadded():
         torch.testing.assert_close(batched.g[b], alone.g[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(batched.tau[b], alone.tau[0], rtol=1e-5, atol=1e-6)
         assert torch.all(batched.merge_weights[b, n:] == 0) and torch.all(batched.weights[b, n:] == 0)
-        assert float(batched.weights[b].sum()) == pytest.approx(1.0, abs=1e-6)
+        assert float(batched.probabilities[b].sum()) == pytest.approx(1.0, abs=1e-6)
         assert float(batched.merge_weights[b].sum()) == pytest.approx(n, abs=1e-4)
 
 
@@ -87,7 +87,7 @@ def test_random_mode_seeded_and_untrained():
     for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(v, w), k
     assert not torch.equal(a.score_net[0].weight, c.score_net[0].weight)
-    assert a.config.mode == "random"
+    assert a.config.controller_mode == "random"
 
 
 def test_fixed_mode_uses_global_g_tau_and_cosine():
@@ -98,7 +98,7 @@ def test_fixed_mode_uses_global_g_tau_and_cosine():
     torch.testing.assert_close(out.scores, torch.tensor([[1.0, 0.5, 0.0]]))
     assert torch.allclose(out.g, torch.tensor([0.6])) and torch.allclose(out.tau, torch.tensor([0.2]))
     pi = torch.softmax(torch.tensor([1.0, 0.5, 0.0]) / 0.2, 0)
-    torch.testing.assert_close(out.weights[0], 0.6 * pi + 0.4 / 3)
+    torch.testing.assert_close(out.probabilities[0], 0.6 * pi + 0.4 / 3)
 
 
 def test_pair_features_layout():
@@ -136,9 +136,15 @@ def test_from_pretrained_errors(tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "temperature": 3}))
     with pytest.raises(ControllerError, match=r"config\.json: unknown key\(s\) \['temperature'\]"):
         FusionController.from_pretrained(d)
-    (d / "config.json").write_text(json.dumps({**cfg, "mode": "smart"}))
-    with pytest.raises(ControllerError, match=r"config\.json: key 'mode' is 'smart'"):
+    (d / "config.json").write_text(json.dumps({**cfg, "controller_mode": "smart"}))
+    with pytest.raises(ControllerError, match=r"config\.json: key 'controller_mode' is 'smart'"):
         FusionController.from_pretrained(d)
+    old = {k: v for k, v in cfg.items() if k != "controller_mode"}  # written before the key had one name
+    (d / "config.json").write_text(json.dumps({**old, "mode": "smart"}))
+    with pytest.raises(ControllerError, match=r"config\.json: key 'controller_mode' is 'smart'"):
+        FusionController.from_pretrained(d)
+    (d / "config.json").write_text(json.dumps({**old, "mode": cfg["controller_mode"]}))
+    assert FusionController.from_pretrained(d).config.controller_mode == cfg["controller_mode"]
     (d / "config.json").write_text(json.dumps({**cfg, "embed_dim": 16}))
     with pytest.raises(ControllerError, match=r"model\.safetensors: key '\w+_net\.0\.weight' has shape .*the config implies .*embed_dim 16"):
         FusionController.from_pretrained(d)

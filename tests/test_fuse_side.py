@@ -1,5 +1,7 @@
 """Side features end to end (issue 15 section 2): fuse(), the slot path, the shims' MergeHook, and kappa."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,10 +45,21 @@ def test_fuse_on_the_slot_gives_the_same_side_feature_weights(adapter_dirs, enco
         assert slot.merge_weights == pytest.approx(plain.merge_weights, abs=1e-6)
 
 
-def test_a_missing_side_feature_is_a_clear_error(adapter_dirs, encoder16):
+def test_a_missing_optional_side_feature_is_equal_for_every_passage_and_logged_once(adapter_dirs, encoder16,
+                                                                                     caplog):
     ctrl = side_controller("retrieval_score")
-    with pytest.raises(ControllerError, match="retrieval_scores="):
-        fuse(adapter_dirs, Q, PS, controller=ctrl, encoder=encoder16)
+    given = fuse(adapter_dirs, Q, PS, controller=ctrl, encoder=encoder16, retrieval_scores=[0.4, 0.4, 0.4])
+    varied = fuse(adapter_dirs, Q, PS, controller=ctrl, encoder=encoder16, retrieval_scores=[0.9, 0.1, 0.4])
+    assert given.merge_weights != varied.merge_weights  # the feature matters when it varies
+    with caplog.at_level("WARNING", logger="fcprag_plugin"):
+        for _ in range(2):
+            missing = fuse(adapter_dirs, Q, PS, controller=ctrl, encoder=encoder16)
+            assert missing.merge_weights == given.merge_weights  # no scores: the same for every passage
+    said = [r.getMessage() for r in caplog.records if "retrieval_score" in r.getMessage()]
+    assert len(said) == 1 and "taken as equal for every passage" in said[0]
+    strict = FusionController(dataclasses.replace(ctrl.config, side_optional=[])).eval()
+    with pytest.raises(ControllerError, match=r"pass retrieval_scores= \(one value per passage\)"):
+        fuse(adapter_dirs, Q, PS, controller=strict, encoder=encoder16)
 
 
 def test_controllers_without_side_features_ignore_the_arguments(adapter_dirs, encoder16):

@@ -82,7 +82,7 @@ LEAVES = cli_leaves()
 NUMERIC = {a.option_strings[0] for _, p in LEAVES for a in options(p)
            if a.option_strings and (getattr(a.type, "__name__", "") in ("int", "float", "finite_float", "hidden_sizes",
                                                                         "kappa_value")
-                                    or hasattr(a.type, "minimum"))}  # cli.int_at_least
+                                    or hasattr(a.type, "minimum"))}  # options.int_at_least
 DOCS = [README, REPO / "docs" / "labels-builder.md", REPO / "examples" / "prag" / "README.md",
         REPO / "examples" / "dyprag" / "README.md"]
 

@@ -60,8 +60,8 @@ def test_a_side_feature_controller_without_them_is_a_clear_error(encoder16):
                                           side_features=["retrieval_score", "adapter_stats"]))
     with pytest.raises(ControllerError, match=r"trained with side features \['retrieval_score', 'adapter_stats'\]"):
         c(torch.randn(1, 16), torch.randn(1, 2, 16))
-    with pytest.raises(ControllerError, match=r"pass retrieval_scores=, adapter_stats= \(one value per passage\)"):
-        c.predict("q", ["a", "b"], encoder16)
+    with pytest.raises(ControllerError, match=r"pass adapter_stats= \(one value per passage\)"):
+        c.predict("q", ["a", "b"], encoder16)  # the retrieval score is optional (hosts lack it): not named
     with pytest.raises(ControllerError, match=r"pass adapter_stats="):
         c.predict("q", ["a", "b"], encoder16, retrieval_scores=[1.0, 2.0])
     with pytest.raises(ControllerError, match=r"retrieval_scores= has 3 values for 2 passages"):
@@ -149,8 +149,8 @@ def test_trainer_learns_from_a_side_feature_and_predict_needs_it(tmp_path):
     assert cfg["side_features"] == ["retrieval_rank"] and len(cfg["side_scale"]) == 1 and cfg["side_scale"][0] > 0
     c = FusionController.from_pretrained(tmp_path / "side")
     r = recs[0]
-    with pytest.raises(ControllerError, match=r"pass retrieval_ranks="):
-        c.predict(r.query, r.passages, enc)
+    same = c.predict(r.query, r.passages, enc, retrieval_ranks=[2.0] * len(r.passages)).merge_weights
+    assert torch.equal(c.predict(r.query, r.passages, enc).merge_weights, same)  # none given: equal for all
     w = c.predict(r.query, r.passages, enc, retrieval_ranks=r.retrieval_ranks).merge_weights[0]
     assert int(w.argmax()) == r.retrieval_ranks.index(0.0)
     # a record without the field is an error naming its line and the field
@@ -168,7 +168,7 @@ def test_kappa_scales_the_merge_weights_and_is_saved(tmp_path):
     e_q, E_p = torch.randn(3, 8, generator=g), torch.randn(3, 4, 8, generator=g)
     a, b = base(e_q, E_p), scaled(e_q, E_p)
     torch.testing.assert_close(b.merge_weights, 1.7 * a.merge_weights)
-    assert torch.equal(a.weights, b.weights) and a.scale is None and torch.equal(b.scale, torch.full((3,), 1.7))
+    assert torch.equal(a.probabilities, b.probabilities) and a.scale is None and torch.equal(b.scale, torch.full((3,), 1.7))
     scaled.save_pretrained(tmp_path / "k")
     again = FusionController.from_pretrained(tmp_path / "k")
     assert again.config.kappa == 1.7 and torch.equal(again(e_q, E_p).merge_weights, b.merge_weights)

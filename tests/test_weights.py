@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from fcprag_plugin import FusionController, MergeError
-from fcprag_plugin.weights import FusionWeights, check_weights, finite_or_none, is_uniform
+from fcprag_plugin.loading import finite_or_none
+from fcprag_plugin.weights import FusionWeights, check_weights, is_uniform
 
 PASSAGES = ["paris is the capital of france", "bananas are yellow fruit", "the eiffel tower is in paris"]
 QUERY = "what is the capital of france"
 
 
 def test_check_weights_rounds_like_float32_and_names_the_problem():
-    assert check_weights(None, 3) == [1.0, 1.0, 1.0]
-    assert check_weights([0.1, 2, 3.0], 3) == torch.tensor([0.1, 2, 3.0]).tolist()  # float32 values, as floats
-    assert check_weights(torch.tensor([0.5, 1.5], dtype=torch.float64), 2) == [0.5, 1.5]
+    assert check_weights(None, 3) == (1.0, 1.0, 1.0)
+    assert check_weights([0.1, 2, 3.0], 3) == tuple(torch.tensor([0.1, 2, 3.0]).tolist())  # float32 values, floats
+    assert check_weights(torch.tensor([0.5, 1.5], dtype=torch.float64), 2) == (0.5, 1.5)  # one type: a tuple
     with pytest.raises(MergeError, match=r"no adapters to merge \(N == 0\)"):
         check_weights([], 0)
     with pytest.raises(MergeError, match=r"shape \[2\], expected \[3\]"):
@@ -34,11 +35,13 @@ def test_uniform_is_decided_once_and_is_prags_merge():
     assert is_uniform(None) and is_uniform(FusionController.uniform(embed_dim=16))
     assert not is_uniform(FusionController.fixed(g=0.5, tau=0.1, embed_dim=16))
     fw = FusionWeights.for_query(QUERY, PASSAGES, None)
-    assert math.isnan(fw.tau) and fw.g == 0.0 and fw.scores == (0.5, 0.5, 0.5)  # no controller: no temperature
-    assert fw.merge_weights == (1.0, 1.0, 1.0) and fw.weights == pytest.approx((1 / 3,) * 3)
-    assert fw.mode == "uniform" and fw.uniform_merge and fw.n == 3
+    assert fw.tau is None and fw.g == 0.0 and fw.scores == (0.5, 0.5, 0.5)  # uniform: no temperature
+    assert fw.merge_weights == (1.0, 1.0, 1.0) and fw.probabilities == pytest.approx((1 / 3,) * 3)
+    assert fw.controller_mode == "uniform" and fw.uniform_merge and fw.n == 3
     ctrl = FusionController.uniform(embed_dim=16)
-    assert FusionWeights.for_query(QUERY, PASSAGES, ctrl).tau == ctrl.config.tau_max
+    assert FusionWeights.for_query(QUERY, PASSAGES, ctrl) == fw  # the same weights, whatever says "uniform"
+    with pytest.warns(DeprecationWarning, match="probabilities"):
+        assert fw.weights == fw.probabilities
 
 
 def test_from_the_controllers_prediction(encoder16):
@@ -46,8 +49,8 @@ def test_from_the_controllers_prediction(encoder16):
     fw = FusionWeights.for_query(QUERY, PASSAGES, ctrl, encoder16)
     out = ctrl.predict(QUERY, PASSAGES, encoder16)  # independent: read the tensors directly
     assert list(fw.merge_weights) == out.merge_weights[0].tolist()
-    assert list(fw.weights) == out.weights[0].tolist() and list(fw.scores) == out.scores[0].tolist()
-    assert fw.g == float(out.g[0]) and fw.tau == float(out.tau[0]) and fw.mode == "fixed"
+    assert list(fw.probabilities) == out.probabilities[0].tolist() and list(fw.scores) == out.scores[0].tolist()
+    assert fw.g == float(out.g[0]) and fw.tau == float(out.tau[0]) and fw.controller_mode == "fixed"
     assert sum(fw.merge_weights) == pytest.approx(3, abs=1e-4) and not fw.uniform_merge
     with pytest.raises(dataclasses.FrozenInstanceError):
         fw.g = 0.0  # type: ignore[misc]
@@ -56,7 +59,7 @@ def test_from_the_controllers_prediction(encoder16):
 def test_to_json_is_strict():
     fw = FusionWeights.uniform(2)
     text = json.dumps(fw.to_json(), allow_nan=False)
-    assert json.loads(text) == {"merge_weights": [1.0, 1.0], "weights": [0.5, 0.5], "scores": [0.5, 0.5],
+    assert json.loads(text) == {"merge_weights": [1.0, 1.0], "probabilities": [0.5, 0.5], "scores": [0.5, 0.5],
                                 "g": 0.0, "tau": None, "controller_mode": "uniform"}
     assert finite_or_none({"a": [1.0, float("inf"), (float("-inf"), 2)], "b": "x"}) == \
         {"a": [1.0, None, [None, 2]], "b": "x"}

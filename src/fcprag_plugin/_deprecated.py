@@ -15,3 +15,13 @@ def alias(old: str, new: str, submodules: tuple[str, ...] = ()) -> ModuleType:
     for sub in submodules:
         sys.modules[f"{old}.{sub}"] = importlib.import_module(f"{new}.{sub}")
     return module
+
+
+def renamed(old: str, new: str):
+    """A method ``old`` that warns and calls the method ``new`` (a renamed public method, kept for one release)."""
+    def method(self, *args, **kwargs):
+        warnings.warn(f"{old} is now .{new}; the old name goes in the next release", DeprecationWarning, stacklevel=2)
+        return getattr(self, new)(*args, **kwargs)
+
+    method.__name__ = old.rsplit(".", 1)[-1]
+    return method

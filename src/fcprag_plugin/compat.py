@@ -113,24 +113,3 @@ def lora_b_weight(layer: Any, adapter_name: str) -> torch.Tensor:
     if adapter_name in getattr(layer, "lora_B", {}):
         return layer.lora_B[adapter_name].weight
     return layer.lora_embedding_B[adapter_name]
-
-
-def set_lora_factors(layer: Any, adapter_name: str, A: torch.Tensor, B: torch.Tensor, scaling: float) -> None:
-    """Replace the factors of a live Linear LoRA layer's adapter: ``A [k, in]``, ``B [out, k]``, scaling.
-
-    The rank may differ from the one the adapter was injected with; ``r`` / ``lora_alpha`` / ``scaling`` follow.
-    """
-    old_a, old_b = layer.lora_A[adapter_name], layer.lora_B[adapter_name]
-    k = int(A.shape[0])
-    dev, dtype = old_a.weight.device, old_a.weight.dtype
-    new_a = torch.nn.Linear(int(A.shape[1]), k, bias=False, device=dev, dtype=dtype)
-    new_b = torch.nn.Linear(k, int(B.shape[0]), bias=False, device=dev, dtype=dtype)
-    with torch.no_grad():
-        new_a.weight.copy_(A.to(device=dev, dtype=dtype))
-        new_b.weight.copy_(B.to(device=dev, dtype=dtype))
-    new_a.requires_grad_(old_a.weight.requires_grad)
-    new_b.requires_grad_(old_b.weight.requires_grad)
-    layer.lora_A[adapter_name], layer.lora_B[adapter_name] = new_a, new_b
-    layer.r[adapter_name] = k
-    layer.lora_alpha[adapter_name] = scaling * k
-    layer.scaling[adapter_name] = scaling

@@ -6,6 +6,10 @@
     pi = softmax(s / tau),  w_i = g*pi_i + (1-g)/N,  w~_i = N*w_i / sum w        (combine)
     merge weights = kappa * c * w~                             kappa = 1, c = 1 unless configured
 
+Modes (``config.controller_mode``): ``learned`` (the nets above), ``uniform`` (no nets, no encoder: ``w~ = [kappa]*N``;
+:meth:`FusionController.scale_only` is the one a trainer ships when reweighting was not shown to help), ``random``
+(untrained nets, seeded) and ``fixed`` (one global g and tau).
+
 ``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates); ``init="uniform"`` (the trainer's choice,
 :meth:`FusionController.reset_to_uniform_`) starts exactly there, so training moves away from it only as far as
 the data supports; the default ``init="random"`` keeps PyTorch's initialisation. The permutation-invariant
@@ -23,6 +27,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -46,13 +51,19 @@ INITS = ("uniform", "random")
 FORMAT_VERSION = 1
 GATE_INIT = 0.5  # g at initialisation; irrelevant to w~ there (all scores are equal), the point of most gradient
 INFERENCE_DTYPES = (torch.bfloat16, torch.float32)
+# side inputs a caller or host may not have (PRAG and DyPRAG keep no retrieval scores); adapter statistics are always
+# computable from the adapters themselves
+HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")
 
 
 @dataclass
 class ControllerConfig:
     """Everything needed to rebuild a controller; saved as ``config.json``. ``init``: see the module docstring
-    (baseline modes always keep PyTorch's initialisation). ``cv``: the trainer's cross-validated evidence
-    (``gain``, ``ci95``, ``verdict``, ...), None when there is none."""
+    (baseline modes always keep PyTorch's initialisation). ``cv``: the trainer's selection-unbiased evidence
+    (``verdict``, ``gain`` / ``ci95`` against PRAG's sum and its ``scale`` and ``reweighting`` parts; see
+    ``training/selection.py``), None when there is none. ``side_optional``: side features a host may lack, which
+    :meth:`FusionController.predict` then takes as equal for every passage (None: retrieval rank and score).
+    ``mode=`` is the deprecated name of ``controller_mode`` (an old ``config.json`` key ``mode`` still loads)."""
 
     embed_dim: int = 768
     embedding_model: str | None = None
@@ -62,7 +73,7 @@ class ControllerConfig:
     tau_min: float = 0.05
     tau_max: float = 2.0
     eps: float = 1e-8
-    mode: str = "learned"  # learned | uniform | random | fixed
+    controller_mode: str = "learned"  # learned | uniform | random | fixed
     scorer: str = "mlp"  # mlp | cosine (parameter-free (1+cos)/2, for fixed baselines)
     fixed_g: float = 0.5
     fixed_tau: float = 0.1
@@ -71,12 +82,13 @@ class ControllerConfig:
     init: str = "random"
     side_features: list[str] = field(default_factory=list)
     side_scale: list[float] | None = None  # one per side_feature_columns(side_features); None: 1
+    side_optional: list[str] | None = None
     kappa: float = 1.0
     query_scale: bool = False
     cv: dict[str, Any] | None = None
 
     def validate(self, where: str = "controller config") -> "ControllerConfig":
-        for key, allowed in (("mode", CONTROLLER_MODES), ("scorer", SCORERS), ("init", INITS)):
+        for key, allowed in (("controller_mode", CONTROLLER_MODES), ("scorer", SCORERS), ("init", INITS)):
             value = getattr(self, key)
             if value not in allowed:
                 raise ControllerError(f"{where}: key '{key}' is '{value}', expected one of {list(allowed)}")
@@ -105,6 +117,30 @@ class ControllerConfig:
     def side_columns(self) -> list[str]:
         return side_feature_columns(self.side_features)
 
+    @property
+    def optional_side(self) -> tuple[str, ...]:
+        """The side features this controller falls back on when a call lacks them."""
+        return tuple(HOST_OPTIONAL_SIDE if self.side_optional is None else self.side_optional)
+
+    @property
+    def mode(self) -> str:
+        """Deprecated name of :attr:`controller_mode`."""
+        warnings.warn("ControllerConfig.mode is now .controller_mode", DeprecationWarning, stacklevel=2)
+        return self.controller_mode
+
+
+_config_init = ControllerConfig.__init__
+
+
+def _init_with_old_mode(self: ControllerConfig, *args: Any, mode: str | None = None, **kwargs: Any) -> None:
+    if mode is not None:  # the deprecated keyword, kept for one release
+        warnings.warn("ControllerConfig(mode=...) is now controller_mode=...", DeprecationWarning, stacklevel=2)
+        kwargs.setdefault("controller_mode", mode)
+    _config_init(self, *args, **kwargs)
+
+
+ControllerConfig.__init__ = _init_with_old_mode  # type: ignore[method-assign]
+
 
 @dataclass
 class ControllerOutput:
@@ -114,7 +150,7 @@ class ControllerOutput:
         scores: ``s [B, N]`` in (0, 1)
         g: gate ``[B]`` in [0, 1]
         tau: temperature ``[B]`` in [tau_min, tau_max]
-        weights: ``w [B, N]``, a distribution over the real passages (sums to 1)
+        probabilities: ``w [B, N]``, a distribution over the real passages (sums to 1)
         merge_weights: ``kappa * c * w~ [B, N]`` with ``w~ = N*w/sum w``; all ones is PRAG's uniform merge
         mask: ``[B, N]`` bool
         scale: ``kappa * c [B]``, the total scale (``sum merge_weights = scale * N``); None when it is 1
@@ -123,10 +159,16 @@ class ControllerOutput:
     scores: torch.Tensor
     g: torch.Tensor
     tau: torch.Tensor
-    weights: torch.Tensor
+    probabilities: torch.Tensor
     merge_weights: torch.Tensor
     mask: torch.Tensor
     scale: torch.Tensor | None = None
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """Deprecated name of :attr:`probabilities`."""
+        warnings.warn("ControllerOutput.weights is now .probabilities", DeprecationWarning, stacklevel=2)
+        return self.probabilities
 
 
 def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:
@@ -213,16 +255,22 @@ class CalibNet(nn.Sequential):
         return g, tau, c
 
 
-def _side_matrix(names: Sequence[str], n: int, retrieval_ranks: Any, retrieval_scores: Any, adapter_stats_: Any
-                 ) -> torch.Tensor:
-    """The raw side-feature columns ``[n, k]`` for one query from :meth:`FusionController.predict`'s arguments."""
+def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieval_ranks: Any, retrieval_scores: Any,
+                 adapter_stats_: Any) -> tuple[torch.Tensor, list[str]]:
+    """The raw side-feature columns ``[n, k]`` for one query from :meth:`FusionController.predict`'s arguments, and
+    the ``optional`` features that were missing (their columns are constant: the controller sees no difference
+    between the passages there, exactly as for a feature that does not vary)."""
     given = {"retrieval_rank": retrieval_ranks, "retrieval_score": retrieval_scores, "adapter_stats": adapter_stats_}
-    missing = [f"{nm}s=" if nm != "adapter_stats" else "adapter_stats=" for nm in names if given[nm] is None]
-    if missing:
+    missing = [nm for nm in names if given[nm] is None]
+    required = [f"{nm}s=" if nm != "adapter_stats" else "adapter_stats=" for nm in missing if nm not in optional]
+    if required:
         raise ControllerError(f"this controller was trained with side features {list(names)}; pass "
-                              f"{', '.join(missing)} (one value per passage) to use it")
+                              f"{', '.join(required)} (one value per passage) to use it")
     cols = []
     for nm in names:
+        if given[nm] is None:
+            cols.append(torch.zeros(n, 1))
+            continue
         if nm != "adapter_stats":
             t = torch.as_tensor(given[nm], dtype=torch.float32).reshape(-1)
             if t.numel() != n:
@@ -247,14 +295,14 @@ def _side_matrix(names: Sequence[str], n: int, retrieval_ranks: Any, retrieval_s
     side = torch.cat(cols, 1)
     if not bool(torch.isfinite(side).all()):
         raise ControllerError(f"side features {list(names)} contain non-finite values")
-    return side
+    return side, missing
 
 
 class FusionController(nn.Module):
     """Maps ``(e_q [B, d], E_p [B, N, d], mask [B, N])`` to calibrated merge weights (:class:`ControllerOutput`).
 
-    Baselines are modes of the same class: ``uniform`` (g = 0, exactly PRAG), ``random`` (untrained, seeded),
-    ``fixed`` (one global g and tau, e.g. from a grid search).
+    Baselines are modes of the same class: ``uniform`` (g = 0: PRAG's sum, times ``kappa``; no nets, no encoder),
+    ``random`` (untrained, seeded), ``fixed`` (one global g and tau, e.g. from a grid search).
     """
 
     def __init__(self, config: ControllerConfig | None = None, **kwargs: Any) -> None:
@@ -262,18 +310,21 @@ class FusionController(nn.Module):
         config = config or ControllerConfig(**kwargs)
         self.config = config.validate()
         d, k = config.embed_dim, len(config.side_columns)
-        with torch.random.fork_rng(devices=[], enabled=config.seed is not None):  # the global RNG is left alone
-            if config.seed is not None:
-                torch.manual_seed(config.seed)
-            self.score_net = ScoreNet(d, 3 * d + k, config.score_hidden, config.dropout)
-            self.calib_net = CalibNet(4 * d + CALIB_STATS, config.calib_hidden, config.dropout, config.tau_min,
-                                      config.tau_max, config.query_scale)
-        if config.init == "uniform" and config.mode == "learned":  # baselines keep their own (random) nets
+        self.score_net: ScoreNet | None = None
+        self.calib_net: CalibNet | None = None
+        if config.controller_mode != "uniform":
+            with torch.random.fork_rng(devices=[], enabled=config.seed is not None):  # the global RNG is left alone
+                if config.seed is not None:
+                    torch.manual_seed(config.seed)
+                self.score_net = ScoreNet(d, 3 * d + k, config.score_hidden, config.dropout)
+                self.calib_net = CalibNet(4 * d + CALIB_STATS, config.calib_hidden, config.dropout, config.tau_min,
+                                          config.tau_max, config.query_scale)
+        if config.init == "uniform" and config.controller_mode == "learned":  # baselines keep their own (random) nets
             self.reset_to_uniform_()
         scale = config.side_scale if config.side_scale is not None else [1.0] * k
         self.register_buffer("_side_scale", torch.tensor(scale, dtype=torch.float32), persistent=False)
         self._inference_copy = False
-        self._warned_unproven = False
+        self._warned: set[str] = set()
 
     @torch.no_grad()
     def reset_to_uniform_(self) -> "FusionController":
@@ -290,17 +341,27 @@ class FusionController(nn.Module):
     @classmethod
     def uniform(cls, embed_dim: int = 768, embedding_model: str | None = None, kappa: float = 1.0
                 ) -> "FusionController":
-        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, mode="uniform",
+        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="uniform",
                                     kappa=kappa))
 
     @classmethod
+    def scale_only(cls, kappa: float, *, embed_dim: int = 768, embedding_model: str | None = None,
+                   cv: dict[str, Any] | None = None) -> "FusionController":
+        """PRAG's sum times ``kappa``: ``w~ = [kappa]*N`` for every query. No network and no sentence encoder, so
+        ``fuse()`` and both shims cost what uniform costs; ``save_pretrained`` writes it as any controller. What
+        ``fcprag train`` ships when the reweighting part of its verdict is not shown (``cv``: that evidence)."""
+        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="uniform",
+                                    kappa=float(kappa), cv=cv))
+
+    @classmethod
     def random(cls, embed_dim: int = 768, seed: int = 0, embedding_model: str | None = None) -> "FusionController":
-        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, mode="random", seed=seed))
+        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="random",
+                                    seed=seed))
 
     @classmethod
     def fixed(cls, g: float, tau: float, embed_dim: int = 768, scorer: str = "cosine",
               embedding_model: str | None = None) -> "FusionController":
-        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, mode="fixed",
+        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="fixed",
                                     scorer=scorer, fixed_g=g, fixed_tau=tau))
 
     # ------------------------------------------------------------------ forward
@@ -326,7 +387,7 @@ class FusionController(nn.Module):
         if N == 0:
             raise ControllerError("no passages (N == 0)")
         k = len(c.side_columns)
-        if k and c.mode != "uniform" and side is None:
+        if k and c.controller_mode != "uniform" and side is None:
             raise ControllerError(f"this controller was trained with side features {c.side_features}; they must be "
                                   f"given (predict(..., retrieval_ranks=, retrieval_scores=, adapter_stats=))")
         if side is not None and k and tuple(side.shape) != (B, N, k):
@@ -357,7 +418,7 @@ class FusionController(nn.Module):
         B, N, _ = E_p.shape
         full_mask = torch.ones(B, N, dtype=torch.bool, device=p.device) if mask is None else mask
         scale = None if c.kappa == 1.0 else torch.full((B,), float(c.kappa), dtype=p.dtype, device=p.device)
-        if c.mode == "uniform":
+        if c.controller_mode == "uniform":
             ones = full_mask.to(p.dtype)
             w = ones / ones.sum(1, keepdim=True)
             mw = ones if scale is None else ones * scale.unsqueeze(1)
@@ -371,7 +432,7 @@ class FusionController(nn.Module):
         if mask is not None:
             s = s.masked_fill(~mask, 0.0)
         # calibrate
-        if c.mode == "fixed":
+        if c.controller_mode == "fixed":
             g, tau, q_scale = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau), None
         else:
             g, tau, q_scale = self.calib_net(calibration_summary(e_q, xp, s, mask))
@@ -397,8 +458,9 @@ class FusionController(nn.Module):
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
                                   f"{[str(t) for t in INFERENCE_DTYPES]}")
         fast = copy.deepcopy(self).eval().requires_grad_(False)
-        fast.score_net.to(dtype)
-        fast.calib_net.to(dtype)
+        for net in (fast.score_net, fast.calib_net):
+            if net is not None:
+                net.to(dtype)
         fast._inference_copy = True
         return fast
 
@@ -407,21 +469,28 @@ class FusionController(nn.Module):
                 retrieval_ranks: Sequence[float] | None = None, retrieval_scores: Sequence[float] | None = None,
                 adapter_stats: Sequence[Any] | None = None) -> ControllerOutput:
         """Weights for one query and its passages, embedded with ``encoder`` (a :class:`TextEncoder`; None: the
-        controller's own :attr:`encoder`). Logs :meth:`warn_if_unproven`'s warning on first use.
+        controller's own :attr:`encoder`). Warns once per controller when it is unproven (:meth:`warn_if_unproven`).
 
-        Side features (used only when the controller was trained with them, then required): ``retrieval_ranks``
-        and ``retrieval_scores`` one number per passage; ``adapter_stats`` one entry per passage, a
+        Side features (used only when the controller was trained with them): ``retrieval_ranks`` and
+        ``retrieval_scores`` one number per passage; ``adapter_stats`` one entry per passage, a
         :class:`~fcprag_plugin.adapter.LoraAdapter` (statistics computed here), a dict from
-        :func:`features.adapter_stats` or its values as a list.
+        :func:`features.adapter_stats` or its values as a list. A missing one of ``config.optional_side`` (a host
+        like PRAG keeps no retrieval scores) is taken as equal for every passage, logged once per controller; a
+        missing required one is an error naming the argument.
         """
         self.warn_if_unproven()  # fuse() and both shims come through here: one warning per controller
         if encoder is None:
             encoder = self.encoder  # the shared, lazily loaded encoder of config.embedding_model
         self.check_encoder(encoder)
         side = None
-        if self.config.side_features and self.config.mode != "uniform":
-            side = _side_matrix(self.config.side_features, len(passages), retrieval_ranks, retrieval_scores,
-                                adapter_stats).unsqueeze(0)
+        if self.config.side_features and self.config.controller_mode != "uniform":
+            side, missing = _side_matrix(self.config.side_features, self.config.optional_side, len(passages),
+                                         retrieval_ranks, retrieval_scores, adapter_stats)
+            side = side.unsqueeze(0)
+            for name in missing:
+                self._warn_once(f"missing:{name}", f"fcprag: controller '{self._name}' was trained with the side "
+                                f"feature '{name}' but this call has none: taken as equal for every passage (what "
+                                "its verdict measured had it)", log_only=True)
         was_training = self.training
         self.eval()
         try:
@@ -432,18 +501,29 @@ class FusionController(nn.Module):
             self.train(was_training)
 
     def warn_if_unproven(self) -> bool:
-        """Log one warning (once per controller instance) when this controller's cross-validated gain over
-        uniform (``config.cv``, written by ``fcprag train``) has a 95% CI that does not lie above 0. Returns
-        whether the controller is unproven."""
+        """Warn once per controller instance (``warnings.warn``, which reaches a Python user with no logging
+        configured, and the log) when its selection-unbiased gain over PRAG's sum (``config.cv``, written by
+        ``fcprag train``) has a 95% CI that does not lie above 0. Returns whether the controller is unproven."""
         cv = self.config.cv
         unproven = bool(cv) and cv.get("verdict") == "unproven"
-        if unproven and not self._warned_unproven:
-            self._warned_unproven = True
-            ci = cv.get("ci95") or [float("nan")] * 2
-            logger.warning("fcprag: controller '%s' did not beat uniform (PRAG's sum) in cross-validation: gain %.4g, "
-                           "95%% CI [%.4g, %.4g]; its weights may be no better than uniform",
-                           cv.get("source", self.config.embedding_model), cv.get("gain", float("nan")), ci[0], ci[1])
+        if unproven:
+            lo, hi = cv.get("ci95") or (float("nan"), float("nan"))
+            self._warn_once("unproven", f"fcprag: controller '{self._name}' was NOT shown to beat PRAG's sum: gain "
+                            f"{cv.get('gain', float('nan')):+.4g} per record, 95% CI [{lo:+.4g}, {hi:+.4g}] "
+                            "(held-out, selection-unbiased); its weights may be no better than uniform")
         return unproven
+
+    @property
+    def _name(self) -> str:
+        return str((self.config.cv or {}).get("source") or self.config.embedding_model)
+
+    def _warn_once(self, key: str, message: str, log_only: bool = False) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        logger.warning("%s", message)
+        if not log_only:
+            warnings.warn(message, UserWarning, stacklevel=4)
 
     def check_encoder(self, encoder: Any) -> None:
         dim = getattr(encoder, "dim", None)
@@ -459,7 +539,7 @@ class FusionController(nn.Module):
         """The :class:`~fcprag_plugin.encoding.TextEncoder` of ``config.embedding_model`` on this controller's
         device: loaded on first use and shared by every controller with the same model and device
         (:func:`~fcprag_plugin.encoding.get_encoder`)."""
-        return get_encoder(self.config.embedding_model, device=next(self.parameters()).device)
+        return get_encoder(self.config.embedding_model, device=self._side_scale.device)
 
     # ------------------------------------------------------------------ persistence
     def save_pretrained(self, path: str | Path) -> Path:
@@ -484,6 +564,8 @@ class FusionController(nn.Module):
             raise ControllerError(f"{path}: controller directory not found (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
         raw = read_json_object(cfg_path, ControllerError, "controller config not found")
         raw.pop("library", None)
+        if "mode" in raw:  # written before controller_mode had one name
+            raw.setdefault("controller_mode", raw.pop("mode"))
         known = {f.name for f in fields(ControllerConfig)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -494,6 +576,8 @@ class FusionController(nn.Module):
         config = ControllerConfig(**raw).validate(str(cfg_path))  # every key is a field (checked above)
         model = cls(config)
         state = read_tensor_file(w_path, map_location, ControllerError, "controller weights not found")
+        if config.controller_mode == "uniform":  # older uniform folders also saved the nets nothing used
+            state = {}
         own = model.state_dict()
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or extra:
@@ -510,7 +594,7 @@ class FusionController(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return f"mode={c.mode}, scorer={c.scorer}, embed_dim={c.embed_dim}, tau=[{c.tau_min}, {c.tau_max}]"
+        return f"mode={c.controller_mode}, scorer={c.scorer}, embed_dim={c.embed_dim}, tau=[{c.tau_min}, {c.tau_max}]"
 
 
 def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,8 @@ from .controller import FusionController, load_controller
 from .errors import FusionInputError
 from .slot import AdapterStore, FusedSlot, pack_adapter
 from .merge import MergeResult, merge_adapters
-from .weights import FusionWeights, finite_or_none, side_inputs
+from .loading import finite_or_none
+from .weights import FusionWeights, side_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +24,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class FusionResult:
     """What ``fuse`` produced: the merged adapter (or the slot holding the merge), the :class:`FusionWeights` and
-    the merge ``mode``. ``merge_weights`` is ``w~`` (length N); ``weights`` is ``w`` (sums to 1)."""
+    the merge ``mode``. ``merge_weights`` is ``w~`` (length N); ``probabilities`` is ``w`` (sums to 1); ``tau`` is
+    None for uniform weights (no temperature)."""
 
     adapter: LoraAdapter | None  # None with use_slot=True: the merge lives in ``slot`` on the model
     fusion_weights: FusionWeights
@@ -31,11 +34,17 @@ class FusionResult:
     slot: Any = None  # the active FusedSlot when fused with use_slot=True
 
     merge_weights = property(lambda self: list(self.fusion_weights.merge_weights))
-    weights = property(lambda self: list(self.fusion_weights.weights))
+    probabilities = property(lambda self: list(self.fusion_weights.probabilities))
     scores = property(lambda self: list(self.fusion_weights.scores))
     g = property(lambda self: self.fusion_weights.g)
     tau = property(lambda self: self.fusion_weights.tau)
-    controller_mode = property(lambda self: self.fusion_weights.mode)
+    controller_mode = property(lambda self: self.fusion_weights.controller_mode)
+
+    @property
+    def weights(self) -> list[float]:
+        """Deprecated name of :attr:`probabilities`."""
+        warnings.warn("FusionResult.weights is now .probabilities", DeprecationWarning, stacklevel=2)
+        return self.probabilities
 
     def __enter__(self) -> "FusionResult":
         return self
@@ -141,7 +150,7 @@ def fuse(
         return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store, side)
     loaded = resolve_adapters(adapters, model)
     fw = FusionWeights.for_query(query, passages, ctrl, encoder, side_inputs(ctrl, adapters=loaded, **side))
-    result: MergeResult = merge_adapters(loaded, list(fw.merge_weights), mode, **merge_options)
+    result: MergeResult = merge_adapters(loaded, fw.merge_weights, mode, **merge_options)
     logger.debug("fused %d adapters: w~=%s g=%.3f tau=%.3f", len(loaded), fw.merge_weights, fw.g, fw.tau)
     return FusionResult(result.adapter, fw, mode, result.info)
 
@@ -151,14 +160,14 @@ def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], 
     """Fast path: the merge is written into the model's fused slot (no merged adapter is materialised)."""
     if model is None:
         raise FusionInputError("use_slot=True needs the live model: fuse(..., model=model, use_slot=True)")
-    store = store if store is not None else AdapterStore()
+    existing = FusedSlot.of(model)
+    if store is None:  # the model's slot keeps one store across calls
+        store = existing.store if existing is not None and existing.store is not None else AdapterStore()
     packed = [store.get(a) if isinstance(a, (str, Path)) else pack_adapter(a) for a in _read_live(adapters, model)]
     # sized for this fusion's largest rank, so adapters of ranks [2, 4] fit in any order
     slot = FusedSlot.for_model(model, packed[0], max_adapters=len(packed), max_rank=max(p.max_rank for p in packed),
                                store=store)
-    if slot.store is None:
-        slot.store = store
     fw = FusionWeights.for_query(query, passages, ctrl, encoder,
                                  side_inputs(ctrl, adapters=lambda: [p.to_lora() for p in packed], **side))
-    slot.activate(packed, list(fw.merge_weights), mode)
+    slot.write(packed, fw.merge_weights, mode)
     return FusionResult(None, fw, mode, {"slot": repr(slot)}, slot)

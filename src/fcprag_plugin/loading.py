@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import weakref
@@ -15,8 +16,6 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, Hashable, Iterable, Iterator, TypeVar
-
-from .weights import finite_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +104,17 @@ class LoadCache(Generic[T]):
 
     def __repr__(self) -> str:
         return f"LoadCache({self.name!r}, entries={len(self)}/{self.maxsize}, stats={self.stats})"
+
+
+def finite_or_none(obj: Any) -> Any:
+    """NaN / inf -> None, recursively through dicts, lists and tuples, so a record is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
 
 
 def split_lines(text: str, keepends: bool = False) -> list[str]:

@@ -1,12 +1,17 @@
 """The weights of one fusion (:class:`FusionWeights`), one object from the controller to the merge and the logs.
 
-:func:`is_uniform` is the one place that decides whether a controller gives PRAG's uniform merge;
-:func:`check_weights` is the one check every merge applies.
+Words: ``merge_weights`` is always ``w~`` (N numbers, what each passage update is multiplied by; all ones is PRAG's
+sum); ``probabilities`` is ``w`` (N numbers summing to 1). ``w~`` is a tuple of float32-rounded Python floats from
+the controller to the merge (:func:`check_weights`).
+
+:func:`is_uniform` is the one place that decides whether a controller gives uniform weights (PRAG's merge, times
+its ``kappa``); :func:`check_weights` is the one check every merge applies.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from array import array
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -14,12 +19,13 @@ from typing import Any, Sequence
 import torch
 
 from .errors import MergeError
+from .loading import finite_or_none
 
 
 def is_uniform(controller: Any) -> bool:
-    """True when ``controller`` gives PRAG's uniform merge ``w~ = [1]*N``: no controller, or a ``uniform`` one
-    (then no text is ever encoded)."""
-    return controller is None or controller.config.mode == "uniform"
+    """True when ``controller`` gives uniform weights ``w~ = [kappa]*N`` (no controller: kappa 1, PRAG's merge; a
+    ``uniform`` or scale-only controller: its ``kappa``): no text is ever encoded."""
+    return controller is None or controller.config.controller_mode == "uniform"
 
 
 @dataclass(frozen=True)
@@ -28,20 +34,19 @@ class FusionWeights:
 
     Attributes:
         merge_weights: ``w~`` (N), what the merge multiplies each adapter by; all ones is PRAG's uniform merge.
-        weights: ``w`` (N), a distribution over the passages (sums to 1).
+        probabilities: ``w`` (N), a distribution over the passages (sums to 1).
         scores: ``s`` (N) in (0, 1); 0.5 each when uniform.
         g: the gate in [0, 1] (0 when uniform).
-        tau: the temperature; NaN when there is no controller (:meth:`to_json` writes null).
-        mode: the controller mode that produced them (``uniform``, ``learned``, ``random``, ``fixed``); the JSON
-            key is ``controller_mode``, as in ``fusion.json`` and the shims' logs.
+        tau: the temperature; None when no controller computed one (uniform weights).
+        controller_mode: the controller mode that produced them (``uniform``, ``learned``, ``random``, ``fixed``).
     """
 
     merge_weights: tuple[float, ...]
-    weights: tuple[float, ...]
+    probabilities: tuple[float, ...]
     scores: tuple[float, ...]
     g: float
-    tau: float
-    mode: str
+    tau: float | None
+    controller_mode: str
 
     @property
     def n(self) -> int:
@@ -52,48 +57,62 @@ class FusionWeights:
         """``w~ == [1]*N``: the merge is PRAG's (whatever produced the weights)."""
         return all(w == 1.0 for w in self.merge_weights)
 
-    @classmethod
-    def uniform(cls, n: int, tau: float = float("nan"), scale: float = 1.0) -> "FusionWeights":
-        """PRAG's merge for ``n`` passages: ``w~ = [scale]*n`` (``scale`` 1, a uniform controller's ``kappa``
-        otherwise), ``w = [1/n]*n``."""
-        return cls((float(scale),) * n, (1.0 / n,) * n, (0.5,) * n, 0.0, float(tau), "uniform")
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """Deprecated name of :attr:`probabilities`."""
+        warnings.warn("FusionWeights.weights is now .probabilities", DeprecationWarning, stacklevel=2)
+        return self.probabilities
+
+    @property
+    def mode(self) -> str:
+        """Deprecated name of :attr:`controller_mode`."""
+        warnings.warn("FusionWeights.mode is now .controller_mode", DeprecationWarning, stacklevel=2)
+        return self.controller_mode
 
     @classmethod
-    def from_output(cls, out: Any, mode: str, b: int = 0) -> "FusionWeights":
-        """Sample ``b`` of a controller output (``scores``, ``weights``, ``merge_weights`` ``[B, N]``, ``g``, ``tau``
-        ``[B]``, ``mask [B, N]``), its real passages only."""
+    def uniform(cls, n: int, scale: float = 1.0) -> "FusionWeights":
+        """Uniform weights for ``n`` passages: ``w~ = [scale]*n`` (1: PRAG's merge; a scale-only controller's
+        ``kappa`` otherwise), ``w = [1/n]*n``."""
+        return cls(check_weights([scale] * n, n), (1.0 / n,) * n, (0.5,) * n, 0.0, None, "uniform")
+
+    @classmethod
+    def from_output(cls, out: Any, controller_mode: str, b: int = 0) -> "FusionWeights":
+        """Sample ``b`` of a controller output (``scores``, ``probabilities``, ``merge_weights`` ``[B, N]``, ``g``,
+        ``tau`` ``[B]``, ``mask [B, N]``), its real passages only."""
         m = out.mask[b]
-        return cls(tuple(out.merge_weights[b][m].tolist()), tuple(out.weights[b][m].tolist()),
-                   tuple(out.scores[b][m].tolist()), float(out.g[b]), float(out.tau[b]), mode)
+        merge_weights = out.merge_weights[b][m].tolist()
+        return cls(check_weights(merge_weights, len(merge_weights)), tuple(out.probabilities[b][m].tolist()),
+                   tuple(out.scores[b][m].tolist()), float(out.g[b]), float(out.tau[b]), controller_mode)
 
     @classmethod
     def for_query(cls, query: str, passages: Sequence[str], controller: Any, encoder: Any = None,
                   side: dict[str, Any] | None = None) -> "FusionWeights":
-        """The weights for one query: uniform (see :func:`is_uniform`; a uniform controller's ``kappa`` scales
-        them), else ``controller.predict`` with ``encoder`` (default: the controller's shared encoder) and the
-        side-feature arguments ``side`` (:func:`side_inputs`)."""
+        """The weights for one query: uniform times the controller's ``kappa`` (see :func:`is_uniform`), else
+        ``controller.predict`` with ``encoder`` (default: the controller's shared encoder) and the side-feature
+        arguments ``side`` (:func:`side_inputs`)."""
         if is_uniform(controller):
-            if controller is None:
-                return cls.uniform(len(passages))
-            return cls.uniform(len(passages), controller.config.tau_max, getattr(controller.config, "kappa", 1.0))
+            if controller is not None:
+                controller.warn_if_unproven()
+            return cls.uniform(len(passages), 1.0 if controller is None else controller.config.kappa)
         if encoder is None:
             encoder = controller.encoder  # loaded once per process, shared
-        return cls.from_output(controller.predict(query, passages, encoder, **(side or {})), controller.config.mode)
+        out = controller.predict(query, passages, encoder, **(side or {}))
+        return cls.from_output(out, controller.config.controller_mode)
 
     def to_json(self) -> dict[str, Any]:
-        """Strict JSON (no NaN / inf: null): ``merge_weights``, ``weights``, ``scores``, ``g``, ``tau``,
+        """Strict JSON: ``merge_weights``, ``probabilities``, ``scores``, ``g``, ``tau`` (null when uniform),
         ``controller_mode``."""
-        return finite_or_none({"merge_weights": list(self.merge_weights), "weights": list(self.weights),
+        return finite_or_none({"merge_weights": list(self.merge_weights), "probabilities": list(self.probabilities),
                                "scores": list(self.scores), "g": self.g, "tau": self.tau,
-                               "controller_mode": self.mode})
+                               "controller_mode": self.controller_mode})
 
 
 def side_inputs(controller: Any, *, adapters: Any = None, retrieval_ranks: Sequence[float] | None = None,
                 retrieval_scores: Sequence[float] | None = None) -> dict[str, Any]:
     """The side-feature keyword arguments of ``controller.predict``: only those the controller was trained with
     (``config.side_features``). ``adapters``, a sequence of :class:`~fcprag_plugin.adapter.LoraAdapter` or a
-    zero-argument callable returning one, is read only when ``adapter_stats`` is needed. A needed value that is
-    None reaches ``predict``, which refuses it with a message naming the argument."""
+    zero-argument callable returning one, is read only when ``adapter_stats`` is needed. A value that is None
+    reaches ``predict``, which falls back for a side input the host may lack (see ``FusionController.predict``)."""
     names = () if is_uniform(controller) else tuple(getattr(controller.config, "side_features", None) or ())
     out: dict[str, Any] = {}
     if "retrieval_rank" in names:
@@ -105,14 +124,14 @@ def side_inputs(controller: Any, *, adapters: Any = None, retrieval_ranks: Seque
     return out
 
 
-def check_weights(weights: Any, n: int) -> list[float]:
-    """Validated merge weights ``w~``: finite, 1-D, one per adapter (``n >= 1``), as float32-rounded Python floats
-    (the values a float32 merge computes with). ``None`` is ``[1] * n`` (PRAG's uniform merge). Lists and tuples
-    skip tensor ops (the per-query hot path); tensors and arrays are accepted too."""
+def check_weights(weights: Any, n: int) -> tuple[float, ...]:
+    """Validated merge weights ``w~``: finite, 1-D, one per adapter (``n >= 1``), as a tuple of float32-rounded
+    Python floats (the values a float32 merge computes with). ``None`` is ``[1] * n`` (PRAG's uniform merge). Lists
+    and tuples skip tensor ops (the per-query hot path); tensors and arrays are accepted too."""
     if n == 0:
         raise MergeError("no adapters to merge (N == 0)")
     if weights is None:
-        return [1.0] * n
+        return (1.0,) * n
     vals: list[float] | None = None
     if isinstance(weights, (list, tuple)):
         try:
@@ -126,15 +145,4 @@ def check_weights(weights: Any, n: int) -> list[float]:
         vals = w.tolist()
     if not all(map(math.isfinite, vals)):
         raise MergeError(f"merge weights must be finite, got {vals}")
-    return vals
-
-
-def finite_or_none(obj: Any) -> Any:
-    """NaN / inf -> None, recursively through dicts, lists and tuples, so a record is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_or_none(v) for v in obj]
-    return obj
+    return tuple(vals)

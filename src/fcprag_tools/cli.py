@@ -17,8 +17,7 @@ from fcprag_plugin.loading import write_json
 
 from . import run_cli, train_cli
 from .labels import cli as labels_cli
-from .options import (CliParser, check_out_dir, finite_float, positive_int, read_text_arg,  # noqa: F401
-                      refuse_inputs, write_dir_atomically)
+from .options import CliParser, check_out_dir, finite_float, positive_int, read_text_arg, write_dir_atomically
 
 
 def _check_svd_rank(args: argparse.Namespace, adapters: Sequence[Any]) -> None:
@@ -81,7 +80,7 @@ def _cmd_fuse(args: argparse.Namespace) -> int:
     print(f"wrote {out} (mode={res.mode}, controller={res.controller_mode})")
     for a, w in zip(args.adapter, res.merge_weights):
         print(f"  w~={w:.4f}  {a}")
-    tau = "-" if res.tau != res.tau else f"{res.tau:.4f}"  # NaN: the uniform merge has no temperature
+    tau = "-" if res.tau is None else f"{res.tau:.4f}"  # None: uniform weights have no temperature
     print(f"  g={res.g:.4f} tau={tau}" + (f" rank={info['rank']}" if "rank" in info else ""))
     return 0
 

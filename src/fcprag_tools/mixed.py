@@ -118,7 +118,7 @@ def activate_mixed(slot: FusedSlot, adapters: Sequence[Any], weights: Any, mode:
     if mode not in MIXED_MODES:
         raise MergeError(f"mixed-batch mode '{mode}' is not supported; expected one of {list(MIXED_MODES)}")
     w, m = _check(weights, mask, len(adapters))
-    packed = slot.write_union(adapters)
+    packed = slot.write_unweighted(adapters)
     K, R = slot.max_adapters, slot.max_rank
     B = w.shape[0]
     if mode == "cat":
@@ -133,7 +133,7 @@ def activate_mixed(slot: FusedSlot, adapters: Sequence[Any], weights: Any, mode:
             raise MergeError(f"mixed mode 'separate': sample {bad} uses no adapter (its mask row is all False)")
         coef = torch.zeros(B, K)
         coef[:, :len(packed)] = (w / n.to(torch.float32)) * m
-    slot.activate_transform(_RankMixer(coef, mode, K, R))
+    slot.switch_on_transform(_RankMixer(coef, mode, K, R))
     return slot
 
 

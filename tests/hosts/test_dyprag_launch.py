@@ -27,7 +27,7 @@ def peaked_controller(dim: int = 16) -> FusionController:
 
 def mlp_controller(dim: int = 16) -> FusionController:
     # a seeded random score net, sharpened: exercises the MLP scorer path with clearly non-uniform weights
-    return FusionController(ControllerConfig(embed_dim=dim, mode="fixed", scorer="mlp", fixed_g=1.0, fixed_tau=0.01,
+    return FusionController(ControllerConfig(embed_dim=dim, controller_mode="fixed", scorer="mlp", fixed_g=1.0, fixed_tau=0.01,
                                              seed=3, score_hidden=[32], calib_hidden=16))
 
 

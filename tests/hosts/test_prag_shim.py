@@ -37,7 +37,7 @@ def _no_shim_leaks():
 
 def random_controller_dir(path: Path) -> Path:
     """An untrained controller, sharpened (spread scores, gate open, low tau), saved to disk for the shim."""
-    ctrl = FusionController(ControllerConfig(embed_dim=16, score_hidden=[32, 16], calib_hidden=16, mode="random",
+    ctrl = FusionController(ControllerConfig(embed_dim=16, score_hidden=[32, 16], calib_hidden=16, controller_mode="random",
                                              seed=0))
     with torch.no_grad():
         ctrl.score_net[-1].weight.mul_(20.0)
@@ -75,9 +75,9 @@ def check_log(world: World, records: list[dict], expected_w: list[list[float]], 
         assert rec["question"] == world.records[t]["question"]
         assert rec["adapter_paths"] == [str(world.adapter_path(t, p)) for p in range(n)]
         assert rec["adapters"] == [str(p) for p in range(n)]
-        assert rec["n"] == n and len(rec["scores"]) == n and len(rec["weights"]) == n
+        assert rec["n"] == n and len(rec["scores"]) == n and len(rec["probabilities"]) == n
         assert rec["merge_weights"] == pytest.approx(w, abs=1e-5)
-        assert sum(rec["weights"]) == pytest.approx(1.0, abs=1e-5)
+        assert sum(rec["probabilities"]) == pytest.approx(1.0, abs=1e-5)
         assert rec["context_source"] == source
         assert rec["mode"] == mode
         assert rec["merge_time_s"] > 0

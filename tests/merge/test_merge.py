@@ -55,7 +55,7 @@ def test_cat_equals_peft_add_weighted_adapter(tmp_path, kind, weights):
 def test_cat_uniform_default_is_sum(adapter_dirs):
     ads = _load(adapter_dirs)
     res = WeightedAdapterMerger().merge(ads)
-    assert res.weights.tolist() == [1.0, 1.0, 1.0]
+    assert res.merge_weights == (1.0, 1.0, 1.0)
     torch.testing.assert_close(res.adapter[GATE].delta(torch.float64), dense_reference(ads, [1, 1, 1], GATE))
 
 

@@ -83,7 +83,7 @@ def test_separate_equals_merger(kind, n, x, out_major):
     ads = [random_adapter(model, 2, seed=200 + i, alpha=8 + 8 * i) for i in range(n)]
     w = torch.linspace(1.4, 0.6, n).tolist()
     slot = FusedSlot(model, ads[0], max_adapters=5, max_rank=4, out_major=out_major)
-    slot.activate(ads[:1] * 5, None)  # leave rows of a larger 'cat' merge behind: they must be zeroed
+    slot.write(ads[:1] * 5, None)  # leave rows of a larger 'cat' merge behind: they must be zeroed
     with slot.fused(ads, w, mode="separate"):
         got = logits(model, x)
         cur = slot.current_adapter()
@@ -131,9 +131,9 @@ def test_activate_one_adapter_handle(x, dtype):
     with activate(model, a0, dtype=dtype) as handle:
         torch.testing.assert_close(logits(model, x), logits(dense_model(model, [a0], [1.0]), x), **tol)
         if dtype is not None:  # the same buffer content as a default slot's (each value rounded once)
-            plain = FusedSlot(plain_copy(model), a0, max_adapters=1, dtype=dtype).activate([a0])
+            plain = FusedSlot(plain_copy(model), a0, max_adapters=1, dtype=dtype).write([a0])
             assert_same_adapter(handle.current_adapter(), plain.current_adapter())
-        handle.activate([a1], [0.7])
+        handle.write([a1], [0.7])
         torch.testing.assert_close(logits(model, x), logits(dense_model(model, [a1], [0.7]), x), **tol)
     assert all(torch.equal(m.A, before[k][0]) and torch.equal(m.B, before[k][1]) for k, m in a0.modules.items())
     assert_bit_identical(model, snap)
@@ -160,8 +160,8 @@ def test_reuse_with_fewer_adapters_zeroes_leftovers(x):
     ads = [random_adapter(model, 2, seed=i) for i in range(5)]
     want = logits(dense_model(model, ads[3:], [0.5, 1.5]), x)
     slot = FusedSlot(model, ads[0], max_adapters=5)
-    slot.activate(ads, [1.0, 2.0, 3.0, 4.0, 5.0])
-    slot.activate(ads[3:], [0.5, 1.5])  # replaces the 5-adapter merge while active
+    slot.write(ads, [1.0, 2.0, 3.0, 4.0, 5.0])
+    slot.write(ads[3:], [0.5, 1.5])  # replaces the 5-adapter merge while active
     torch.testing.assert_close(logits(model, x), want, rtol=1e-4, atol=1e-4)
     slot.deactivate()
     assert torch.equal(logits(model, x), logits(tiny_model("llama"), x))
@@ -242,7 +242,7 @@ def test_resize_and_for_model(x):
     slot = FusedSlot.for_model(model, ads[0], max_adapters=2)
     assert FusedSlot.for_model(model, ads[1], max_adapters=2) is slot
     with pytest.raises(MergeError, match=r"4 adapters do not fit this slot \(max_adapters K=2\).*resize\(4\)"):
-        slot.activate(ads, None)
+        slot.write(ads, None)
     grown = FusedSlot.for_model(model, ads[0], max_adapters=4, max_rank=4)
     assert grown is slot and (slot.max_adapters, slot.max_rank) == (4, 4)
     w = [1.0, 0.5, 1.5, 0.25]
@@ -260,28 +260,28 @@ def test_errors():
     ads = [random_adapter(model, 2, seed=i, source=f"adapter-{i}") for i in range(3)]
     slot = FusedSlot(model, ads[0], max_adapters=2, max_rank=2)
     with pytest.raises(MergeError, match=r"3 adapters do not fit this slot \(max_adapters K=2\)"):
-        slot.activate(ads, None)
+        slot.write(ads, None)
     big = random_adapter(model, 4, seed=9, source="big-one")
     with pytest.raises(MergeError, match=r"adapter 1 \(big-one\) has rank 4 > the slot's max_rank R=2"):
-        slot.activate([ads[0], big], None)
+        slot.write([ads[0], big], None)
     partial = random_adapter(model, 2, seed=3, targets=["gate_proj", "up_proj"], source="no-down")
     with pytest.raises(MergeError, match=r"adapter 0 \(no-down\) does not fit: missing modules \['model.layers.0.mlp.down_proj'"):
-        slot.activate([partial], None)
+        slot.write([partial], None)
     with pytest.raises(MergeError, match=r"merge weights have shape \[3\], expected \[2\]"):
-        slot.activate(ads[:2], [1.0, 1.0, 1.0])
+        slot.write(ads[:2], [1.0, 1.0, 1.0])
     with pytest.raises(MergeError, match="must be finite"):
-        slot.activate(ads[:2], [1.0, float("nan")])
+        slot.write(ads[:2], [1.0, float("nan")])
     with pytest.raises(MergeError, match=r"mode 'svd' is not supported"):
-        slot.activate(ads[:2], None, mode="svd")
+        slot.write(ads[:2], None, mode="svd")
     with pytest.raises(MergeError, match="a list"):
-        slot.activate(ads[0], None)
+        slot.write(ads[0], None)
     with pytest.raises(MergeError, match=r"N == 0"):
-        slot.activate([], None)
+        slot.write([], None)
     with pytest.raises(MergeError, match="adapter 1 is a int"):
-        slot.activate([ads[0], 5], None)
+        slot.write([ads[0], 5], None)
     r1 = random_adapter(model, 1, seed=5, source="rank-one")
     with pytest.raises(MergeError, match=r"'separate' needs equal ranks.*\[2, 1\]"):
-        slot.activate([ads[0], r1], None, mode="separate")
+        slot.write([ads[0], r1], None, mode="separate")
     with slot.fused(ads[:2]):
         with pytest.raises(MergeError, match="cannot be nested"):
             with slot.fused(ads[:1]):
@@ -299,7 +299,7 @@ def test_errors():
     other.remove()
     slot.remove()
     with pytest.raises(MergeError, match="was removed"):
-        slot.activate(ads[:1], None)
+        slot.write(ads[:1], None)
 
 
 @pytest.mark.parametrize("form", ["list", "tensor", "tuple"])
@@ -311,12 +311,12 @@ def test_weights_round_like_the_merger(form):
     given = {"list": w, "tensor": torch.tensor(w, dtype=torch.float64), "tuple": tuple(w)}[form]
     slot = FusedSlot(model, ads[0], max_adapters=3)
     for mode in ("cat", "separate"):
-        slot.activate(ads, given, mode=mode)
+        slot.write(ads, given, mode=mode)
         assert_same_adapter(slot.current_adapter(), WeightedAdapterMerger(mode).merge(ads, w).adapter)
     with pytest.raises(MergeError, match="must be finite"):
-        slot.activate(ads, [1.0, 1e39, 1.0])
+        slot.write(ads, [1.0, 1e39, 1.0])
     with pytest.raises(MergeError, match=r"merge weights have shape \[1, 3\], expected \[3\]"):
-        slot.activate(ads, [[1.0, 1.0, 1.0]])
+        slot.write(ads, [[1.0, 1.0, 1.0]])
 
 
 def test_torch_compile_does_not_recompile_per_query():
@@ -333,7 +333,7 @@ def test_torch_compile_does_not_recompile_per_query():
     with torch.no_grad():
         for adapters, w, mode in [(ads[:2], [1.0, 0.5], "cat"), (ads[1:], [0.3, 0.5, 2.0], "cat"),
                                   (ads[:3], [1.0, 2.0, 0.5], "separate")]:
-            slot.activate(adapters, w, mode=mode)
+            slot.write(adapters, w, mode=mode)
             got = compiled(x)
             frames.append(counter.frame_count)
             # cat: the independent dense model; separate: the same slot run eagerly
@@ -344,7 +344,7 @@ def test_torch_compile_does_not_recompile_per_query():
         torch.testing.assert_close(compiled(x), model(x).logits, rtol=0, atol=0)
         off = counter.frame_count
         assert off > frames[0]  # 'off' is one more specialisation...
-        slot.activate(ads[:1], None)
+        slot.write(ads[:1], None)
         compiled(x)
         slot.deactivate()
         compiled(x)
@@ -394,7 +394,7 @@ def test_adapter_dtypes_round_like_the_merger(dtype, mode):
     ads = [random_adapter(model, 2, seed=i, alpha=5 + i).to(dtype=dtype) for i in range(3)]
     w = [0.1, 1 / 3, 1.7]
     slot = FusedSlot(model, ads[0], max_adapters=3)
-    slot.activate([pack_adapter(a) for a in ads], w, mode=mode)
+    slot.write([pack_adapter(a) for a in ads], w, mode=mode)
     assert_same_adapter(slot.current_adapter(), WeightedAdapterMerger(mode).merge(ads, w).adapter)
 
 

@@ -90,7 +90,7 @@ def bad_values(action: argparse.Action) -> list[str]:
     if action.choices:
         return ["bogus-choice"]
     name = getattr(action.type, "__name__", "")
-    minimum = getattr(action.type, "minimum", None)  # cli.int_at_least(minimum)
+    minimum = getattr(action.type, "minimum", None)  # options.int_at_least(minimum)
     if name == "int" or minimum is not None:
         return ["abc", "1.5"] + ([str(minimum - 1), "-3"] if minimum is not None else [])
     if name in ("float", "finite_float"):

@@ -184,12 +184,13 @@ def test_pure_noise_is_unproven_and_warns_once(tmp_path, caplog):
     c = FusionController.from_pretrained(tmp_path / "run")
     assert c.config.cv["verdict"] == "unproven"
     enc = table_encoder(table, "syn16")
-    with caplog.at_level(logging.WARNING, logger="fcprag_plugin.controller"):
+    with caplog.at_level(logging.WARNING, logger="fcprag_plugin.controller"), pytest.warns(UserWarning) as seen:
         c.predict(recs[0].query, recs[0].passages, enc)
         c.predict(recs[1].query, recs[1].passages, enc)
         assert c.warn_if_unproven()
-    warned = [r for r in caplog.records if "did not beat uniform" in r.getMessage()]
+    warned = [r for r in caplog.records if "NOT shown to beat PRAG's sum" in r.getMessage()]
     assert len(warned) == 1 and "95% CI" in warned[0].getMessage()
+    assert [str(w.message) for w in seen] == [warned[0].getMessage()]  # Python users see it too, once
 
 
 def test_selected_zero_epochs_keeps_uniform_weights(tmp_path, monkeypatch):
@@ -337,5 +338,5 @@ def test_fuse_logs_one_warning_for_an_unproven_controller(tmp_path, adapter_dirs
                 fuse(adapter_dirs, q, ["a one", "b two", "c three"], controller=p, encoder=encoder16)
     finally:
         fcprag_plugin.clear_caches()
-    warned = [r.getMessage() for r in caplog.records if "did not beat uniform" in r.getMessage()]
-    assert len(warned) == 1 and "95% CI [-0.02, 0.011]" in warned[0]
+    warned = [r.getMessage() for r in caplog.records if "NOT shown to beat PRAG's sum" in r.getMessage()]
+    assert len(warned) == 1 and "95% CI [-0.02, +0.011]" in warned[0]

@@ -79,8 +79,8 @@ def train_step(c, batch, precision="fp32"):
     finally:
         for h in hooks:
             h.remove()
-    assert out.weights.dtype == torch.float32 and out.g.dtype == torch.float32
-    loss = weighted_kl(y, out.weights, mask, omega, eps=0.0)
+    assert out.probabilities.dtype == torch.float32 and out.g.dtype == torch.float32
+    loss = weighted_kl(y, out.probabilities, mask, omega, eps=0.0)
     c.zero_grad(set_to_none=True)
     loss.backward()
     return loss, {k: p.grad.clone() for k, p in c.named_parameters()}, keeps

@@ -88,7 +88,7 @@ def test_saved_controller_gives_identical_weights(planted):
     b = data.batch(torch.arange(64))
     res.controller.eval()
     a, c = res.controller(b.e_q, b.E_p, b.mask), loaded(b.e_q, b.E_p, b.mask)
-    assert torch.equal(a.weights, c.weights) and torch.equal(a.g, c.g) and torch.equal(a.tau, c.tau)
+    assert torch.equal(a.probabilities, c.probabilities) and torch.equal(a.g, c.g) and torch.equal(a.tau, c.tau)
     sd1, sd2 = res.controller.state_dict(), loaded.state_dict()
     assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
 

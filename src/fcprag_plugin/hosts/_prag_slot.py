@@ -6,6 +6,7 @@ and a fused slot, no LoRA modules (see ``examples/prag/README.md``). The active 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator, Sequence
 
 from ..errors import HookError
@@ -71,17 +72,18 @@ class SlotPeftModel:
             raise HookError(f"add_weighted_adapter('{merge_name}'): adapter '{unknown[0]}' is not loaded "
                             f"(loaded: {sorted(self._adapters)})")
         packed = [self._adapters[n] for n in names]
+        paths = [self._paths[n] for n in names]
+        t0 = time.perf_counter()
         for n, p in zip(names, packed):
             if p.all_zero:
                 raise HookError(f"adapter '{n}' loaded from {self._paths[n]}: every lora_B weight is zero, so it "
                                 "would change nothing (weights not loaded, or the adapter was saved before training)")
-
-        def record(w_tilde: list[float]) -> tuple[None, str]:
-            self._merges[merge_name] = (packed, self._paths[names[0]], w_tilde, self._shim.mode)
-            return None, f"FusedSlot merge of {len(names)} adapters ({self._shim.mode}), written at set_adapter"
-
-        self._shim.merge_adapters(names, [self._paths[n] for n in names], merge_name, weights, combination_type,
-                                  lambda: [p.to_lora() for p in packed], record)
+        shim = self._shim
+        ctx, fw = shim.question_weights(merge_name, names, paths,
+                                        [p.to_lora() for p in packed] if shim.weigher.needs_adapters else None)
+        self._merges[merge_name] = (packed, paths[0], fw.merge_weights, shim.mode)  # written at set_adapter
+        shim.log_merge(ctx, fw, names, paths, merge_name, {"weights": weights, "combination_type": combination_type},
+                       t0, slot_info=f"FusedSlot merge of {len(names)} adapters ({shim.mode}), written at set_adapter")
 
     def set_adapter(self, adapter_name: str) -> None:
         self._active = self._existing("set_adapter", adapter_name)

@@ -20,7 +20,8 @@ from ..controller import FusionController, load_controller
 from ..errors import HookError
 from ..slot.layout import FactorGetter, PackedAdapter, pack_factors
 from ..slot.fused import FusedSlot
-from ..weights import FusionWeights, finite_or_none, is_uniform, side_inputs
+from ..loading import finite_or_none
+from ..weights import FusionWeights, is_uniform, side_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -116,25 +117,19 @@ def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, 
                     "paths")
 
 
-# ----------------------------------------------------------------------------- the hook
-class MergeHook:
-    """Controller + encoder -> merge weights for one question, and the per-question JSON Lines log.
+# ----------------------------------------------------------------------------- the weights
+class WeightProvider:
+    """Controller + encoder -> the merge weights of one question (:meth:`weights`).
 
-    ``controller=None`` or a ``uniform`` controller gives ``w~ = [1]*N`` (the host's original merge).
+    ``controller=None`` or a ``uniform`` controller gives ``w~ = [kappa]*N`` (kappa 1: the host's original merge).
     ``encoder``: a :class:`TextEncoder`, a model name/path, or None (the controller's recorded embedding model).
     """
 
-    def __init__(self, controller: FusionController | str | Path | None = None, encoder: Any = None,
-                 mode: str = "cat", log: str | Path | None = None) -> None:
+    def __init__(self, controller: FusionController | str | Path | None = None, encoder: Any = None) -> None:
         self.controller = load_controller(controller)
         # A name/path is loaded lazily, and only when the weights need an encoder (not for uniform merges).
         self._encoder_name = str(encoder) if isinstance(encoder, (str, Path)) else None
         self._encoder = None if self._encoder_name is not None else encoder
-        self.mode = mode
-        self.log_path = Path(log) if log is not None else None
-        self.calls = 0
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
     @property
     def encoder(self) -> Any:
@@ -147,13 +142,18 @@ class MergeHook:
             self.controller.check_encoder(self._encoder)
         return self._encoder
 
+    @property
+    def needs_adapters(self) -> bool:
+        """Whether :meth:`weights` reads the adapters (a controller trained with adapter statistics)."""
+        return "adapter_stats" in side_inputs(self.controller)
+
     def weights(self, question: str, passages: Sequence[str], adapters: Any = None) -> FusionWeights:
         """The :class:`~fcprag_plugin.weights.FusionWeights` for one question.
 
         Side features: the hosts hand over their passages in retrieval order, so ``retrieval_rank`` is the
-        position (1..N); ``adapter_stats`` come from ``adapters`` (LoraAdapters, or a callable giving them, read
-        only when needed); the hosts keep no retrieval scores, so a controller trained with ``retrieval_score``
-        is refused by ``predict`` with a message naming the argument.
+        position (1..N); ``adapter_stats`` come from ``adapters`` (LoraAdapters, read only when
+        :attr:`needs_adapters`); the hosts keep no retrieval scores, so a controller trained with
+        ``retrieval_score`` takes it as equal for every passage (logged once by ``predict``).
         """
         from ..fusion import check_texts
 
@@ -162,13 +162,24 @@ class MergeHook:
                            retrieval_ranks=[float(i + 1) for i in range(len(passages))])
         return FusionWeights.for_query(question, passages, self.controller, self.encoder, side)
 
-    def log(self, record: dict[str, Any]) -> None:
-        self.calls += 1
-        if self.log_path is None:
-            return
-        line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
-        with open(self.log_path, "a", encoding="utf-8") as f:  # one write per line: no torn records
-            f.write(line + "\n")
+
+class MergeHook(WeightProvider):
+    """Deprecated name of :class:`WeightProvider` (``mode`` and ``log`` now belong to the shim)."""
+
+    def __init__(self, controller: Any = None, encoder: Any = None, mode: str = "cat", log: Any = None) -> None:
+        import warnings
+
+        warnings.warn("MergeHook is now WeightProvider", DeprecationWarning, stacklevel=2)
+        super().__init__(controller, encoder)
+
+
+def append_log_line(path: Path | None, record: dict[str, Any]) -> None:
+    """Append ``record`` to the JSON Lines file ``path`` in one write (no torn lines); None: no log."""
+    if path is None:
+        return
+    line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -215,7 +226,8 @@ def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | Non
 
 
 class ShimSlots:
-    """The fused slots one shim installed, one per live model (held weakly); :meth:`close` removes them all.
+    """The models whose slot one shim used (held weakly), so :meth:`close` can remove those slots. The slot itself
+    belongs to the model (:meth:`FusedSlot.for_model`, its one owner).
 
     ``max_adapters``: fixed slot capacity K (more adapters is a :class:`HookError`); ``None`` sizes the slot for
     the first question and grows it (logged) when a later question has more adapters or a larger rank.
@@ -224,30 +236,24 @@ class ShimSlots:
     def __init__(self, max_adapters: int | None, who: str) -> None:
         self.max_adapters = max_adapters
         self.who = who
-        self._slots: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDictionary()
+        self._models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self.resizes = 0
 
-    def get(self, model: nn.Module, modules: Sequence[str], n: int, rank: int) -> FusedSlot:
-        """The slot on ``model`` covering exactly ``modules`` (base-model paths), with room for ``n`` adapters of
-        rank ``rank``."""
+    def get(self, model: nn.Module, targets: Any, n: int, rank: int) -> FusedSlot:
+        """The slot on ``model`` covering ``targets`` (module paths or a packed adapter), with room for ``n``
+        adapters of rank ``rank``."""
         if self.max_adapters is not None and n > self.max_adapters:
             raise HookError(f"{self.who}: this question merges {n} adapters but the fused slot holds "
                             f"max_adapters={self.max_adapters}; raise max_adapters (--slot-max-adapters) or leave it "
                             "unset so the slot grows with the largest question")
-        slot = self._slots.get(model)
-        if slot is not None and set(slot.layout.module_names) != set(modules):
-            logger.info("%s: the target modules changed (%d -> %d modules); rebuilding the fused slot", self.who,
-                        slot.layout.num_modules, len(modules))
-            slot.remove()
-            del self._slots[model]
-            slot = None
-        if slot is None:
-            slot = FusedSlot(model, list(modules), max_adapters=self.max_adapters or n, max_rank=rank)
-            self._slots[model] = slot
+        before = FusedSlot.of(model)
+        size = None if before is None else (before.max_adapters, before.max_rank)
+        slot = FusedSlot.for_model(model, targets, max_adapters=self.max_adapters or n, max_rank=rank)
+        self._models.add(model)
+        if slot is not before:
             logger.info("%s: fused slot installed on %d modules (K=%d, R=%d, %d bytes)", self.who,
                         slot.layout.num_modules, slot.max_adapters, slot.max_rank, slot.nbytes)
-        elif n > slot.max_adapters or rank > slot.max_rank:
-            slot.resize(max(n, slot.max_adapters), max(rank, slot.max_rank))
+        elif size != (slot.max_adapters, slot.max_rank):
             self.resizes += 1
         return slot
 
@@ -255,43 +261,48 @@ class ShimSlots:
               sources: Sequence[str], weights: Sequence[float], mode: str) -> FusedSlot:
         """Pack each adapter's factors (``factors[i](module) -> (A, B, s)``, named ``sources[i]`` in errors) into
         the slot of ``model`` and write their ``mode`` merge with ``weights`` (switched on)."""
-        slot = self.get(model, modules, len(factors), rank)
+        slot = self.get(model, list(modules), len(factors), rank)
         packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
-        return slot.activate(packed, list(weights), mode)
+        return slot.write(packed, weights, mode)
 
     def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], weights: Sequence[float],
                      mode: str) -> FusedSlot:
         """Write the ``mode`` merge of already packed adapters into the slot of ``model`` (switched on)."""
-        slot = self.get(model, packed[0].layout.module_names, len(packed), max(p.max_rank for p in packed))
-        return slot.activate(list(packed), list(weights), mode)
+        slot = self.get(model, packed[0], len(packed), max(p.max_rank for p in packed))
+        return slot.write(list(packed), weights, mode)
 
     def slot_of(self, model: nn.Module) -> FusedSlot | None:
-        return self._slots.get(model)
+        return FusedSlot.of(model) if model in self._models else None
 
     def slots(self) -> list[FusedSlot]:
-        return list(self._slots.values())
+        return [s for s in map(FusedSlot.of, list(self._models)) if s is not None]
 
     def close(self) -> None:
-        """Remove every slot (hooks and buffers): the models are exactly as before the first question."""
-        for slot in list(self._slots.values()):
-            slot.remove()
-        self._slots = weakref.WeakKeyDictionary()
+        """Remove the slots of every model this shim used: the models are exactly as before the first question."""
+        for model in list(self._models):
+            slot = FusedSlot.of(model)
+            if slot is not None:
+                slot.remove()
+        self._models = weakref.WeakSet()
 
 
 # ----------------------------------------------------------------------------- the shim lifecycle
 class Shim:
-    """What every host shim holds: the weight hook (controller, encoder, log), the merge ``mode``, the fused slots
-    of ``use_slot`` (``slots``), its patches, and the per-question log (``merges`` counts questions,
-    ``last_record``). Subclasses set ``who`` and ``lifecycle`` and implement :meth:`apply` (their patches).
+    """What every host shim holds: the :class:`WeightProvider` (``weigher``), the merge ``mode``, the fused slots
+    of ``use_slot`` (``slots``), its patches, and the per-question JSON Lines log (``log_path``; ``merges`` counts
+    questions, ``last_record``). Subclasses set ``who`` and ``lifecycle`` and implement :meth:`apply`.
     """
 
     who = "fcprag"
     lifecycle: "Lifecycle"
 
-    def __init__(self, hook: MergeHook, mode: str, *, use_slot: bool = False, max_adapters: int | None = None
-                 ) -> None:
-        self.hook = hook
+    def __init__(self, weigher: WeightProvider, mode: str, *, log: str | Path | None = None, use_slot: bool = False,
+                 max_adapters: int | None = None) -> None:
+        self.weigher = weigher
         self.mode = mode
+        self.log_path = Path(log) if log is not None else None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.use_slot = bool(use_slot)
         self.slots = ShimSlots(check_max_adapters(max_adapters, self.use_slot, self.who), self.who)
         self.patches = PatchSet(self.who)
@@ -338,7 +349,7 @@ class Shim:
         record = finite_or_none(record)
         self.merges += 1
         self.last_record = record
-        self.hook.log(record)
+        append_log_line(self.log_path, record)
         return record
 
 
@@ -383,7 +394,7 @@ class Lifecycle:
         """Run the unmodified host ``script`` as ``__main__`` with ``shim`` installed; returns its exit status."""
         with self.installed(shim):
             code = run_host_script(script, list(script_args))
-            ctrl = shim.hook.controller
+            ctrl = shim.weigher.controller
             logger.info("%s: merged %d question(s) with %s weights", self.who, shim.merges,
-                        "uniform" if is_uniform(ctrl) else ctrl.config.mode)
+                        "uniform" if is_uniform(ctrl) else ctrl.config.controller_mode)
         return code

@@ -25,7 +25,7 @@ from ..adapter import LoraAdapter, LoraModule
 from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
-from .base import (Lifecycle, MergeHook, Shim, caller_test_id, check_max_adapters, clear_context, find_in_callers,
+from .base import (Lifecycle, Shim, WeightProvider, caller_test_id, check_max_adapters, clear_context, find_in_callers,
                    get_context)
 from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
@@ -46,9 +46,9 @@ class DyPragShim(Shim):
     who = "fcprag dyprag"
     lifecycle = _LIFE
 
-    def __init__(self, hook: MergeHook, mode: str, utils: ModuleType, projector: ModuleType, *,
-                 use_slot: bool = False, max_adapters: int | None = None) -> None:
-        super().__init__(hook, mode, use_slot=use_slot, max_adapters=max_adapters)
+    def __init__(self, weigher: WeightProvider, mode: str, utils: ModuleType, projector: ModuleType, *,
+                 log: str | Path | None = None, use_slot: bool = False, max_adapters: int | None = None) -> None:
+        super().__init__(weigher, mode, log=log, use_slot=use_slot, max_adapters=max_adapters)
         self.utils = utils
         self.projector = projector
         self._captured: list[Any] = []
@@ -115,8 +115,8 @@ class DyPragShim(Shim):
         q_text, p_texts = ctx["question"], ctx["passages"]
         dm.check_alignment(outs, merged, len(p_texts), q_text)
         t0 = time.perf_counter()
-        fw = self.hook.weights(q_text, p_texts,
-                               adapters=lambda: [_translator_adapter(o, i) for i, o in enumerate(outs)])
+        adapters = [_translator_adapter(o, i) for i, o in enumerate(outs)] if self.weigher.needs_adapters else None
+        fw = self.weigher.weights(q_text, p_texts, adapters=adapters)
         t1 = time.perf_counter()
         return outs, ctx, fw, [w / fw.n for w in fw.merge_weights], (t0, t1)
 
@@ -281,11 +281,11 @@ def _make(controller: Any, encoder: Any, mode: str, log: str | Path | None, util
     utils_mod = _resolve_module(utils or UTILS_MODULE, "delta_inject")
     projector_mod = _resolve_module(projector or PROJECTOR_MODULE, TRANSLATOR_CLASS)
     _check_host(utils_mod, projector_mod)
-    hook = MergeHook(controller, encoder, mode=mode, log=log)
-    _ = hook.encoder  # load it and check its dimension now, before the host script runs
+    weigher = WeightProvider(controller, encoder)
+    _ = weigher.encoder  # load it and check its dimension now, before the host script runs
     logger.info("fcprag dyprag: installing (mode=%s, controller=%s, use_slot=%s)", mode,
-                "uniform" if hook.controller is None else hook.controller.config.mode, bool(use_slot))
-    return DyPragShim(hook, mode, utils_mod, projector_mod, use_slot=use_slot, max_adapters=max_adapters)
+                "uniform" if weigher.controller is None else weigher.controller.config.controller_mode, bool(use_slot))
+    return DyPragShim(weigher, mode, utils_mod, projector_mod, log=log, use_slot=use_slot, max_adapters=max_adapters)
 
 
 uninstall = _LIFE.uninstall  # undo install() (no-op when not installed)

@@ -9,6 +9,7 @@ returns a :class:`~fcprag_plugin.hosts._prag_slot.SlotPeftModel`. See ``examples
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -20,7 +21,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 from ..compat import (clear_stale_peft_config, has_stale_peft_config, live_lora_layers, lora_b_weight,
-                      peft_has_stale_config_bug, peft_version, set_lora_factors)
+                      peft_has_stale_config_bug, peft_version)
 from ..adapter import LoraAdapter
 from ..controller import FusionController
 from ..errors import HookError
@@ -29,7 +30,8 @@ from ..slot.fused import SLOT_MODES
 from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
-from .base import Lifecycle, MergeHook, Shim, caller_test_id, clear_context, get_context
+from ..weights import FusionWeights
+from .base import Lifecycle, Shim, WeightProvider, caller_test_id, clear_context, get_context
 from .base import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
@@ -56,11 +58,11 @@ class PragShim(Shim):
         if use_slot and mode not in SLOT_MODES:
             raise HookError(f"fcprag prag: use_slot supports modes {list(SLOT_MODES)}, not '{mode}' (an SVD merge "
                             "needs the materialised adapter): run without use_slot / --use-slot")
-        super().__init__(MergeHook(controller, encoder, mode=mode, log=log), mode, use_slot=use_slot,
+        super().__init__(WeightProvider(controller, encoder), mode, log=log, use_slot=use_slot,
                          max_adapters=max_adapters)
         self._slot_models: "weakref.WeakKeyDictionary[Any, SlotPeftModel]" = weakref.WeakKeyDictionary()
         self._stores: dict[torch.device, AdapterStore] = {}
-        _ = self.hook.encoder  # load it and check its dimension now, before the host script runs for hours
+        _ = self.weigher.encoder  # load it and check its dimension now, before the host script runs for hours
         self.data = PragDataFile(data_file) if data_file is not None else None
         self.repair = repair
 
@@ -85,68 +87,57 @@ class PragShim(Shim):
 
     # ----------------------------------------------------------------- the merge
     def merge(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
-        """Run ``LoraModel.add_weighted_adapter`` (arguments in ``bound``) with controller weights."""
+        """``LoraModel.add_weighted_adapter`` (its arguments in ``bound``) with controller weights: take the adapters
+        PRAG loaded, compute the question's ``w~``, write the merge, log the question."""
         args = bound.arguments
         tuner, merge_name = args["self"], args["adapter_name"]
         if merge_name in tuner.peft_config:  # peft returns without doing anything: keep that
             return original(*bound.args, **bound.kwargs)
         names = [str(n) for n in args["adapters"]]
         paths = [_paths.get(tuner, {}).get(n) for n in names]
+        host = {"weights": args.get("weights"), "combination_type": args.get("combination_type")}
+        t0 = time.perf_counter()
         verify_adapters(tuner, names, paths)
         if self.use_slot:
             self.warn_once("peft_layers", "fcprag prag (use_slot): adapters %s are PEFT modules (loaded before the "
                            "shim was installed, or trainable): PEFT merges them, not the fused slot", names)
-
-        def apply(w_tilde: list[float]) -> tuple[Any, None]:
-            args["weights"], args["combination_type"] = w_tilde, "cat"
+        ctx, fw = self.question_weights(merge_name, names, paths,
+                                        live_adapters(tuner, names) if self.weigher.needs_adapters else None)
+        if self.mode == "cat":  # PEFT's own cat merge with w~: exactly PRAG's merge when w~ = 1
+            args["weights"], args["combination_type"] = list(fw.merge_weights), "cat"
             result = original(*bound.args, **bound.kwargs)
-            if self.mode != "cat":
-                _remerge(tuner, names, merge_name, w_tilde, self.mode)
-            return result, None
+        else:
+            merged = merge_adapters(live_adapters(tuner, names), fw.merge_weights, self.mode).adapter
+            result = add_merged_adapter(tuner, merge_name, merged, like=names[0])
+        self.log_merge(ctx, fw, names, paths, merge_name, host, t0)
+        return result
 
-        return self.merge_adapters(names, paths, merge_name, args.get("weights"), args.get("combination_type"),
-                                   lambda: [LoraAdapter.from_peft_model(tuner.model, n) for n in names], apply)
-
-    def merge_adapters(self, names: list[str], paths: list[str | None], merge_name: str,
-                       host_weights: Sequence[float] | None, host_type: Any,
-                       adapters: Callable[[], list[LoraAdapter]],
-                       apply: Callable[[list[float]], tuple[Any, str | None]]) -> Any:
-        """One question's merge: find the question and passages, ask the controller for ``w~``, ``apply(w~)`` (the
-        PEFT merge, or the slot model's recipe) and log one record. ``adapters`` gives the factors lazily (only a
-        controller with adapter statistics reads them). Returns what ``apply`` returned first."""
-        t0 = time.perf_counter()
+    def question_weights(self, merge_name: str, names: list[str], paths: list[str | None],
+                         adapters: list[LoraAdapter] | None) -> tuple[dict[str, Any], FusionWeights]:
+        """The question of merge ``merge_name`` of adapters ``names`` (loaded from ``paths``) and its weights
+        (``adapters``: their factors, for a controller with adapter statistics)."""
         if not names:
-            raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); "
-                            "load at least one passage adapter first")
-        parsed = [parse_adapter_path(p) for p in paths]
-        ctx = self._context(names, paths, parsed)
-        fw = self.hook.weights(ctx["question"], ctx["passages"], adapters=adapters)
-        w_tilde = list(fw.merge_weights)
+            raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); load at least one "
+                            "passage adapter first")
+        ctx = self._context(names, paths, [parse_adapter_path(p) for p in paths])
+        return ctx, self.weigher.weights(ctx["question"], ctx["passages"], adapters=adapters)
+
+    def log_merge(self, ctx: dict[str, Any], fw: FusionWeights, names: list[str], paths: list[str | None],
+                  merge_name: str, host: dict[str, Any], t0: float, slot_info: str | None = None) -> None:
+        """Log one merged question (``host``: PRAG's own arguments to ``add_weighted_adapter``)."""
+        host_weights = host.get("weights")
         if host_weights is not None and any(float(x) != 1.0 for x in host_weights):
             self.warn_once("host_weights", "fcprag: add_weighted_adapter was called with non-uniform weights "
                             "%s; they are replaced by the controller's weights", list(host_weights))
-        result, slot_info = apply(w_tilde)
         if ctx["source"] == "set_context":
             clear_context()  # consumed: a forgotten set_context must not leak into the next question
-        record = {
-            "test_id": ctx.get("test_id"),
-            "question": ctx["question"],
-            "adapters": names,
-            "adapter_paths": paths,
-            **fw.to_json(),
-            "mode": self.mode,
-            "n": len(names),
-            "context_source": ctx["source"],
-            "host_combination_type": host_type,
-            "merge_adapter": merge_name,
-            "use_slot": slot_info is not None,
-            "merge_time_s": time.perf_counter() - t0,
-        }
-        if slot_info is not None:
-            record["slot"] = slot_info
+        record = {"test_id": ctx.get("test_id"), "question": ctx["question"], "adapters": names,
+                  "adapter_paths": paths, **fw.to_json(), "mode": self.mode, "n": len(names),
+                  "context_source": ctx["source"], "host_combination_type": host.get("combination_type"),
+                  "merge_adapter": merge_name, "use_slot": slot_info is not None,
+                  "merge_time_s": time.perf_counter() - t0, **({"slot": slot_info} if slot_info else {})}
         self.log_record(record)
-        logger.debug("prag merge %s: w~=%s (%s)", merge_name, w_tilde, ctx["source"])
-        return result
+        logger.debug("prag merge %s: w~=%s (%s)", merge_name, fw.merge_weights, ctx["source"])
 
     def _context(self, names: list[str], paths: list[str | None],
                  parsed: list[PragAdapterPath | None]) -> dict[str, Any]:
@@ -241,17 +232,27 @@ def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None
                             "(weights not loaded, or the adapter was saved before training)")
 
 
-def _remerge(tuner: Any, names: list[str], merge_name: str, w_tilde: list[float], mode: str) -> None:
-    """Overwrite the (cat-built) merged adapter with a ``separate`` / ``svd`` merge of the live adapters."""
-    adapters = [LoraAdapter.from_peft_model(tuner.model, n) for n in names]
-    merged = merge_adapters(adapters, w_tilde, mode).adapter
-    layers = dict(live_lora_layers(tuner.model, merge_name))
-    for module, m in merged.modules.items():
-        if module not in layers:
-            raise HookError(f"merged module '{module}' has no '{merge_name}' layer in the model")
-        set_lora_factors(layers[module], merge_name, m.A, m.B, m.scaling)
-    cfg = tuner.peft_config[merge_name]
-    cfg.r = cfg.lora_alpha = max(m.rank for m in merged.modules.values())  # scaling 1; the live layers rule
+def live_adapters(tuner: Any, names: Sequence[str]) -> list[LoraAdapter]:
+    """The adapters ``names`` as PRAG loaded them into the live model (copies of their factors)."""
+    return [LoraAdapter.from_peft_model(tuner.model, n) for n in names]
+
+
+def add_merged_adapter(tuner: Any, name: str, merged: LoraAdapter, like: str) -> None:
+    """Add ``merged`` (scaling 1) to the live model as adapter ``name``, configured like adapter ``like`` with
+    ``r = lora_alpha =`` its largest module rank, as PEFT's own ``add_weighted_adapter`` does for ``cat``. A module
+    of smaller rank is zero-padded, which leaves its ``B A`` unchanged."""
+    r = max(m.rank for m in merged.modules.values())
+    tuner.peft_config[name] = dataclasses.replace(tuner.peft_config[like], r=r, lora_alpha=r, rank_pattern={},
+                                                  alpha_pattern={}, use_rslora=False)
+    tuner.inject_adapter(tuner.model, name)
+    layers = dict(live_lora_layers(tuner.model, name))
+    with torch.no_grad():
+        for module, m in merged.modules.items():
+            if module not in layers:
+                raise HookError(f"merged module '{module}' has no '{name}' layer in the model")
+            a, b = layers[module].lora_A[name].weight, layers[module].lora_B[name].weight
+            a.zero_()[: m.rank].copy_(m.A)
+            b.zero_()[:, : m.rank].copy_(m.B)
 
 
 # ----------------------------------------------------------------------------- patch factories

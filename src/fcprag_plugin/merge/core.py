@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
-
-import torch
 
 from ..adapter import LoraAdapter
 from ..errors import MergeError
@@ -17,16 +16,24 @@ MERGE_MODES: dict[str, MergeFn] = {}
 
 @dataclass
 class MergeResult:
-    """The merged adapter plus what produced it. ``info`` holds mode-specific facts (e.g. svd errors)."""
+    """The merged adapter plus what produced it: ``merge_weights`` (``w~``, N float32-rounded floats) and the
+    ``mode``. ``info`` holds mode-specific facts (e.g. svd errors)."""
 
     adapter: LoraAdapter
-    weights: torch.Tensor  # w~ [N], float32
+    merge_weights: tuple[float, ...]
     mode: str
     info: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """Deprecated name of :attr:`merge_weights`."""
+        warnings.warn("MergeResult.weights is now .merge_weights", DeprecationWarning, stacklevel=2)
+        return self.merge_weights
+
 
 def register_merge_mode(name: str) -> Callable[[MergeFn], MergeFn]:
-    """Register ``fn(adapters, weights, **options) -> MergeResult`` under ``name``."""
+    """Register ``fn(adapters, merge_weights, **options) -> MergeResult`` under ``name`` (``merge_weights``: the
+    validated ``w~``, a tuple of N floats)."""
 
     def deco(fn: MergeFn) -> MergeFn:
         MERGE_MODES[name] = fn
@@ -68,7 +75,7 @@ def merge_adapters(adapters: Sequence[LoraAdapter], weights: Any, mode: str = "c
     """Merge ``adapters`` with merge weights ``w~`` (length N) using ``mode``; see the package docstring."""
     fn = get_merge_mode(mode)
     adapters = list(adapters)
-    w = torch.tensor(check_weights(weights, len(adapters)), dtype=torch.float32)
+    w = check_weights(weights, len(adapters))
     check_compatible(adapters)
     return fn(adapters, w, **options)
 

@@ -1,8 +1,10 @@
-"""The built-in merge modes. Each is ``fn(adapters, w, **options) -> MergeResult`` on validated inputs."""
+"""The built-in merge modes. Each is ``fn(adapters, w, **options) -> MergeResult`` on validated inputs (``w``: the
+merge weights ``w~``, a tuple of N float32-rounded floats)."""
 
 from __future__ import annotations
 
 import math
+from array import array
 from typing import Callable, Sequence
 
 import torch
@@ -19,7 +21,7 @@ def _merged_config(adapters: Sequence[LoraAdapter], r: int) -> dict:
     return {**{k: v for k, v in adapters[0].config.items() if k not in drop}, "r": r, "lora_alpha": r}
 
 
-def _per_module(adapters: Sequence[LoraAdapter], w: torch.Tensor, mode: str,
+def _per_module(adapters: Sequence[LoraAdapter], w: tuple[float, ...], mode: str,
                 merge: Callable[[str, list[LoraModule]], tuple[torch.Tensor, torch.Tensor]]) -> MergeResult:
     """``merge(module name, its N LoraModules) -> (A, B)`` over every target module; scaling 1."""
     modules = {}
@@ -32,20 +34,20 @@ def _per_module(adapters: Sequence[LoraAdapter], w: torch.Tensor, mode: str,
 
 
 @register_merge_mode("cat")
-def merge_cat(adapters: Sequence[LoraAdapter], w: torch.Tensor, *, dtype: torch.dtype | None = None) -> MergeResult:
+def merge_cat(adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, dtype: torch.dtype | None = None
+              ) -> MergeResult:
     """Exact: ``A* = cat_i(w~_i s_i A_i)`` ``[sum r_i, in]``, ``B* = cat_i(B_i)`` ``[out, sum r_i]``, scaling 1.
 
     Equals peft's ``add_weighted_adapter(weights=w~, combination_type="cat")``; ranks may differ.
     """
-    wl = w.tolist()
     return _per_module(adapters, w, "cat", lambda name, parts: factors.cat(
-        [m.A for m in parts], [m.B for m in parts], [wi * m.scaling for wi, m in zip(wl, parts)],
+        [m.A for m in parts], [m.B for m in parts], [wi * m.scaling for wi, m in zip(w, parts)],
         dtype=dtype or torch.float32))
 
 
 @register_merge_mode("separate")
 def merge_separate(
-    adapters: Sequence[LoraAdapter], w: torch.Tensor, *, dtype: torch.dtype | None = None
+    adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, dtype: torch.dtype | None = None
 ) -> MergeResult:
     """DyPRAG-compatible: ``A* = sum_i u_i s_i A_i``, ``B* = sum_i u_i B_i``, ``u = w~/N`` (sums to 1 if w~ does N).
 
@@ -53,7 +55,7 @@ def merge_separate(
     ``B* A* = sum_i sum_j u_i u_j s_j B_i A_j`` has cross terms ``i != j``. Per-adapter scalings are folded
     into A so adapters with different ``alpha/r`` combine consistently. All adapters need equal rank per module.
     """
-    u = (w / len(adapters)).tolist()
+    u = array("f", [wi / len(adapters) for wi in w]).tolist()  # float32 w~ / N
 
     def merge(name: str, parts: list[LoraModule]) -> tuple[torch.Tensor, torch.Tensor]:
         factors.check_equal_ranks([m.rank for m in parts], name, [ad.source for ad in adapters])
@@ -65,7 +67,8 @@ def merge_separate(
 
 @register_merge_mode("svd")
 def merge_svd(
-    adapters: Sequence[LoraAdapter], w: torch.Tensor, *, rank: int | None = None, dtype: torch.dtype | None = None
+    adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, rank: int | None = None,
+    dtype: torch.dtype | None = None
 ) -> MergeResult:
     """The exact ``cat`` update compressed to rank ``k`` (default: the largest input rank), never forming dW
     (:func:`~fcprag_plugin.merge.factors.svd`). ``info["rel_error"]`` is the relative Frobenius error over all

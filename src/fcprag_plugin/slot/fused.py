@@ -11,7 +11,7 @@ the DyPRAG ``separate`` sums into the first R rows, zeroes rows left over from a
 the hook on: ``y = W x + BT^T (A x)``. Shapes never change (``torch.compile`` friendly), no module is created,
 and no parameter of the model is ever written: ``remove()`` leaves it exactly as it was.
 
->>> slot = FusedSlot(model, adapters[0], max_adapters=10)           # doctest: +SKIP
+>>> slot = FusedSlot.for_model(model, adapters[0], max_adapters=10)  # doctest: +SKIP
 >>> with slot.fused(adapters, weights):                             # doctest: +SKIP
 ...     out = model.generate(**inputs)
 >>> slot.remove()                                                   # doctest: +SKIP
@@ -32,6 +32,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 from torch import nn
 
+from .._deprecated import renamed
 from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
 from ..merge import factors
@@ -214,7 +215,8 @@ class FusedSlot:
         self.dtype = dtype
         self.store = store
         self.out_major = out_major
-        self.mode: str | None = None
+        self.merge_mode: str | None = None  # what write() wrote: "cat" or "separate"
+        self.unweighted = False  # write_unweighted() wrote the adapters for a rank-space transform
         self.n_active = 0
         self._state = _State()
         self._in_context = False
@@ -238,21 +240,36 @@ class FusedSlot:
     # ------------------------------------------------------------------ construction helpers
     @classmethod
     def for_model(cls, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
-                  **kwargs: Any) -> "FusedSlot":
-        """The model's existing slot if it covers ``targets``, grown to ``max_adapters`` / ``max_rank`` when
-        needed (a documented resize); otherwise a new one (an old, incompatible slot is removed first)."""
-        slot = _SLOTS.get(model)
-        if slot is not None and not slot._removed:
-            want = _target_layout(model, targets)
+                  store: Any = None, **kwargs: Any) -> "FusedSlot":
+        """The slot on ``model``, its one owner (``fuse()``, the label builder and both shims come here): the
+        existing slot if it covers ``targets``, grown to ``max_adapters`` / ``max_rank`` when needed (logged);
+        otherwise a new one (an old slot with other target modules is removed first). ``store`` is kept as the
+        slot's :class:`AdapterStore` when it has none."""
+        slot = cls.of(model)
+        if slot is not None:
+            names = targets if isinstance(targets, list) and all("." in n for n in targets) else None
+            if names is not None and set(names) == set(slot.layout.module_names):
+                want = slot.layout  # the same module paths: skip resolving them in the model (per question)
+            else:
+                want = _target_layout(model, targets)
             if want is slot.layout or want == slot.layout:
                 max_rank = _targets_rank(targets, slot.max_rank) if max_rank is None else max_rank
                 if max_adapters > slot.max_adapters or max_rank > slot.max_rank:
                     slot.resize(max(max_adapters, slot.max_adapters), max(max_rank, slot.max_rank))
+                slot.store = slot.store if slot.store is not None else store
                 return slot
+            logger.info("FusedSlot: the target modules changed (%d -> %d modules); replacing the slot",
+                        slot.layout.num_modules, want.num_modules)
             slot.remove()
-        slot = cls(model, targets, max_adapters=max_adapters, max_rank=max_rank, **kwargs)
+        slot = cls(model, targets, max_adapters=max_adapters, max_rank=max_rank, store=store, **kwargs)
         _SLOTS[model] = slot
         return slot
+
+    @staticmethod
+    def of(model: nn.Module) -> "FusedSlot | None":
+        """The slot :meth:`for_model` put on ``model``, or None."""
+        slot = _SLOTS.get(model)
+        return None if slot is None or slot._removed else slot
 
     def _allocate(self, buffers_from: PackedAdapter | None = None) -> None:
         KR = self.max_adapters * self.max_rank
@@ -308,7 +325,7 @@ class FusedSlot:
 
     def __repr__(self) -> str:
         return (f"FusedSlot(modules={self.layout.num_modules}, max_adapters={self.max_adapters}, "
-                f"max_rank={self.max_rank}, active={self.active}, n_active={self.n_active}, mode={self.mode})")
+                f"max_rank={self.max_rank}, active={self.active}, n_active={self.n_active}, merge_mode={self.merge_mode})")
 
     # ------------------------------------------------------------------ inputs
     def _check_usable(self) -> None:
@@ -407,18 +424,18 @@ class FusedSlot:
         return t
 
     @torch.no_grad()
-    def write_union(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
-        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches),
-        without activating the slot; returns the packed adapters."""
+    def write_unweighted(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
+        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches,
+        :meth:`switch_on_transform`), without switching the slot on; returns the packed adapters."""
         self._check_usable()
         packed = self.prepare(adapters)
         self.deactivate()
         self._write_cat(packed, [1.0] * len(packed))
-        self.n_active, self.mode = len(packed), "union"
+        self.n_active, self.merge_mode, self.unweighted = len(packed), None, True
         return packed
 
     # ------------------------------------------------------------------ activation
-    def activate(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> "FusedSlot":
+    def write(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> "FusedSlot":
         """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) in place of what the
         slot held and switch it on; ``cat`` is the exact ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's
         ``(sum u_i B_i)(sum u_i s_i A_i)`` with ``u = w~/N``. Returns the slot."""
@@ -434,15 +451,15 @@ class FusedSlot:
             self._write_cat(packed, w)
         else:
             self._write_separate(packed, array("f", [v / n for v in w]).tolist())  # = float32 w / N
-        self.n_active, self.mode = len(packed), mode
+        self.n_active, self.merge_mode, self.unweighted = len(packed), mode, False
         self._state.active = True
         return self
 
-    def activate_transform(self, transform: RankTransform) -> None:
+    def switch_on_transform(self, transform: RankTransform) -> None:
         """Switch the slot on with a rank-space transform between A and B (see :mod:`fcprag_tools.mixed`)."""
         self._check_usable()
-        if self.mode != "union":
-            raise MergeError("activate_transform needs the adapters written with write_union() first")
+        if not self.unweighted:
+            raise MergeError("switch_on_transform needs the adapters written with write_unweighted() first")
         self._state.transform = transform
         self._state.active = True
 
@@ -453,7 +470,7 @@ class FusedSlot:
 
     def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> ContextManager["FusedSlot"]:
         """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
-        return self._block(lambda: self.activate(adapters, weights, mode),
+        return self._block(lambda: self.write(adapters, weights, mode),
                           "FusedSlot.fused() blocks cannot be nested: the slot holds one merge at a time")
 
     @contextmanager
@@ -478,7 +495,7 @@ class FusedSlot:
             seg.A.zero_()
             seg.BT.zero_()
             seg.dirty = 0
-        self.n_active, self.mode = 0, None
+        self.n_active, self.merge_mode, self.unweighted = 0, None, False
 
     def resize(self, max_adapters: int | None = None, max_rank: int | None = None) -> None:
         """Reallocate for a new K and/or R (content is cleared; the hooks stay, pointed at the new buffers)."""
@@ -491,14 +508,14 @@ class FusedSlot:
         self.deactivate()
         self.max_adapters, self.max_rank = k, r
         self._allocate()
-        self.n_active, self.mode = 0, None
+        self.n_active, self.merge_mode, self.unweighted = 0, None, False
         logger.info("FusedSlot resized to K=%d, R=%d (%d bytes)", k, r, self.nbytes)
 
     def current_adapter(self) -> LoraAdapter:
         """The slot's current merge as a :class:`LoraAdapter` (scaling 1; copies, for checks and saving)."""
-        if self.mode not in SLOT_MODES:
-            raise MergeError(f"the slot holds no weighted merge (mode {self.mode!r}); call activate() first")
-        rows = self.n_active * self.max_rank if self.mode == "cat" else self.max_rank
+        if self.merge_mode not in SLOT_MODES:
+            raise MergeError("the slot holds no weighted merge; call write() first")
+        rows = self.n_active * self.max_rank if self.merge_mode == "cat" else self.max_rank
         modules = {}
         for seg in self._segments:
             g = self.layout.groups[seg.group]
@@ -507,7 +524,7 @@ class FusedSlot:
                 B = seg.BT[l - seg.l0, :rows].T.float().cpu().contiguous()
                 B[:, (A == 0).all(1)] = 0  # padding rows: B may hold leftovers there (harmless: A is zero)
                 modules[g.names[l]] = LoraModule(A, B, 1.0)
-        return LoraAdapter(modules, {"r": rows, "lora_alpha": rows}, f"FusedSlot[{self.mode},N={self.n_active}]")
+        return LoraAdapter(modules, {"r": rows, "lora_alpha": rows}, f"FusedSlot[{self.merge_mode},N={self.n_active}]")
 
     def remove(self) -> None:
         """Remove the hooks and free the buffers: the model is exactly as before the slot was created."""
@@ -528,6 +545,11 @@ class FusedSlot:
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
+    # deprecated names ("activate" named two APIs), kept for one release
+    activate = renamed("FusedSlot.activate", "write")
+    write_union = renamed("FusedSlot.write_union", "write_unweighted")
+    activate_transform = renamed("FusedSlot.activate_transform", "switch_on_transform")
+
 
 def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:
     """Apply ``adapter`` to ``model`` until the returned handle is removed (``handle.remove()``, or use it as a
@@ -535,7 +557,7 @@ def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | Non
     packed = pack_adapter(adapter, out_major=True)
     slot = FusedSlot(model, packed, max_adapters=1, dtype=dtype, out_major=True, buffers_from=packed)
     try:
-        slot.activate([packed])
+        slot.write([packed])
     except Exception:
         slot.remove()
         raise

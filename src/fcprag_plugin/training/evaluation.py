@@ -37,7 +37,7 @@ def collect_outputs(controller: FusionController, data: LabelTensors, batch_size
         with autocast("bf16" if autocast_dtype else "fp32"):
             for b in data.batches(batch_size):
                 out = controller(b.e_q, b.E_p, b.mask, b.side)
-                w[b.index, : b.mask.shape[1]] = out.weights.float().cpu()
+                w[b.index, : b.mask.shape[1]] = out.probabilities.float().cpu()
                 wt[b.index, : b.mask.shape[1]] = out.merge_weights.float().cpu()
                 g[b.index], tau[b.index] = out.g.float().cpu(), out.tau.float().cpu()
     finally:
@@ -125,8 +125,8 @@ def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, da
 def baseline_controllers(config: ControllerConfig, seed: int = 0) -> dict[str, FusionController]:
     """The uniform (PRAG) and random-controller (same architecture, untrained, seeded) baselines."""
     return {
-        "uniform": FusionController(dataclasses.replace(config, mode="uniform", kappa=1.0, query_scale=False, cv=None)),
-        "random": FusionController(dataclasses.replace(config, mode="random", seed=seed, kappa=1.0, cv=None)),
+        "uniform": FusionController(dataclasses.replace(config, controller_mode="uniform", kappa=1.0, query_scale=False, cv=None)),
+        "random": FusionController(dataclasses.replace(config, controller_mode="random", seed=seed, kappa=1.0, cv=None)),
     }
 
 
@@ -137,7 +137,7 @@ def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0,
 
     Returns ``(metrics, outputs)``: ``metrics[name]`` is a dict of floats, ``outputs[name]`` holds ``w, g, tau``.
     """
-    name = controller.config.mode
+    name = controller.config.controller_mode
     models = {name: controller}
     if baselines:
         models.update({k: v for k, v in baseline_controllers(controller.config, seed).items() if k not in models})

@@ -24,8 +24,7 @@ from tqdm.auto import tqdm
 from ..controller import ControllerConfig, FusionController
 from ..errors import FcpragError, LabelFileError
 from ..features import SIDE_FEATURES, center_side
-from ..loading import write_json
-from ..weights import finite_or_none
+from ..loading import finite_or_none, write_json
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
 from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
@@ -286,7 +285,7 @@ class Trainer:
             out = self.controller(b.e_q, b.E_p, b.mask, b.side)
         if self.args.objective == "risk":
             return risk_loss(out.merge_weights, b.deltas, b.mask, self.risk_lambda)
-        return weighted_kl(b.y, out.weights, b.mask, b.omega)
+        return weighted_kl(b.y, out.probabilities, b.mask, b.omega)
 
     def train_epoch(self, progress: Any = None) -> float:
         """One pass over the training data; returns the mean loss (omega-weighted for the KL objective)."""
