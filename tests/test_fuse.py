@@ -145,9 +145,31 @@ def test_duplicate_adapter_paths_warn_once(adapter_dirs, caplog):
 
 
 def test_uniform_fusion_json_is_strict(adapter_dirs):
-    """Issue 13: without a controller tau is NaN in memory but null in to_json (strict JSON)."""
+    """Without a controller there is no temperature: tau is None in memory and null in to_json (strict JSON)."""
     import json
 
     res = fuse(adapter_dirs, QUERY, PASSAGES)
     text = json.dumps(res.to_json(), allow_nan=False)
     assert json.loads(text)["tau"] is None
+    assert res.tau is None
+
+
+def test_scale_only_controller_is_kappa_times_the_sum_and_builds_no_encoder(adapter_dirs, tmp_path, monkeypatch):
+    import fcprag_plugin.encoding as encoding
+
+    def no_encoder(*a, **k):
+        raise AssertionError("a scale-only controller must not load a sentence encoder")
+
+    monkeypatch.setattr(encoding, "get_encoder", no_encoder)
+    monkeypatch.setattr(encoding, "TextEncoder", no_encoder)
+    ctrl = FusionController.scale_only(1.75, embed_dim=384, embedding_model="nowhere/no-such-model")
+    assert ctrl.score_net is None and ctrl.calib_net is None and sum(p.numel() for p in ctrl.parameters()) == 0
+    saved = ctrl.save_pretrained(tmp_path / "scale")
+    assert (saved / "model.safetensors").stat().st_size < 200  # no network on disk either
+    ads = [LoraAdapter.from_pretrained(d) for d in adapter_dirs]
+    for c in (ctrl, saved):
+        res = fuse(adapter_dirs, QUERY, PASSAGES, controller=c)
+        assert res.merge_weights == [1.75] * 3 and res.g == 0.0 and res.tau is None
+        for name in ads[0].modules:  # exactly kappa times PRAG's sum, against a dense reference
+            torch.testing.assert_close(res.adapter[name].delta(torch.float64), dense_reference(ads, [1.75] * 3, name),
+                                       rtol=1e-5, atol=1e-6)  # float32 factors against a float64 reference

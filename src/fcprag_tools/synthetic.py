@@ -13,7 +13,8 @@ from fcprag_plugin.training.labels import LabelRecord
 
 def synthetic_records(n: int, n_passages: int | tuple[int, int] = 3, dim: int = 16, *, kind: str = "planted",
                       gap: float = 0.5, noise: float = 0.05, closeness: float = 0.5, seed: int = 0,
-                      prefix: str = "", groups: int | None = None
+                      prefix: str = "", groups: int | None = None, scales: Sequence[float] | None = None,
+                      best_scale: float = 2.0, scale_noise: float = 0.05
                       ) -> tuple[list[LabelRecord], dict[str, torch.Tensor]]:
     """``n`` records and the ``text -> [dim]`` embedding table.
 
@@ -22,14 +23,19 @@ def synthetic_records(n: int, n_passages: int | tuple[int, int] = 3, dim: int = 
         kind: ``"planted"``: one passage per record is much closer to the query than the others and gets the
             largest delta (``gap``), plus noise: a controller that learns anything should weight it most.
             ``"noise"``: the deltas are pure noise; the best a controller can do is stay close to uniform.
+            ``"scale"``: every passage helps about equally (``gap`` each, plus noise): only the total scale
+            carries signal, no passage should be weighted over another.
         gap: delta advantage of the closest passage (planted).
         noise: std of the Gaussian noise on every delta (for ``"noise"``: the deltas' std).
         closeness: std of the perturbation of the planted passage around the query (smaller = closer).
         prefix: prepended to ids and texts (to build disjoint sets).
         groups: when set, records get ``group = i % groups``.
+        scales: when set, every record also gets measured scales: ``metric_at_scales`` at each of ``scales`` with
+            ``metric_all = 0``, a concave gain ``g(s) = gap_s ((s - 1) - (s - 1)^2 / (2 (best_scale - 1)))`` that
+            peaks at ``best_scale`` (``gap_s = gap`` for ``"scale"``, 0 otherwise) plus N(0, ``scale_noise``).
     """
-    if kind not in ("planted", "noise"):
-        raise ValueError(f"kind is {kind!r}, expected 'planted' or 'noise'")
+    if kind not in ("planted", "noise", "scale"):
+        raise ValueError(f"kind is {kind!r}, expected 'planted', 'noise' or 'scale'")
     g = torch.Generator().manual_seed(seed)
     lo, hi = (n_passages, n_passages) if isinstance(n_passages, int) else n_passages
     table: dict[str, torch.Tensor] = {}
@@ -43,14 +49,23 @@ def synthetic_records(n: int, n_passages: int | tuple[int, int] = 3, dim: int = 
         cos = P @ q
         if kind == "planted":
             deltas = gap * torch.nn.functional.one_hot(cos.argmax(), k).float() + noise * torch.randn(k, generator=g)
+        elif kind == "scale":
+            deltas = gap + noise * torch.randn(k, generator=g)
         else:
             deltas = noise * torch.randn(k, generator=g)
+        measured = {}
+        if scales is not None:
+            a = gap if kind == "scale" else 0.0
+            at = [a * ((s - 1) - (s - 1) ** 2 / (2 * (best_scale - 1)))
+                  + scale_noise * float(torch.randn(1, generator=g)) for s in scales]
+            measured = dict(metric_all=0.0, metric_without=[-float(d) for d in deltas], scales=list(scales),
+                            metric_at_scales=at)
         qt = f"{prefix}q{r}"
         pts = [f"{prefix}p{r}_{i}" for i in range(k)]
         table[qt] = q
         table.update(zip(pts, P))
         records.append(LabelRecord(id=f"{prefix}{r}", query=qt, passages=pts, deltas=[float(x) for x in deltas],
-                                   group=None if groups is None else str(r % groups)))
+                                   group=None if groups is None else str(r % groups), **measured))
     return records, table
 
 

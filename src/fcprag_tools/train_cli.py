@@ -26,7 +26,8 @@ MAX_SCALED_DELTA = 1e37
 # the parsed options that go to train_controller under their own names
 _TRAIN_ARGS = ("epochs", "batch_size", "lr", "weight_decay", "seed", "t_label", "flat_eps", "flat_weight",
                "val_fraction", "on_error", "precision", "cache_dir", "threads", "plots", "objective", "risk_lambda",
-               "cv_folds", "kappa", "side_features")
+               "cv_folds", "kappa", "side_features", "scale_max_loss_share", "scale_loss_margin", "keep_network",
+               "allow_retrieval_score")
 
 
 def hidden_sizes(text: str) -> list[int]:
@@ -232,14 +233,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--risk-lambda", type=finite_float, default=None, metavar="X",
                    help="lambda of the risk objective (default: the pooled within-record std of the deltas)")
     t.add_argument("--cv-folds", type=int_at_least(0), default=d.cv_folds, metavar="K",
-                   help="grouped k-fold cross-validation choosing the epoch count (up to --epochs; 0 = stay uniform) "
-                        "by held-out gain over uniform and stating it with a 95%% CI (default "
+                   help="nested grouped k-fold cross-validation: chooses the epoch count (up to --epochs; 0 = stay "
+                        "uniform) and kappa without seeing the questions it scores, and states the gain over PRAG's "
+                        "sum split into a scale part and a reweighting part, each with a 95%% CI (default "
                         f"{d.cv_folds}; 0: off, train exactly --epochs)")
     t.add_argument("--kappa", type=kappa_value, default=d.kappa, metavar="X|auto",
-                   help="global scale of the merge weights, w~ * kappa (default 1, the paper's); 'auto': tuned on "
-                        "the training labels with the risk objective")
+                   help="global scale of the merge weights, w~ * kappa (default 1, the paper's); 'auto': chosen "
+                        "on the training labels, from their measured scales ('fcprag labels build --scales') by the "
+                        "rule of --scale-max-loss-share / --scale-loss-margin, else by a first-order extrapolation "
+                        "(said so in the verdict)")
+    t.add_argument("--scale-max-loss-share", type=finite_float, default=d.scale_max_loss_share, metavar="X",
+                   help="--kappa auto on measured scales: the largest mean gain such that at most this share of the "
+                        f"training questions lose more than --scale-loss-margin (default {d.scale_max_loss_share})")
+    t.add_argument("--scale-loss-margin", type=finite_float, default=d.scale_loss_margin, metavar="M",
+                   help="the loss that counts against a scale, in the label metric's units (default "
+                        f"{d.scale_loss_margin})")
+    t.add_argument("--keep-network", action="store_true",
+                   help="save the learned controller even when its reweighting part is not shown (default: a "
+                        "scale-only controller then, which needs no encoder)")
     t.add_argument("--side-features", nargs="+", default=[], metavar="NAME", choices=SIDE_FEATURES,
-                   help="opt-in per-passage inputs read from the label records: " + ", ".join(SIDE_FEATURES))
+                   help="opt-in per-passage inputs read from the label records: " + ", ".join(SIDE_FEATURES)
+                        + " (retrieval_score only with --allow-retrieval-score: PRAG and DyPRAG keep none)")
+    t.add_argument("--allow-retrieval-score", action="store_true",
+                   help="allow --side-features retrieval_score (for a host that supplies retrieval scores)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint (the last finished epoch)")
     t.add_argument("--overwrite", action="store_true", help="start over in a directory that holds a run")
     t.add_argument("--threads", type=positive_int,

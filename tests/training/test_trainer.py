@@ -34,7 +34,7 @@ def planted(tmp_path_factory):
 def noise(tmp_path_factory):
     base = tmp_path_factory.mktemp("noise")
     recs, table = synthetic_records(800, (2, 4), 16, kind="noise", noise=0.05, seed=1)
-    return run(recs, table, base / "run")
+    return run(recs, table, base / "run", keep_network=True)  # the network, although its verdict says "not shown"
 
 
 def test_planted_signal_beats_uniform_and_random_and_finds_the_best_passage(planted):
@@ -56,6 +56,7 @@ def test_planted_signal_beats_uniform_and_random_and_finds_the_best_passage(plan
 
 
 def test_pure_noise_gives_no_confident_weights(planted, noise):
+    assert not noise.metrics["cv"]["reweighting"]["shown"] and noise.metrics["cv"]["shipped"] == "learned"
     p, n = planted[0].metrics["val"]["learned"], noise.metrics["val"]
     assert n["learned"]["g_mean"] < p["g_mean"] - 0.1, (n["learned"]["g_mean"], p["g_mean"])
     assert n["learned"]["entropy_norm_mean"] > 0.95  # close to uniform weights

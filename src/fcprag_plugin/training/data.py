@@ -49,6 +49,9 @@ class LabelTensors:
         deltas: ``[R, N_max]`` (0 on padding); ``y`` the soft targets; ``omega``/``flat`` ``[R]``
         ids, groups: per record, for reports
         side: ``[R, N_max, k]`` raw side features (columns ``side_columns``), None without side features
+        scales: ``[S]`` the total scales measured (``scales`` of the records, one grid), None without them
+        scale_gains: ``[R, S]`` float64, the measured gain of PRAG's sum times ``scales[j]`` over the sum; NaN for a
+            record without scale measurements
     """
 
     table: torch.Tensor
@@ -63,6 +66,8 @@ class LabelTensors:
     groups: list[str]
     side: torch.Tensor | None = None
     side_columns: list[str] = field(default_factory=list)
+    scales: torch.Tensor | None = None
+    scale_gains: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.q_idx.shape[0])
@@ -92,7 +97,8 @@ class LabelTensors:
         return LabelTensors(self.table, self.q_idx[rows_t], self.p_idx[rows_t], self.mask[rows_t],
                             self.deltas[rows_t], self.y[rows_t], self.omega[rows_t], self.flat[rows_t],
                             [self.ids[i] for i in rl], [self.groups[i] for i in rl],
-                            None if self.side is None else self.side[rows_t], self.side_columns)
+                            None if self.side is None else self.side[rows_t], self.side_columns, self.scales,
+                            None if self.scale_gains is None else self.scale_gains[rows_t])
 
 
 def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: EmbeddingCache | None = None, *,
@@ -129,9 +135,29 @@ def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: Embedding
         side = torch.zeros(R, N, len(side_feature_columns(side_features)), dtype=torch.float32)
         side[rows, cols] = torch.tensor([row for r in records for row in side_rows(r, side_features)],
                                         dtype=torch.float32)
+    scales, scale_gains = scale_tensors(records)
     return LabelTensors(table.float().contiguous(), q_idx, p_idx, mask, deltas, y, omega, flat,
                         [r.id for r in records], [r.group_key for r in records], side,
-                        side_feature_columns(side_features))
+                        side_feature_columns(side_features), scales, scale_gains)
+
+
+def scale_tensors(records: Sequence[LabelRecord]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(scales [S], gains [R, S])`` from the records' scale measurements (NaN rows where a record has none), or
+    ``(None, None)`` when no record has any. Every record with measurements must share one grid of scales."""
+    measured = [r for r in records if r.scale_gains is not None]
+    if not measured:
+        return None, None
+    grid = sorted(measured[0].scale_gains)
+    gains = torch.full((len(records), len(grid)), float("nan"), dtype=torch.float64)
+    for i, r in enumerate(records):
+        g = r.scale_gains
+        if g is None:
+            continue
+        if sorted(g) != grid:
+            raise LabelFileError(f"{r.where}: field 'scales' is {sorted(g)} but {measured[0].where} has {grid}; "
+                                 "expected one grid of scales in a label file")
+        gains[i] = torch.tensor([g[s] for s in grid], dtype=torch.float64)
+    return torch.tensor(grid, dtype=torch.float64), gains
 
 
 _SIDE_FIELDS = {"retrieval_rank": "retrieval_ranks", "retrieval_score": "retrieval_scores",

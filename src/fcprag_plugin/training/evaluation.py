@@ -133,11 +133,13 @@ def baseline_controllers(config: ControllerConfig, seed: int = 0) -> dict[str, F
 def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0, batch_size: int = 512,
              baselines: bool = True, autocast_dtype: torch.dtype | None = None
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]]]:
-    """Metrics of ``controller`` (keyed by its mode, e.g. ``"learned"``) and of the baselines.
+    """Metrics of ``controller`` (keyed by its mode, e.g. ``"learned"``; ``"scale_only"`` for uniform weights times
+    a kappa other than 1) and of the baselines.
 
     Returns ``(metrics, outputs)``: ``metrics[name]`` is a dict of floats, ``outputs[name]`` holds ``w, g, tau``.
     """
-    name = controller.config.controller_mode
+    c = controller.config
+    name = "scale_only" if c.controller_mode == "uniform" and c.kappa != 1.0 else c.controller_mode
     models = {name: controller}
     if baselines:
         models.update({k: v for k, v in baseline_controllers(controller.config, seed).items() if k not in models})

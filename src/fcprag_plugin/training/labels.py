@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 ON_ERROR = ("fail", "skip")
 REQUIRED = ("id", "query", "passages")
 OPTIONAL = ("deltas", "metric_all", "metric_without", "adapters", "answer", "metric", "group", "split",
-            "retrieval_ranks", "retrieval_scores", "adapter_stats")
+            "retrieval_ranks", "retrieval_scores", "adapter_stats", "scales", "metric_at_scales")
 # split values understood by the trainer; anything else is an error (a typo must not move data silently)
 TRAIN_SPLITS = ("train",)
 VAL_SPLITS = ("val", "validation", "dev")
@@ -52,7 +52,17 @@ class LabelRecord:
     retrieval_ranks: list[float] | None = None
     retrieval_scores: list[float] | None = None
     adapter_stats: list[dict[str, float]] | None = None
+    scales: list[float] | None = None  # total scales s at which the full set was measured (every w~_i = s) ...
+    metric_at_scales: list[float] | None = None  # ... and the label metric there (fcprag labels build --scales)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def scale_gains(self) -> dict[float, float] | None:
+        """``{s: metric at scale s - metric_all}`` (the measured gain of PRAG's sum times s over the sum), or None
+        without scale measurements or without ``metric_all``."""
+        if self.scales is None or self.metric_at_scales is None or self.metric_all is None:
+            return None
+        return {s: m - self.metric_all for s, m in zip(self.scales, self.metric_at_scales)}
 
     @property
     def n(self) -> int:
@@ -123,11 +133,12 @@ def _number(v: Any, fld: str) -> float:
     return float(v)
 
 
-def _number_list(v: Any, fld: str, n: int) -> list[float]:
+def _number_list(v: Any, fld: str, n: int, per: str = "passage") -> list[float]:
     if not isinstance(v, list):
-        raise _RecordError(fld, f"is a {_type_name(v)}, expected a list of {n} numbers (one per passage)")
+        raise _RecordError(fld, f"is a {_type_name(v)}, expected a list of {n} numbers (one per {per})")
     if len(v) != n:
-        raise _RecordError(fld, f"has {len(v)} values but 'passages' has {n}; expected one per passage")
+        other = "'passages'" if per == "passage" else "'scales'"
+        raise _RecordError(fld, f"has {len(v)} values but {other} has {n}; expected one per {per}")
     return [_number(x, f"{fld}[{i}]") for i, x in enumerate(v)]
 
 
@@ -212,11 +223,32 @@ def validate_record(obj: Any) -> LabelRecord:
     ranks = _number_list(obj["retrieval_ranks"], "retrieval_ranks", n) if "retrieval_ranks" in obj else None
     scores = _number_list(obj["retrieval_scores"], "retrieval_scores", n) if "retrieval_scores" in obj else None
     stats = _adapter_stats_field(obj["adapter_stats"], n) if "adapter_stats" in obj else None
+    scales, at_scales = _scale_fields(obj, metric_all)
     extra = {k: v for k, v in obj.items() if k not in REQUIRED and k not in OPTIONAL}
     return LabelRecord(id=rid, query=query, passages=passages, deltas=deltas, metric_all=metric_all,
                        metric_without=metric_without, adapters=adapters, answer=answer, metric=metric,
                        group=group, split=split, retrieval_ranks=ranks, retrieval_scores=scores,
-                       adapter_stats=stats, extra=extra)
+                       adapter_stats=stats, scales=scales, metric_at_scales=at_scales, extra=extra)
+
+
+def _scale_fields(obj: dict[str, Any], metric_all: float | None) -> tuple[list[float] | None, list[float] | None]:
+    """``scales`` (distinct finite numbers > 0) and ``metric_at_scales`` (one finite number each), given together
+    and with ``metric_all`` (the gain at scale s is measured against it)."""
+    if ("scales" in obj) != ("metric_at_scales" in obj):
+        missing = "metric_at_scales" if "scales" in obj else "scales"
+        raise _RecordError(missing, "is missing; 'scales' and 'metric_at_scales' must be given together")
+    if "scales" not in obj:
+        return None, None
+    if metric_all is None:
+        raise _RecordError("metric_all", "is missing; scale measurements ('scales') are gains over 'metric_all'")
+    raw = obj["scales"]
+    if not isinstance(raw, list) or not raw:
+        raise _RecordError("scales", f"is a {_type_name(raw)}, expected a non-empty list of numbers > 0")
+    scales = [_number(s, f"scales[{i}]") for i, s in enumerate(raw)]
+    bad = next((i for i, s in enumerate(scales) if s <= 0 or s in scales[:i]), None)
+    if bad is not None:
+        raise _RecordError(f"scales[{bad}]", f"is {scales[bad]}, expected distinct numbers > 0")
+    return scales, _number_list(obj["metric_at_scales"], "metric_at_scales", len(scales), "scale")
 
 
 def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:

@@ -29,11 +29,11 @@ from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, 
 from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
-from .cv import CV_NAME, cross_validate, cv_summary_line
 from .evaluation import collect_outputs, evaluate, format_table, metrics_from_outputs
 from .precision import autocast, resolve_precision
-from .targets import (DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, best_kappa, check_target_args,
-                      estimate_lambda, risk_loss, weighted_kl)
+from .selection import CV_NAME, ScaleRule, fold_kappa, select, verdict_lines
+from .targets import (DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, estimate_lambda,
+                      risk_loss, weighted_kl)
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ METRICS_NAME = "metrics.json"
 PRECISIONS = ("auto", "fp32", "bf16")
 OBJECTIVES = ("kl", "risk")
 # arguments that may change between a run and its resume (they do not change what is learned)
-_RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads"}
+_RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network"}
 
 
 @dataclass
@@ -71,9 +71,15 @@ class TrainArgs:
     controller: dict[str, Any] = field(default_factory=dict)  # ControllerConfig overrides, e.g. score_hidden
     objective: str = "kl"  # "kl": the paper's KL to softmax(delta / t_label); "risk": see targets.py
     risk_lambda: float | None = None  # None: estimated from the training labels (targets.estimate_lambda)
-    cv_folds: int = 5  # grouped k-fold CV choosing the epoch count (cv.py); 0: off, train `epochs` epochs
-    kappa: float | str = 1.0  # global scale of the merge weights; "auto": tuned on the training labels
+    cv_folds: int = 5  # nested grouped CV: epochs, kappa and the verdict (selection.py); 0: off, train `epochs`
+    kappa: float | str = 1.0  # global scale of the merge weights; "auto": chosen on the training labels
     side_features: list[str] = field(default_factory=list)  # opt-in per-passage inputs (features.SIDE_FEATURES)
+    # kappa "auto" with measured scales: the largest mean gain such that at most this share of the training
+    # questions lose more than scale_loss_margin (in the label metric) against PRAG's sum (selection.ScaleRule)
+    scale_max_loss_share: float = 0.1
+    scale_loss_margin: float = 0.1
+    keep_network: bool = False  # ship the learned network even when its reweighting part is not shown
+    allow_retrieval_score: bool = False  # see validate(): PRAG and DyPRAG keep no retrieval scores
 
     def validate(self) -> "TrainArgs":
         def need(ok: bool, what: str) -> None:
@@ -109,8 +115,19 @@ class TrainArgs:
              "'controller.query_scale' needs objective 'risk' (the KL objective does not see the total scale)")
         need(not ({"side_features", "side_scale", "kappa", "cv", "init"} & set(self.controller)),
              "'controller' may not set side_features/side_scale/kappa/cv/init; use the TrainArgs fields")
+        need(0 <= self.scale_max_loss_share <= 1 and self.scale_loss_margin >= 0,
+             f"'scale_max_loss_share' is {self.scale_max_loss_share} and 'scale_loss_margin' is "
+             f"{self.scale_loss_margin}, expected a share in [0, 1] and a margin >= 0")
+        need("retrieval_score" not in self.side_features or self.allow_retrieval_score,
+             "'side_features' has 'retrieval_score', which PRAG and DyPRAG do not keep: their shims would run the "
+             "controller with it taken as equal for every passage, which its verdict did not measure; leave it "
+             "out, or pass allow_retrieval_score=True for a host that supplies scores")
         check_target_args(self.t_label, self.flat_eps, self.flat_weight)
         return self
+
+    @property
+    def scale_rule(self) -> ScaleRule:
+        return ScaleRule(self.scale_max_loss_share, self.scale_loss_margin)
 
 
 @dataclass
@@ -124,11 +141,11 @@ class TrainResult:
 
     @property
     def table(self) -> str:
-        """The metrics table, followed by the cross-validation line (when CV ran)."""
+        """The metrics table, followed by the verdict in plain words (when cross-validation ran)."""
         val = self.metrics.get("val")
         t = format_table(val, "validation") if val else format_table(self.metrics["train"], "training set")
         cv = self.metrics.get("cv")
-        return t + ("\n\n" + cv_summary_line(cv) if cv else "")
+        return t + ("\n\n" + "\n".join(verdict_lines(cv)) if cv else "")
 
 
 @dataclass
@@ -317,11 +334,6 @@ class Trainer:
         m = metrics_from_outputs(o["w"], o["g"], o["tau"], self.val_data, o["wt"])
         return {"val_loss": m["kl"], "val_top1": m["top1"], "val_g_mean": m["g_mean"], "val_gain": m["gain"]}
 
-    def tuned_kappa(self) -> float:
-        """``kappa`` maximising the risk objective of ``kappa * w~`` on the training data (targets.best_kappa)."""
-        o = collect_outputs(self.controller, self.train_data, self.args.eval_batch_size)
-        return best_kappa(o["wt"], self.train_data.deltas, self.train_data.mask, self.risk_lambda)
-
     def _state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "history": self.history, "args": asdict(self.args), "precision": self.precision,
                 "info_label_sha256": self.info.get("label_sha256")}
@@ -357,6 +369,8 @@ class Trainer:
         log_path = self.out / LOG_NAME
         # the log always mirrors the checkpoint's history (an epoch after the checkpoint never happened)
         log_path.write_text("".join(json.dumps(finite_or_none(h)) + "\n" for h in self.history), encoding="utf-8")
+        if not (self.out / CHECKPOINT_DIR).exists():  # also for 0 epochs: the directory holds a run from now on
+            save_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen, self._state())
         if self.epoch >= epochs:
             return self.history
         with tqdm(total=len(self.train_data) * (epochs - self.epoch), unit="rec", desc="training",
@@ -391,9 +405,11 @@ def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: 
         overwrite: allow training into a directory that already holds a run.
         **kwargs: :class:`TrainArgs` fields.
 
-    With ``cv_folds`` (default 5) grouped cross-validation first chooses how many epochs (0 .. ``epochs``) to
-    train, by held-out gain over uniform (:mod:`.cv`); the result is in ``metrics["cv"]``, the saved config's
-    ``cv`` and :attr:`TrainResult.table`.
+    Steps: :func:`prepare` (labels, split, embeddings), :func:`select_by_cv` (with ``cv_folds``, default 5: nested
+    grouped CV choosing the epoch count and ``kappa`` and stating the verdict, :mod:`.selection`), :func:`fit` (the
+    learned controller, or a scale-only one when its reweighting part is not shown) and :func:`finalise` (save,
+    evaluate, metrics). The verdict is in ``metrics["cv"]``, the saved config's ``cv`` and
+    :attr:`TrainResult.table`.
     """
     names = [f.name for f in dataclasses.fields(TrainArgs)]
     unknown = sorted(set(kwargs) - set(names))
@@ -406,30 +422,55 @@ def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return _train(labels, Path(out), val, encoder, resume, overwrite, progress, args)
+        run = prepare(labels, Path(out), val, encoder, resume, overwrite, progress, args)
+        cv = select_by_cv(run)
+        controller, history = fit(run, cv)
+        return finalise(run, cv, controller, history)
     finally:
         torch.set_num_threads(prev_threads)
 
 
-def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwrite: bool, progress: bool,
-           args: TrainArgs) -> TrainResult:
+@dataclass
+class Run:
+    """What :func:`prepare` hands to the later steps of :func:`train_controller`."""
+
+    args: TrainArgs
+    out: Path
+    resume: bool
+    progress: bool
+    train_set: LabelSet
+    val_set: LabelSet | None
+    train: LabelTensors
+    val: LabelTensors | None
+    split: str
+    embedding_model: str
+    info: dict[str, Any]
+    t_start: float
+    t_data: float
+
+    def trainer(self) -> "Trainer":
+        return Trainer(self.train, self.val, self.out, self.args, self.embedding_model, self.info)
+
+
+def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwrite: bool, progress: bool,
+            args: TrainArgs) -> Run:
+    """Read and split the labels, embed their texts (through the cache), record provenance and make ``out`` ready
+    (a previous run there is continued with ``resume``, replaced with ``overwrite``, else refused)."""
     if not resume and not overwrite and (out / CHECKPOINT_DIR).exists():
-        raise FcpragError(f"{out}: already holds a training run; pass resume=True (--resume) to continue it or "
-                          "overwrite=True (--overwrite) to start over")
+        raise FcpragError(f"{out}: already holds a training run; pass resume=True to continue it or overwrite=True "
+                          "to start over")
     if args.plots:
         from fcprag_tools.plots import _pyplot  # the plots live with the tooling
 
         _pyplot()  # a missing matplotlib should stop the run before training, not after
     t_start = time.perf_counter()
-
     train_set = _as_label_set(labels, args.on_error, "labels")
     records = _drop_test(train_set.records, train_set.path)
-    if val is not None:
-        val_set = _as_label_set(val, args.on_error, "val")
+    val_set = _as_label_set(val, args.on_error, "val") if val is not None else None
+    if val_set is not None:
         train_recs, val_recs, how = records, _drop_test(val_set.records, val_set.path), f"file {val_set.path}"
         check_no_leak(train_recs, val_recs)
     else:
-        val_set = None
         train_recs, val_recs, how = split_records(records, args.val_fraction, args.seed)
     if not train_recs:
         raise LabelFileError(f"{train_set.path}: no training records left after the split ({how})")
@@ -441,8 +482,6 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
                side_features=args.side_features)
     train_t = build_tensors(train_recs, enc, cache, **tkw)
     val_t = build_tensors(val_recs, enc, cache, **tkw) if val_recs else None
-    t_data = time.perf_counter() - t_start
-
     sha = train_set.sha256 + (("+" + val_set.sha256) if val_set is not None else "")
     info = {
         "labels": train_set.path, "val": val_set.path if val_set is not None else None, "label_sha256": sha,
@@ -453,66 +492,99 @@ def _train(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwri
         "skipped": {"labels": len(train_set.skipped), **({"val": len(val_set.skipped)} if val_set else {})},
         "versions": _versions(),
     }
-    trainer = Trainer(train_t, val_t, out, args, name, info)
-    if resume:
-        trainer.resume()
-    elif (out / CHECKPOINT_DIR).exists():
+    run = Run(args, out, resume, progress, train_set, val_set, train_t, val_t, how, name, info, t_start,
+              time.perf_counter() - t_start)
+    if not resume and (out / CHECKPOINT_DIR).exists():
         logger.warning("%s: overwriting the previous run", out)
-        shutil.rmtree(out / CHECKPOINT_DIR)  # a later --resume must never pick up the old run's state
+        shutil.rmtree(out / CHECKPOINT_DIR)  # a later resume must never pick up the old run's state
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         (out / CV_NAME).unlink(missing_ok=True)
-    write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": trainer.precision,
-                                 "risk_lambda_used": trainer.risk_lambda, **info})
-    t_fit = time.perf_counter()
-    cv = None
-    if args.cv_folds:
-        # the CV result is kept next to the checkpoint, so a resumed run does not redo it (the other arguments and
-        # the labels are checked by resume(); only a changed `epochs`, the most epochs tried, asks for a new one)
-        cv = json.loads((out / CV_NAME).read_text(encoding="utf-8")) if (out / CV_NAME).is_file() else None
-        if cv is None or cv.get("max_epochs") != args.epochs:
-            cv = cross_validate(train_t, args, name, Trainer, progress)
-            write_json(out / CV_NAME, cv)
-        if trainer.epoch > cv["selected_epochs"]:
-            logger.warning("%s: the checkpoint has %d epochs but cross-validation selects %d; training again from "
-                           "the start", out / CHECKPOINT_DIR, trainer.epoch, cv["selected_epochs"])
-            shutil.rmtree(out / CHECKPOINT_DIR)
-        if trainer.epoch == 0 or trainer.epoch > cv["selected_epochs"]:
-            # a fresh start after the CV (which drew from the global RNG): the final run is the one that
-            # cv_folds=0, epochs=selected_epochs would train
-            trainer = Trainer(train_t, val_t, out, args, name, info)
-    epochs = cv["selected_epochs"] if cv is not None else args.epochs
-    history = trainer.fit(progress, epochs)
-    t_fit = time.perf_counter() - t_fit
+    lam = args.risk_lambda if args.risk_lambda is not None else estimate_lambda(train_t.deltas, train_t.mask)
+    write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": resolve_precision(args.precision),
+                                 "risk_lambda_used": lam, **info})
+    return run
 
-    controller = trainer.controller.eval()
-    kappa = trainer.tuned_kappa() if args.kappa == "auto" else float(args.kappa)
+
+def select_by_cv(run: Run) -> dict[str, Any] | None:
+    """The nested cross-validation of :mod:`.selection` (None with ``cv_folds=0``), kept in ``cv.json`` beside the
+    checkpoint so that a resumed run does not redo it (the other arguments and the labels are checked by
+    :meth:`Trainer.resume`; only a changed ``epochs``, the most epochs tried, asks for a new one)."""
+    args, path = run.args, run.out / CV_NAME
+    if not args.cv_folds:
+        return None
+    cv = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv:
+        cv = select(run.train, args, run.embedding_model, Trainer, args.scale_rule, run.progress)
+        write_json(path, cv)
+    if args.keep_network and cv["shipped"] != "learned":  # keep_network may change on a resume
+        cv = {**cv, "shipped": "learned"}
+    return cv
+
+
+def fit(run: Run, cv: dict[str, Any] | None) -> tuple[FusionController, list[dict[str, Any]]]:
+    """The controller to ship and its training history: the learned controller trained for the selected epochs
+    (``args.epochs`` without CV; resumed from ``out/checkpoint`` when asked), or, when the verdict ships a
+    scale-only controller, that one (no network to train; the untrained starting point is checkpointed so that
+    ``resume`` with ``keep_network`` can still train it)."""
+    args = run.args
+    trainer = run.trainer()
+    if run.resume:
+        trainer.resume()
+    epochs = args.epochs if cv is None else cv["selected_epochs"]
+    if cv is not None and cv["shipped"] == "scale_only":
+        epochs = 0
+    if trainer.epoch > epochs:
+        logger.warning("%s: the checkpoint has %d epochs but %d are to be trained; training again from the start",
+                       run.out / CHECKPOINT_DIR, trainer.epoch, epochs)
+        shutil.rmtree(run.out / CHECKPOINT_DIR)
+    if trainer.epoch == 0 or trainer.epoch > epochs:
+        trainer = run.trainer()  # a fresh start after the CV (which drew from the global RNG)
+    history = trainer.fit(run.progress, epochs)
+    if cv is not None and cv["shipped"] == "scale_only":
+        return FusionController.scale_only(cv["kappa"], embed_dim=run.train.dim,
+                                           embedding_model=run.embedding_model), history
+    return trainer.controller.eval(), history
+
+
+def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
+             history: list[dict[str, Any]]) -> TrainResult:
+    """Record ``kappa`` and the verdict in the controller's config, save it, evaluate it on the validation records
+    (the training records without any) next to the uniform and random baselines, write ``metrics.json`` (and the
+    plots)."""
+    args, out = run.args, run.out
+    kappa = cv["kappa"] if cv is not None else fold_kappa(run.train, args, args.scale_rule)[0]
     updates: dict[str, Any] = {"kappa": kappa}
     if cv is not None:
+        part = ("gain", "ci95", "shown", "n_records")
         updates["cv"] = {k: cv[k] for k in ("gain", "ci95", "ci_method", "verdict", "folds", "selected_epochs",
-                                            "objective", "n_groups", "metric")} | {"source": str(out)}
+                                            "objective", "n_groups", "metric", "shipped")} | {
+            "scale": {k: cv["scale"][k] for k in (*part, "kappa", "chosen_by", "measured", "at_grid_edge")},
+            "reweighting": {k: cv["reweighting"][k] for k in part}, "source": str(out)}
     controller.config = dataclasses.replace(controller.config, **updates)
     controller.save_pretrained(out)
-    report_on = val_t if val_t is not None else train_t  # no validation data: report the training set instead
+    report_on = run.val if run.val is not None else run.train  # no validation data: report the training set
     report, outputs = evaluate(controller, report_on, seed=args.seed, batch_size=args.eval_batch_size)
     metrics: dict[str, Any] = finite_or_none({
-        "val" if val_t is not None else "train": report,
-        "epochs": trainer.epoch, "n_train": len(train_recs), "n_val": len(val_recs), "split": how,
-        "objective": args.objective, "risk_lambda": trainer.risk_lambda, "kappa": kappa,
-        **({"cv": cv} if cv is not None else {}),
+        "val" if run.val is not None else "train": report,
+        "epochs": len(history), "n_train": len(run.train), "n_val": 0 if run.val is None else len(run.val),
+        "split": run.split, "objective": args.objective,
+        "risk_lambda": args.risk_lambda if args.risk_lambda is not None else estimate_lambda(run.train.deltas,
+                                                                                             run.train.mask),
+        "kappa": kappa, **({"cv": cv} if cv is not None else {}),
         "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
                              "records": [{"line": k.line, "field": k.field, "message": k.message}
                                          for k in s.skipped]}
-                    for s in (train_set, val_set) if s is not None and s.skipped},
-        "timing_s": {"data": round(t_data, 3), "fit": round(t_fit, 3),
-                     "total": round(time.perf_counter() - t_start, 3)},
+                    for s in (run.train_set, run.val_set) if s is not None and s.skipped},
+        "timing_s": {"data": round(run.t_data, 3), "fit": round(time.perf_counter() - run.t_start - run.t_data, 3),
+                     "total": round(time.perf_counter() - run.t_start, 3)},
     })
     write_json(out / METRICS_NAME, metrics)
     if args.plots:
         from fcprag_tools.plots import write_training_plots
 
         write_training_plots(out / "plots", history, outputs, report_on)
-    result = TrainResult(controller, out, metrics, history, len(train_recs), len(val_recs))
+    result = TrainResult(controller, out, metrics, history, len(run.train), 0 if run.val is None else len(run.val))
     logger.info("wrote %s\n%s", out, result.table)
     return result
 
