@@ -1,4 +1,4 @@
-"""What the host shims share: reversible patches, the query context, the weight hook and its log, the fused slots
+"""What the host shims share: reversible patches, the query context, the weights and the log, the fused slots
 of ``use_slot``, the install lifecycle and the script launcher (``prag.py`` / ``dyprag.py`` add their patches)."""
 
 from __future__ import annotations

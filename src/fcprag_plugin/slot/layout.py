@@ -173,7 +173,8 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
     Modules of one group with different ranks are zero-padded to the largest (``B @ A`` unchanged). A factor of
     the wrong shape is an ``error`` naming the module, the adapter (``source``) and both shapes. ``out_major``
     stacks ``B`` as it is stored (``[L, out, r]``; ``BT`` is its transposed view) for an ``out_major``
-    :class:`~fcprag_plugin.slot.fused.FusedSlot`: transposing a skinny ``B`` costs ~10x a plain copy.
+    :class:`~fcprag_plugin.slot.fused.FusedSlot`, whose writes are then plain copies (a skinny ``B`` transposes
+    slowly).
     """
     dev = torch.device(device) if device is not None else None
     groups = []

@@ -327,7 +327,7 @@ class Trainer:
     def validate(self) -> dict[str, Any]:
         if self.val_data is None or len(self.val_data) == 0:
             return {}
-        # per-epoch monitoring runs in the training precision (bf16: ~4x cheaper than float32 matmuls here);
+        # per-epoch monitoring runs in the training precision (bf16 where the CPU has it: cheaper matmuls);
         # the final metrics.json is always float32: the numbers `fuse` / `fcprag eval` will reproduce
         o = collect_outputs(self.controller, self.val_data, self.args.eval_batch_size,
                             torch.bfloat16 if self.precision == "bf16" else None)

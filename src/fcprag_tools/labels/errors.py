@@ -1,4 +1,4 @@
-"""The label builder's own error type (kept here so the core ``errors`` module stays untouched)."""
+"""The label builder's error type: a record that could not be labelled."""
 
 from __future__ import annotations
 
