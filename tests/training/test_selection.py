@@ -12,8 +12,10 @@ import torch
 from fcprag_plugin import FusionController
 from fcprag_plugin.training import train_controller
 from fcprag_plugin.training.data import build_tensors
+from fcprag_plugin.controller import ControllerOutput
 from fcprag_plugin.training.selection import (ScaleRule, bootstrap_ci, choose_scale, group_kfold, reweighting_gain,
-                                              scale_gain)
+                                              scale_gain, select)
+from fcprag_plugin.training.trainer import TrainArgs
 from fcprag_tools.synthetic import synthetic_records, table_encoder
 
 # small and fast, but the nets move enough in 6 epochs to learn a planted signal (and to overfit noise)
@@ -101,6 +103,46 @@ def test_noise_labels_are_not_shown_at_more_than_the_nominal_rate(tmp_path):
         shown.append((cv["verdict"] == "better_than_uniform", cv["reweighting"]["shown"], cv["scale"]["shown"]))
     assert sum(v for v, _, _ in shown) <= 1, shown
     assert sum(r for _, r, _ in shown) <= 1 and sum(s for _, _, s in shown) <= 1, shown
+
+
+class RandomWeights(torch.nn.Module):
+    """A stand-in controller whose weights are new random numbers after every epoch, unrelated to the labels:
+    every epoch count is worth exactly nothing, and a selection that looks at the scored questions would find
+    one that seems to help."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def forward(self, e_q, E_p, mask=None, side=None):
+        mask = torch.ones(E_p.shape[:2], dtype=torch.bool) if mask is None else mask
+        w = (1 + 0.5 * torch.randn(E_p.shape[:2], generator=self.gen)).clamp_min(0.05) * mask
+        w = w * mask.sum(1, keepdim=True) / w.sum(1, keepdim=True)
+        zeros = torch.zeros(E_p.shape[0])
+        return ControllerOutput(w / 3, zeros, zeros, w / 3, w, mask)
+
+
+class RandomTrainer:
+    risk_lambda = 1.0
+
+    def __init__(self, data, val, out, args, name):
+        self.controller = RandomWeights(len(data))
+
+    def train_epoch(self):
+        pass
+
+
+def test_choosing_among_many_worthless_epoch_counts_is_not_called_a_gain():
+    """Selection-unbiasedness itself: 10 epoch counts of random weights, 40 label sets; the nested choice may call
+    the reweighting shown in at most 2 (5%). Choosing each fold's epochs on its own held-out questions (what the
+    verdict did before) calls it shown in most of them on these data."""
+    args = TrainArgs(epochs=10, cv_folds=5, kappa=1.0)
+    shown = 0
+    for seed in range(40):
+        recs, table = synthetic_records(60, 3, 8, kind="noise", noise=0.1, seed=seed, groups=30)
+        cv = select(build_tensors(recs, table_encoder(table, "syn8")), args, "syn8", RandomTrainer)
+        shown += cv["reweighting"]["shown"]
+    assert shown <= 2, shown
 
 
 def test_labels_where_only_the_total_scale_helps(tmp_path):
