@@ -229,6 +229,31 @@ def test_arrow_routes_each_token_to_a_softmax_mixture_over_singular_vector_proto
         assert ((coeff > 0).sum(1) == top_k).all()
 
 
+def test_device_and_dtype_float32_matches_the_cpu_and_bfloat16_stays_close(world):
+    """The whole run on CUDA where there is one (else the CPU again): float32 there gives the CPU's numbers,
+    bfloat16 close ones; adapters are trained on that device and saved float32 either way."""
+    from safetensors.torch import load_file
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    runs = {}
+    for device, dtype in (("cpu", "float32"), (dev, "float32"), (dev, "bfloat16")):
+        out = world["tmp"] / f"o-{device}-{dtype}"
+        args = [device if x == "cpu" else x for x in world["base"]]
+        run_all.main(args + ["--out", str(out), "--dtype", dtype, "--generate"])
+        s = json.loads((out / "summary.json").read_text())
+        assert s["settings"]["device"].startswith(device) and s["settings"]["dtype"] == dtype
+        pid = common.read_jsonl(out / "adapters.jsonl")[0]["pid"]
+        assert {v.dtype for v in load_file(out / "adapters" / pid / "adapter_model.safetensors").values()} == {
+            torch.float32}
+        runs[device, dtype] = {(r["key"], r["name"]): r for r in _rows(out)}
+        assert all(torch.isfinite(torch.tensor(r["logprob"])) and "f1" in r for r in runs[device, dtype].values())
+    cpu, f32, bf16 = runs["cpu", "float32"], runs[dev, "float32"], runs[dev, "bfloat16"]
+    assert cpu.keys() == f32.keys() == bf16.keys()
+    for k in cpu:
+        assert f32[k]["logprob"] == pytest.approx(cpu[k]["logprob"], abs=2e-3)
+        assert bf16[k]["logprob"] == pytest.approx(cpu[k]["logprob"], abs=0.02)  # values span ~0.2
+
+
 def _spy_retrieval(monkeypatch) -> dict:
     class Stop(Exception):
         pass
