@@ -5,8 +5,9 @@
         [--no-arrow] [--model NAME_OR_PATH [--gguf-file F]] [--device auto|cpu|cuda]
         [--dtype auto|float32|bfloat16|float16]
 
-Questions: the file's, in file order; ``--ids FILE`` (``{"ids": [...]}`` or one id per line) keeps only those,
-then the questions any evaluated controller was trained on (``<controller>/train_question_ids.json``, ``{"ids":
+Questions: the file's, in file order; ``--ids FILE`` (``{"ids": [...]}`` or one id per line) keeps only those
+(ids that are not in the file are skipped, with a note, so one list can serve several files; none there is an
+error), then the questions any evaluated controller was trained on (``<controller>/train_question_ids.json``, ``{"ids":
 [...]}``, for ``--controller`` and every ``--extra-controller``) are left out (``--keep-trained`` keeps them), then
 ``--limit`` counts.
 
@@ -325,11 +326,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     file_rows = _user_file(read_jsonl, data)
     file_ids = [r.get("id") for r in file_rows]
     only: list[str] | None = _read_ids(Path(a.ids)) if a.ids else None
-    if only is not None:
+    if only is not None:  # one ids file may serve several data files: ids of another file are skipped, said once
         known = set(file_ids)
         missing = [i for i in only if i not in known]
+        if len(missing) == len(only):
+            _fail(f"--ids {a.ids}: none of its {len(only)} id(s) is in --data {data} (e.g. {missing[0]})")
         if missing:
-            _fail(f"--ids {a.ids}: {len(missing)} id(s) not in --data {data} (e.g. {missing[0]})")
+            print(f"run_all.py: {len(missing)} of the {len(only)} ids in {a.ids} are not in {data}; skipped",
+                  file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(a.threads)
     name = data.stem

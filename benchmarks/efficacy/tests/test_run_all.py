@@ -271,20 +271,21 @@ def _spy_retrieval(monkeypatch) -> dict:
 
 @pytest.mark.parametrize("fmt", ["json", "lines"])
 def test_ids_keep_only_those_questions_in_file_order_before_the_trained_ones_leave_and_limit_counts(
-        tmp_path, monkeypatch, fmt):
+        tmp_path, monkeypatch, capsys, fmt):
     seen = _spy_retrieval(monkeypatch)
     data = _data_file(tmp_path / "d.jsonl", 6)
     ctrl = tmp_path / "ctrl"
     ctrl.mkdir()
     (ctrl / "config.json").write_text("{}")
     (ctrl / "train_question_ids.json").write_text(json.dumps({"ids": ["q1"]}))
-    ids = ["q4", "q1", "q3", "q5"]
+    ids = ["q4", "q1", "q3", "q5", "other-file-id"]
     f = tmp_path / "ids.txt"
     f.write_text(json.dumps({"ids": ids}) if fmt == "json" else "\n".join(ids) + "\n\n")
     with pytest.raises(seen["Stop"]):
         run_all.main(["--data", str(data), "--controller", str(ctrl), "--out", str(tmp_path / "o"), "--ids", str(f),
                       "--limit", "2"])
     assert [r["id"] for r in seen["rows"]] == ["q3", "q4"]  # file order, q1 (trained) left out, then 2 kept
+    assert "1 of the 5 ids in" in capsys.readouterr().err  # an id of another file is skipped, with a note
 
 
 def test_a_work_folder_built_elsewhere_is_reused_without_training_and_keeps_its_other_questions(world, monkeypatch):
@@ -341,7 +342,7 @@ def _no_gated_mlp_model(path: Path) -> Path:
     (["--extra-controller", "a=CTRL", "--extra-controller", "a=CTRL"], "the name a is given twice"),
     (["--extra-controller", "a=/nonexistent"], "--extra-controller a=/nonexistent: no config.json"),
     (["--ids", "/nonexistent"], "--ids /nonexistent: file not found"),
-    (["--ids", "IDS:q0\nq9\n"], "1 id(s) not in --data"),
+    (["--ids", "IDS:q8\nq9\n"], "none of its 2 id(s) is in --data"),
     (["--ids", "IDS:\n\n"], "no question ids in it"),
     (["--ids", "IDS:{\"ids\": "], "cannot read it"),
     (["--ids", "IDS:{\"ids\": [1]}"], "'ids' must be a list of question id strings"),
