@@ -410,7 +410,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         jobs, meta = test_jobs(rows, heldout.combine(scale_rows, *methods),
                                generate_conditions=("clean",) if a.generate else (), conditions=("clean",),
                                modes=(a.prompt,), top=a.top_k)
-    except FcpragError as e:
+    except (FcpragError, ValueError) as e:  # e.g. a side feature it cannot get, or non-finite weights
         _fail(f"--controller / --extra-controller: {e}")
     arrow_ok, arrow_why = arrow.status()
     use_arrow = arrow_ok and not a.no_arrow
@@ -452,11 +452,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         res = _annotate(scoring.score_jobs(model, tok, slot, parts, store, **score), parts)
         for r in res:
             lp.setdefault(r["key"], {})[r["name"]] = r["logprob"]
-        oracles = []
+        oracles = []  # rescored with any row of its question, from the log-liks. it is then judged against
         for job, _ in chunk:
             oracle_expected(job)
-            o = heldout.oracle_job(job, meta_by[job.key]["positions"], lp[job.key])
-            oracles.append(o)
+            oracles.append(heldout.oracle_job(job, meta_by[job.key]["positions"], lp[job.key]))
         res += _annotate(scoring.score_jobs(model, tok, slot, oracles, store, **score), oracles)
         append_jsonl(res_path, res)
     slot.remove()
