@@ -158,9 +158,10 @@ def make_groups(items: list[tuple[str, str]], lengths: dict[tuple[str, str], int
 
 def build(items: list[tuple[str, str]], augs: dict[str, dict[str, dict[str, Any]]], group_size: int, block: int,
           epochs: int, max_tokens: int, model: Any = None, tok: Any = None, save: bool = True,
-          root: Path | None = None) -> list[dict[str, Any]]:
+          root: Path | None = None, base_model: str = MODEL_NAME) -> list[dict[str, Any]]:
     """Train (and, with ``save``, write and log) one adapter per ``(dataset, pid)`` item, ``group_size`` at a
-    time. Each group's adapters go to ``work/<dataset>/adapters/<pid>/`` and their log rows (steps, losses,
+    time, on ``model`` wherever it lives (its device; its dtype for the frozen weights' compute, the LoRA factors
+    float32 master copies, saved float32; ``base_model`` is the name written into each ``adapter_config.json``). Each group's adapters go to ``work/<dataset>/adapters/<pid>/`` and their log rows (steps, losses,
     norms, the group's wall-clock) to ``cache/<dataset>/adapters.jsonl`` as soon as the group finishes (under
     ``root`` instead when given: :func:`places`).
     Returns the log rows."""
@@ -173,7 +174,7 @@ def build(items: list[tuple[str, str]], augs: dict[str, dict[str, dict[str, Any]
     torch.manual_seed(0)
     lengths = {it: min(max_tokens, len(tok(augs[it[0]][it[1]]["passage"], add_special_tokens=False)["input_ids"]))
                for it in items}
-    config = dict(LORA, task_type="CAUSAL_LM", base_model_name_or_path=MODEL_NAME)
+    config = dict(LORA, task_type="CAUSAL_LM", base_model_name_or_path=base_model)
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     rows_all: list[dict[str, Any]] = []
     groups = make_groups(items, lengths, group_size, block)

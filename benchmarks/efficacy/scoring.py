@@ -5,7 +5,11 @@
 A job (:class:`batch_scorer.Job`) is one question asked one way (prompt mode, gold aliases, its distinct adapters
 ``pids`` and named rows ``{name: w~ per pid}``). Every row becomes one scored sequence: the gold answer's mean
 token log-likelihood under teacher forcing (max over aliases) with the row's adapters merged by PRAG's ``cat``
-sum weighted by ``w~``, plus, for jobs with ``generate``, the greedy answer with F1 / EM.
+sum weighted by ``w~``, plus, for jobs with ``generate``, the greedy answer (from the same prompt) scored by PRAG's
+rules: the short answer is the generation cut at its first ``.``, newline or ``,`` (``extract_answer(...,
+scoring="prag")``), F1 (HotpotQA's yes/no/noanswer rule) and EM after SQuAD normalisation, best over the gold
+aliases; plus ``acc``, answer presence: 1 when a normalised gold alias occurs as whole words anywhere in the
+normalised full generation (``metrics.answer_in_text``).
 
 Scoring is the library's batched scorer (``fcprag_tools.labels.batched.score_rows``), the code path of
 ``fcprag labels build``: one code path for labels and evaluation. Each result names the scorer that made it
@@ -19,7 +23,7 @@ from typing import Any, Sequence
 
 from batch_scorer import Job
 from fcprag_tools.labels.batched import ScoreRow, score_rows
-from fcprag_tools.labels.metrics import exact_match, extract_answer, f1_score
+from fcprag_tools.labels.metrics import answer_in_text, exact_match, extract_answer, f1_score
 
 MAX_RANK = 2
 
@@ -29,8 +33,11 @@ def scorer_name() -> str:
 
 
 def stop_ids(model: Any, tok: Any) -> set[int]:
-    """eos, ``<|im_end|>`` and the generation config's eos: where a greedy answer stops."""
-    stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    """eos, ``<|im_end|>`` (when the vocabulary has it) and the generation config's eos: where a greedy answer
+    stops."""
+    stops = {tok.eos_token_id}
+    if "<|im_end|>" in tok.get_vocab():  # else convert_tokens_to_ids gives the unknown token's id
+        stops.add(tok.convert_tokens_to_ids("<|im_end|>"))
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     stops |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     return {s for s in stops if isinstance(s, int) and s >= 0}
@@ -42,11 +49,16 @@ def make_slot(model: Any, store: dict[str, Any], max_adapters: int) -> Any:
     return FusedSlot(model, next(iter(store.values())), max_adapters=max_adapters, max_rank=MAX_RANK)
 
 
-def _finish(job: Job, name: str, logprob: float, generation: str | None) -> dict[str, Any]:
-    res: dict[str, Any] = {"key": job.key, "name": name, "logprob": round(float(logprob), 5), "scorer": scorer_name()}
+def finish(job: Job, name: str, logprob: float, generation: str | None, scorer: str | None = None
+           ) -> dict[str, Any]:
+    """One result row: ``{"key", "name", "logprob", "scorer"}`` and, with a generation, ``"generation"`` (raw),
+    ``"prediction"`` (PRAG's extracted answer), ``"f1"``, ``"em"``, ``"acc"`` (module docstring)."""
+    res: dict[str, Any] = {"key": job.key, "name": name, "logprob": round(float(logprob), 5),
+                           "scorer": scorer or scorer_name()}
     if generation is not None:
-        pred = extract_answer(generation, False)
-        res.update(prediction=pred, f1=round(f1_score(pred, job.answers), 5), em=exact_match(pred, job.answers))
+        pred = extract_answer(generation, False, scoring="prag")
+        res.update(generation=generation, prediction=pred, f1=round(f1_score(pred, job.answers), 5),
+                   em=exact_match(pred, job.answers), acc=answer_in_text(generation, job.answers))
     return res
 
 
@@ -65,4 +77,4 @@ def score_jobs(model: Any, tok: Any, slot: Any, jobs: Sequence[Job], store: dict
             owners.append((job, name))
     out = score_rows(model, tok, slot, rows, mode="cat", batch_size=batch_size, max_tokens=max_tokens,
                      max_new_tokens=max_new_tokens, stop_ids=sorted(stop_ids(model, tok)))
-    return [_finish(job, name, r.logprob, r.generation) for (job, name), r in zip(owners, out)]
+    return [finish(job, name, r.logprob, r.generation) for (job, name), r in zip(owners, out)]

@@ -359,51 +359,6 @@ def test_run_all_bad_trained_ids_file_is_one_line_exit_2(tmp_path, capsys, text)
     assert err.count("\n") == 0 and "train_question_ids.json" in err
 
 
-def test_run_all_end_to_end_on_a_tiny_model_param_then_combine(tmp_path, monkeypatch):
-    """Retrieval, augmentation, real (tiny) adapters, scoring and the summary, then the combine prompt reusing
-    the adapters; summary figures recomputed from eval.jsonl."""
-    import fcprag_plugin.encoding
-    import heldout
-    import run_all
-    from fcprag_plugin import FusionController
-
-    from helpers import hash_encoder
-
-    model = tiny_model("llama", seed=5, bos_token_id=2, eos_token_id=3, pad_token_id=0).eval()
-    tok = tiny_tokenizer()
-    tok.chat_template = None
-    monkeypatch.setattr(common, "load_model", lambda dtype="float32": (model, tok))
-    enc = hash_encoder(16)
-    monkeypatch.setattr(fcprag_plugin.encoding, "TextEncoder", lambda *a, **k: enc)
-    ctrl = tmp_path / "ctrl"
-    FusionController.fixed(g=0.9, tau=0.05, embed_dim=16, scorer="cosine").save_pretrained(ctrl)
-    (ctrl / "train_question_ids.json").write_text(json.dumps({"ids": ["q1"]}))
-    data, out = _data_file(tmp_path / "d.jsonl", 4), tmp_path / "o"
-    base = ["--data", str(data), "--controller", str(ctrl), "--out", str(out), "--threads", "1", "--questions", "2"]
-    run_all.main(base)
-    s = json.loads((out / "summary.json").read_text())
-    assert s["n_questions"] == 3 and s["settings"]["left_out_trained"] == 1
-    assert set(s["methods"]) == {"prag_sum", "average", "learned", "learned_same_total", "oracle"}
-    table = heldout.per_question(common.read_jsonl(out / "eval.jsonl"))
-    assert sorted(table) == [f"d|q{q}|clean|param" for q in (0, 2, 3)]
-    for m in ("average", "learned"):
-        diffs = [v[m] - v["prag_sum"] for v in table.values()]
-        assert s["paired"][m]["delta_loglik"] == pytest.approx(sum(diffs) / 3)
-        lo, hi = s["paired"][m]["ci95"]
-        assert lo <= s["paired"][m]["delta_loglik"] <= hi
-    # a controller with no scale keeps PRAG's total: its same-total row is PRAG's sum; its own row is not
-    assert all(v["learned_same_total"] == pytest.approx(v["prag_sum"], abs=1e-5) for v in table.values())
-    assert any(abs(v["learned"] - v["prag_sum"]) > 1e-4 for v in table.values())
-    n_adapters = len(common.read_jsonl(out / "adapters.jsonl"))
-    assert n_adapters == len({p["pid"] for r in common.read_jsonl(out / "retrieval.jsonl") for p in r["passages"]})
-    run_all.main(base + ["--prompt", "combine"])
-    c = json.loads((out / "summary_combine.json").read_text())
-    assert c["n_questions"] == 3 and c["settings"]["prompt"] == "combine"
-    assert len(common.read_jsonl(out / "adapters.jsonl")) == n_adapters  # adapters reused, not trained again
-    assert json.loads((out / "summary.json").read_text()) == s  # the param summary is left as it was
-    assert c["methods"]["prag_sum"]["gold_loglik"] != pytest.approx(s["methods"]["prag_sum"]["gold_loglik"])
-
-
 @pytest.fixture()
 def toy_study(tmp_path, monkeypatch):
     """Two toy datasets (4 questions each, 6 passages) with real tiny adapters, and the study's stages pointed at

@@ -48,6 +48,15 @@ def exact_match(prediction: str, answers: Sequence[str]) -> float:
     return float(any(p == normalize_answer(a) for a in answers))
 
 
+def answer_in_text(text: str, answers: Sequence[str]) -> float:
+    """Answer-presence accuracy: 1.0 when some gold alias, normalised (:func:`normalize_answer`), occurs in the
+    normalised ``text`` as a run of whole words, else 0.0. ``text`` is the whole generation, not the extracted
+    answer, so an answer the model states after a preamble still counts. Whole words (not substrings) so that the
+    gold "no" is not found in "know" or "not"; an alias that normalises to nothing never counts."""
+    hay = f" {normalize_answer(text)} "
+    return float(any(g and f" {g} " in hay for g in (normalize_answer(a) for a in answers)))
+
+
 def extract_answer(text: str, cot: bool = False, scoring: str = "default") -> str:
     """The short answer in a generation: with chain-of-thought the text after the first "the answer is" (the whole
     text without it; ``scoring="default"`` finds it in any letter case, ``"prag"`` only in lower case, as PRAG

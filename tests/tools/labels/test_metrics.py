@@ -9,6 +9,7 @@ import torch
 
 from fcprag_plugin.errors import FcpragError
 from fcprag_tools.labels.metrics import (
+    answer_in_text,
     answer_logprob,
     exact_match,
     extract_answer,
@@ -32,6 +33,16 @@ def test_f1_hand_computed_and_max_over_aliases():
     assert f1_score("New York City", ["York"]) == pytest.approx(0.5)
     assert f1_score("New York City", ["York", "new york city"]) == pytest.approx(1.0)
     assert f1_score("Berlin", ["Paris"]) == 0.0
+
+
+def test_answer_in_text_finds_a_normalised_alias_as_whole_words_anywhere_in_the_generation():
+    assert answer_in_text("I think it was The Eiffel Tower, built 1889.", ["eiffel tower"]) == 1.0
+    assert answer_in_text("Paris", ["Berlin", "paris"]) == 1.0  # any alias
+    assert answer_in_text("I don't know.", ["no"]) == 0.0  # whole words: "no" is not in "know"
+    assert answer_in_text("No, it is not.", ["no"]) == 1.0
+    assert answer_in_text("Parisian food", ["Paris"]) == 0.0
+    assert answer_in_text("the answer", ["The"]) == 0.0  # an alias that normalises to nothing never counts
+    assert answer_in_text("", ["x"]) == 0.0
 
 
 def test_f1_yes_no_rule():
