@@ -604,6 +604,8 @@ for _obj in ("kl", "risk"):
                 continue
             CANDIDATES[f"{_obj}-{_feat}-{_scale}"] = {
                 "objective": _obj, "side_features": _side, "kappa": "auto" if _scale == "kappa" else 1.0,
+                # the first study's registered features include the BM25 score, which its evaluation supplies
+                **({"allow_retrieval_score": True} if _side else {}),
                 **({"controller": {"query_scale": True}} if _scale == "query" else {})}
 SEEDS = (0, 1, 2)
 EPOCHS = 3  # the most epochs each CV fold may train (plan change 2: the best epoch was 1 in every earlier setting)
