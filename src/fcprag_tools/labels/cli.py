@@ -34,12 +34,14 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     from .builder import BuildOptions, LabelBuilder, build_labels, check_scale_grid
     from .manifest import read_manifest
-    from .model_io import load_model
+    from .model_io import check_model_path, load_model
     from .prompts import PromptTemplate
     from .shard import init_process_group, merge_parts, output_path, part_path, shard_from_env, shard_records
     from .store import done_ids
 
     check_out_file("--out", args.out, [("manifest", args.manifest), ("--prompt-template", args.prompt_template)])
+    model_path = check_model_path("--model", args.model)
+    tokenizer_path = check_model_path("--tokenizer", args.tokenizer) if args.tokenizer else None
     shard = shard_from_env()
     records = read_manifest(args.manifest)  # every rank validates the whole manifest: a bad line stops all
     template = PromptTemplate.from_file(args.prompt_template) if args.prompt_template else PromptTemplate()
@@ -62,8 +64,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     args.interrupt_hint = f"{target} keeps every record written so far; the same command resumes after them"
     grouped = init_process_group(shard)
     try:
-        model, tok = load_model(args.model, gguf_file=args.gguf_file, tokenizer=args.tokenizer, dtype=args.dtype,
-                                device=args.device, local_rank=shard.local_rank)
+        model, tok = load_model(model_path, gguf_file=args.gguf_file, tokenizer=tokenizer_path, dtype=args.dtype,
+                                device=args.device, local_rank=shard.local_rank, progress=not args.no_progress)
         builder = LabelBuilder(model, tok, options)
         desc = f"labels rank {shard.rank}/{shard.world}" if shard.distributed else "labels"
         try:
@@ -178,7 +180,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=positive_int, help="torch CPU threads per process")
     b.add_argument("--no-merge", dest="no_merge", action="store_true",
                    help="under torchrun: leave the part files, do not merge them into --out at the end")
-    b.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bars")
+    b.add_argument("--no-progress", dest="no_progress", action="store_true",
+                   help="no progress bars (neither ours nor transformers' while the model loads)")
     b.set_defaults(func=_cmd_build)
 
     p = gs.add_parser("from-prag", help="write a manifest from PRAG's augmented data and adapter tree",
