@@ -59,7 +59,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     target = output_path(out, shard)
     # Records already merged into OUT by an earlier run count as done for every rank.
     skip = set(done_ids(out, repair=False)) if shard.distributed and out.exists() else set()
-    for path in dict.fromkeys([target, out]):  # before the model loads: a resume with another scale grid is refused at once
+    for path in dict.fromkeys([target, out]):  # before the model loads: another scale grid is refused at once
         check_scale_grid(path, options.scales)
     args.interrupt_hint = f"{target} keeps every record written so far; the same command resumes after them"
     grouped = init_process_group(shard)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -249,7 +248,7 @@ def test_merge_keeps_scale_fields_and_refuses_mixed_grids(world, tmp_path):
 
     c = tmp_path / "c.jsonl"
     build_labels(records[3:], LabelBuilder(model, tok, BuildOptions(scales=(2.0,), **opts)), c, progress=False)
-    with pytest.raises(LabelFileError, match=rf"c\.jsonl:1: field 'scales': \[2\.0\] but .*a\.jsonl:1 has "
+    with pytest.raises(LabelFileError, match=r"c\.jsonl:1: field 'scales': \[2\.0\] but .*a\.jsonl:1 has "
                                              r"\[0\.5, 2\.0\]; a label file does not mix scale grids"):
         merge_parts([a, c], records, out)
     d = tmp_path / "d.jsonl"
