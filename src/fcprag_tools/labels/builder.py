@@ -1,7 +1,8 @@
 """Per-record leave-one-out evaluation and the resumable run loop (see ``docs/labels-builder.md``).
 
 A record with N adapters is measured with all of them and with each left out (N + 1 subsets, uniform weights),
-one subset at a time or, with ``batch_size > 1``, through :func:`.batched.score_rows`.
+and with ``scales``, with all of them at each total scale ``s`` (every ``w~_i = s``), one evaluation at a time or,
+with ``batch_size > 1``, through :func:`.batched.score_rows`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ from .errors import LabelBuildError
 from .manifest import ManifestRecord
 from .metrics import SCORINGS, answer_logprob, greedy_generate, score_generation
 from .prompts import PROMPT_MODES, EncodedPrompt, PromptTemplate, answer_ids, render_prompt
-from .store import JsonlAppender, done_ids
+from .store import JsonlAppender, done_ids, read_label_lines
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class BuildOptions:
     use_slot: bool = False  # fcprag_plugin.slot.FusedSlot instead of merge + activate per subset
     model_name: str | None = None
     batch_size: int = 1  # rows per batched forward; 1: one subset at a time (the CLI defaults to 16)
+    scales: Sequence[float] = ()  # also measure the full set with every w~_i = s, for each s (scale 1: metric_all)
 
     def validate(self) -> None:
         if self.prompt_mode not in PROMPT_MODES:
@@ -65,6 +68,8 @@ class BuildOptions:
             raise FcpragError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise FcpragError(f"batch size (--batch-size) must be an integer >= 1, got {self.batch_size!r}")
+        check_scales(self.scales)
+        self.scales = tuple(float(s) for s in self.scales)
         self.template.validate()
 
     @property
@@ -76,16 +81,59 @@ class BuildOptions:
     def metric_names(self) -> tuple[str, ...]:
         return METRICS if self.generate else ("answer_logprob",)
 
+    @property
+    def extra_scales(self) -> tuple[float, ...]:
+        """The scales measured on their own: scale 1 is the full set, already measured as ``metric_all``."""
+        return tuple(s for s in self.scales if s != 1.0)
+
+
+def check_scales(scales: Sequence[float]) -> None:
+    """Merge scales: finite numbers > 0, each once (``FcpragError`` naming ``--scales`` otherwise)."""
+    seen = set()
+    for s in scales:
+        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s <= 0:
+            raise FcpragError(f"--scales: {s!r} is not a finite number > 0; expected e.g. 0.5,1,2")
+        if float(s) in seen:
+            raise FcpragError(f"--scales: {s!r} is given twice; expected distinct scales")
+        seen.add(float(s))
+
+
+def format_scales(scales: Sequence[float]) -> str:
+    """``[0.5, 1.0, 2.0]`` -> ``"0.5,1,2"`` (how ``--scales`` is written; every digit kept)."""
+    return ",".join(repr(float(s)).removesuffix(".0") for s in scales)
+
+
+def check_scale_grid(path: str | Path, scales: Sequence[float]) -> None:
+    """Refuse to resume a label file whose records were built with another ``--scales`` (none counts as a grid):
+    the ``*_at_scales`` lists of one file must mean the same scales. A missing file is fine."""
+    path = Path(path)
+    if not path.exists():
+        return
+    want = [float(s) for s in scales]
+    for sl in read_label_lines(path, partial="ignore"):
+        have = sl.record.get("scales", [])  # a record without the field was built without --scales
+        if have == want:
+            continue
+        try:
+            built = f"--scales {format_scales(have)}" if have else "no --scales"
+        except (TypeError, ValueError):
+            built = f"'scales' {have!r}"
+        asked = f"--scales {format_scales(want)}" if want else "--scales not given"
+        raise FcpragError(f"{asked}: {path}:{sl.line} was built with {built}; a label file does not mix scale "
+                          "grids: resume with the same --scales, or write to a new --out")
+
 
 @dataclass
 class SubsetResult:
-    """The measurements for one subset of adapters (indices into the record's adapter list)."""
+    """The measurements for one subset of adapters (indices into the record's adapter list), merged with every
+    weight ``w~_i = scale``."""
 
     subset: list[int]
     values: dict[str, float]
     generation: str | None = None
     prediction: str | None = None
     empty: bool = False
+    scale: float = 1.0
 
 
 def leave_one_out_subsets(n: int) -> list[list[int]]:
@@ -94,9 +142,9 @@ def leave_one_out_subsets(n: int) -> list[list[int]]:
     return [full] + [[j for j in full if j != i] for i in range(n)]
 
 
-def describe_subset(subset: Sequence[int], n: int) -> str:
+def describe_subset(subset: Sequence[int], n: int, scale: float = 1.0) -> str:
     if len(subset) == n:
-        return f"all {n} adapters"
+        return f"all {n} adapters" + (f" at scale {format_scales([scale])}" if scale != 1.0 else "")
     left = sorted(set(range(n)) - set(subset))
     return f"adapter {left[0]} left out" + (" (base model)" if not subset else "")
 
@@ -133,6 +181,11 @@ class LabelBuilder:
         return self._slot
 
     # ----------------------------------------------------------------- pieces
+    def evaluations(self, n: int) -> list[tuple[list[int], float]]:
+        """``(subset, scale)`` per evaluation of a record with ``n`` adapters: the N + 1 leave-one-out subsets at
+        scale 1, then the full set at each scale of ``options.extra_scales``."""
+        return [(s, 1.0) for s in leave_one_out_subsets(n)] + [(list(range(n)), s) for s in self.options.extra_scales]
+
     def prompts(self, rec: ManifestRecord) -> tuple[EncodedPrompt, EncodedPrompt, list[list[int]]]:
         """(scoring prompt, generation prompt, answer ids per alias). Scoring never uses chain-of-thought."""
         o = self.options  # the passages only reach the prompt in "combine" mode
@@ -152,8 +205,9 @@ class LabelBuilder:
                                       f"{e}") from e
         return out
 
-    def _result(self, rec: ManifestRecord, subset: Sequence[int], lp: float, generation: str | None) -> SubsetResult:
-        """One subset's measurements from its answer log-probability and greedy text (both paths end here)."""
+    def _result(self, rec: ManifestRecord, subset: Sequence[int], lp: float, generation: str | None,
+                scale: float = 1.0) -> SubsetResult:
+        """One evaluation's measurements from its answer log-probability and greedy text (both paths end here)."""
         o = self.options
         values: dict[str, float] = {"answer_logprob": lp}
         prediction, empty = None, False
@@ -163,14 +217,14 @@ class LabelBuilder:
             empty = not prediction.strip()
             if empty and o.empty_generation == "fail":
                 raise LabelBuildError(
-                    f"record '{rec.id}' ({rec.where}): empty generation with {describe_subset(subset, rec.n)} "
+                    f"record '{rec.id}' ({rec.where}): empty generation with {describe_subset(subset, rec.n, scale)} "
                     f"(raw output {generation!r}); fix the prompt/max_new_tokens or pass --empty-generation zero "
                     "to score it 0")
         for k, v in values.items():
             if not math.isfinite(v):
                 raise LabelBuildError(f"record '{rec.id}' ({rec.where}): {k} is {v} with "
-                                      f"{describe_subset(subset, rec.n)}; refusing to write a non-finite label")
-        return SubsetResult(list(subset), values, generation, prediction, empty)
+                                      f"{describe_subset(subset, rec.n, scale)}; refusing to write a non-finite label")
+        return SubsetResult(list(subset), values, generation, prediction, empty, scale)
 
     # ----------------------------------------------------------------- one record
     def _prepare(self, rec: ManifestRecord) -> tuple[EncodedPrompt, EncodedPrompt, list[list[int]],
@@ -182,7 +236,8 @@ class LabelBuilder:
         return score_prompt, gen_prompt, answers_ids, self.load_adapters(rec)
 
     def label(self, rec: ManifestRecord) -> dict[str, Any]:
-        """Evaluate the N + 1 subsets of one record and return its label record (batched when ``batch_size > 1``)."""
+        """Evaluate one record (N + 1 subsets, and the scales) and return its label record (batched when
+        ``batch_size > 1``)."""
         if self.options.batched:
             (out,) = self.label_many([rec])
             if isinstance(out, BaseException):
@@ -191,7 +246,7 @@ class LabelBuilder:
         return self.label_sequential(rec)
 
     def label_sequential(self, rec: ManifestRecord) -> dict[str, Any]:
-        """One subset after the other (merge + hooks, or the fused slot with ``use_slot``)."""
+        """One evaluation after the other (merge + hooks, or the fused slot with ``use_slot``)."""
         o = self.options
         score_prompt, gen_prompt, answers_ids, adapters = self._prepare(rec)
         slot = None
@@ -200,44 +255,46 @@ class LabelBuilder:
 
             try:
                 slot = self._slot_for(adapters)
-                adapters = [pack_adapter(a) for a in adapters]  # packed once, reused by the N + 1 subsets
+                adapters = [pack_adapter(a) for a in adapters]  # packed once, reused by every evaluation
             except FcpragError as e:
                 raise LabelBuildError(f"record '{rec.id}' ({rec.where}): fused slot: {e}") from e
         results = []
-        for subset in leave_one_out_subsets(rec.n):
+        for subset, scale in self.evaluations(rec.n):
             chosen = [adapters[i] for i in subset]
             try:
                 if not chosen:
                     ctx: Any = contextlib.nullcontext()  # the base model
                 elif slot is not None:
-                    ctx = slot.fused(chosen, [1.0] * len(chosen), o.merge_mode)
+                    ctx = slot.fused(chosen, [scale] * len(chosen), o.merge_mode)
                 else:
-                    ctx = activate(self.model, merge_adapters(chosen, [1.0] * len(chosen), o.merge_mode).adapter)
+                    ctx = activate(self.model, merge_adapters(chosen, [scale] * len(chosen), o.merge_mode).adapter)
                 with ctx, torch.no_grad():
                     lp = max(answer_logprob(self.model, score_prompt.ids, a) for a in answers_ids)
                     generation = greedy_generate(self.model, self.tokenizer, gen_prompt.ids, o.max_new_tokens) \
                         if o.generate else None
             except FcpragError as e:  # an incompatible adapter: name the record and the subset
-                raise LabelBuildError(f"record '{rec.id}' ({rec.where}), {describe_subset(subset, rec.n)}: "
+                raise LabelBuildError(f"record '{rec.id}' ({rec.where}), {describe_subset(subset, rec.n, scale)}: "
                                       f"{e}") from e
-            results.append(self._result(rec, subset, lp, generation))
+            results.append(self._result(rec, subset, lp, generation, scale))
         return self._label_record(rec, results)
 
     # ----------------------------------------------------------------- several records, batched
     def group(self, records: Sequence[ManifestRecord]) -> list[list[ManifestRecord]]:
-        """Consecutive records grouped while their subsets (N + 1 each) fit ``batch_size`` (at least one each)."""
+        """Consecutive records grouped while their evaluations (N + 1 each, plus the extra scales) fit
+        ``batch_size`` (at least one record per group)."""
         groups: list[list[ManifestRecord]] = []
         rows = 0
+        extra = len(self.options.extra_scales)
         for rec in records:
-            if not groups or rows + rec.n + 1 > self.options.batch_size:
+            if not groups or rows + rec.n + 1 + extra > self.options.batch_size:
                 groups.append([])
                 rows = 0
             groups[-1].append(rec)
-            rows += rec.n + 1
+            rows += rec.n + 1 + extra
         return groups
 
     def label_many(self, records: Sequence[ManifestRecord]) -> list[dict[str, Any] | LabelBuildError]:
-        """Label records together: every subset of every record in batched forwards, each row its own mixture.
+        """Label records together: every evaluation of every record in batched forwards, each row its own mixture.
 
         Returns per record its label record or the :class:`LabelBuildError` that stopped it (a record's error never
         costs the others their labels). When the adapters cannot share one fused slot, the records are labelled one
@@ -248,7 +305,7 @@ class LabelBuilder:
 
         o = self.options
         outs: list[dict[str, Any] | LabelBuildError | None] = [None] * len(records)
-        ready = []  # (index, record, its first row): one row per subset, the empty subset is the base model
+        ready = []  # (index, record, its first row): one row per evaluation, the empty subset is the base model
         rows: list[ScoreRow] = []
         packed_all = []
         for j, rec in enumerate(records):
@@ -262,9 +319,11 @@ class LabelBuilder:
             else:
                 ready.append((j, rec, len(rows)))
                 packed_all += packed
+                # scale-1 rows keep the default weights (None: ones), so a run without scales is unchanged
                 rows += [ScoreRow(score_prompt.ids, answers_ids, [packed[i] for i in s],
+                                  weights=None if scale == 1.0 else [scale] * len(s),
                                   gen_prompt_ids=gen_prompt.ids if o.generate else None)
-                         for s in leave_one_out_subsets(rec.n)]
+                         for s, scale in self.evaluations(rec.n)]
         try:
             scores = score_rows(self.model, self.tokenizer, self._slot_for(packed_all), rows, mode=o.merge_mode,
                                 batch_size=o.batch_size, max_new_tokens=o.max_new_tokens) if ready else []
@@ -277,10 +336,10 @@ class LabelBuilder:
                     outs[j] = err
             return outs  # type: ignore[return-value]
         for j, rec, start in ready:
-            subsets = leave_one_out_subsets(rec.n)
+            evals = self.evaluations(rec.n)
             try:
-                results = [self._result(rec, s, sc.logprob, sc.generation)
-                           for s, sc in zip(subsets, scores[start:start + len(subsets)])]
+                results = [self._result(rec, s, sc.logprob, sc.generation, scale)
+                           for (s, scale), sc in zip(evals, scores[start:start + len(evals)])]
                 outs[j] = self._label_record(rec, results)
             except LabelBuildError as e:
                 outs[j] = e
@@ -288,7 +347,9 @@ class LabelBuilder:
 
     def _label_record(self, rec: ManifestRecord, results: Sequence[SubsetResult]) -> dict[str, Any]:
         o = self.options
-        full, loo = results[0], results[1:]
+        full, loo, scaled = results[0], results[1:rec.n + 1], results[rec.n + 1:]
+        # per scale as given; scale 1 is the full set's own measurement (so m(1) == metric_all exactly)
+        at = [full if s == 1.0 else next(r for r in scaled if r.scale == s) for s in o.scales]
         out: dict[str, Any] = {
             "id": rec.id,
             "query": rec.question,
@@ -299,13 +360,20 @@ class LabelBuilder:
             "metric_all": full.values[o.metric],
             "metric_without": [r.values[o.metric] for r in loo],
         }
+        if o.scales:
+            out["scales"] = list(o.scales)
+            out["metric_at_scales"] = [r.values[o.metric] for r in at]
         for name in o.metric_names:
             out[f"{name}_all"] = full.values[name]
             out[f"{name}_without"] = [r.values[name] for r in loo]
+            if o.scales:
+                out[f"{name}_at_scales"] = [r.values[name] for r in at]
         if o.generate:
             for key in ("prediction", "generation"):
                 out[f"{key}_all"] = getattr(full, key)
                 out[f"{key}_without"] = [getattr(r, key) for r in loo]
+                if o.scales:
+                    out[f"{key}_at_scales"] = [getattr(r, key) for r in at]
             n_empty = sum(r.empty for r in results)
             if n_empty:
                 out["empty_generations"] = n_empty
@@ -366,6 +434,7 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
         raise FcpragError(f"on_error '{on_error}': expected 'fail' or 'skip'")
     out = Path(out)
     records = list(records)
+    check_scale_grid(out, builder.options.scales)  # before the repair below: a refused run changes nothing
     present = set(done_ids(out, repair=True)) | set(skip_ids)
     batched = builder.options.batched
     # Batched: the groups are planned over all records, done or not, and a group with any record left is

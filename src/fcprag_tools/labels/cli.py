@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -11,17 +12,36 @@ from fcprag_plugin.errors import FcpragError, LabelFileError
 from .metrics import SCORINGS
 
 
+def scale_list(text: str) -> list[float]:
+    """argparse type for ``--scales``: comma-separated distinct finite numbers > 0, e.g. ``0.5,1,2``."""
+    example = "expected comma-separated distinct numbers > 0, e.g. 0.5,1,2"
+    values = []
+    for item in text.split(","):
+        try:
+            v = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}': '{item.strip()}' is not a number; {example}") from None
+        if not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"'{text}': {item.strip()} is not a finite number > 0; {example}")
+        if v in values:
+            raise argparse.ArgumentTypeError(f"'{text}': {item.strip()} is given twice; {example}")
+        values.append(v)
+    return values
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     import torch
 
-    from .builder import BuildOptions, LabelBuilder, build_labels
+    from .builder import BuildOptions, LabelBuilder, build_labels, check_scale_grid
     from .manifest import read_manifest
-    from .model_io import load_model
+    from .model_io import check_model_path, load_model
     from .prompts import PromptTemplate
     from .shard import init_process_group, merge_parts, output_path, part_path, shard_from_env, shard_records
     from .store import done_ids
 
     check_out_file("--out", args.out, [("manifest", args.manifest), ("--prompt-template", args.prompt_template)])
+    model_path = check_model_path("--model", args.model)
+    tokenizer_path = check_model_path("--tokenizer", args.tokenizer) if args.tokenizer else None
     shard = shard_from_env()
     records = read_manifest(args.manifest)  # every rank validates the whole manifest: a bad line stops all
     template = PromptTemplate.from_file(args.prompt_template) if args.prompt_template else PromptTemplate()
@@ -29,7 +49,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     options = BuildOptions(prompt_mode=args.prompt_mode, template=template, use_chat_template=chat, cot=args.cot,
                            scoring=args.scoring, metric=args.metric, generate=not args.no_generation,
                            max_new_tokens=args.max_new_tokens, empty_generation=args.empty_generation,
-                           use_slot=args.use_slot, batch_size=args.batch_size,
+                           use_slot=args.use_slot, batch_size=args.batch_size, scales=args.scales or (),
                            model_name=args.model + (f"::{args.gguf_file}" if args.gguf_file else ""))
     options.validate()
     if args.threads:
@@ -39,11 +59,13 @@ def _cmd_build(args: argparse.Namespace) -> int:
     target = output_path(out, shard)
     # Records already merged into OUT by an earlier run count as done for every rank.
     skip = set(done_ids(out, repair=False)) if shard.distributed and out.exists() else set()
+    for path in dict.fromkeys([target, out]):  # before the model loads: another scale grid is refused at once
+        check_scale_grid(path, options.scales)
     args.interrupt_hint = f"{target} keeps every record written so far; the same command resumes after them"
     grouped = init_process_group(shard)
     try:
-        model, tok = load_model(args.model, gguf_file=args.gguf_file, tokenizer=args.tokenizer, dtype=args.dtype,
-                                device=args.device, local_rank=shard.local_rank)
+        model, tok = load_model(model_path, gguf_file=args.gguf_file, tokenizer=tokenizer_path, dtype=args.dtype,
+                                device=args.device, local_rank=shard.local_rank, progress=not args.no_progress)
         builder = LabelBuilder(model, tok, options)
         desc = f"labels rank {shard.rank}/{shard.world}" if shard.distributed else "labels"
         try:
@@ -151,10 +173,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--batch-size", dest="batch_size", type=positive_int, default=16,
                    help="rows (subsets x gold aliases) per batched forward, each with its own adapter mixture; the "
                         "subsets of several records share a forward. 1: one subset at a time (the sequential path)")
+    b.add_argument("--scales", type=scale_list, metavar="S[,S...]",
+                   help="also measure the full set merged with every w~_i = s, for each total scale s (e.g. "
+                        "0.5,1,2,4): fields scales, metric_at_scales, <metric>_at_scales; s = 1 reuses metric_all; "
+                        "one extra evaluation per record and scale != 1")
     b.add_argument("--threads", type=positive_int, help="torch CPU threads per process")
     b.add_argument("--no-merge", dest="no_merge", action="store_true",
                    help="under torchrun: leave the part files, do not merge them into --out at the end")
-    b.add_argument("--no-progress", dest="no_progress", action="store_true", help="no progress bars")
+    b.add_argument("--no-progress", dest="no_progress", action="store_true",
+                   help="no progress bars (neither ours nor transformers' while the model loads)")
     b.set_defaults(func=_cmd_build)
 
     p = gs.add_parser("from-prag", help="write a manifest from PRAG's augmented data and adapter tree",

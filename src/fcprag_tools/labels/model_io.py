@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+import importlib
+import os
+from typing import Any, Iterator
 
 import torch
 
@@ -37,9 +41,72 @@ def resolve_dtype(dtype: str) -> torch.dtype | None:
         raise FcpragError(f"--dtype {dtype!r}: expected one of {['auto', *DTYPES]}") from None
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only be a filesystem path: absolute, ``~``, ``./`` or ``../``, or a separator where a
+    hub name (``name`` or ``owner/name``: one ``/`` at most, inside) cannot have one."""
+    other_seps = {os.sep, os.altsep} - {"/", None}
+    return (os.path.isabs(name) or name.startswith(("~", "./", "../")) or name in (".", "..")
+            or name.count("/") > 1 or name.endswith("/") or any(s in name for s in other_seps))
+
+
+def check_model_path(option: str, name: str) -> str:
+    """``name`` as given, or expanded (``~``) when it is a path; a path that does not exist is a one-line error
+    naming ``option`` here, not a hub URL built from it or "Repo id must be in the form ..." from below."""
+    if not looks_like_path(name):
+        return name
+    path = os.path.expanduser(name)
+    if not os.path.exists(path):
+        raise FcpragError(f"{option} {name}: no such file or directory; expected a local model folder or a hub name")
+    return path
+
+
+@contextlib.contextmanager
+def quiet_loading(quiet: bool = True, gguf: bool = False) -> Iterator[None]:
+    """No progress bars from transformers (and huggingface_hub) inside the block; their state is restored after.
+
+    ``gguf``: transformers' GGUF de-quantisation uses ``tqdm`` directly (no switch in 4.44 .. 5.x), so that
+    module's ``tqdm`` is swapped for a disabled one for the block, when the module imports.
+    """
+    if not quiet:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    module = None
+    if gguf:
+        try:
+            module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+        except ImportError:  # no GGUF support here: loading fails below with its own message
+            pass
+    gguf_tqdm = getattr(module, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:
+        module.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            module.tqdm = gguf_tqdm
+        if was_on:
+            hf_logging.enable_progress_bar()  # also turns huggingface_hub's bars back on ...
+        if hub_was_off:
+            disable_progress_bars()  # ... unless they were off before
+
+
 def load_model(name_or_path: str, *, gguf_file: str | None = None, tokenizer: str | None = None,
-               dtype: str = "auto", device: str = "auto", local_rank: int = 0) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` in eval mode on the chosen device. A tokenizer without a pad token gets EOS."""
+               dtype: str = "auto", device: str = "auto", local_rank: int = 0, progress: bool = True
+               ) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` in eval mode on the chosen device. A tokenizer without a pad token gets EOS.
+    ``progress=False``: no loading progress bars (:func:`quiet_loading`)."""
+    with quiet_loading(not progress, gguf=bool(gguf_file)):
+        return _load_model(name_or_path, gguf_file=gguf_file, tokenizer=tokenizer, dtype=dtype, device=device,
+                           local_rank=local_rank)
+
+
+def _load_model(name_or_path: str, *, gguf_file: str | None, tokenizer: str | None, dtype: str, device: str,
+                local_rank: int) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device, local_rank)

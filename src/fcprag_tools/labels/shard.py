@@ -7,7 +7,7 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.loading import write_atomic
@@ -72,8 +72,9 @@ def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord],
     """Validate label part files against the manifest and write them to ``out`` in manifest order.
 
     Errors name the file and line: an id not in the manifest, a duplicate id (both places), a record whose
-    ``metric_without`` length differs from the manifest's passage count, a partial last line. Missing ids are
-    an error unless ``allow_missing``. Lines are copied verbatim (no float re-formatting).
+    ``metric_without`` length differs from the manifest's passage count, a record whose ``scales`` (none: built
+    without ``--scales``) differ from the first record's or do not match its ``metric_at_scales``, a partial last
+    line. Missing ids are an error unless ``allow_missing``. Lines are copied verbatim (no float re-formatting).
     ``allow_identical_duplicates`` accepts an id seen twice with byte-identical lines (a part that was already
     merged into ``out`` by an earlier run); differing duplicates are always an error.
     """
@@ -81,6 +82,7 @@ def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord],
     n_of = {r.id: r.n for r in manifest}
     found: dict[str, tuple[str, int, str]] = {}
     per_file: dict[str, int] = {}
+    grid: tuple[Any, str] | None = None  # the first record's scales and place: one grid per label file
     if not parts:
         raise LabelFileError("no part files given to merge")
     for part in parts:
@@ -104,6 +106,7 @@ def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord],
                 got = len(mw) if isinstance(mw, list) else type(mw).__name__
                 raise LabelFileError(f"{where}: field 'metric_without': expected a list of {n_of[rid]} numbers "
                                      f"(one per manifest passage), got {got}")
+            grid = _check_scales(sl.record, where, grid)
             found[rid] = (str(part), sl.line, sl.raw)
     missing = [r.id for r in manifest if r.id not in found]
     if missing and not allow_missing:
@@ -113,6 +116,23 @@ def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord],
     ordered = sorted(found, key=order.__getitem__)
     write_atomic(out, "".join(found[rid][2] for rid in ordered))
     return MergeSummary(len(ordered), missing, per_file)
+
+
+def _check_scales(record: dict[str, Any], where: str, grid: tuple[Any, str] | None) -> tuple[Any, str]:
+    """The record's ``scales`` (``[]`` when absent) against the file's first (``grid``), and its
+    ``metric_at_scales`` against its ``scales``; returns the grid."""
+    scales = record.get("scales", [])
+    if not isinstance(scales, list):
+        raise LabelFileError(f"{where}: field 'scales': expected a list of numbers, got {type(scales).__name__}")
+    if grid is not None and scales != grid[0]:
+        raise LabelFileError(f"{where}: field 'scales': {scales} but {grid[1]} has {grid[0]}; a label file does not "
+                             "mix scale grids: build every part with the same --scales")
+    at = record.get("metric_at_scales")
+    if scales and (not isinstance(at, list) or len(at) != len(scales)):
+        got = len(at) if isinstance(at, list) else type(at).__name__
+        raise LabelFileError(f"{where}: field 'metric_at_scales': expected a list of {len(scales)} numbers (one per "
+                             f"entry of 'scales'), got {got}")
+    return grid or (scales, where)
 
 
 # ----------------------------------------------------------------------------- process group

@@ -59,24 +59,34 @@ def small_world(tmp_path):
     return {"model": model, "manifest": manifest}
 
 
-def test_torchrun_two_processes_match_one_process(small_world, tmp_path):
-    common = ["labels", "build", str(small_world["manifest"]), "--model", str(small_world["model"]),
-              "--max-new-tokens", "3", "--empty-generation", "zero", "--no-progress", "--threads", "1"]
-    single = tmp_path / "single.jsonl"
-    threads = torch.get_num_threads()
-    try:
-        assert main(common + ["--out", str(single)]) == 0
-    finally:
-        torch.set_num_threads(threads)
-
-    dist_out = tmp_path / "dist.jsonl"
+def _torchrun(common: list[str], out: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "fcprag_tools.cli"] + common + ["--out", str(dist_out)]
+           f"--master_port={_free_port()}", "-m", "fcprag_tools.cli"] + common + ["--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "merged 5 records from 2 files" in proc.stdout
+    return proc
+
+
+def _single(common: list[str], out: Path) -> None:
+    threads = torch.get_num_threads()
+    try:
+        assert main(common + ["--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_torchrun_two_processes_match_one_process(small_world, tmp_path):
+    """With --batch-size 1 (one row per forward) the 2-process labels are the 1-process labels byte for byte."""
+    common = ["labels", "build", str(small_world["manifest"]), "--model", str(small_world["model"]),
+              "--max-new-tokens", "3", "--empty-generation", "zero", "--no-progress", "--threads", "1",
+              "--batch-size", "1"]
+    single, dist_out = tmp_path / "single.jsonl", tmp_path / "dist.jsonl"
+    _single(common, single)
+    _torchrun(common, dist_out)
     parts = [tmp_path / "dist.part0-of2.jsonl", tmp_path / "dist.part1-of2.jsonl"]
     ids = [[json.loads(l)["id"] for l in p.read_text().splitlines()] for p in parts]
     assert ids == [["q0", "q2", "q4"], ["q1", "q3"]]  # i % world == rank
@@ -86,7 +96,28 @@ def test_torchrun_two_processes_match_one_process(small_world, tmp_path):
                  "--out", str(merged)]) == 0
     assert merged.read_text() == single.read_text()  # exactly the same labels, in manifest order
     assert dist_out.read_text() == single.read_text()  # rank 0 merged at the end as well
-    assert "merged 5 records from 2 files" in proc.stdout
+
+
+def test_torchrun_batched_with_scales_matches_one_process(small_world, tmp_path):
+    """Batched (the default --batch-size 16), a record's rounding depends on its batch neighbours, which differ
+    between the ranks: the labels agree within the batched path's tolerance. The scale fields go through the
+    merge."""
+    common = ["labels", "build", str(small_world["manifest"]), "--model", str(small_world["model"]),
+              "--max-new-tokens", "3", "--empty-generation", "zero", "--no-progress", "--threads", "1",
+              "--scales", "0.5,1,3"]
+    single, dist_out = tmp_path / "single.jsonl", tmp_path / "dist.jsonl"
+    _single(common, single)
+    _torchrun(common, dist_out)
+    one = [json.loads(l) for l in single.read_text().splitlines()]
+    two = [json.loads(l) for l in dist_out.read_text().splitlines()]
+    assert [r["id"] for r in two] == [r["id"] for r in one] == ["q0", "q1", "q2", "q3", "q4"]
+    for x, y in zip(one, two):
+        assert list(x) == list(y) and x["scales"] == [0.5, 1.0, 3.0]
+        for k in x:
+            if k.startswith(("answer_logprob", "metric_")):
+                assert y[k] == pytest.approx(x[k], abs=1e-5), (x["id"], k)
+            else:  # greedy texts, f1 / em, the scales and everything else: identical
+                assert y[k] == x[k], (x["id"], k)
 
 
 def test_trainer_parser_accepts_builder_output(small_world, tmp_path):
