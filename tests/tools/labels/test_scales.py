@@ -195,7 +195,8 @@ def test_trainer_reads_labels_with_scales(world, tmp_path):
     assert _build(world, out, "--scales", SCALES, "--no-generation") == 0
     ls = labels_mod.load_labels(out)
     for rec, raw in zip(ls.records, read_jsonl(out)):
-        assert rec.extra["metric_at_scales"] == raw["metric_at_scales"] and rec.extra["scales"] == raw["scales"]
+        assert rec.metric_at_scales == raw["metric_at_scales"] and rec.scales == raw["scales"]
+        assert rec.scale_gains[1.0] == 0.0  # scale 1 is the full set itself: metric_all, measured once
 
 
 # ----------------------------------------------------------------------------- resume and merge
