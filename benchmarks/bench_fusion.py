@@ -170,12 +170,12 @@ def bench_shape(shape: str, ns: list[int], args: argparse.Namespace, root: Path)
         nbytes = sum(store.get(p).nbytes for p in d)
 
         def slot_warm():
-            slot.activate(store.get_many(d), w)
+            slot.write(store.get_many(d), w)
             slot.deactivate()
 
         def slot_cold():
             store.clear()
-            slot.activate(store.get_many(d), w)
+            slot.write(store.get_many(d), w)
             slot.deactivate()
 
         src, dst = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
@@ -204,7 +204,7 @@ def bench_shape(shape: str, ns: list[int], args: argparse.Namespace, root: Path)
                              {"c_slot_cold": slot_cold, "e_library_simple": library_simple},
                              args.repeats, every=10))
         # equality: the slot's merge vs the reference merge, and its live output vs the reference activation
-        slot.activate(store.get_many(d), w)
+        slot.write(store.get_many(d), w)
         cur = slot.current_adapter()
         ref = merge_adapters([LoraAdapter.from_pretrained(p) for p in d], w, "cat").adapter
         r["slot_equals_reference"] = all(torch.equal(cur[k].A, ref[k].A) and torch.equal(cur[k].B, ref[k].B)
