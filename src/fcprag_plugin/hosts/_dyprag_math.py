@@ -112,7 +112,7 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
     slot. Leading dimensions of size 1 (``[1, r, in]``) are dropped; a real batch of factors is a
     :class:`HookError` (one slot holds one update per module)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    hint = "run without --use-slot for other keys"
+    hint = "run without use_slot=True for other keys"
     for mod, (ka, kb) in lora_pairs(list(output), need="use_slot", hint=hint).items():
         pair = []
         for key in (ka, kb):
@@ -125,7 +125,7 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
             if t.ndim != 2:
                 raise HookError(f"fcprag dyprag: ParameterTranslator output {index}: key '{key}' has shape "
                                 f"{list(t.shape)}; use_slot needs one [r, in] / [out, r] factor pair per module "
-                                "(a batch of factors cannot share one slot): run without --use-slot")
+                                "(a batch of factors cannot share one slot): run without use_slot=True")
             pair.append(t.detach())
         A, B = pair
         if A.shape[0] != B.shape[1]:

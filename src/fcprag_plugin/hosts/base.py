@@ -218,7 +218,7 @@ def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | Non
     if max_adapters is None:
         return None
     if not use_slot:
-        raise HookError(f"{who}: max_adapters / --slot-max-adapters only applies with use_slot=True / --use-slot")
+        raise HookError(f"{who}: max_adapters= only applies with use_slot=True")
     if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
         raise HookError(f"{who}: max_adapters must be a positive integer (the most passages one question may have), "
                         f"got {max_adapters!r}")
@@ -244,7 +244,7 @@ class ShimSlots:
         adapters of rank ``rank``."""
         if self.max_adapters is not None and n > self.max_adapters:
             raise HookError(f"{self.who}: this question merges {n} adapters but the fused slot holds "
-                            f"max_adapters={self.max_adapters}; raise max_adapters (--slot-max-adapters) or leave it "
+                            f"max_adapters={self.max_adapters}; raise max_adapters= or leave it "
                             "unset so the slot grows with the largest question")
         before = FusedSlot.of(model)
         size = None if before is None else (before.max_adapters, before.max_rank)

@@ -313,8 +313,8 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
     """
     if options:
         raise HookError(f"fcprag run dyprag: option(s) {sorted(options)} do not apply to DyPRAG "
-                        f"(--data-file is for prag); use --controller, --encoder, --mode, --log, --use-slot, "
-                        f"--slot-max-adapters")
+                        f"(data_file= is for prag); use controller=, encoder=, mode=, log=, use_slot=, "
+                        f"slot_max_adapters=")
     check_max_adapters(slot_max_adapters, bool(use_slot), "fcprag run dyprag")
     script = Path(script)
     if not script.is_file():

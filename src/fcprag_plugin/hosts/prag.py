@@ -57,7 +57,7 @@ class PragShim(Shim):
         get_merge_mode(mode)  # a typo fails now, not at the first question
         if use_slot and mode not in SLOT_MODES:
             raise HookError(f"fcprag prag: use_slot supports modes {list(SLOT_MODES)}, not '{mode}' (an SVD merge "
-                            "needs the materialised adapter): run without use_slot / --use-slot")
+                            "needs the materialised adapter): run without use_slot=True")
         super().__init__(WeightProvider(controller, encoder), mode, log=log, use_slot=use_slot,
                          max_adapters=max_adapters)
         self._slot_models: "weakref.WeakKeyDictionary[Any, SlotPeftModel]" = weakref.WeakKeyDictionary()

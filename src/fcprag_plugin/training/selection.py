@@ -264,7 +264,7 @@ def verdict_lines(cv: dict[str, Any]) -> list[str]:
                 f"({cv['verdict']}; first order, epochs chosen on the same data)"]
     s, r = cv["scale"], cv["reweighting"]
     how = {"measured": "chosen on measured scales", "first_order": "chosen by the first-order extrapolation (no "
-           "scale measurements in the labels)", "fixed": "fixed by --kappa"}[s["chosen_by"]]
+           "scale measurements in the labels)", "fixed": "fixed by the caller"}[s["chosen_by"]]
     edge = " It sits at the edge of the measured grid: a larger scale may do better." if s["at_grid_edge"] else ""
     lines = [f"Held-out, selection-unbiased ({cv['folds']}-fold nested CV over {cv['n_groups']} questions):",
              f"  scale part (PRAG's sum times kappa = {s['kappa']:.4g}, {how}): {_part(s)}; "

@@ -352,7 +352,7 @@ class Trainer:
         if state.get("precision", self.precision) != self.precision:
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the checkpoint trained in "
                               f"{state.get('precision')} but this run would use {self.precision}; pass "
-                              f"precision='{state.get('precision')}' (--precision)")
+                              f"precision='{state.get('precision')}'")
         if state.get("info_label_sha256") != self.info.get("label_sha256"):
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the label file(s) changed since the "
                               "checkpoint (sha256 differs)")
