@@ -89,10 +89,14 @@ def test_the_two_parts_against_their_formulas():
         t = sum(wb) / r.n
         assert float(got[b]) == pytest.approx(sum((x - t) * d for x, d in zip(wb, r.deltas)), abs=1e-6)
     measured, all_measured = scale_gain(data, torch.full((len(recs),), 2.0))
-    assert all_measured and measured.tolist() == pytest.approx([r.metric_at_scales[GRID.index(2.0)] for r in recs])
+    measured_at_2 = [r.metric_at_scales[GRID.index(2.0)] for r in recs]
+    assert all_measured and measured.tolist() == pytest.approx(measured_at_2)
     off_grid, all_measured = scale_gain(data, torch.full((len(recs),), 2.5))  # not measured: first order
     assert not all_measured and off_grid.tolist() == pytest.approx([1.5 * sum(r.deltas) for r in recs], abs=1e-6)
     assert scale_gain(data, torch.ones(len(recs)))[0].tolist() == [0.0] * len(recs)  # scale 1 is the sum itself
+    some = recs[:5] + [type(r)(id=r.id, query=r.query, passages=r.passages, deltas=r.deltas) for r in recs[5:]]
+    part, measured = scale_gain(build_tensors(some, table_encoder(table, "syn8")), torch.full((12,), 2.0))
+    assert measured and part[:5].tolist() == measured_at_2[:5] and torch.isnan(part[5:]).all()  # no extrapolation
 
 
 def test_noise_labels_are_not_shown_at_more_than_the_nominal_rate(tmp_path):

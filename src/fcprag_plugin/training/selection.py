@@ -116,20 +116,20 @@ def choose_scale(scales: torch.Tensor, gains: torch.Tensor, groups: Sequence[str
 
 
 def scale_gain(data: LabelTensors, total: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Per record, the gain of PRAG's sum times ``total [R]`` over the sum: measured where ``total`` is on the
-    records' grid of scales and they have measurements (second value True when every record is measured), else
-    the first-order ``(total - 1) sum_i delta_i``."""
-    first_order = (total.double() - 1) * (data.deltas.double() * data.mask).sum(1)
-    if data.scale_gains is None:
-        return first_order, False
-    out = first_order.clone()
-    measured = torch.zeros(len(data), dtype=torch.bool)
+    """Per record, the gain of PRAG's sum times ``total [R]`` over the sum, and whether it was measured.
+
+    Measured when every total is 1 or on the records' grid of scales: then a record without measurements gets NaN
+    (left out of the part: the labels measured other records of its question); otherwise the first-order
+    ``(total - 1) sum_i delta_i`` for every record."""
+    t = total.double()
+    on_grid = data.scale_gains is not None and all(v == 1.0 or v in data.scales.tolist() for v in t.unique().tolist())
+    if not on_grid:
+        return (t - 1) * (data.deltas.double() * data.mask).sum(1), bool((t == 1.0).all())
+    out = torch.full((len(data),), float("nan"), dtype=torch.float64)
     for j, s in enumerate(data.scales.tolist()):
-        at = (total.double() == s) & ~torch.isnan(data.scale_gains[:, j])
-        out[at], measured[at] = data.scale_gains[at, j], True
-    at_one = total.double() == 1.0
-    out[at_one], measured[at_one] = 0.0, True
-    return out, bool(measured.all())
+        out[t == s] = data.scale_gains[t == s, j]
+    out[t == 1.0] = 0.0
+    return out, True
 
 
 def reweighting_gain(w_tilde: torch.Tensor, data: LabelTensors) -> torch.Tensor:
@@ -216,7 +216,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             total = totals(w_held, held_data) if args.controller.get("query_scale") else \
                 torch.full((len(held),), kappa, dtype=torch.float64)
             scale[held], measured = scale_gain(held_data, total)
-            scale_measured &= measured and how != "first_order"
+            scale_measured &= measured
             fold_epochs.append(e_f)
             fold_kappas.append(kappa)
     pooled = curve.mean(1)
