@@ -218,6 +218,15 @@ def main() -> None:
     work = Path(a.work)
     res = analyse(load(work))
     runs = [{"dataset": ds, **r} for ds in DATASETS for r in read_jsonl(work / ds / "timings.jsonl")]
+    for ds in DATASETS:  # the adapters were trained before run_all.py reused them (one background run)
+        rows = read_jsonl(work / ds / "adapters.jsonl")
+        groups = {(r["finished"], r["group_seconds"]) for r in rows}
+        runs.insert(0, {"dataset": ds, "stage": "adapters (PRAG's recipe, before run_all.py)",
+                        "seconds": round(sum(s for _, s in groups), 1), "finished": max(f for f, _ in groups),
+                        "adapters": len(rows), "groups": len(groups)})
+    cv = json.loads((HERE / "controller" / "metrics.json").read_text(encoding="utf-8"))
+    runs.insert(0, {"dataset": "training labels", "stage": "fcprag train (the recommended controller)",
+                    "seconds": cv["timing_s"]["total"], "finished": "2026-11-25T19:12", "epochs": cv["epochs"]})
     Path(a.out + ".json").write_text(json.dumps({**res, "runs": runs}, indent=1) + "\n", encoding="utf-8")
     Path(a.out + ".md").write_text(render(res, runs), encoding="utf-8")
     print(render(res, runs)[:3000])
