@@ -11,6 +11,16 @@ from fcprag_plugin.hosts import dyprag, prag
 from .options import positive_int
 
 _SHIMS = {"prag": prag, "dyprag": dyprag}
+# the shims' install() / launch() keyword arguments -> `fcprag run`'s flags, for their messages
+RUN_FLAGS = {
+    "controller": "--controller",
+    "encoder": "--encoder",
+    "mode": "--mode",
+    "log": "--log",
+    "data_file": "--data-file",
+    "use_slot=True": "--use-slot",
+    "max_adapters": "--slot-max-adapters",
+}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -47,4 +57,4 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "modules, dyprag builds no dense deltas (prag modes cat/separate)")
     r.add_argument("--slot-max-adapters", dest="slot_max_adapters", type=positive_int,
                    help="with --use-slot: fixed slot capacity (most passages per question); default: grow as needed")
-    r.set_defaults(func=_cmd_run, accepts_rest=True)
+    r.set_defaults(func=_cmd_run, accepts_rest=True, flag_names=RUN_FLAGS)

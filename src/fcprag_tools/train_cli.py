@@ -29,6 +29,49 @@ _TRAIN_ARGS = ("epochs", "batch_size", "lr", "weight_decay", "seed", "t_label", 
                "cv_folds", "kappa", "side_features")
 
 
+# train_controller()'s / evaluate_controller()'s keyword arguments -> the commands' flags, for the library's
+# messages (options.keywords_to_flags): "pass resume=True" reads "pass --resume" on the command line
+TRAIN_FLAGS = {
+    "resume=True": "--resume",
+    "overwrite=True": "--overwrite",
+    "plots=True": "--plots",
+    "progress=False": "--no-progress",
+    "out": "--out",
+    "val": "--val",
+    "encoder": "--encoder",
+    "cache_dir": "--cache-dir",
+    "on_error": "--on-error",
+    "epochs": "--epochs",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "weight_decay": "--weight-decay",
+    "seed": "--seed",
+    "t_label": "--t-label",
+    "flat_eps": "--flat-eps",
+    "flat_weight": "--flat-weight",
+    "val_fraction": "--val-fraction",
+    "precision": "--precision",
+    "score_hidden": "--score-hidden",
+    "calib_hidden": "--calib-hidden",
+    "objective": "--objective",
+    "risk_lambda": "--risk-lambda",
+    "cv_folds": "--cv-folds",
+    "kappa": "--kappa",
+    "side_features": "--side-features",
+    "threads": "--threads",
+}
+EVAL_FLAGS = {
+    "encoder": "--encoder",
+    "cache_dir": "--cache-dir",
+    "on_error": "--on-error",
+    "t_label": "--t-label",
+    "flat_eps": "--flat-eps",
+    "flat_weight": "--flat-weight",
+    "seed": "--seed",
+    "progress=False": "--no-progress",
+}
+
+
 def hidden_sizes(text: str) -> list[int]:
     """argparse type for ``--score-hidden``: comma-separated integers >= 1, e.g. ``2048,1024``."""
     try:
@@ -114,15 +157,20 @@ def _print_skipped(label_sets) -> None:
 
 
 def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
-    """Refuse a run directory that is a file, or a non-empty directory holding no training run (a controller or
-    anything else the user has would be overwritten) unless ``overwrite``. A directory that holds a run is the
-    trainer's business (``--resume`` / ``--overwrite``)."""
+    """Refuse, before any work: a run directory that is a file; a non-empty directory holding no training run (a
+    controller or anything else the user has would be overwritten) unless ``overwrite``; a directory holding a
+    run unless ``resume`` or ``overwrite``."""
     if out.exists() and not out.is_dir():
         raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
-    if out.is_dir() and any(out.iterdir()) and not (out / CHECKPOINT_DIR).exists() and not overwrite:
+    if not out.is_dir() or not any(out.iterdir()) or overwrite:
+        return
+    if not (out / CHECKPOINT_DIR).exists():
         what = "--resume found no checkpoint there and it" if resume else "it"
         raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
                           f"({CHECKPOINT_DIR}/); choose a new directory or pass --overwrite to write the run into it")
+    if not resume:
+        raise FcpragError(f"--out {out} already holds a training run ({CHECKPOINT_DIR}/); pass --resume to continue "
+                          "it or --overwrite to start over")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -245,7 +293,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--threads", type=positive_int,
                    help="torch CPU threads (default: torch's choice; 1 is faster for small nets on a busy machine)")
     t.add_argument("--plots", action="store_true", help="write DIR/plots/*.png (needs matplotlib)")
-    t.set_defaults(func=_cmd_train)
+    t.set_defaults(func=_cmd_train, flag_names=TRAIN_FLAGS)
 
     e = sub.add_parser("eval", help="metrics of a controller on a label file, next to uniform and random baselines",
                        description="Metrics of a saved controller on LABELS (KL to the targets, top-1 agreement, "
@@ -262,4 +310,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed of the random-controller baseline")
     e.add_argument("--plots", help="write g_tau.png and entropy.png into this directory")
     e.add_argument("--json", help="write the metrics to this JSON file")
-    e.set_defaults(func=_cmd_eval)
+    e.set_defaults(func=_cmd_eval, flag_names=EVAL_FLAGS)
