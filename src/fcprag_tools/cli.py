@@ -196,13 +196,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest and not getattr(args, "accepts_rest", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to print a command that goes on after Ctrl-C
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _run(args)
     except KeyboardInterrupt:
         hint = getattr(args, "interrupt_hint", None)
-        print(f"\nfcprag {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        # a callable cleans up after the command and says the whole of what it left
+        said = hint() if callable(hint) else "interrupted" + (f"; {hint}" if hint else "")
+        print(f"\nfcprag {args.command}: {said}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (e.g. `fcprag inspect ... | head`): stop quietly, like other Unix tools. Point
