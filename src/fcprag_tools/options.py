@@ -163,6 +163,7 @@ def keywords_to_flags(message: str, flags: dict[str, str]) -> str:
         return f"{flags[name]} {_plain(value)}" if value else flags[name]
 
     message = _REPEATED.sub(r"\g<f>\g<v>", _KEYWORD.sub(swap, message))
-    for name, flag in flags.items():  # "max_adapters / --slot-max-adapters": a bare keyword beside its flag
-        message = re.sub(rf"(?<![\w.-]){re.escape(name)} / {re.escape(flag)}(?![\w-])", flag, message)
+    for name, flag in flags.items():  # "max_adapters / --slot-max-adapters", "max_adapters (--slot-max-adapters)"
+        message = re.sub(rf"(?<![\w.-]){re.escape(name)} (?:/ {re.escape(flag)}|\({re.escape(flag)}\))(?![\w-])",
+                         flag, message)
     return message

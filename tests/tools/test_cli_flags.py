@@ -97,6 +97,9 @@ def test_run_names_use_slot(tmp_path, capsys):
      "pass --epochs 3 or --side-features retrieval_rank adapter_stats"),
     ("pass retrieval_scores= (one value per passage)", FUSE_FLAGS, "pass --retrieval-score (one value per passage)"),
     ("max_adapters= only applies with use_slot=True", RUN_FLAGS, "--slot-max-adapters only applies with --use-slot"),
+    # today's hosts message: the keyword, then its flag in parentheses
+    ("the fused slot holds max_adapters=2; raise max_adapters (--slot-max-adapters) or leave it unset", RUN_FLAGS,
+     "the fused slot holds --slot-max-adapters 2; raise --slot-max-adapters or leave it unset"),
     # left alone: a keyword not in the table, a switch with another value, a repr, a path
     ("pass model=x or resume=False", TRAIN_FLAGS, "pass model=x or resume=False"),
     ("differs (ControllerConfig(embed_dim=8, score_hidden=[32]))", TRAIN_FLAGS,
