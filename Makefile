@@ -11,8 +11,11 @@ QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
 .PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench efficacy efficacy-status efficacy-report
 
+# ARGS go to the quickstart: make demo ARGS=--no-train (no learned controller), ARGS=--retrain (train it again even
+# though runs/demo-controller/demo_key.json matches), ARGS="--questions 1".
+ARGS ?=
 demo: .venv/latest/.stamp
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python examples/quickstart.py
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python examples/quickstart.py $(ARGS)
 
 test: $(addprefix test-,$(STACKS))
 

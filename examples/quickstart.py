@@ -4,12 +4,15 @@ For each demo question (``adapters/demo/manifest.json``: 3 HotpotQA questions, 3
 one LoRA per passage for SmolLM2-135M-Instruct), it fuses the passage adapters
 
 - with PRAG's uniform merge (``controller=None``: ``w~ = [1, 1, 1]``),
-- with a controller *trained right here* (a minute or two) with ``fcprag_plugin.training.train_controller`` and
-  the efficacy study's recommended recipe (``RECIPE``) from the shipped label file
-  ``examples/data/efficacy_train_labels.jsonl``: the study's leave-one-out labels of 126 HotpotQA and
-  2WikiMultihopQA training questions (``benchmarks/efficacy/``; the demo questions are in its test split), with
-  the passages' retrieval ranks, BM25 scores and adapter statistics. The training prints its cross-validated
-  verdict. ``adapters/demo/controller/``, when present, is used instead; ``--no-train`` skips training;
+- with a controller *trained right here* (minutes, with progress bars; see README's demo timings) with
+  ``fcprag_plugin.training.train_controller`` and the efficacy study's recommended recipe (``RECIPE``) from the
+  shipped label file ``examples/data/efficacy_train_labels.jsonl``: the study's leave-one-out labels of 126
+  HotpotQA and 2WikiMultihopQA training questions (``benchmarks/efficacy/``; the demo questions are in its test
+  split), with the passages' retrieval ranks, BM25 scores and adapter statistics. The training prints its
+  cross-validated verdict and the numbers of the objective that decides it. The controller is kept in
+  ``runs/demo-controller/`` with ``demo_key.json`` (the label file's sha256, the training arguments, the encoder
+  and the library version): a later run with the same key reuses it instead of training again (``--retrain``
+  forces a new one). ``adapters/demo/controller/``, when present, is used instead; ``--no-train`` skips training;
 - with a *fixed cosine baseline* (one global g and tau, scores ``(1 + cos(e_q, e_p)) / 2``; not trained),
 - with a seeded random (untrained) controller, for contrast,
 
@@ -18,24 +21,22 @@ next to the base model's answer (no adapter). The question is asked without the 
 knowledge has to come from the adapters (parametric RAG). Each fused adapter is applied with forward hooks
 (``fcprag_plugin.activate``) and removed afterwards; the base weights are checked to be unchanged.
 
-Run: ``.venv/latest/bin/python examples/quickstart.py`` (or ``make demo``).
+Run: ``.venv/latest/bin/python examples/quickstart.py [--no-train | --retrain]`` (or ``make demo ARGS=...``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
-import os
 import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # before tqdm is first imported (it reads TQDM_* once): no model-loading bars
-    os.environ.setdefault("TQDM_DISABLE", "1")
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # demo_common when run as a script
 
@@ -53,36 +54,145 @@ FIXED_G = 0.5
 FIXED_TAU = 0.05
 RANDOM_SEED = 0
 LABELS = Path(__file__).resolve().parent / "data" / "efficacy_train_labels.jsonl"
-# The efficacy study's recommended recipe (its configuration chosen by grouped CV on the training labels alone,
-# benchmarks/efficacy/controller/config.json): the risk objective, a global scale tuned on the labels, and the
-# passages' side features; CV trains at most 3 epochs (docs/results/efficacy-plan.md).
+
+# ======================================================================================= THE DEMO'S TRAINING RECIPE
+# The one place that says how the demo trains its controller: every train_controller argument but the paths and
+# the encoder. The efficacy study's recommended recipe (its configuration chosen by grouped CV on the training
+# labels alone, benchmarks/efficacy/controller/config.json): the risk objective, a global scale tuned on the labels,
+# and the passages' side features; CV trains at most 3 epochs (docs/results/efficacy-plan.md). A change here
+# changes demo_key.json, so the next demo trains again.
 RECIPE: dict[str, Any] = {"objective": "risk", "kappa": "auto", "epochs": 3,
-                          "side_features": ["retrieval_rank", "retrieval_score", "adapter_stats"]}
+                          "side_features": ["retrieval_rank", "retrieval_score", "adapter_stats"], "seed": 0}
+# ==================================================================================================================
+
 TRAIN_OUT = Path(__file__).resolve().parent.parent / "runs" / "demo-controller"
+KEY_NAME = "demo_key.json"  # beside the controller: what it was trained from (see demo_key)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def demo_key(labels: Path, encoder: Any) -> dict[str, Any]:
+    """What a trained demo controller depends on: the label file's bytes, the training arguments, the embedding
+    model and the library's version. The same key means the same controller: it is reused, not trained again."""
+    import fcprag_plugin
+
+    return {"labels": labels.name, "labels_sha256": file_sha256(labels), "train_args": RECIPE,
+            "encoder": encoder.name, "fcprag_plugin": fcprag_plugin.__version__}
+
+
+def reusable(out_dir: Path, key: dict[str, Any]) -> bool:
+    """``out_dir`` holds a finished controller trained for ``key``."""
+    try:
+        saved = json.loads((out_dir / KEY_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return saved == key and (out_dir / "config.json").is_file() and (out_dir / "metrics.json").is_file()
 
 
 def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = TRAIN_OUT, out=print,
-                          cache_dir: str | None = "") -> Any:
-    """Train a controller on the shipped label file (``RECIPE``, seed 0) and return it.
+                          cache_dir: str | None = "", progress: bool = False, retrain: bool = False) -> Any:
+    """The demo's controller: the one in ``out_dir`` when its ``demo_key.json`` matches (and not ``retrain``), else
+    one trained now on ``labels`` with ``RECIPE``. Prints the cross-validated verdict and the deciding objective.
 
     ``cache_dir``: the embedding cache; ``""`` (the default here, for tests) none, ``None`` the library's default
-    ($FCPRAG_CACHE_DIR or ~/.cache/fcprag/embeddings), which `make demo` uses: a second demo, or a later
-    `fcprag train` on the same labels, then does not encode the texts again.
+    ($FCPRAG_CACHE_DIR or ~/.cache/fcprag/embeddings), which `make demo` uses: a second training, or a later
+    `fcprag train` on the same labels, then does not encode the texts again. ``progress``: the trainer's bars.
     """
+    from fcprag_plugin import FusionController
+    from fcprag_plugin.loading import write_json
     from fcprag_plugin.training import train_controller
+    from fcprag_plugin.training.cv import cv_summary_line
+    from fcprag_plugin.training.evaluation import format_table
 
-    t0 = time.perf_counter()
-    res = train_controller(str(labels), out_dir, encoder=encoder, overwrite=True, progress=False, seed=0,
-                           cache_dir=cache_dir, **RECIPE)
-    out(f"trained a controller on {labels.name} ({res.n_train} train / {res.n_val} validation queries) "
-        f"in {time.perf_counter() - t0:.0f}s -> {out_dir}")
-    for line in res.table.splitlines():
+    key = demo_key(labels, encoder)
+    if not retrain and reusable(out_dir, key):
+        ctrl = FusionController.from_pretrained(out_dir)
+        metrics = json.loads((out_dir / "metrics.json").read_text(encoding="utf-8"))
+        out(f"reusing the controller in {out_dir}, trained earlier from the same inputs ({KEY_NAME}: "
+            f"{labels.name} sha256 {key['labels_sha256'][:12]}..., the recipe, {encoder.name}, fcprag-plugin "
+            f"{key['fcprag_plugin']}); --retrain trains a new one")
+        held = "val" if metrics.get("val") else "train"  # the table the training printed, as it saved it
+        for line in format_table(metrics[held], "validation" if held == "val" else "training set").splitlines():
+            out(f"  {line}")
+        if metrics.get("cv"):
+            out("")
+            out(f"  {cv_summary_line(metrics['cv'])}")
+    else:
+        (out_dir / KEY_NAME).unlink(missing_ok=True)  # an interrupted training must not look finished
+        out(f"training a controller on {labels.name} (recipe: {describe_recipe()}); progress below")
+        t0 = time.perf_counter()
+        res = train_controller(str(labels), out_dir, encoder=encoder, overwrite=True, progress=progress,
+                               cache_dir=cache_dir, **RECIPE)
+        out(f"trained a controller on {labels.name} ({res.n_train} train / {res.n_val} validation queries) "
+            f"in {time.perf_counter() - t0:.0f}s -> {out_dir}")
+        for line in res.table.splitlines():
+            out(f"  {line}")
+        write_json(out_dir / KEY_NAME, key)
+        ctrl, metrics = res.controller, res.metrics
+    for line in deciding_objective(ctrl, out_dir, labels, encoder, metrics, cache_dir):
         out(f"  {line}")
-    return res.controller
+    return ctrl
 
 
-def build_methods(demo_dir: Path, encoder: Any, *, train: bool = True, out=print,
-                  train_out: Path = TRAIN_OUT, cache_dir: str | None = "") -> list[tuple[str, Any]]:
+def describe_recipe() -> str:
+    return ", ".join(f"{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in RECIPE.items())
+
+
+def deciding_objective(ctrl: Any, out_dir: Path, labels: Path, encoder: Any, metrics: dict[str, Any],
+                       cache_dir: str | None) -> list[str]:
+    """Lines that say which objective decides (the recipe's training objective and the verdict's held-out gain)
+    and print its numbers for the learned controller, uniform and random on the validation records, side by side.
+
+    The table above also shows KL, the paper's objective; with ``objective='risk'`` a learned KL above uniform's
+    is expected and says nothing about the verdict.
+    """
+    from fcprag_plugin.training import evaluate_controller, load_labels
+    from fcprag_plugin.training.labels import IGNORED_SPLITS
+    from fcprag_plugin.training.targets import first_order_gain, risk_objective
+    from fcprag_plugin.training.trainer import split_records
+
+    saved = json.loads((out_dir / "training_args.json").read_text(encoding="utf-8"))
+    records = [r for r in load_labels(labels).records if r.split not in IGNORED_SPLITS]
+    _, val, _ = split_records(records, saved["val_fraction"], saved["seed"])  # the trainer's own split
+    if not val:
+        return []
+    ev = evaluate_controller(ctrl, val, encoder=encoder, cache_dir=cache_dir)
+    objective, lam = metrics["objective"], metrics.get("risk_lambda")
+    gain = "sum_i (w~_i - 1) delta_i"
+    rows: list[tuple[str, dict[str, float]]] = [(f"gain  {gain}", {})]
+    verdict = f"the verdict above is the cross-validated held-out gain {gain}"
+    if objective == "risk":
+        lines = [f"what decides: the recipe trains on the risk objective J = {gain} - lambda sum_i (w~_i - 1)^2",
+                 f"  (lambda {lam:.4f}, higher is better), and {verdict};",
+                 "  KL, the paper's objective (the kl rows above), decides neither. Uniform scores 0 on both."]
+        rows.append((f"risk  J (lambda {lam:.4f})", {}))
+    else:
+        lines = ["what decides: the recipe trains on KL to softmax(delta / T) (the kl rows above, lower is better),",
+                 f"  and {verdict} (uniform: 0)."]
+        rows.append(("kl    KL(y || w)", {}))
+    for name, o in ev.outputs.items():
+        wt = o["wt"].to(torch.float64)
+        rows[0][1][name] = float(first_order_gain(wt, ev.data.deltas, ev.data.mask).mean())
+        rows[1][1][name] = (float(risk_objective(wt, ev.data.deltas, ev.data.mask, lam).mean())
+                            if objective == "risk" else ev.metrics[name]["kl"])
+    names = list(ev.outputs)
+    width = max(len(r[0]) for r in rows)
+    lines.append(f"on the {len(val)} validation records (mean per record):")
+    lines.append(f"  {'':<{width}}" + "".join(f" {n:>10}" for n in names))
+    for label, vals in rows:
+        lines.append(f"  {label:<{width}}" + "".join(f" {vals[n]:>+10.4f}" for n in names))
+    return lines
+
+
+def build_methods(demo_dir: Path, encoder: Any, *, train: bool = True, out=print, train_out: Path = TRAIN_OUT,
+                  cache_dir: str | None = "", progress: bool = False, retrain: bool = False
+                  ) -> list[tuple[str, Any]]:
     """(label, controller) pairs; ``None`` is the uniform merge."""
     from fcprag_plugin import FusionController
 
@@ -96,8 +206,9 @@ def build_methods(demo_dir: Path, encoder: Any, *, train: bool = True, out=print
         else:
             methods.append((f"trained controller ({ctrl_dir.name}/)", ctrl))
     elif train:
-        ctrl = train_demo_controller(encoder, out_dir=train_out, out=out, cache_dir=cache_dir)
-        methods.append((f"learned controller (trained now on {LABELS.name})", ctrl))
+        ctrl = train_demo_controller(encoder, out_dir=train_out, out=out, cache_dir=cache_dir, progress=progress,
+                                     retrain=retrain)
+        methods.append((f"learned controller (trained on {LABELS.name})", ctrl))
     methods.append((f"fixed cosine baseline, g={FIXED_G} tau={FIXED_TAU} (not trained)",
                     FusionController.fixed(g=FIXED_G, tau=FIXED_TAU, embed_dim=encoder.dim, scorer="cosine",
                                            embedding_model=encoder.name)))
@@ -118,7 +229,8 @@ def contains_gold(answer: str, gold: str) -> bool:
 
 def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_tokens: int = 20, out=print,
         model: Any = None, tokenizer: Any = None, encoder: Any = None, train: bool = True,
-        train_out: Path = TRAIN_OUT, cache_dir: str | None = "") -> list[dict[str, Any]]:
+        train_out: Path = TRAIN_OUT, cache_dir: str | None = "", progress: bool = False,
+        retrain: bool = False) -> list[dict[str, Any]]:
     """Run the demo; print with ``out``; return one record per question (weights and answers per method).
 
     ``model``/``tokenizer``/``encoder`` default to SmolLM2 and ``TextEncoder()`` (passed in by the tests).
@@ -126,19 +238,19 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
     from fcprag_plugin import LoraAdapter, TextEncoder, fuse
     from fcprag_plugin import activate
 
-    t0 = time.perf_counter()
-    timing: dict[str, float] = {}  # seconds per part, printed at the end (README's demo figures come from it)
+    timer = PartTimer()
     manifest = load_manifest(demo_dir)
     model, tok = (model, tokenizer) if model is not None else load_model()
-    timing["model load"] = time.perf_counter() - t0
+    timer.lap("model load")
     # The paper's bge-base when cached locally, else the packaged all-MiniLM-L6-v2 (offline).
     encoder = encoder if encoder is not None else TextEncoder()
-    timing["encoder load"] = time.perf_counter() - t0 - sum(timing.values())
-    methods = build_methods(Path(demo_dir), encoder, train=train, out=out, train_out=train_out, cache_dir=cache_dir)
-    timing["controller training"] = time.perf_counter() - t0 - sum(timing.values())
+    timer.lap("encoder load")
+    methods = build_methods(Path(demo_dir), encoder, train=train, out=out, train_out=train_out, cache_dir=cache_dir,
+                            progress=progress, retrain=retrain)
+    timer.lap("controller" if train else "controllers (no training)")
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out(f"model: {manifest['model']['name']} ({manifest['model']['gguf_file']}), encoder: {encoder.name} "
-        f"({encoder.dim}-d); model, encoder and controllers ready after {time.perf_counter() - t0:.0f}s")
+        f"({encoder.dim}-d); model, encoder and controllers ready after {timer.total()[0]:.0f}s")
     out("The question is asked WITHOUT the passages in the prompt: knowledge must come from the adapters.")
 
     records = []
@@ -161,14 +273,35 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
                                "scores": r.scores, "answer": a} for lb, r, a in results]}
         records.append(record)
         print_question(qi, q, record, out)
-    timing[f"{len(records)} questions x {len(methods) + 1} greedy answers"] = time.perf_counter() - t0 - sum(
-        timing.values())
+    timer.lap(f"{len(records)} questions x {len(methods) + 1} greedy answers")
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, snapshot[k])]
     out(f"base model weights unchanged after all fusions: {'yes' if not changed else 'NO: ' + ', '.join(changed[:3])}")
-    out(f"total time: {time.perf_counter() - t0:.0f}s (" + ", ".join(f"{k} {v:.0f}s" for k, v in timing.items()) + ")")
+    out(timer.summary())
     if changed:
         raise SystemExit("a fusion changed the base model's weights")
     return records
+
+
+class PartTimer:
+    """Wall and CPU seconds (this process, all its threads) of consecutive parts of the demo, printed at the end;
+    README's demo timings come from it. CPU seconds say how much work a part is whatever else the machine runs."""
+
+    def __init__(self) -> None:
+        self.start = self.last = (time.perf_counter(), time.process_time())
+        self.parts: dict[str, tuple[float, float]] = {}
+
+    def lap(self, name: str) -> None:
+        now = (time.perf_counter(), time.process_time())
+        self.parts[name] = (now[0] - self.last[0], now[1] - self.last[1])
+        self.last = now
+
+    def total(self) -> tuple[float, float]:
+        return time.perf_counter() - self.start[0], time.process_time() - self.start[1]
+
+    def summary(self) -> str:
+        wall, cpu = self.total()
+        return (f"total time: {wall:.0f}s wall, {cpu:.0f}s CPU (" +
+                ", ".join(f"{k} {w:.0f}s / {c:.0f}s CPU" for k, (w, c) in self.parts.items()) + ")")
 
 
 def print_question(qi: int, q: dict[str, Any], rec: dict[str, Any], out=print) -> None:
@@ -214,11 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo-dir", default=str(DEMO_DIR), help="folder with manifest.json and the adapters")
     p.add_argument("--questions", type=int, default=None, help="only the first N questions")
     p.add_argument("--max-new-tokens", type=int, default=20)
-    p.add_argument("--no-train", action="store_true", help="do not train a controller from the shipped labels")
+    p.add_argument("--no-train", action="store_true",
+                   help="no learned controller: neither train one nor reuse runs/demo-controller")
+    p.add_argument("--retrain", action="store_true",
+                   help="train the controller again even when runs/demo-controller was trained from the same inputs")
     args = p.parse_args(argv)
+    if args.no_train and args.retrain:
+        p.error("--no-train and --retrain contradict each other; pass one")
     configure_stdout()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:  # quieter model loading (progress bars, deprecation notes)
+    try:  # quieter model loading (transformers' own bars and deprecation notes; the trainer's bars stay on)
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
@@ -227,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     try:
         run(Path(args.demo_dir), questions=args.questions, max_new_tokens=args.max_new_tokens,
-            train=not args.no_train, cache_dir=None)
+            train=not args.no_train, cache_dir=None, progress=True, retrain=args.retrain)
     except DemoModelError as e:
         raise SystemExit(str(e)) from e
     return 0

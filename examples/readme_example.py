@@ -1,12 +1,14 @@
 # examples/readme_example.py; run it from the repository root: python examples/readme_example.py [CONTROLLER_DIR]
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+os.environ.setdefault("TQDM_DISABLE", "1")  # before transformers: no progress bars while the GGUF model loads
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from fcprag_plugin import FusionController, TextEncoder, activate, fuse
+from fcprag_plugin import FusionController, TextEncoder, activate, fuse  # noqa: E402
 
 # One demo question, its 3 retrieved passages and their PEFT adapter directories (one LoRA per passage).
 demo = Path("adapters/demo")

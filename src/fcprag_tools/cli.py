@@ -17,7 +17,18 @@ from fcprag_plugin.loading import write_json
 
 from . import run_cli, train_cli
 from .labels import cli as labels_cli
-from .options import CliParser, check_out_dir, finite_float, positive_int, read_text_arg, write_dir_atomically
+from .options import (CliParser, check_out_dir, finite_float, keywords_to_flags, positive_int, read_text_arg,
+                      write_dir_atomically)
+
+# fuse()'s keyword arguments -> `fcprag fuse`'s flags, for the library's messages (options.keywords_to_flags)
+FUSE_FLAGS = {
+    "retrieval_ranks": "--retrieval-rank",
+    "retrieval_scores": "--retrieval-score",
+    "controller": "--controller",
+    "encoder": "--encoder",
+    "mode": "--mode",
+    "rank": "--rank",
+}
 
 
 def _check_svd_rank(args: argparse.Namespace, adapters: Sequence[Any]) -> None:
@@ -143,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output adapter directory (new, or empty; see --overwrite)")
     f.add_argument("--overwrite", action="store_true",
                    help="replace an existing non-empty --out directory (never an input adapter or the controller)")
-    f.set_defaults(func=_cmd_fuse)
+    f.set_defaults(func=_cmd_fuse, flag_names=FUSE_FLAGS)
 
     i = sub.add_parser("inspect", help="print rank, targets, scaling, norms and warnings of adapter directories",
                        description="Print each PEFT adapter directory's rank, target modules, scaling, dtype, "
@@ -168,8 +179,8 @@ def _run(args: argparse.Namespace) -> int:
     cmd = " ".join(x for x in (args.command, getattr(args, "labels_command", None)) if x)
     try:
         return int(args.func(args) or 0)
-    except FcpragError as e:
-        return _fail(cmd, str(e))
+    except FcpragError as e:  # the library names its keyword arguments; the user typed flags
+        return _fail(cmd, keywords_to_flags(str(e), getattr(args, "flag_names", {})))
     except UnicodeDecodeError as e:  # a file opened by a library below us; the message has no name, say what
         return _fail(cmd, f"an input file is not valid UTF-8 ({e.reason} at byte {e.start})")
     except OSError as e:
@@ -185,13 +196,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest and not getattr(args, "accepts_rest", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to print a command that goes on after Ctrl-C
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _run(args)
     except KeyboardInterrupt:
         hint = getattr(args, "interrupt_hint", None)
-        print(f"\nfcprag {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        # a callable cleans up after the command and says the whole of what it left
+        said = hint() if callable(hint) else "interrupted" + (f"; {hint}" if hint else "")
+        print(f"\nfcprag {args.command}: {said}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (e.g. `fcprag inspect ... | head`): stop quietly, like other Unix tools. Point

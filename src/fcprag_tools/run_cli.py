@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 
 from fcprag_plugin.errors import FcpragError
@@ -11,6 +12,17 @@ from fcprag_plugin.hosts import dyprag, prag
 from .options import positive_int
 
 _SHIMS = {"prag": prag, "dyprag": dyprag}
+QUIET_FUTURE_WARNINGS = ("transformers", "peft")  # packages whose FutureWarnings are ignored while the script runs
+# the shims' install() / launch() keyword arguments -> `fcprag run`'s flags, for their messages
+RUN_FLAGS = {
+    "controller": "--controller",
+    "encoder": "--encoder",
+    "mode": "--mode",
+    "log": "--log",
+    "data_file": "--data-file",
+    "use_slot=True": "--use-slot",
+    "max_adapters": "--slot-max-adapters",
+}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -27,7 +39,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     options = {k: v for k, v in vars(args).items()
                if k in {"controller", "encoder", "mode", "log", "data_file", "use_slot", "slot_max_adapters"}
                and v is not None}
-    return int(shim.launch(rest[0], rest[1:], **options) or 0)
+    with warnings.catch_warnings():
+        # transformers' and peft's deprecation notices (FutureWarning) are about how the unmodified host script calls
+        # them: nothing its user can act on. Only those, only while it runs; every other warning stays.
+        for module in QUIET_FUTURE_WARNINGS:
+            warnings.filterwarnings("ignore", category=FutureWarning, module=rf"{module}(\.|$)")
+        return int(shim.launch(rest[0], rest[1:], **options) or 0)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,4 +64,4 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "modules, dyprag builds no dense deltas (prag modes cat/separate)")
     r.add_argument("--slot-max-adapters", dest="slot_max_adapters", type=positive_int,
                    help="with --use-slot: fixed slot capacity (most passages per question); default: grow as needed")
-    r.set_defaults(func=_cmd_run, accepts_rest=True)
+    r.set_defaults(func=_cmd_run, accepts_rest=True, flag_names=RUN_FLAGS)

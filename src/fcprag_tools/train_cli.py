@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shlex
+import shutil
 from pathlib import Path
 
 from .options import check_out_file, finite_float, int_at_least, positive_int, refuse_inputs
@@ -28,6 +31,49 @@ _TRAIN_ARGS = ("epochs", "batch_size", "lr", "weight_decay", "seed", "t_label", 
                "val_fraction", "on_error", "precision", "cache_dir", "threads", "plots", "objective", "risk_lambda",
                "cv_folds", "kappa", "side_features", "scale_max_loss_share", "scale_loss_margin", "keep_network",
                "allow_retrieval_score")
+
+
+# train_controller()'s / evaluate_controller()'s keyword arguments -> the commands' flags, for the library's
+# messages (options.keywords_to_flags): "pass resume=True" reads "pass --resume" on the command line
+TRAIN_FLAGS = {
+    "resume=True": "--resume",
+    "overwrite=True": "--overwrite",
+    "plots=True": "--plots",
+    "progress=False": "--no-progress",
+    "out": "--out",
+    "val": "--val",
+    "encoder": "--encoder",
+    "cache_dir": "--cache-dir",
+    "on_error": "--on-error",
+    "epochs": "--epochs",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "weight_decay": "--weight-decay",
+    "seed": "--seed",
+    "t_label": "--t-label",
+    "flat_eps": "--flat-eps",
+    "flat_weight": "--flat-weight",
+    "val_fraction": "--val-fraction",
+    "precision": "--precision",
+    "score_hidden": "--score-hidden",
+    "calib_hidden": "--calib-hidden",
+    "objective": "--objective",
+    "risk_lambda": "--risk-lambda",
+    "cv_folds": "--cv-folds",
+    "kappa": "--kappa",
+    "side_features": "--side-features",
+    "threads": "--threads",
+}
+EVAL_FLAGS = {
+    "encoder": "--encoder",
+    "cache_dir": "--cache-dir",
+    "on_error": "--on-error",
+    "t_label": "--t-label",
+    "flat_eps": "--flat-eps",
+    "flat_weight": "--flat-weight",
+    "seed": "--seed",
+    "progress=False": "--no-progress",
+}
 
 
 def hidden_sizes(text: str) -> list[int]:
@@ -115,22 +161,93 @@ def _print_skipped(label_sets) -> None:
 
 
 def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
-    """Refuse a run directory that is a file, or a non-empty directory holding no training run (a controller or
-    anything else the user has would be overwritten) unless ``overwrite``. A directory that holds a run is the
-    trainer's business (``--resume`` / ``--overwrite``)."""
+    """Refuse, before any work: a run directory that is a file; a non-empty directory holding no training run (a
+    controller or anything else the user has would be overwritten) unless ``overwrite``; a directory holding a
+    run unless ``resume`` or ``overwrite``."""
     if out.exists() and not out.is_dir():
         raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
-    if out.is_dir() and any(out.iterdir()) and not (out / CHECKPOINT_DIR).exists() and not overwrite:
+    if not out.is_dir() or not any(out.iterdir()) or overwrite:
+        return
+    if not (out / CHECKPOINT_DIR).exists():
         what = "--resume found no checkpoint there and it" if resume else "it"
         raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
                           f"({CHECKPOINT_DIR}/); choose a new directory or pass --overwrite to write the run into it")
+    if not resume:
+        raise FcpragError(f"--out {out} already holds a training run ({CHECKPOINT_DIR}/); pass --resume to continue "
+                          "it or --overwrite to start over")
+
+
+def _tree(path: Path) -> set[str] | None:
+    """Relative paths of everything under ``path``; None when it does not exist."""
+    if not path.is_dir():
+        return None
+    found: set[str] = set()
+    for root, dirs, files in os.walk(path):
+        rel = Path(root).relative_to(path)
+        found.update(str(rel / n) for n in dirs + files)
+    return found
+
+
+def _remove_new(path: Path, before: set[str] | None) -> None:
+    """Remove what is under ``path`` and not in ``before`` (:func:`_tree` of an earlier moment): exactly what was
+    created since, whatever the trainer names its files. ``before`` None: ``path`` itself was created since."""
+    if before is None:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for root, dirs, files in os.walk(path):
+        rel = Path(root).relative_to(path)
+        for n in files:
+            if str(rel / n) not in before:
+                (Path(root) / n).unlink(missing_ok=True)
+        for n in list(dirs):
+            if str(rel / n) not in before:
+                dirs.remove(n)  # not walked into: removed whole
+                p = Path(root) / n
+                if p.is_symlink():
+                    p.unlink()
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
+
+
+def _command(argv: list[str], add: str | None = None, drop: str | None = None) -> str:
+    """The command line ``fcprag ARGV`` as a shell would take it, with one flag added and one dropped."""
+    words = [w for w in argv if w != drop]
+    return shlex.join(["fcprag", *words, *([add] if add and add not in words else [])])
+
+
+def _after_interrupt(args: argparse.Namespace, out: Path, before: set[str] | None,
+                     state_before: dict | None) -> str:
+    """What an interrupted ``fcprag train`` leaves, said honestly, with the command that goes on from there.
+
+    A checkpoint written by this run (or the one ``--resume`` started from) is kept and resumable. Without one,
+    everything this run created under ``--out`` is removed, so that the same command runs again unrefused.
+    """
+    try:
+        state = read_checkpoint_state(out)
+    except FcpragError:  # a checkpoint cut off mid-write is no checkpoint
+        state = None
+    if state is not None and not (args.overwrite and state == state_before):  # not the run --overwrite replaces
+        return (f"interrupted after epoch {state.get('epoch')}, which {out}/{CHECKPOINT_DIR} holds; this continues "
+                f"the run: {_command(args.argv, add='--resume', drop='--overwrite')}")
+    _remove_new(out, before)
+    kept = ("nothing was kept" if not before else
+            f"what this run had written into {out} was removed (the rest was there before)")
+    try:
+        check_train_out(out, args.overwrite, args.resume)
+    except FcpragError:  # e.g. --resume, and this run had already removed the checkpoint it would restart from
+        return (f"interrupted before the first epoch finished; {kept}, and {out} holds no checkpoint to resume: "
+                f"start over with {_command(args.argv, add='--overwrite', drop='--resume')}")
+    return f"interrupted before the first epoch finished; {kept}: run the same command again: {_command(args.argv)}"
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from fcprag_plugin.training.trainer import train_controller  # looked up per call (tests replace it)
 
     refuse_inputs("--out", args.out, [("labels", args.labels), ("--val", args.val)])
-    check_train_out(Path(args.out), args.overwrite, args.resume)
+    out = Path(args.out)
+    check_train_out(out, args.overwrite, args.resume)
+    before, state_before = _tree(out), read_checkpoint_state(out)
+    args.interrupt_hint = lambda: _after_interrupt(args, out, before, state_before)
     train_set = read_label_file(args.labels, args.on_error, args.t_label)
     val_set = read_label_file(args.val, args.on_error, args.t_label) if args.val else None
     _print_skipped([train_set, val_set])
@@ -144,8 +261,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
                   f"--epochs above {done}")
         elif state:
             print(f"{args.out}: resuming after epoch {done}, training epochs {done + 1}..{args.epochs}")
-    args.interrupt_hint = (f"{args.out}/checkpoint holds the last finished epoch; the same command with --resume "
-                           "continues from there")
     res = train_controller(train_set, args.out, val=val_set, encoder=args.encoder, resume=args.resume,
                            overwrite=args.overwrite, progress=not args.no_progress, controller=controller,
                            **{k: getattr(args, k) for k in _TRAIN_ARGS})
@@ -261,7 +376,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--threads", type=positive_int,
                    help="torch CPU threads (default: torch's choice; 1 is faster for small nets on a busy machine)")
     t.add_argument("--plots", action="store_true", help="write DIR/plots/*.png (needs matplotlib)")
-    t.set_defaults(func=_cmd_train)
+    t.set_defaults(func=_cmd_train, flag_names=TRAIN_FLAGS)
 
     e = sub.add_parser("eval", help="metrics of a controller on a label file, next to uniform and random baselines",
                        description="Metrics of a saved controller on LABELS (KL to the targets, top-1 agreement, "
@@ -278,4 +393,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--seed", type=int, default=0, help="seed of the random-controller baseline")
     e.add_argument("--plots", help="write g_tau.png and entropy.png into this directory")
     e.add_argument("--json", help="write the metrics to this JSON file")
-    e.set_defaults(func=_cmd_eval)
+    e.set_defaults(func=_cmd_eval, flag_names=EVAL_FLAGS)

@@ -323,7 +323,9 @@ def test_train_skip_list_printed_once_and_resume_note(labelled, capsys):
     assert "already trained 1 epochs (>= --epochs 1): no training" in text and "--epochs above 1" in text
 
 
-def test_train_ctrl_c_says_resume(labelled, capsys, monkeypatch):
+def test_train_ctrl_c_before_training_says_run_it_again(labelled, capsys, monkeypatch):
+    """Interrupted before the trainer wrote anything: no checkpoint, so no --resume advice (tests/tools/
+    test_train_interrupt.py interrupts real runs)."""
     from fcprag_plugin.training import trainer
 
     def interrupted(*a, **k):
@@ -333,8 +335,9 @@ def test_train_ctrl_c_says_resume(labelled, capsys, monkeypatch):
     tmp, cache = labelled
     rc = main(["train", str(tmp / "train.jsonl"), "--out", str(tmp / "run"), "--encoder", "syn8", *SMALL])
     err = capsys.readouterr().err
-    assert rc == 130 and "Traceback" not in err
-    assert "interrupted" in err and "--resume continues" in err and str(tmp / "run") in err
+    assert rc == 130 and "Traceback" not in err and "--resume" not in err
+    assert "interrupted before the first epoch finished; nothing was kept: run the same command again: " in err
+    assert not (tmp / "run").exists()
 
 
 # ----------------------------------------------------------------------------- outputs that are inputs

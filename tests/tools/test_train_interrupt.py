@@ -1,0 +1,155 @@
+"""Ctrl-C anywhere in a real ``fcprag train``: what it prints is true, and the command it prints goes on.
+
+Either a checkpoint of this run survives (the printed command has --resume and continues it), or everything the
+run created under --out is gone and the same command runs again unrefused.
+"""
+
+import json
+import shlex
+
+import pytest
+
+from fcprag_tools.cli import main
+from helpers import SMALL_TRAIN_ARGS as SMALL
+
+
+def _train_argv(tmp, cache, out, *extra):
+    return ["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
+            "--epochs", "2", *SMALL, *extra]
+
+
+def _printed_command(err: str, after: str) -> list[str]:
+    """The command the interruption message ends with, as argv for main() (the leading 'fcprag' dropped)."""
+    line = [ln for ln in err.splitlines() if ln.strip()][-1]
+    assert after in line, line
+    words = shlex.split(line.split(after, 1)[1])
+    assert words[0] == "fcprag"
+    return words[1:]
+
+
+class CvInterrupt:
+    """While armed: KeyboardInterrupt at the third held-out evaluation inside the cross-validation loop (a fold
+    trained and evaluated by then)."""
+
+    def __init__(self, monkeypatch):
+        from fcprag_plugin.training import cv
+
+        self.cv, self.real, self.monkeypatch, self.calls = cv, cv.first_order_gain, monkeypatch, 0
+
+    def gain(self, *a, **k):
+        self.calls += 1
+        if self.calls == 3:
+            raise KeyboardInterrupt
+        return self.real(*a, **k)
+
+    def arm(self):
+        self.calls = 0
+        self.monkeypatch.setattr(self.cv, "first_order_gain", self.gain)
+
+    def disarm(self):
+        self.monkeypatch.setattr(self.cv, "first_order_gain", self.real)
+
+
+@pytest.fixture
+def interrupt_in_cv(monkeypatch):
+    return CvInterrupt(monkeypatch)
+
+
+@pytest.mark.parametrize("before", ["absent", "empty"])
+def test_ctrl_c_in_cross_validation_keeps_nothing_and_the_same_command_runs(labelled, capsys, interrupt_in_cv,
+                                                                            monkeypatch, before):
+    from fcprag_plugin.training import cv
+
+    tmp, cache = labelled
+    out = tmp / "run"
+    if before == "empty":
+        out.mkdir()
+    wrote = []
+    real_cv = cv.cross_validate
+
+    def watched(*a, **k):
+        wrote.extend(p.name for p in out.iterdir())
+        return real_cv(*a, **k)
+
+    monkeypatch.setattr("fcprag_plugin.training.trainer.cross_validate", watched)
+    interrupt_in_cv.arm()
+    argv = _train_argv(tmp, cache, out)
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert wrote, "the run had written nothing into --out before the cross-validation: the test proves nothing"
+    assert "Traceback" not in err
+    assert "interrupted before the first epoch finished; nothing was kept: run the same command again: " in err
+    if before == "absent":
+        assert not out.exists()
+    else:
+        assert out.is_dir() and list(out.iterdir()) == []
+    again = _printed_command(err, "run the same command again: ")
+    assert again == argv
+    interrupt_in_cv.disarm()
+    assert main(again) == 0
+    assert (out / "config.json").is_file() and (out / "cv.json").is_file()
+
+
+def test_ctrl_c_with_overwrite_keeps_what_was_there(labelled, capsys, interrupt_in_cv):
+    """--overwrite into a directory with the user's file: the interrupted run removes only what it created."""
+    tmp, cache = labelled
+    out = tmp / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    interrupt_in_cv.arm()
+    argv = _train_argv(tmp, cache, out, "--overwrite")
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert f"what this run had written into {out} was removed" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    again = _printed_command(err, "run the same command again: ")
+    interrupt_in_cv.disarm()
+    assert main(again) == 0 and (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("extra", [[], ["--overwrite"]])
+def test_ctrl_c_after_a_checkpoint_prints_a_resume_that_continues(labelled, capsys, monkeypatch, extra):
+    from fcprag_plugin.training import trainer
+
+    tmp, cache = labelled
+    out = tmp / "run"
+    real = trainer.save_checkpoint
+    saved = []
+
+    def save_then_interrupt(*a, **k):
+        path = real(*a, **k)
+        saved.append(path)
+        raise KeyboardInterrupt  # right after the first epoch's checkpoint
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_interrupt)
+    argv = _train_argv(tmp, cache, out, "--cv-folds", "0", "--epochs", "3", *extra)
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert len(saved) == 1 and "Traceback" not in err
+    assert f"interrupted after epoch 1, which {out}/checkpoint holds; this continues the run: " in err
+    again = _printed_command(err, "this continues the run: ")
+    assert "--resume" in again and "--overwrite" not in again
+    monkeypatch.setattr(trainer, "save_checkpoint", real)
+    assert main(again) == 0
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in log] == [1, 2, 3]
+    assert "resuming after epoch 1, training epochs 2..3" in capsys.readouterr().out
+
+
+def test_ctrl_c_while_resuming_keeps_the_checkpoint(labelled, capsys, interrupt_in_cv):
+    """A --resume that asks for more epochs redoes the cross-validation; Ctrl-C there leaves the checkpoint, and
+    the printed command (the same one) continues."""
+    tmp, cache = labelled
+    out = tmp / "run"
+    assert main(_train_argv(tmp, cache, out, "--epochs", "1")) == 0  # a whole first run
+    assert (out / "checkpoint").is_dir(), "cross-validation chose 0 epochs: no checkpoint to test with"
+    capsys.readouterr()
+    interrupt_in_cv.arm()
+    argv = _train_argv(tmp, cache, out, "--epochs", "3", "--resume")
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert (out / "checkpoint").is_dir()
+    again = _printed_command(err, "this continues the run: ")
+    assert again == argv
+    interrupt_in_cv.disarm()
+    assert main(again) == 0
