@@ -57,12 +57,12 @@ LABELS = Path(__file__).resolve().parent / "data" / "efficacy_train_labels.jsonl
 
 # ======================================================================================= THE DEMO'S TRAINING RECIPE
 # The one place that says how the demo trains its controller: every train_controller argument but the paths and
-# the encoder. The efficacy study's recommended recipe (its configuration chosen by grouped CV on the training
-# labels alone, benchmarks/efficacy/controller/config.json): the risk objective, a global scale tuned on the labels,
-# and the passages' side features; CV trains at most 3 epochs (docs/results/efficacy-plan.md). A change here
-# changes demo_key.json, so the next demo trains again.
+# the encoder. The recommended recipe (docs/results/efficacy-fresh-plan.md, benchmarks/efficacy/controller): the
+# risk objective, kappa chosen on the labels' measured scales, the side features the hosts can supply (retrieval
+# rank, adapter statistics); nested CV trains at most 3 epochs. A change here changes demo_key.json, so the next
+# demo trains again.
 RECIPE: dict[str, Any] = {"objective": "risk", "kappa": "auto", "epochs": 3,
-                          "side_features": ["retrieval_rank", "retrieval_score", "adapter_stats"], "seed": 0}
+                          "side_features": ["retrieval_rank", "adapter_stats"], "seed": 0}
 # ==================================================================================================================
 
 TRAIN_OUT = Path(__file__).resolve().parent.parent / "runs" / "demo-controller"
@@ -107,7 +107,7 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
     from fcprag_plugin import FusionController
     from fcprag_plugin.loading import write_json
     from fcprag_plugin.training import train_controller
-    from fcprag_plugin.training.cv import cv_summary_line
+    from fcprag_plugin.training.selection import verdict_lines
     from fcprag_plugin.training.evaluation import format_table
 
     key = demo_key(labels, encoder)
@@ -122,7 +122,8 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
             out(f"  {line}")
         if metrics.get("cv"):
             out("")
-            out(f"  {cv_summary_line(metrics['cv'])}")
+            for line in verdict_lines(metrics["cv"]):
+                out(f"  {line}")
     else:
         (out_dir / KEY_NAME).unlink(missing_ok=True)  # an interrupted training must not look finished
         out(f"training a controller on {labels.name} (recipe: {describe_recipe()}); progress below")
@@ -166,7 +167,8 @@ def deciding_objective(ctrl: Any, out_dir: Path, labels: Path, encoder: Any, met
     objective, lam = metrics["objective"], metrics.get("risk_lambda")
     gain = "sum_i (w~_i - 1) delta_i"
     rows: list[tuple[str, dict[str, float]]] = [(f"gain  {gain}", {})]
-    verdict = f"the verdict above is the cross-validated held-out gain {gain}"
+    verdict = ("the verdict above is the held-out gain of nested CV: a scale part (measured on the labels' "
+               f"scales) plus a reweighting part (first order, {gain.replace('- 1', '- T')})")
     if objective == "risk":
         lines = [f"what decides: the recipe trains on the risk objective J = {gain} - lambda sum_i (w~_i - 1)^2",
                  f"  (lambda {lam:.4f}, higher is better), and {verdict};",

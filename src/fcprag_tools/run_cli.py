@@ -22,6 +22,7 @@ RUN_FLAGS = {
     "data_file": "--data-file",
     "use_slot=True": "--use-slot",
     "max_adapters": "--slot-max-adapters",
+    "slot_max_adapters": "--slot-max-adapters",
 }
 
 

@@ -189,7 +189,7 @@ def test_cli_use_slot(double, tmp_path, capsys):
     assert all(json.loads(line)["use_slot"] for line in log.read_text().splitlines())
     rc = main(["run", "dyprag", "--use-slot", "--slot-max-adapters", "3", "--", str(script), "--data", str(data)])
     assert rc == 2
-    assert "merges 4 adapters but the fused slot holds max_adapters=3" in capsys.readouterr().err
+    assert "merges 4 adapters but the fused slot holds --slot-max-adapters 3" in capsys.readouterr().err
 
 
 @pytest.mark.integration

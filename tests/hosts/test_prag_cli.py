@@ -69,7 +69,7 @@ def test_cli_use_slot(tmp_path):
         torch.testing.assert_close(logits, reference_logits(world, ref, rec["question"]), rtol=1e-4, atol=1e-4)
     proc = _run_cli(["--use-slot", "--slot-max-adapters", "2"], world.args(None), tmp_path)
     assert proc.returncode == 2
-    assert "merges 3 adapters but the fused slot holds max_adapters=2" in proc.stderr
+    assert "merges 3 adapters but the fused slot holds --slot-max-adapters 2" in proc.stderr
 
 
 @pytest.mark.integration

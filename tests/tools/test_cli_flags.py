@@ -29,8 +29,8 @@ def one_line(rc, err):
 ])
 def test_fuse_names_the_side_feature_flags(tmp_path, capsys, features, flags):
     ads = [make_adapter_dir(tmp_path / f"p{i}", seed=i) for i in range(2)]
-    FusionController(embed_dim=384, score_hidden=[8], calib_hidden=8, side_features=features).save_pretrained(
-        tmp_path / "ctrl")
+    FusionController(embed_dim=384, score_hidden=[8], calib_hidden=8, side_features=features,  # none optional
+                     side_optional=[]).save_pretrained(tmp_path / "ctrl")
     encoder = TextEncoder.from_function(lambda texts: torch.ones(len(texts), 384), 384)
     with pytest.raises(FcpragError) as raised:  # what the library says to a Python caller
         fuse([str(a) for a in ads], "q", ["p0", "p1"], controller=tmp_path / "ctrl", encoder=encoder)

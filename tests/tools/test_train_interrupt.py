@@ -32,9 +32,9 @@ class CvInterrupt:
     trained and evaluated by then)."""
 
     def __init__(self, monkeypatch):
-        from fcprag_plugin.training import cv
+        from fcprag_plugin.training import selection
 
-        self.cv, self.real, self.monkeypatch, self.calls = cv, cv.first_order_gain, monkeypatch, 0
+        self.cv, self.real, self.monkeypatch, self.calls = selection, selection.reweighting_gain, monkeypatch, 0
 
     def gain(self, *a, **k):
         self.calls += 1
@@ -44,10 +44,10 @@ class CvInterrupt:
 
     def arm(self):
         self.calls = 0
-        self.monkeypatch.setattr(self.cv, "first_order_gain", self.gain)
+        self.monkeypatch.setattr(self.cv, "reweighting_gain", self.gain)
 
     def disarm(self):
-        self.monkeypatch.setattr(self.cv, "first_order_gain", self.real)
+        self.monkeypatch.setattr(self.cv, "reweighting_gain", self.real)
 
 
 @pytest.fixture
@@ -58,20 +58,20 @@ def interrupt_in_cv(monkeypatch):
 @pytest.mark.parametrize("before", ["absent", "empty"])
 def test_ctrl_c_in_cross_validation_keeps_nothing_and_the_same_command_runs(labelled, capsys, interrupt_in_cv,
                                                                             monkeypatch, before):
-    from fcprag_plugin.training import cv
+    from fcprag_plugin.training import selection
 
     tmp, cache = labelled
     out = tmp / "run"
     if before == "empty":
         out.mkdir()
     wrote = []
-    real_cv = cv.cross_validate
+    real_cv = selection.select
 
     def watched(*a, **k):
         wrote.extend(p.name for p in out.iterdir())
         return real_cv(*a, **k)
 
-    monkeypatch.setattr("fcprag_plugin.training.trainer.cross_validate", watched)
+    monkeypatch.setattr("fcprag_plugin.training.trainer.select", watched)
     interrupt_in_cv.arm()
     argv = _train_argv(tmp, cache, out)
     assert main(argv) == 130
@@ -118,14 +118,16 @@ def test_ctrl_c_after_a_checkpoint_prints_a_resume_that_continues(labelled, caps
 
     def save_then_interrupt(*a, **k):
         path = real(*a, **k)
-        saved.append(path)
-        raise KeyboardInterrupt  # right after the first epoch's checkpoint
+        saved.append(a[-1]["epoch"])
+        if a[-1]["epoch"] == 1:
+            raise KeyboardInterrupt  # right after the first epoch's checkpoint (the run's start saved epoch 0)
+        return path
 
     monkeypatch.setattr(trainer, "save_checkpoint", save_then_interrupt)
     argv = _train_argv(tmp, cache, out, "--cv-folds", "0", "--epochs", "3", *extra)
     assert main(argv) == 130
     err = capsys.readouterr().err
-    assert len(saved) == 1 and "Traceback" not in err
+    assert saved == [0, 1] and "Traceback" not in err
     assert f"interrupted after epoch 1, which {out}/checkpoint holds; this continues the run: " in err
     again = _printed_command(err, "this continues the run: ")
     assert "--resume" in again and "--overwrite" not in again

@@ -43,7 +43,8 @@ METRICS_NAME = "metrics.json"
 PRECISIONS = ("auto", "fp32", "bf16")
 OBJECTIVES = ("kl", "risk")
 # arguments that may change between a run and its resume (they do not change what is learned)
-_RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network"}
+# (precision: "auto" may resolve differently on another machine; the resolved precision is compared instead)
+_RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network", "precision"}
 
 
 @dataclass
@@ -348,7 +349,8 @@ class Trainer:
         diff = sorted(k for k in set(old) | set(new) if k not in _RESUME_FREE and old.get(k) != new.get(k))
         if diff:
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, argument(s) {diff} differ from the "
-                              f"checkpoint ({', '.join(f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in diff)})")
+                              "checkpoint: " + ", ".join(f"{k}={new.get(k)!r} (the checkpoint has {k}="
+                                                         f"{old.get(k)!r})" for k in diff))
         if state.get("precision", self.precision) != self.precision:
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the checkpoint trained in "
                               f"{state.get('precision')} but this run would use {self.precision}; pass "
