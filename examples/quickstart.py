@@ -341,7 +341,7 @@ def print_question(qi: int, q: dict[str, Any], rec: dict[str, Any], out=print) -
 
 
 def _fmt_tau(tau: float) -> str:
-    return "tau -" if tau != tau else f"t {tau:.3f}"  # NaN: the uniform merge has no temperature
+    return "tau -" if tau is None else f"t {tau:.3f}"  # None: uniform weights have no temperature
 
 
 def main(argv: list[str] | None = None) -> int:

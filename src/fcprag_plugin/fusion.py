@@ -151,7 +151,7 @@ def fuse(
     loaded = resolve_adapters(adapters, model)
     fw = FusionWeights.for_query(query, passages, ctrl, encoder, side_inputs(ctrl, adapters=loaded, **side))
     result: MergeResult = merge_adapters(loaded, fw.merge_weights, mode, **merge_options)
-    logger.debug("fused %d adapters: w~=%s g=%.3f tau=%.3f", len(loaded), fw.merge_weights, fw.g, fw.tau)
+    logger.debug("fused %d adapters: w~=%s g=%.3f tau=%s", len(loaded), fw.merge_weights, fw.g, fw.tau)
     return FusionResult(result.adapter, fw, mode, result.info)
 
 
