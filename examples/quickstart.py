@@ -169,17 +169,20 @@ def deciding_objective(ctrl: Any, out_dir: Path, labels: Path, encoder: Any, met
     rows: list[tuple[str, dict[str, float]]] = [(f"gain  {gain}", {})]
     verdict = ("the verdict above is the held-out gain of nested CV: a scale part (measured on the labels' "
                f"scales) plus a reweighting part (first order, {gain.replace('- 1', '- T')})")
+    kappa = float(getattr(ctrl.config, "kappa", 1.0))
     if objective == "risk":
-        lines = [f"what decides: the recipe trains on the risk objective J = {gain} - lambda sum_i (w~_i - 1)^2",
-                 f"  (lambda {lam:.4f}, higher is better), and {verdict};",
-                 "  KL, the paper's objective (the kl rows above), decides neither. Uniform scores 0 on both."]
+        lines = [f"what decides: the recipe trains the network on the risk objective J = {gain} - lambda",
+                 f"  sum_i (w~_i - 1)^2 (lambda {lam:.4f}, higher is better) of its weights at PRAG's total, before "
+                 f"kappa ({kappa:g}, chosen on measured scales), and {verdict};",
+                 "  KL, the paper's objective (the kl rows above), decides neither. Uniform scores 0 on both; the rows "
+                 "below are the weights divided by kappa."]
         rows.append((f"risk  J (lambda {lam:.4f})", {}))
     else:
         lines = ["what decides: the recipe trains on KL to softmax(delta / T) (the kl rows above, lower is better),",
                  f"  and {verdict} (uniform: 0)."]
         rows.append(("kl    KL(y || w)", {}))
     for name, o in ev.outputs.items():
-        wt = o["wt"].to(torch.float64)
+        wt = o["wt"].to(torch.float64) / (kappa if name == next(iter(ev.outputs)) else 1.0)
         rows[0][1][name] = float(first_order_gain(wt, ev.data.deltas, ev.data.mask).mean())
         rows[1][1][name] = (float(risk_objective(wt, ev.data.deltas, ev.data.mask, lam).mean())
                             if objective == "risk" else ev.metrics[name]["kl"])

@@ -322,7 +322,7 @@ class Trainer:
             weight += w
             if progress is not None:
                 progress.update(len(b.index))
-                progress.set_postfix(loss=f"{value:.4f}", refresh=False)
+                progress.set_postfix(loss=f"{value:.3g}", refresh=False)  # small risk losses stay readable
         return total / weight if weight > 0 else 0.0
 
     def validate(self) -> dict[str, Any]:
