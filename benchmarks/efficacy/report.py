@@ -661,6 +661,11 @@ def build(out_dir: Path, n_boot: int = DESC_BOOT) -> dict[str, Any]:
              "registered before any test-split result, is `docs/results/efficacy-plan.md` (with its changes after "
              "registration). Every number below comes from those caches; what has not been run is listed as such. "
              "The earlier one-dataset study's caches (`cache/v1-200q/`) are not read.\n")
+    L.append("**Read with** `docs/results/efficacy-fresh.md`: a second, registered study on 196 questions never "
+             "scored before, with answers (F1 / EM by PRAG's rules) and the gain split into a total scale and a "
+             "reweighting. Its verdict on this study's finding: the gain is the scale; the reweighting adds nothing "
+             "measurable. The cross-validated gains quoted below are this study's own (first order, epochs chosen "
+             "and scored on the same folds), not the library's current selection-unbiased verdict.\n")
     L.append("## What is not run yet\n")
     miss = list(caches.missing) + list(caches.notes)
     L += [f"- {x}" for x in miss] if miss else ["- nothing: every cache the report reads exists."]
