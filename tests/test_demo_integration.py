@@ -116,9 +116,12 @@ def test_quickstart_core_path(smollm2, encoder, manifest, tmp_path):
     assert learned["g"] == pytest.approx(float(ref.g[0]), abs=1e-5)
     assert any(line.startswith("trained a controller on efficacy_train_labels.jsonl") for line in lines)
     cv = json.loads((tmp_path / "ctrl" / "metrics.json").read_text())["cv"]  # the verdict is printed as recorded
-    verdict = [line for line in lines if "-fold grouped CV" in line]
-    assert len(verdict) == 1 and f"{cv['gain']:+.4g}" in verdict[0]
-    assert ("better than uniform (PRAG's sum)." in verdict[0]) == (cv["verdict"] == "better_than_uniform")
+    start = next(i for i, line in enumerate(lines) if "-fold nested CV" in line)
+    verdict = lines[start:start + 4]  # the heading, the scale part, the reweighting part, what was saved
+    assert "scale part" in verdict[1] and f"{cv['scale']['gain']:+.4g}" in verdict[1]
+    assert "reweighting part" in verdict[2] and f"{cv['reweighting']['gain']:+.4g}" in verdict[2]
+    assert verdict[3].strip().startswith("Saved") and f"{cv['gain']:+.4g}" in verdict[3]
+    assert ("it is better than PRAG's sum" in verdict[3]) == (cv["verdict"] == "better_than_uniform")
     assert "fixed cosine baseline" in fixed["label"] and "not trained" in fixed["label"]
     # Independent reference for the fixed baseline: s = (1 + cos) / 2, pi = softmax(s / tau),
     # w = g * pi + (1 - g) / N, w~ = N * w / sum(w).
