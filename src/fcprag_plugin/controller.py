@@ -489,8 +489,8 @@ class FusionController(nn.Module):
             side = side.unsqueeze(0)
             for name in missing:
                 self._warn_once(f"missing:{name}", f"fcprag: controller '{self._name}' was trained with the side "
-                                f"feature '{name}' but this call has none: taken as equal for every passage (what "
-                                "its verdict measured had it)", log_only=True)
+                                f"feature '{name}' but this call has none: taken as equal for every passage (its "
+                                "verdict was measured with the feature)", log_only=True)
         was_training = self.training
         self.eval()
         try:
