@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -325,6 +326,7 @@ class FusionController(nn.Module):
         self.register_buffer("_side_scale", torch.tensor(scale, dtype=torch.float32), persistent=False)
         self._inference_copy = False
         self._warned: set[str] = set()
+        self.source: str | None = None  # the directory it was loaded from
 
     @torch.no_grad()
     def reset_to_uniform_(self) -> "FusionController":
@@ -515,7 +517,7 @@ class FusionController(nn.Module):
 
     @property
     def _name(self) -> str:
-        return str((self.config.cv or {}).get("source") or self.config.embedding_model)
+        return str(self.source or (self.config.cv or {}).get("source") or "(in memory)")
 
     def _warn_once(self, key: str, message: str, log_only: bool = False) -> None:
         if key in self._warned:
@@ -523,7 +525,7 @@ class FusionController(nn.Module):
         self._warned.add(key)
         logger.warning("%s", message)
         if not log_only:
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warnings.warn(message, UserWarning, stacklevel=_caller_level())
 
     def check_encoder(self, encoder: Any) -> None:
         dim = getattr(encoder, "dim", None)
@@ -590,11 +592,21 @@ class FusionController(nn.Module):
             if not bool(torch.isfinite(v).all()):
                 raise ControllerError(f"{w_path}: key '{k}' has non-finite values")
         model.load_state_dict(state)
+        model.source = str(path)
         return model.to(map_location).eval()
 
     def extra_repr(self) -> str:
         c = self.config
         return f"mode={c.controller_mode}, scorer={c.scorer}, embed_dim={c.embed_dim}, tau=[{c.tau_min}, {c.tau_max}]"
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's call)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":
