@@ -93,7 +93,8 @@ def test_the_deciding_objective_is_said_with_its_numbers(labels, tmp_path):
     out = tmp_path / "ctrl"
     _, lines = _train(labels, out)
     text = "\n".join(lines)
-    assert "what decides: the recipe trains the network on the risk objective J = sum_i (w~_i - 1) delta_i - lambda" in text
+    assert ("what decides: the recipe trains the network on the risk objective J = sum_i (w~_i - 1) delta_i - "
+            "lambda") in text
     assert "KL, the paper's objective (the kl rows above), decides neither" in text
     metrics = json.loads((out / "metrics.json").read_text())
     table = lines[next(i for i, ln in enumerate(lines) if "validation records (mean per record)" in ln) + 1:]

@@ -168,7 +168,8 @@ def test_kappa_scales_the_merge_weights_and_is_saved(tmp_path):
     e_q, E_p = torch.randn(3, 8, generator=g), torch.randn(3, 4, 8, generator=g)
     a, b = base(e_q, E_p), scaled(e_q, E_p)
     torch.testing.assert_close(b.merge_weights, 1.7 * a.merge_weights)
-    assert torch.equal(a.probabilities, b.probabilities) and a.scale is None and torch.equal(b.scale, torch.full((3,), 1.7))
+    assert torch.equal(a.probabilities, b.probabilities) and a.scale is None
+    assert torch.equal(b.scale, torch.full((3,), 1.7))
     scaled.save_pretrained(tmp_path / "k")
     again = FusionController.from_pretrained(tmp_path / "k")
     assert again.config.kappa == 1.7 and torch.equal(again(e_q, E_p).merge_weights, b.merge_weights)

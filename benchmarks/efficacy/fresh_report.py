@@ -2,7 +2,8 @@
 
     python benchmarks/efficacy/fresh_report.py [--work benchmarks/efficacy/cache/fresh]
 
-Reads ``<work>/<dataset>/eval.jsonl`` (committed copies of ``run_all.py``'s work folders) (``run_all.py --generate`` rows: per question and method the gold log-lik.,
+Reads ``<work>/<dataset>/eval.jsonl`` (committed copies of ``run_all.py``'s work folders; ``--generate`` rows: per
+question and method the gold log-lik.,
 the greedy answer's F1 / EM by PRAG's rules and answer presence) and ``timings.jsonl``; writes
 ``docs/results/efficacy-fresh.md`` and ``.json``: the primary comparison, the Holm-corrected secondaries, every
 method against PRAG's sum per dataset and pooled, the scale / reweighting split measured on these questions, the
@@ -150,7 +151,8 @@ def reading(res: dict[str, Any]) -> list[str]:
             f"- The share of questions whose gold log-lik. drops by more than 0.1 against the sum (above 1 it grows "
             "with the scale): "
             + ", ".join(f"{m.split(':')[1]}: {rows[m]['share_losing_0.1']:.0%}" for m in scales)
-            + f"; the recommended controller {rows['learned']['share_losing_0.1']:.0%} (the training rule allowed 10%).",
+            + f"; the recommended controller {rows['learned']['share_losing_0.1']:.0%} (the training rule allowed "
+            "10%).",
             f"- The reweighting adds nothing measurable here: learned weights against uniform weights at the same "
             f"total, gold log-lik. {fmt(rw_ll)}, F1 {fmt(rw_f1)}. Its training verdict (first order) said "
             f"{fmt(trained['reweighting'])}"
@@ -203,7 +205,8 @@ def render(res: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     for name, by in res["breakdown"].items():
         for m, s in by.items():
             out.append(f"| {name} | {m} | {s['logprob']['n']} | {fmt(s['logprob'])} | {fmt(s['f1'])} |")
-    out += ["", "## Every run", "", "| dataset | stage | seconds | finished | details |", "| --- | --- | --- | --- | --- |"]
+    out += ["", "## Every run", "", "| dataset | stage | seconds | finished | details |",
+            "| --- | --- | --- | --- | --- |"]
     for r in runs:
         extra = {k: v for k, v in r.items() if k not in ("dataset", "stage", "seconds", "finished")}
         out.append(f"| {r['dataset']} | {r['stage']} | {r['seconds']} | {r['finished']} | {json.dumps(extra)} |")

@@ -27,8 +27,8 @@ def peaked_controller(dim: int = 16) -> FusionController:
 
 def mlp_controller(dim: int = 16) -> FusionController:
     # a seeded random score net, sharpened: exercises the MLP scorer path with clearly non-uniform weights
-    return FusionController(ControllerConfig(embed_dim=dim, controller_mode="fixed", scorer="mlp", fixed_g=1.0, fixed_tau=0.01,
-                                             seed=3, score_hidden=[32], calib_hidden=16))
+    return FusionController(ControllerConfig(embed_dim=dim, controller_mode="fixed", scorer="mlp", fixed_g=1.0,
+                                             fixed_tau=0.01, seed=3, score_hidden=[32], calib_hidden=16))
 
 
 @pytest.fixture(autouse=True)
@@ -217,3 +217,31 @@ def test_cli_subprocess_with_real_encoder(double, tmp_path):
     assert max(max(u) - min(u) for u in us) > 0.01
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["n"] for r in lines] == list(COUNTS)
+
+
+@pytest.mark.integration
+def test_the_shipped_controller_runs_with_what_dyprag_has(double, tmp_path):
+    """benchmarks/efficacy/controller under DyPRAG (mode delta): no retrieval scores needed, ranks = the passage
+    order, adapter statistics from the translator outputs; the injected updates equal the dense reference."""
+    from pathlib import Path
+
+    from fcprag_plugin import LoraAdapter, LoraModule
+    from fcprag_plugin.encoding import TextEncoder
+
+    script, data, questions = double
+    shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller"
+    rec = tmp_path / "rec.pt"
+    assert dyprag.launch(script, ["--data", str(data), "--record", str(rec)], controller=str(shipped),
+                         mode="delta") == 0
+    record = H.load_record(rec)
+    groups = H.group_outputs(record)
+    ctrl, enc = FusionController.from_pretrained(shipped), TextEncoder()
+    us = []
+    for q, outs in zip(questions, groups):
+        n = len(q["passages"])
+        ads = [LoraAdapter({m: LoraModule(o[m + H.A].squeeze(0), o[m + H.B].squeeze(0), 1.0) for m in H.modules_of(o)},
+                           {}, f"output {i}") for i, o in enumerate(outs)]
+        w = ctrl.predict(q["question"], q["passages"], enc, retrieval_ranks=[float(i + 1) for i in range(n)],
+                         adapter_stats=ads).merge_weights[0]
+        us.append([float(x) / n for x in w])
+    _check_against(record, questions, [H.reference_delta(outs, u) for outs, u in zip(groups, us)])

@@ -79,7 +79,8 @@ def test_cli_with_controller_and_real_encoder(tmp_path):
     from fcprag_plugin.encoding import TextEncoder
 
     enc = TextEncoder()
-    ctrl = FusionController(ControllerConfig(embed_dim=enc.dim, score_hidden=[8], calib_hidden=8, controller_mode="fixed",
+    ctrl = FusionController(ControllerConfig(embed_dim=enc.dim, score_hidden=[8], calib_hidden=8,
+                                             controller_mode="fixed",
                                              scorer="cosine", fixed_g=0.9, fixed_tau=0.02))
     cdir = ctrl.save_pretrained(tmp_path / "ctrl")
     world = build_world(tmp_path / "w", ns=(3, 2))

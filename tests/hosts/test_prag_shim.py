@@ -37,7 +37,8 @@ def _no_shim_leaks():
 
 def random_controller_dir(path: Path) -> Path:
     """An untrained controller, sharpened (spread scores, gate open, low tau), saved to disk for the shim."""
-    ctrl = FusionController(ControllerConfig(embed_dim=16, score_hidden=[32, 16], calib_hidden=16, controller_mode="random",
+    ctrl = FusionController(ControllerConfig(embed_dim=16, score_hidden=[32, 16], calib_hidden=16,
+                                             controller_mode="random",
                                              seed=0))
     with torch.no_grad():
         ctrl.score_net[-1].weight.mul_(20.0)
@@ -441,3 +442,26 @@ def test_launch_returns_the_scripts_exit_status(tmp_path):
     script.write_text("import sys\nsys.exit(3)\n")
     assert prag.launch(str(script), []) == 3
     assert not prag.is_installed()
+
+
+@pytest.mark.integration
+def test_the_shipped_controller_runs_with_what_prag_has(world, tmp_path, caplog):
+    """benchmarks/efficacy/controller (retrieval rank + adapter statistics, the real MiniLM encoder) under PRAG:
+    PRAG keeps no retrieval scores and needs none; the ranks are the passage order, the statistics come from the
+    adapters PRAG loaded. Weights = the controller's own prediction with those inputs; merges = dense reference."""
+    from fcprag_plugin import LoraAdapter
+    from fcprag_plugin.encoding import TextEncoder
+
+    shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller"
+    cap, records = launch_double(world, tmp_path, controller=str(shipped))
+    ctrl, enc = FusionController.from_pretrained(shipped), TextEncoder()
+    assert ctrl.config.side_features == ["retrieval_rank", "adapter_stats"] and ctrl.config.kappa == 4.0
+    for t, r in enumerate(world.records):
+        n = len(r["passages"])
+        ads = [LoraAdapter.from_pretrained(world.adapter_path(t, p)) for p in range(n)]
+        want = ctrl.predict(r["question"], r["passages"], enc, retrieval_ranks=[float(i + 1) for i in range(n)],
+                            adapter_stats=ads).merge_weights[0].tolist()
+        assert records[t]["merge_weights"] == pytest.approx(want, abs=1e-5)
+        assert sum(want) == pytest.approx(4.0 * n, rel=1e-4)  # its total: PRAG's sum times kappa 4
+        assert_merged(world, cap, t, dict(enumerate(want)))
+    assert not [m for m in caplog.messages if "retrieval" in m]  # nothing it needs was missing

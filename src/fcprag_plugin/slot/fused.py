@@ -325,7 +325,8 @@ class FusedSlot:
 
     def __repr__(self) -> str:
         return (f"FusedSlot(modules={self.layout.num_modules}, max_adapters={self.max_adapters}, "
-                f"max_rank={self.max_rank}, active={self.active}, n_active={self.n_active}, merge_mode={self.merge_mode})")
+                f"max_rank={self.max_rank}, active={self.active}, n_active={self.n_active}, "
+                f"merge_mode={self.merge_mode})")
 
     # ------------------------------------------------------------------ inputs
     def _check_usable(self) -> None:

@@ -125,8 +125,10 @@ def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, da
 def baseline_controllers(config: ControllerConfig, seed: int = 0) -> dict[str, FusionController]:
     """The uniform (PRAG) and random-controller (same architecture, untrained, seeded) baselines."""
     return {
-        "uniform": FusionController(dataclasses.replace(config, controller_mode="uniform", kappa=1.0, query_scale=False, cv=None)),
-        "random": FusionController(dataclasses.replace(config, controller_mode="random", seed=seed, kappa=1.0, cv=None)),
+        "uniform": FusionController(dataclasses.replace(config, controller_mode="uniform", kappa=1.0,
+                                                        query_scale=False, cv=None)),
+        "random": FusionController(dataclasses.replace(config, controller_mode="random", seed=seed, kappa=1.0,
+                                                       cv=None)),
     }
 
 
