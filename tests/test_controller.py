@@ -68,7 +68,7 @@ def test_masking_mixed_n_equals_unpadded():
         torch.testing.assert_close(batched.merge_weights[b, :n], alone.merge_weights[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(batched.g[b], alone.g[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(batched.tau[b], alone.tau[0], rtol=1e-5, atol=1e-6)
-        assert torch.all(batched.merge_weights[b, n:] == 0) and torch.all(batched.weights[b, n:] == 0)
+        assert torch.all(batched.merge_weights[b, n:] == 0) and torch.all(batched.probabilities[b, n:] == 0)
         assert float(batched.probabilities[b].sum()) == pytest.approx(1.0, abs=1e-6)
         assert float(batched.merge_weights[b].sum()) == pytest.approx(n, abs=1e-4)
 
@@ -207,7 +207,7 @@ def test_unmasked_fast_path_equals_an_all_true_mask_and_the_mlps_on_full_feature
     e_q, E_p = torch.randn(3, 8), torch.randn(3, 4, 8)
     a = c(e_q, E_p)
     b = c(e_q, E_p, torch.ones(3, 4, dtype=torch.bool))
-    for k in ("scores", "g", "tau", "weights", "merge_weights"):
+    for k in ("scores", "g", "tau", "probabilities", "merge_weights"):
         torch.testing.assert_close(getattr(a, k), getattr(b, k), rtol=0, atol=0)
     assert a.mask.dtype == torch.bool and bool(a.mask.all())
     # the scores are the score net applied to the full pair features

@@ -1,4 +1,4 @@
-"""Side features end to end (issue 15 section 2): fuse(), the slot path, the shims' MergeHook, and kappa."""
+"""Side features end to end (issue 15 section 2): fuse(), the slot path, the shims' WeightProvider, and kappa."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ from fcprag_plugin import FusionController, fuse
 from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.controller import ControllerConfig
 from fcprag_plugin.errors import ControllerError
-from fcprag_plugin.hosts.base import MergeHook
+from fcprag_plugin.hosts.base import WeightProvider
 from helpers import dense_reference, tiny_model
 
 Q = "who wrote the novel"
@@ -74,11 +74,11 @@ def test_merge_hook_gives_positions_as_ranks_and_reads_adapters_lazily(adapter_d
     ctrl = side_controller("retrieval_rank", "adapter_stats")
     loaded = [LoraAdapter.from_pretrained(d) for d in adapter_dirs]
     calls = []
-    hook = MergeHook(controller=ctrl, encoder=encoder16)
+    hook = WeightProvider(controller=ctrl, encoder=encoder16)
     fw = hook.weights(Q, PS, adapters=lambda: calls.append(1) or loaded)
     ref = ctrl.predict(Q, PS, encoder16, retrieval_ranks=[1.0, 2.0, 3.0], adapter_stats=loaded)
     assert list(fw.merge_weights) == ref.merge_weights[0].tolist() and calls == [1]
-    plain = MergeHook(controller=side_controller(), encoder=encoder16)
+    plain = WeightProvider(controller=side_controller(), encoder=encoder16)
     plain.weights(Q, PS, adapters=lambda: calls.append(2) or loaded)
     assert calls == [1]  # not read when the controller has no adapter_stats
 

@@ -43,7 +43,7 @@ def test_equal_side_features_change_nothing():
     ref = plain(e_q, E_p, mask)
     for side in (equal, padded, torch.zeros(4, 3, 2)):
         out = c(e_q, E_p, mask, side)
-        for k in ("scores", "g", "tau", "weights", "merge_weights"):
+        for k in ("scores", "g", "tau", "probabilities", "merge_weights"):
             torch.testing.assert_close(getattr(out, k), getattr(ref, k), rtol=1e-6, atol=1e-7)
     # ... while features that differ within a set do change the weights
     varied = torch.randn(4, 3, 2, generator=g)

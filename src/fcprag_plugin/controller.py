@@ -601,10 +601,11 @@ class FusionController(nn.Module):
 
 
 def _caller_level() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's call)."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    """The ``stacklevel`` that points a warning at the user's call: the first frame outside this package and
+    outside torch (whose ``no_grad`` decorator wraps :meth:`FusionController.predict`)."""
+    skip = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame, level = frame.f_back, level + 1
     return level
 
