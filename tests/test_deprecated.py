@@ -10,6 +10,7 @@ import torch
 
 from fcprag_plugin import FusionController, LoraAdapter, fuse
 from fcprag_plugin.controller import ControllerConfig
+from fcprag_plugin.merge import merge_adapters
 from fcprag_plugin.slot import FusedSlot
 from helpers import tiny_model
 
@@ -58,6 +59,9 @@ def test_renamed_attributes_and_keywords_warn(adapter_dirs):
     out = FusionController.fixed(g=0.5, tau=0.1, embed_dim=16)(torch.randn(1, 16), torch.randn(1, 3, 16))
     with pytest.warns(DeprecationWarning, match="probabilities"):
         assert torch.equal(out.weights, out.probabilities)
+    merged = merge_adapters([LoraAdapter.from_pretrained(d) for d in adapter_dirs], [0.5, 1.0, 2.0])
+    with pytest.warns(DeprecationWarning, match="MergeResult.weights is now .merge_weights"):
+        assert merged.weights == merged.merge_weights == (0.5, 1.0, 2.0)
 
 
 def test_fused_slot_activate_is_write(adapter_dirs):

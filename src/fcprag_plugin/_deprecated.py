@@ -25,3 +25,12 @@ def renamed(old: str, new: str):
 
     method.__name__ = old.rsplit(".", 1)[-1]
     return method
+
+
+def renamed_attribute(old: str, new: str) -> property:
+    """A read-only attribute ``old`` that warns and returns the attribute ``new`` (kept for one release)."""
+    def getter(self):
+        warnings.warn(f"{old} is now .{new}; the old name goes in the next release", DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    return property(getter, doc=f"Deprecated name of :attr:`{new}`.")

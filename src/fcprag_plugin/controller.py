@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ._deprecated import renamed_attribute
 from .encoding import check_recorded_model, get_encoder
 from .errors import ControllerError
 from .loading import LoadCache, file_signature, read_json_object, read_tensor_file
@@ -123,11 +124,7 @@ class ControllerConfig:
         """The side features this controller falls back on when a call lacks them."""
         return tuple(HOST_OPTIONAL_SIDE if self.side_optional is None else self.side_optional)
 
-    @property
-    def mode(self) -> str:
-        """Deprecated name of :attr:`controller_mode`."""
-        warnings.warn("ControllerConfig.mode is now .controller_mode", DeprecationWarning, stacklevel=2)
-        return self.controller_mode
+    mode = renamed_attribute("ControllerConfig.mode", "controller_mode")
 
 
 _config_init = ControllerConfig.__init__
@@ -165,11 +162,7 @@ class ControllerOutput:
     mask: torch.Tensor
     scale: torch.Tensor | None = None
 
-    @property
-    def weights(self) -> torch.Tensor:
-        """Deprecated name of :attr:`probabilities`."""
-        warnings.warn("ControllerOutput.weights is now .probabilities", DeprecationWarning, stacklevel=2)
-        return self.probabilities
+    weights = renamed_attribute("ControllerOutput.weights", "probabilities")
 
 
 def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ._deprecated import renamed_attribute
 from .adapter import LoraAdapter
 from .controller import FusionController, load_controller
 from .errors import FusionInputError
@@ -40,11 +40,7 @@ class FusionResult:
     tau = property(lambda self: self.fusion_weights.tau)
     controller_mode = property(lambda self: self.fusion_weights.controller_mode)
 
-    @property
-    def weights(self) -> list[float]:
-        """Deprecated name of :attr:`probabilities`."""
-        warnings.warn("FusionResult.weights is now .probabilities", DeprecationWarning, stacklevel=2)
-        return self.probabilities
+    weights = renamed_attribute("FusionResult.weights", "probabilities")
 
     def __enter__(self) -> "FusionResult":
         return self

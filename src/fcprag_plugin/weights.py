@@ -11,13 +11,13 @@ its ``kappa``); :func:`check_weights` is the one check every merge applies.
 from __future__ import annotations
 
 import math
-import warnings
 from array import array
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
+from ._deprecated import renamed_attribute
 from .errors import MergeError
 from .loading import finite_or_none
 
@@ -57,17 +57,8 @@ class FusionWeights:
         """``w~ == [1]*N``: the merge is PRAG's (whatever produced the weights)."""
         return all(w == 1.0 for w in self.merge_weights)
 
-    @property
-    def weights(self) -> tuple[float, ...]:
-        """Deprecated name of :attr:`probabilities`."""
-        warnings.warn("FusionWeights.weights is now .probabilities", DeprecationWarning, stacklevel=2)
-        return self.probabilities
-
-    @property
-    def mode(self) -> str:
-        """Deprecated name of :attr:`controller_mode`."""
-        warnings.warn("FusionWeights.mode is now .controller_mode", DeprecationWarning, stacklevel=2)
-        return self.controller_mode
+    weights = renamed_attribute("FusionWeights.weights", "probabilities")
+    mode = renamed_attribute("FusionWeights.mode", "controller_mode")
 
     @classmethod
     def uniform(cls, n: int, scale: float = 1.0) -> "FusionWeights":

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .._deprecated import renamed_attribute
 from ..adapter import LoraAdapter
 from ..errors import MergeError
 from ..weights import check_weights
@@ -24,11 +24,7 @@ class MergeResult:
     mode: str
     info: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def weights(self) -> tuple[float, ...]:
-        """Deprecated name of :attr:`merge_weights`."""
-        warnings.warn("MergeResult.weights is now .merge_weights", DeprecationWarning, stacklevel=2)
-        return self.merge_weights
+    weights = renamed_attribute("MergeResult.weights", "merge_weights")
 
 
 def register_merge_mode(name: str) -> Callable[[MergeFn], MergeFn]:
