@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from .data import LabelTensors
 from .evaluation import collect_outputs
-from .targets import best_kappa, estimate_lambda
+from .targets import best_kappa
 
 logger = logging.getLogger(__name__)
 
@@ -147,15 +147,17 @@ def totals(w_tilde: torch.Tensor, data: LabelTensors) -> torch.Tensor:
     return (w_tilde.double() * m).sum(1) / m.sum(1)
 
 
-def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, str]:
-    """The global scale chosen on ``data`` and how: ``args.kappa`` when it is a number, else by ``rule`` on the
-    measured scales, else the first-order optimum of the risk objective for uniform weights."""
+def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, str, dict[str, Any] | None]:
+    """The global scale chosen on ``data``, how, and the grid behind it: ``args.kappa`` when it is a number, else
+    by ``rule`` on the measured scales (the grid: :func:`choose_scale`'s info), else the first-order optimum of the
+    risk objective for uniform weights (no grid)."""
     if args.kappa != "auto":
-        return float(args.kappa), "fixed"
+        return float(args.kappa), "fixed", None
     if data.scale_gains is not None and bool((~torch.isnan(data.scale_gains)).any()):
-        return choose_scale(data.scales, data.scale_gains, data.groups, rule)[0], "measured"
-    lam = args.risk_lambda if args.risk_lambda is not None else estimate_lambda(data.deltas, data.mask)
-    return best_kappa(data.mask.to(torch.float32), data.deltas, data.mask, lam), "first_order"
+        kappa, grid = choose_scale(data.scales, data.scale_gains, data.groups, rule)
+        return kappa, "measured", grid
+    return (best_kappa(data.mask.to(torch.float32), data.deltas, data.mask, args.risk_lambda_for(data)),
+            "first_order", None)
 
 
 def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int) -> dict[str, Any]:
@@ -199,7 +201,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             inner_train = sorted(set(rest) - set(inner_val))
             tr = trainer(data.subset(inner_train), None, None, fold_args, embedding_model)
             rest_data, held_data, val_data = data.subset(rest), data.subset(held), data.subset(inner_val or rest)
-            kappa, how = fold_kappa(rest_data, args, rule)
+            kappa = fold_kappa(rest_data, args, rule)[0]
             val_curve, held_w = [], []
             for e in range(E + 1):
                 if e > 0:
@@ -221,8 +223,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             fold_kappas.append(kappa)
     pooled = curve.mean(1)
     epochs = int(torch.argmax(pooled))  # first maximum: the fewest epochs among ties (0 = uniform weights)
-    kappa, how = fold_kappa(data, args, rule)
-    grid = choose_scale(data.scales, data.scale_gains, data.groups, rule)[1] if how == "measured" else None
+    kappa, how, grid = fold_kappa(data, args, rule)
     out: dict[str, Any] = {
         "method": "nested grouped CV: epochs chosen on an inner split, kappa on the outer training questions",
         "folds": len(folds), "n_records": R, "n_groups": len(set(data.groups)), "max_epochs": E,

@@ -130,6 +130,10 @@ class TrainArgs:
     def scale_rule(self) -> ScaleRule:
         return ScaleRule(self.scale_max_loss_share, self.scale_loss_margin)
 
+    def risk_lambda_for(self, data: LabelTensors) -> float:
+        """The risk objective's lambda on ``data``: ``risk_lambda`` when given, else estimated from its labels."""
+        return float(self.risk_lambda) if self.risk_lambda is not None else estimate_lambda(data.deltas, data.mask)
+
 
 @dataclass
 class TrainResult:
@@ -294,8 +298,7 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.epoch = 0
         self.precision = resolve_precision(args.precision)
-        self.risk_lambda = float(args.risk_lambda) if args.risk_lambda is not None else \
-            estimate_lambda(train.deltas, train.mask)
+        self.risk_lambda = args.risk_lambda_for(train)
 
     def loss(self, b: Any) -> torch.Tensor:
         """The training objective on batch ``b`` (a scalar to minimise)."""
@@ -502,9 +505,8 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         (out / CV_NAME).unlink(missing_ok=True)
-    lam = args.risk_lambda if args.risk_lambda is not None else estimate_lambda(train_t.deltas, train_t.mask)
     write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": resolve_precision(args.precision),
-                                 "risk_lambda_used": lam, **info})
+                                 "risk_lambda_used": args.risk_lambda_for(train_t), **info})
     return run
 
 
@@ -571,8 +573,7 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
         "val" if run.val is not None else "train": report,
         "epochs": len(history), "n_train": len(run.train), "n_val": 0 if run.val is None else len(run.val),
         "split": run.split, "objective": args.objective,
-        "risk_lambda": args.risk_lambda if args.risk_lambda is not None else estimate_lambda(run.train.deltas,
-                                                                                             run.train.mask),
+        "risk_lambda": args.risk_lambda_for(run.train),
         "kappa": kappa, **({"cv": cv} if cv is not None else {}),
         "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
                              "records": [{"line": k.line, "field": k.field, "message": k.message}
