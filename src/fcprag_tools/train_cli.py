@@ -62,6 +62,7 @@ TRAIN_FLAGS = {
     "cv_folds": "--cv-folds",
     "kappa": "--kappa",
     "side_features": "--side-features",
+    "allow_retrieval_score=True": "--allow-retrieval-score",
     "threads": "--threads",
 }
 EVAL_FLAGS = {

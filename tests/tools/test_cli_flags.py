@@ -80,6 +80,24 @@ def test_train_precision_message(labelled, capsys):
     assert "precision=" not in line and "(--precision)" not in line
 
 
+def test_train_refuses_retrieval_score_naming_the_flags(labelled, capsys):
+    """PRAG and DyPRAG keep no retrieval scores: a controller trained on them is refused unless asked for, and the
+    command line says so with its own flags, before any work."""
+    tmp, cache = labelled
+    with pytest.raises(FcpragError) as raised:
+        train_controller(tmp / "train.jsonl", tmp / "py", encoder="syn8", cache_dir=cache, epochs=1, progress=False,
+                         side_features=["retrieval_score"])
+    said = str(raised.value)
+    assert "side_features=['retrieval_score']" in said and "allow_retrieval_score=True" in said, said
+    out = tmp / "ctrl"
+    line = one_line(main(["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir",
+                          str(cache), "--side-features", "retrieval_rank", "retrieval_score", *SMALL]),
+                    capsys.readouterr().err)
+    assert "--side-features retrieval_score is a score PRAG and DyPRAG do not keep" in line, line
+    assert "pass --allow-retrieval-score for a host" in line and "=" not in line, line
+    assert not out.exists() and not (tmp / "py").exists()
+
+
 def test_run_names_use_slot(tmp_path, capsys):
     script = tmp_path / "host.py"
     script.write_text("print('host ran')\n")

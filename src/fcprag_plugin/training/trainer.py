@@ -120,7 +120,7 @@ class TrainArgs:
              f"'scale_max_loss_share' is {self.scale_max_loss_share} and 'scale_loss_margin' is "
              f"{self.scale_loss_margin}, expected a share in [0, 1] and a margin >= 0")
         need("retrieval_score" not in self.side_features or self.allow_retrieval_score,
-             "'side_features' has 'retrieval_score', which PRAG and DyPRAG do not keep: their shims would run the "
+             "side_features=['retrieval_score'] is a score PRAG and DyPRAG do not keep: their shims would run the "
              "controller with it taken as equal for every passage, which its verdict did not measure; leave it "
              "out, or pass allow_retrieval_score=True for a host that supplies scores")
         check_target_args(self.t_label, self.flat_eps, self.flat_weight)
