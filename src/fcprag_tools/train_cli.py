@@ -254,13 +254,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     _print_skipped([train_set, val_set])
     controller = {k: getattr(args, k) for k in ("score_hidden", "calib_hidden") if getattr(args, k)}
     if args.resume:
-        state = read_checkpoint_state(Path(args.out))
-        done = int(state["epoch"]) if state else 0
+        done = int(state_before["epoch"]) if state_before else 0
         if done >= args.epochs:
             print(f"{args.out}: the checkpoint has already trained {done} epochs (>= --epochs {args.epochs}): no "
                   f"training; the epoch-{done} controller is re-evaluated and written again. To train longer, pass "
                   f"--epochs above {done}")
-        elif state:
+        elif state_before:
             print(f"{args.out}: resuming after epoch {done}, training epochs {done + 1}..{args.epochs}")
     res = train_controller(train_set, args.out, val=val_set, encoder=args.encoder, resume=args.resume,
                            overwrite=args.overwrite, progress=not args.no_progress, controller=controller,
