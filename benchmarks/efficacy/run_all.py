@@ -94,18 +94,24 @@ def _timed(out: Path, stage: str, t0: float, **info: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- option checks
+def _json_ids(text: str, where: str, expected: str) -> list[str]:
+    """The ``ids`` list of a JSON object ``{"ids": [question id, ...]}``; errors start with ``where``."""
+    try:
+        ids = json.loads(text)["ids"]
+    except (ValueError, KeyError, TypeError) as e:
+        _fail(f"{where}: cannot read it ({type(e).__name__}: {e}); {expected}")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        _fail(f"{where}: 'ids' must be a list of question id strings")
+    return ids
+
+
 def _trained_ids(ctrl_dir: Path) -> frozenset[str]:
     """The controller's training question ids (empty when the folder does not record them)."""
     path = ctrl_dir / "train_question_ids.json"
     if not path.is_file():
         return frozenset()
-    try:
-        ids = json.loads(path.read_text(encoding="utf-8"))["ids"]
-    except (ValueError, KeyError, TypeError) as e:
-        _fail(f"{path}: cannot read it ({type(e).__name__}: {e}); expected {{\"ids\": [question id, ...]}}")
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        _fail(f"{path}: 'ids' must be a list of question id strings")
-    return frozenset(ids)
+    return frozenset(_json_ids(path.read_text(encoding="utf-8"), str(path),
+                               "expected {\"ids\": [question id, ...]}"))
 
 
 def _read_ids(path: Path) -> list[str]:
@@ -115,12 +121,7 @@ def _read_ids(path: Path) -> list[str]:
         _fail(f"--ids {path}: file not found; {expected}")
     text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("{"):
-        try:
-            ids = json.loads(text)["ids"]
-        except (ValueError, KeyError, TypeError) as e:
-            _fail(f"--ids {path}: cannot read it ({type(e).__name__}: {e}); {expected}")
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-            _fail(f"--ids {path}: 'ids' must be a list of question id strings")
+        ids = _json_ids(text, f"--ids {path}", expected)
     else:
         ids = [line.strip() for line in text.splitlines() if line.strip()]
     if not ids:
@@ -490,8 +491,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "device": device, "dtype": dtype, "adapter_factors_dtype": "float32", "max_tokens": a.max_tokens,
         "scorer": scoring.scorer_name(), "batch_size": a.batch_size, "threads": a.threads,
         "left_out_trained": left_out,
-        "arrow": dict(scored=use_arrow, why=arrow_why if arrow_ok and not a.no_arrow else
-                      ("--no-arrow" if arrow_ok else arrow_why), **arrow.settings()),
+        "arrow": dict(scored=use_arrow, why="--no-arrow" if arrow_ok and a.no_arrow else arrow_why,
+                      **arrow.settings()),
     }
     write_json(out / ("summary.json" if a.prompt == "param" else f"summary_{a.prompt}.json"), summary)
     return summary

@@ -387,6 +387,22 @@ def test_bad_option_values_are_one_line_and_exit_2(tmp_path, capsys, extra, msg)
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("text,msg", [("{\"ids\": ", "cannot read it (JSONDecodeError"),
+                                      ("{\"ids\": [1]}", "'ids' must be a list of question id strings")])
+def test_a_bad_train_question_ids_file_is_one_line_naming_it(tmp_path, capsys, text, msg):
+    ctrl = tmp_path / "ctrl"
+    ctrl.mkdir()
+    (ctrl / "config.json").write_text("{}")
+    (ctrl / "train_question_ids.json").write_text(text)
+    with pytest.raises(SystemExit) as e:
+        run_all.main(["--data", str(_data_file(tmp_path / "d.jsonl", 2)), "--controller", str(ctrl), "--out",
+                      str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"run_all.py: {ctrl / 'train_question_ids.json'}: ") and msg in err, err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("generation,answers,expected", [
     # PRAG cuts at the first ',', '.' or newline; SQuAD normalisation; acc reads the whole generation
     (" Paris, the capital.\nMore", ["paris"], ("Paris", 1.0, 1.0, 1.0)),
