@@ -61,19 +61,17 @@ def select(cv: dict[str, list[float]]) -> str:
     return min(near, key=lambda c: (changes_from_paper(c), -means[c], c))
 
 
+def resampled_means(strata: list[list[float]], r: random.Random, n: int) -> list[float]:
+    """``n`` bootstrap means of the pooled values (each stratum resampled within itself, its own size), sorted."""
+    total = sum(len(v) for v in strata)
+    return sorted(sum(sum(v[r.randrange(len(v))] for _ in v) for v in strata) / total for _ in range(n))
+
+
 def paired_bootstrap(diffs: dict[str, Sequence[float]], seed: str, n: int = BOOT) -> tuple[float, float, float]:
     """Mean of the pooled per-question differences and its percentile CI, resampling within each stratum."""
-    r = random.Random(f"{SEED}:{seed}")
     strata = [list(v) for v in diffs.values() if len(v)]
-    total = sum(len(v) for v in strata)
-    point = sum(sum(v) for v in strata) / total
-    stats = []
-    for _ in range(n):
-        s = 0.0
-        for v in strata:
-            s += sum(v[r.randrange(len(v))] for _ in range(len(v)))
-        stats.append(s / total)
-    stats.sort()
+    point = sum(sum(v) for v in strata) / sum(len(v) for v in strata)
+    stats = resampled_means(strata, random.Random(f"{SEED}:{seed}"), n)
     return point, stats[int(0.025 * n)], stats[min(n - 1, int(0.975 * n))]
 
 

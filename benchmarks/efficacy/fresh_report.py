@@ -23,7 +23,7 @@ from typing import Any, Sequence
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from analysis import holm  # noqa: E402
+from analysis import holm, resampled_means  # noqa: E402
 from common import read_jsonl  # noqa: E402
 
 DATASETS = ("hotpotqa", "2wiki")
@@ -48,10 +48,9 @@ def load(work: Path) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
 def boot(diffs: dict[str, Sequence[float]], seed: str, n: int = BOOT) -> dict[str, Any]:
     """Mean of the pooled per-question differences, its 95% percentile CI (resampling within each stratum) and the
     two-sided bootstrap p-value (twice the smaller share of resampled means on either side of 0)."""
-    r = random.Random(f"fresh:{seed}")
     strata = [list(v) for v in diffs.values() if v]
     total = sum(len(v) for v in strata)
-    stats = sorted(sum(sum(v[r.randrange(len(v))] for _ in v) for v in strata) / total for _ in range(n))
+    stats = resampled_means(strata, random.Random(f"fresh:{seed}"), n)
     below = sum(s <= 0 for s in stats) / n
     above = sum(s >= 0 for s in stats) / n
     return {"mean": sum(map(sum, strata)) / total, "ci95": [stats[int(0.025 * n)], stats[int(0.975 * n) - 1]],
@@ -148,7 +147,7 @@ def reading(res: dict[str, Any]) -> list[str]:
             f"{best_f1} ({fmt(rows[best_f1]['vs_sum']['f1'])}) and the best EM at {best_em} "
             f"({fmt(rows[best_em]['vs_sum']['em'])}); EM against the sum along the grid: "
             + ", ".join(f"{m.split(':')[1]}: {rows[m]['vs_sum']['em']['mean']:+.3f}" for m in scales) + ".",
-            f"- The share of questions whose gold log-lik. drops by more than 0.1 against the sum (above 1 it grows "
+            "- The share of questions whose gold log-lik. drops by more than 0.1 against the sum (above 1 it grows "
             "with the scale): "
             + ", ".join(f"{m.split(':')[1]}: {rows[m]['share_losing_0.1']:.0%}" for m in scales)
             + f"; the recommended controller {rows['learned']['share_losing_0.1']:.0%} (the training rule allowed "
@@ -168,7 +167,7 @@ def render(res: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     p = res["primary"]
     verdict = ("better than" if p["ci95"][0] > 0 else "worse than" if p["ci95"][1] < 0 else
                "no difference shown against")
-    out = [f"# The study on fresh questions: results", "",
+    out = ["# The study on fresh questions: results", "",
            f"Registered plan: `docs/results/efficacy-fresh-plan.md`. {n['hotpotqa']} HotpotQA + {n['2wiki']} "
            f"2WikiMultihopQA questions never scored before, SmolLM2-135M-Instruct on the CPU, BM25 top-3, PRAG-recipe "
            "adapters, `param` prompt, greedy answers (16 tokens) scored by PRAG's rules. Rebuild this page from the "
