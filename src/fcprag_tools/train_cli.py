@@ -15,10 +15,11 @@ from fcprag_plugin.features import SIDE_FEATURES
 from fcprag_plugin.loading import write_json
 from fcprag_plugin.training.checkpoint import CHECKPOINT_DIR, read_checkpoint_state
 from fcprag_plugin.training.evaluation import format_table
+from fcprag_plugin.training.selection import CV_PARTIAL_NAME, read_cv_partial
 from fcprag_plugin.training.labels import ON_ERROR, SkippedRecord, load_labels
 from .plots import _pyplot, write_eval_plots
 from fcprag_plugin.training.targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
-from fcprag_plugin.training.trainer import OBJECTIVES, PRECISIONS, TrainArgs
+from fcprag_plugin.training.trainer import MAX_EPOCHS, OBJECTIVES, PRECISIONS, TrainArgs
 
 
 # A label record is one line of a JSON Lines file: a longer line is refused before it is parsed (parsing a huge
@@ -169,6 +170,11 @@ def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
         raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
     if not out.is_dir() or not any(out.iterdir()) or overwrite:
         return
+    if not (out / CHECKPOINT_DIR).exists() and read_cv_partial(out):  # an interrupted cross-validation
+        if resume:
+            return
+        raise FcpragError(f"--out {out} holds the finished folds of an interrupted cross-validation "
+                          f"({CV_PARTIAL_NAME}); pass --resume to continue it or --overwrite to start over")
     if not (out / CHECKPOINT_DIR).exists():
         what = "--resume found no checkpoint there and it" if resume else "it"
         raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
@@ -230,15 +236,22 @@ def _after_interrupt(args: argparse.Namespace, out: Path, before: set[str] | Non
     if state is not None and not (args.overwrite and state == state_before):  # not the run --overwrite replaces
         return (f"interrupted after epoch {state.get('epoch')}, which {out}/{CHECKPOINT_DIR} holds; this continues "
                 f"the run: {_command(args.argv, add='--resume', drop='--overwrite')}")
+    partial = read_cv_partial(out)
+    if partial is not None and partial["folds"]:
+        return (f"interrupted during the cross-validation after {len(partial['folds'])} of {partial.get('n_folds')} "
+                f"folds, which {out}/{CV_PARTIAL_NAME} keeps (with {out}/training_args.json); this continues from "
+                f"there: {_command(args.argv, add='--resume', drop='--overwrite')}")
     _remove_new(out, before)
     kept = ("nothing was kept" if not before else
             f"what this run had written into {out} was removed (the rest was there before)")
     try:
         check_train_out(out, args.overwrite, args.resume)
     except FcpragError:  # e.g. --resume, and this run had already removed the checkpoint it would restart from
-        return (f"interrupted before the first epoch finished; {kept}, and {out} holds no checkpoint to resume: "
+        return (f"interrupted before the first cross-validation fold or epoch finished; {kept}, and {out} holds no "
+                f"checkpoint to resume: "
                 f"start over with {_command(args.argv, add='--overwrite', drop='--resume')}")
-    return f"interrupted before the first epoch finished; {kept}: run the same command again: {_command(args.argv)}"
+    return (f"interrupted before the first cross-validation fold or epoch finished; {kept}: run the same command "
+            f"again: {_command(args.argv)}")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -320,7 +333,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "all-MiniLM-L6-v2)")
     t.add_argument("--out", required=True, help="output directory (controller + training_args/metrics/log)")
     t.add_argument("--val", help="explicit validation label file (default: a group/id-based split of LABELS)")
-    t.add_argument("--epochs", type=positive_int, default=d.epochs,
+    t.add_argument("--epochs", type=int_at_least(1, MAX_EPOCHS), default=d.epochs,
                    help=f"total epochs (default {d.epochs}); with --resume, the total including the finished ones")
     t.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help=f"records per optimizer step (default {d.batch_size})")

@@ -31,7 +31,7 @@ from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
 from .evaluation import collect_outputs, evaluate, format_table, metrics_from_outputs
 from .precision import autocast, resolve_precision
-from .selection import CV_NAME, ScaleRule, fold_kappa, select, verdict_lines
+from .selection import CV_NAME, CV_PARTIAL_NAME, ScaleRule, fold_kappa, read_cv_partial, select, verdict_lines
 from .targets import (DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, estimate_lambda,
                       risk_loss, weighted_kl)
 
@@ -44,6 +44,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 OBJECTIVES = ("kl", "risk")
 # arguments that may change between a run and its resume (they do not change what is learned)
 # (precision: "auto" may resolve differently on another machine; the resolved precision is compared instead)
+# more epochs than anyone trains a controller for; the cross-validation keeps a curve of (epochs + 1) x records
+MAX_EPOCHS = 10_000
 _RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network", "precision"}
 
 
@@ -87,7 +89,8 @@ class TrainArgs:
             if not ok:
                 raise FcpragError(f"training argument {what}")
 
-        need(isinstance(self.epochs, int) and self.epochs >= 1, f"'epochs' is {self.epochs!r}, expected an int >= 1")
+        need(isinstance(self.epochs, int) and 1 <= self.epochs <= MAX_EPOCHS,
+             f"'epochs' is {self.epochs!r}, expected an int from 1 to {MAX_EPOCHS}")
         need(isinstance(self.batch_size, int) and self.batch_size >= 1,
              f"'batch_size' is {self.batch_size!r}, expected an int >= 1")
         need(self.lr > 0, f"'lr' is {self.lr}, expected > 0")
@@ -505,6 +508,7 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         (out / CV_NAME).unlink(missing_ok=True)
+        (out / CV_PARTIAL_NAME).unlink(missing_ok=True)
     write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": resolve_precision(args.precision),
                                  "risk_lambda_used": args.risk_lambda_for(train_t), **info})
     return run
@@ -519,8 +523,21 @@ def select_by_cv(run: Run) -> dict[str, Any] | None:
         return None
     cv = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv:
-        cv = select(run.train, args, run.embedding_model, Trainer, args.scale_rule, run.progress)
+        # the folds finished so far are kept (CV_PARTIAL_NAME) and, on resume with the same arguments and labels,
+        # not redone
+        key = {"args": {k: v for k, v in asdict(args).items() if k not in _RESUME_FREE or k == "epochs"},
+               "label_sha256": run.info.get("label_sha256")}
+        partial = read_cv_partial(run.out) if run.resume else None
+        same = partial is not None and partial.get("key") == json.loads(json.dumps(finite_or_none(key), default=str))
+        done = partial["folds"] if same else []
+        if partial is not None and not done:
+            logger.info("%s: made with other arguments or labels; the cross-validation starts over",
+                        run.out / CV_PARTIAL_NAME)
+        cv = select(run.train, args, run.embedding_model, Trainer, args.scale_rule, run.progress, done=done,
+                    on_fold=lambda folds: write_json(run.out / CV_PARTIAL_NAME, {
+                        "key": key, "n_folds": args.cv_folds, "folds": folds}))
         write_json(path, cv)
+        (run.out / CV_PARTIAL_NAME).unlink(missing_ok=True)
     if args.keep_network and cv["shipped"] != "learned":  # keep_network may change on a resume
         cv = {**cv, "shipped": "learned"}
     return cv
@@ -565,6 +582,9 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
                                             "objective", "n_groups", "metric", "shipped")} | {
             "scale": {k: cv["scale"][k] for k in (*part, "kappa", "chosen_by", "measured", "at_grid_edge")},
             "reweighting": {k: cv["reweighting"][k] for k in part}, "source": str(out)}
+    else:  # no cross-validation, no verdict: the controller says it is unproven wherever it is used
+        updates["cv"] = {"gain": None, "ci95": None, "verdict": "unproven", "folds": 0, "objective": args.objective,
+                         "shipped": "learned", "source": str(out)}
     controller.config = dataclasses.replace(controller.config, **updates)
     controller.save_pretrained(out)
     report_on = run.val if run.val is not None else run.train  # no validation data: report the training set
