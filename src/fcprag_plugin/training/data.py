@@ -171,7 +171,8 @@ def side_rows(record: LabelRecord, side_features: Sequence[str]) -> list[list[fl
         v = getattr(record, _SIDE_FIELDS[name])
         if v is None:
             raise LabelFileError(f"{record.where}: field '{_SIDE_FIELDS[name]}' is missing; the side feature "
-                                 f"'{name}' was requested, so every record needs it")
+                                 f"'{name}' was requested (side_features=), so every record needs it (fcprag labels "
+                                 "build writes it; docs/label-format.md)")
         cols.append([[float(s[k]) for k in ADAPTER_STAT_NAMES] for s in v] if name == "adapter_stats"
                     else [[float(x)] for x in v])
     return [[x for c in cols for x in c[i]] for i in range(record.n)]
