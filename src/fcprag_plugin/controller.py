@@ -40,8 +40,8 @@ from ._deprecated import renamed_attribute
 from .encoding import check_recorded_model, get_encoder
 from .errors import ControllerError
 from .loading import LoadCache, file_signature, read_json_object, read_tensor_file
-from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_stats, calibration_summary,
-                       center_side, passage_features, side_feature_columns)
+from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_recipe, adapter_stats,
+                       calibration_summary, center_side, passage_features, same_recipe, side_feature_columns)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class ControllerConfig:
     (``verdict``, ``gain`` / ``ci95`` against PRAG's sum and its ``scale`` and ``reweighting`` parts; see
     ``training/selection.py``), None when there is none. ``side_optional``: side features a host may lack, which
     :meth:`FusionController.predict` then takes as equal for every passage (None: retrieval rank and score).
+    ``trained_for``: the base model(s) and adapter recipes (:func:`features.adapter_recipe`) of the labels it was
+    trained on (None: not known), which :meth:`FusionController.check_adapters` compares with the adapters in use.
     ``mode=`` is the deprecated name of ``controller_mode`` (an old ``config.json`` key ``mode`` still loads)."""
 
     embed_dim: int = 768
@@ -89,6 +91,7 @@ class ControllerConfig:
     kappa: float = 1.0
     query_scale: bool = False
     cv: dict[str, Any] | None = None
+    trained_for: dict[str, Any] | None = None  # {"base_model": [...], "adapter_recipes": [features.adapter_recipe]}
 
     def validate(self, where: str = "controller config") -> "ControllerConfig":
         for key, allowed in (("controller_mode", CONTROLLER_MODES), ("scorer", SCORERS), ("init", INITS)):
@@ -526,6 +529,30 @@ class FusionController(nn.Module):
         logger.warning("%s", message)
         if not log_only:
             warnings.warn(message, UserWarning, stacklevel=_caller_level())
+
+    def check_adapters(self, adapters: Any) -> bool:
+        """Warn once per controller (``UserWarning`` and the log) when ``adapters`` (LoraAdapters, or a
+        zero-argument callable returning them, read only on the first call) are of another recipe than the ones
+        it was trained for (``config.trained_for``): its ``kappa`` and adapter statistics were fitted to those.
+        Returns whether they match (True when nothing is recorded)."""
+        known = (self.config.trained_for or {}).get("adapter_recipes") or []
+        if not known or "recipe" in self._warned or (callable(adapters) and "recipe-read" in self._warned):
+            return True
+        if callable(adapters):
+            self._warned.add("recipe-read")
+            adapters = adapters()
+        for a in adapters:
+            got = adapter_recipe(a)
+            if not any(same_recipe(got, k) for k in known):
+                base = ", ".join(map(str, (self.config.trained_for or {}).get("base_model") or ["?"]))
+                keys = ("rank", "scaling", "targets", "modules")
+                self._warn_once("recipe", f"fcprag: controller '{self._name}' was trained for adapters of base model "
+                                f"{base} with {[{k: r.get(k) for k in keys} for r in known]}, but adapter "
+                                f"{getattr(a, 'source', '?')} has {({k: got[k] for k in keys})} (shapes "
+                                f"{got['shapes'][:3]}, base model {got['base_model']}): its kappa and adapter "
+                                "statistics were fitted to the other adapters; train one on labels of these")
+                return False
+        return True
 
     def check_encoder(self, encoder: Any) -> None:
         """Raise :class:`ControllerError` naming both models when ``encoder`` is not the recorded embedding model

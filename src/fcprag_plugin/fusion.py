@@ -148,6 +148,8 @@ def fuse(
     if use_slot:
         return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store, side)
     loaded = resolve_adapters(adapters, model)
+    if ctrl is not None:
+        ctrl.check_adapters(loaded)  # another adapter recipe than the controller's: a warning, once
     fw = FusionWeights.for_query(query, passages, ctrl, encoder, side_inputs(ctrl, adapters=loaded, **side))
     result: MergeResult = merge_adapters(loaded, fw.merge_weights, mode, **merge_options)
     logger.debug("fused %d adapters: w~=%s g=%.3f tau=%s", len(loaded), fw.merge_weights, fw.g, fw.tau)
@@ -166,6 +168,8 @@ def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], 
     # sized for this fusion's largest rank, so adapters of ranks [2, 4] fit in any order
     slot = FusedSlot.for_model(model, packed[0], max_adapters=len(packed), max_rank=max(p.max_rank for p in packed),
                                store=store)
+    if ctrl is not None:
+        ctrl.check_adapters(lambda: [p.to_lora() for p in packed])
     fw = FusionWeights.for_query(query, passages, ctrl, encoder,
                                  side_inputs(ctrl, adapters=lambda: [p.to_lora() for p in packed], **side))
     slot.write(packed, fw.merge_weights, mode)

@@ -26,7 +26,7 @@ from ..errors import FcpragError, LabelFileError
 from ..features import SIDE_FEATURES, center_side
 from ..loading import finite_or_none, write_json
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
-from .data import LabelTensors, build_tensors
+from .data import LabelTensors, build_tensors, side_rows
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
 from .evaluation import collect_outputs, evaluate, format_table, metrics_from_outputs
@@ -245,6 +245,21 @@ def resolve_encoder(encoder: Any) -> tuple[str, Any]:
 
     # loaded once, on first need, shared by the train and validation sets: the process-wide encoder
     return resolve_model(encoder)[0], functools.cache(lambda: get_encoder(encoder))
+
+
+def trained_for(records: Sequence[LabelRecord]) -> dict[str, Any] | None:
+    """The base model(s) (the records' ``model``) and the distinct adapter recipes (``adapter_recipe``, written by
+    ``fcprag labels build``) of the training records, for the controller's ``config.trained_for``; None when the
+    labels do not say."""
+    recipes: list[Any] = []
+    models: list[Any] = []
+    for r in records:
+        recipe, model = r.extra.get("adapter_recipe"), r.extra.get("model")
+        if isinstance(recipe, dict) and recipe not in recipes:
+            recipes.append(recipe)
+        if isinstance(model, str) and model not in models:
+            models.append(model)
+    return {"base_model": models, "adapter_recipes": recipes} if recipes else None
 
 
 def open_cache(cache_dir: str | Path | None, model_name: str, dim: int | None) -> EmbeddingCache | None:
@@ -484,6 +499,8 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
         raise LabelFileError(f"{train_set.path}: no training records left after the split ({how})")
     logger.info("%d training and %d validation records (split: %s)", len(train_recs), len(val_recs), how)
 
+    for r in (*train_recs, *val_recs):  # every field the side features need, before any text is embedded
+        side_rows(r, args.side_features)
     name, enc = resolve_encoder(encoder)
     cache = open_cache(args.cache_dir, name, getattr(enc, "dim", None))
     tkw = dict(t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, progress=progress,
@@ -498,7 +515,7 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
         "n_train_flat": int(train_t.flat.sum()), "embedding_model": name, "embed_dim": train_t.dim,
         "cache_dir": str(cache.dir) if cache is not None else None,
         "skipped": {"labels": len(train_set.skipped), **({"val": len(val_set.skipped)} if val_set else {})},
-        "versions": _versions(),
+        "versions": _versions(), "trained_for": trained_for(train_recs),
     }
     run = Run(args, out, resume, progress, train_set, val_set, train_t, val_t, how, name, info, t_start,
               time.perf_counter() - t_start)
@@ -575,7 +592,7 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
     plots)."""
     args, out = run.args, run.out
     kappa = cv["kappa"] if cv is not None else fold_kappa(run.train, args, args.scale_rule)[0]
-    updates: dict[str, Any] = {"kappa": kappa}
+    updates: dict[str, Any] = {"kappa": kappa, "trained_for": run.info.get("trained_for")}
     if cv is not None:
         part = ("gain", "ci95", "shown", "n_records")
         updates["cv"] = {k: cv[k] for k in ("gain", "ci95", "ci_method", "verdict", "folds", "selected_epochs",
