@@ -113,3 +113,26 @@ def test_a_training_checkpoint_is_not_a_controller(tmp_path):
         FusionController.from_pretrained(ckpt)
     with pytest.raises(ControllerError, match="training checkpoint"):
         fuse(["a", "b", "c"], Q, PS, controller=str(ckpt))
+
+
+def test_the_cli_says_a_missing_rank_once_and_refuses_a_checkpoint(adapter_dirs, encoder16, tmp_path, monkeypatch,
+                                                                   capsys, caplog):
+    from fcprag_tools import cli
+
+    d = side_controller("retrieval_rank").save_pretrained(tmp_path / "run")
+    monkeypatch.setattr(FusionController, "encoder", property(lambda self: encoder16))
+    base = ["fuse", *sum((["--adapter", str(a)] for a in adapter_dirs), []), *sum((["--passage", p] for p in PS), []),
+            "--query", Q]
+    with warnings.catch_warnings(record=True) as seen, caplog.at_level("WARNING"):
+        warnings.simplefilter("always")
+        assert cli.main(base + ["--controller", str(d), "--out", str(tmp_path / "o")]) == 0
+    said = [r.getMessage() for r in caplog.records if "side feature 'retrieval_rank'" in r.getMessage()]
+    assert len(said) == 1 and "but this call has none" in said[0]  # the CLI's log line (stderr) ...
+    assert not [w for w in seen if "fcprag:" in str(w.message)]  # ... and not a second time as a warning
+    ckpt = side_controller().save_pretrained(tmp_path / "run2" / "checkpoint")
+    (ckpt / "state.json").write_text("{}")
+    (ckpt / "optimizer.safetensors").write_bytes(b"")
+    assert cli.main(base + ["--controller", str(ckpt), "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a training checkpoint" in err and str(tmp_path / "run2") in err
+    assert not (tmp_path / "o2").exists()
