@@ -41,7 +41,7 @@ from .encoding import check_recorded_model, get_encoder
 from .errors import ControllerError
 from .loading import LoadCache, file_signature, read_json_object, read_tensor_file
 from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_recipe, adapter_stats,
-                       calibration_summary, center_side, passage_features, same_recipe, side_feature_columns)
+                       calibration_summary, center_side, passage_features, side_feature_columns)
 
 logger = logging.getLogger(__name__)
 
@@ -535,21 +535,18 @@ class FusionController(nn.Module):
         zero-argument callable returning them, read only on the first call) are of another recipe than the ones
         it was trained for (``config.trained_for``): its ``kappa`` and adapter statistics were fitted to those.
         Returns whether they match (True when nothing is recorded)."""
-        known = (self.config.trained_for or {}).get("adapter_recipes") or []
+        known, keys = (self.config.trained_for or {}).get("adapter_recipes") or [], ("rank", "scaling", "targets")
         if not known or "recipe" in self._warned or (callable(adapters) and "recipe-read" in self._warned):
             return True
-        if callable(adapters):
-            self._warned.add("recipe-read")
-            adapters = adapters()
-        for a in adapters:
+        self._warned.add("recipe-read")
+        for a in adapters() if callable(adapters) else adapters:
             got = adapter_recipe(a)
-            if not any(same_recipe(got, k) for k in known):
-                base = ", ".join(map(str, (self.config.trained_for or {}).get("base_model") or ["?"]))
-                keys = ("rank", "scaling", "targets", "modules")
+            if not any(all(got[k] == r.get(k) for k in (*keys, "modules", "shapes")) for r in known):
                 self._warn_once("recipe", f"fcprag: controller '{self._name}' was trained for adapters of base model "
-                                f"{base} with {[{k: r.get(k) for k in keys} for r in known]}, but adapter "
-                                f"{getattr(a, 'source', '?')} has {({k: got[k] for k in keys})} (shapes "
-                                f"{got['shapes'][:3]}, base model {got['base_model']}): its kappa and adapter "
+                                f"{', '.join(map(str, self.config.trained_for.get('base_model') or ['?']))} with "
+                                f"{[{k: r.get(k) for k in (*keys, 'modules')} for r in known]}, but adapter "
+                                f"{getattr(a, 'source', '?')} has {({k: got[k] for k in (*keys, 'modules')})} "
+                                f"(shapes {got['shapes'][:3]}, base model {got['base_model']}): its kappa and adapter "
                                 "statistics were fitted to the other adapters; train one on labels of these")
                 return False
         return True

@@ -20,9 +20,11 @@ above 0.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -163,18 +165,13 @@ def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, s
 
 def _from_json(values: Any) -> torch.Tensor:
     """A (nested) list written by ``write_json`` back to float64, its nulls to NaN."""
-    def back(v: Any) -> Any:
-        return [back(x) for x in v] if isinstance(v, list) else float("nan") if v is None else float(v)
-
+    back = lambda v: [back(x) for x in v] if isinstance(v, list) else float("nan" if v is None else v)  # noqa: E731
     return torch.tensor(back(values), dtype=torch.float64)
 
 
 def read_cv_partial(out: Any) -> dict[str, Any] | None:
     """The folds an interrupted cross-validation in run directory ``out`` finished (``{"key", "n_folds",
     "folds"}``), or None when there are none or the file is unreadable (cut off mid-write: nothing to go on from)."""
-    import json
-    from pathlib import Path
-
     try:
         got = json.loads((Path(out) / CV_PARTIAL_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
