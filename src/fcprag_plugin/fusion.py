@@ -124,8 +124,7 @@ def fuse(
         adapters: N adapter directories, :class:`LoraAdapter` s, or adapter names of the live ``model``.
         passages: the N passage texts, in the same order as ``adapters``.
         controller: a :class:`FusionController` or its directory.
-        encoder: a :class:`TextEncoder`; default: the controller's recorded embedding model (another model is a
-            :class:`~fcprag_plugin.errors.ControllerError` naming both).
+        encoder: a :class:`TextEncoder`; default: the controller's recorded embedding model (another: an error).
         mode: merge mode (``cat``, ``separate``, ``svd``).
         model: the live model (needed for adapter names and for ``use_slot``).
         use_slot: write the merge into the model's :class:`~fcprag_plugin.slot.FusedSlot` and switch it on instead
@@ -133,9 +132,8 @@ def fuse(
             ``result.slot.deactivate()`` switches it off). Modes ``cat`` and ``separate``.
         store: the :class:`~fcprag_plugin.slot.AdapterStore` that caches adapter directories for the slot.
         retrieval_ranks, retrieval_scores: one number per passage, for a controller trained with these side
-            features (ignored otherwise). Missing for such a controller: taken as equal for every passage, with a
-            ``UserWarning`` once per controller (an error for one whose ``config.side_optional`` leaves it out).
-            Adapter statistics are computed from ``adapters``.
+            features (ignored otherwise; missing: equal for every passage, with a ``UserWarning`` once per
+            controller). Adapter statistics are computed from ``adapters``.
     """
     if isinstance(adapters, (str, Path, LoraAdapter)):
         raise FusionInputError("adapters must be a list (one per passage)")

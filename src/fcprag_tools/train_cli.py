@@ -19,7 +19,7 @@ from fcprag_plugin.training.selection import CV_PARTIAL_NAME, read_cv_partial
 from fcprag_plugin.training.labels import ON_ERROR, SkippedRecord, load_labels
 from .plots import _pyplot, write_eval_plots
 from fcprag_plugin.training.targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
-from fcprag_plugin.training.trainer import MAX_EPOCHS, OBJECTIVES, PRECISIONS, TrainArgs
+from fcprag_plugin.training.trainer import MAX_EPOCHS, MAX_HIDDEN, OBJECTIVES, PRECISIONS, TrainArgs
 
 
 # A label record is one line of a JSON Lines file: a longer line is refused before it is parsed (parsing a huge
@@ -79,13 +79,14 @@ EVAL_FLAGS = {
 
 
 def hidden_sizes(text: str) -> list[int]:
-    """argparse type for ``--score-hidden``: comma-separated integers >= 1, e.g. ``2048,1024``."""
+    """argparse type for ``--score-hidden``: comma-separated integers from 1 to ``MAX_HIDDEN``, e.g. ``2048,1024``."""
     try:
         sizes = [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}': expected comma-separated integers >= 1, e.g. 2048,1024") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"'{text}': every hidden size must be an integer >= 1, e.g. 2048,1024")
+    if not sizes or min(sizes) < 1 or max(sizes) > MAX_HIDDEN:
+        raise argparse.ArgumentTypeError(f"'{text}': every hidden size must be an integer from 1 to {MAX_HIDDEN}, "
+                                         "e.g. 2048,1024")
     return sizes
 
 
@@ -416,7 +417,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "controller's MLPs in bfloat16 with fp32 master weights")
     t.add_argument("--score-hidden", type=hidden_sizes, metavar="N[,N...]",
                    help="score net hidden sizes, e.g. 2048,1024 (default)")
-    t.add_argument("--calib-hidden", type=positive_int, metavar="N", help="calibration net hidden size (default 256)")
+    t.add_argument("--calib-hidden", type=int_at_least(1, MAX_HIDDEN), metavar="N",
+                   help="calibration net hidden size (default 256)")
     t.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
                    help="kl (default, the paper's): KL to softmax(delta / T_label); risk: maximise "
                         "sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record (docs/label-format.md)")

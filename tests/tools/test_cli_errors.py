@@ -100,7 +100,7 @@ def bad_values(action: argparse.Action) -> list[str]:
     if name == "kappa_value":
         return ["big", "0", "-1", "nan"]
     if name == "hidden_sizes":
-        return ["0", "abc", "64,"]
+        return ["0", "abc", "64,", "64,100000000"]
     return []
 
 

@@ -57,6 +57,22 @@ def test_huge_epochs_is_one_line_and_the_rerun_is_not_blocked(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag,value", [("--score-hidden", "100000000"), ("--calib-hidden", "100000000")])
+def test_huge_layers_are_one_line_before_anything_is_written(tmp_path, flag, value):
+    recs, _ = synthetic_records(12, 2, 8, seed=1)
+    labels = write_labels(recs, tmp_path / "labels.jsonl")
+    out = tmp_path / "run"
+    one_line(fcprag("train", str(labels), "--out", str(out), flag, value), flag)
+    assert not out.exists()
+    from fcprag_plugin.errors import FcpragError
+    from fcprag_plugin.training import train_controller
+
+    key = flag[2:].replace("-", "_")
+    with pytest.raises(FcpragError, match="hidden sizes are .*expected ints from 1 to"):
+        train_controller(labels, out, controller={key: [int(value)] if key == "score_hidden" else int(value)})
+    assert not out.exists()
+
+
 def test_a_non_utf8_query_is_one_line(tmp_path):
     ads = [str(make_adapter_dir(tmp_path / f"p{i}", seed=i)) for i in range(2)]
     out = tmp_path / "fused"

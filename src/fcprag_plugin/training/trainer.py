@@ -44,8 +44,9 @@ PRECISIONS = ("auto", "fp32", "bf16")
 OBJECTIVES = ("kl", "risk")
 # arguments that may change between a run and its resume (they do not change what is learned)
 # (precision: "auto" may resolve differently on another machine; the resolved precision is compared instead)
-# more epochs than anyone trains a controller for; the cross-validation keeps a curve of (epochs + 1) x records
-MAX_EPOCHS = 10_000
+# more epochs than anyone trains a controller for (the cross-validation keeps a curve of (epochs + 1) x records),
+# and a wider layer than any controller needs (a 16384 x 16384 layer is 1 GiB): sizes refused before allocation
+MAX_EPOCHS, MAX_HIDDEN = 10_000, 16_384
 _RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network", "precision"}
 
 
@@ -104,6 +105,9 @@ class TrainArgs:
                                                                           "seed", "format_version"}
         bad = sorted(set(self.controller) - known)
         need(not bad, f"'controller' has unknown key(s) {bad}; expected among {sorted(known)}")
+        sizes = [*self.controller.get("score_hidden", []), self.controller.get("calib_hidden", 1)]
+        need(all(isinstance(h, int) and 1 <= h <= MAX_HIDDEN for h in sizes),
+             f"'controller' hidden sizes are {sizes}, expected ints from 1 to {MAX_HIDDEN}")
         need(self.objective in OBJECTIVES, f"'objective' is {self.objective!r}, expected one of {list(OBJECTIVES)}")
         need(self.risk_lambda is None or (isinstance(self.risk_lambda, (int, float)) and self.risk_lambda > 0),
              f"'risk_lambda' is {self.risk_lambda!r}, expected a number > 0 or None (estimated from the labels)")
