@@ -389,17 +389,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     store = {pid: LoraAdapter.from_pretrained(out / "adapters" / pid) for pid in augs[name]}
     methods = []
     ctrl_info: dict[str, Any] = {}
-    encoder = None
     for cname, d in controllers.items():
         opt = "--controller" if cname == "learned" else f"--extra-controller {cname}={d}"
         try:
             ctrl = FusionController.from_pretrained(d).eval()
             uniform = is_uniform(ctrl)
-            if not uniform and encoder is None:
-                import fcprag_plugin.encoding
-
-                encoder = fcprag_plugin.encoding.TextEncoder()
-            methods.append(heldout.weights_method(cname, ctrl, encoder, store))
+            # encoder None: each controller embeds with the model it was trained with (shared per process)
+            methods.append(heldout.weights_method(cname, ctrl, None, store))
         except FcpragError as e:
             _fail(f"{opt}: {e}")
         ctrl_info[cname] = {"dir": str(d), "uniform_or_scale_only": uniform}
