@@ -128,6 +128,7 @@ def test_the_cli_says_a_missing_rank_once_and_refuses_a_checkpoint(adapter_dirs,
         assert cli.main(base + ["--controller", str(d), "--out", str(tmp_path / "o")]) == 0
     said = [r.getMessage() for r in caplog.records if "side feature 'retrieval_rank'" in r.getMessage()]
     assert len(said) == 1 and "but this call has none" in said[0]  # the CLI's log line (stderr) ...
+    assert "pass --retrieval-rank (one value per passage)" in said[0]  # naming the flag, not the keyword
     assert not [w for w in seen if "fcprag:" in str(w.message)]  # ... and not a second time as a warning
     ckpt = side_controller().save_pretrained(tmp_path / "run2" / "checkpoint")
     (ckpt / "state.json").write_text("{}")

@@ -228,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     # the library says each of its warnings in the log too (the line printed above): once is enough here
     warnings.filterwarnings("ignore", message="fcprag: ", category=UserWarning)
+    flags = _LogFlags(getattr(args, "flag_names", {}))
+    handlers = list(logging.getLogger().handlers)
+    for h in handlers:
+        h.addFilter(flags)
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -242,6 +246,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
+    finally:
+        for h in handlers:
+            h.removeFilter(flags)
+
+
+class _LogFlags(logging.Filter):
+    """The library's log lines name its keyword arguments (``retrieval_ranks=``); on the command line they name
+    the command's flags (``--retrieval-rank``), as its error messages do (:func:`keywords_to_flags`)."""
+
+    def __init__(self, flags: dict[str, str]) -> None:
+        super().__init__()
+        self.flags = flags
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.flags and record.name.startswith("fcprag_plugin"):
+            record.msg, record.args = keywords_to_flags(record.getMessage(), self.flags), None
+        return True
 
 
 if __name__ == "__main__":

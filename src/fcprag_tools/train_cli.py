@@ -397,7 +397,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", required=True, help="output directory (controller + training_args/metrics/log)")
     t.add_argument("--val", help="explicit validation label file (default: a group/id-based split of LABELS)")
     t.add_argument("--epochs", type=int_at_least(1, MAX_EPOCHS), default=d.epochs,
-                   help=f"total epochs (default {d.epochs}); with --resume, the total including the finished ones")
+                   help=f"total epochs (default {d.epochs}, at most {MAX_EPOCHS}); with --resume, the total including "
+                        "the finished ones")
     t.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help=f"records per optimizer step (default {d.batch_size})")
     t.add_argument("--lr", type=finite_float, default=d.lr, help=f"AdamW learning rate (default {d.lr:g})")
