@@ -368,7 +368,7 @@ class Trainer:
         """Load the checkpoint in ``out`` when there is one; returns whether it did."""
         state = read_checkpoint_state(self.out)
         if state is None:
-            logger.warning("%s: no checkpoint found, training from scratch", self.out / CHECKPOINT_DIR)
+            logger.warning("%s: no checkpoint: the network trains from its start", self.out / CHECKPOINT_DIR)
             return False
         old, new = state.get("args", {}), asdict(self.args)
         diff = sorted(k for k in set(old) | set(new) if k not in _RESUME_FREE and old.get(k) != new.get(k))
