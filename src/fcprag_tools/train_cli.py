@@ -359,6 +359,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         refuse_inputs("--plots", args.plots, [("labels", args.labels)])
         if Path(args.plots).exists() and not Path(args.plots).is_dir():
             raise FcpragError(f"--plots {args.plots} is an existing file; expected a directory for the PNGs")
+    if args.encoder:
+        _check_eval_encoder(args.controller, args.encoder)
     labels = read_label_file(args.labels, args.on_error, args.t_label or DEFAULT_T_LABEL)
     res = evaluate_controller(
         args.controller, labels, encoder=args.encoder, cache_dir=args.cache_dir, on_error=args.on_error,
@@ -374,6 +376,21 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         for p in write_eval_plots(args.plots, res.outputs, res.data):
             print(f"wrote {p}")
     return 0
+
+
+def _check_eval_encoder(controller: str, encoder: str) -> None:
+    """``--encoder`` of ``fcprag eval`` is the controller's own embedding model (or the same folder under another
+    name), as everywhere a controller is used; checked before any text is embedded."""
+    from types import SimpleNamespace
+
+    from fcprag_plugin.controller import FusionController
+    from fcprag_plugin.encoding import check_recorded_model, resolve_model
+
+    recorded = FusionController.from_pretrained(controller).config.embedding_model
+    name, path = resolve_model(encoder)
+    if not check_recorded_model(recorded, SimpleNamespace(name=name, source=path if os.path.exists(path) else None)):
+        raise FcpragError(f"--encoder {encoder} is not the embedding model the controller was trained with "
+                          f"('{recorded}'); leave --encoder out to use it")
 
 
 def _label_options(p: argparse.ArgumentParser, encoder_help: str) -> None:

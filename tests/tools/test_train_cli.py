@@ -171,3 +171,17 @@ def test_defaults_ending_in_prags_own_merge_suggest_kappa_auto(labelled, capsys)
     assert again[-2:] == ["--kappa", "auto"] and again[:-2] == argv
     assert main(again + ["--overwrite"]) == 0
     assert "add --kappa auto" not in capsys.readouterr().out
+
+
+def test_eval_refuses_another_embedding_model_before_embedding(labelled, capsys):
+    tmp, cache = labelled
+    out = tmp / "ctrl"
+    assert main(["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir",
+                 str(cache), "--epochs", "1", "--cv-folds", "0", *SMALL]) == 0
+    capsys.readouterr()
+    base = ["eval", str(out), str(tmp / "val.jsonl"), "--cache-dir", str(cache), "--no-progress"]
+    assert main(base + ["--encoder", "syn8"]) == 0  # its own model, named: fine
+    capsys.readouterr()
+    assert main(base + ["--encoder", "other-model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--encoder other-model is not the embedding model" in err and "'syn8'" in err
