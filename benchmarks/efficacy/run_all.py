@@ -31,7 +31,7 @@ Stages (each resumable: what WORKDIR already holds is kept; wall-clock per stage
    log-likelihood (max over aliases) with the BM25 top-k merged by PRAG's ``cat`` sum with these rows' ``w~``:
    ``prag_sum`` (every ``w~_i`` = 1), ``scale:<s>`` for each ``--scales`` value (every ``w~_i = s``),
    ``average`` (1/N), ``learned`` (``--controller``: a learned, fixed, uniform or scale-only controller, weights
-   from ``FusionWeights.for_query``), ``learned_same_total`` (every passage at the mean of ``learned``'s
+   from ``query_weights``), ``learned_same_total`` (every passage at the mean of ``learned``'s
    weights: its scale without its reweighting; only for a controller that reweights, i.e. not ``is_uniform``),
    ``NAME`` / ``NAME_same_total`` per ``--extra-controller NAME=DIR``, the ``loo:i`` rows (passage i left out),
    the leave-one-out ``oracle`` (``w~ = N softmax(delta / 0.1)``; reads the answer: a reference), and

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fcprag_plugin.errors import FcpragError
-from fcprag_plugin.loading import write_json
+from fcprag_plugin.fileio import write_json
 
 from . import run_cli, train_cli
 from .labels import cli as labels_cli

@@ -16,11 +16,11 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from torch import nn
 
-from ..controller import FusionController, load_controller
+from ..controller import FusionController, load_controller, query_weights
 from ..errors import HookError
 from ..slot.layout import FactorGetter, PackedAdapter, pack_factors
 from ..slot.fused import FusedSlot
-from ..loading import finite_or_none
+from ..fileio import finite_or_none
 from ..weights import FusionWeights, is_uniform, side_inputs
 
 logger = logging.getLogger(__name__)
@@ -160,17 +160,7 @@ class WeightProvider:
         check_texts(question, passages)
         side = side_inputs(self.controller, adapters=adapters,
                            retrieval_ranks=[float(i + 1) for i in range(len(passages))])
-        return FusionWeights.for_query(question, passages, self.controller, self.encoder, side)
-
-
-class MergeHook(WeightProvider):
-    """Deprecated name of :class:`WeightProvider` (``mode`` and ``log`` now belong to the shim)."""
-
-    def __init__(self, controller: Any = None, encoder: Any = None, mode: str = "cat", log: Any = None) -> None:
-        import warnings
-
-        warnings.warn("MergeHook is now WeightProvider", DeprecationWarning, stacklevel=2)
-        super().__init__(controller, encoder)
+        return query_weights(self.controller, question, passages, self.encoder, side)
 
 
 def append_log_line(path: Path | None, record: dict[str, Any]) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .._deprecated import renamed_attribute
 from ..adapter import LoraAdapter
 from ..errors import MergeError
 from ..weights import check_weights
@@ -23,8 +22,6 @@ class MergeResult:
     merge_weights: tuple[float, ...]
     mode: str
     info: dict[str, Any] = field(default_factory=dict)
-
-    weights = renamed_attribute("MergeResult.weights", "merge_weights")
 
 
 def register_merge_mode(name: str) -> Callable[[MergeFn], MergeFn]:

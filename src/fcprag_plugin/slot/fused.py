@@ -32,7 +32,6 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 from torch import nn
 
-from .._deprecated import renamed
 from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
 from ..merge import factors
@@ -545,11 +544,6 @@ class FusedSlot:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
-
-    # deprecated names ("activate" named two APIs), kept for one release
-    activate = renamed("FusedSlot.activate", "write")
-    write_union = renamed("FusedSlot.write_union", "write_unweighted")
-    activate_transform = renamed("FusedSlot.activate_transform", "switch_on_transform")
 
 
 def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:
