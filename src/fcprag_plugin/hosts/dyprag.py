@@ -25,9 +25,9 @@ from ..adapter import LoraAdapter, LoraModule
 from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
-from .base import (Lifecycle, Shim, WeightProvider, caller_test_id, check_max_adapters, clear_context, find_in_callers,
-                   get_context)
-from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
+from .base import Lifecycle, Shim, WeightProvider, check_max_adapters
+from .context import caller_test_id, clear_context, find_in_callers, get_context
+from .context import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
 

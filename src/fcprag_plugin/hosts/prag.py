@@ -31,8 +31,9 @@ from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
 from ..weights import FusionWeights
-from .base import Lifecycle, Shim, WeightProvider, caller_test_id, clear_context, get_context
-from .base import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
+from .base import Lifecycle, Shim, WeightProvider
+from .context import caller_test_id, clear_context, get_context
+from .context import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
 
