@@ -125,7 +125,7 @@ def check_texts(query: str, passages: Sequence[str], n_adapters: int | None = No
         raise FusionInputError(f"got {n_adapters} adapters but {len(passages)} passages; they must pair up in order")
 
 
-def _check_adapters(adapters: Sequence[Any], query: str, passages: Sequence[str]) -> None:
+def _check_inputs(adapters: Sequence[Any], query: str, passages: Sequence[str]) -> None:
     if isinstance(adapters, (str, Path, LoraAdapter, PackedAdapter)):
         raise FusionInputError("adapters must be a list (one per passage)")
     if len(adapters) == 0:
@@ -134,19 +134,18 @@ def _check_adapters(adapters: Sequence[Any], query: str, passages: Sequence[str]
     warn_duplicates(adapters)
 
 
-def fuse(
-    adapters: Sequence[Any],
-    query: str,
-    passages: Sequence[str],
-    *,
-    controller: FusionController | str | Path | None = None,
-    encoder: Any = None,
-    mode: str = "cat",
-    model: Any = None,
-    retrieval_ranks: Sequence[float] | None = None,
-    retrieval_scores: Sequence[float] | None = None,
-    **merge_options: Any,
-) -> FusionResult:
+def _weights(query: str, passages: Sequence[str], controller: Any, encoder: Any, loaded: Any,
+             retrieval_ranks: Any, retrieval_scores: Any) -> FusionWeights:
+    """The query's weights (``loaded``: the adapters, or a callable returning them, for adapter statistics)."""
+    ctrl = load_controller(controller)
+    side = side_inputs(ctrl, adapters=loaded, retrieval_ranks=retrieval_ranks, retrieval_scores=retrieval_scores)
+    return query_weights(ctrl, query, passages, encoder, side)
+
+
+def fuse(adapters: Sequence[Any], query: str, passages: Sequence[str], *,
+         controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
+         model: Any = None, retrieval_ranks: Sequence[float] | None = None,
+         retrieval_scores: Sequence[float] | None = None, **merge_options: Any) -> FusionResult:
     """The merged adapter of the passage adapters with per-query weights from ``controller`` (``None``: uniform,
     PRAG's merge). To put a fusion into a live model instead, see :func:`fuse_into`.
 
@@ -161,30 +160,18 @@ def fuse(
         retrieval_ranks, retrieval_scores: one number per passage, for a controller trained with these side
             features (required then, ignored otherwise); adapter statistics are computed from ``adapters``.
     """
-    _check_adapters(adapters, query, passages)
-    ctrl = load_controller(controller)
+    _check_inputs(adapters, query, passages)
     loaded = resolve_adapters(adapters, model)
-    side = side_inputs(ctrl, adapters=loaded, retrieval_ranks=retrieval_ranks, retrieval_scores=retrieval_scores)
-    fw = query_weights(ctrl, query, passages, encoder, side)
+    fw = _weights(query, passages, controller, encoder, loaded, retrieval_ranks, retrieval_scores)
     result: MergeResult = merge_adapters(loaded, fw.merge_weights, mode, **merge_options)
     logger.debug("fused %d adapters: w~=%s g=%.3f tau=%s", len(loaded), fw.merge_weights, fw.g, fw.tau)
     return FusionResult(result.adapter, fw, mode, result.info)
 
 
-def fuse_into(
-    model: Any,
-    adapters: Sequence[Any],
-    query: str,
-    passages: Sequence[str],
-    *,
-    controller: FusionController | str | Path | None = None,
-    encoder: Any = None,
-    mode: str = "cat",
-    store: AdapterStore | None = None,
-    retrieval_ranks: Sequence[float] | None = None,
-    retrieval_scores: Sequence[float] | None = None,
-    **options: Any,
-) -> LiveFusion:
+def fuse_into(model: Any, adapters: Sequence[Any], query: str, passages: Sequence[str], *,
+              controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
+              store: AdapterStore | None = None, retrieval_ranks: Sequence[float] | None = None,
+              retrieval_scores: Sequence[float] | None = None, **options: Any) -> LiveFusion:
     """Put the fusion of the passage adapters (weights as in :func:`fuse`) into the live ``model`` and switch it
     on; the returned :class:`LiveFusion` switches it off (``with fuse_into(...):`` or ``.close()``). No merged
     adapter is built and no weight of ``model`` is written.
@@ -203,18 +190,15 @@ def fuse_into(
     if options:
         raise FusionInputError(f"fuse_into: unexpected option(s) {sorted(options)}: a live fusion takes no merge "
                                "options (they belong to fuse(), which builds the merged adapter)")
-    _check_adapters(adapters, query, passages)
-    ctrl = load_controller(controller)
-    existing = FusedSlot.of(model)
+    _check_inputs(adapters, query, passages)
     if store is None:  # the model's slot keeps one store across calls
+        existing = FusedSlot.of(model)
         store = existing.store if existing is not None and existing.store is not None else AdapterStore()
     packed = [a if isinstance(a, PackedAdapter) else store.get(a) if isinstance(a, (str, Path)) else pack_adapter(a)
               for a in _read_live(adapters, model)]
-    side = side_inputs(ctrl, adapters=lambda: [p.to_lora() for p in packed], retrieval_ranks=retrieval_ranks,
-                       retrieval_scores=retrieval_scores)
-    fw = query_weights(ctrl, query, passages, encoder, side)
-    slot = switch_on(model, packed, fw.merge_weights, mode, store=store)
-    return LiveFusion(fw, mode, slot)
+    fw = _weights(query, passages, controller, encoder, lambda: [p.to_lora() for p in packed], retrieval_ranks,
+                  retrieval_scores)
+    return LiveFusion(fw, mode, switch_on(model, packed, fw.merge_weights, mode, store=store))
 
 
 def switch_on(model: Any, packed: Sequence[PackedAdapter], merge_weights: Sequence[float], mode: str = "cat", *,
