@@ -16,8 +16,8 @@ import torch
 
 from fcprag_plugin import LoraAdapter
 from fcprag_plugin.slot import FusedSlot
-from fcprag_tools.labels.metrics import exact_match, extract_answer, f1_score
-from fcprag_tools.labels.prompts import PromptTemplate, answer_ids, render_prompt
+from fcprag_tools.label_builder.metrics import exact_match, extract_answer, f1_score
+from fcprag_tools.label_builder.prompts import PromptTemplate, answer_ids, render_prompt
 
 TEMPLATE = PromptTemplate()  # the label builder's default prompt, so labels and evaluation ask the same way
 

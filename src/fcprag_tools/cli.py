@@ -16,7 +16,7 @@ from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.fileio import write_json
 
 from . import run_cli, train_cli
-from .labels import cli as labels_cli
+from .label_builder import cli as labels_cli
 from .options import (CliParser, check_out_dir, finite_float, keywords_to_flags, positive_int, read_text_arg,
                       write_dir_atomically)
 

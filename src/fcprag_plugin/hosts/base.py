@@ -187,18 +187,18 @@ class ShimSlots:
         return slot
 
     def write(self, model: nn.Module, modules: Sequence[str], rank: int, factors: Sequence[FactorGetter],
-              sources: Sequence[str], weights: Sequence[float], mode: str) -> FusedSlot:
+              sources: Sequence[str], merge_weights: Sequence[float], mode: str) -> FusedSlot:
         """Pack each adapter's factors (``factors[i](module) -> (A, B, s)``, named ``sources[i]`` in errors) into
-        the slot of ``model`` and write their ``mode`` merge with ``weights`` (switched on)."""
+        the slot of ``model`` and write their ``mode`` merge with ``merge_weights`` (``w~``, switched on)."""
         slot = self.get(model, list(modules), len(factors), rank)
         packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
-        return switch_on(model, packed, weights, mode, max_adapters=slot.max_adapters)
+        return switch_on(model, packed, merge_weights, mode, max_adapters=slot.max_adapters)
 
-    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], weights: Sequence[float],
+    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], merge_weights: Sequence[float],
                      mode: str) -> FusedSlot:
         """Write the ``mode`` merge of already packed adapters into the slot of ``model`` (switched on)."""
         slot = self.get(model, packed[0], len(packed), max(p.max_rank for p in packed))
-        return switch_on(model, packed, weights, mode, max_adapters=slot.max_adapters)
+        return switch_on(model, packed, merge_weights, mode, max_adapters=slot.max_adapters)
 
     def slot_of(self, model: nn.Module) -> FusedSlot | None:
         return FusedSlot.of(model) if model in self._models else None

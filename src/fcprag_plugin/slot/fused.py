@@ -12,7 +12,7 @@ the hook on: ``y = W x + BT^T (A x)``. Shapes never change (``torch.compile`` fr
 and no parameter of the model is ever written: ``remove()`` leaves it exactly as it was.
 
 >>> slot = FusedSlot.for_model(model, adapters[0], max_adapters=10)  # doctest: +SKIP
->>> with slot.fused(adapters, weights):                             # doctest: +SKIP
+>>> with slot.fused(adapters, w_tilde):                             # doctest: +SKIP
 ...     out = model.generate(**inputs)
 >>> slot.remove()                                                   # doctest: +SKIP
 """
@@ -423,7 +423,7 @@ class FusedSlot:
         return t
 
     # ------------------------------------------------------------------ activation
-    def write(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> "FusedSlot":
+    def write(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat") -> "FusedSlot":
         """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) in place of what the
         slot held and switch it on; ``cat`` is the exact ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's
         ``(sum u_i B_i)(sum u_i s_i A_i)`` with ``u = w~/N``. Returns the slot."""
@@ -433,7 +433,7 @@ class FusedSlot:
                              "(use fcprag_plugin.merge for 'svd')")
         packed = self.prepare(adapters)
         n = len(packed)
-        w = check_weights(weights, n)
+        w = check_weights(merge_weights, n)
         self.deactivate()
         if mode == "cat":
             self._write_cat(packed, w)
@@ -489,9 +489,10 @@ class FusedSlot:
         self._state.active = False
         self._state.transform = None
 
-    def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> ContextManager["FusedSlot"]:
+    def fused(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat"
+              ) -> ContextManager["FusedSlot"]:
         """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
-        return self._block(lambda: self.write(adapters, weights, mode),
+        return self._block(lambda: self.write(adapters, merge_weights, mode),
                           "FusedSlot.fused() blocks cannot be nested: the slot holds one merge at a time")
 
     @contextmanager
@@ -567,9 +568,9 @@ class FusedSlot:
         self.remove()
 
 
-def _mixture_weights(weights: Any, mask: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _mixture_weights(merge_weights: Any, mask: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked per-sample weights ``[B, k]`` (masked entries zeroed) and the mask (default: non-zero weights)."""
-    w = torch.as_tensor(weights, dtype=torch.float32).detach().cpu()
+    w = torch.as_tensor(merge_weights, dtype=torch.float32).detach().cpu()
     if w.ndim != 2 or w.shape[1] != k or w.shape[0] < 1:
         raise MergeError(f"mixed-batch weights have shape {list(w.shape)}, expected [B, {k}] (one row per sample, "
                          "one column per adapter of the union)")
