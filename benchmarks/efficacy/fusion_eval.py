@@ -52,14 +52,15 @@ class FusionScorer:
         stops |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.stops = {s for s in stops if isinstance(s, int) and s >= 0}
 
-    def prompt(self, question: str, passages: Sequence[str], mode: str) -> Any:
-        return render_prompt(self.tok, TEMPLATE, question, passages if mode == "combine" else None, mode)
+    def prompt(self, question: str, passages: Sequence[str], prompt_mode: str) -> Any:
+        return render_prompt(self.tok, TEMPLATE, question, passages if prompt_mode == "combine" else None,
+                             prompt_mode)
 
     @torch.no_grad()
-    def score(self, question: str, passages: Sequence[str], answers: Sequence[str], mode: str,
+    def score(self, question: str, passages: Sequence[str], answers: Sequence[str], prompt_mode: str,
               adapters: Sequence[LoraAdapter], weights: torch.Tensor, *, generate: bool = True) -> list[RowResult]:
         """``weights [R, K]`` over the (distinct) ``adapters`` -> one :class:`RowResult` per row."""
-        prompt = self.prompt(question, passages, mode)
+        prompt = self.prompt(question, passages, prompt_mode)
         R = weights.shape[0]
         ids = torch.tensor([prompt.ids] * R)
         gold = [answer_ids(self.tok, prompt, a) for a in answers]
