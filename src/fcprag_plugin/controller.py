@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .encoding import check_recorded_model, get_encoder
-from .errors import ControllerError
+from .errors import BARE, ControllerError, kw
 from .weights import FusionWeights
 from .loading import LoadCache, file_signature
 from .fileio import read_json_object, read_tensor_file
@@ -239,10 +239,11 @@ def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieva
     between the passages there, exactly as for a feature that does not vary)."""
     given = {"retrieval_rank": retrieval_ranks, "retrieval_score": retrieval_scores, "adapter_stats": adapter_stats_}
     missing = [nm for nm in names if given[nm] is None]
-    required = [f"{nm}s=" if nm != "adapter_stats" else "adapter_stats=" for nm in missing if nm not in optional]
+    required = [f"{nm}s" if nm != "adapter_stats" else nm for nm in missing if nm not in optional]
     if required:
         raise ControllerError(f"this controller was trained with side features {list(names)}; pass "
-                              f"{', '.join(required)} (one value per passage) to use it")
+                              f"{', '.join(map(kw, required))} (one value per passage) to use it",
+                              params=[(nm, BARE) for nm in required])
     cols = []
     for nm in names:
         if given[nm] is None:
@@ -251,7 +252,8 @@ def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieva
         if nm != "adapter_stats":
             t = torch.as_tensor(given[nm], dtype=torch.float32).reshape(-1)
             if t.numel() != n:
-                raise ControllerError(f"{nm}s= has {t.numel()} values for {n} passages; expected one each")
+                raise ControllerError(f"{kw(nm + 's')} has {t.numel()} values for {n} passages; expected one each",
+                                      params=[(nm + "s", BARE)])
             cols.append(t.unsqueeze(1))
             continue
         rows = [adapter_stats(a) if hasattr(a, "modules") else a for a in given[nm]]

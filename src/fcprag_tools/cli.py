@@ -180,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except FcpragError as e:  # the library names its keyword arguments; the user typed flags
-        return _fail(cmd, keywords_to_flags(str(e), getattr(args, "flag_names", {})))
+        return _fail(cmd, keywords_to_flags(e, getattr(args, "flag_names", {})))
     except UnicodeDecodeError as e:  # a file opened by a library below us; the message has no name, say what
         return _fail(cmd, f"an input file is not valid UTF-8 ({e.reason} at byte {e.start})")
     except OSError as e:

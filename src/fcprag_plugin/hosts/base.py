@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 from torch import nn
 
 from ..controller import FusionController, load_controller, query_weights
-from ..errors import HookError
+from ..errors import BARE, HookError, kw
 from ..fusion import check_texts, switch_on
 from ..slot.layout import FactorGetter, PackedAdapter, pack_factors
 from ..slot.fused import FusedSlot
@@ -147,7 +147,8 @@ def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | Non
     if max_adapters is None:
         return None
     if not use_slot:
-        raise HookError(f"{who}: max_adapters= only applies with use_slot=True")
+        raise HookError(f"{who}: {kw('max_adapters')} only applies with {kw('use_slot', True)}",
+                        params=[("max_adapters", BARE), ("use_slot", True)])
     if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
         raise HookError(f"{who}: max_adapters must be a positive integer (the most passages one question may have), "
                         f"got {max_adapters!r}")
@@ -173,8 +174,9 @@ class ShimSlots:
         adapters of rank ``rank``."""
         if self.max_adapters is not None and n > self.max_adapters:
             raise HookError(f"{self.who}: this question merges {n} adapters but the fused slot holds "
-                            f"max_adapters={self.max_adapters}; raise max_adapters= or leave it "
-                            "unset so the slot grows with the largest question")
+                            f"{kw('max_adapters', self.max_adapters)}; raise {kw('max_adapters')} or leave it "
+                            "unset so the slot grows with the largest question",
+                            params=[("max_adapters", self.max_adapters), ("max_adapters", BARE)])
         before = FusedSlot.of(model)
         size = None if before is None else (before.max_adapters, before.max_rank)
         slot = FusedSlot.for_model(model, targets, max_adapters=self.max_adapters or n, max_rank=rank)

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..controller import ControllerConfig, FusionController
-from ..errors import FcpragError, LabelFileError
+from ..errors import FcpragError, LabelFileError, kw
 from ..features import SIDE_FEATURES, center_side
 from ..fileio import finite_or_none, write_json
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
@@ -82,9 +82,9 @@ class TrainArgs:
     allow_retrieval_score: bool = False  # see validate(): PRAG and DyPRAG keep no retrieval scores
 
     def validate(self) -> "TrainArgs":
-        def need(ok: bool, what: str) -> None:
+        def need(ok: bool, what: str, params: Sequence[tuple[str, Any]] = ()) -> None:
             if not ok:
-                raise FcpragError(f"training argument {what}")
+                raise FcpragError(f"training argument {what}", params=params)
 
         need(isinstance(self.epochs, int) and self.epochs >= 1, f"'epochs' is {self.epochs!r}, expected an int >= 1")
         need(isinstance(self.batch_size, int) and self.batch_size >= 1,
@@ -119,9 +119,10 @@ class TrainArgs:
              f"'scale_max_loss_share' is {self.scale_max_loss_share} and 'scale_loss_margin' is "
              f"{self.scale_loss_margin}, expected a share in [0, 1] and a margin >= 0")
         need("retrieval_score" not in self.side_features or self.allow_retrieval_score,
-             "side_features=['retrieval_score'] is a score PRAG and DyPRAG do not keep: their shims would run the "
-             "controller with it taken as equal for every passage, which its verdict did not measure; leave it "
-             "out, or pass allow_retrieval_score=True for a host that supplies scores")
+             f"{kw('side_features', ['retrieval_score'])} is a score PRAG and DyPRAG do not keep: their shims would "
+             "run the controller with it taken as equal for every passage, which its verdict did not measure; leave "
+             f"it out, or pass {kw('allow_retrieval_score', True)} for a host that supplies scores",
+             [("side_features", ["retrieval_score"]), ("allow_retrieval_score", True)])
         check_target_args(self.t_label, self.flat_eps, self.flat_weight)
         return self
 
@@ -357,12 +358,14 @@ class Trainer:
         diff = sorted(k for k in set(old) | set(new) if k not in _RESUME_FREE and old.get(k) != new.get(k))
         if diff:
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, argument(s) {diff} differ from the "
-                              "checkpoint: " + ", ".join(f"{k}={new.get(k)!r} (the checkpoint has {k}="
-                                                         f"{old.get(k)!r})" for k in diff))
+                              "checkpoint: " + ", ".join(f"{kw(k, new.get(k))} (the checkpoint has "
+                                                         f"{kw(k, old.get(k))})" for k in diff),
+                              params=[(k, v.get(k)) for k in diff for v in (new, old)])
         if state.get("precision", self.precision) != self.precision:
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the checkpoint trained in "
                               f"{state.get('precision')} but this run would use {self.precision}; pass "
-                              f"precision='{state.get('precision')}'")
+                              f"{kw('precision', state.get('precision'))}",
+                              params=[("precision", state.get("precision"))])
         if state.get("info_label_sha256") != self.info.get("label_sha256"):
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the label file(s) changed since the "
                               "checkpoint (sha256 differs)")
@@ -467,8 +470,8 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
     """Read and split the labels, embed their texts (through the cache), record provenance and make ``out`` ready
     (a previous run there is continued with ``resume``, replaced with ``overwrite``, else refused)."""
     if not resume and not overwrite and (out / CHECKPOINT_DIR).exists():
-        raise FcpragError(f"{out}: already holds a training run; pass resume=True to continue it or overwrite=True "
-                          "to start over")
+        raise FcpragError(f"{out}: already holds a training run; pass {kw('resume', True)} to continue it or "
+                          f"{kw('overwrite', True)} to start over", params=[("resume", True), ("overwrite", True)])
     t_start = time.perf_counter()
     train_set = _as_label_set(labels, args.on_error, "labels")
     records = _drop_test(train_set.records, train_set.path)
