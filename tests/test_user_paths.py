@@ -104,7 +104,7 @@ def test_a_controller_trained_without_cross_validation_is_unproven(labelled, ada
         assert saved.warn_if_unproven()
 
 
-def test_a_training_checkpoint_is_not_a_controller(tmp_path):
+def test_a_training_checkpoint_is_not_a_controller(tmp_path, adapter_dirs):
     ckpt = tmp_path / "run" / "checkpoint"
     side_controller().save_pretrained(ckpt)
     (ckpt / "state.json").write_text("{}")
@@ -112,7 +112,7 @@ def test_a_training_checkpoint_is_not_a_controller(tmp_path):
     with pytest.raises(ControllerError, match=rf"{ckpt} is a training checkpoint.*{tmp_path / 'run'}"):
         FusionController.from_pretrained(ckpt)
     with pytest.raises(ControllerError, match="training checkpoint"):
-        fuse(["a", "b", "c"], Q, PS, controller=str(ckpt))
+        fuse(adapter_dirs, Q, PS, controller=str(ckpt))
 
 
 def test_the_cli_says_a_missing_rank_once_and_refuses_a_checkpoint(adapter_dirs, encoder16, tmp_path, monkeypatch,

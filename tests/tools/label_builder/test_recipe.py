@@ -20,7 +20,7 @@ from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.features import adapter_recipe, adapter_stats
 from fcprag_plugin.hosts.base import WeightProvider
 from fcprag_tools.cli import main
-from fcprag_tools.labels.manifest import parse_record
+from fcprag_tools.label_builder.manifest import parse_record
 from helpers import hash_encoder, make_adapter_dir, read_jsonl, save_tiny_lm
 
 REPO = Path(__file__).resolve().parents[3]
