@@ -216,7 +216,7 @@ class Study:
                                 "split": "test" if q["id"] in test else "train",
                                 "passages": data.retrieve(q, self.o.top_k, given and given[q["id"]])}])
                     bar.update(1)
-        self.barrier()
+        self.barrier("questions")
         rows = st.done()
         self.timed("retrieval", t0, questions=len(todo))
         return {q["id"]: rows[q["id"]] for q in qs}
@@ -228,6 +228,7 @@ class Study:
         texts = {p["pid"]: p["text"] for q in qs.values() for p in q["passages"]}
         todo = sorted((pid for pid in texts if pid not in done), key=lambda p: (len(texts[p]), p))
         batches = self.mine([todo[i:i + self.o.aug_batch] for i in range(0, len(todo), self.o.aug_batch)])
+        self.barrier()
         if batches:
             self.load_model()
             with self.bar("augment", sum(map(len, batches)), 0, "passage") as bar:
@@ -251,6 +252,7 @@ class Study:
         samples = {p: ad.samples_for(self.tok, augs[p], self.o.max_tokens) for p in todo}
         todo.sort(key=lambda p: (max(len(s[0]) for s in samples[p].values()), p))  # similar lengths per step
         groups = self.mine([todo[i:i + self.o.group] for i in range(0, len(todo), self.o.group)])
+        self.barrier()
         config = dict(ad.LORA, task_type="CAUSAL_LM", base_model_name_or_path=self.o.model)
         with self.bar("adapters", sum(map(len, groups)), 0, "adapter") as bar:
             for g in groups:
@@ -279,6 +281,7 @@ class Study:
                                extra={"group": qid, "retrieval_ranks": [p["rank"] for p in q["passages"]]})
                 for qid, q in qs.items() if q["split"] == "train"]
         mine = self.mine([r for r in recs if r.id not in done])
+        self.barrier()
         if mine:
             self.load_model()
             opts = BuildOptions(generate=self.o.generate, max_new_tokens=self.o.max_new_tokens, scoring="prag",
@@ -357,6 +360,7 @@ class Study:
         use_arrow, why = scoring.arrow_status()
         use_arrow = use_arrow and self.o.arrow
         arrow_todo = self.mine([q for q in test if use_arrow and not valid(done, q, "arrow", None)])
+        self.barrier()  # every rank has read the same state before any writes
         if chunks or arrow_todo:
             self.load_model()
         with self.bar("evaluate", len(test), len(test) - len(todo), "q") as bar:
