@@ -1,6 +1,6 @@
 """``fcprag study``: from a question file and a model to a measured verdict (retrieval, augmentation, passage
 adapters, labels, controller training, held-out evaluation by real forwards, summary and report); see
-:mod:`.pipeline` for the stages and ``docs/study.md`` for the output."""
+:mod:`.pipeline` for the stages and :mod:`.summary` for the output."""
 
 from __future__ import annotations
 

@@ -90,6 +90,10 @@ class StudyOptions:
         for s in self.scales:
             if not (math.isfinite(s) and s > 0) or s == 1.0:
                 raise FcpragError(f"--scales: {s} must be a finite number > 0 and not 1 (scale 1 is prag_sum)")
+        for what, path in (("QUESTIONS", self.questions), ("--retrieval", self.retrieval)):
+            if path is not None and not Path(path).is_file():
+                raise FcpragError(f"{what} {path}: file not found; expected JSON Lines (the ../shared/data schema"
+                                  + (")" if what == "QUESTIONS" else ": {\"id\", \"passages\": [...]})"))
         if self.controller is not None and not (Path(self.controller) / "config.json").is_file():
             raise FcpragError(f"--controller {self.controller}: no config.json there; expected a saved controller")
         if self.gguf_file and not self.model:

@@ -115,3 +115,20 @@ def test_a_model_without_prags_target_modules_is_one_line(tiny_study, tmp_path, 
                "--no-progress", "--top-k", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "gate_proj/up_proj/down_proj" in err
+
+
+@pytest.mark.parametrize("extra,needle", [(["--retrieval", "nope.jsonl"], "--retrieval nope.jsonl: file not found"),
+                                          (["--controller", "."], "--controller .: no config.json"),
+                                          (["--test-fraction", "1.5"], "--test-fraction 1.5"),
+                                          (["--scales", "2,1"], "scale 1 is prag_sum")])
+def test_bad_inputs_are_one_line_and_write_nothing(tiny_study, capsys, extra, needle):
+    out = tiny_study["root"] / "never"
+    rc = main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--no-progress",
+               *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and needle in err and not out.exists()
+
+
+def test_a_missing_question_file_is_named(tmp_path, capsys):
+    assert main(["study", str(tmp_path / "q.jsonl"), "--model", "m", "--out", str(tmp_path / "o")]) == 2
+    assert "QUESTIONS" in capsys.readouterr().err and not (tmp_path / "o").exists()
