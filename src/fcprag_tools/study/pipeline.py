@@ -135,7 +135,11 @@ class Study:
         """This rank's share of ``units`` (every ``world``-th, round robin)."""
         return units[self.shard.rank::self.shard.world]
 
-    def bar(self, stage: str, total: int, done: int, unit: str) -> Any:
+    def bar(self, stage: str, total: int, done: int, unit: str, mine: int | None = None) -> Any:
+        """A progress bar with an ETA: ``done`` of ``total`` units in one process; this rank's ``mine`` under a
+        launcher."""
+        if self.shard.distributed and mine is not None:
+            total, done = mine, 0
         return tqdm(total=total, initial=done, desc=stage, unit=unit, dynamic_ncols=True, disable=not self.o.progress,
                     position=self.shard.rank)
 
@@ -235,7 +239,7 @@ class Study:
         self.barrier()
         if batches:
             self.load_model()
-            with self.bar("augment", sum(map(len, batches)), 0, "passage") as bar:
+            with self.bar("augment", len(texts), len(texts) - len(todo), "passage", sum(map(len, batches))) as bar:
                 for b in batches:
                     st.append(augment_batch(self.model, self.tok, [(p, texts[p]) for p in b],
                                             self.o.aug_max_new_tokens))
@@ -258,7 +262,7 @@ class Study:
         groups = self.mine([todo[i:i + self.o.group] for i in range(0, len(todo), self.o.group)])
         self.barrier()
         config = dict(ad.LORA, task_type="CAUSAL_LM", base_model_name_or_path=self.o.model)
-        with self.bar("adapters", sum(map(len, groups)), 0, "adapter") as bar:
+        with self.bar("adapters", len(pids), len(pids) - len(todo), "adapter", sum(map(len, groups))) as bar:
             for g in groups:
                 tg = time.perf_counter()
                 seeds = [ad.seed_of(p) for p in g]
@@ -367,7 +371,7 @@ class Study:
         self.barrier()  # every rank has read the same state before any writes
         if chunks or arrow_todo:
             self.load_model()
-        with self.bar("evaluate", len(test), len(test) - len(todo), "q") as bar:
+        with self.bar("evaluate", len(test), len(test) - len(todo), "q", sum(map(len, chunks))) as bar:
             for chunk in chunks:
                 pids = [p["pid"] for qid in chunk for p in qs[qid]["passages"]]
                 slot = FusedSlot.for_model(self.model, self.adapter(pids[0]), max_adapters=len(pids),
