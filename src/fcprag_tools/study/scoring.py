@@ -90,8 +90,8 @@ def arrow_status() -> tuple[bool, str]:
 
 
 @torch.no_grad()
-def score_arrow(model: Any, tok: Any, qid: str, q: dict[str, Any], pids: Sequence[str], adapter_dir: Callable[[str], Any],
-                *, generate: bool = True, max_new_tokens: int = 16) -> dict[str, Any]:
+def score_arrow(model: Any, tok: Any, qid: str, q: dict[str, Any], pids: Sequence[str],
+                adapter_dir: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16) -> dict[str, Any]:
     """PEFT's training-free Arrow router over the question's own passage adapters (per token and layer, the top
     ``min(3, N)`` adapters by ``|x . prototype|``, softmax coefficients), scored like the other rows. ``model``
     must carry no active adapter; it is left as it was (``unload()``)."""

@@ -58,15 +58,17 @@ def part(results: dict[str, dict[str, Any]], keys: list[str], a: str, b: str) ->
 
 def decide(scale: dict[str, Any], reweighting: dict[str, Any], learned_delta: float | None) -> tuple[str, str]:
     """``(ship, why)`` from the measured parts."""
+    def ci(p: dict[str, Any]) -> str:
+        return f"[{p['ci95'][0]:+.4f}, {p['ci95'][1]:+.4f}]"
+
     if reweighting["measured"] and reweighting["ci95"][0] > 0 and (learned_delta or 0) > 0:
         return "network", (f"the network beats its same-total twin on held-out questions: reweighting "
-                           f"{reweighting['delta']:+.4f} [{reweighting['ci95'][0]:+.4f}, {reweighting['ci95'][1]:+.4f}]")
-    rw = ("not measured (no network)" if not reweighting["measured"] else
-          f"the reweighting's CI [{reweighting['ci95'][0]:+.4f}, {reweighting['ci95'][1]:+.4f}] does not lie above 0")
+                           f"{reweighting['delta']:+.4f} {ci(reweighting)}")
+    rw = ("the reweighting is not measured (no network)" if not reweighting["measured"] else
+          f"the reweighting's CI {ci(reweighting)} does not lie above 0")
     if scale["ci95"][0] > 0:
-        return "scale_only", (f"{rw}; scaling PRAG's sum by kappa helps: {scale['delta']:+.4f} "
-                              f"[{scale['ci95'][0]:+.4f}, {scale['ci95'][1]:+.4f}]")
-    return "prag_sum", f"{rw}; the scale part's CI [{scale['ci95'][0]:+.4f}, {scale['ci95'][1]:+.4f}] does not lie above 0"
+        return "scale_only", f"{rw}; scaling PRAG's sum by kappa helps: {scale['delta']:+.4f} {ci(scale)}"
+    return "prag_sum", f"{rw}; the scale part's CI {ci(scale)} does not lie above 0"
 
 
 def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]], ctrl: Any,

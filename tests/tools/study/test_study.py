@@ -43,7 +43,8 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
     # --controller: trains nothing, evaluates it on every question
     out2 = tiny_study["root"] / "given"
     assert main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out2), "--top-k", "2",
-                 "--scales", "2", "--max-new-tokens", "3", "--no-progress", "--controller", str(out / "controller")]) == 0
+                 "--scales", "2", "--max-new-tokens", "3", "--no-progress", "--controller",
+                 str(out / "controller")]) == 0
     s2 = json.loads((out2 / "summary.json").read_text())
     assert check_summary(s2) == [] and s2["n_test"] == 6 and s2["n_train"] == 0
     assert not (out2 / "labels.jsonl").exists() and not (out2 / "train").exists()
