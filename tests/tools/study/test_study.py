@@ -34,6 +34,12 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
     assert {"prag_sum", "recommended", "average", "scale:2", "scale:4", "learned", "learned_same_total",
             "oracle"} <= set(s["methods"])
     assert s["settings"]["device"] == "cpu" and s["settings"]["dtype"] == "float32"
+    labels = [json.loads(x) for x in (out / "labels.jsonl").read_text().splitlines()]  # the training questions'
+    assert len(labels) == 3 and all(r["scales"] == [1.0, 2.0, 4.0] and len(r["metric_without"]) == 2
+                                    and len(r["f1_at_scales"]) == 3 for r in labels)
+    test_ids = {json.loads(x)["id"] for x in (out / "questions.jsonl").read_text().splitlines()
+                if json.loads(x)["split"] == "test"}
+    assert not test_ids & {r["id"] for r in labels}  # no held-out question is labelled or trained on
     ctrl = FusionController.from_pretrained(out / "controller")  # what it recommends, a normal controller folder
     assert (ctrl.config.controller_mode == "uniform") == (s["verdict"]["ship"] != "network")
     assert f"Ship: {s['verdict']['ship']}" in (out / "report.md").read_text()
