@@ -102,7 +102,7 @@ def bench_adapters(model: Any, a: argparse.Namespace, dev: torch.device) -> tupl
 
 def _rows(model: Any, n_q: int, per_q: list[list[float]], a: argparse.Namespace, dev: torch.device) -> tuple:
     from fcprag_plugin.adapter import LoraAdapter, LoraModule
-    from fcprag_tools.labels.batched import ScoreRow
+    from fcprag_tools.label_builder.batched import ScoreRow
     from fcprag_tools.study.adapters import target_linears
 
     g = torch.Generator().manual_seed(2)
@@ -129,7 +129,7 @@ def _rows(model: Any, n_q: int, per_q: list[list[float]], a: argparse.Namespace,
 def bench_scoring(model: Any, rows: list, per_unit: int, a: argparse.Namespace, dev: torch.device) -> tuple:
     """``(units/s mixed, units/s one at a time, max |logprob difference|)``; a unit is ``per_unit`` rows."""
     from fcprag_plugin.slot import FusedSlot
-    from fcprag_tools.labels.batched import score_rows
+    from fcprag_tools.label_builder.batched import score_rows
 
     tok = Tok()
     union = {id(x): x for r in rows for x in r.adapters}

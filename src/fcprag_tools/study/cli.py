@@ -62,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--test-fraction", type=finite_float, default=0.33, help="held-out share of the questions")
     s.add_argument("--seed", type=int, default=0, help="split and training seed")
     s.add_argument("--controller", metavar="DIR",
-                   help="train nothing: evaluate this saved controller on all the questions (row 'recommended')")
+                   help="train nothing: evaluate this saved controller on all the questions (row 'recommended'), but those "
+                        "listed in its train_question_ids.json")
     s.add_argument("--retrieval", metavar="FILE",
                    help="JSON Lines {\"id\", \"passages\": [...]} in rank order instead of BM25")
     s.add_argument("--top-k", type=positive_int, default=3, help="passages (adapters) per question")

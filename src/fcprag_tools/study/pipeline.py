@@ -33,8 +33,8 @@ import torch
 from tqdm.auto import tqdm
 
 from fcprag_plugin.errors import FcpragError
-from fcprag_plugin.loading import write_json
-from ..labels.shard import ShardInfo, init_process_group, shard_from_env
+from fcprag_plugin.fileio import write_json
+from ..label_builder.shard import ShardInfo, init_process_group, shard_from_env
 from . import adapters as ad
 from . import data, scoring, summary
 from .augment import augment_batch
@@ -175,7 +175,7 @@ class Study:
     def load_model(self) -> None:
         if self.model is not None:
             return
-        from ..labels.model_io import load_model
+        from ..label_builder.model_io import load_model
 
         self.model, self.tok = load_model(self.o.model, gguf_file=self.o.gguf_file, dtype=self.o.dtype,
                                           device=self.o.device, local_rank=self.shard.local_rank, progress=False)
@@ -202,6 +202,14 @@ class Study:
     def retrieval(self) -> dict[str, dict[str, Any]]:
         t0 = time.perf_counter()
         qs = data.read_questions(self.o.questions)
+        trained = set()
+        if self.o.controller and (Path(self.o.controller) / "train_question_ids.json").is_file():
+            trained = set(json.loads((Path(self.o.controller) / "train_question_ids.json").read_text())["ids"])
+            left = sum(q["id"] in trained for q in qs)
+            if left:
+                logger.warning("leaving out %d question(s) that %s was trained on (its train_question_ids.json)",
+                               left, self.o.controller)
+            qs = [q for q in qs if q["id"] not in trained]
         if self.o.limit is not None:
             qs = qs[:self.o.limit]
         if len(qs) < 2:
@@ -277,8 +285,8 @@ class Study:
         self.timed("adapters", t0, adapters=sum(map(len, groups)), group=self.o.group, device=self.device)
 
     def labels(self, qs: dict[str, dict[str, Any]]) -> Path:
-        from ..labels.builder import BuildOptions, LabelBuilder, build_labels
-        from ..labels.manifest import ManifestRecord
+        from ..label_builder.builder import BuildOptions, LabelBuilder, build_labels
+        from ..label_builder.manifest import ManifestRecord
 
         t0 = time.perf_counter()
         path = self.out / "labels.jsonl"
@@ -327,7 +335,8 @@ class Study:
     # ------------------------------------------------------------------ evaluation
     def methods(self, q: dict[str, Any], ctrl: Any, kappa: float) -> dict[str, list[float]]:
         """``{row name: w~ per passage}`` for one question (all but the oracle and arrow)."""
-        from fcprag_plugin.weights import FusionWeights, is_uniform, side_inputs
+        from fcprag_plugin.controller import query_weights
+        from fcprag_plugin.weights import is_uniform, side_inputs
 
         n = len(q["passages"])
         rows = {"prag_sum": [1.0] * n, "average": [1.0 / n] * n}
@@ -341,8 +350,8 @@ class Study:
                                retrieval_ranks=[float(p["rank"]) for p in ps],
                                retrieval_scores=[float(p["score"]) for p in ps])
             with torch.no_grad():
-                w = [float(x) for x in FusionWeights.for_query(q["question"], [p["text"] for p in ps], ctrl,
-                                                               self.o.encoder, side).merge_weights]
+                w = [float(x) for x in query_weights(ctrl, q["question"], [p["text"] for p in ps], self.o.encoder,
+                                                     side).merge_weights]
             rows["learned"], rows["learned_same_total"] = w, [sum(w) / n] * n
         return rows
 

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from fcprag_plugin.loading import write_atomic
-from ..labels.shard import ShardInfo, part_path
-from ..labels.store import JsonlAppender, read_label_lines
+from fcprag_plugin.fileio import write_atomic
+from ..label_builder.shard import ShardInfo, part_path
+from ..label_builder.store import JsonlAppender, read_label_lines
 
 
 class UnitStore:

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fcprag_plugin.loading import write_atomic, write_json
+from fcprag_plugin.fileio import write_atomic, write_json
 from .stats import paired
 
 METRICS = ("logprob", "f1", "em", "acc")
@@ -95,7 +95,14 @@ def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[st
                "scale_only": lambda: FusionController.scale_only(kappa, embed_dim=cfg.embed_dim,
                                                                  embedding_model=cfg.embedding_model),
                "prag_sum": lambda: FusionController.uniform(cfg.embed_dim, cfg.embedding_model)}[ship]()
-    write_dir_atomically(study.out / "controller", shipped.save_pretrained)
+    train_ids = sorted(q for q, r in qs.items() if r["split"] == "train")
+
+    def save(tmp: Path) -> None:
+        shipped.save_pretrained(tmp)
+        if train_ids:  # `fcprag study --controller` leaves these out of what it evaluates
+            write_json(tmp / "train_question_ids.json", {"ids": train_ids})
+
+    write_dir_atomically(study.out / "controller", save)
     # the recommended row: the given controller, or what the study ships; its weights equal a scored row's
     rec_row = ("learned" if learned else sname) if given else {"network": "learned", "scale_only": sname,
                                                                "prag_sum": "prag_sum"}[ship]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fcprag_plugin.errors import FcpragError
-from fcprag_tools.labels.shard import ShardInfo
+from fcprag_tools.label_builder.shard import ShardInfo
 from fcprag_tools.study import augment, data
 from fcprag_tools.study.store import UnitStore
 

@@ -46,13 +46,16 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
     # the recommended row is the row of what ships, measured on the same questions
     row = {"network": "learned", "prag_sum": "prag_sum"}.get(s["verdict"]["ship"], f"scale:{s['verdict']['kappa']:g}")
     assert s["methods"]["recommended"] == s["methods"][row]
-    # --controller: trains nothing, evaluates it on every question
+    # --controller: trains nothing, evaluates it on every question it was not trained on
     out2 = tiny_study["root"] / "given"
     assert main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out2), "--top-k", "2",
                  "--scales", "2", "--max-new-tokens", "3", "--no-progress", "--controller",
                  str(out / "controller")]) == 0
     s2 = json.loads((out2 / "summary.json").read_text())
-    assert check_summary(s2) == [] and s2["n_test"] == 6 and s2["n_train"] == 0
+    assert check_summary(s2) == [] and s2["n_test"] == 3 and s2["n_train"] == 0
+    trained = set(json.loads((out / "controller" / "train_question_ids.json").read_text())["ids"])
+    evaluated = {json.loads(x)["id"] for x in (out2 / "questions.jsonl").read_text().splitlines()}
+    assert len(trained) == 3 and not trained & evaluated
     assert not (out2 / "labels.jsonl").exists() and not (out2 / "train").exists()
 
 
