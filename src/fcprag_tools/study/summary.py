@@ -43,7 +43,7 @@ def table(results: dict[str, dict[str, Any]], qids: list[str], names: list[str])
         for m in METRICS:
             diffs = [float(results[f"{q}|{n}"][m]) - float(results[f"{q}|prag_sum"][m]) for q in keys
                      if m in results[f"{q}|{n}"] and m in results[f"{q}|prag_sum"]]
-            d, ci = paired(diffs, f"{n}:{m}") if diffs else (None, None)
+            d, ci = paired(diffs, m) if diffs else (None, None)  # one resampling per metric for every row
             pairs[n][f"delta_{m}"], pairs[n][f"ci95_{m}"] = d, ci
     return keys, methods, pairs
 
@@ -52,7 +52,7 @@ def part(results: dict[str, dict[str, Any]], keys: list[str], a: str, b: str) ->
     """``a`` against ``b`` in gold log-lik. over ``keys``: ``{"delta", "ci95", "measured", "rows"}``."""
     if a == b:
         return {"delta": 0.0, "ci95": [0.0, 0.0], "measured": True, "rows": [a, b]}
-    d, ci = paired([results[f"{q}|{a}"]["logprob"] - results[f"{q}|{b}"]["logprob"] for q in keys], f"{a}-{b}")
+    d, ci = paired([results[f"{q}|{a}"]["logprob"] - results[f"{q}|{b}"]["logprob"] for q in keys], "logprob")
     return {"delta": d, "ci95": ci, "measured": True, "rows": [a, b]}
 
 
@@ -116,12 +116,12 @@ def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[st
         results[f"{q}|recommended"] = {**src, "id": f"{q}|recommended"}
     names.insert(1, "recommended")
     keys, methods, pairs = table(results, test, names)
+    study.load_model()  # (a resumed run with nothing left to score has not loaded it) for its device and dtype
     n_train = sum(r["split"] == "train" for r in qs.values())
     out = {
         "n_train": n_train, "n_test": len(keys),
-        "settings": {**settings, "device": study.device, "dtype": str(next(study.model.parameters()).dtype
-                                                                       ).removeprefix("torch.")
-                     if study.model is not None else settings["dtype"],
+        "settings": {**settings, "device": study.device,
+                     "dtype": str(next(study.model.parameters()).dtype).removeprefix("torch."),
                      "arrow": "scored" if "arrow" in names else getattr(study, "arrow_why", None) or "off",
                      "controller_trained": not given, "learned_dir": str(learned_dir)},
         "methods": methods, "paired": pairs,
