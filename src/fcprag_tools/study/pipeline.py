@@ -25,9 +25,9 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -452,12 +452,3 @@ class Study:
 def run_study(opts: StudyOptions) -> dict[str, Any] | None:
     """Run (or resume) a study; returns ``summary.json``'s content (None on ranks other than 0)."""
     return Study(opts).run()
-
-
-def iter_rows(results: dict[str, dict[str, Any]]) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    for key, r in results.items():
-        qid, _, name = key.rpartition("|")
-        yield qid, name, r
-
-
-__all__ = ["Study", "StudyOptions", "run_study", "iter_rows", "asdict"]
