@@ -59,7 +59,6 @@ class PragDataFile:
                             "records with 'question' and 'passages', or the directory holding such files)")
         self._cache: dict[Path, list[Any]] = {}
 
-    # ----------------------------------------------------------------- files
     def file_for(self, group: str, adapter_path: str) -> Path:
         if self.path.is_file():
             if self.path.stem != group:
@@ -73,7 +72,6 @@ class PragDataFile:
                 return cand
         raise HookError(f"adapter {adapter_path}: no data file '{group}.json' or '{group}.jsonl' in {self.path}")
 
-    # ----------------------------------------------------------------- lookup
     def context(self, parsed: Sequence[PragAdapterPath]) -> dict[str, Any]:
         """``{"question", "passages" (one per adapter, in adapter order), "test_id", "data_file"}``."""
         first = parsed[0]
