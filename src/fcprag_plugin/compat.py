@@ -12,12 +12,9 @@ from packaging.version import Version
 
 @functools.lru_cache(maxsize=None)
 def package_version(name: str) -> Version:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import version
 
-    try:
-        return Version(version(name))
-    except PackageNotFoundError:  # pragma: no cover - a required dependency
-        return Version("0")
+    return Version(version(name))
 
 
 def peft_version() -> Version:

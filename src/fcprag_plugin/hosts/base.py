@@ -94,15 +94,6 @@ class WeightProvider:
         return query_weights(self.controller, question, passages, self.encoder, side)
 
 
-def append_log_line(path: Path | None, record: dict[str, Any]) -> None:
-    """Append ``record`` to the JSON Lines file ``path`` in one write (no torn lines); None: no log."""
-    if path is None:
-        return
-    line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-
-
 def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | None:
     """Validate the ``max_adapters`` option (``None``: the slot grows with the largest question)."""
     if max_adapters is None:
@@ -232,11 +223,15 @@ class Shim:
             logger.warning(msg, *args)
 
     def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Count the question and write its record (strict JSON: NaN / inf become null) to the log."""
+        """Count the question and append its record (strict JSON: NaN / inf become null) to the log in one write."""
         record = finite_or_none(record)
         self.merges += 1
         self.last_record = record
-        append_log_line(self.log_path, record)
+        if self.log_path is not None:
+            line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist")
+                              else str(o))
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
         return record
 
 

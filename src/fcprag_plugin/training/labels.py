@@ -265,12 +265,6 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
     return out
 
 
-def _iter_jsonl(text: str) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield ``(line, value, parse_error)`` per non-blank line."""
-    for lineno, _, value, e in parse_json_lines(split_lines(text)):
-        yield lineno, value, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})"
-
-
 def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | None]]:
     """Yield ``(line, value, None)`` per element of a top-level JSON array (the line it starts on); a syntax error
     always raises (the rest of an array cannot be resynchronised)."""
@@ -325,7 +319,9 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
     if not stripped:
         raise LabelFileError(f"{p}: label file is empty; expected JSON Lines or a JSON array of records")
     text = text.lstrip("\ufeff")
-    items = _iter_json_array(text, spath) if stripped.startswith("[") else _iter_jsonl(text)
+    items = _iter_json_array(text, spath) if stripped.startswith("[") else (
+        (n, v, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})")
+        for n, _, v, e in parse_json_lines(split_lines(text)))
 
     records: list[LabelRecord] = []
     skipped: list[SkippedRecord] = []
