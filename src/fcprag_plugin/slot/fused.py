@@ -11,6 +11,13 @@ the DyPRAG ``separate`` sums into the first R rows, zeroes rows left over from a
 the hook on: ``y = W x + BT^T (A x)``. Shapes never change (``torch.compile`` friendly), no module is created,
 and no parameter of the model is ever written: ``remove()`` leaves it exactly as it was.
 
+Routes (``slot.route``): the hooks suit one forward per merge (scoring) and per-sample mixtures; generating runs
+many forwards with one merge, and there fused weights are faster (:mod:`fcprag_plugin.slot.fused_weights`: each
+target module computes with a buffer ``W + BT^T A`` swapped in for its weight ``Parameter``, which is put back on
+switch-off). ``auto`` (default) adds the update through the hooks and switches to fused weights at the second
+forward without autograd under the same merge (the second step of a ``generate``), when the copy fits
+``slot.weights_budget``; ``hooks`` never switches; ``weights`` switches at :meth:`FusedSlot.write`.
+
 >>> slot = FusedSlot.for_model(model, adapters[0], max_adapters=10)  # doctest: +SKIP
 >>> with slot.fused(adapters, weights):                             # doctest: +SKIP
 ...     out = model.generate(**inputs)
@@ -37,12 +44,14 @@ from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
 from ..merge import factors
 from ..weights import check_weights
+from .fused_weights import FusedWeights
 from .store import AdapterStore
 from .layout import Layout, PackedAdapter, PackedGroup, check_layouts, layout_from_shapes, layout_of, pack_adapter
 
 logger = logging.getLogger(__name__)
 
 SLOT_MODES = ("cat", "separate")
+ROUTES = ("auto", "hooks", "weights")
 DEFAULT_MAX_RANK = 8
 
 # A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (used by mixed batches).
@@ -88,14 +97,21 @@ class _Entry:
 
 
 class _State:
-    __slots__ = ("active", "transform")
+    __slots__ = ("active", "transform", "pending", "calls")
 
     def __init__(self) -> None:
-        self.active = False
+        self.active = False  # the hooks add the update
         self.transform: RankTransform | None = None
+        self.pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
+        self.calls = 0  # forwards through the counting hook since the last write
 
 
-def _make_hook(entry: _Entry, state: _State):
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+def _make_hook(entry: _Entry, state: _State, counts: bool = False):
+    """The forward hook of one target module; the ``counts`` one (one module that runs once per forward) also
+    switches route ``auto`` to fused weights at the second forward without autograd, after its own output."""
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if not state.active:
             return None  # output untouched: the base model, bit for bit
@@ -103,7 +119,13 @@ def _make_hook(entry: _Entry, state: _State):
         h = inputs[0].to(A.dtype) @ A.T  # [..., K*R]
         if state.transform is not None:
             h = state.transform(h, entry.name)
-        return output + (h @ entry.BT).to(output.dtype)
+        out = output + (h @ entry.BT).to(output.dtype)
+        if counts and state.pending is not None and not _is_compiling():
+            state.calls += 1
+            if state.calls >= 2 and not torch.is_grad_enabled() \
+                    and not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+                state.pending()  # the modules after this one compute with fused weights
+        return out
 
     return hook
 
@@ -223,14 +245,18 @@ class FusedSlot:
         self._removed = False
         self._handles: list[Any] = []
         self._entries: list[list[_Entry]] = []  # per group, per layer
+        self.route = "auto"
+        self._weights: FusedWeights | None = None
+        self._budget: int | None = None
         table = dict(model.named_modules())
         self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
                          for g in self.layout.groups]
         self._allocate(buffers_from)
+        self._hooks = [(mod, _make_hook(entry, self._state, counts=(gi, l) == (0, 0)))
+                       for gi, mods in enumerate(self._modules)
+                       for l, (entry, mod) in enumerate(zip(self._entries[gi], mods))]
         try:
-            for gi, mods in enumerate(self._modules):
-                for entry, mod in zip(self._entries[gi], mods):
-                    self._handles.append(mod.register_forward_hook(_make_hook(entry, self._state)))
+            self._attach_hooks()
         except Exception:
             self.remove()
             raise
@@ -317,7 +343,71 @@ class FusedSlot:
 
     @property
     def active(self) -> bool:
-        return self._state.active
+        """Whether the slot's merge is on (through the hooks or fused weights)."""
+        return self._state.active or self.on_weights
+
+    @property
+    def on_weights(self) -> bool:
+        """Whether the target modules compute with fused weights now (route ``auto`` / ``weights``)."""
+        return self._weights is not None and self._weights.swapped
+
+    @property
+    def weights_budget(self) -> int | None:
+        """The most bytes the fused-weight copies may take (None, the default: half of the memory the device reports
+        free). Over it, the slot keeps the hooks (logged once)."""
+        return self._budget
+
+    @weights_budget.setter
+    def weights_budget(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise MergeError(f"weights_budget must be a number of bytes (an int >= 0) or None, got {value!r}")
+        self._budget = value
+        if self._weights is not None:
+            self._weights.budget = value
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes of the fused-weight route: one copy of the target weights (allocated at its first use)."""
+        return sum(m.weight.numel() * m.weight.element_size() for mods in self._modules for m in mods) \
+            if self._weights is None else self._weights.nbytes
+
+    # ------------------------------------------------------------------ the two routes
+    def _attach_hooks(self) -> None:
+        if not self._handles and not self._removed:
+            for mod, fn in self._hooks:
+                self._handles.append(mod.register_forward_hook(fn))
+
+    def _detach_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _to_weights(self) -> bool:
+        """Switch the current merge from the hooks to fused weights (see :mod:`.fused_weights`); False (hooks kept)
+        when the copy does not fit or the weights cannot be swapped (logged once)."""
+        self._state.pending = None
+        if self._weights is None:
+            mods = [self._modules[seg.group][l] for seg in self._segments for l in range(seg.l0, seg.l1)]
+            self._weights = FusedWeights(mods)
+            self._weights.budget = self._budget
+        if self._weights.available() is not None:
+            return False
+        try:
+            self._weights.fill([(seg.A[l - seg.l0, :seg.dirty], seg.BT[l - seg.l0, :seg.dirty])
+                                for seg in self._segments for l in range(seg.l0, seg.l1)])
+            self._weights.swap_in()
+            self._state.active = False
+            self._detach_hooks()
+        except BaseException:  # interrupted half way: back to the hooks, whole
+            self._weights.restore()
+            self._attach_hooks()
+            self._state.active = True
+            raise
+        return True
+
+    def _restore_weights(self) -> None:
+        if self._weights is not None:
+            self._weights.restore()
+        self._attach_hooks()
 
     @property
     def nbytes(self) -> int:
@@ -444,6 +534,8 @@ class FusedSlot:
         if mode not in SLOT_MODES:
             raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "
                              "(use fcprag_plugin.merge for 'svd')")
+        if self.route not in ROUTES:
+            raise MergeError(f"FusedSlot.route is {self.route!r}; expected one of {list(ROUTES)}")
         packed = self.prepare(adapters)
         n = len(packed)
         w = check_weights(weights, n)
@@ -454,6 +546,10 @@ class FusedSlot:
             self._write_separate(packed, array("f", [v / n for v in w]).tolist())  # = float32 w / N
         self.n_active, self.merge_mode, self.unweighted = len(packed), mode, False
         self._state.active = True
+        if self.route == "weights":
+            self._to_weights()
+        elif self.route == "auto":
+            self._state.calls, self._state.pending = 0, self._to_weights
         return self
 
     def switch_on_transform(self, transform: RankTransform) -> None:
@@ -465,9 +561,12 @@ class FusedSlot:
         self._state.active = True
 
     def deactivate(self) -> None:
-        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept)."""
+        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept; fused weights
+        are swapped back for the original ``Parameter`` objects)."""
         self._state.active = False
         self._state.transform = None
+        self._state.pending = None
+        self._restore_weights()
 
     def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> ContextManager["FusedSlot"]:
         """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
@@ -529,13 +628,14 @@ class FusedSlot:
 
     def remove(self) -> None:
         """Remove the hooks and free the buffers: the model is exactly as before the slot was created."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._removed = True  # first: deactivate() must not attach the hooks again
         self.deactivate()
+        if self._weights is not None:
+            self._weights.free()
+            self._weights = None
+        self._detach_hooks()
         self._segments = []
         self._entries = []
-        self._removed = True
         model = self.model
         if model is not None and _SLOTS.get(model) is self:
             del _SLOTS[model]
