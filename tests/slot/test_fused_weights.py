@@ -49,6 +49,12 @@ def assert_restored(model, before):
         assert torch.equal(now[n], val), f"parameter {n} changed"
 
 
+def decode(model, x):
+    """A prefill and one decoding step (what generate() does first); returns the step's logits."""
+    out = model(x[:, :-1])
+    return model(x[:, -1:], past_key_values=out.past_key_values).logits
+
+
 @pytest.fixture
 def x():
     return torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(7))
@@ -62,23 +68,25 @@ def setup(dtype, kind="llama", n=3):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["cat", "separate"])
-def test_auto_switches_at_the_second_inference_forward_and_matches_the_dense_reference(x, dtype, mode):
+def test_auto_switches_at_the_first_decoding_step_and_matches_the_dense_reference(x, dtype, mode):
     model, ads, w = setup(dtype)
     before = originals(model)
     slot = FusedSlot(model, ads[0], max_adapters=3)
     want = dense64(model, ads, w) if mode == "cat" else None
     with torch.no_grad(), slot.fused(ads, w, mode):
-        first = model(x).logits  # the hooks
+        out = model(x[:, :-1])  # a prefill: the hooks
+        first = model(x).logits  # no cache given (scoring): still the hooks
         assert not slot.on_weights and slot.active
-        second = model(x).logits  # switches after the first target module
+        step = model(x[:, -1:], past_key_values=out.past_key_values).logits[:, -1]  # decoding: fused weights
         assert slot.on_weights and slot.active
-        third = model(x).logits  # fused weights throughout
+        second = third = model(x).logits  # fused weights throughout
         assert not any(m._forward_hooks for m in targets(model, slot))  # no hook cost while on weights
         swapped = [m.weight for m in targets(model, slot)]
         assert all(p is not before[n + ".weight"][0] for n, p in zip(slot.layout.module_names, swapped))
     assert not slot.active and not slot.on_weights
     assert_restored(model, before)
     assert all(len(m._forward_hooks) == 1 for m in targets(model, slot))  # the hooks are back (switched off)
+    torch.testing.assert_close(step, first[:, -1], **TOL[dtype])
     for got in (first, second, third):
         if mode == "cat":
             torch.testing.assert_close(got.double(), want(x).logits, **TOL[dtype])
@@ -162,8 +170,7 @@ def test_exception_or_interrupt_in_the_block_restores(x, exc):
     slot = FusedSlot(model, ads[0], max_adapters=3)
     with pytest.raises(exc):
         with torch.no_grad(), slot.fused(ads, w):
-            model(x)
-            model(x)
+            decode(model, x)
             assert slot.on_weights
             raise exc("interrupted")
     assert not slot.active
@@ -206,16 +213,15 @@ def test_budget_too_small_falls_back_to_the_hooks_with_one_log_line(x, caplog):
     caplog.set_level(logging.INFO, logger="fcprag_plugin")
     for _ in range(3):
         with torch.no_grad(), slot.fused(ads, w):
-            for _ in range(3):
-                got = model(x).logits
+            decode(model, x)
+            got = model(x).logits
             assert slot.active and not slot.on_weights
     lines = [r for r in caplog.records if "fused weights" in r.getMessage()]
     assert len(lines) == 1 and "budget" in lines[0].getMessage() and str(slot.weights_budget) in lines[0].getMessage()
     torch.testing.assert_close(got.double(), dense64(tiny_model("llama"), ads, w)(x).logits, rtol=1e-4, atol=1e-4)
     slot.weights_budget = slot.weights_nbytes  # fits now
     with torch.no_grad(), slot.fused(ads, w):
-        model(x)
-        model(x)
+        decode(model, x)
         assert slot.on_weights
     assert_restored(model, before)
     with pytest.raises(MergeError, match="weights_budget must be"):
@@ -224,18 +230,16 @@ def test_budget_too_small_falls_back_to_the_hooks_with_one_log_line(x, caplog):
 
 
 def test_grad_forwards_and_rank_transforms_keep_the_hooks(x):
-    """Scoring with autograd on and per-sample transforms (mixed batches) never switch to fused weights."""
+    """Decoding with autograd on and per-sample transforms (mixed batches) never switch to fused weights."""
     model, ads, w = setup(torch.float32)
     slot = FusedSlot(model, ads[0], max_adapters=3)
     with slot.fused(ads, w):
-        for _ in range(3):
-            model(x)
+        decode(model, x)  # autograd on
         assert not slot.on_weights
     slot.write_unweighted(ads)
     slot.switch_on_transform(lambda h, name: h * 0.5)
     with torch.no_grad():
-        for _ in range(3):
-            model(x)
+        decode(model, x)
     assert slot.active and not slot.on_weights
     slot.deactivate()
     slot.route = "bogus"
@@ -260,7 +264,7 @@ def test_non_plain_weights_fall_back_to_the_hooks(x, caplog):
     caplog.set_level(logging.INFO, logger="fcprag_plugin")
     slot = FusedSlot(model, ads[0], max_adapters=3)
     with torch.no_grad(), slot.fused(ads, w):
-        model(x)
+        decode(model, x)
         got = model(x).logits
         assert not slot.on_weights
     assert sum("QuantParam" in r.getMessage() for r in caplog.records) == 1

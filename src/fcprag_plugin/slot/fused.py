@@ -14,9 +14,10 @@ and no parameter of the model is ever written: ``remove()`` leaves it exactly as
 Routes (``slot.route``): the hooks suit one forward per merge (scoring) and per-sample mixtures; generating runs
 many forwards with one merge, and there fused weights are faster (:mod:`fcprag_plugin.slot.fused_weights`: each
 target module computes with a buffer ``W + BT^T A`` swapped in for its weight ``Parameter``, which is put back on
-switch-off). ``auto`` (default) adds the update through the hooks and switches to fused weights at the second
-forward without autograd under the same merge (the second step of a ``generate``), when the copy fits
-``slot.weights_budget``; ``hooks`` never switches; ``weights`` switches at :meth:`FusedSlot.write`.
+switch-off). ``auto`` (default) adds the update through the hooks and switches to fused weights at the first
+forward without autograd that continues a KV cache under the same merge (the first decoding step of a
+``generate``), when the copy fits ``slot.weights_budget``; ``hooks`` never switches; ``weights`` switches at
+:meth:`FusedSlot.write`.
 
 >>> slot = FusedSlot.for_model(model, adapters[0], max_adapters=10)  # doctest: +SKIP
 >>> with slot.fused(adapters, weights):                             # doctest: +SKIP
@@ -97,21 +98,18 @@ class _Entry:
 
 
 class _State:
-    __slots__ = ("active", "transform", "pending", "calls")
+    __slots__ = ("active", "transform", "pending")
 
     def __init__(self) -> None:
         self.active = False  # the hooks add the update
         self.transform: RankTransform | None = None
         self.pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
-        self.calls = 0  # forwards through the counting hook since the last write
 
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
-def _make_hook(entry: _Entry, state: _State, counts: bool = False):
-    """The forward hook of one target module; the ``counts`` one (one module that runs once per forward) also
-    switches route ``auto`` to fused weights at the second forward without autograd, after its own output."""
+def _make_hook(entry: _Entry, state: _State):
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if not state.active:
             return None  # output untouched: the base model, bit for bit
@@ -119,15 +117,37 @@ def _make_hook(entry: _Entry, state: _State, counts: bool = False):
         h = inputs[0].to(A.dtype) @ A.T  # [..., K*R]
         if state.transform is not None:
             h = state.transform(h, entry.name)
-        out = output + (h @ entry.BT).to(output.dtype)
-        if counts and state.pending is not None and not _is_compiling():
-            state.calls += 1
-            if state.calls >= 2 and not torch.is_grad_enabled() \
-                    and not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
-                state.pending()  # the modules after this one compute with fused weights
-        return out
+        return output + (h @ entry.BT).to(output.dtype)
 
     return hook
+
+
+def _continues_cache(kwargs: dict[str, Any]) -> bool:
+    """Whether a forward's keyword arguments carry a non-empty KV cache (a decoding step; transformers 5 names the
+    argument ``cache``, earlier versions ``past_key_values``)."""
+    pkv = kwargs.get("past_key_values")
+    if pkv is None:
+        pkv = kwargs.get("cache")
+    if pkv is None:
+        return False
+    length = getattr(pkv, "get_seq_length", None)
+    if callable(length):
+        return int(length()) > 0
+    return isinstance(pkv, (tuple, list)) and len(pkv) > 0
+
+
+def _make_pre_hook(state: _State):
+    """Route ``auto``: before a forward without autograd that continues a KV cache (not while compiling or
+    capturing a CUDA graph), switch the pending merge to fused weights."""
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if state.pending is None or _is_compiling() or torch.is_grad_enabled() or not _continues_cache(kwargs):
+            return None
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None
+        state.pending()
+        return None
+
+    return pre_hook
 
 
 def resolve_module(table: dict[str, nn.Module], name: str) -> nn.Module:
@@ -252,11 +272,14 @@ class FusedSlot:
         self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
                          for g in self.layout.groups]
         self._allocate(buffers_from)
-        self._hooks = [(mod, _make_hook(entry, self._state, counts=(gi, l) == (0, 0)))
-                       for gi, mods in enumerate(self._modules)
-                       for l, (entry, mod) in enumerate(zip(self._entries[gi], mods))]
+        self._hooks = [(mod, _make_hook(entry, self._state))
+                       for gi, mods in enumerate(self._modules) for entry, mod in zip(self._entries[gi], mods)]
+        self._pre_handle: Any = None
         try:
             self._attach_hooks()
+            root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+            if isinstance(root, nn.Module):  # where generate() calls forward (a PeftModel's inner model)
+                self._pre_handle = root.register_forward_pre_hook(_make_pre_hook(self._state), with_kwargs=True)
         except Exception:
             self.remove()
             raise
@@ -549,7 +572,7 @@ class FusedSlot:
         if self.route == "weights":
             self._to_weights()
         elif self.route == "auto":
-            self._state.calls, self._state.pending = 0, self._to_weights
+            self._state.pending = self._to_weights
         return self
 
     def switch_on_transform(self, transform: RankTransform) -> None:
@@ -634,6 +657,9 @@ class FusedSlot:
             self._weights.free()
             self._weights = None
         self._detach_hooks()
+        if getattr(self, "_pre_handle", None) is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
         self._segments = []
         self._entries = []
         model = self.model
