@@ -219,7 +219,8 @@ def markdown(res: dict[str, Any]) -> str:
         cells = [f"{v['median_ms']:.1f} ms ({v['ratio_to_base']:.3f}x)" if v.get("ratio_to_base") else
                  f"{v['median_ms']:.1f} ms" for v in row["timings"].values()]
         lg = row["logits"]
-        lines.append(f"| {b} | " + " | ".join(cells) + f" | {lg['hooks']['rel_err']:.1e} / {lg['auto']['rel_err']:.1e} |")
+        errs = f"{lg['hooks']['rel_err']:.1e} / {lg['auto']['rel_err']:.1e}"
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {errs} |")
     lines.append(f"\nBase weights bit-identical afterwards: {res['base_weights_bit_identical']}\n")
     return "\n".join(lines)
 

@@ -89,7 +89,7 @@ def test_auto_switches_at_the_first_decoding_step_and_matches_the_dense_referenc
     torch.testing.assert_close(step, first[:, -1], **TOL[dtype])
     for got in (first, second, third):
         if mode == "cat":
-            torch.testing.assert_close(got.double(), want(x).logits, **TOL[dtype])
+            torch.testing.assert_close(got.double(), want(x).logits.double(), **TOL[dtype])
         else:
             torch.testing.assert_close(got, first, **TOL[dtype])  # separate: same merge, other route
     if mode == "separate":  # DyPRAG's product, densely: (sum u_i B_i)(sum u_i s_i A_i), u = w~/N
@@ -101,12 +101,12 @@ def test_auto_switches_at_the_first_decoding_step_and_matches_the_dense_referenc
                 B = sum(ui * a.modules[name].B.double() for ui, a in zip(u, ads))
                 A = sum(ui * a.modules[name].scaling * a.modules[name].A.double() for ui, a in zip(u, ads))
                 mods[name].weight += B @ A
-        err = [(t.double() - ref(x).logits).abs().max().item() for t in (first, third)]
+        err = [(t.double() - ref(x).logits.double()).abs().max().item() for t in (first, third)]
         # the bfloat16 factor sums round before their product, on either route: no worse than the hooks
         assert err[1] <= (1e-4 if dtype == torch.float32 else 1.25 * err[0] + 1e-2), err
     with torch.no_grad():
         base = model(x).logits
-        assert torch.equal(base, tiny_model("llama").to(dtype)(x).logits)
+        assert torch.equal(base, tiny_model("llama").to(dtype)(x).logits.double())
     slot.remove()
     assert_restored(model, before)
     assert not any(m._forward_hooks for m in model.modules())
@@ -126,15 +126,15 @@ def test_route_weights_is_exact_to_the_dtype_rounding(x):
         ulp = torch.finfo(torch.float32).eps * ref.abs().max().item()
         torch.testing.assert_close(W.double(), ref, rtol=0, atol=4 * ulp)
     with torch.no_grad():
-        torch.testing.assert_close(model(x).logits.double(), dense64(tiny_model("llama"), ads, w)(x).logits,
-                                   rtol=1e-5, atol=1e-5)
+        want = dense64(tiny_model("llama"), ads, w)(x).logits.double()
+        torch.testing.assert_close(model(x).logits.double(), want, rtol=1e-5, atol=1e-5)
     slot.write(ads[:1], [2.0])  # a new merge: back to the originals, then fused again
     with torch.no_grad():
-        torch.testing.assert_close(model(x).logits.double(), dense64(tiny_model("llama"), ads[:1], [2.0])(x).logits,
-                                   rtol=1e-5, atol=1e-5)
+        want = dense64(tiny_model("llama"), ads[:1], [2.0])(x).logits.double()
+        torch.testing.assert_close(model(x).logits.double(), want, rtol=1e-5, atol=1e-5)
     slot.remove()
     with torch.no_grad():
-        assert torch.equal(model(x).logits, tiny_model("llama")(x).logits)
+        assert torch.equal(model(x).logits, tiny_model("llama")(x).logits.double())
 
 
 def test_generate_through_fuse_matches_hooks_and_restores(x):
@@ -155,7 +155,7 @@ def test_generate_through_fuse_matches_hooks_and_restores(x):
         assert not res.slot.on_weights
     assert torch.equal(got, hooks)
     with torch.no_grad():
-        want = dense64(model, ads, [1.5] * 3)(got[:, :-1]).logits[:, -1]
+        want = dense64(model, ads, [1.5] * 3)(got[:, :-1]).logits[:, -1].double()
         res.slot.route = "weights"
         with fuse(ads, q, ps, controller=ctrl, model=model, use_slot=True):
             torch.testing.assert_close(model(got[:, :-1]).logits[:, -1].double(), want, rtol=1e-4, atol=1e-4)
@@ -198,7 +198,7 @@ def test_interrupt_half_way_through_the_swap_leaves_the_hooks_whole(x, monkeypat
     monkeypatch.undo()
     assert slot.active and not slot.on_weights  # still the merge, through the hooks
     with torch.no_grad():
-        torch.testing.assert_close(model(x).logits.double(), dense64(tiny_model("llama"), ads, w)(x).logits,
+        torch.testing.assert_close(model(x).logits.double(), dense64(tiny_model("llama"), ads, w)(x).logits.double(),
                                    rtol=1e-4, atol=1e-4)
     slot.deactivate()
     assert_restored(model, before)
@@ -218,7 +218,8 @@ def test_budget_too_small_falls_back_to_the_hooks_with_one_log_line(x, caplog):
             assert slot.active and not slot.on_weights
     lines = [r for r in caplog.records if "fused weights" in r.getMessage()]
     assert len(lines) == 1 and "budget" in lines[0].getMessage() and str(slot.weights_budget) in lines[0].getMessage()
-    torch.testing.assert_close(got.double(), dense64(tiny_model("llama"), ads, w)(x).logits, rtol=1e-4, atol=1e-4)
+    want = dense64(tiny_model("llama"), ads, w)(x).logits.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
     slot.weights_budget = slot.weights_nbytes  # fits now
     with torch.no_grad(), slot.fused(ads, w):
         decode(model, x)
@@ -268,5 +269,5 @@ def test_non_plain_weights_fall_back_to_the_hooks(x, caplog):
         got = model(x).logits
         assert not slot.on_weights
     assert sum("QuantParam" in r.getMessage() for r in caplog.records) == 1
-    torch.testing.assert_close(got.double(), dense64(model, ads, w)(x).logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.double(), dense64(model, ads, w)(x).logits.double(), rtol=1e-4, atol=1e-4)
     slot.remove()
