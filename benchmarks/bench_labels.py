@@ -244,6 +244,12 @@ def bench_batch(args) -> None:
     same_text = all(x.get("generation_without") == y.get("generation_without")
                     and x.get("generation_all") == y.get("generation_all") for x, y in zip(seq, bat))
     print(f"batched vs sequential labels: max |log-prob difference| {diff:.2g}; greedy texts identical: {same_text}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "env": _timing.env(dev, dt), "model": model_name, "records": len(records), "n": args.passages,
+            "generate": args.generate, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+            "records_per_s": rps, "max_logprob_diff": diff, "greedy_texts_identical": same_text}, indent=1))
 
 
 def main() -> None:
@@ -262,6 +268,7 @@ def main() -> None:
     ap.add_argument("--use-slot", action="store_true", help="shards mode: the fused slot path")
     ap.add_argument("--data", type=Path, default=DATA, help="HotpotQA sample (JSON Lines: id, question, answer, passages)")
     ap.add_argument("--keep", help="keep the work folder here instead of a temp dir")
+    ap.add_argument("--out", help="batch mode: also write the results as JSON here")
     _timing.add_device_args(ap)
     args = ap.parse_args()
     if args.mode == "batch":

@@ -15,7 +15,8 @@
 #                (1B shape, N = 3 and 10), and a mixed batch vs one question at a time
 #   4. labels:   bench_labels.py -- the label builder's records/s against its forward floor
 #   5. shims:    bench_shim_slot.py -- PRAG's shim (use_slot, generating 64 tokens) and DyPRAG's, per question
-# Files in OUTDIR: check.log (everything), bench_generate.{json,md}, bench_fusion.{json,md}, shims.json.
+# Files in OUTDIR: check.log (everything), gpu_table.md (the issue-33 table from this run, gpu_report.py),
+# bench_generate.{json,md}, bench_fusion.{json,md}, labels.json, shims.json.
 set -u -o pipefail
 OUTDIR=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR}
 mkdir -p "$OUTDIR"
@@ -74,8 +75,9 @@ step generate 110 $PY benchmarks/bench_generate.py --device "$DEV" --dtype "$DT"
   --out "$OUTDIR/bench_generate.json"
 step fusion 100 $PY benchmarks/bench_fusion.py --device "$DEV" --dtype "$DT" "${FUS[@]}" \
   --out "$OUTDIR/bench_fusion.json"
-step labels 60 $PY benchmarks/bench_labels.py --device "$DEV" --dtype "$DT" "${LAB[@]}"
+step labels 60 $PY benchmarks/bench_labels.py --device "$DEV" --dtype "$DT" "${LAB[@]}" --out "$OUTDIR/labels.json"
 step shims 60 $PY benchmarks/bench_shim_slot.py --device "$DEV" --dtype "$DT" "${SHIM[@]}" --out "$OUTDIR/shims.json"
 
+$PY benchmarks/gpu_report.py "$OUTDIR" >> "$LOG" 2>&1 || echo "(gpu_report.py failed)" | tee -a "$LOG"
 echo "== done in ${SECONDS}s; not passed: ${FAILED[*]:-none}" | tee -a "$LOG"
 [ ${#FAILED[@]} -eq 0 ]
