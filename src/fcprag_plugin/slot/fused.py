@@ -126,26 +126,19 @@ def _continues_cache(kwargs: dict[str, Any]) -> bool:
     """Whether a forward's keyword arguments carry a non-empty KV cache (a decoding step; transformers 5 names the
     argument ``cache``, earlier versions ``past_key_values``)."""
     pkv = kwargs.get("past_key_values")
-    if pkv is None:
-        pkv = kwargs.get("cache")
-    if pkv is None:
-        return False
+    pkv = kwargs.get("cache") if pkv is None else pkv
     length = getattr(pkv, "get_seq_length", None)
-    if callable(length):
-        return int(length()) > 0
-    return isinstance(pkv, (tuple, list)) and len(pkv) > 0
+    return int(length()) > 0 if callable(length) else isinstance(pkv, (tuple, list)) and len(pkv) > 0
 
 
 def _make_pre_hook(state: _State):
     """Route ``auto``: before a forward without autograd that continues a KV cache (not while compiling or
     capturing a CUDA graph), switch the pending merge to fused weights."""
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if state.pending is None or _is_compiling() or torch.is_grad_enabled() or not _continues_cache(kwargs):
-            return None
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None
-        state.pending()
-        return None
+        if state.pending is not None and not _is_compiling() and not torch.is_grad_enabled() \
+                and _continues_cache(kwargs) and not (torch.cuda.is_available()
+                                                      and torch.cuda.is_current_stream_capturing()):
+            state.pending()
 
     return pre_hook
 
@@ -266,12 +259,11 @@ class FusedSlot:
         self._handles: list[Any] = []
         self._entries: list[list[_Entry]] = []  # per group, per layer
         self.route = "auto"
-        self._weights: FusedWeights | None = None
-        self._budget: int | None = None
         table = dict(model.named_modules())
         self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
                          for g in self.layout.groups]
         self._allocate(buffers_from)
+        self._weights = FusedWeights([self._modules[s.group][l] for s in self._segments for l in range(s.l0, s.l1)])
         self._hooks = [(mod, _make_hook(entry, self._state))
                        for gi, mods in enumerate(self._modules) for entry, mod in zip(self._entries[gi], mods)]
         self._pre_handle: Any = None
@@ -378,21 +370,18 @@ class FusedSlot:
     def weights_budget(self) -> int | None:
         """The most bytes the fused-weight copies may take (None, the default: half of the memory the device reports
         free). Over it, the slot keeps the hooks (logged once)."""
-        return self._budget
+        return self._weights.budget
 
     @weights_budget.setter
     def weights_budget(self, value: int | None) -> None:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise MergeError(f"weights_budget must be a number of bytes (an int >= 0) or None, got {value!r}")
-        self._budget = value
-        if self._weights is not None:
-            self._weights.budget = value
+        self._weights.budget = value
 
     @property
     def weights_nbytes(self) -> int:
         """Bytes of the fused-weight route: one copy of the target weights (allocated at its first use)."""
-        return sum(m.weight.numel() * m.weight.element_size() for mods in self._modules for m in mods) \
-            if self._weights is None else self._weights.nbytes
+        return self._weights.nbytes
 
     # ------------------------------------------------------------------ the two routes
     def _attach_hooks(self) -> None:
@@ -408,10 +397,6 @@ class FusedSlot:
         """Switch the current merge from the hooks to fused weights (see :mod:`.fused_weights`); False (hooks kept)
         when the copy does not fit or the weights cannot be swapped (logged once)."""
         self._state.pending = None
-        if self._weights is None:
-            mods = [self._modules[seg.group][l] for seg in self._segments for l in range(seg.l0, seg.l1)]
-            self._weights = FusedWeights(mods)
-            self._weights.budget = self._budget
         if self._weights.available() is not None:
             return False
         try:
@@ -427,10 +412,6 @@ class FusedSlot:
             raise
         return True
 
-    def _restore_weights(self) -> None:
-        if self._weights is not None:
-            self._weights.restore()
-        self._attach_hooks()
 
     @property
     def nbytes(self) -> int:
@@ -589,7 +570,8 @@ class FusedSlot:
         self._state.active = False
         self._state.transform = None
         self._state.pending = None
-        self._restore_weights()
+        self._weights.restore()
+        self._attach_hooks()
 
     def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> ContextManager["FusedSlot"]:
         """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
@@ -653,9 +635,7 @@ class FusedSlot:
         """Remove the hooks and free the buffers: the model is exactly as before the slot was created."""
         self._removed = True  # first: deactivate() must not attach the hooks again
         self.deactivate()
-        if self._weights is not None:
-            self._weights.free()
-            self._weights = None
+        self._weights.free()
         self._detach_hooks()
         if getattr(self, "_pre_handle", None) is not None:
             self._pre_handle.remove()
