@@ -43,8 +43,9 @@ def generation(g: dict[str, Any]) -> list[str]:
             cells.append("-" if t is None else f"{t['median_ms']:.0f} ({t['ratio_to_base']:.3f}x)")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     errs = "; ".join(f"batch {b}: hooks {r['logits']['hooks']['rel_err']:.1e}, fused weights "
-                     f"{r['logits']['auto']['rel_err']:.1e} (on fused weights: {r['logits']['auto']['on_weights']}), "
-                     f"the update itself {r['logits']['base_vs_reference']['rel_err']:.1e}"
+                     f"{r['logits']['weights']['rel_err']:.1e} (route auto on fused weights: "
+                     f"{r['logits']['auto']['on_weights']}), the update itself "
+                     f"{r['logits']['base_vs_reference']['rel_err']:.1e}"
                      for b, r in g["batches"].items())
     out += ["", f"Logits of a decoding step vs the float64 dense reference `W + sum_i w_i s_i B_i A_i` "
                 f"(max |diff| / max |ref|): {errs}. Base weights bit-identical, the original Parameter objects, "
@@ -100,8 +101,9 @@ def shims(s: dict[str, Any]) -> list[str]:
                 f"bit-identical after: {s['prag']['base_bit_identical_after']}."]
     if "dyprag" in s:
         d = s["dyprag"]["ms"]
-        out += ["", f"DyPRAG's injection per question (mode {s['dyprag']['mode']}), ms: default {d['default']['total']:.1f},"
-                    f" use_slot {d['slot']['total']:.1f}; max |logit diff| {s['dyprag']['max_abs_logit_diff']:.1e}."]
+        out += ["", f"DyPRAG's injection per question (mode {s['dyprag']['mode']}), ms: default "
+                    f"{d['default']['total']:.1f}, use_slot {d['slot']['total']:.1f}; max |logit diff| "
+                    f"{s['dyprag']['max_abs_logit_diff']:.1e}."]
     return out
 
 

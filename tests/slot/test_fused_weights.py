@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fcprag_plugin import FusionController, MergeError, fuse
-from fcprag_plugin.slot import FusedSlot, fused_weights
+from fcprag_plugin.slot import FusedSlot, fused, fused_weights
 from helpers import dense_reference, random_adapter, tiny_model
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -53,6 +53,12 @@ def decode(model, x):
     """A prefill and one decoding step (what generate() does first); returns the step's logits."""
     out = model(x[:, :-1])
     return model(x[:, -1:], past_key_values=out.past_key_values).logits
+
+
+@pytest.fixture(autouse=True)
+def auto_on_cpu(monkeypatch):
+    """Route 'auto' switches on accelerators only; these CPU tests check its logic with the CPU allowed."""
+    monkeypatch.setattr(fused, "AUTO_ON_CPU", True)
 
 
 @pytest.fixture
@@ -195,7 +201,7 @@ def test_interrupt_half_way_through_the_swap_leaves_the_hooks_whole(x, monkeypat
     slot.route = "weights"
     with pytest.raises(KeyboardInterrupt):
         slot.write(ads, w)
-    monkeypatch.undo()
+    monkeypatch.delattr(fused_weights, "setattr")
     assert slot.active and not slot.on_weights  # still the merge, through the hooks
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits.double(), dense64(tiny_model("llama"), ads, w)(x).logits.double(),
@@ -270,4 +276,18 @@ def test_non_plain_weights_fall_back_to_the_hooks(x, caplog):
         assert not slot.on_weights
     assert sum("QuantParam" in r.getMessage() for r in caplog.records) == 1
     torch.testing.assert_close(got.double(), dense64(model, ads, w)(x).logits.double(), rtol=1e-4, atol=1e-4)
+    slot.remove()
+
+
+def test_auto_keeps_the_hooks_on_the_cpu(x, monkeypatch):
+    """Without AUTO_ON_CPU, route 'auto' on a CPU model keeps the hooks through a generate (the default there)."""
+    monkeypatch.setattr(fused, "AUTO_ON_CPU", False)
+    model, ads, w = setup(torch.float32)
+    slot = FusedSlot(model, ads[0], max_adapters=3)
+    with torch.no_grad(), slot.fused(ads, w):
+        decode(model, x)
+        assert slot.active and not slot.on_weights
+    slot.route = "weights"  # asked for explicitly: used on the CPU too
+    with torch.no_grad(), slot.fused(ads, w):
+        assert slot.on_weights
     slot.remove()

@@ -14,10 +14,11 @@ and no parameter of the model is ever written: ``remove()`` leaves it exactly as
 Routes (``slot.route``): the hooks suit one forward per merge (scoring) and per-sample mixtures; generating runs
 many forwards with one merge, and there fused weights are faster (:mod:`fcprag_plugin.slot.fused_weights`: each
 target module computes with a buffer ``W + BT^T A`` swapped in for its weight ``Parameter``, which is put back on
-switch-off). ``auto`` (default) adds the update through the hooks and switches to fused weights at the first
-forward without autograd that continues a KV cache under the same merge (the first decoding step of a
-``generate``), when the copy fits ``slot.weights_budget``; ``hooks`` never switches; ``weights`` switches at
-:meth:`FusedSlot.write`.
+switch-off). ``auto`` (default) adds the update through the hooks and, on an accelerator, switches to fused
+weights at the first forward without autograd that continues a KV cache under the same merge (the first decoding
+step of a ``generate``: there the hooks' extra kernels cost 20-50%), when the copy fits ``slot.weights_budget``; on
+the CPU (``AUTO_ON_CPU``) it keeps the hooks, which cost next to nothing beside the matmuls there while the copy
+is one more pass over the target weights. ``hooks`` never switches; ``weights`` switches at :meth:`FusedSlot.write`.
 
 >>> slot = FusedSlot.for_model(model, adapters[0], max_adapters=10)  # doctest: +SKIP
 >>> with slot.fused(adapters, weights):                             # doctest: +SKIP
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 SLOT_MODES = ("cat", "separate")
 ROUTES = ("auto", "hooks", "weights")
+AUTO_ON_CPU = False  # route 'auto' on CPU weights: keep the hooks (measured: benchmarks/bench_generate.py)
 DEFAULT_MAX_RANK = 8
 
 # A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (used by mixed batches).
@@ -238,6 +240,8 @@ class FusedSlot:
             overwrites them. For a freshly packed adapter that only the slot will use (:func:`activate`).
     """
 
+    route = "auto"  # how the merge enters the model (see the module docstring); per slot or for all slots
+
     def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                  dtype: torch.dtype | None = None, store: Any = None, out_major: bool = False,
                  buffers_from: PackedAdapter | None = None) -> None:
@@ -258,7 +262,6 @@ class FusedSlot:
         self._removed = False
         self._handles: list[Any] = []
         self._entries: list[list[_Entry]] = []  # per group, per layer
-        self.route = "auto"
         table = dict(model.named_modules())
         self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
                          for g in self.layout.groups]
@@ -552,7 +555,7 @@ class FusedSlot:
         self._state.active = True
         if self.route == "weights":
             self._to_weights()
-        elif self.route == "auto":
+        elif self.route == "auto" and (AUTO_ON_CPU or self._weights.device_type != "cpu"):
             self._state.pending = self._to_weights
         return self
 

@@ -65,6 +65,10 @@ class FusedWeights:
         return sum(m.weight.numel() * m.weight.element_size() for m in self.modules)
 
     @property
+    def device_type(self) -> str:
+        return self.modules[0].weight.device.type
+
+    @property
     def swapped(self) -> bool:
         return bool(self._swapped)
 
