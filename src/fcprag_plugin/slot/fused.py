@@ -367,7 +367,7 @@ class FusedSlot:
     @property
     def on_weights(self) -> bool:
         """Whether the target modules compute with fused weights now (route ``auto`` / ``weights``)."""
-        return self._weights is not None and self._weights.swapped
+        return self._weights.swapped
 
     @property
     def weights_budget(self) -> int | None:
@@ -414,7 +414,6 @@ class FusedSlot:
             self._state.active = True
             raise
         return True
-
 
     @property
     def nbytes(self) -> int:
