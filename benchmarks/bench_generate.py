@@ -5,7 +5,7 @@ with ``--layers`` layers and three PRAG-layout adapters (r=2, alpha=32, gate/up/
 times, interleaved round by round, one greedy ``generate`` of ``--new-tokens`` tokens (exactly that many):
 
   base      the model with no fusion (the slot's hooks detached)
-  hooks     ``with fuse(..., model=m, use_slot=True): generate`` with ``slot.route = "hooks"`` (the update added by
+  hooks     ``with fuse_into(model, ...): generate`` with ``slot.route = "hooks"`` (the update added by
             forward hooks)
   weights   the same call with ``slot.route = "weights"`` (fused weights from the write on)
   auto      the same call as users make it (the default route: on an accelerator, hooks for the prefill and fused
@@ -13,7 +13,7 @@ times, interleaved round by round, one greedy ``generate`` of ``--new-tokens`` t
   peft      PRAG's generation: a PeftModel (a copy of the model) with the cat merge of the adapters as its active
             LoRA adapter
 
-The fused timings include the ``fuse`` call. Then two checks: a decoding step's logits with the fusion on (routes
+The fused timings include the ``fuse_into`` call. Then two checks: a decoding step's logits with the fusion on (routes
 ``hooks``, ``weights`` and ``auto``, after a prefill) against a float64 dense reference
 ``W + sum_i w_i s_i B_i A_i`` (max |diff| / max |ref|), and the base weights bit-identical (``torch.equal`` with
 a clone taken first, and the same ``Parameter`` objects) after everything.
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 import _timing as T
-from fcprag_plugin import FusionController, LoraAdapter, LoraModule, fuse
+from fcprag_plugin import FusionController, LoraAdapter, LoraModule, fuse_into
 from fcprag_plugin.merge import merge_adapters
 from fcprag_plugin.slot import FusedSlot
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     w = [args.scale] * len(ads)
     before = {n: (q, q.detach().clone()) for n, q in model.named_parameters()}
     pm = peft_model(model, ads, w) if "peft" in variants else None
-    with fuse(ads, QUERY, PASSAGES, controller=ctrl, model=model, use_slot=True):
+    with fuse_into(model, ads, QUERY, PASSAGES, controller=ctrl):
         pass  # installs the slot
     slot = FusedSlot.of(model)
     env = T.env(dev, dt)
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         def fused(route: str) -> Any:
             def run() -> Any:
                 slot.route = route
-                with fuse(ads, QUERY, PASSAGES, controller=ctrl, model=model, use_slot=True):
+                with fuse_into(model, ads, QUERY, PASSAGES, controller=ctrl):
                     out = gen()
                 slot.route = "auto"
                 return out
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         errs = {}
         for route in ("hooks", "weights", "auto"):
             slot.route = route
-            with torch.no_grad(), fuse(ads, QUERY, PASSAGES, controller=ctrl, model=model, use_slot=True) as r:
+            with torch.no_grad(), fuse_into(model, ads, QUERY, PASSAGES, controller=ctrl) as r:
                 out = model(x[:, :-1])  # a generate's prefill ...
                 step = model(x[:, -1:], past_key_values=out.past_key_values)  # ... and first decoding step
                 got = step.logits[:, -1]  # route auto: on fused weights from this step (on an accelerator)

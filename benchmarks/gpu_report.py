@@ -32,8 +32,8 @@ def generation(g: dict[str, Any]) -> list[str]:
              "auto": "slot on, default route (auto)", "peft": "PEFT LoRA on (PRAG's generation)"}
     bs = list(g["batches"])
     out = [f"Generation: {e['layers']} layers of the Llama-3.2-1B shape (vocab {e['vocab']}), {e['dtype']}, "
-           f"{e['prompt']}-token prompt, {e['new_tokens']} new tokens, greedy; `with fuse(..., model=m, "
-           f"use_slot=True): generate` (the fuse call included), medians of {_rounds(g)} interleaved rounds. "
+           f"{e['prompt']}-token prompt, {e['new_tokens']} new tokens, greedy; `with fuse_into(model, ...): "
+           f"generate` (the fuse_into call included), medians of {_rounds(g)} interleaved rounds. "
            f"Fused-weight copy: {e['fused_weights_bytes'] / 2**30:.2f} GiB.", "",
            "| ms (x base) | " + " | ".join(f"batch {b}" for b in bs) + " |", "|---" * (1 + len(bs)) + "|"]
     for k, label in names.items():

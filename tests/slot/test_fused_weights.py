@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from fcprag_plugin import FusionController, MergeError, fuse
+from fcprag_plugin import FusionController, MergeError, fuse_into
 from fcprag_plugin.slot import FusedSlot, fused, fused_weights
 from helpers import dense_reference, random_adapter, tiny_model
 
@@ -144,26 +144,26 @@ def test_route_weights_is_exact_to_the_dtype_rounding(x):
 
 
 def test_generate_through_fuse_matches_hooks_and_restores(x):
-    """The user's call, fuse(..., model=m, use_slot=True) + generate: fused weights, the hooks' tokens, and the
+    """The user's call, fuse_into(model, ...) + generate: fused weights, the hooks' tokens, and the
     original parameters afterwards."""
     model, ads, _ = setup(torch.float32)
     before = originals(model)
     ctrl = FusionController.scale_only(1.5)
     q, ps = "what is the capital of france", ["paris is in france", "bananas are yellow", "the eiffel tower"]
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with fuse(ads, q, ps, controller=ctrl, model=model, use_slot=True) as res:
+    with fuse_into(model, ads, q, ps, controller=ctrl) as res:
         got = model.generate(x, **kw)
         assert res.slot.on_weights
     assert_restored(model, before)
     res.slot.route = "hooks"
-    with fuse(ads, q, ps, controller=ctrl, model=model, use_slot=True) as res:
+    with fuse_into(model, ads, q, ps, controller=ctrl) as res:
         hooks = model.generate(x, **kw)
         assert not res.slot.on_weights
     assert torch.equal(got, hooks)
     with torch.no_grad():
         want = dense64(model, ads, [1.5] * 3)(got[:, :-1]).logits[:, -1].double()
         res.slot.route = "weights"
-        with fuse(ads, q, ps, controller=ctrl, model=model, use_slot=True):
+        with fuse_into(model, ads, q, ps, controller=ctrl):
             torch.testing.assert_close(model(got[:, :-1]).logits[:, -1].double(), want, rtol=1e-4, atol=1e-4)
     assert_restored(model, before)
     res.slot.remove()
@@ -243,8 +243,7 @@ def test_grad_forwards_and_rank_transforms_keep_the_hooks(x):
     with slot.fused(ads, w):
         decode(model, x)  # autograd on
         assert not slot.on_weights
-    slot.write_unweighted(ads)
-    slot.switch_on_transform(lambda h, name: h * 0.5)
+    slot.write_mixed(ads, [w, w[::-1]])  # one mixture per sample of the batch of 2
     with torch.no_grad():
         decode(model, x)
     assert slot.active and not slot.on_weights
