@@ -175,21 +175,12 @@ def fuse_into(model: Any, adapters: Sequence[Any], query: str, passages: Sequenc
               controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
               store: AdapterStore | None = None, retrieval_ranks: Sequence[float] | None = None,
               retrieval_scores: Sequence[float] | None = None, **options: Any) -> LiveFusion:
-    """Put the fusion of the passage adapters (weights as in :func:`fuse`) into the live ``model`` and switch it
-    on; the returned :class:`LiveFusion` switches it off (``with fuse_into(...):`` or ``.close()``). No merged
-    adapter is built and no weight of ``model`` is written.
-
-    Args:
-        model: the live model (a transformers model or a ``PeftModel``).
-        adapters: N adapter directories, :class:`LoraAdapter` s, packed adapters, or adapter names of ``model``.
-        mode: ``cat`` (exact ``sum_i w~_i s_i B_i A_i``) or ``separate`` (DyPRAG's merge).
-        store: the :class:`~fcprag_plugin.slot.AdapterStore` that caches adapter directories (default: the
-            model's slot keeps one across calls).
-        controller, encoder, passages, retrieval_ranks, retrieval_scores: as in :func:`fuse`.
-
-    Merge options of :func:`fuse` (e.g. ``svd``'s) do not apply to a live fusion: any other keyword is a
-    :class:`FusionInputError` naming it.
-    """
+    """Put the fusion of the passage adapters (weights as in :func:`fuse`) into the live ``model`` (a transformers
+    model or a ``PeftModel``) and switch it on; the returned :class:`LiveFusion` switches it off (``with`` or
+    ``.close()``). No merged adapter is built and no weight of ``model`` is written. ``adapters`` may also be packed
+    adapters; ``mode``: ``cat`` (exact ``sum_i w~_i s_i B_i A_i``) or ``separate`` (DyPRAG's merge); ``store``: the
+    :class:`AdapterStore` caching adapter directories (default: the model's slot keeps one). Any other keyword (a
+    merge option of :func:`fuse`) is a :class:`FusionInputError` naming it."""
     if options:
         raise FusionInputError(f"fuse_into: unexpected option(s) {sorted(options)}: a live fusion takes no merge "
                                "options (they belong to fuse(), which builds the merged adapter)")

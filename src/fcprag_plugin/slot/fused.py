@@ -1,29 +1,18 @@
 """``FusedSlot``: a LoRA slot injected once into a live model; per query only its buffers are rewritten.
 
-A slot registers one forward hook per target module at construction and preallocates, per layout group (see
-:mod:`fcprag_plugin.slot.layout`),
+Per layout group (:mod:`.layout`) it preallocates ``A [L, K*R, in]`` and ``BT [L, K*R, out]`` (adapter i owns rows
+``i*R .. i*R+R``). A query writes ``w~_i * s_i * A_i`` and ``B_i^T`` into the rows (``cat``: the exact
+``sum_i w~_i s_i B_i A_i``) or DyPRAG's ``separate`` sums into the first R rows, and one forward hook per target
+module adds ``BT^T (A x)``. Shapes never change (``torch.compile`` friendly) and no parameter of the model is
+written: ``remove()`` leaves it exactly as it was.
 
-    A  [L, K*R, in]    rank rows of up to K adapters of rank <= R (adapter i owns rows i*R .. i*R+R)
-    BT [L, K*R, out]   lora_B transposed, same row layout
+Routes (``slot.route``): ``hooks``; ``weights`` (:mod:`.fused_weights`: ``W + BT^T A`` swapped in for each weight
+``Parameter`` at :meth:`FusedSlot.write`); ``auto`` (default): hooks, switched to fused weights at the first
+forward without autograd that continues a KV cache under the same merge (a ``generate``'s first decoding step),
+when the copy fits ``slot.weights_budget``, on an accelerator only (``AUTO_ON_CPU``).
 
-A query writes ``w~_i * s_i * A_i`` and ``B_i^T`` into the rows (``cat``: the exact ``sum_i w~_i s_i B_i A_i``) or
-the DyPRAG ``separate`` sums into the first R rows, zeroes rows left over from a larger previous query, and turns
-the hook on: ``y = W x + BT^T (A x)``. Shapes never change (``torch.compile`` friendly), no module is created,
-and no parameter of the model is ever written: ``remove()`` leaves it exactly as it was.
-
-Routes (``slot.route``): the hooks suit one forward per merge (scoring) and per-sample mixtures; generating runs
-many forwards with one merge, and there fused weights are faster (:mod:`fcprag_plugin.slot.fused_weights`: each
-target module computes with a buffer ``W + BT^T A`` swapped in for its weight ``Parameter``, which is put back on
-switch-off). ``auto`` (default) adds the update through the hooks and, on an accelerator, switches to fused
-weights at the first forward without autograd that continues a KV cache under the same merge (the first decoding
-step of a ``generate``: there the hooks' extra kernels cost 20-50%), when the copy fits ``slot.weights_budget``; on
-the CPU (``AUTO_ON_CPU``) it keeps the hooks, which cost next to nothing beside the matmuls there while the copy
-is one more pass over the target weights. ``hooks`` never switches; ``weights`` switches at :meth:`FusedSlot.write`.
-
->>> slot = FusedSlot.for_model(model, adapters[0], max_adapters=10)  # doctest: +SKIP
->>> with slot.fused(adapters, w_tilde):                             # doctest: +SKIP
+>>> with FusedSlot.for_model(model, adapters[0], max_adapters=10).fused(adapters, w_tilde):  # doctest: +SKIP
 ...     out = model.generate(**inputs)
->>> slot.remove()                                                   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -220,23 +209,16 @@ _SLOTS: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDicti
 
 
 class FusedSlot:
-    """A reusable LoRA slot for up to ``max_adapters`` adapters of rank <= ``max_rank`` on a live model.
+    """A reusable LoRA slot for up to ``max_adapters`` (K) adapters of rank <= ``max_rank`` (R) on a live model.
 
-    Args:
-        model: a transformers model or a ``PeftModel`` (the slot hooks the frozen base layers).
-        targets: what the slot covers: an adapter (:class:`LoraAdapter` / :class:`PackedAdapter`) whose modules
-            every later adapter must share, or module names (full paths, or bare names like ``"gate_proj"``).
-        max_adapters: K, the most adapters one query may merge. More is a :class:`MergeError`; see :meth:`resize`.
-        max_rank: R, the largest adapter rank (default: the template's, else 8).
-        dtype: buffer dtype (default: each target weight's dtype).
-        store: an :class:`~fcprag_plugin.slot.store.AdapterStore` used when adapters are given as paths.
-        out_major: keep ``B`` as stored, ``[L, out, K*R]`` (``BT`` is its transposed view): adapters given as
-            :class:`LoraAdapter` are then packed and written by plain copies, not transposes (what :func:`activate`
-            wants for its one adapter). Adapters from an ``AdapterStore`` are packed ``[L, r, out]``: keep the
-            default for them.
-        buffers_from: a packed adapter whose stacks the slot takes as its buffers where they fit (``K*R`` rows,
-            the buffer's dtype and device, not split over devices) instead of allocating; the slot then owns and
-            overwrites them. For a freshly packed adapter that only the slot will use (:func:`activate`).
+    ``model``: a transformers model or a ``PeftModel`` (its frozen base layers are hooked). ``targets``: an adapter
+    (:class:`LoraAdapter` / :class:`PackedAdapter`) whose modules every later adapter must share, or module names
+    (full paths or bare names like ``"gate_proj"``). More than K adapters is a :class:`MergeError` (see
+    :meth:`resize`); ``max_rank`` defaults to the template's, else 8. ``dtype``: buffer dtype (default: each target
+    weight's). ``store``: the :class:`AdapterStore` for adapters given as paths. ``out_major``: keep ``B`` as stored,
+    ``[L, out, K*R]`` (written by plain copies from :class:`LoraAdapter` s; keep the default for a store's adapters,
+    packed ``[L, r, out]``). ``buffers_from``: a packed adapter, used only by the slot, whose stacks become the
+    buffers where they fit (``K*R`` rows, same dtype and device, one device) instead of allocating.
     """
 
     route = "auto"  # how the merge enters the model (see the module docstring); per slot or for all slots

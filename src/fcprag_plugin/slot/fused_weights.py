@@ -1,14 +1,9 @@
-"""Fused weights for a :class:`~fcprag_plugin.slot.FusedSlot`: the target modules compute with ``W' = W + B A``.
+"""Fused weights for a :class:`~fcprag_plugin.slot.FusedSlot`: each target module computes with ``W' = W + BT^T A``.
 
-Instead of adding the low-rank update through forward hooks (15-50% of a generate), each target module gets one
-preallocated buffer ``W' = W + BT^T A`` (``torch.addmm`` over the slot's rows, which hold ``w~_i s_i A_i`` and
-``B_i^T``: ``BT^T A = sum_i w~_i s_i B_i A_i``, or DyPRAG's sums), and its ``weight`` parameter is swapped for
-``nn.Parameter(W')`` with ``setattr``. The base weights are never written; switching off puts the original
-``Parameter`` objects back, so the restore is bit-exact by construction and free.
-
-Memory: one copy of the target weights (``nbytes``), allocated at the first use and kept until the slot is
-removed. It must fit ``budget`` bytes (None: half of what the device reports free); when it does not, or when a
-target weight is not a plain floating-point ``nn.Parameter`` (quantised, meta / offloaded), the slot keeps its hooks
+One preallocated buffer per target module (``torch.addmm`` over the slot's rows) is swapped in for its ``weight``
+parameter with ``setattr``; switching off puts the original ``Parameter`` objects back (bit-exact, free). The base
+weights are never written. The copy (``nbytes``) must fit ``budget`` bytes (None: half of what the device reports
+free), and every target weight must be a plain floating-point ``nn.Parameter``; otherwise the slot keeps its hooks
 and logs why, once.
 """
 

@@ -104,20 +104,13 @@ def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, da
     multi = n >= 2
     ent_norm = ent[multi] / n[multi].to(torch.float64).log()
     wsum = float(omega.sum())
+    g64, tau64 = g.to(torch.float64), tau.to(torch.float64)
     return {
-        "n": int(len(data)),
-        "n_nonflat": int(nonflat.sum()),
-        "kl": float((omega * kl).sum() / wsum) if wsum > 0 else None,
-        "kl_nonflat": _mean(kl[nonflat]),
-        "top1": _mean(top1_credit(w, deltas, mask)[nonflat]),
-        "spearman": _mean(rho[defined]),
-        "spearman_n": int(defined.sum()),
-        "g_mean": _mean(g.to(torch.float64)),
-        "g_std": _std(g.to(torch.float64)),
-        "tau_mean": _mean(tau.to(torch.float64)),
-        "tau_std": _std(tau.to(torch.float64)),
-        "entropy_mean": _mean(ent),
-        "entropy_norm_mean": _mean(ent_norm),
+        "n": int(len(data)), "n_nonflat": int(nonflat.sum()),
+        "kl": float((omega * kl).sum() / wsum) if wsum > 0 else None, "kl_nonflat": _mean(kl[nonflat]),
+        "top1": _mean(top1_credit(w, deltas, mask)[nonflat]), "spearman": _mean(rho[defined]),
+        "spearman_n": int(defined.sum()), "g_mean": _mean(g64), "g_std": _std(g64), "tau_mean": _mean(tau64),
+        "tau_std": _std(tau64), "entropy_mean": _mean(ent), "entropy_norm_mean": _mean(ent_norm),
         **({} if wt is None else {"gain": _mean(first_order_gain(wt.to(torch.float64), deltas, mask))}),
     }
 
