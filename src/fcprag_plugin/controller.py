@@ -63,12 +63,10 @@ HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")
 @dataclass
 class ControllerConfig:
     """Everything needed to rebuild a controller; saved as ``config.json``. ``init``: see the module docstring
-    (baseline modes always keep PyTorch's initialisation). ``cv``: the trainer's selection-unbiased evidence
-    (``verdict``, ``gain`` / ``ci95`` against PRAG's sum and its ``scale`` and ``reweighting`` parts; see
-    ``training/selection.py``), None when there is none. ``side_optional``: side features a host may lack, which
-    :meth:`FusionController.predict` then takes as equal for every passage (None: retrieval rank and score).
-    ``trained_for``: the base model(s) and adapter recipes (:func:`features.adapter_recipe`) of the labels it was
-    trained on (None: not known), which :meth:`FusionController.check_adapters` compares with the adapters in use."""
+    (baselines keep PyTorch's). ``cv``: the trainer's selection-unbiased evidence (``verdict``, ``gain`` / ``ci95``
+    against PRAG's sum, its ``scale`` and ``reweighting`` parts: ``training/selection.py``), None if none.
+    ``side_optional``: side features a host may lack, then taken as equal per passage (None: retrieval rank and
+    score). ``trained_for``: the base model(s) and adapter recipes of its labels (``check_adapters``)."""
 
     embed_dim: int = 768
     embedding_model: str | None = None
@@ -131,17 +129,11 @@ class ControllerConfig:
 
 @dataclass
 class ControllerOutput:
-    """Controller outputs for a batch; padded entries (``mask`` False) have zero weight.
-
-    Attributes:
-        scores: ``s [B, N]`` in (0, 1)
-        g: gate ``[B]`` in [0, 1]
-        tau: temperature ``[B]`` in [tau_min, tau_max]
-        probabilities: ``w [B, N]``, a distribution over the real passages (sums to 1)
-        merge_weights: ``kappa * c * w~ [B, N]`` with ``w~ = N*w/sum w``; all ones is PRAG's uniform merge
-        mask: ``[B, N]`` bool
-        scale: ``kappa * c [B]``, the total scale (``sum merge_weights = scale * N``); None when it is 1
-    """
+    """Controller outputs for a batch (padded entries, ``mask [B, N]`` False, have zero weight): ``scores``
+    ``s [B, N]`` in (0, 1), gate ``g [B]`` in [0, 1], temperature ``tau [B]`` in [tau_min, tau_max],
+    ``probabilities`` ``w [B, N]`` (sums to 1 over the real passages), ``merge_weights`` ``kappa * c * w~ [B, N]``
+    with ``w~ = N*w/sum w`` (all ones: PRAG's merge), ``scale`` ``kappa * c [B]`` (``sum merge_weights = scale * N``;
+    None when it is 1)."""
 
     scores: torch.Tensor
     g: torch.Tensor
@@ -162,12 +154,9 @@ def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:
 
 def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torch.Tensor | None, eps: float = 1e-8
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pi = softmax(s/tau)``, ``w = g*pi + (1-g)/N``, ``w~ = N*w/(sum w + eps)``; all masked (``mask`` None:
-    every passage is real). Returns (w, w~), each ``[B, N]``.
-
-    ``w~`` is computed as ``1 + g*N*(pi - 1/N)``, the same value (``sum w = 1``; ``eps`` only guards a zero sum,
-    which a distribution never has) up to float rounding, written so that equal scores give exactly ``w~ = 1``.
-    """
+    """``pi = softmax(s/tau)``, ``w = g*pi + (1-g)/N``, ``w~ = N*w/(sum w + eps)``, masked (``mask`` None: all real).
+    Returns (w, w~), each ``[B, N]``; ``w~`` is computed as ``1 + g*N*(pi - 1/N)`` (equal up to rounding, as
+    ``sum w = 1``), so that equal scores give exactly ``w~ = 1``."""
     g1, logits = g.unsqueeze(1), scores / tau.unsqueeze(1)
     if mask is None:
         n: torch.Tensor | int = scores.shape[1]
@@ -183,11 +172,8 @@ def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torc
 
 def split_first_linear(weight: torch.Tensor, bias: torch.Tensor | None, e_q: torch.Tensor, xp: torch.Tensor
                        ) -> torch.Tensor:
-    """A linear layer on pair features without building them: ``Linear(W, b)(x_i)`` for
-    ``x_i = [e_q; xp_i]`` as ``W[:, :d] e_q + b`` (once per query) ``+ W[:, d:] xp_i``.
-
-    ``weight [H, d + p]``, ``bias [H]``, ``e_q [B, d]``, ``xp [B, N, p]`` (:func:`features.passage_features`, plus
-    side features) -> ``[B, N, H]``. Equal to ``F.linear(pair_features(e_q, E_p), weight, bias)`` up to rounding.
+    """``Linear(W, b)(x_i)`` for ``x_i = [e_q; xp_i]`` without building ``x_i``: ``W[:, :d] e_q + b`` (once per
+    query) ``+ W[:, d:] xp_i``: ``weight [H, d + p]``, ``bias [H]``, ``e_q [B, d]``, ``xp [B, N, p]`` -> ``[B, N, H]``.
     """
     d = e_q.shape[-1]
     w_q, w_p = weight.split([d, weight.shape[1] - d], dim=1)
@@ -195,12 +181,8 @@ def split_first_linear(weight: torch.Tensor, bias: torch.Tensor | None, e_q: tor
 
 
 class ScoreNet(nn.Sequential):
-    """Per-passage score logits: an MLP ``d + p -> hidden... -> 1`` on ``x_i = [e_q; xp_i]``.
-
-    ``forward(e_q [B, d], xp [B, N, p]) -> [B, N]`` float32 logits. The first layer never builds ``x_i``: its query
-    block is applied once per query (:func:`split_first_linear`). Inputs are cast to the weights' dtype (a bfloat16
-    inference copy), outputs come back float32.
-    """
+    """Per-passage score logits, an MLP ``d + p -> hidden... -> 1`` on ``x_i = [e_q; xp_i]`` (first layer:
+    :func:`split_first_linear`): ``forward(e_q [B, d], xp [B, N, p]) -> [B, N]`` float32, in the weights' dtype."""
 
     def __init__(self, d_query: int, d_passage: int, hidden: Sequence[int], dropout: float) -> None:
         super().__init__(*_layers([d_query + d_passage, *hidden, 1], dropout))
@@ -215,11 +197,8 @@ class ScoreNet(nn.Sequential):
 
 
 class CalibNet(nn.Sequential):
-    """Gate, temperature (and per-query scale) from the set summary: an MLP ``summary -> hidden -> 2 (3)``.
-
-    ``forward(summary [B, in]) -> (g [B] in (0, 1), tau [B] in (tau_min, tau_max), c [B] in (0, 2) or None)``,
-    float32.
-    """
+    """Gate, temperature (and per-query scale), an MLP ``summary -> hidden -> 2 (3)``: ``forward(summary [B, in])
+    -> (g [B] in (0, 1), tau [B] in (tau_min, tau_max), c [B] in (0, 2) or None)``, float32."""
 
     def __init__(self, d_in: int, hidden: int, dropout: float, tau_min: float, tau_max: float,
                  query_scale: bool = False) -> None:
@@ -282,11 +261,8 @@ def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieva
 
 
 class FusionController(nn.Module):
-    """Maps ``(e_q [B, d], E_p [B, N, d], mask [B, N])`` to calibrated merge weights (:class:`ControllerOutput`).
-
-    Baselines are modes of the same class: ``uniform`` (g = 0: PRAG's sum, times ``kappa``; no nets, no encoder),
-    ``random`` (untrained, seeded), ``fixed`` (one global g and tau, e.g. from a grid search).
-    """
+    """Maps ``(e_q [B, d], E_p [B, N, d], mask [B, N])`` to calibrated merge weights (:class:`ControllerOutput`);
+    the baselines are modes of the same class (see the module docstring)."""
 
     def __init__(self, config: ControllerConfig | None = None, **kwargs: Any) -> None:
         super().__init__()
@@ -430,14 +406,9 @@ class FusionController(nn.Module):
 
     # ------------------------------------------------------------------ inference
     def for_inference(self, dtype: torch.dtype = torch.bfloat16) -> "FusionController":
-        """A copy for fast inference: eval mode, frozen parameters, the two MLPs' weights in ``dtype``.
-
-        Batch-1 inference is memory-bound (the score net streams its whole weight matrix per call), so
-        ``torch.bfloat16`` halves the bytes; features, set statistics, sigmoid/softmax and the weights stay float32.
-        ``torch.float32`` gives a frozen float32 copy. The bfloat16 error bounds are tested in
-        ``tests/test_controller.py``. ``save_pretrained`` of a bfloat16 copy writes its rounded weights as float32
-        (save the original to keep full precision). Calling the copy in train mode is an error.
-        """
+        """A copy for fast inference: eval mode, frozen, the two MLPs' weights in ``dtype`` (bfloat16 halves the
+        bytes batch-1 inference streams; features, statistics, sigmoid/softmax and the weights stay float32). Its
+        ``save_pretrained`` writes the rounded weights as float32; calling it in train mode is an error."""
         if dtype not in INFERENCE_DTYPES:
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
                                   f"{[str(t) for t in INFERENCE_DTYPES]}")
@@ -452,16 +423,11 @@ class FusionController(nn.Module):
     def predict(self, query: str, passages: Sequence[str], encoder: Any = None, *,
                 retrieval_ranks: Sequence[float] | None = None, retrieval_scores: Sequence[float] | None = None,
                 adapter_stats: Sequence[Any] | None = None) -> ControllerOutput:
-        """Weights for one query and its passages, embedded with ``encoder`` (a :class:`TextEncoder`; None: the
-        controller's own :attr:`encoder`). Warns once per controller when it is unproven (:meth:`warn_if_unproven`).
-
-        Side features (used only when the controller was trained with them): ``retrieval_ranks`` and
-        ``retrieval_scores`` one number per passage; ``adapter_stats`` one entry per passage, a
-        :class:`~fcprag_plugin.adapter.LoraAdapter` (statistics computed here), a dict from
-        :func:`features.adapter_stats` or its values as a list. A missing one of ``config.optional_side`` (a host
-        like PRAG keeps no retrieval scores) is taken as equal for every passage, with a ``UserWarning`` (and a log
-        line) once per controller; a missing required one is an error naming the argument.
-        """
+        """Weights for one query and its passages, embedded with ``encoder`` (None: :attr:`encoder`); warns once if
+        unproven (:meth:`warn_if_unproven`). Side features, used only by a controller trained with them, one entry
+        per passage: ``retrieval_ranks``, ``retrieval_scores`` (numbers), ``adapter_stats`` (a ``LoraAdapter``, a dict
+        from :func:`features.adapter_stats` or its values). A missing one of ``config.optional_side`` is taken as
+        equal for every passage with a ``UserWarning`` once per controller; a missing required one is an error."""
         self.warn_if_unproven()  # fuse() and both shims come through here: one warning per controller
         if encoder is None:
             encoder = self.encoder  # the shared, lazily loaded encoder of config.embedding_model
@@ -495,10 +461,8 @@ class FusionController(nn.Module):
         return FusionWeights.from_output(self.predict(query, passages, encoder, **side), self.config.controller_mode)
 
     def warn_if_unproven(self) -> bool:
-        """Warn once per controller instance (``warnings.warn``, which reaches a Python user with no logging
-        configured, and the log) when its selection-unbiased gain over PRAG's sum (``config.cv``, written by
-        ``fcprag train``) has a 95% CI that does not lie above 0, or was never measured (``cv_folds=0``). Returns
-        whether the controller is unproven."""
+        """Warn once per controller (``UserWarning`` and the log) when its selection-unbiased gain over PRAG's sum
+        (``config.cv``) has a 95% CI not above 0, or was never measured (``cv_folds=0``); returns whether it is."""
         cv = self.config.cv
         unproven = bool(cv) and cv.get("verdict") == "unproven"
         if unproven:
@@ -523,10 +487,8 @@ class FusionController(nn.Module):
             warnings.warn(message, UserWarning, stacklevel=_caller_level())
 
     def check_adapters(self, adapters: Any) -> bool:
-        """Warn once per controller (``UserWarning`` and the log) when ``adapters`` (LoraAdapters, or a
-        zero-argument callable returning them, read only on the first call) are of another recipe than the ones
-        it was trained for (``config.trained_for``): its ``kappa`` and adapter statistics were fitted to those.
-        Returns whether they match (True when nothing is recorded)."""
+        """Warn once per controller (``UserWarning`` and the log) when ``adapters`` (or a callable returning them,
+        read on the first call only) are of another recipe than ``config.trained_for``; returns whether they match."""
         known, keys = (self.config.trained_for or {}).get("adapter_recipes") or [], ("rank", "scaling", "targets")
         if not known or "recipe" in self._warned or (callable(adapters) and "recipe-read" in self._warned):
             return True
@@ -560,9 +522,7 @@ class FusionController(nn.Module):
 
     @property
     def encoder(self) -> Any:
-        """The :class:`~fcprag_plugin.encoding.TextEncoder` of ``config.embedding_model`` on this controller's
-        device: loaded on first use and shared by every controller with the same model and device
-        (:func:`~fcprag_plugin.encoding.get_encoder`)."""
+        """The shared :class:`~fcprag_plugin.encoding.TextEncoder` of ``config.embedding_model`` on this device."""
         return get_encoder(self.config.embedding_model, device=self._side_scale.device)
 
     # ------------------------------------------------------------------ persistence
@@ -659,8 +619,8 @@ CONTROLLERS: LoadCache[FusionController] = LoadCache("controller cache", maxsize
 
 
 def cached_controller(path: str | Path, map_location: str = "cpu") -> FusionController:
-    """The :class:`FusionController` saved in directory ``path``, read once per process (again only when
-    ``config.json`` or ``model.safetensors`` changed; see :mod:`fcprag_plugin.loading`). Shared: do not modify it."""
+    """The controller in directory ``path``, read once per process (again when its files change). Shared: do not
+    modify it."""
     resolved = Path(os.path.realpath(path))
     files = (resolved / CONFIG_NAME, resolved / WEIGHTS_NAME)
     return CONTROLLERS.get((str(resolved), str(map_location)),
