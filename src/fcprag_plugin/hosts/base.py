@@ -56,11 +56,8 @@ class PatchSet:
 
 
 class WeightProvider:
-    """Controller + encoder -> the merge weights of one question (:meth:`weights`).
-
-    ``controller=None`` or a ``uniform`` controller gives ``w~ = [kappa]*N`` (kappa 1: the host's original merge).
-    ``encoder``: a :class:`TextEncoder`, a model name/path, or None (the controller's recorded embedding model).
-    """
+    """Controller + encoder -> the merge weights of one question (:meth:`weights`); no controller or a ``uniform``
+    one: ``w~ = [kappa]*N``. ``encoder``: a :class:`TextEncoder`, a model name/path, or None (the controller's)."""
 
     def __init__(self, controller: FusionController | str | Path | None = None, encoder: Any = None) -> None:
         self.controller = load_controller(controller)
@@ -175,10 +172,9 @@ class ShimSlots:
 
 
 class Shim:
-    """What every host shim holds: the :class:`WeightProvider` (``weigher``), the merge ``mode``, the fused slots
-    of ``use_slot`` (``slots``), its patches, and the per-question JSON Lines log (``log_path``; ``merges`` counts
-    questions, ``last_record``). Subclasses set ``who`` and ``lifecycle`` and implement :meth:`apply`.
-    """
+    """What every host shim holds: ``weigher``, the merge ``mode``, the ``slots`` of ``use_slot``, its patches and
+    the JSON Lines log (``log_path``, ``merges``, ``last_record``). Subclasses set ``who``, ``lifecycle`` and
+    :meth:`apply`."""
 
     who = "fcprag"
     lifecycle: "Lifecycle"

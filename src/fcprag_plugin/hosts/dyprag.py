@@ -37,8 +37,7 @@ _LIFE = Lifecycle("fcprag dyprag")
 
 
 class DyPragShim(Shim):
-    """The installed shim (see :class:`~fcprag_plugin.hosts.base.Shim`) with the capture buffer; ``mode`` is
-    ``separate`` or ``delta``. Use :func:`install` to make one."""
+    """The installed shim (:class:`~fcprag_plugin.hosts.base.Shim`) with the capture buffer; made by :func:`install`."""
 
     who = "fcprag dyprag"
     lifecycle = _LIFE

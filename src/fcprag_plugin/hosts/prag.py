@@ -43,8 +43,7 @@ _paths: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictio
 
 
 class PragShim(Shim):
-    """An installed PRAG shim (see :class:`~fcprag_plugin.hosts.base.Shim`) with its data-file mapping; a context
-    manager, or call :meth:`uninstall`."""
+    """An installed PRAG shim (:class:`~fcprag_plugin.hosts.base.Shim`) with its data-file mapping."""
 
     who = "fcprag prag"
     lifecycle = _LIFE
@@ -341,8 +340,7 @@ uninstall = _LIFE.uninstall  # every patch reverted exactly, the shim's fused sl
 is_installed = _LIFE.is_installed
 
 
-def installed(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
-              log: str | Path | None = None, data_file: str | Path | None = None, *, repair: bool = True,
-              use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[PragShim]:
-    """``with prag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
-    return _LIFE.installed(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
+def installed(*args: Any, **kwargs: Any) -> ContextManager[PragShim]:
+    """``with prag.installed(controller=DIR): ...`` (:func:`install`'s arguments); restores the previous state
+    (installed or not) on exit."""
+    return _LIFE.installed(PragShim(*args, **kwargs))
