@@ -148,21 +148,13 @@ def fuse(adapters: Sequence[Any], query: str, passages: Sequence[str], *,
          controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
          model: Any = None, retrieval_ranks: Sequence[float] | None = None,
          retrieval_scores: Sequence[float] | None = None, **merge_options: Any) -> FusionResult:
-    """The merged adapter of the passage adapters with per-query weights from ``controller`` (``None``: uniform,
-    PRAG's merge). To put a fusion into a live model instead, see :func:`fuse_into`.
-
-    Args:
-        adapters: N adapter directories, :class:`LoraAdapter` s, or adapter names of the live ``model``.
-        passages: the N passage texts, in the same order as ``adapters``.
-        controller: a :class:`FusionController` or its directory.
-        encoder: a :class:`TextEncoder`; default: the controller's recorded embedding model (another: an error).
-        mode: merge mode (``cat``, ``separate``, ``svd``); ``merge_options`` are that mode's options (an option it
-            does not take is a :class:`TypeError` naming it).
-        model: a ``PeftModel`` whose loaded adapters ``adapters`` may name.
-        retrieval_ranks, retrieval_scores: one number per passage, for a controller trained with these side
-            features (ignored otherwise; missing: equal for every passage, with a ``UserWarning`` once per
-            controller). Adapter statistics are computed from ``adapters``.
-    """
+    """The merged adapter of the N passage ``adapters`` (directories, :class:`LoraAdapter` s, or names of adapters
+    loaded in the ``PeftModel`` ``model``) with per-query weights from ``controller`` (a :class:`FusionController`
+    or its directory; None: uniform, PRAG's merge); live model: :func:`fuse_into`. ``passages``: their N texts, in
+    order. ``encoder``: default the controller's embedding model (another: an error). ``mode``: ``cat``,
+    ``separate`` or ``svd``, ``merge_options`` that mode's (another is a :class:`TypeError` naming it).
+    ``retrieval_ranks``, ``retrieval_scores``: one number per passage, for a controller trained with them (missing:
+    equal for every passage, a ``UserWarning`` once per controller); adapter statistics come from ``adapters``."""
     _check_inputs(adapters, query, passages)
     loaded = resolve_adapters(adapters, model)
     fw = _weights(query, passages, controller, encoder, loaded, retrieval_ranks, retrieval_scores)

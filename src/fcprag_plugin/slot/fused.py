@@ -265,10 +265,8 @@ class FusedSlot:
     @classmethod
     def for_model(cls, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                   store: Any = None, **kwargs: Any) -> "FusedSlot":
-        """The slot on ``model``, its one owner (``fuse()``, the label builder and both shims come here): the
-        existing slot if it covers ``targets``, grown to ``max_adapters`` / ``max_rank`` when needed (logged);
-        otherwise a new one (an old slot with other target modules is removed first). ``store`` is kept as the
-        slot's :class:`AdapterStore` when it has none."""
+        """The one slot on ``model``: the existing one if it covers ``targets`` (grown to ``max_adapters`` /
+        ``max_rank`` when needed; given ``store`` when it has none), else a new one replacing it."""
         slot = cls.of(model)
         if slot is not None:
             names = targets if isinstance(targets, list) and all("." in n for n in targets) else None
@@ -530,13 +528,11 @@ class FusedSlot:
     @torch.no_grad()
     def write_mixed(self, adapters: Sequence[Any], merge_weights: Any, mode: str = "cat", mask: Any = None
                     ) -> "FusedSlot":
-        """Switch on one mixture per sample of a batch: ``adapters`` (K' <= K, the union of the batch's adapters)
-        with ``merge_weights [B, K']`` (``w~`` per sample). ``mask [B, K']`` marks which adapters each sample uses
-        (default: non-zero weights); ``separate`` divides by the per-sample count ``N_b``. The adapters are written
-        unweighted (``A = s_i A_i``, ``BT = B_i^T``) and the weights act in rank space between A and B
-        (``cat``: ``sum_i w_bi s_i B_i A_i x_b``; ``separate``: DyPRAG's merge per sample), equal to running each
-        sample alone with its own merge up to rounding. Every target module's input must then have batch size
-        ``B`` first."""
+        """Switch on one mixture per sample of a batch: ``adapters`` (K' <= K, the batch's union) with
+        ``merge_weights [B, K']`` (``w~`` per sample; ``mask [B, K']``: which adapters each sample uses, default the
+        non-zero weights; ``separate`` divides by the per-sample count). The weights act in rank space between A and
+        B, equal to running each sample alone with its own merge up to rounding; every target module's input must
+        have batch size ``B`` first."""
         self._check_usable()
         if mode not in SLOT_MODES:
             raise MergeError(f"mixed-batch mode '{mode}' is not supported; expected one of {list(SLOT_MODES)}")
