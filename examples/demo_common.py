@@ -49,15 +49,15 @@ class DemoModelError(RuntimeError):
 
 def load_model() -> tuple[torch.nn.Module, Any]:
     """SmolLM2-135M-Instruct from the packaged GGUF (dequantized to fp32 weights) and its tokenizer, in eval mode."""
-    from fcprag_plugin.compat import transformers_version
+    from fcprag_plugin.compat import package_version
     from fcprag_tools.label_builder.model_io import load_gguf_causal_lm
 
     pkg_dir = smollm2_dir()
     try:
         model, tok = load_gguf_causal_lm(pkg_dir, GGUF_FILE)
     except NotImplementedError as e:  # old transformers (e.g. PRAG's 4.44.2) lack the Q4_1 dequantizer
-        raise DemoModelError(f"{pkg_dir}/{GGUF_FILE}: transformers {transformers_version()} cannot dequantize this "
-                             f"GGUF file ({e}); run the demo on the latest stack (`make demo`)") from e
+        raise DemoModelError(f"{pkg_dir}/{GGUF_FILE}: transformers {package_version('transformers')} cannot "
+                             f"dequantize this GGUF file ({e}); run the demo on the latest stack (`make demo`)") from e
     model.eval()
     return model, tok
 

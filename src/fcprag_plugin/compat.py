@@ -21,10 +21,6 @@ def peft_version() -> Version:
     return package_version("peft")
 
 
-def transformers_version() -> Version:
-    return package_version("transformers")
-
-
 def peft_has_stale_config_bug() -> bool:
     """peft < 0.19 leaves ``peft_config`` on the base model after ``unload()``: the next ``load_adapter`` creates
     no layers, and ``add_weighted_adapter`` silently skips adapters without layers."""
