@@ -30,9 +30,7 @@ def __getattr__(name: str):
 __version__ = "0.1.0"
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = [
-    "fuse", "FusionResult", "fuse_into", "LiveFusion", "clear_caches", "cache_info", "FusionController", "ControllerConfig", "ControllerOutput",
-    "WeightedAdapterMerger", "MergeResult", "LoraAdapter", "LoraModule", "TextEncoder", "activate",
-    "FcpragError", "AdapterError", "UnsupportedAdapterError", "MergeError", "ControllerError", "EncoderError",
-    "FusionInputError", "LabelFileError", "HookError",
-]
+__all__ = ["fuse", "FusionResult", "fuse_into", "LiveFusion", "clear_caches", "cache_info", "FusionController",
+           "ControllerConfig", "ControllerOutput", "WeightedAdapterMerger", "MergeResult", "LoraAdapter", "LoraModule",
+           "TextEncoder", "activate", "FcpragError", "AdapterError", "UnsupportedAdapterError", "MergeError",
+           "ControllerError", "EncoderError", "FusionInputError", "LabelFileError", "HookError"]

@@ -118,15 +118,13 @@ class LoraAdapter:
         other = {_pattern_key(n): m for n, m in self.modules.items() if (m.rank, m.scaling) != (r0, s0)}
         rank_pattern = {k: m.rank for k, m in other.items()}
         alpha_pattern = {k: m.scaling * m.rank for k, m in other.items()}
-        cfg = {
-            "peft_type": "LORA", "task_type": self.config.get("task_type", "CAUSAL_LM"),
-            "base_model_name_or_path": self.config.get("base_model_name_or_path"), "r": r0, "lora_alpha": s0 * r0,
-            "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
-            "inference_mode": True, "init_lora_weights": True,
-            "target_modules": sorted({n.split(".")[-1] for n in self.modules}),
-            "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "modules_to_save": None,
-            **{k: v for k, v in self.config.items() if k in {"revision", "layers_to_transform", "layers_pattern"}},
-        }
+        cfg = {"peft_type": "LORA", "task_type": self.config.get("task_type", "CAUSAL_LM"),
+               "base_model_name_or_path": self.config.get("base_model_name_or_path"), "r": r0, "lora_alpha": s0 * r0,
+               "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
+               "inference_mode": True, "init_lora_weights": True,
+               "target_modules": sorted({n.split(".")[-1] for n in self.modules}), "rank_pattern": rank_pattern,
+               "alpha_pattern": alpha_pattern, "modules_to_save": None,
+               **{k: v for k, v in self.config.items() if k in {"revision", "layers_to_transform", "layers_pattern"}}}
         tensors = {f"{PEFT_PREFIX}{name}.lora_{kind}.weight": (t if dtype is None else t.to(dtype)).detach()
                    .contiguous().cpu() for name, m in self.modules.items() for kind, t in (("A", m.A), ("B", m.B))}
         (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
