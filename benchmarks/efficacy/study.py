@@ -611,15 +611,6 @@ SEEDS = (0, 1, 2)
 EPOCHS = 3  # the most epochs each CV fold may train (plan change 2: the best epoch was 1 in every earlier setting)
 
 
-def library_trains_candidates() -> bool:
-    """Whether the installed library's trainer has the options the candidates need (issue 15, sections 1-2)."""
-    import dataclasses
-
-    from fcprag_plugin.training.trainer import TrainArgs
-
-    return {"objective", "cv_folds", "kappa", "side_features"} <= {f.name for f in dataclasses.fields(TrainArgs)}
-
-
 def pooled_labels(path: Path, with_stats: bool) -> int:
     """Both datasets' label records in one file (the controller is trained on both), with ``adapter_stats`` per
     passage when asked (computed once per adapter from its factors, cached in ``work/adapter_stats.json``)."""
@@ -652,10 +643,6 @@ def cmd_train(a: argparse.Namespace) -> None:
     import shutil
     import time
 
-    if not library_trains_candidates():
-        print("train: the installed library's trainer lacks objective/cv_folds/kappa/side_features (issue 15, "
-              "sections 1-2, branch ctrl); nothing trained, rerun after the merge", flush=True)
-        return
     from fcprag_plugin.training import train_controller
 
     _threads(a.threads)

@@ -17,8 +17,6 @@ from fcprag_plugin.controller import ControllerConfig, FusionController
 from fcprag_plugin.errors import HookError
 from fcprag_plugin.hosts import dyprag
 
-pytest.importorskip("peft")
-
 
 def peaked_controller(dim: int = 16) -> FusionController:
     # cosine scorer, open gate, low temperature: clearly non-uniform weights on the hash encoder

@@ -496,8 +496,6 @@ def test_train_stage_trains_candidates_per_seed_and_eval_scores_them_side_featur
     import argparse
 
     study = toy_study
-    if not study.library_trains_candidates():
-        pytest.skip("the installed library's trainer has no objective/CV/side features yet (issue 15, branch ctrl)")
     args = argparse.Namespace(threads=1, questions=2, batch_size=8, limit=None)
     study.cmd_labels(args)
     only = ["kl-paper-k1", "risk-side-query"]
