@@ -1,4 +1,4 @@
-"""loading.py: load caches, so controller directories and embedding models are read once per process (issue 17);
+"""loading.py: load caches, so controller directories and embedding models are read once per process;
 the JSON Lines helpers and the atomic writer."""
 
 import json

@@ -1,7 +1,7 @@
 """Scoring fused adapters on one prompt: many weightings of the same passages in one mixed batch.
 
 Every row of a batch is the same prompt with its own merge weights ``w~`` over the question's adapters
-(``fcprag_plugin.slot.fused_mixed``: one slot, per-sample mixtures, PRAG's exact ``cat`` sum). One prefill
+(``fcprag_tools.mixed.fused_mixed``: one slot, per-sample mixtures, PRAG's exact ``cat`` sum). One prefill
 pass serves both the gold-answer log-likelihood (teacher forcing on a copy of the KV cache) and greedy
 decoding, so each row costs what the label builder's two passes cost, and all rows of a question run together.
 """

@@ -101,7 +101,7 @@ def _write_analysis(root: Path) -> dict:
 
 def _stale_png_and_others(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "efficacy_hotpotqa_g_tau.png").write_bytes(b"stale")  # a plot the report no longer writes
+    (out / "efficacy_hotpotqa_g_tau.png").write_bytes(b"stale")  # a plot name the report does not write
     (out / "other.png").write_bytes(b"not ours")
 
 
@@ -391,7 +391,7 @@ def test_forest_plot_has_a_title_and_readable_rows(figures, tmp_path):
 
 
 def test_learning_curve_legend_matches_the_points(figures, tmp_path):
-    """One legend entry per seed, in that seed's colour (it used to show one colour for four points)."""
+    """One legend entry per seed, in that seed's colour."""
     pts = [{"questions": q, "seed": s, "candidate": "risk-side-kappa", "gain": 0.2 + 0.01 * s,
             "ci95": [0.1, 0.3]} for q in (16, 32, 64, 126) for s in (0, 1)]
     report.plot_curve(pts, tmp_path / "c.png")

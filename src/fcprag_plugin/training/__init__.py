@@ -1,5 +1,5 @@
 """Train a :class:`~fcprag_plugin.controller.FusionController` from leave-one-out label files (``trainer`` runs
-the loop; ``cli`` holds ``fcprag train`` / ``fcprag eval``)."""
+the loop; the ``fcprag train`` / ``fcprag eval`` commands are ``fcprag_tools.train_cli``)."""
 
 from __future__ import annotations
 
