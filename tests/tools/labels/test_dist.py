@@ -80,6 +80,7 @@ def _single(common: list[str], out: Path) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_match_one_process(small_world, tmp_path):
     """With --batch-size 1 (one row per forward) the 2-process labels are the 1-process labels byte for byte."""
     common = ["labels", "build", str(small_world["manifest"]), "--model", str(small_world["model"]),
@@ -99,6 +100,7 @@ def test_torchrun_two_processes_match_one_process(small_world, tmp_path):
     assert dist_out.read_text() == single.read_text()  # rank 0 merged at the end as well
 
 
+@pytest.mark.slow
 def test_torchrun_batched_with_scales_matches_one_process(small_world, tmp_path):
     """Batched (the default --batch-size 16), a record's rounding depends on its batch neighbours, which differ
     between the ranks: the labels agree within the batched path's tolerance. The scale fields go through the
