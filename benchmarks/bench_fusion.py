@@ -42,7 +42,6 @@ from fcprag_plugin import LoraAdapter, LoraModule
 from fcprag_plugin.compat import clear_stale_peft_config, package_version
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.slot import AdapterStore, FusedSlot
-from fcprag_tools.mixed import fused_mixed
 from fcprag_plugin import activate
 from fcprag_plugin.merge import merge_adapters
 
@@ -408,7 +407,7 @@ def bench_mixed(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     res: dict[str, Any] = {}
 
     def batched():
-        with torch.no_grad(), fused_mixed(slot, union, W):
+        with torch.no_grad(), slot.mixed(union, W):
             res["batched"] = model(x).logits
 
     def looped():

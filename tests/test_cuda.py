@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from fcprag_plugin import FusionController, LoraAdapter, activate, fuse
+from fcprag_plugin import FusionController, LoraAdapter, activate, fuse, fuse_into
 from helpers import assert_bit_identical, dense_reference, state_snapshot, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,7 +39,7 @@ def test_scale_only_fusion_on_cuda_matches_the_dense_reference(adapter_dirs, dty
     ctrl = FusionController.scale_only(1.5)  # no encoder: nothing else to load on the GPU box
     with torch.no_grad():
         if use_slot:
-            with fuse(adapter_dirs, QUERY, PASSAGES, controller=ctrl, model=model, use_slot=True):
+            with fuse_into(model, adapter_dirs, QUERY, PASSAGES, controller=ctrl):
                 got = model(x).logits
         else:
             res = fuse(adapter_dirs, QUERY, PASSAGES, controller=ctrl)
@@ -58,7 +58,6 @@ def test_slot_separate_mode_on_cuda_equals_the_merged_adapter(adapter_dirs, enco
         ref = fuse(adapter_dirs, QUERY, PASSAGES, controller=ctrl, encoder=encoder16, mode="separate")
         with activate(model, ref.adapter):
             want = model(x).logits
-        with fuse(adapter_dirs, QUERY, PASSAGES, controller=ctrl, encoder=encoder16, mode="separate", model=model,
-                  use_slot=True):
+        with fuse_into(model, adapter_dirs, QUERY, PASSAGES, controller=ctrl, encoder=encoder16, mode="separate"):
             got = model(x).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,7 @@ Training samples per passage, in this order, for ``--epochs`` epochs:
   1. the passage text (loss on every token, cut to ``--max-tokens``),
   2. the model's rewrite of it (stage 2; skipped when the rewrite was dropped),
   3-5. its three QA pairs, each as the ``param`` prompt of the label builder / evaluation
-     (``fcprag_tools.labels.prompts``) followed by the answer (loss on the answer tokens only).
+     (``fcprag_tools.label_builder.prompts``) followed by the answer (loss on the answer tokens only).
 The question under study and its gold answer are never used. Adapters train ``--group`` at a time with
 :mod:`multilora` (exactly equivalent to training each alone). Per-adapter losses (at the training step, and after training) go
 to ``cache/<dataset>/adapters.jsonl``. Resumable: finished adapters are skipped.
@@ -34,7 +34,7 @@ AFTER_KINDS = ("passage", "qa0")  # re-measured after training (the report shows
 
 def samples_for(tok: Any, aug: dict[str, Any], max_tokens: int) -> dict[str, tuple[list[int], list[int]]]:
     """``{kind: (input ids, labels)}`` for one passage (kinds absent when there is no such sample)."""
-    from fcprag_tools.labels.prompts import PromptTemplate, answer_ids, render_prompt
+    from fcprag_tools.label_builder.prompts import PromptTemplate, answer_ids, render_prompt
 
     out: dict[str, tuple[list[int], list[int]]] = {}
     for kind, text in (("passage", aug["passage"]), ("rewrite", aug.get("rewrite"))):

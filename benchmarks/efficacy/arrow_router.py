@@ -74,7 +74,7 @@ def score_arrow(model: Any, tok: Any, jobs: Iterable[Job], adapter_dir: Callable
     """One result row (``scoring.finish``: ``key``, ``name``, ``logprob``[, generation metrics]) per encoded job,
     Arrow over the job's distinct adapters ``adapter_dir(pid)``. ``model`` must carry no other active adapter
     (remove any FusedSlot first); it is left unchanged."""
-    from fcprag_tools.labels.batched import batched_answer_logprobs, batched_greedy
+    from fcprag_tools.label_builder.batched import batched_answer_logprobs, batched_greedy
 
     from scoring import finish
 

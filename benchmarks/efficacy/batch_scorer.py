@@ -3,7 +3,7 @@
 A *job* is a question's prompt (``param``: question only; ``combine``: passages too), its gold answer(s), its
 distinct adapters ``pids [K]`` and named weight rows ``{name: [K]}`` (``w~`` per adapter, PRAG's ``cat`` sum).
 :func:`scoring.score_jobs` turns every row into one row of the library's batched scorer
-(``fcprag_tools.labels.batched.score_rows``, the code path of ``fcprag labels build``).
+(``fcprag_tools.label_builder.batched.score_rows``, the code path of ``fcprag labels build``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fcprag_tools.labels.prompts import answer_ids, render_prompt
+from fcprag_tools.label_builder.prompts import answer_ids, render_prompt
 from fusion_eval import TEMPLATE
 
 

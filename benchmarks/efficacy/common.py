@@ -136,7 +136,7 @@ def load_model(dtype: str = "bfloat16") -> tuple[Any, Any]:
     """SmolLM2-135M-Instruct from the packaged GGUF (dequantized), cast to ``dtype``, frozen, eval mode."""
     import torch
 
-    from fcprag_tools.labels.model_io import load_gguf_causal_lm
+    from fcprag_tools.label_builder.model_io import load_gguf_causal_lm
 
     model, tok = load_gguf_causal_lm(smollm2_dir(), GGUF_FILE)
     model = model.to(getattr(torch, dtype)).eval()

@@ -24,7 +24,7 @@ import torch
 
 from common import append_jsonl, cache_dir, load_model, read_jsonl, rng, setup_logging, timed, work_dir
 from fusion_eval import AdapterCache, FusionScorer, distinct
-from methods import baseline_controllers, controller_weights, fixed_controller, learned_controllers, oracle_weights
+from methods import random_baseline, controller_weights, fixed_controller, learned_controllers, oracle_weights
 
 CONDITIONS = ("clean", "replace", "repeat")
 MODES = ("param", "combine")
@@ -54,7 +54,7 @@ def run(dataset: str, limit: int | None, modes: tuple[str, ...] = MODES, threads
     rows = [r for r in read_jsonl(cache_dir(dataset) / "retrieval.jsonl") if r["split"] == "test"]
     grid = json.loads((cache_dir(dataset) / "grid.json").read_text(encoding="utf-8"))
     enc = TextEncoder(grid["encoder"])
-    ctrls = baseline_controllers(enc.dim, enc.name)
+    ctrls = random_baseline(enc.dim, enc.name)
     ctrls["fixed"] = fixed_controller(grid["best"]["g"], grid["best"]["tau"], enc.dim, enc.name)
     learned = learned_controllers(work_dir(dataset) / "controllers")
     if not learned:

@@ -1,7 +1,7 @@
 """Scoring fused adapters on one prompt: many weightings of the same passages in one mixed batch.
 
 Every row of a batch is the same prompt with its own merge weights ``w~`` over the question's adapters
-(``fcprag_tools.mixed.fused_mixed``: one slot, per-sample mixtures, PRAG's exact ``cat`` sum). One prefill
+(``FusedSlot.mixed``: one slot, per-sample mixtures, PRAG's exact ``cat`` sum). One prefill
 pass serves both the gold-answer log-likelihood (teacher forcing on a copy of the KV cache) and greedy
 decoding, so each row costs what the label builder's two passes cost, and all rows of a question run together.
 """
@@ -16,9 +16,8 @@ import torch
 
 from fcprag_plugin import LoraAdapter
 from fcprag_plugin.slot import FusedSlot
-from fcprag_tools.mixed import fused_mixed
-from fcprag_tools.labels.metrics import exact_match, extract_answer, f1_score
-from fcprag_tools.labels.prompts import PromptTemplate, answer_ids, render_prompt
+from fcprag_tools.label_builder.metrics import exact_match, extract_answer, f1_score
+from fcprag_tools.label_builder.prompts import PromptTemplate, answer_ids, render_prompt
 
 TEMPLATE = PromptTemplate()  # the label builder's default prompt, so labels and evaluation ask the same way
 
@@ -53,18 +52,19 @@ class FusionScorer:
         stops |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         self.stops = {s for s in stops if isinstance(s, int) and s >= 0}
 
-    def prompt(self, question: str, passages: Sequence[str], mode: str) -> Any:
-        return render_prompt(self.tok, TEMPLATE, question, passages if mode == "combine" else None, mode)
+    def prompt(self, question: str, passages: Sequence[str], prompt_mode: str) -> Any:
+        return render_prompt(self.tok, TEMPLATE, question, passages if prompt_mode == "combine" else None,
+                             prompt_mode)
 
     @torch.no_grad()
-    def score(self, question: str, passages: Sequence[str], answers: Sequence[str], mode: str,
+    def score(self, question: str, passages: Sequence[str], answers: Sequence[str], prompt_mode: str,
               adapters: Sequence[LoraAdapter], weights: torch.Tensor, *, generate: bool = True) -> list[RowResult]:
         """``weights [R, K]`` over the (distinct) ``adapters`` -> one :class:`RowResult` per row."""
-        prompt = self.prompt(question, passages, mode)
+        prompt = self.prompt(question, passages, prompt_mode)
         R = weights.shape[0]
         ids = torch.tensor([prompt.ids] * R)
         gold = [answer_ids(self.tok, prompt, a) for a in answers]
-        with fused_mixed(self.slot, list(adapters), weights, mode="cat", mask=torch.ones_like(weights, dtype=torch.bool)):
+        with self.slot.mixed(list(adapters), weights, mode="cat", mask=torch.ones_like(weights, dtype=torch.bool)):
             out = self.model(input_ids=ids, use_cache=True)
             last = out.logits[:, -1].float()  # [R, V]: the next-token distribution after the prompt
             cache = out.past_key_values

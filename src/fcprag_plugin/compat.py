@@ -76,17 +76,6 @@ def _is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def load_gguf_causal_lm(pkg_dir: str, gguf_file: str, **kwargs: Any):
-    """Deprecated alias of :func:`fcprag_tools.labels.model_io.load_gguf_causal_lm` (model loading is tooling)."""
-    import warnings
-
-    from fcprag_tools.labels.model_io import load_gguf_causal_lm as load
-
-    warnings.warn("fcprag_plugin.compat.load_gguf_causal_lm moved to fcprag_tools.labels.model_io; the alias goes "
-                  "in the next release", DeprecationWarning, stacklevel=2)
-    return load(pkg_dir, gguf_file, **kwargs)
-
-
 # ----------------------------------------------------------------------------- live LoRA layers (used by the shims)
 def has_stale_peft_config(model: Any) -> bool:
     """True when a plain (non-PeftModel) model carries a ``peft_config`` but no PEFT tuner layer at all.

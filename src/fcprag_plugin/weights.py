@@ -17,9 +17,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ._deprecated import renamed_attribute
 from .errors import MergeError
-from .loading import finite_or_none
+from .fileio import finite_or_none
 
 
 def is_uniform(controller: Any) -> bool:
@@ -57,9 +56,6 @@ class FusionWeights:
         """``w~ == [1]*N``: the merge is PRAG's (whatever produced the weights)."""
         return all(w == 1.0 for w in self.merge_weights)
 
-    weights = renamed_attribute("FusionWeights.weights", "probabilities")
-    mode = renamed_attribute("FusionWeights.mode", "controller_mode")
-
     @classmethod
     def uniform(cls, n: int, scale: float = 1.0) -> "FusionWeights":
         """Uniform weights for ``n`` passages: ``w~ = [scale]*n`` (1: PRAG's merge; a scale-only controller's
@@ -74,21 +70,6 @@ class FusionWeights:
         merge_weights = out.merge_weights[b][m].tolist()
         return cls(check_weights(merge_weights, len(merge_weights)), tuple(out.probabilities[b][m].tolist()),
                    tuple(out.scores[b][m].tolist()), float(out.g[b]), float(out.tau[b]), controller_mode)
-
-    @classmethod
-    def for_query(cls, query: str, passages: Sequence[str], controller: Any, encoder: Any = None,
-                  side: dict[str, Any] | None = None) -> "FusionWeights":
-        """The weights for one query: uniform times the controller's ``kappa`` (see :func:`is_uniform`), else
-        ``controller.predict`` with ``encoder`` (default: the controller's shared encoder) and the side-feature
-        arguments ``side`` (:func:`side_inputs`)."""
-        if is_uniform(controller):
-            if controller is not None:
-                controller.warn_if_unproven()
-            return cls.uniform(len(passages), 1.0 if controller is None else controller.config.kappa)
-        if encoder is None:
-            encoder = controller.encoder  # loaded once per process, shared
-        out = controller.predict(query, passages, encoder, **(side or {}))
-        return cls.from_output(out, controller.config.controller_mode)
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON: ``merge_weights``, ``probabilities``, ``scores``, ``g``, ``tau`` (null when uniform),

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fcprag_plugin.errors import FcpragError
-from fcprag_plugin.loading import write_json
+from fcprag_plugin.fileio import write_json
 
 from . import run_cli, train_cli
-from .labels import cli as labels_cli
+from .label_builder import cli as labels_cli
 from .options import (CliParser, check_out_dir, finite_float, keywords_to_flags, positive_int, read_text_arg,
                       write_dir_atomically)
 
@@ -180,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except FcpragError as e:  # the library names its keyword arguments; the user typed flags
-        return _fail(cmd, keywords_to_flags(str(e), getattr(args, "flag_names", {})))
+        return _fail(cmd, keywords_to_flags(e, getattr(args, "flag_names", {})))
     except UnicodeDecodeError as e:  # a file opened by a library below us; the message has no name, say what
         return _fail(cmd, f"an input file is not valid UTF-8 ({e.reason} at byte {e.start})")
     except OSError as e:

@@ -14,7 +14,7 @@ from dyprag_double import harness as H
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import HookError
 from fcprag_plugin.hosts import dyprag
-from fcprag_plugin.hosts.base import clear_context, explicit_context, set_context
+from fcprag_plugin.hosts.context import clear_context, explicit_context, set_context
 
 TEXTS = ["the famous bridge in the old town was built by person one",
          "unrelated text about weather and cooking",

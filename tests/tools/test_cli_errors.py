@@ -410,7 +410,7 @@ def test_a_multi_line_library_message_is_one_line(world, capsys, monkeypatch):
 
 
 def test_labels_build_ctrl_c_says_the_command_resumes(world, tmp_path, capsys, monkeypatch):
-    from fcprag_tools.labels import builder
+    from fcprag_tools.label_builder import builder
     from helpers import save_tiny_lm
 
     def interrupted(*a, **k):

@@ -47,7 +47,7 @@ def world(tmp_path, monkeypatch):
 
 
 def _load(lm: Path):
-    from fcprag_tools.labels.model_io import load_model
+    from fcprag_tools.label_builder.model_io import load_model
 
     return load_model(str(lm), device="cpu")
 
@@ -58,7 +58,7 @@ def _rows(out: Path) -> list[dict]:
 
 def test_generate_writes_every_field_scored_by_prags_rules_and_resumes_without_rescoring(world):
     from fcprag_plugin import LoraAdapter, WeightedAdapterMerger, activate
-    from fcprag_tools.labels.metrics import (answer_in_text, answer_logprob, exact_match, extract_answer, f1_score,
+    from fcprag_tools.label_builder.metrics import (answer_in_text, answer_logprob, exact_match, extract_answer, f1_score,
                                              greedy_generate)
     from batch_scorer import Job
 

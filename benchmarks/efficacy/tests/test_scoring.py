@@ -29,8 +29,8 @@ def setup(tmp_path):
 @pytest.mark.parametrize("mode", ["param", "combine"])
 def test_rows_equal_each_weighting_alone(setup, mode):
     from fcprag_plugin import WeightedAdapterMerger
-    from fcprag_tools.labels.metrics import answer_logprob, extract_answer, greedy_generate
-    from fcprag_tools.labels.prompts import answer_ids
+    from fcprag_tools.label_builder.metrics import answer_logprob, extract_answer, greedy_generate
+    from fcprag_tools.label_builder.prompts import answer_ids
     from fcprag_plugin import activate
 
     model, tok, adapters = setup
@@ -58,6 +58,6 @@ def test_repeated_passage_weights_add_up():
 
 
 def test_template_is_the_label_builders_default():
-    from fcprag_tools.labels.prompts import PromptTemplate
+    from fcprag_tools.label_builder.prompts import PromptTemplate
 
     assert TEMPLATE == PromptTemplate()

@@ -230,7 +230,7 @@ def test_score_jobs_equal_each_row_scored_alone(tmp_path):
     import scoring
     from batch_scorer import Job
     from fcprag_plugin import LoraAdapter, WeightedAdapterMerger
-    from fcprag_tools.labels.metrics import answer_logprob
+    from fcprag_tools.label_builder.metrics import answer_logprob
     from fcprag_plugin import activate
 
     from helpers import make_adapter_dir

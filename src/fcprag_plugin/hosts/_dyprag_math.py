@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..adapter import strip_peft_prefix
-from ..errors import HookError
+from ..errors import HookError, kw
 from ..merge import factors
 
 A_SUFFIX = ".lora_A.weight"
@@ -90,15 +90,16 @@ def _weights_for(u: torch.Tensor | Sequence[float], n: int) -> list[float]:
 
 
 def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
-               hint: str = "use mode 'separate' for other keys") -> dict[str, tuple[str, str]]:
+               hint: str = "use mode 'separate' for other keys", params: Sequence[tuple[str, Any]] = ()
+               ) -> dict[str, tuple[str, str]]:
     """``{module: (A key, B key)}``; every key must be one half of a complete pair (``need`` / ``hint`` word the
-    error)."""
+    error; ``params``: the keywords ``hint`` names, see :class:`~fcprag_plugin.errors.FcpragError`)."""
     mods: dict[str, dict[str, str]] = {}
     for k in keys:
         kind = "A" if k.endswith(A_SUFFIX) else "B" if k.endswith(B_SUFFIX) else None
         if kind is None:
             raise HookError(f"fcprag dyprag: key '{k}' is neither '...{A_SUFFIX}' nor '...{B_SUFFIX}'; "
-                            f"{need} needs LoRA factor pairs ({hint})")
+                            f"{need} needs LoRA factor pairs ({hint})", params=params)
         mods.setdefault(k[: -len(A_SUFFIX)], {})[kind] = k  # both suffixes have the same length
     for mod, d in mods.items():
         if "A" not in d or "B" not in d:
@@ -112,8 +113,8 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
     slot. Leading dimensions of size 1 (``[1, r, in]``) are dropped; a real batch of factors is a
     :class:`HookError` (one slot holds one update per module)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    hint = "run without use_slot=True for other keys"
-    for mod, (ka, kb) in lora_pairs(list(output), need="use_slot", hint=hint).items():
+    hint = f"run without {kw('use_slot', True)} for other keys"
+    for mod, (ka, kb) in lora_pairs(list(output), need="use_slot", hint=hint, params=[("use_slot", True)]).items():
         pair = []
         for key in (ka, kb):
             t = output[key]
@@ -125,7 +126,8 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
             if t.ndim != 2:
                 raise HookError(f"fcprag dyprag: ParameterTranslator output {index}: key '{key}' has shape "
                                 f"{list(t.shape)}; use_slot needs one [r, in] / [out, r] factor pair per module "
-                                "(a batch of factors cannot share one slot): run without use_slot=True")
+                                f"(a batch of factors cannot share one slot): run without {kw('use_slot', True)}",
+                                params=[("use_slot", True)])
             pair.append(t.detach())
         A, B = pair
         if A.shape[0] != B.shape[1]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import HookError
-from ..loading import parse_json_lines, split_lines
+from ..fileio import parse_json_lines, split_lines
 
 _DATA_RE = re.compile(r"^data_(\d+)$")
 _PASSAGE_RE = re.compile(r"^passage_(\d+)$")

@@ -1,5 +1,6 @@
-"""What the host shims share: reversible patches, the query context, the weights and the log, the fused slots
-of ``use_slot``, the install lifecycle and the script launcher (``prag.py`` / ``dyprag.py`` add their patches)."""
+"""What the host shims share: reversible patches, the weights and the log, the fused slots of ``use_slot``, the
+install lifecycle and the script launcher (``prag.py`` / ``dyprag.py`` add their patches; which question a merge
+is for: :mod:`.context`)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,18 @@ import json
 import logging
 import runpy
 import sys
-import threading
 import weakref
 from pathlib import Path
-from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from torch import nn
 
-from ..controller import FusionController, load_controller
-from ..errors import HookError
+from ..controller import FusionController, load_controller, query_weights
+from ..errors import BARE, HookError, kw
+from ..fusion import check_texts, switch_on
 from ..slot.layout import FactorGetter, PackedAdapter, pack_factors
 from ..slot.fused import FusedSlot
-from ..loading import finite_or_none
+from ..fileio import finite_or_none
 from ..weights import FusionWeights, is_uniform, side_inputs
 
 logger = logging.getLogger(__name__)
@@ -56,65 +56,6 @@ class PatchSet:
                 with contextlib.suppress(AttributeError):
                     delattr(owner, attr)
         self._patches.clear()
-
-
-# ----------------------------------------------------------------------------- query context
-_ctx = threading.local()
-
-
-def set_context(question: str, passages: Sequence[str], **extra: Any) -> None:
-    """Tell the shims which question and passages the next merge is for (the most reliable source)."""
-    _ctx.value = {"question": question, "passages": list(passages), **extra}
-
-
-def clear_context() -> None:
-    _ctx.value = None
-
-
-def explicit_context() -> dict[str, Any] | None:
-    return getattr(_ctx, "value", None)
-
-
-def find_in_callers(names: Iterable[str], frame: FrameType | None = None,
-                    max_depth: int = 30) -> dict[str, Any] | None:
-    """The nearest caller frame whose locals hold all ``names`` (e.g. ``question`` and ``passages``)."""
-    names = list(names)
-    f = frame or sys._getframe(1)
-    for _ in range(max_depth):
-        if f is None:
-            return None
-        if all(n in f.f_locals for n in names):
-            return {n: f.f_locals[n] for n in names}
-        f = f.f_back
-    return None
-
-
-def caller_test_id(ctx: dict[str, Any]) -> int | str | None:
-    """The host's question index: ``set_context(..., test_id=...)``, else a ``test_id`` local of a calling function
-    (PRAG's and DyPRAG's loops both have one), else None."""
-    tid = ctx.get("test_id")
-    if tid is None:
-        found = find_in_callers(("test_id",), sys._getframe(1))
-        tid = found["test_id"] if found else None
-    return tid if isinstance(tid, (int, str)) and not isinstance(tid, bool) else None
-
-
-def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, what: str = "merge"
-                ) -> dict[str, Any]:
-    """Resolve ``{"question", "passages", "source", ...}``: explicit, else callers' locals, else ``fallback``."""
-    ctx = explicit_context()
-    if ctx is not None:
-        return {**ctx, "source": "set_context"}
-    loc = find_in_callers(("question", "passages"), sys._getframe(1))
-    if loc is not None and isinstance(loc["question"], str) and isinstance(loc["passages"], (list, tuple)):
-        return {"question": loc["question"], "passages": list(loc["passages"]), "source": "caller_locals"}
-    fb = fallback() if fallback is not None else None
-    if fb is not None:
-        return {**fb, "source": fb.get("source", "fallback")}
-    raise HookError(f"fcprag: cannot tell which question and passages this {what} is for: call "
-                    "fcprag_plugin.hosts.set_context(question, passages) before it, keep local variables named "
-                    "'question' and 'passages' in the calling function, or give the shim a data file to map adapter "
-                    "paths")
 
 
 # ----------------------------------------------------------------------------- the weights
@@ -155,22 +96,10 @@ class WeightProvider:
         :attr:`needs_adapters`); the hosts keep no retrieval scores, so a controller trained with
         ``retrieval_score`` takes it as equal for every passage (logged once by ``predict``).
         """
-        from ..fusion import check_texts
-
         check_texts(question, passages)
         side = side_inputs(self.controller, adapters=adapters,
                            retrieval_ranks=[float(i + 1) for i in range(len(passages))])
-        return FusionWeights.for_query(question, passages, self.controller, self.encoder, side)
-
-
-class MergeHook(WeightProvider):
-    """Deprecated name of :class:`WeightProvider` (``mode`` and ``log`` now belong to the shim)."""
-
-    def __init__(self, controller: Any = None, encoder: Any = None, mode: str = "cat", log: Any = None) -> None:
-        import warnings
-
-        warnings.warn("MergeHook is now WeightProvider", DeprecationWarning, stacklevel=2)
-        super().__init__(controller, encoder)
+        return query_weights(self.controller, question, passages, self.encoder, side)
 
 
 def append_log_line(path: Path | None, record: dict[str, Any]) -> None:
@@ -218,7 +147,8 @@ def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | Non
     if max_adapters is None:
         return None
     if not use_slot:
-        raise HookError(f"{who}: max_adapters= only applies with use_slot=True")
+        raise HookError(f"{who}: {kw('max_adapters')} only applies with {kw('use_slot', True)}",
+                        params=[("max_adapters", BARE), ("use_slot", True)])
     if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
         raise HookError(f"{who}: max_adapters must be a positive integer (the most passages one question may have), "
                         f"got {max_adapters!r}")
@@ -244,8 +174,9 @@ class ShimSlots:
         adapters of rank ``rank``."""
         if self.max_adapters is not None and n > self.max_adapters:
             raise HookError(f"{self.who}: this question merges {n} adapters but the fused slot holds "
-                            f"max_adapters={self.max_adapters}; raise max_adapters= or leave it "
-                            "unset so the slot grows with the largest question")
+                            f"{kw('max_adapters', self.max_adapters)}; raise {kw('max_adapters')} or leave it "
+                            "unset so the slot grows with the largest question",
+                            params=[("max_adapters", self.max_adapters), ("max_adapters", BARE)])
         before = FusedSlot.of(model)
         size = None if before is None else (before.max_adapters, before.max_rank)
         slot = FusedSlot.for_model(model, targets, max_adapters=self.max_adapters or n, max_rank=rank)
@@ -258,18 +189,18 @@ class ShimSlots:
         return slot
 
     def write(self, model: nn.Module, modules: Sequence[str], rank: int, factors: Sequence[FactorGetter],
-              sources: Sequence[str], weights: Sequence[float], mode: str) -> FusedSlot:
+              sources: Sequence[str], merge_weights: Sequence[float], mode: str) -> FusedSlot:
         """Pack each adapter's factors (``factors[i](module) -> (A, B, s)``, named ``sources[i]`` in errors) into
-        the slot of ``model`` and write their ``mode`` merge with ``weights`` (switched on)."""
+        the slot of ``model`` and write their ``mode`` merge with ``merge_weights`` (``w~``, switched on)."""
         slot = self.get(model, list(modules), len(factors), rank)
         packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
-        return slot.write(packed, weights, mode)
+        return switch_on(model, packed, merge_weights, mode, max_adapters=slot.max_adapters)
 
-    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], weights: Sequence[float],
+    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], merge_weights: Sequence[float],
                      mode: str) -> FusedSlot:
         """Write the ``mode`` merge of already packed adapters into the slot of ``model`` (switched on)."""
         slot = self.get(model, packed[0], len(packed), max(p.max_rank for p in packed))
-        return slot.write(list(packed), weights, mode)
+        return switch_on(model, packed, merge_weights, mode, max_adapters=slot.max_adapters)
 
     def slot_of(self, model: nn.Module) -> FusedSlot | None:
         return FusedSlot.of(model) if model in self._models else None

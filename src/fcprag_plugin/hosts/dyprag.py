@@ -22,12 +22,12 @@ from types import ModuleType
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 from ..adapter import LoraAdapter, LoraModule
-from ..errors import HookError
+from ..errors import BARE, HookError, kw
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
-from .base import (Lifecycle, Shim, WeightProvider, caller_test_id, check_max_adapters, clear_context, find_in_callers,
-                   get_context)
-from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
+from .base import Lifecycle, Shim, WeightProvider, check_max_adapters
+from .context import caller_test_id, clear_context, find_in_callers, get_context
+from .context import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
 
@@ -312,9 +312,10 @@ def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: A
     sys.path) and patched; sys.path and those sys.modules entries are restored afterwards.
     """
     if options:
+        usable = ("controller", "encoder", "mode", "log", "use_slot", "slot_max_adapters")
         raise HookError(f"fcprag run dyprag: option(s) {sorted(options)} do not apply to DyPRAG "
-                        f"(data_file= is for prag); use controller=, encoder=, mode=, log=, use_slot=, "
-                        f"slot_max_adapters=")
+                        f"({kw('data_file')} is for prag); use {', '.join(map(kw, usable))}",
+                        params=[(name, BARE) for name in ("data_file", *usable)])
     check_max_adapters(slot_max_adapters, bool(use_slot), "fcprag run dyprag")
     script = Path(script)
     if not script.is_file():

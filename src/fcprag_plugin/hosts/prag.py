@@ -24,15 +24,16 @@ from ..compat import (clear_stale_peft_config, has_stale_peft_config, live_lora_
                       peft_has_stale_config_bug, peft_version)
 from ..adapter import LoraAdapter
 from ..controller import FusionController
-from ..errors import HookError
+from ..errors import HookError, kw
 from ..slot import AdapterStore
 from ..slot.fused import SLOT_MODES
 from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
 from ..weights import FusionWeights
-from .base import Lifecycle, Shim, WeightProvider, caller_test_id, clear_context, get_context
-from .base import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
+from .base import Lifecycle, Shim, WeightProvider
+from .context import caller_test_id, clear_context, get_context
+from .context import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ class PragShim(Shim):
         get_merge_mode(mode)  # a typo fails now, not at the first question
         if use_slot and mode not in SLOT_MODES:
             raise HookError(f"fcprag prag: use_slot supports modes {list(SLOT_MODES)}, not '{mode}' (an SVD merge "
-                            "needs the materialised adapter): run without use_slot=True")
+                            f"needs the materialised adapter): run without {kw('use_slot', True)}",
+                            params=[("use_slot", True)])
         super().__init__(WeightProvider(controller, encoder), mode, log=log, use_slot=use_slot,
                          max_adapters=max_adapters)
         self._slot_models: "weakref.WeakKeyDictionary[Any, SlotPeftModel]" = weakref.WeakKeyDictionary()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .._deprecated import renamed_attribute
 from ..adapter import LoraAdapter
 from ..errors import MergeError
 from ..weights import check_weights
@@ -23,8 +22,6 @@ class MergeResult:
     merge_weights: tuple[float, ...]
     mode: str
     info: dict[str, Any] = field(default_factory=dict)
-
-    weights = renamed_attribute("MergeResult.weights", "merge_weights")
 
 
 def register_merge_mode(name: str) -> Callable[[MergeFn], MergeFn]:
@@ -67,11 +64,12 @@ def check_compatible(adapters: Sequence[LoraAdapter]) -> list[str]:
     return names
 
 
-def merge_adapters(adapters: Sequence[LoraAdapter], weights: Any, mode: str = "cat", **options: Any) -> MergeResult:
+def merge_adapters(adapters: Sequence[LoraAdapter], merge_weights: Any, mode: str = "cat", **options: Any
+                   ) -> MergeResult:
     """Merge ``adapters`` with merge weights ``w~`` (length N) using ``mode``; see the package docstring."""
     fn = get_merge_mode(mode)
     adapters = list(adapters)
-    w = check_weights(weights, len(adapters))
+    w = check_weights(merge_weights, len(adapters))
     check_compatible(adapters)
     return fn(adapters, w, **options)
 
@@ -89,12 +87,12 @@ class WeightedAdapterMerger:
         self.mode = mode
         self.options = options
 
-    def merge(self, adapters: Sequence[LoraAdapter], weights: Any | None = None) -> MergeResult:
-        """``weights=None`` means uniform ``[1]*N`` (PRAG's merge)."""
+    def merge(self, adapters: Sequence[LoraAdapter], merge_weights: Any | None = None) -> MergeResult:
+        """``merge_weights=None`` means uniform ``[1]*N`` (PRAG's merge)."""
         adapters = list(adapters)
-        if weights is None:
-            weights = [1.0] * len(adapters)
-        return merge_adapters(adapters, weights, self.mode, **self.options)
+        if merge_weights is None:
+            merge_weights = [1.0] * len(adapters)
+        return merge_adapters(adapters, merge_weights, self.mode, **self.options)
 
     def __repr__(self) -> str:
         return f"WeightedAdapterMerger(mode={self.mode!r}, options={self.options})"

@@ -12,7 +12,7 @@ the hook on: ``y = W x + BT^T (A x)``. Shapes never change (``torch.compile`` fr
 and no parameter of the model is ever written: ``remove()`` leaves it exactly as it was.
 
 >>> slot = FusedSlot.for_model(model, adapters[0], max_adapters=10)  # doctest: +SKIP
->>> with slot.fused(adapters, weights):                             # doctest: +SKIP
+>>> with slot.fused(adapters, w_tilde):                             # doctest: +SKIP
 ...     out = model.generate(**inputs)
 >>> slot.remove()                                                   # doctest: +SKIP
 """
@@ -32,7 +32,6 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 from torch import nn
 
-from .._deprecated import renamed
 from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
 from ..merge import factors
@@ -45,7 +44,7 @@ logger = logging.getLogger(__name__)
 SLOT_MODES = ("cat", "separate")
 DEFAULT_MAX_RANK = 8
 
-# A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (used by mixed batches).
+# A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (per-sample mixtures).
 RankTransform = Callable[[torch.Tensor, str], torch.Tensor]
 
 
@@ -215,8 +214,7 @@ class FusedSlot:
         self.dtype = dtype
         self.store = store
         self.out_major = out_major
-        self.merge_mode: str | None = None  # what write() wrote: "cat" or "separate"
-        self.unweighted = False  # write_unweighted() wrote the adapters for a rank-space transform
+        self.merge_mode: str | None = None  # what write() wrote: "cat" or "separate" (None: a mixture)
         self.n_active = 0
         self._state = _State()
         self._in_context = False
@@ -424,19 +422,8 @@ class FusedSlot:
             t = seg.scratch[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
         return t
 
-    @torch.no_grad()
-    def write_unweighted(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
-        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches,
-        :meth:`switch_on_transform`), without switching the slot on; returns the packed adapters."""
-        self._check_usable()
-        packed = self.prepare(adapters)
-        self.deactivate()
-        self._write_cat(packed, [1.0] * len(packed))
-        self.n_active, self.merge_mode, self.unweighted = len(packed), None, True
-        return packed
-
     # ------------------------------------------------------------------ activation
-    def write(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> "FusedSlot":
+    def write(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat") -> "FusedSlot":
         """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) in place of what the
         slot held and switch it on; ``cat`` is the exact ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's
         ``(sum u_i B_i)(sum u_i s_i A_i)`` with ``u = w~/N``. Returns the slot."""
@@ -446,38 +433,72 @@ class FusedSlot:
                              "(use fcprag_plugin.merge for 'svd')")
         packed = self.prepare(adapters)
         n = len(packed)
-        w = check_weights(weights, n)
+        w = check_weights(merge_weights, n)
         self.deactivate()
         if mode == "cat":
             self._write_cat(packed, w)
         else:
             self._write_separate(packed, array("f", [v / n for v in w]).tolist())  # = float32 w / N
-        self.n_active, self.merge_mode, self.unweighted = len(packed), mode, False
+        self.n_active, self.merge_mode = len(packed), mode
         self._state.active = True
         return self
 
-    def switch_on_transform(self, transform: RankTransform) -> None:
-        """Switch the slot on with a rank-space transform between A and B (see :mod:`fcprag_tools.mixed`)."""
+    @torch.no_grad()
+    def write_mixed(self, adapters: Sequence[Any], merge_weights: Any, mode: str = "cat", mask: Any = None
+                    ) -> "FusedSlot":
+        """Switch on one mixture per sample of a batch: ``adapters`` (K' <= K, the union of the batch's adapters)
+        with ``merge_weights [B, K']`` (``w~`` per sample). ``mask [B, K']`` marks which adapters each sample uses
+        (default: non-zero weights); ``separate`` divides by the per-sample count ``N_b``. The adapters are written
+        unweighted (``A = s_i A_i``, ``BT = B_i^T``) and the weights act in rank space between A and B
+        (``cat``: ``sum_i w_bi s_i B_i A_i x_b``; ``separate``: DyPRAG's merge per sample), equal to running each
+        sample alone with its own merge up to rounding. Every target module's input must then have batch size
+        ``B`` first."""
         self._check_usable()
-        if not self.unweighted:
-            raise MergeError("switch_on_transform needs the adapters written with write_unweighted() first")
-        self._state.transform = transform
+        if mode not in SLOT_MODES:
+            raise MergeError(f"mixed-batch mode '{mode}' is not supported; expected one of {list(SLOT_MODES)}")
+        w, m = _mixture_weights(merge_weights, mask, len(adapters))
+        packed = self.prepare(adapters)
+        self.deactivate()
+        self._write_cat(packed, [1.0] * len(packed))
+        self.n_active, self.merge_mode = len(packed), None
+        K, R, B = self.max_adapters, self.max_rank, w.shape[0]
+        if mode == "cat":
+            coef = torch.zeros(B, K, R)
+            coef[:, :len(packed)] = w[:, :, None]
+            coef = coef.view(B, K * R)
+        else:
+            self._check_equal_ranks(packed, "mixed mode 'separate'")
+            n = m.sum(1, keepdim=True)
+            if bool((n == 0).any()):
+                bad = int(torch.nonzero(n[:, 0] == 0)[0])
+                raise MergeError(f"mixed mode 'separate': sample {bad} uses no adapter (its mask row is all False)")
+            coef = torch.zeros(B, K)
+            coef[:, :len(packed)] = (w / n.to(torch.float32)) * m
+        self._state.transform = _Mixture(coef, mode, K, R)
         self._state.active = True
+        return self
+
+    def mixed(self, adapters: Sequence[Any], merge_weights: Any, mode: str = "cat", mask: Any = None
+              ) -> ContextManager["FusedSlot"]:
+        """``with slot.mixed(union, W): model(**batch)`` -- :meth:`write_mixed` inside the block only."""
+        return self._block(lambda: self.write_mixed(adapters, merge_weights, mode, mask),
+                           "FusedSlot.mixed() cannot run inside another block of the same slot")
 
     def deactivate(self) -> None:
         """Switch the slot off: the model computes exactly its base outputs again (buffers are kept)."""
         self._state.active = False
         self._state.transform = None
 
-    def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> ContextManager["FusedSlot"]:
+    def fused(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat"
+              ) -> ContextManager["FusedSlot"]:
         """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
-        return self._block(lambda: self.write(adapters, weights, mode),
+        return self._block(lambda: self.write(adapters, merge_weights, mode),
                           "FusedSlot.fused() blocks cannot be nested: the slot holds one merge at a time")
 
     @contextmanager
     def _block(self, switch_on: Callable[[], Any], nested_error: str) -> Iterator["FusedSlot"]:
-        """``switch_on()`` for the block only (:meth:`fused`, :func:`~fcprag_tools.mixed.fused_mixed`); a block
-        inside another block of the slot is a :class:`MergeError` saying ``nested_error``."""
+        """``switch_on()`` for the block only (:meth:`fused`, :meth:`mixed`); a block inside another block of the
+        slot is a :class:`MergeError` saying ``nested_error``."""
         if self._in_context:
             raise MergeError(nested_error)
         switch_on()
@@ -496,7 +517,7 @@ class FusedSlot:
             seg.A.zero_()
             seg.BT.zero_()
             seg.dirty = 0
-        self.n_active, self.merge_mode, self.unweighted = 0, None, False
+        self.n_active, self.merge_mode = 0, None
 
     def resize(self, max_adapters: int | None = None, max_rank: int | None = None) -> None:
         """Reallocate for a new K and/or R (content is cleared; the hooks stay, pointed at the new buffers)."""
@@ -509,7 +530,7 @@ class FusedSlot:
         self.deactivate()
         self.max_adapters, self.max_rank = k, r
         self._allocate()
-        self.n_active, self.merge_mode, self.unweighted = 0, None, False
+        self.n_active, self.merge_mode = 0, None
         logger.info("FusedSlot resized to K=%d, R=%d (%d bytes)", k, r, self.nbytes)
 
     def current_adapter(self) -> LoraAdapter:
@@ -546,10 +567,43 @@ class FusedSlot:
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
-    # deprecated names ("activate" named two APIs), kept for one release
-    activate = renamed("FusedSlot.activate", "write")
-    write_union = renamed("FusedSlot.write_union", "write_unweighted")
-    activate_transform = renamed("FusedSlot.activate_transform", "switch_on_transform")
+
+def _mixture_weights(merge_weights: Any, mask: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked per-sample weights ``[B, k]`` (masked entries zeroed) and the mask (default: non-zero weights)."""
+    w = torch.as_tensor(merge_weights, dtype=torch.float32).detach().cpu()
+    if w.ndim != 2 or w.shape[1] != k or w.shape[0] < 1:
+        raise MergeError(f"mixed-batch weights have shape {list(w.shape)}, expected [B, {k}] (one row per sample, "
+                         "one column per adapter of the union)")
+    if not bool(torch.isfinite(w).all()):
+        raise MergeError("mixed-batch weights must be finite")
+    m = w != 0 if mask is None else torch.as_tensor(mask).detach().cpu().to(torch.bool)
+    if m.shape != w.shape:
+        raise MergeError(f"mixed-batch mask has shape {list(m.shape)}, expected {list(w.shape)}")
+    return w * m, m
+
+
+class _Mixture:
+    """The rank-space transform of :meth:`FusedSlot.write_mixed` for ``B`` samples: ``coef`` is ``[B, K*R]`` row
+    weights (``cat``) or ``[B, K]`` ``u`` (``separate``: ``h* = sum_i u_bi h_i``, then ``sum_i u_bi B_i h*``)."""
+
+    def __init__(self, coef: torch.Tensor, mode: str, k_slot: int, rank: int) -> None:
+        self.coef, self.mode, self.k, self.r, self.batch = coef, mode, k_slot, rank, coef.shape[0]
+        self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def __call__(self, h: torch.Tensor, name: str) -> torch.Tensor:
+        if h.ndim < 2 or h.shape[0] != self.batch:
+            raise MergeError(f"module '{name}': the mixed batch has {self.batch} samples but the module's input has "
+                             f"shape {list(h.shape[:-1])} (batch first expected; beam search or other batch "
+                             "expansion needs one weight row per expanded sample)")
+        c = self._cache.get((h.device, h.dtype))
+        if c is None:
+            c = self._cache[(h.device, h.dtype)] = self.coef.to(device=h.device, dtype=h.dtype)
+        lead = (self.batch,) + (1,) * (h.ndim - 2)
+        if self.mode == "cat":
+            return h * c.view(*lead, -1)
+        u = c.view(*lead, self.k, 1)
+        hs = (h.view(*h.shape[:-1], self.k, self.r) * u).sum(-2, keepdim=True)  # [..., 1, R] = A*_b x
+        return (u * hs).reshape(h.shape)
 
 
 def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import LabelFileError
-from ..loading import parse_json_lines, split_lines
+from ..fileio import parse_json_lines, split_lines
 
 logger = logging.getLogger(__name__)
 

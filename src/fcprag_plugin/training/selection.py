@@ -190,7 +190,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     rw = torch.full((R,), float("nan"), dtype=torch.float64)  # nested: each fold's own epoch choice
     scale = torch.full((R,), float("nan"), dtype=torch.float64)
     fold_epochs, fold_kappas, scale_measured = [], [], True
-    fold_args = dataclasses.replace(args, cv_folds=0, plots=False)
+    fold_args = dataclasses.replace(args, cv_folds=0)
     with tqdm(total=len(folds) * E, unit="epoch", desc=f"nested {len(folds)}-fold CV", dynamic_ncols=True,
               disable=not progress) as bar:
         for f, held in enumerate(folds):
@@ -259,10 +259,6 @@ def _part(p: dict[str, Any]) -> str:
 def verdict_lines(cv: dict[str, Any]) -> list[str]:
     """The verdict in plain words (the CLI's last lines): the total against PRAG's sum, its two parts, what was
     shipped and why."""
-    if "scale" not in cv:  # a cv.json written before the verdict was split
-        lo, hi = cv["ci95"]
-        return [f"cross-validated gain over uniform {cv['gain']:+.4g}, 95% CI [{lo:+.4g}, {hi:+.4g}] "
-                f"({cv['verdict']}; first order, epochs chosen on the same data)"]
     s, r = cv["scale"], cv["reweighting"]
     how = {"measured": "chosen on measured scales", "first_order": "chosen by the first-order extrapolation (no "
            "scale measurements in the labels)", "fixed": "fixed by the caller"}[s["chosen_by"]]

@@ -20,8 +20,10 @@ import torch
 from tqdm.auto import tqdm
 
 from fcprag_plugin.adapter import LoraAdapter
+from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.slot import activate
+from fcprag_plugin.fusion import fuse_into
 from fcprag_plugin.merge import merge_adapters
 from .errors import LabelBuildError
 from .manifest import ManifestRecord
@@ -264,8 +266,9 @@ class LabelBuilder:
             try:
                 if not chosen:
                     ctx: Any = contextlib.nullcontext()  # the base model
-                elif slot is not None:
-                    ctx = slot.fused(chosen, [scale] * len(chosen), o.merge_mode)
+                elif slot is not None:  # PRAG's sum times the scale, in the model's fused slot
+                    ctx = fuse_into(self.model, chosen, rec.question, [rec.passages[i] for i in subset],
+                                    controller=FusionController.scale_only(scale), mode=o.merge_mode)
                 else:
                     ctx = activate(self.model, merge_adapters(chosen, [scale] * len(chosen), o.merge_mode).adapter)
                 with ctx, torch.no_grad():

@@ -151,7 +151,7 @@ def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size:
 @contextlib.contextmanager
 def _mixture(slot: Any, rows: Sequence[ScoreRow], seq_rows: Sequence[int], mode: str) -> Iterator[None]:
     """Per-sequence mixtures for one forward: sequence ``s`` runs under row ``seq_rows[s]``'s adapters and weights."""
-    from ..mixed import fused_mixed, union_weights
+    from ..mixed import union_weights
 
     used = [s for s, r in enumerate(seq_rows) if len(rows[r].adapters)]
     if not used:  # base model for every sequence of this forward
@@ -167,7 +167,7 @@ def _mixture(slot: Any, rows: Sequence[ScoreRow], seq_rows: Sequence[int], mode:
     W[used], M[used] = Wu, Mu
     if mode == "separate":  # a base-model row uses no adapter; give it a weight-0 mask entry so N_b > 0
         M[sorted(set(range(len(seq_rows))) - set(used)), 0] = True
-    with fused_mixed(slot, union, W, mode, mask=M):
+    with slot.mixed(union, W, mode, mask=M):
         yield
 
 
@@ -180,7 +180,7 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
     Rows are packed in order into forwards of at most ``batch_size`` sequences (teacher forcing: one per gold
     alias; generation: one per row), ``max_tokens`` padded tokens (``B x L_max``, optional) and
     ``slot.max_adapters`` distinct adapters; a row is never split. Per forward the union of its rows' adapters is
-    written once into ``slot`` (:func:`fcprag_tools.mixed.fused_mixed` in ``mode``), so a row only ever sees its
+    written once into ``slot`` (:meth:`FusedSlot.mixed` in ``mode``), so a row only ever sees its
     own adapters; ``slot`` may be None when no row has adapters, and is inactive again on return.
     """
     if not isinstance(batch_size, int) or batch_size < 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.loading import write_atomic
+from fcprag_plugin.fileio import write_atomic
 from .manifest import ManifestRecord
 from .store import read_label_lines
 

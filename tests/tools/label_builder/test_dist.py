@@ -15,8 +15,8 @@ import torch
 from fcprag_tools.cli import main
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.training import load_labels
-from fcprag_tools.labels.manifest import read_manifest
-from fcprag_tools.labels.shard import ShardInfo, output_path, part_path, shard_from_env, shard_records
+from fcprag_tools.label_builder.manifest import read_manifest
+from fcprag_tools.label_builder.shard import ShardInfo, output_path, part_path, shard_from_env, shard_records
 from helpers import make_adapter_dir, save_tiny_lm
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from fcprag_tools.cli import main
 from fcprag_plugin.errors import LabelFileError
-from fcprag_tools.labels.manifest import from_prag, read_manifest
+from fcprag_tools.label_builder.manifest import from_prag, read_manifest
 from helpers import make_adapter_dir
 
 GOOD = {"id": "q1", "question": "Who?", "answer": "Paris", "passages": ["p one", "p two"], "adapters": ["a0", "a1"]}

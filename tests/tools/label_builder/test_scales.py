@@ -15,11 +15,11 @@ import torch
 from fcprag_plugin.errors import FcpragError, LabelFileError
 from fcprag_plugin.training import load_labels
 from fcprag_tools.cli import main
-from fcprag_tools.labels.builder import BuildOptions, LabelBuilder, build_labels, format_scales
-from fcprag_tools.labels.cli import scale_list
-from fcprag_tools.labels.manifest import read_manifest
-from fcprag_tools.labels.prompts import PromptTemplate, answer_ids, render_prompt
-from fcprag_tools.labels.shard import merge_parts
+from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels, format_scales
+from fcprag_tools.label_builder.cli import scale_list
+from fcprag_tools.label_builder.manifest import read_manifest
+from fcprag_tools.label_builder.prompts import PromptTemplate, answer_ids, render_prompt
+from fcprag_tools.label_builder.shard import merge_parts
 from helpers import files_reference, make_adapter_dir, read_jsonl, save_tiny_lm
 
 MAX_NEW = 4
@@ -288,7 +288,7 @@ def test_empty_generations_at_scales_are_counted_or_name_the_scale(tmp_path):
     the error names the scale."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fcprag_tools.labels.builder import describe_subset
+    from fcprag_tools.label_builder.builder import describe_subset
 
     model_dir = save_tiny_lm(tmp_path / "lm0", seed=0, zero_lm_head=True)  # greedy always emits [PAD]
     ad = make_adapter_dir(tmp_path / "a0", seed=0)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fcprag_tools.cli import main
-from fcprag_tools.labels.metrics import SCORINGS, extract_answer, score_generation
+from fcprag_tools.label_builder.metrics import SCORINGS, extract_answer, score_generation
 from helpers import make_adapter_dir, save_tiny_lm
 
 # (generation, gold aliases, cot, expected prediction, f1, em) under scoring="prag"
@@ -66,7 +66,7 @@ def test_unknown_scoring_is_refused():
 @pytest.mark.parametrize("scoring,f1", [("default", 1.0), ("prag", 0.5)])
 def test_labels_build_scoring_option_reaches_the_labels(tmp_path, monkeypatch, scoring, f1):
     """`fcprag labels build --cot --scoring S`: the label's f1 is the one S gives for the generation."""
-    from fcprag_tools.labels import builder
+    from fcprag_tools.label_builder import builder
 
     # a fixed generation through the sequential path's generator (--batch-size 1 below selects that path)
     monkeypatch.setattr(builder, "greedy_generate", lambda *a, **k: "The answer is Rome, surely")

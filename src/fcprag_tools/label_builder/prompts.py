@@ -59,11 +59,11 @@ class PromptTemplate:
                 if ph not in getattr(self, key):
                     raise FcpragError(f"{where}: key '{key}' must contain the placeholder {ph}")
 
-    def user_message(self, question: str, passages: Sequence[str] | None, mode: str, cot: bool) -> str:
-        if mode not in PROMPT_MODES:
-            raise FcpragError(f"unknown prompt mode '{mode}'; expected one of {list(PROMPT_MODES)}")
+    def user_message(self, question: str, passages: Sequence[str] | None, prompt_mode: str, cot: bool) -> str:
+        if prompt_mode not in PROMPT_MODES:
+            raise FcpragError(f"unknown prompt mode '{prompt_mode}'; expected one of {list(PROMPT_MODES)}")
         q = question.strip()
-        if mode == "param":
+        if prompt_mode == "param":
             text = self.param.format(question=q)
         else:
             block = "\n".join(self.passage.format(index=i + 1, text=p.strip()) for i, p in enumerate(passages or []))
@@ -84,10 +84,10 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def render_prompt(tokenizer: Any, template: PromptTemplate, question: str, passages: Sequence[str] | None,
-                  mode: str, *, cot: bool = False, use_chat_template: bool | None = None) -> EncodedPrompt:
+                  prompt_mode: str, *, cot: bool = False, use_chat_template: bool | None = None) -> EncodedPrompt:
     """The prompt text and ids: the user message, through the chat template when the tokenizer has one
     (``use_chat_template=None``: automatic), followed by the assistant prefix (``answer_prefix``, unless ``cot``)."""
-    user = template.user_message(question, passages, mode, cot)
+    user = template.user_message(question, passages, prompt_mode, cot)
     prefix = "" if cot else template.answer_prefix
     chat = has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
     if chat:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fcprag_tools.cli import main
-from fcprag_tools.labels.batched import batched_answer_logprobs, batched_greedy
-from fcprag_tools.labels.builder import BuildOptions, LabelBuilder, build_labels
-from fcprag_tools.labels.manifest import read_manifest
-from fcprag_tools.labels.metrics import answer_logprob, greedy_generate
+from fcprag_tools.label_builder.batched import batched_answer_logprobs, batched_greedy
+from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels
+from fcprag_tools.label_builder.manifest import read_manifest
+from fcprag_tools.label_builder.metrics import answer_logprob, greedy_generate
 from helpers import assert_bit_identical, make_adapter_dir, read_jsonl, save_tiny_lm, state_snapshot
 
 QUESTIONS = ["What is the capital of France?", "Who wrote the book?", "Which river is in Paris?",
@@ -130,7 +130,7 @@ def test_a_bad_record_in_a_batch_costs_only_itself(world, tmp_path, capsys):
 
 def test_incompatible_adapter_in_a_batch_names_record_and_subset(world, tmp_path):
     from fcprag_plugin.adapter import LoraAdapter, LoraModule
-    from fcprag_tools.labels.errors import LabelBuildError
+    from fcprag_tools.label_builder.errors import LabelBuildError
 
     wide = LoraAdapter({"model.layers.0.mlp.gate_proj": LoraModule(torch.randn(2, 16), torch.randn(48, 2), 2.0)},
                        {"r": 2, "lora_alpha": 4}).save_pretrained(tmp_path / "wide")
@@ -188,7 +188,7 @@ def test_batched_resume_after_interruption(world, tmp_path):
 
 def test_batched_shards_merge_to_the_sequential_labels(world, tmp_path):
     """Round-robin shards labelled batched, merged in manifest order: the single-process sequential labels."""
-    from fcprag_tools.labels.shard import merge_parts, part_path, shard_records
+    from fcprag_tools.label_builder.shard import merge_parts, part_path, shard_records
 
     model, tok = _load(world)
     records = read_manifest(world["manifest"])

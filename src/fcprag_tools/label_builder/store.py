@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.loading import parse_json_lines, split_lines
+from fcprag_plugin.fileio import parse_json_lines, split_lines
 
 logger = logging.getLogger(__name__)
 
