@@ -22,9 +22,8 @@ def finite_or_none(obj: Any) -> Any:
 
 
 def split_lines(text: str, keepends: bool = False) -> list[str]:
-    """``text``'s lines, broken at ``"\\n"`` only (a ``"\\r"`` before it stays: JSON reads it as whitespace). The
-    JSON Lines readers use this, not ``str.splitlines()``, which also breaks at U+2028, U+0085 and other characters
-    that JSON strings written with ``ensure_ascii=False`` hold raw."""
+    """``text``'s lines, broken at ``"\\n"`` only (unlike ``str.splitlines()``, not at U+2028, U+0085 and others
+    that JSON strings written with ``ensure_ascii=False`` hold raw; a ``"\\r"`` stays, JSON reads it as space)."""
     lines = text.split("\n")
     last = lines.pop()  # "" when the text ends with a newline (or is empty)
     if keepends:
@@ -56,9 +55,8 @@ def write_json(path: str | Path, obj: Any) -> Path:
 
 
 def parse_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, str, Any, json.JSONDecodeError | None]]:
-    """``(line number, raw line, value, error)`` per non-blank line (``lines`` from :func:`split_lines` or a text
-    file); where a line is not valid JSON, ``value`` is None and ``error`` says why. The one JSON Lines parser:
-    each reader turns ``error`` into its own message."""
+    """``(line number, raw line, value, error)`` per non-blank line; for invalid JSON ``value`` is None and
+    ``error`` says why (each reader turns it into its own message)."""
     for lineno, raw in enumerate(lines, start=1):
         if raw.strip():
             try:

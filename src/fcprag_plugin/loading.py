@@ -1,7 +1,5 @@
-"""Process-wide load caches (:class:`LoadCache`), so a controller directory (``controller.cached_controller``)
-and an embedding model (``encoding.get_encoder``) are each loaded once per process. Cached objects are shared: do not train or modify them in place
-(``FusionController.from_pretrained`` gives a private copy).
-"""
+"""Process-wide load caches (:class:`LoadCache`): a controller directory and an embedding model are each loaded
+once per process. Cached objects are shared: do not modify them (``FusionController.from_pretrained`` copies)."""
 
 from __future__ import annotations
 
@@ -31,17 +29,12 @@ _CACHES: "weakref.WeakSet[LoadCache[Any]]" = weakref.WeakSet()  # every live Loa
 
 
 class LoadCache(Generic[T]):
-    """A bounded, thread-safe LRU map ``key -> (signature, value)`` that builds missing values once.
-
-    ``get(key, build, signature)``: the cached value when present and its stored signature equals
-    ``signature()`` (e.g. file sizes and mtimes), else ``build()``'s result, which is stored. Construction runs
-    under a per-key lock (other keys stay available); a value whose signature changed while it was being built is
-    returned but not stored (it may mix old and new files).
-    """
+    """A bounded, thread-safe LRU map ``key -> (signature, value)``. ``get(key, build, signature)``: the cached
+    value when its stored signature equals ``signature()`` (e.g. file stats), else ``build()``'s (under a per-key
+    lock), stored unless the signature changed while it was built."""
 
     def __init__(self, name: str, maxsize: int, on_clear: Callable[[], None] | None = None) -> None:
-        self.name = name
-        self.maxsize = maxsize
+        self.name, self.maxsize = name, maxsize
         self.stats = CacheStats()
         self.on_clear = on_clear  # forget what the owner derived from the entries (e.g. name lookups)
         self._items: OrderedDict[Hashable, tuple[Any, T]] = OrderedDict()

@@ -18,7 +18,8 @@ from dyprag_double.harness import COUNTS
 from fcprag_plugin.compat import peft_has_stale_config_bug
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import HookError
-from fcprag_plugin.hosts import dyprag, prag, run_script
+from fcprag_plugin.hosts import dyprag, prag
+from fcprag_tools.launch import launch_dyprag, launch_prag, run_script
 from helpers import files_reference, fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
 from prag_double.world import DOUBLE_SCRIPT, World, build_world, dense_reference, read_capture, reference_logits
 
@@ -46,7 +47,7 @@ def world(request, tmp_path_factory) -> World:
 def run_double(world: World, tmp: Path, name: str, **options) -> tuple[Path, list[dict]]:
     cap, log = tmp / name, tmp / f"{name}.jsonl"
     cap.mkdir()
-    rc = prag.launch(str(DOUBLE_SCRIPT), world.args(cap, generate=3), log=log, **options)
+    rc = launch_prag(str(DOUBLE_SCRIPT), world.args(cap, generate=3), log=log, **options)
     assert rc == 0 and not prag.is_installed()
     return cap, [json.loads(line) for line in log.read_text().splitlines()]
 
@@ -98,7 +99,7 @@ def test_prag_fixed_capacity_too_small_is_named(tmp_path):
     cap = tmp_path / "cap"
     cap.mkdir()
     with pytest.raises(HookError, match=r"merges 3 adapters but the fused slot holds max_adapters=2"):
-        prag.launch(str(DOUBLE_SCRIPT), w.args(cap), use_slot=True, slot_max_adapters=2)
+        launch_prag(str(DOUBLE_SCRIPT), w.args(cap), use_slot=True, slot_max_adapters=2)
     assert (cap / "q0.safetensors").exists() and not (cap / "q1.safetensors").exists()
     assert not prag.is_installed()
 
@@ -267,7 +268,7 @@ def test_dyprag_slot_equals_default_path_and_reference(double, tmp_path, encoder
     runs = {}
     for use_slot in (False, True):
         rec, out, log = (tmp_path / f"{use_slot}.{x}" for x in ("pt", "json", "jsonl"))
-        rc = dyprag.launch(script, ["--data", str(data), "--record", str(rec), "--out", str(out)],
+        rc = launch_dyprag(script, ["--data", str(data), "--record", str(rec), "--out", str(out)],
                            controller=controller, encoder=encoder16, mode=mode, log=log, use_slot=use_slot)
         assert rc == 0 and dyprag.current() is None
         runs[use_slot] = (H.load_record(rec), json.loads(out.read_text()),
@@ -366,7 +367,7 @@ def test_dyprag_slot_errors(host, tmp_path, monkeypatch):
         dyprag.install(utils=no_remove, projector=host.projector, use_slot=True)
     assert dyprag.current() is None
     with pytest.raises(HookError, match="only applies with use_slot"):
-        dyprag.launch(tmp_path / "x.py", [], slot_max_adapters=3)
+        launch_dyprag(tmp_path / "x.py", [], slot_max_adapters=3)
 
 
 @pytest.mark.parametrize("use_slot", [False, True])

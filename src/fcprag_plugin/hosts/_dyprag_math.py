@@ -3,10 +3,9 @@ re-aggregate them with per-passage weights ``u`` (``[N]``, summing to 1).
 
 A translator output is a dict of PEFT-style keys ``...{module}.lora_A.weight`` ``[..., r, in]`` and
 ``...{module}.lora_B.weight`` ``[..., out, r]``; DyPRAG sets ``delta = lora_B @ lora_A`` per module (no scaling).
-``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i`` (DyPRAG's own aggregation, cross terms included);
-``delta``: ``A = cat_i(u_i A_i)``, ``B = cat_i(B_i)`` along rank, so ``B A = sum_i u_i B_i A_i`` exactly. The dict
-handed on has the dtypes, devices and keys of the one DyPRAG built (sums accumulate in float32 / float64).
-"""
+``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i`` (DyPRAG's own aggregation); ``delta``: ``A =
+cat_i(u_i A_i)``, ``B = cat_i(B_i)`` along rank, so ``B A = sum_i u_i B_i A_i`` exactly. The result has the dtypes,
+devices and keys of DyPRAG's dict (sums accumulate in float32 / float64)."""
 
 from __future__ import annotations
 

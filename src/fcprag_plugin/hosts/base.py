@@ -1,14 +1,12 @@
-"""What the host shims share: reversible patches, the weights and the log, the fused slots of ``use_slot``, the
-install lifecycle and the script launcher (``prag.py`` / ``dyprag.py`` add their patches; which question a merge
-is for: :mod:`.context`)."""
+"""What the host shims share: reversible patches, the weights and the log, the fused slots of ``use_slot`` and
+the install lifecycle (``prag.py`` / ``dyprag.py`` add their patches; which question a merge is for:
+:mod:`.context`; running a host's script: ``fcprag_tools.launch``)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import runpy
-import sys
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -28,7 +26,6 @@ logger = logging.getLogger(__name__)
 _MISSING = object()
 
 
-# ----------------------------------------------------------------------------- patches
 class PatchSet:
     """A named group of attribute patches. ``apply`` is idempotent; ``revert`` restores the originals exactly."""
 
@@ -58,7 +55,6 @@ class PatchSet:
         self._patches.clear()
 
 
-# ----------------------------------------------------------------------------- the weights
 class WeightProvider:
     """Controller + encoder -> the merge weights of one question (:meth:`weights`).
 
@@ -89,59 +85,15 @@ class WeightProvider:
         return "adapter_stats" in side_inputs(self.controller)
 
     def weights(self, question: str, passages: Sequence[str], adapters: Any = None) -> FusionWeights:
-        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question.
-
-        Side features: the hosts hand over their passages in retrieval order, so ``retrieval_rank`` is the
-        position (1..N); ``adapter_stats`` come from ``adapters`` (LoraAdapters, read only when
-        :attr:`needs_adapters`); the hosts keep no retrieval scores, so a controller trained with
-        ``retrieval_score`` takes it as equal for every passage (logged once by ``predict``).
-        """
+        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question. ``retrieval_rank`` is the position
+        (hosts pass passages in retrieval order); ``adapter_stats`` come from ``adapters`` (read only when
+        :attr:`needs_adapters`); hosts keep no retrieval scores (``predict`` takes them as equal)."""
         check_texts(question, passages)
         side = side_inputs(self.controller, adapters=adapters,
                            retrieval_ranks=[float(i + 1) for i in range(len(passages))])
         return query_weights(self.controller, question, passages, self.encoder, side)
 
 
-def append_log_line(path: Path | None, record: dict[str, Any]) -> None:
-    """Append ``record`` to the JSON Lines file ``path`` in one write (no torn lines); None: no log."""
-    if path is None:
-        return
-    line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-
-
-# ----------------------------------------------------------------------------- launcher
-def run_script(script: str | Path, argv: Sequence[str] = (), *, extra_paths: Sequence[str | Path] = ()) -> dict:
-    """Run ``script`` as ``__main__`` like ``python script ARGS``: its directory first on sys.path, sys.argv set.
-
-    Patches must be installed before this call (hosts bind names at import time).
-    """
-    script = Path(script)
-    if not script.is_file():
-        raise HookError(f"{script}: script not found")
-    old_argv, old_path = sys.argv[:], sys.path[:]
-    sys.argv = [str(script), *argv]
-    sys.path[:0] = [str(script.parent.resolve()), *[str(Path(p).resolve()) for p in extra_paths]]
-    try:
-        return runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv, sys.path[:] = old_argv, old_path
-
-
-def run_host_script(script: str | Path, argv: Sequence[str] = ()) -> int:
-    """:func:`run_script`, returning the exit status ``python script ARGS`` would have (``sys.exit`` is caught)."""
-    try:
-        run_script(script, argv)
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return int(e.code or 0)
-        sys.stderr.write(f"{e.code}\n")  # what python prints for sys.exit("message")
-        return 1
-    return 0
-
-
-# ----------------------------------------------------------------------------- use_slot: one fused slot per model
 def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | None:
     """Validate the ``max_adapters`` option (``None``: the slot grows with the largest question)."""
     if max_adapters is None:
@@ -156,12 +108,9 @@ def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | Non
 
 
 class ShimSlots:
-    """The models whose slot one shim used (held weakly), so :meth:`close` can remove those slots. The slot itself
-    belongs to the model (:meth:`FusedSlot.for_model`, its one owner).
-
-    ``max_adapters``: fixed slot capacity K (more adapters is a :class:`HookError`); ``None`` sizes the slot for
-    the first question and grows it (logged) when a later question has more adapters or a larger rank.
-    """
+    """The models whose slot (owned by the model, :meth:`FusedSlot.for_model`) one shim used, held weakly so
+    :meth:`close` can remove them. ``max_adapters``: fixed capacity K (more is a :class:`HookError`); ``None`` sizes
+    the slot for the first question and grows it when a later one needs more adapters or rank."""
 
     def __init__(self, max_adapters: int | None, who: str) -> None:
         self.max_adapters = max_adapters
@@ -217,7 +166,6 @@ class ShimSlots:
         self._models = weakref.WeakSet()
 
 
-# ----------------------------------------------------------------------------- the shim lifecycle
 class Shim:
     """What every host shim holds: the :class:`WeightProvider` (``weigher``), the merge ``mode``, the fused slots
     of ``use_slot`` (``slots``), its patches, and the per-question JSON Lines log (``log_path``; ``merges`` counts
@@ -229,8 +177,7 @@ class Shim:
 
     def __init__(self, weigher: WeightProvider, mode: str, *, log: str | Path | None = None, use_slot: bool = False,
                  max_adapters: int | None = None) -> None:
-        self.weigher = weigher
-        self.mode = mode
+        self.weigher, self.mode = weigher, mode
         self.log_path = Path(log) if log is not None else None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -276,16 +223,20 @@ class Shim:
             logger.warning(msg, *args)
 
     def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Count the question and write its record (strict JSON: NaN / inf become null) to the log."""
+        """Count the question and append its record (strict JSON: NaN / inf become null) to the log in one write."""
         record = finite_or_none(record)
         self.merges += 1
         self.last_record = record
-        append_log_line(self.log_path, record)
+        if self.log_path is not None:
+            line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist")
+                              else str(o))
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
         return record
 
 
 class Lifecycle:
-    """install / uninstall / installed / launch of one host's shims: at most one is installed at a time."""
+    """install / uninstall / installed of one host's shims: at most one is installed at a time."""
 
     def __init__(self, who: str) -> None:
         self.who = who
@@ -320,12 +271,3 @@ class Lifecycle:
             self.uninstall()
             if previous is not None:
                 self.install(previous)
-
-    def launch(self, script: str | Path, script_args: Sequence[str], shim: Shim) -> int:
-        """Run the unmodified host ``script`` as ``__main__`` with ``shim`` installed; returns its exit status."""
-        with self.installed(shim):
-            code = run_host_script(script, list(script_args))
-            ctrl = shim.weigher.controller
-            logger.info("%s: merged %d question(s) with %s weights", self.who, shim.merges,
-                        "uniform" if is_uniform(ctrl) else ctrl.config.controller_mode)
-        return code

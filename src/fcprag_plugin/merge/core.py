@@ -50,8 +50,7 @@ def check_compatible(adapters: Sequence[LoraAdapter]) -> list[str]:
     names = ref.target_modules
     for i, ad in enumerate(adapters[1:], start=1):
         if set(ad.modules) != set(ref.modules):
-            missing = sorted(set(ref.modules) - set(ad.modules))
-            extra = sorted(set(ad.modules) - set(ref.modules))
+            missing, extra = sorted(set(ref.modules) - set(ad.modules)), sorted(set(ad.modules) - set(ref.modules))
             raise MergeError(f"adapter {i} ({ad.source}) and adapter 0 ({ref.source}) target different modules: "
                              f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
                              f"extra {extra[:3]}{'...' if len(extra) > 3 else ''}")
@@ -75,23 +74,15 @@ def merge_adapters(adapters: Sequence[LoraAdapter], merge_weights: Any, mode: st
 
 
 class WeightedAdapterMerger:
-    """Merge N adapters with weights ``w~`` (length N). ``mode`` is a registered merge mode.
-
-    >>> merger = WeightedAdapterMerger("cat")
-    >>> result = merger.merge([a0, a1, a2], [1.12, 0.89, 0.99])   # doctest: +SKIP
-    >>> result.adapter.save_pretrained("merged")                   # doctest: +SKIP
-    """
+    """Merge N adapters with weights ``w~`` (length N) in registered merge ``mode``:
+    ``WeightedAdapterMerger("cat").merge([a0, a1, a2], [1.12, 0.89, 0.99]).adapter``."""
 
     def __init__(self, mode: str = "cat", **options: Any) -> None:
         get_merge_mode(mode)  # fail early on a typo
-        self.mode = mode
-        self.options = options
+        self.mode, self.options = mode, options
 
     def merge(self, adapters: Sequence[LoraAdapter], merge_weights: Any | None = None) -> MergeResult:
         """``merge_weights=None`` means uniform ``[1]*N`` (PRAG's merge)."""
-        adapters = list(adapters)
-        if merge_weights is None:
-            merge_weights = [1.0] * len(adapters)
         return merge_adapters(adapters, merge_weights, self.mode, **self.options)
 
     def __repr__(self) -> str:
