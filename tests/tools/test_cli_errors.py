@@ -80,6 +80,8 @@ def valid_args(cmd: str, w: dict, out: Path) -> list[str]:
                              str(w["root"]), "--out", str(out / "m.jsonl")],
         "labels merge": ["labels", "merge", str(out / "no.part0-of-2.jsonl"), "--manifest", str(w["manifest"]),
                          "--out", str(out / "merged.jsonl")],
+        "study": ["study", str(out / "no-questions.jsonl"), "--model", str(out / "no-model"), "--out",
+                  str(out / "study"), "--no-progress"],
     }[cmd]
 
 

@@ -11,6 +11,15 @@ the DyPRAG ``separate`` sums into the first R rows, zeroes rows left over from a
 the hook on: ``y = W x + BT^T (A x)``. Shapes never change (``torch.compile`` friendly), no module is created,
 and no parameter of the model is ever written: ``remove()`` leaves it exactly as it was.
 
+Routes (``slot.route``): the hooks suit one forward per merge (scoring) and per-sample mixtures; generating runs
+many forwards with one merge, and there fused weights are faster (:mod:`fcprag_plugin.slot.fused_weights`: each
+target module computes with a buffer ``W + BT^T A`` swapped in for its weight ``Parameter``, which is put back on
+switch-off). ``auto`` (default) adds the update through the hooks and, on an accelerator, switches to fused
+weights at the first forward without autograd that continues a KV cache under the same merge (the first decoding
+step of a ``generate``: there the hooks' extra kernels cost 20-50%), when the copy fits ``slot.weights_budget``; on
+the CPU (``AUTO_ON_CPU``) it keeps the hooks, which cost next to nothing beside the matmuls there while the copy
+is one more pass over the target weights. ``hooks`` never switches; ``weights`` switches at :meth:`FusedSlot.write`.
+
 >>> slot = FusedSlot.for_model(model, adapters[0], max_adapters=10)  # doctest: +SKIP
 >>> with slot.fused(adapters, w_tilde):                             # doctest: +SKIP
 ...     out = model.generate(**inputs)
@@ -36,12 +45,15 @@ from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
 from ..merge import factors
 from ..weights import check_weights
+from .fused_weights import FusedWeights
 from .store import AdapterStore
 from .layout import Layout, PackedAdapter, PackedGroup, check_layouts, layout_from_shapes, layout_of, pack_adapter
 
 logger = logging.getLogger(__name__)
 
 SLOT_MODES = ("cat", "separate")
+ROUTES = ("auto", "hooks", "weights")
+AUTO_ON_CPU = False  # route 'auto' on CPU weights: keep the hooks (measured: benchmarks/bench_generate.py)
 DEFAULT_MAX_RANK = 8
 
 # A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (per-sample mixtures).
@@ -87,11 +99,15 @@ class _Entry:
 
 
 class _State:
-    __slots__ = ("active", "transform")
+    __slots__ = ("active", "transform", "pending")
 
     def __init__(self) -> None:
-        self.active = False
+        self.active = False  # the hooks add the update
         self.transform: RankTransform | None = None
+        self.pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
+
+
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 def _make_hook(entry: _Entry, state: _State):
@@ -105,6 +121,27 @@ def _make_hook(entry: _Entry, state: _State):
         return output + (h @ entry.BT).to(output.dtype)
 
     return hook
+
+
+def _continues_cache(kwargs: dict[str, Any]) -> bool:
+    """Whether a forward's keyword arguments carry a non-empty KV cache (a decoding step; transformers 5 names the
+    argument ``cache``, earlier versions ``past_key_values``)."""
+    pkv = kwargs.get("past_key_values")
+    pkv = kwargs.get("cache") if pkv is None else pkv
+    length = getattr(pkv, "get_seq_length", None)
+    return int(length()) > 0 if callable(length) else isinstance(pkv, (tuple, list)) and len(pkv) > 0
+
+
+def _make_pre_hook(state: _State):
+    """Route ``auto``: before a forward without autograd that continues a KV cache (not while compiling or
+    capturing a CUDA graph), switch the pending merge to fused weights."""
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if state.pending is not None and not _is_compiling() and not torch.is_grad_enabled() \
+                and _continues_cache(kwargs) and not (torch.cuda.is_available()
+                                                      and torch.cuda.is_current_stream_capturing()):
+            state.pending()
+
+    return pre_hook
 
 
 def resolve_module(table: dict[str, nn.Module], name: str) -> nn.Module:
@@ -202,6 +239,8 @@ class FusedSlot:
             overwrites them. For a freshly packed adapter that only the slot will use (:func:`activate`).
     """
 
+    route = "auto"  # how the merge enters the model (see the module docstring); per slot or for all slots
+
     def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                  dtype: torch.dtype | None = None, store: Any = None, out_major: bool = False,
                  buffers_from: PackedAdapter | None = None) -> None:
@@ -225,10 +264,15 @@ class FusedSlot:
         self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
                          for g in self.layout.groups]
         self._allocate(buffers_from)
+        self._weights = FusedWeights([self._modules[s.group][l] for s in self._segments for l in range(s.l0, s.l1)])
+        self._hooks = [(mod, _make_hook(entry, self._state))
+                       for gi, mods in enumerate(self._modules) for entry, mod in zip(self._entries[gi], mods)]
+        self._pre_handle: Any = None
         try:
-            for gi, mods in enumerate(self._modules):
-                for entry, mod in zip(self._entries[gi], mods):
-                    self._handles.append(mod.register_forward_hook(_make_hook(entry, self._state)))
+            self._attach_hooks()
+            root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+            if isinstance(root, nn.Module):  # where generate() calls forward (a PeftModel's inner model)
+                self._pre_handle = root.register_forward_pre_hook(_make_pre_hook(self._state), with_kwargs=True)
         except Exception:
             self.remove()
             raise
@@ -315,7 +359,59 @@ class FusedSlot:
 
     @property
     def active(self) -> bool:
-        return self._state.active
+        """Whether the slot's merge is on (through the hooks or fused weights)."""
+        return self._state.active or self.on_weights
+
+    @property
+    def on_weights(self) -> bool:
+        """Whether the target modules compute with fused weights now (route ``auto`` / ``weights``)."""
+        return self._weights.swapped
+
+    @property
+    def weights_budget(self) -> int | None:
+        """The most bytes the fused-weight copies may take (None, the default: half of the memory the device reports
+        free). Over it, the slot keeps the hooks (logged once)."""
+        return self._weights.budget
+
+    @weights_budget.setter
+    def weights_budget(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise MergeError(f"weights_budget must be a number of bytes (an int >= 0) or None, got {value!r}")
+        self._weights.budget = value
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes of the fused-weight route: one copy of the target weights (allocated at its first use)."""
+        return self._weights.nbytes
+
+    # ------------------------------------------------------------------ the two routes
+    def _attach_hooks(self) -> None:
+        if not self._handles and not self._removed:
+            for mod, fn in self._hooks:
+                self._handles.append(mod.register_forward_hook(fn))
+
+    def _detach_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _to_weights(self) -> bool:
+        """Switch the current merge from the hooks to fused weights (see :mod:`.fused_weights`); False (hooks kept)
+        when the copy does not fit or the weights cannot be swapped (logged once)."""
+        self._state.pending = None
+        if self._weights.available() is not None:
+            return False
+        try:
+            self._weights.fill([(seg.A[l - seg.l0, :seg.dirty], seg.BT[l - seg.l0, :seg.dirty])
+                                for seg in self._segments for l in range(seg.l0, seg.l1)])
+            self._weights.swap_in()
+            self._state.active = False
+            self._detach_hooks()
+        except BaseException:  # interrupted half way: back to the hooks, whole
+            self._weights.restore()
+            self._attach_hooks()
+            self._state.active = True
+            raise
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -431,6 +527,8 @@ class FusedSlot:
         if mode not in SLOT_MODES:
             raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "
                              "(use fcprag_plugin.merge for 'svd')")
+        if self.route not in ROUTES:
+            raise MergeError(f"FusedSlot.route is {self.route!r}; expected one of {list(ROUTES)}")
         packed = self.prepare(adapters)
         n = len(packed)
         w = check_weights(merge_weights, n)
@@ -441,6 +539,10 @@ class FusedSlot:
             self._write_separate(packed, array("f", [v / n for v in w]).tolist())  # = float32 w / N
         self.n_active, self.merge_mode = len(packed), mode
         self._state.active = True
+        if self.route == "weights":
+            self._to_weights()
+        elif self.route == "auto" and (AUTO_ON_CPU or self._weights.device_type != "cpu"):
+            self._state.pending = self._to_weights
         return self
 
     @torch.no_grad()
@@ -485,9 +587,13 @@ class FusedSlot:
                            "FusedSlot.mixed() cannot run inside another block of the same slot")
 
     def deactivate(self) -> None:
-        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept)."""
+        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept; fused weights
+        are swapped back for the original ``Parameter`` objects)."""
         self._state.active = False
         self._state.transform = None
+        self._state.pending = None
+        self._weights.restore()
+        self._attach_hooks()
 
     def fused(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat"
               ) -> ContextManager["FusedSlot"]:
@@ -550,13 +656,15 @@ class FusedSlot:
 
     def remove(self) -> None:
         """Remove the hooks and free the buffers: the model is exactly as before the slot was created."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._removed = True  # first: deactivate() must not attach the hooks again
         self.deactivate()
+        self._weights.free()
+        self._detach_hooks()
+        if getattr(self, "_pre_handle", None) is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
         self._segments = []
         self._entries = []
-        self._removed = True
         model = self.model
         if model is not None and _SLOTS.get(model) is self:
             del _SLOTS[model]
