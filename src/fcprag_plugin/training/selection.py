@@ -20,9 +20,11 @@ above 0.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,6 +37,7 @@ from .targets import best_kappa
 logger = logging.getLogger(__name__)
 
 CV_NAME = "cv.json"
+CV_PARTIAL_NAME = "cv.partial.json"  # the folds an interrupted cross-validation finished (select's on_fold)
 BOOTSTRAP = 2000
 PARTS = 2  # scale and reweighting: the Bonferroni factor of the "shown" decisions
 CI_METHOD = f"percentile bootstrap over questions (groups), {BOOTSTRAP} resamples"
@@ -160,6 +163,22 @@ def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, s
             "first_order", None)
 
 
+def _from_json(values: Any) -> torch.Tensor:
+    """A (nested) list written by ``write_json`` back to float64, its nulls to NaN."""
+    back = lambda v: [back(x) for x in v] if isinstance(v, list) else float("nan" if v is None else v)  # noqa: E731
+    return torch.tensor(back(values), dtype=torch.float64)
+
+
+def read_cv_partial(out: Any) -> dict[str, Any] | None:
+    """The folds an interrupted cross-validation in run directory ``out`` finished (``{"key", "n_folds",
+    "folds"}``), or None when there are none or the file is unreadable (cut off mid-write: nothing to go on from)."""
+    try:
+        got = json.loads((Path(out) / CV_PARTIAL_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) and isinstance(got.get("folds"), list) else None
+
+
 def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int) -> dict[str, Any]:
     """Mean, 95% CI, the Bonferroni-adjusted CI and whether that one lies above 0, over the non-NaN records."""
     ok = ~torch.isnan(values)
@@ -173,13 +192,16 @@ def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int) -> dict
 
 
 def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
-           rule: ScaleRule = ScaleRule(), progress: bool = False) -> dict[str, Any]:
+           rule: ScaleRule = ScaleRule(), progress: bool = False, done: Sequence[dict[str, Any]] = (),
+           on_fold: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Nested grouped CV (module docstring) -> a JSON-ready dict: the epoch count and ``kappa`` to ship, the two
     parts with their CIs, what to ship (``learned`` only when the reweighting part is shown or
     ``args.keep_network``) and the verdict of the shipped controller against PRAG's sum.
 
     ``args`` is the run's ``TrainArgs``; ``trainer(train_data, None, None, args, embedding_model)`` builds one
-    fold's trainer (passed in so that this module does not import the one that imports it).
+    fold's trainer (passed in so that this module does not import the one that imports it). Each fold depends only
+    on its own seed, so a CV can stop and go on: ``on_fold(results)`` is called with the JSON-ready results of the
+    folds finished so far after each fold, and ``done`` (such a list, from the same data and ``args``) skips them.
     """
     t0 = time.perf_counter()
     folds = group_kfold(data.groups, args.cv_folds, args.seed)
@@ -191,9 +213,19 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     scale = torch.full((R,), float("nan"), dtype=torch.float64)
     fold_epochs, fold_kappas, scale_measured = [], [], True
     fold_args = dataclasses.replace(args, cv_folds=0)
+    results: list[dict[str, Any]] = []
     with tqdm(total=len(folds) * E, unit="epoch", desc=f"nested {len(folds)}-fold CV", dynamic_ncols=True,
               disable=not progress) as bar:
         for f, held in enumerate(folds):
+            if f < len(done) and done[f].get("held") == held:  # finished by an interrupted run
+                r = done[f]
+                curve[:, held], rw[held], scale[held] = (_from_json(r[k]) for k in ("curve", "reweighting", "scale"))
+                scale_measured &= bool(r["measured"])
+                fold_epochs.append(int(r["epochs"]))
+                fold_kappas.append(float(r["kappa"]))
+                results.append(r)
+                bar.update(E)
+                continue
             rest = [i for i in range(R) if i not in set(held)]
             inner = group_kfold([data.groups[i] for i in rest], len(folds), args.seed + 1 + f)
             # one question left to train on: its epochs are chosen on itself, still never on the held-out ones
@@ -221,6 +253,10 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             scale_measured &= measured
             fold_epochs.append(e_f)
             fold_kappas.append(kappa)
+            results.append({"held": held, "curve": curve[:, held].tolist(), "reweighting": rw[held].tolist(),
+                            "scale": scale[held].tolist(), "measured": measured, "epochs": e_f, "kappa": kappa})
+            if on_fold is not None:
+                on_fold(results)
     pooled = curve.mean(1)
     epochs = int(torch.argmax(pooled))  # first maximum: the fewest epochs among ties (0 = uniform weights)
     kappa, how, grid = fold_kappa(data, args, rule)
