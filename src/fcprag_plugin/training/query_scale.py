@@ -1,0 +1,132 @@
+"""A per-query scale from measured scale labels: which of the grid scales to merge PRAG's sum at, per question.
+
+Each label record with scale measurements carries its question's gain at every grid scale ``g [S]`` (label metric
+or F1). A :class:`~fcprag_plugin.controller.ScaleHead` (one linear layer on the standardised ``[e_q; mean e_p]``)
+gives a softmax policy ``pi [S]`` over the grid (scale 1, PRAG's sum, always among them) and is trained to maximise
+the mean expected utility
+
+    u_s = g_s - rho * 1[g_s < -margin]          (a loss beyond the risk rule's margin costs rho)
+    J   = mean_b sum_s pi_bs u_bs - l2 |W|^2     (the bias is not penalised: W = 0 is one global scale)
+
+``rho`` is the price of a loss that makes the best global scale under ``u`` the one the risk rule chose
+(:func:`risk_price`), so the head trades gain against risk at the rule's own rate. ``l2`` is chosen by an inner
+grouped CV among :data:`L2_GRID` (infinity: bias only, i.e. one global scale). The query's scale is the argmax.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Sequence
+
+import torch
+
+from ..controller import ScaleHead
+from .data import LabelTensors
+
+logger = logging.getLogger(__name__)
+
+L2_GRID = (math.inf, 1.0, 0.1, 0.01)  # strongest first: ties go to the simpler head
+STEPS = 300
+LR = 0.05
+
+
+def grid_with_sum(scales: torch.Tensor, gains: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """The grid with scale 1 (gain 0 by definition) added when missing, sorted, and the gains ``[R, S]`` to match."""
+    grid = scales.tolist()
+    if 1.0 not in grid:
+        grid, gains = grid + [1.0], torch.cat([gains, torch.zeros(len(gains), 1, dtype=gains.dtype)], 1)
+    order = sorted(range(len(grid)), key=grid.__getitem__)
+    return [grid[j] for j in order], gains[:, order]
+
+
+def utility(gains: torch.Tensor, rho: float, margin: float) -> torch.Tensor:
+    """``u = g - rho * 1[g < -margin]`` (``[R, S]``)."""
+    return gains - rho * (gains < -margin).to(gains.dtype)
+
+
+def risk_price(gains: torch.Tensor, grid: Sequence[float], kappa: float, margin: float) -> float:
+    """The smallest ``rho`` on a geometric ladder (0, then 1/64 .. 64 times the mean |gain|) at which the best
+    global scale by mean utility is ``kappa`` (the risk rule's choice); the largest when none is."""
+    base = float(gains.abs().mean()) or 1.0
+    ladder = [0.0] + [base * 2.0 ** k for k in range(-6, 7)]
+    target = grid.index(kappa) if kappa in grid else None
+    for rho in ladder:
+        mean = utility(gains, rho, margin).mean(0)
+        if target is not None and int(torch.argmax(mean)) == target:
+            return rho
+    return ladder[-1]
+
+
+def _fit(x: torch.Tensor, u: torch.Tensor, grid: Sequence[float], l2: float) -> ScaleHead:
+    """Full-batch Adam on ``-J`` (module docstring) from zero weights; deterministic."""
+    head = ScaleHead(x.shape[1] // 2, grid)
+    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
+    head.mean.copy_(mean.float())
+    head.std.copy_(std.float())
+    z = ((x - mean) / std).float()
+    uf = u.float()
+    params = [head.linear.bias] if math.isinf(l2) else list(head.linear.parameters())
+    opt = torch.optim.Adam(params, lr=LR)
+    for _ in range(STEPS):
+        pi = torch.softmax(head.linear(z), 1)
+        loss = -(pi * uf).sum(1).mean()
+        if not math.isinf(l2):
+            loss = loss + l2 * head.linear.weight.pow(2).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return head.requires_grad_(False).eval()
+
+
+def features(data: LabelTensors) -> torch.Tensor:
+    """``[e_q; mean e_p]`` per record ``[R, 2d]`` (float64)."""
+    e_q = data.table[data.q_idx]
+    E_p = data.table[data.p_idx]
+    return ScaleHead.features(e_q, E_p, data.mask).double()
+
+
+def choose(head: ScaleHead, data: LabelTensors) -> torch.Tensor:
+    """The head's scale for every record of ``data`` ``[R]`` (float64)."""
+    with torch.no_grad():  # the controller's own path (ScaleHead.choose), so the verdict scores what ships
+        return head.choose(data.table[data.q_idx], data.table[data.p_idx], data.mask).double()
+
+
+def gains_at(grid: Sequence[float], gains: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``gains[r, grid.index(chosen[r])]`` per record ``[R]``."""
+    idx = torch.tensor([list(grid).index(float(s)) for s in chosen.tolist()], dtype=torch.long)
+    return gains.gather(1, idx.unsqueeze(1)).squeeze(1)
+
+
+def fit_query_scale(data: LabelTensors, metric: str, kappa: float, margin: float, seed: int,
+                    folds: int = 3) -> tuple[ScaleHead, dict[str, Any]]:
+    """The head trained on the records of ``data`` with measured gains in ``metric`` (``"label"`` / ``"f1"``),
+    with ``rho`` from :func:`risk_price` at the rule's global ``kappa`` and ``l2`` chosen by an inner grouped
+    ``folds``-fold CV (mean utility of the argmax choice on the inner held-out questions). Returns ``(head,
+    {"grid", "rho", "l2", "inner_utility"})``."""
+    from .selection import group_kfold
+
+    gains = data.gains(metric)
+    ok = ~torch.isnan(gains).any(1)
+    rows = torch.nonzero(ok).squeeze(1).tolist()
+    sub = data.subset(rows)
+    grid, g = grid_with_sum(data.scales, gains[ok])
+    rho = risk_price(g, grid, kappa, margin)
+    u = utility(g, rho, margin)
+    x = features(sub)
+    inner = group_kfold(sub.groups, folds, seed)
+    scores = {}
+    for l2 in L2_GRID:
+        if len(inner) < 2:
+            scores[l2] = 0.0
+            continue
+        total = 0.0
+        for held in inner:
+            keep = sorted(set(range(len(rows))) - set(held))
+            head = _fit(x[keep], u[keep], grid, l2)
+            total += float(gains_at(grid, u[held], choose(head, sub.subset(held))).sum())
+        scores[l2] = total / len(rows)
+    best = max(L2_GRID, key=lambda v: scores[v])  # max keeps the first (strongest) among ties
+    head = _fit(x, u, grid, best)
+    return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(best) else best,
+                  "inner_utility": {("inf" if math.isinf(k) else repr(k)): v for k, v in scores.items()}}
