@@ -233,7 +233,7 @@ def test_labels_where_only_the_total_scale_helps(tmp_path):
     assert saved.config.controller_mode == "uniform" and saved.config.kappa == 2.0
     assert saved.score_net is None and saved.config.cv["shipped"] == "scale_only"
     assert "a scale-only controller (PRAG's sum times 2, no network)" in res.table
-    assert "no network, because its reweighting part is first order, not a measurement" in res.table
+    assert "the learned network is not saved, because its reweighting part is first order, not a measurement" in res.table
     assert "measured" in res.table and "fcprag study" in res.table and "--keep-network" in res.table
     assert "per-query scale part" in res.table and not cv["query_scale"]["shown"]  # one scale serves every query
 

@@ -403,12 +403,12 @@ def verdict_lines(cv: dict[str, Any]) -> list[str]:
     why = {"learned": ", because --keep-network asked for it: its reweighting part is first order, not measured; "
                       + MEASURE_HINT,
            "query_scale": ", because its measured per-query part was shown",
-           "scale_only": "; no network, because its reweighting part is first order, not a measurement (--keep-network "
-                         "ships it; " + MEASURE_HINT + ")"}[shipped]
+           "scale_only": ": the learned network is not saved, because its reweighting part is first order, not a "
+                         "measurement (--keep-network saves it; " + MEASURE_HINT + ")"}[shipped]
     total = "NOT shown to beat PRAG's sum" if cv["verdict"] == "unproven" else "better than PRAG's sum"
     gain = "" if cv["gain"] is None else f": {cv['gain']:+.4g} per record, 95% CI [{cv['ci95'][0]:+.4g}, " \
                                         f"{cv['ci95'][1]:+.4g}]"
-    lines.append(f"Saved {what}{why}. It is {total}{gain}."
+    lines.append(f"Saved {what}{why}; it is {total}{gain}."
                  + (" (Scale 1 with uniform weights is PRAG's own merge.)" if what.endswith("times 1, no network)")
                     else ""))
     return lines
