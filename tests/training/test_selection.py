@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from fcprag_plugin import FusionController
+from fcprag_plugin import FusionController, fuse
+from helpers import files_reference, make_adapter_dir
 from fcprag_plugin.training import train_controller
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.controller import ControllerOutput
@@ -179,6 +180,17 @@ def test_a_planted_per_query_scale_is_shown_and_shipped(tmp_path):
     assert sum(c >= 3.0 for c in hi) >= 0.8 * len(hi) and sum(c <= 2.0 for c in lo) >= 0.8 * len(lo)
     assert torch.allclose(out.merge_weights, out.scale.unsqueeze(1) * data.mask)  # uniform weights times the scale
     assert "per-query scale controller" in res.table and saved.config.cv["query_scale"]["shown"]
+    # fuse() uses each query's own scale: the merge is PRAG's sum times it (a dense reference from the files)
+    ads = [make_adapter_dir(tmp_path / f"a{i}", seed=i) for i in range(3)]
+    for b in (kinds.index(True), kinds.index(False)):
+        r = recs[b]
+        got = fuse(ads, r.query, r.passages, controller=res.out, encoder=table_encoder(table, "syn8"))
+        assert got.merge_weights == [chosen[b]] * 3
+        ref = files_reference(ads, [chosen[b]] * 3)
+        assert len(ref) == len(got.adapter.modules)
+        for name, m in got.adapter.modules.items():
+            dense = next(v for k, v in ref.items() if k.endswith(name) or name.endswith(k))
+            assert torch.allclose(m.scaling * (m.B.double() @ m.A.double()), dense.double(), atol=1e-6), name
 
 
 class RandomWeights(torch.nn.Module):
