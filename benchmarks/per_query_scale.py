@@ -97,7 +97,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     files = {"train126": train126(out), "fresh196": fresh196(out)}
-    common = dict(progress=False, threads=1, overwrite=True, cache_dir=str(out / "emb"),
+    common = dict(progress=False, threads=1, overwrite=True, cache_dir=str(out / "emb"), val_fraction=0.0,
                   controller={"score_hidden": [256], "calib_hidden": 64})
     summary: dict = {}
     name_, enc = resolve_encoder(None)
