@@ -116,7 +116,7 @@ def main() -> None:
     tr, te = (build_tensors(load_labels(files[n]).records, enc, cache) for n in ("train126", "fresh196"))
     rule = ScaleRule()
     kappa, _ = choose_scale(tr.scales, tr.scale_gains, tr.groups, rule)
-    head, info = qs.fit_query_scale(tr, "label", kappa, rule.loss_margin, seed=0)
+    head, info = qs.fit_query_scale(tr, "label", kappa, rule, seed=0)
     chosen = qs.choose(head, te)
     g_q = scale_gain(te, chosen)[0]
     g_k = scale_gain(te, torch.full((len(te),), kappa, dtype=torch.float64))[0]

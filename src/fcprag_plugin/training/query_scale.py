@@ -8,9 +8,13 @@ the mean expected utility
     u_s = g_s - rho * 1[g_s < -margin]          (a loss beyond the risk rule's margin costs rho)
     J   = mean_b sum_s pi_bs u_bs - l2 |W|^2     (the bias is not penalised: W = 0 is one global scale)
 
-``rho`` is the price of a loss that makes the best global scale under ``u`` the one the risk rule chose
-(:func:`risk_price`), so the head trades gain against risk at the rule's own rate. ``l2`` is chosen by an inner
-grouped CV among :data:`L2_GRID` (infinity: bias only, i.e. one global scale). The query's scale is the argmax.
+``rho`` and ``l2`` are chosen by an inner grouped CV on the training questions, under the same risk rule as the
+global scale: among ``rho`` in :data:`RHO_FACTORS` times the price of a loss at which the best global scale under
+``u`` is the rule's ``kappa`` (:func:`risk_price`) and ``l2`` in :data:`L2_GRID` (infinity: bias only, one global
+scale), the pair with the largest inner held-out mean gain among those whose inner held-out share of questions
+losing more than the margin passes the rule (its Wilson upper bound, or the observed share, at most the allowed
+share). The pair (price, bias only) is the global rule's own choice and always allowed. The query's scale is the
+argmax.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .data import LabelTensors
 logger = logging.getLogger(__name__)
 
 L2_GRID = (math.inf, 1.0, 0.1, 0.01)  # strongest first: ties go to the simpler head
+RHO_FACTORS = (1.0, 0.25, 1 / 16, 0.0)  # times risk_price: the safest first
 STEPS = 300
 LR = 0.05
 
@@ -98,35 +103,41 @@ def gains_at(grid: Sequence[float], gains: torch.Tensor, chosen: torch.Tensor) -
     return gains.gather(1, idx.unsqueeze(1)).squeeze(1)
 
 
-def fit_query_scale(data: LabelTensors, metric: str, kappa: float, margin: float, seed: int,
+def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, seed: int,
                     folds: int = 3) -> tuple[ScaleHead, dict[str, Any]]:
     """The head trained on the records of ``data`` with measured gains in ``metric`` (``"label"`` / ``"f1"``),
-    with ``rho`` from :func:`risk_price` at the rule's global ``kappa`` and ``l2`` chosen by an inner grouped
-    ``folds``-fold CV (mean utility of the argmax choice on the inner held-out questions). Returns ``(head,
-    {"grid", "rho", "l2", "inner_utility"})``."""
-    from .selection import group_kfold
+    ``rho`` and ``l2`` chosen by an inner grouped ``folds``-fold CV under ``rule`` (a ``selection.ScaleRule``;
+    module docstring) at the rule's global ``kappa``. Returns ``(head, {"grid", "rho", "l2", "inner"})``, ``inner``
+    listing each pair's inner held-out mean gain and loss share."""
+    from .selection import group_kfold, loss_share
 
     gains = data.gains(metric)
     ok = ~torch.isnan(gains).any(1)
     rows = torch.nonzero(ok).squeeze(1).tolist()
     sub = data.subset(rows)
     grid, g = grid_with_sum(data.scales, gains[ok])
-    rho = risk_price(g, grid, kappa, margin)
-    u = utility(g, rho, margin)
+    price = risk_price(g, grid, kappa, rule.loss_margin)
     x = features(sub)
     inner = group_kfold(sub.groups, folds, seed)
-    scores = {}
-    for l2 in L2_GRID:
-        if len(inner) < 2:
-            scores[l2] = 0.0
-            continue
-        total = 0.0
-        for held in inner:
+    # the rule's own choice first (always allowed); with a free rule (price 0) risk is still priced on the ladder
+    base = [f * price for f in RHO_FACTORS] if price > 0 else [float(g.abs().mean()) * f for f in RHO_FACTORS]
+    pairs = list(dict.fromkeys([(price, math.inf)] + [(rho, l2) for rho in base for l2 in L2_GRID]))
+    report, best, best_gain = [], pairs[0], -math.inf
+    for rho, l2 in pairs:
+        u = utility(g, rho, rule.loss_margin)
+        got = torch.zeros(len(rows), dtype=torch.float64)
+        for held in inner if len(inner) > 1 else []:
             keep = sorted(set(range(len(rows))) - set(held))
             head = _fit(x[keep], u[keep], grid, l2)
-            total += float(gains_at(grid, u[held], choose(head, sub.subset(held))).sum())
-        scores[l2] = total / len(rows)
-    best = max(L2_GRID, key=lambda v: scores[v])  # max keeps the first (strongest) among ties
-    head = _fit(x, u, grid, best)
-    return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(best) else best,
-                  "inner_utility": {("inf" if math.isinf(k) else repr(k)): v for k, v in scores.items()}}
+            got[held] = gains_at(grid, g[held], choose(head, sub.subset(held)))
+        ls = loss_share(got, sub.groups, rule.loss_margin)
+        tested = ls["ci95"][1] if rule.bound == "upper" else ls["share"]
+        allowed = (rho, l2) == pairs[0] or (len(inner) > 1 and tested <= rule.max_loss_share)
+        mean = float(got.mean())
+        report.append({"rho": rho, "l2": None if math.isinf(l2) else l2, "gain": mean, "loss_share": ls["share"],
+                       "allowed": allowed})
+        if allowed and mean > best_gain:  # strict: ties keep the safer, simpler pair listed first
+            best, best_gain = (rho, l2), mean
+    rho, l2 = best
+    head = _fit(x, utility(g, rho, rule.loss_margin), grid, l2)
+    return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(l2) else l2, "inner": report}

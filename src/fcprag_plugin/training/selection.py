@@ -277,7 +277,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
                 if m == metric:
                     scale_measured &= measured
             if per_query and has_measured(rest_data, metric):
-                head, info = qs.fit_query_scale(rest_data, metric, kappa, rule.loss_margin, args.seed + f)
+                head, info = qs.fit_query_scale(rest_data, metric, kappa, rule, args.seed + f)
                 chosen = qs.choose(head, held_data)
                 q_gain[held] = scale_gain(held_data, chosen, metric)[0]
                 q_global[held] = scale_gain(held_data, torch.full((len(held),), kappa, dtype=torch.float64),

@@ -586,8 +586,7 @@ def fit(run: Run, cv: dict[str, Any] | None) -> tuple[FusionController, list[dic
 def query_scale_controller(run: Run, cv: dict[str, Any]) -> FusionController:
     """Controller mode ``scale``: its head trained on all the training records (the recipe the CV measured)."""
     args = run.args
-    head, info = qs.fit_query_scale(run.train, args.scale_metric, cv["scale"]["kappa"], args.scale_loss_margin,
-                                    args.seed)
+    head, info = qs.fit_query_scale(run.train, args.scale_metric, cv["scale"]["kappa"], args.scale_rule, args.seed)
     ctrl = FusionController(ControllerConfig(embed_dim=run.train.dim, embedding_model=run.embedding_model,
                                              controller_mode="scale", scale_grid=info["grid"]))
     ctrl.scale_head.load_state_dict(head.state_dict())
