@@ -13,7 +13,7 @@ global scale: among ``rho`` in :data:`RHO_FACTORS` times the price of a loss at 
 ``u`` is the rule's ``kappa`` (:func:`risk_price`) and ``l2`` in :data:`L2_GRID` (infinity: bias only, one global
 scale), the pair with the largest inner held-out mean gain among those whose inner held-out share of questions
 losing more than the margin passes the rule (its Wilson upper bound, or the observed share, at most the allowed
-share). The pair (price, bias only) is the global rule's own choice and always allowed. The query's scale is the
+share). The rule's own choice, kappa for every query, is always allowed (and wins ties). The query's scale is the
 argmax.
 """
 
@@ -84,6 +84,13 @@ def _fit(x: torch.Tensor, u: torch.Tensor, grid: Sequence[float], l2: float) -> 
     return head.requires_grad_(False).eval()
 
 
+def _constant(d: int, grid: Sequence[float], kappa: float) -> ScaleHead:
+    """The head that gives every query ``kappa`` (the global rule's own choice)."""
+    head = ScaleHead(d, grid)
+    head.linear.bias.data[list(grid).index(kappa)] = 1.0
+    return head.requires_grad_(False).eval()
+
+
 def features(data: LabelTensors) -> torch.Tensor:
     """``[e_q; mean e_p]`` per record ``[R, 2d]`` (float64)."""
     e_q = data.table[data.q_idx]
@@ -119,17 +126,18 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
     price = risk_price(g, grid, kappa, rule.loss_margin)
     x = features(sub)
     inner = group_kfold(sub.groups, folds, seed)
-    # the rule's own choice first (always allowed); with a free rule (price 0) risk is still priced on the ladder
+    # first the rule's own choice, kappa for every query (always allowed; rho None); with a free rule (price 0)
+    # risk is still priced on the ladder
     base = [f * price for f in RHO_FACTORS] if price > 0 else [float(g.abs().mean()) * f for f in RHO_FACTORS]
-    pairs = list(dict.fromkeys([(price, math.inf)] + [(rho, l2) for rho in base for l2 in L2_GRID]))
+    pairs = [(None, math.inf)] + list(dict.fromkeys((rho, l2) for rho in base for l2 in L2_GRID))
+    fit = lambda rows_, rho_, l2_: _constant(x.shape[1] // 2, grid, kappa) if rho_ is None else _fit(  # noqa: E731
+        x[rows_], utility(g[rows_], rho_, rule.loss_margin), grid, l2_)
     report, best, best_gain = [], pairs[0], -math.inf
     for rho, l2 in pairs:
-        u = utility(g, rho, rule.loss_margin)
         got = torch.zeros(len(rows), dtype=torch.float64)
         for held in inner if len(inner) > 1 else []:
             keep = sorted(set(range(len(rows))) - set(held))
-            head = _fit(x[keep], u[keep], grid, l2)
-            got[held] = gains_at(grid, g[held], choose(head, sub.subset(held)))
+            got[held] = gains_at(grid, g[held], choose(fit(keep, rho, l2), sub.subset(held)))
         ls = loss_share(got, sub.groups, rule.loss_margin)
         tested = ls["ci95"][1] if rule.bound == "upper" else ls["share"]
         allowed = (rho, l2) == pairs[0] or (len(inner) > 1 and tested <= rule.max_loss_share)
@@ -139,5 +147,5 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
         if allowed and mean > best_gain:  # strict: ties keep the safer, simpler pair listed first
             best, best_gain = (rho, l2), mean
     rho, l2 = best
-    head = _fit(x, utility(g, rho, rule.loss_margin), grid, l2)
+    head = fit(list(range(len(rows))), rho, l2)
     return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(l2) else l2, "inner": report}
