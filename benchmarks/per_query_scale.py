@@ -1,6 +1,6 @@
 """Per-query scale and the out-of-sample risk rule on the committed efficacy caches (no model is run).
 
-    PYTHONPATH=src python benchmarks/per_query_scale.py OUT_DIR
+    PYTHONPATH=src python benchmarks/per_query_scale.py OUT_DIR [--reuse]   # --reuse: keep finished trainings
 
 Builds two label files from ``benchmarks/efficacy/cache`` (every number in them was measured by real forwards of
 SmolLM2-135M on PRAG-recipe adapters, BM25 top-3):
@@ -104,9 +104,14 @@ def main() -> None:
     enc = enc()
     cache = open_cache(str(out / "emb"), name_, enc.dim)
     for name, metric in (("train126", "label"), ("fresh196", "label"), ("fresh196", "f1")):
-        res = train_controller(files[name], out / f"{name}-{metric}", scale_metric=metric, **common)
-        print(f"\n===== {name}, kappa chosen on {metric} =====\n" + "\n".join(res.table.split("\n\n")[-1:]))
-        summary[f"{name}:{metric}"] = _cv_summary(res.metrics["cv"])
+        done = out / f"{name}-{metric}" / "metrics.json"
+        if done.is_file() and "--reuse" in sys.argv:  # a finished run of this script: its verdict as it was
+            cv = json.loads(done.read_text(encoding="utf-8"))["cv"]
+        else:
+            res = train_controller(files[name], out / f"{name}-{metric}", scale_metric=metric, **common)
+            print(f"\n===== {name}, kappa chosen on {metric} =====\n" + "\n".join(res.table.split("\n\n")[-1:]))
+            cv = res.metrics["cv"]
+        summary[f"{name}:{metric}"] = _cv_summary(cv)
         for ds in DATASETS:  # per dataset: the grid's mean gain (descriptive)
             recs = [r for r in load_labels(files[name]).records if r.extra.get("dataset") == ds]
             data = build_tensors(recs, enc, cache)
@@ -120,7 +125,7 @@ def main() -> None:
     chosen = qs.choose(head, te)
     g_q = scale_gain(te, chosen)[0]
     g_k = scale_gain(te, torch.full((len(te),), kappa, dtype=torch.float64))[0]
-    ds = [g.split(":")[0] for g in te.groups]
+    ds = [g.split(":")[1] for g in te.groups]  # group keys read "group:<dataset>:<id>"
     oos = {"kappa_train126": kappa, "head": {k: info[k] for k in ("grid", "rho", "l2")},
            "per_query_minus_global": {"gain": float((g_q - g_k).mean()),
                                       "ci95": list(bootstrap_ci(g_q - g_k, te.groups, 0))},
@@ -130,6 +135,13 @@ def main() -> None:
                                 "loss_share": loss_share(g_q, te.groups, rule.loss_margin)},
            "chosen_by_dataset": {d: {repr(s): sum(1 for c, x in zip(chosen.tolist(), ds) if x == d and c == s)
                                      for s in info["grid"]} for d in DATASETS}}
+    # the risk rule out of sample: kappa chosen on train126 by each bound, its loss share on fresh196
+    for bound in ("upper", "observed"):
+        k, _ = choose_scale(tr.scales, tr.scale_gains, tr.groups, ScaleRule(bound=bound))
+        g = scale_gain(te, torch.full((len(te),), k, dtype=torch.float64))[0]
+        oos[f"rule_{bound}"] = {"kappa_train126": k, "gain_fresh196": float(g.mean()),
+                                "ci95": list(bootstrap_ci(g, te.groups, 0)),
+                                "loss_share_fresh196": loss_share(g, te.groups, rule.loss_margin)}
     summary["out_of_sample_train126_to_fresh196"] = oos
     print("\n===== out of sample: chosen on train126, scored on fresh196 (gold log-lik.) =====")
     print(json.dumps(oos, indent=1))
