@@ -9,7 +9,7 @@ SHELL := /bin/bash
 # pip prints a warning per missing local index folder: hide those lines, keep real errors (and the exit code).
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 
-.PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench efficacy efficacy-status efficacy-report
+.PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench
 
 # ARGS go to the quickstart: make demo ARGS=--no-train (no learned controller), ARGS=--retrain (train it again even
 # though runs/demo-controller/demo_key.json matches), ARGS="--questions 1".
@@ -19,22 +19,8 @@ demo: .venv/latest/.stamp
 
 test: $(addprefix test-,$(STACKS))
 
-# The efficacy study (docs/results/efficacy-plan.md, docs/results/efficacy.md): many hours of one CPU core.
-# `make efficacy` starts (or resumes) the whole pipeline in the background (nohup, nice 10, one thread; every stage
-# skips what its cache holds); `make efficacy-status` shows its progress and projected time left.
-efficacy: .venv/latest/.stamp
-	benchmarks/efficacy/start_background.sh
-
-efficacy-status: .venv/latest/.stamp
-	.venv/latest/bin/python benchmarks/efficacy/study.py status
-	@tail -n 3 benchmarks/efficacy/work/pipeline.log 2>/dev/null | tr '\r' '\n' | tail -n 2 || true
-
-# Rebuild only the report from the committed caches (seconds, no model).
-efficacy-report: .venv/latest/.stamp
-	.venv/latest/bin/python benchmarks/efficacy/report.py
-
 # A static pattern rule: make never applies implicit (%) rules to .PHONY targets.
-# No path: pytest runs the testpaths of pyproject.toml (tests/ and benchmarks/efficacy/tests/).
+# No path: pytest runs the testpaths of pyproject.toml (tests/).
 $(addprefix test-,$(STACKS)): test-%: .venv/%/.stamp
 	@echo "=== tests on the $* stack"
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FCPRAG_STACK=$* .venv/$*/bin/python -m pytest $(PYTEST_ARGS)

@@ -1,5 +1,5 @@
-"""Settings for every test directory under the repository (``tests/`` and ``benchmarks/efficacy/tests/``, the
-``testpaths`` in pyproject.toml): nothing is downloaded from a model hub, and the library's INFO logs are captured.
+"""Settings for every test directory under the repository (``tests/``, the ``testpaths`` in pyproject.toml):
+nothing is downloaded from a model hub, and the library's INFO logs are captured.
 Fixtures for the library's tests are in tests/conftest.py, shared helpers in tests/helpers.py."""
 
 import logging

@@ -13,6 +13,10 @@ directories, and reading them through a warm :class:`~fcprag_plugin.slot.Adapter
 Also: what the plain form wrote to stdout/stderr after its first call.
 
     PYTHONPATH=src .venv/latest/bin/python benchmarks/bench_fuse_loop.py [--questions 40] [--threads 1]
+
+``--device cuda``: the held form's and the parts' encoders run there (the plain form loads the controller's
+recorded encoder on the CPU, as users get it); every timed call is synchronised. The encoder and controller
+compute in float32 (``--dtype`` other than float32 is refused).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+import _timing
+
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared/data next to the checkout (or next to a parent folder, for git worktrees)
 DATA = next((p / "shared" / "data" / "hotpotqa_dev_sample.jsonl" for p in ROOT.parents
@@ -37,9 +43,14 @@ DATA = next((p / "shared" / "data" / "hotpotqa_dev_sample.jsonl" for p in ROOT.p
 DEMO = ROOT / "adapters" / "demo"
 
 
+DEVICE = torch.device("cpu")  # set from --device in main()
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    _timing.sync(DEVICE)
     t = time.perf_counter()
     out = fn()
+    _timing.sync(DEVICE)
     return (time.perf_counter() - t) * 1e3, out
 
 
@@ -64,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--questions", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data", type=Path, default=DATA)
+    _timing.add_device_args(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = _timing.device_of(args)
+    if _timing.dtype_of(args) != torch.float32:
+        ap.error("--dtype: the encoder and the controller compute in float32 here; only float32 is supported")
 
     from fcprag_plugin import FusionController, LoraAdapter, cache_info, clear_caches, fuse
     from fcprag_plugin.encoding import FALLBACK_NAME, TextEncoder, fallback_model_path
@@ -92,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     # first calls: the plain form loads the controller and the encoder; the held form's caller loads them first
     first_plain, res_p = timed(lambda: plain(0))
     load_ctrl, ctrl = timed(lambda: FusionController.from_pretrained(cdir))
-    load_enc, enc = timed(lambda: TextEncoder(FALLBACK_NAME))
+    load_enc, enc = timed(lambda: TextEncoder(FALLBACK_NAME, device=str(DEVICE)))
 
     def held(i: int) -> Any:
         q, ps = questions[i]
@@ -111,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 acc.append(ms)
 
     # parts, each on its own
-    raw = TextEncoder(FALLBACK_NAME, cache_size=0)
+    raw = TextEncoder(FALLBACK_NAME, cache_size=0, device=str(DEVICE))
     t_enc, t_fwd, t_merge, t_read, t_store = [], [], [], [], []
     store = AdapterStore()
     for i in range(1, len(questions)):

@@ -20,6 +20,11 @@ pre-merged per-sample adapters. Writes JSON and a markdown table.
 
     .venv/latest/bin/python benchmarks/bench_fusion.py            # ~6-10 minutes on 2 CPU cores
     .venv/latest/bin/python benchmarks/bench_fusion.py --quick    # a smoke run
+    PYTHONPATH=src python benchmarks/bench_fusion.py --device cuda --dtype bfloat16 --shapes llama-3.2-1b
+
+``--device`` / ``--dtype`` put the model, the adapter store (warm adapters live on the device), the slot and the
+copy floor there; every timed call is synchronised (``_timing.timed``). The RSS and controller parts stay on the
+CPU.
 """
 
 from __future__ import annotations
@@ -38,15 +43,16 @@ from typing import Any, Callable
 
 import torch
 
+import _timing
 from fcprag_plugin import LoraAdapter, LoraModule
 from fcprag_plugin.compat import clear_stale_peft_config, package_version
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.slot import AdapterStore, FusedSlot
-from fcprag_tools.mixed import fused_mixed
 from fcprag_plugin import activate
 from fcprag_plugin.merge import merge_adapters
 
 TARGETS = ("gate_proj", "up_proj", "down_proj")
+DEVICE, DTYPE = torch.device("cpu"), torch.float32  # set from --device / --dtype in main()
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
@@ -64,10 +70,10 @@ def build_model(shape: str, *, forward_ready: bool) -> torch.nn.Module:
     cfg = LlamaConfig(max_position_embeddings=2048, **SHAPES[shape])
     if forward_ready:
         torch.manual_seed(0)
-        return LlamaForCausalLM(cfg).eval()
+        return LlamaForCausalLM(cfg).eval().to(DEVICE, DTYPE)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    return fill_from_pool(model.to_empty(device="cpu").eval())
+    return fill_from_pool(model.to_empty(device="cpu").eval()).to(DEVICE, DTYPE)
 
 
 def fill_from_pool(model: torch.nn.Module) -> torch.nn.Module:
@@ -102,11 +108,7 @@ def timeit(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, fl
     for _ in range(warmup):
         fn()
     gc.collect()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+    times = [_timing.timed(fn, DEVICE) for _ in range(repeats)]
     return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "repeats": repeats}
 
 
@@ -121,9 +123,7 @@ def interleaved(fast: dict[str, Callable[[], Any]], slow: dict[str, Callable[[],
     for i in range(rounds):
         todo = list(fast.items()) + (list(slow.items()) if i % every == 0 else [])
         for k, fn in todo:
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
+            times[k].append(_timing.timed(fn, DEVICE))
     return {k: {"median_ms": 1e3 * statistics.median(v), "min_ms": 1e3 * min(v), "repeats": len(v)}
             for k, v in times.items()}
 
@@ -161,7 +161,7 @@ def bench_shape(shape: str, ns: list[int], args: argparse.Namespace, root: Path)
     dirs = write_adapters(model, root / shape, max(ns))
     print(f"   built in {time.perf_counter() - t:.1f} s; adapter bytes {LoraAdapter.from_pretrained(dirs[0]).num_bytes()}",
           flush=True)
-    store = AdapterStore(budget_bytes=1 << 32)
+    store = AdapterStore(budget_bytes=1 << 32, device=DEVICE, dtype=DTYPE)
     slot = FusedSlot(model, store.get(dirs[0]), max_adapters=max(ns))
     rows = []
     for n in ns:
@@ -178,7 +178,8 @@ def bench_shape(shape: str, ns: list[int], args: argparse.Namespace, root: Path)
             slot.write(store.get_many(d), w)
             slot.deactivate()
 
-        src, dst = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
+        esize = torch.empty(0, dtype=DTYPE).element_size()
+        src, dst = (torch.empty(nbytes // esize, device=DEVICE, dtype=DTYPE) for _ in range(2))
         src.normal_()
 
         def floor():
@@ -207,8 +208,9 @@ def bench_shape(shape: str, ns: list[int], args: argparse.Namespace, root: Path)
         slot.write(store.get_many(d), w)
         cur = slot.current_adapter()
         ref = merge_adapters([LoraAdapter.from_pretrained(p) for p in d], w, "cat").adapter
-        r["slot_equals_reference"] = all(torch.equal(cur[k].A, ref[k].A) and torch.equal(cur[k].B, ref[k].B)
-                                         for k in ref.modules)
+        # the slot holds the float32 merge rounded once to its dtype (bf16 on a GPU run)
+        r["slot_equals_reference"] = all(torch.equal(cur[k].A, ref[k].A.to(DTYPE).float())
+                                         and torch.equal(cur[k].B, ref[k].B.to(DTYPE).float()) for k in ref.modules)
         slot.deactivate()
         a, b, c, dd, e = (r[k]["median_ms"] for k in ("a_peft", "b_slot_warm", "c_slot_cold", "d_memcpy",
                                                        "e_library_simple"))
@@ -273,7 +275,7 @@ def bench_peers(model: torch.nn.Module, slot: FusedSlot, store: AdapterStore, d:
         pm.load_adapter(str(premerged[0][0]), adapter_name="hot")
         for pdir, _ in premerged:  # the keys as PEFT holds them: "...lora_A.weight" -> "...lora_A.hot.weight"
             sd = {k.replace(".lora_A.weight", ".lora_A.hot.weight").replace(".lora_B.weight", ".lora_B.hot.weight"): v
-                  for k, v in load_peft_weights(str(pdir), device="cpu").items()}
+                  for k, v in load_peft_weights(str(pdir), device=str(DEVICE)).items()}
             states.append((sd, LoraConfig.from_pretrained(str(pdir))))
     turn = {"g": 0, "h": 0, "f": 0}
 
@@ -286,7 +288,7 @@ def bench_peers(model: torch.nn.Module, slot: FusedSlot, store: AdapterStore, d:
 
     def hotswap_dir():
         turn["g"] += 1
-        hot(pm, str(premerged[turn["g"] % len(premerged)][0]), adapter_name="hot", torch_device="cpu")
+        hot(pm, str(premerged[turn["g"] % len(premerged)][0]), adapter_name="hot", torch_device=str(DEVICE))
 
     def hotswap_mem():
         turn["h"] += 1
@@ -304,9 +306,9 @@ def bench_peers(model: torch.nn.Module, slot: FusedSlot, store: AdapterStore, d:
         pm.set_adapter("hot")
         name = next(n for n, m in model.named_modules() if n.endswith("layers.0.mlp.down_proj") and hasattr(m, "base_layer"))
         mod = model.get_submodule(name)
-        x = torch.randn(3, mod.in_features, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(3, mod.in_features, generator=torch.Generator().manual_seed(0)).to(DEVICE, DTYPE)
         diffs = []
-        for k, swap in ((1, lambda k: hot(pm, str(premerged[k][0]), adapter_name="hot", torch_device="cpu")),
+        for k, swap in ((1, lambda k: hot(pm, str(premerged[k][0]), adapter_name="hot", torch_device=str(DEVICE))),
                         (2, lambda k: hot_sd(pm, states[k][0], adapter_name="hot", config=states[k][1],
                                              parameter_prefix="lora_"))):
             swap(k)
@@ -395,7 +397,7 @@ def bench_mixed(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     B, T, N, U = args.mixed_batch, args.mixed_tokens, 3, 10
     model = build_model("smollm2-135m", forward_ready=True)
     dirs = write_adapters(model, root / "mixed", U, seed=2)
-    store = AdapterStore()
+    store = AdapterStore(device=DEVICE, dtype=DTYPE)
     slot = FusedSlot(model, store.get(dirs[0]), max_adapters=U)
     g = torch.Generator().manual_seed(0)
     picks = [torch.randperm(U, generator=g)[:N].tolist() for _ in range(B)]
@@ -403,12 +405,12 @@ def bench_mixed(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     W = torch.zeros(B, U)
     for b in range(B):
         W[b, picks[b]] = torch.tensor(wts[b])
-    x = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
+    x = torch.randint(0, model.config.vocab_size, (B, T), generator=g).to(DEVICE)
     union = store.get_many(dirs)
     res: dict[str, Any] = {}
 
     def batched():
-        with torch.no_grad(), fused_mixed(slot, union, W):
+        with torch.no_grad(), slot.mixed(union, W):
             res["batched"] = model(x).logits
 
     def looped():
@@ -473,7 +475,7 @@ def bench_mixed(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def markdown(res: dict[str, Any]) -> str:
     env = res["env"]
     L = [f"# Fusion benchmark ({env['date']})", "",
-         f"{env['cpu']}, {env['threads']} torch thread(s); torch {env['torch']}, transformers {env['transformers']}, "
+         f"{env.get('gpu', env['cpu'])}, {env.get('dtype', 'float32')}, {env['threads']} torch thread(s); torch {env['torch']}, transformers {env['transformers']}, "
          f"peft {env['peft']}. One run, all columns measured side by side; medians per question.", "",
          "(a) PRAG's PEFT path, (b) FusedSlot + warm AdapterStore, (c) FusedSlot + cold AdapterStore (reads the "
          "safetensors; the OS page cache is warm), (d) one plain copy of the same bytes (the floor), (e) the library's "
@@ -583,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: SmolLM2 shape only, few repeats")
     p.add_argument("--no-peers", action="store_true", help="skip PEFT's preloaded / hotswap / adapter_names peers")
     p.add_argument("--render", metavar="JSON", help="only rewrite the markdown next to an existing results JSON")
+    _timing.add_device_args(p)
     args = p.parse_args(argv)
     if args.render:
         res = json.loads(Path(args.render).read_text())
@@ -594,13 +597,15 @@ def main(argv: list[str] | None = None) -> int:
         args.shapes, args.ns, args.repeats, args.peft_repeats = "smollm2-135m", "3", 20, 1
         args.mem_queries, args.mixed_batch, args.mixed_tokens, args.mixed_repeats = 500, 2, 8, 1
     torch.set_num_threads(args.threads)
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = _timing.device_of(args), _timing.dtype_of(args)
     ns = [int(n) for n in args.ns.split(",")]
     t0 = time.perf_counter()
     res: dict[str, Any] = {"env": {
         "date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "threads": torch.get_num_threads(), "python": sys.version.split()[0],
         "torch": torch.__version__, "transformers": str(package_version("transformers")),
-        "peft": str(package_version("peft")), "args": vars(args)}}
+        "peft": str(package_version("peft")), "args": vars(args), **_timing.env(DEVICE, DTYPE)}}
     try:
         with open("/proc/cpuinfo") as f:
             res["env"]["cpu"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")),

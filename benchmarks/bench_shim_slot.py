@@ -21,6 +21,10 @@ two paths.
 
     OMP_NUM_THREADS=1 .venv/latest/bin/python benchmarks/bench_shim_slot.py            # ~1-2 minutes
     OMP_NUM_THREADS=1 .venv/latest/bin/python benchmarks/bench_shim_slot.py --layers 2 --questions 2   # smoke
+    PYTHONPATH=src python benchmarks/bench_shim_slot.py --device cuda --dtype bfloat16 --layers 16 --new-tokens 64
+
+``--device`` / ``--dtype``: the model, the prompt and DyPRAG's translator outputs live there; every time stamp is
+taken after a CUDA synchronisation.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from typing import Any
 
 import torch
 
+import _timing
+
 from fcprag_plugin import LoraAdapter, LoraModule
 from fcprag_plugin.compat import package_version
 from fcprag_plugin.hosts import dyprag, prag
@@ -48,6 +54,13 @@ from bench_fusion import fill_from_pool  # noqa: E402
 
 TARGETS = ("gate_proj", "up_proj", "down_proj")
 PRAG_PATHS = ("unpatched", "default", "slot")
+DEVICE, DTYPE = torch.device("cpu"), torch.float32  # set from --device / --dtype in main()
+
+
+def stamp() -> float:
+    """``time.perf_counter()`` after the device's queued work has finished."""
+    _timing.sync(DEVICE)
+    return time.perf_counter()
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8)
 
 
@@ -66,7 +79,7 @@ def build_model(layers: int, vocab: int) -> torch.nn.Module:
             if name.endswith("inv_freq"):
                 dim = b.numel() * 2
                 b.copy_(1.0 / (float(theta or 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)))
-    return model
+    return model.to(DEVICE, DTYPE)
 
 
 def mlp_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -101,23 +114,23 @@ def prag_question(model: Any, dirs: list[Path], ids: torch.Tensor, new_tokens: i
 
     names = [str(i) for i in range(len(dirs))]
     prag.set_context("a question about the passages", [f"passage {i}" for i in names])
-    t0 = time.perf_counter()
+    t0 = stamp()
     pm = PeftModel.from_pretrained(model, str(dirs[0]), adapter_name="0", is_trainable=False)
     for name, d in zip(names[1:], dirs[1:]):
         pm.load_adapter(str(d), adapter_name=name)
-    t1 = time.perf_counter()
+    t1 = stamp()
     pm.add_weighted_adapter(adapters=names, weights=[1] * len(names), adapter_name="merge", combination_type="cat")
     pm.set_adapter("merge")
-    t2 = time.perf_counter()
+    t2 = stamp()
     with torch.no_grad():
         logits = pm(input_ids=ids).logits[0, -1].clone()
         if new_tokens:
             pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    t3 = time.perf_counter()
+    t3 = stamp()
     pm.delete_adapter("merge")
     model = pm.unload()
-    t4 = time.perf_counter()
+    t4 = stamp()
     for k, v in (("load", t1 - t0), ("merge", t2 - t1), ("forward", t3 - t2), ("cleanup", t4 - t3),
                  ("total", t4 - t0), ("fusion", (t2 - t1) + (t4 - t3))):
         t[k].append(v)
@@ -125,7 +138,7 @@ def prag_question(model: Any, dirs: list[Path], ids: torch.Tensor, new_tokens: i
 
 
 def bench_prag(model: torch.nn.Module, adapters: list[list[Path]], args: argparse.Namespace) -> dict[str, Any]:
-    ids = torch.arange(1, args.tokens + 1).unsqueeze(0) % args.vocab
+    ids = (torch.arange(1, args.tokens + 1).unsqueeze(0) % args.vocab).to(DEVICE)
     with torch.no_grad():
         bare = model(input_ids=ids).logits[0, -1].clone()
     keys = ("load", "merge", "forward", "cleanup", "fusion", "total")
@@ -146,13 +159,13 @@ def bench_prag(model: torch.nn.Module, adapters: list[list[Path]], args: argpars
                         logits[path].append(lg)
             print(f"   PRAG round {r + 1}: {path} done", flush=True)
         for q in range(args.questions):  # the same forward (+ generation) on the bare model: the floor
-            t0 = time.perf_counter()
+            t0 = stamp()
             with torch.no_grad():
                 model(input_ids=ids)
                 if args.new_tokens:
                     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
                                    min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
-            times_bare.append(time.perf_counter() - t0)
+            times_bare.append(stamp() - t0)
     floor = summarize(times_bare)
     with torch.no_grad():
         after = model(input_ids=ids).logits[0, -1]
@@ -228,12 +241,12 @@ def bench_dyprag(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, 
     for _ in range(args.questions * args.n):
         out = {}
         for name, (fo, fi) in shapes.items():
-            out[f"base_model.model.{name}.lora_A.weight"] = torch.randn(2, fi, generator=g) * 0.2
-            out[f"base_model.model.{name}.lora_B.weight"] = torch.randn(fo, 2, generator=g) * 0.2
+            out[f"base_model.model.{name}.lora_A.weight"] = (torch.randn(2, fi, generator=g) * 0.2).to(DEVICE, DTYPE)
+            out[f"base_model.model.{name}.lora_B.weight"] = (torch.randn(fo, 2, generator=g) * 0.2).to(DEVICE, DTYPE)
         outputs.append(out)
     utils, projector = dyprag_host()
     translator = projector.ParameterTranslator(outputs)
-    ids = torch.arange(1, args.tokens + 1).unsqueeze(0) % args.vocab
+    ids = (torch.arange(1, args.tokens + 1).unsqueeze(0) % args.vocab).to(DEVICE)
     with torch.no_grad():
         bare = pm(input_ids=ids).logits[0, -1].clone()
     keys = ("inject", "forward", "remove", "total")
@@ -245,15 +258,15 @@ def bench_dyprag(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, 
         with torch.no_grad():
             all_deltas = [translator(None) for _ in range(args.n)]
         dyprag.set_context("a question about the passages", [f"passage {i}" for i in range(args.n)])
-        t0 = time.perf_counter()
+        t0 = stamp()
         merged = {k: torch.stack([d[k] for d in all_deltas]).mean(dim=0) for k in all_deltas[0]}
         utils.delta_inject(pm, merged)
-        t1 = time.perf_counter()
+        t1 = stamp()
         with torch.no_grad():
             lg = pm(input_ids=ids).logits[0, -1].clone()
-        t2 = time.perf_counter()
+        t2 = stamp()
         utils.delta_remove(pm, merged)
-        t3 = time.perf_counter()
+        t3 = stamp()
         for k, v in (("inject", t1 - t0), ("forward", t2 - t1), ("remove", t3 - t2), ("total", t3 - t0)):
             t[k].append(v)
         return lg
@@ -326,17 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip", choices=["prag", "dyprag"], help="leave one shim out")
     p.add_argument("--out", help="also write the results as JSON here")
+    _timing.add_device_args(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = _timing.device_of(args), _timing.dtype_of(args)
     print(f"torch {torch.__version__}, transformers {package_version('transformers')}, peft {package_version('peft')}, "
           f"threads {torch.get_num_threads()}; 1B layer shape x {args.layers} layers, N={args.n}", flush=True)
-    t = time.perf_counter()
+    t = stamp()
     model = build_model(args.layers, args.vocab)
-    results: dict[str, Any] = {"args": vars(args)}
+    results: dict[str, Any] = {"args": vars(args), "env": _timing.env(DEVICE, DTYPE)}
     with tempfile.TemporaryDirectory() as tmp:
         if args.skip != "prag":
             adapters = write_adapters(model, Path(tmp), args.questions, args.n)
-            print(f"   model + adapters built in {time.perf_counter() - t:.1f} s", flush=True)
+            print(f"   model + adapters built in {stamp() - t:.1f} s", flush=True)
             results["prag"] = bench_prag(model, adapters, args)
         if args.skip != "dyprag":
             results["dyprag"] = bench_dyprag(model, args)

@@ -105,7 +105,7 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
     `fcprag train` on the same labels, then does not encode the texts again. ``progress``: the trainer's bars.
     """
     from fcprag_plugin import FusionController
-    from fcprag_plugin.loading import write_json
+    from fcprag_plugin.fileio import write_json
     from fcprag_plugin.training import train_controller
     from fcprag_plugin.training.selection import verdict_lines
     from fcprag_plugin.training.evaluation import format_table

@@ -139,12 +139,10 @@ def test_from_pretrained_errors(tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "controller_mode": "smart"}))
     with pytest.raises(ControllerError, match=r"config\.json: key 'controller_mode' is 'smart'"):
         FusionController.from_pretrained(d)
-    old = {k: v for k, v in cfg.items() if k != "controller_mode"}  # written before the key had one name
-    (d / "config.json").write_text(json.dumps({**old, "mode": "smart"}))
-    with pytest.raises(ControllerError, match=r"config\.json: key 'controller_mode' is 'smart'"):
-        FusionController.from_pretrained(d)
+    old = {k: v for k, v in cfg.items() if k != "controller_mode"}  # 'mode' is no key of the format
     (d / "config.json").write_text(json.dumps({**old, "mode": cfg["controller_mode"]}))
-    assert FusionController.from_pretrained(d).config.controller_mode == cfg["controller_mode"]
+    with pytest.raises(ControllerError, match=r"config\.json: unknown key\(s\) \['mode'\]"):
+        FusionController.from_pretrained(d)
     (d / "config.json").write_text(json.dumps({**cfg, "embed_dim": 16}))
     with pytest.raises(ControllerError, match=r"model\.safetensors: key '\w+_net\.0\.weight' has shape .*the config implies .*embed_dim 16"):
         FusionController.from_pretrained(d)

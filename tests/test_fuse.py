@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fcprag_plugin import FusionController, FusionInputError, LoraAdapter, fuse
+from fcprag_plugin import FusionController, FusionInputError, LoraAdapter, fuse, fuse_into
 from fcprag_plugin import activate
 from helpers import dense_reference, make_adapter_dir, tiny_model
 
@@ -77,8 +77,8 @@ def test_bad_adapter_type():
         fuse([3], QUERY, ["x"])
 
 
-def test_use_slot_equals_materialised_merge(adapter_dirs, encoder16):
-    """fuse(use_slot=True) switches the model's slot on; outputs equal activating the merged adapter."""
+def test_fuse_into_equals_materialised_merge(adapter_dirs, encoder16):
+    """fuse_into() switches the model's slot on; outputs equal activating the merged adapter."""
     from fcprag_plugin import activate
     from helpers import assert_bit_identical, state_snapshot
 
@@ -92,33 +92,35 @@ def test_use_slot_equals_materialised_merge(adapter_dirs, encoder16):
             ref = fuse(adapter_dirs, QUERY, PASSAGES, controller=ctrl, encoder=encoder16, mode=mode)
             with activate(model, ref.adapter):
                 want = model(x).logits
-            with fuse(adapter_dirs, QUERY, PASSAGES, controller=ctrl, encoder=encoder16, mode=mode, model=model,
-                      use_slot=True) as res:
-                assert res.adapter is None and res.merge_weights == ref.merge_weights
+            with fuse_into(model, adapter_dirs, QUERY, PASSAGES, controller=ctrl, encoder=encoder16,
+                           mode=mode) as res:
+                assert res.active and res.merge_weights == ref.merge_weights
                 got = model(x).logits
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             assert torch.equal(model(x).logits, base)  # switched off on leaving the block
     assert_bit_identical(model, snap)
 
 
-def test_use_slot_needs_model_and_slot_mode(adapter_dirs):
+def test_fuse_into_refuses_merge_options_and_svd(adapter_dirs):
     from fcprag_plugin import MergeError
 
-    with pytest.raises(FusionInputError, match=r"use_slot=True needs the live model"):
-        fuse(adapter_dirs, QUERY, PASSAGES, use_slot=True)
+    with pytest.raises(FusionInputError, match=r"fuse_into: unexpected option\(s\) \['rank'\]"):
+        fuse_into(tiny_model(), adapter_dirs, QUERY, PASSAGES, mode="svd", rank=4)
     with pytest.raises(MergeError, match=r"mode 'svd' is not supported"):
-        fuse(adapter_dirs, QUERY, PASSAGES, mode="svd", model=tiny_model(), use_slot=True)
+        fuse_into(tiny_model(), adapter_dirs, QUERY, PASSAGES, mode="svd")
+    with pytest.raises(TypeError, match=r"use_slot"):
+        fuse(adapter_dirs, QUERY, PASSAGES, use_slot=True)  # cat takes no such option
 
 
 @pytest.mark.parametrize("ranks", [(2, 4), (4, 2)])
-def test_use_slot_mixed_ranks_in_any_order(tmp_path, ranks):
-    """Issue 13: the slot fuse() creates is sized for the fusion's largest rank, whatever the adapters' order."""
+def test_fuse_into_mixed_ranks_in_any_order(tmp_path, ranks):
+    """The slot fuse_into() creates is sized for the fusion's largest rank, whatever the adapters' order."""
     dirs = [make_adapter_dir(tmp_path / f"a{i}", r=r, seed=i) for i, r in enumerate(ranks)]
     ads = [LoraAdapter.from_pretrained(d) for d in dirs]
     model = tiny_model()
     x = torch.randint(0, 128, (1, 6))
     with torch.no_grad():
-        with fuse(dirs, QUERY, PASSAGES[:2], model=model, use_slot=True) as res:
+        with fuse_into(model, dirs, QUERY, PASSAGES[:2]) as res:
             got = model(x).logits
             live = res.slot.current_adapter()
         for name in ads[0].modules:  # the slot holds exactly sum_i s_i B_i A_i

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from fcprag_plugin import FusionController, fuse
+from fcprag_plugin import FusionController, fuse, fuse_into
 from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.controller import ControllerConfig
 from fcprag_plugin.errors import ControllerError
@@ -40,8 +40,8 @@ def test_fuse_on_the_slot_gives_the_same_side_feature_weights(adapter_dirs, enco
     ctrl = side_controller("retrieval_rank", "adapter_stats")
     ranks = [2.0, 3.0, 1.0]
     plain = fuse(adapter_dirs, Q, PS, controller=ctrl, encoder=encoder16, retrieval_ranks=ranks)
-    with fuse(adapter_dirs, Q, PS, controller=ctrl, encoder=encoder16, retrieval_ranks=ranks, model=tiny_model(),
-              use_slot=True) as slot:
+    with fuse_into(tiny_model(), adapter_dirs, Q, PS, controller=ctrl, encoder=encoder16,
+                   retrieval_ranks=ranks) as slot:
         assert slot.merge_weights == pytest.approx(plain.merge_weights, abs=1e-6)
 
 

@@ -1,5 +1,5 @@
-"""loading.py: load caches, so controller directories and embedding models are read once per process (issue 17);
-the JSON Lines helpers and the atomic writer."""
+"""loading.py: load caches, so controller directories and embedding models are read once per process;
+fileio.py: the JSON Lines helpers and the atomic writer."""
 
 import json
 import logging
@@ -189,7 +189,7 @@ ODD = "a\u2028b\u2029c\x85d\x1ce\x1df\x1eg"
 
 
 def test_split_lines_breaks_at_newlines_only():
-    from fcprag_plugin.loading import split_lines
+    from fcprag_plugin.fileio import split_lines
 
     text = f"{ODD}\r\n\nx\ny"
     assert split_lines(text) == [ODD + "\r", "", "x", "y"]
@@ -199,8 +199,8 @@ def test_split_lines_breaks_at_newlines_only():
 
 def test_json_lines_readers_keep_odd_line_separators_inside_strings(tmp_path):
     from fcprag_plugin.hosts._prag_data import _read_records
-    from fcprag_tools.labels.manifest import read_data_aug
-    from fcprag_tools.labels.store import JsonlAppender, done_ids, read_label_lines
+    from fcprag_tools.label_builder.manifest import read_data_aug
+    from fcprag_tools.label_builder.store import JsonlAppender, done_ids, read_label_lines
     from fcprag_plugin.training import load_labels, write_labels
     from fcprag_tools.synthetic import synthetic_records
 
@@ -224,7 +224,7 @@ def test_json_lines_readers_keep_odd_line_separators_inside_strings(tmp_path):
 
 
 def test_write_atomic_replaces_whole_files_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
-    from fcprag_plugin import loading
+    from fcprag_plugin import fileio as loading
 
     path = tmp_path / "sub" / "metrics.json"
     loading.write_json(path, {"gain": float("nan"), "n": 3, "where": tmp_path})

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fcprag_plugin import FusionController, MergeError
-from fcprag_plugin.loading import finite_or_none
+from fcprag_plugin.controller import query_weights
+from fcprag_plugin.fileio import finite_or_none
 from fcprag_plugin.weights import FusionWeights, check_weights, is_uniform
 
 PASSAGES = ["paris is the capital of france", "bananas are yellow fruit", "the eiffel tower is in paris"]
@@ -34,19 +35,17 @@ def test_check_weights_rounds_like_float32_and_names_the_problem():
 def test_uniform_is_decided_once_and_is_prags_merge():
     assert is_uniform(None) and is_uniform(FusionController.uniform(embed_dim=16))
     assert not is_uniform(FusionController.fixed(g=0.5, tau=0.1, embed_dim=16))
-    fw = FusionWeights.for_query(QUERY, PASSAGES, None)
+    fw = query_weights(None, QUERY, PASSAGES)
     assert fw.tau is None and fw.g == 0.0 and fw.scores == (0.5, 0.5, 0.5)  # uniform: no temperature
     assert fw.merge_weights == (1.0, 1.0, 1.0) and fw.probabilities == pytest.approx((1 / 3,) * 3)
     assert fw.controller_mode == "uniform" and fw.uniform_merge and fw.n == 3
     ctrl = FusionController.uniform(embed_dim=16)
-    assert FusionWeights.for_query(QUERY, PASSAGES, ctrl) == fw  # the same weights, whatever says "uniform"
-    with pytest.warns(DeprecationWarning, match="probabilities"):
-        assert fw.weights == fw.probabilities
+    assert ctrl.weights_for(QUERY, PASSAGES) == fw  # the same weights, whatever says "uniform"
 
 
 def test_from_the_controllers_prediction(encoder16):
     ctrl = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16)
-    fw = FusionWeights.for_query(QUERY, PASSAGES, ctrl, encoder16)
+    fw = ctrl.weights_for(QUERY, PASSAGES, encoder16)
     out = ctrl.predict(QUERY, PASSAGES, encoder16)  # independent: read the tensors directly
     assert list(fw.merge_weights) == out.merge_weights[0].tolist()
     assert list(fw.probabilities) == out.probabilities[0].tolist() and list(fw.scores) == out.scores[0].tolist()

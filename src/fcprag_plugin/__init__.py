@@ -1,6 +1,7 @@
 """fcprag-plugin: learned, per-query, calibrated fusion of per-passage LoRA adapters for Parametric RAG.
 
-Data path: texts -> ``encoding`` -> ``features`` -> ``controller`` -> weights -> ``merge`` -> adapter -> generate.
+Data path: texts -> ``encoding`` -> ``features`` -> ``controller`` -> weights -> ``merge`` -> adapter -> generate
+(:func:`fuse`), or -> ``slot`` on a live model (:func:`fuse_into`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from .adapter import LoraAdapter, LoraModule
 from .controller import ControllerConfig, ControllerOutput, FusionController
 from .errors import (AdapterError, ControllerError, EncoderError, FcpragError, FusionInputError, HookError,
                      LabelFileError, MergeError, UnsupportedAdapterError)
-from .fusion import FusionResult, fuse
+from .fusion import FusionResult, LiveFusion, fuse, fuse_into
 from .loading import cache_info, clear_caches
 from .slot import activate
 from .merge import MergeResult, WeightedAdapterMerger
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
-    "fuse", "FusionResult", "clear_caches", "cache_info", "FusionController", "ControllerConfig", "ControllerOutput",
+    "fuse", "FusionResult", "fuse_into", "LiveFusion", "clear_caches", "cache_info", "FusionController", "ControllerConfig", "ControllerOutput",
     "WeightedAdapterMerger", "MergeResult", "LoraAdapter", "LoraModule", "TextEncoder", "activate",
     "FcpragError", "AdapterError", "UnsupportedAdapterError", "MergeError", "ControllerError", "EncoderError",
     "FusionInputError", "LabelFileError", "HookError",

@@ -1,7 +1,6 @@
 """``LoraAdapter``: one passage adapter as plain tensors, per target module ``A [r, in]``, ``B [out, r]``, scaling,
 and its I/O: PEFT directories, safetensors files, state dicts and live PEFT models (one module, one direction:
-everything else imports it, it imports only ``errors``, ``compat`` and ``loading``).
-"""
+everything else imports it, it imports only ``errors``, ``compat`` and ``fileio``)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import torch
 
 from .compat import layer_has_lora_bias, layer_use_dora, live_lora_layers, torch_load_weights_only
 from .errors import AdapterError, UnsupportedAdapterError
-from .loading import read_json_object, read_tensor_file
+from .fileio import read_json_object, read_tensor_file
 
 logger = logging.getLogger(__name__)
 
@@ -51,42 +50,34 @@ class LoraModule:
 
 @dataclass
 class LoraAdapter:
-    """A LoRA adapter as plain tensors, keyed by the target module's path inside the base model.
-
-    Module keys look like ``model.layers.0.mlp.gate_proj`` (no ``base_model.model.`` prefix, no adapter name).
-    ``config`` is a PEFT-style LoRA config dict (``r``, ``lora_alpha``, ``target_modules``, ...).
-    Build one with the ``from_*`` constructors.
-    """
+    """A LoRA adapter as plain tensors, keyed by the target module's path in the base model (``model.layers.0.mlp.
+    gate_proj``: no ``base_model.model.`` prefix, no adapter name); ``config``: a PEFT LoRA config dict."""
 
     modules: dict[str, LoraModule]
     config: dict[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
 
-    # ----------------------------------------------------------------- constructors
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu") -> "LoraAdapter":
         """Load a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors`` or ``.bin``)."""
         return load_adapter_dir(path, device=device)
 
     @classmethod
-    def from_safetensors(
-        cls, file: str | Path, config: Mapping[str, Any] | str | Path, *, device: str | torch.device = "cpu"
-    ) -> "LoraAdapter":
+    def from_safetensors(cls, file: str | Path, config: Mapping[str, Any] | str | Path, *,
+                         device: str | torch.device = "cpu") -> "LoraAdapter":
         """Load a ``.safetensors`` file of PEFT-layout keys with a config (dict or path to a JSON file)."""
         cfg = read_config(Path(config)) if isinstance(config, (str, Path)) else dict(config)
         return adapter_from_state_dict(load_safetensors(Path(file), device), cfg, source=str(file))
 
     @classmethod
-    def from_state_dict(
-        cls, state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *, source: str = "<state_dict>"
-    ) -> "LoraAdapter":
+    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *,
+                        source: str = "<state_dict>") -> "LoraAdapter":
         """Build from an in-memory PEFT-layout state dict (``...lora_A.weight`` / ``...lora_B.weight`` keys)."""
         return adapter_from_state_dict(state_dict, config, source=source)
 
     @classmethod
     def from_peft_model(cls, model: Any, adapter_name: str = "default") -> "LoraAdapter":
-        """Copy the named adapter's ``A``, ``B`` and scaling out of a live ``PeftModel`` (or a model with injected
-        LoRA layers)."""
+        """Copy the named adapter's ``A``, ``B`` and scaling out of a live model with LoRA layers."""
         where = f"live model adapter '{adapter_name}'"
         modules: dict[str, LoraModule] = {}
         for name, module in live_lora_layers(model, adapter_name):
@@ -124,12 +115,9 @@ class LoraAdapter:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (r0, s0), _ = Counter((m.rank, m.scaling) for m in self.modules.values()).most_common(1)[0]
-        rank_pattern, alpha_pattern = {}, {}
-        for name, m in self.modules.items():
-            if (m.rank, m.scaling) != (r0, s0):
-                key = _pattern_key(name)
-                rank_pattern[key] = m.rank
-                alpha_pattern[key] = m.scaling * m.rank
+        other = {_pattern_key(n): m for n, m in self.modules.items() if (m.rank, m.scaling) != (r0, s0)}
+        rank_pattern = {k: m.rank for k, m in other.items()}
+        alpha_pattern = {k: m.scaling * m.rank for k, m in other.items()}
         cfg = {
             "peft_type": "LORA", "task_type": self.config.get("task_type", "CAUSAL_LM"),
             "base_model_name_or_path": self.config.get("base_model_name_or_path"), "r": r0, "lora_alpha": s0 * r0,
@@ -139,16 +127,12 @@ class LoraAdapter:
             "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "modules_to_save": None,
             **{k: v for k, v in self.config.items() if k in {"revision", "layers_to_transform", "layers_pattern"}},
         }
-        tensors = {}
-        for name, m in self.modules.items():
-            for kind, t in (("A", m.A), ("B", m.B)):
-                t = t if dtype is None else t.to(dtype)
-                tensors[f"{PEFT_PREFIX}{name}.lora_{kind}.weight"] = t.detach().contiguous().cpu()
+        tensors = {f"{PEFT_PREFIX}{name}.lora_{kind}.weight": (t if dtype is None else t.to(dtype)).detach()
+                   .contiguous().cpu() for name, m in self.modules.items() for kind, t in (("A", m.A), ("B", m.B))}
         (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
         return path
 
-    # ----------------------------------------------------------------- views
     def __len__(self) -> int:
         return len(self.modules)
 
@@ -183,14 +167,12 @@ class LoraAdapter:
         return all(not bool(torch.any(m.B != 0)) for m in self.modules.values())
 
     def norms(self) -> dict[str, dict[str, float]]:
-        """Frobenius norms per module of ``A``, ``B`` and the update ``scaling * B @ A`` (without forming it)."""
-        out = {}
-        for k, m in self.modules.items():
-            a, b = m.A.float(), m.B.float()
-            # ||B A||_F^2 = trace((B^T B)(A A^T)): r x r products only.
-            dw2 = torch.sum((b.T @ b) * (a @ a.T)).clamp_min(0)
-            out[k] = {"A": float(a.norm()), "B": float(b.norm()), "delta": float(m.scaling * math.sqrt(float(dw2)))}
-        return out
+        """Frobenius norms per module of ``A``, ``B`` and the update ``scaling * B @ A`` (without forming it:
+        ``||B A||_F^2 = trace((B^T B)(A A^T))``)."""
+        ab = {k: (m.A.float(), m.B.float(), m.scaling) for k, m in self.modules.items()}
+        return {k: {"A": float(a.norm()), "B": float(b.norm()),
+                    "delta": float(s * math.sqrt(float(torch.sum((b.T @ b) * (a @ a.T)).clamp_min(0))))}
+                for k, (a, b, s) in ab.items()}
 
     def validate(self, *, values: bool = True) -> "LoraAdapter":
         """Check shapes and values (``values=False``: only shapes and dtypes, for callers that check finiteness in
@@ -224,7 +206,6 @@ class LoraAdapter:
         return f"LoraAdapter(source={self.source!r}, modules={len(self.modules)}, ranks={ranks}, dtype={self.dtype})"
 
 
-# ============================================================================= I/O
 def warn_zero(source: str) -> None:
     """The one warning for an adapter whose every ``B`` is zero."""
     logger.warning("%s: every lora_B is zero, so this adapter does nothing (was it saved before training?)", source)
@@ -234,12 +215,10 @@ CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 LEGACY_BIN_NAME = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."
-
 # <prefix>(<module>).lora_(A|B)[.<adapter name>].weight
 _KEY_RE = re.compile(r"^(?P<module>.+?)\.lora_(?P<kind>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
 
 
-# ----------------------------------------------------------------------------- config
 def read_config(path: Path) -> dict[str, Any]:
     return read_json_object(path, AdapterError, f"adapter config not found (expected a PEFT '{CONFIG_NAME}')")
 
@@ -276,7 +255,6 @@ def module_scaling(cfg: Mapping[str, Any], module: str, rank: int, where: str) -
     return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
 
 
-# ----------------------------------------------------------------------------- state dicts
 def strip_peft_prefix(key: str) -> tuple[str, int]:
     """``key`` without its leading ``base_model.model.`` prefixes (PRAG's first run saves two), and how many."""
     n = 0
@@ -286,15 +264,10 @@ def strip_peft_prefix(key: str) -> tuple[str, int]:
     return key, n
 
 
-def adapter_from_state_dict(
-    state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *, source: str = "<state_dict>",
-    check_values: bool = True,
-) -> LoraAdapter:
+def adapter_from_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *,
+                            source: str = "<state_dict>", check_values: bool = True) -> LoraAdapter:
     """Parse PEFT-layout keys into per-module ``A``/``B``; repair PRAG's doubled prefix with a warning.
-
-    ``check_values=False`` skips the per-tensor finiteness check and the all-zero warning (the caller does
-    both in bulk, e.g. :class:`fcprag_plugin.slot.AdapterStore` on its packed stacks).
-    """
+    ``check_values=False`` skips the finiteness check and the all-zero warning (for callers that check in bulk)."""
     cfg = dict(config)
     check_config(cfg, source)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -314,8 +287,7 @@ def adapter_from_state_dict(
                                f"'<module>.lora_B.weight' (optionally prefixed by '{PEFT_PREFIX}')")
         if not isinstance(tensor, torch.Tensor):
             raise AdapterError(f"{source}: key '{key}' holds a {type(tensor).__name__}, expected a tensor")
-        if n_prefix > 1:
-            doubled += 1
+        doubled += n_prefix > 1
         if m.group("adapter"):
             adapter_names.add(m.group("adapter"))
         pairs.setdefault(m.group("module"), {})[m.group("kind")] = tensor
@@ -342,7 +314,6 @@ def adapter_from_state_dict(
     return adapter
 
 
-# ----------------------------------------------------------------------------- files
 def load_safetensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
     return read_tensor_file(path, device, AdapterError, "weights file not found")
 
@@ -358,9 +329,9 @@ def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu", ch
         raise AdapterError(f"{path}: expected a PEFT adapter directory ({CONFIG_NAME} + {SAFETENSORS_NAME})")
     cfg = read_config(path / CONFIG_NAME)
     st, legacy = path / SAFETENSORS_NAME, path / LEGACY_BIN_NAME
+    src = st if st.is_file() else legacy
     if st.is_file():
         sd = (read_safetensors or load_safetensors)(st, device)
-        src = st
     elif legacy.is_file():
         try:
             sd = torch_load_weights_only(str(legacy))
@@ -369,7 +340,6 @@ def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu", ch
         if not isinstance(sd, dict):
             raise AdapterError(f"{legacy}: expected a state dict, got {type(sd).__name__}")
         sd = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
-        src = legacy
     else:
         raise AdapterError(f"{path}: no adapter weights found (expected '{SAFETENSORS_NAME}' or '{LEGACY_BIN_NAME}')")
     adapter = adapter_from_state_dict(sd, cfg, source=str(src), check_values=check_values)

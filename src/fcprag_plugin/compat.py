@@ -1,7 +1,5 @@
-"""Everything that differs across peft / transformers versions lives here, and only here.
-
-Supported stacks: latest releases, and the PRAG / DyPRAG pins (peft 0.13.2 with transformers 4.44.2 / 4.49.0).
-"""
+"""Everything that differs across peft / transformers versions lives here, and only here (supported: latest, and
+the PRAG / DyPRAG pins, peft 0.13.2 with transformers 4.44.2 / 4.49.0)."""
 
 from __future__ import annotations
 
@@ -14,12 +12,9 @@ from packaging.version import Version
 
 @functools.lru_cache(maxsize=None)
 def package_version(name: str) -> Version:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import version
 
-    try:
-        return Version(version(name))
-    except PackageNotFoundError:  # pragma: no cover - a required dependency
-        return Version("0")
+    return Version(version(name))
 
 
 def peft_version() -> Version:
@@ -31,11 +26,8 @@ def transformers_version() -> Version:
 
 
 def peft_has_stale_config_bug() -> bool:
-    """peft < 0.19 leaves ``peft_config`` on the base model after ``PeftModel.unload()``.
-
-    The next ``load_adapter`` under the same name then creates no layers and loads the weights nowhere,
-    and ``add_weighted_adapter`` silently skips adapters without layers.
-    """
+    """peft < 0.19 leaves ``peft_config`` on the base model after ``unload()``: the next ``load_adapter`` creates
+    no layers, and ``add_weighted_adapter`` silently skips adapters without layers."""
     return peft_version() < Version("0.19")
 
 
@@ -76,23 +68,9 @@ def _is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def load_gguf_causal_lm(pkg_dir: str, gguf_file: str, **kwargs: Any):
-    """Deprecated alias of :func:`fcprag_tools.labels.model_io.load_gguf_causal_lm` (model loading is tooling)."""
-    import warnings
-
-    from fcprag_tools.labels.model_io import load_gguf_causal_lm as load
-
-    warnings.warn("fcprag_plugin.compat.load_gguf_causal_lm moved to fcprag_tools.labels.model_io; the alias goes "
-                  "in the next release", DeprecationWarning, stacklevel=2)
-    return load(pkg_dir, gguf_file, **kwargs)
-
-
-# ----------------------------------------------------------------------------- live LoRA layers (used by the shims)
 def has_stale_peft_config(model: Any) -> bool:
-    """True when a plain (non-PeftModel) model carries a ``peft_config`` but no PEFT tuner layer at all.
-
-    That is what peft < 0.19 leaves behind after ``unload()``; a model with injected layers is left alone.
-    """
+    """True when a plain (non-PeftModel) model carries a ``peft_config`` but no PEFT tuner layer (what peft < 0.19
+    leaves after ``unload()``)."""
     if not hasattr(model, "peft_config") or _is_peft_model(model) or "peft_config" not in vars(model):
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer

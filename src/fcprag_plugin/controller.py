@@ -37,10 +37,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._deprecated import renamed_attribute
 from .encoding import check_recorded_model, get_encoder
-from .errors import ControllerError
-from .loading import LoadCache, file_signature, read_json_object, read_tensor_file
+from .errors import BARE, ControllerError, kw
+from .weights import FusionWeights
+from .loading import LoadCache, file_signature
+from .fileio import read_json_object, read_tensor_file
 from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_stats, calibration_summary,
                        center_side, passage_features, side_feature_columns)
 
@@ -65,8 +66,7 @@ class ControllerConfig:
     (baseline modes always keep PyTorch's initialisation). ``cv``: the trainer's selection-unbiased evidence
     (``verdict``, ``gain`` / ``ci95`` against PRAG's sum and its ``scale`` and ``reweighting`` parts; see
     ``training/selection.py``), None when there is none. ``side_optional``: side features a host may lack, which
-    :meth:`FusionController.predict` then takes as equal for every passage (None: retrieval rank and score).
-    ``mode=`` is the deprecated name of ``controller_mode`` (an old ``config.json`` key ``mode`` still loads)."""
+    :meth:`FusionController.predict` then takes as equal for every passage (None: retrieval rank and score)."""
 
     embed_dim: int = 768
     embedding_model: str | None = None
@@ -132,21 +132,6 @@ class ControllerConfig:
         """The side features this controller falls back on when a call lacks them."""
         return tuple(HOST_OPTIONAL_SIDE if self.side_optional is None else self.side_optional)
 
-    mode = renamed_attribute("ControllerConfig.mode", "controller_mode")
-
-
-_config_init = ControllerConfig.__init__
-
-
-def _init_with_old_mode(self: ControllerConfig, *args: Any, mode: str | None = None, **kwargs: Any) -> None:
-    if mode is not None:  # the deprecated keyword, kept for one release
-        warnings.warn("ControllerConfig(mode=...) is now controller_mode=...", DeprecationWarning, stacklevel=2)
-        kwargs.setdefault("controller_mode", mode)
-    _config_init(self, *args, **kwargs)
-
-
-ControllerConfig.__init__ = _init_with_old_mode  # type: ignore[method-assign]
-
 
 @dataclass
 class ControllerOutput:
@@ -169,8 +154,6 @@ class ControllerOutput:
     merge_weights: torch.Tensor
     mask: torch.Tensor
     scale: torch.Tensor | None = None
-
-    weights = renamed_attribute("ControllerOutput.weights", "probabilities")
 
 
 def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:
@@ -300,10 +283,11 @@ def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieva
     between the passages there, exactly as for a feature that does not vary)."""
     given = {"retrieval_rank": retrieval_ranks, "retrieval_score": retrieval_scores, "adapter_stats": adapter_stats_}
     missing = [nm for nm in names if given[nm] is None]
-    required = [f"{nm}s=" if nm != "adapter_stats" else "adapter_stats=" for nm in missing if nm not in optional]
+    required = [f"{nm}s" if nm != "adapter_stats" else nm for nm in missing if nm not in optional]
     if required:
         raise ControllerError(f"this controller was trained with side features {list(names)}; pass "
-                              f"{', '.join(required)} (one value per passage) to use it")
+                              f"{', '.join(map(kw, required))} (one value per passage) to use it",
+                              params=[(nm, BARE) for nm in required])
     cols = []
     for nm in names:
         if given[nm] is None:
@@ -312,7 +296,8 @@ def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieva
         if nm != "adapter_stats":
             t = torch.as_tensor(given[nm], dtype=torch.float32).reshape(-1)
             if t.numel() != n:
-                raise ControllerError(f"{nm}s= has {t.numel()} values for {n} passages; expected one each")
+                raise ControllerError(f"{kw(nm + 's')} has {t.numel()} values for {n} passages; expected one each",
+                                      params=[(nm + "s", BARE)])
             cols.append(t.unsqueeze(1))
             continue
         rows = [adapter_stats(a) if hasattr(a, "modules") else a for a in given[nm]]
@@ -543,6 +528,15 @@ class FusionController(nn.Module):
         finally:
             self.train(was_training)
 
+    def weights_for(self, query: str, passages: Sequence[str], encoder: Any = None, **side: Any) -> FusionWeights:
+        """The :class:`~fcprag_plugin.weights.FusionWeights` of one query: ``w~ = [kappa]*N`` for a uniform
+        controller (no text is encoded), else :meth:`predict` with ``encoder`` and the side-feature arguments
+        ``side`` (:func:`~fcprag_plugin.weights.side_inputs`)."""
+        if self.config.controller_mode == "uniform":
+            self.warn_if_unproven()
+            return FusionWeights.uniform(len(passages), self.config.kappa)
+        return FusionWeights.from_output(self.predict(query, passages, encoder, **side), self.config.controller_mode)
+
     def warn_if_unproven(self) -> bool:
         """Warn once per controller instance (``warnings.warn``, which reaches a Python user with no logging
         configured, and the log) when its selection-unbiased gain over PRAG's sum (``config.cv``, written by
@@ -607,8 +601,6 @@ class FusionController(nn.Module):
             raise ControllerError(f"{path}: controller directory not found (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
         raw = read_json_object(cfg_path, ControllerError, "controller config not found")
         raw.pop("library", None)
-        if "mode" in raw:  # written before controller_mode had one name
-            raw.setdefault("controller_mode", raw.pop("mode"))
         known = {f.name for f in fields(ControllerConfig)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -619,8 +611,6 @@ class FusionController(nn.Module):
         config = ControllerConfig(**raw).validate(str(cfg_path))  # every key is a field (checked above)
         model = cls(config)
         state = read_tensor_file(w_path, map_location, ControllerError, "controller weights not found")
-        if config.controller_mode == "uniform":  # older uniform folders also saved the nets nothing used
-            state = {}
         own = model.state_dict()
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or extra:
@@ -638,7 +628,7 @@ class FusionController(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return f"mode={c.controller_mode}, scorer={c.scorer}, embed_dim={c.embed_dim}, tau=[{c.tau_min}, {c.tau_max}]"
+        return f"controller_mode={c.controller_mode}, scorer={c.scorer}, embed_dim={c.embed_dim}, tau=[{c.tau_min}, {c.tau_max}]"
 
 
 def _caller_level() -> int:
@@ -649,6 +639,14 @@ def _caller_level() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def query_weights(controller: "FusionController | None", query: str, passages: Sequence[str], encoder: Any = None,
+                  side: dict[str, Any] | None = None) -> FusionWeights:
+    """:meth:`FusionController.weights_for`; no controller: ``w~ = [1]*N``, PRAG's merge."""
+    if controller is None:
+        return FusionWeights.uniform(len(passages))
+    return controller.weights_for(query, passages, encoder, **(side or {}))
 
 
 def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":

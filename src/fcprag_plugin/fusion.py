@@ -1,4 +1,5 @@
-"""``fuse()``: texts -> encoder -> controller -> merge weights -> merged adapter."""
+"""``fuse()``: texts -> encoder -> controller -> merge weights -> merged adapter; ``fuse_into()``: the same
+weights put into a live model until the returned :class:`LiveFusion` is closed."""
 
 from __future__ import annotations
 
@@ -9,29 +10,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ._deprecated import renamed_attribute
 from .adapter import LoraAdapter
-from .controller import FusionController, load_controller
+from .controller import FusionController, load_controller, query_weights
 from .errors import FusionInputError
-from .slot import AdapterStore, FusedSlot, pack_adapter
+from .slot import AdapterStore, FusedSlot, PackedAdapter, pack_adapter
 from .merge import MergeResult, merge_adapters
-from .loading import finite_or_none
+from .fileio import finite_or_none
 from .weights import FusionWeights, side_inputs
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class FusionResult:
-    """What ``fuse`` produced: the merged adapter (or the slot holding the merge), the :class:`FusionWeights` and
-    the merge ``mode``. ``merge_weights`` is ``w~`` (length N); ``probabilities`` is ``w`` (sums to 1); ``tau`` is
-    None for uniform weights (no temperature)."""
+class _WeightsView:
+    """Read access to a fusion's :class:`FusionWeights` (``merge_weights`` is ``w~``, length N; ``probabilities``
+    is ``w``, summing to 1; ``tau`` is None for uniform weights)."""
 
-    adapter: LoraAdapter | None  # None with use_slot=True: the merge lives in ``slot`` on the model
     fusion_weights: FusionWeights
-    mode: str
-    info: dict[str, Any] = field(default_factory=dict)
-    slot: Any = None  # the active FusedSlot when fused with use_slot=True
 
     merge_weights = property(lambda self: list(self.fusion_weights.merge_weights))
     probabilities = property(lambda self: list(self.fusion_weights.probabilities))
@@ -40,30 +34,57 @@ class FusionResult:
     tau = property(lambda self: self.fusion_weights.tau)
     controller_mode = property(lambda self: self.fusion_weights.controller_mode)
 
-    weights = renamed_attribute("FusionResult.weights", "probabilities")
 
-    def __enter__(self) -> "FusionResult":
-        return self
+@dataclass
+class FusionResult(_WeightsView):
+    """What :func:`fuse` produced: the merged ``adapter``, its :class:`FusionWeights` and the merge ``mode``;
+    ``info`` holds the merge mode's facts (e.g. svd errors)."""
 
-    def __exit__(self, *exc: Any) -> None:
-        """Leaving a ``with fuse(..., use_slot=True):`` block switches the slot off (the model is the base again)."""
-        if self.slot is not None:
-            self.slot.deactivate()
+    adapter: LoraAdapter
+    fusion_weights: FusionWeights
+    mode: str
+    info: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON (NaN / inf as null): the weights, ``mode``, ``controller_mode`` and the merge's info."""
         fw = self.fusion_weights.to_json()
-        mode = fw.pop("controller_mode")
+        controller_mode = fw.pop("controller_mode")
         extra = {k: v for k, v in self.info.items() if isinstance(v, (int, float, str, list, dict))}
-        return finite_or_none({**fw, "mode": self.mode, "controller_mode": mode, **extra})
+        return finite_or_none({**fw, "mode": self.mode, "controller_mode": controller_mode, **extra})
+
+
+@dataclass
+class LiveFusion(_WeightsView):
+    """A fusion switched on in a live model (:func:`fuse_into`): the model computes with the merged update until
+    :meth:`close` or the end of a ``with`` block, then exactly its base outputs again. ``slot`` is the model's
+    :class:`~fcprag_plugin.slot.FusedSlot` holding the update."""
+
+    fusion_weights: FusionWeights
+    mode: str
+    slot: FusedSlot
+
+    @property
+    def active(self) -> bool:
+        return self.slot.active
+
+    def close(self) -> None:
+        """Switch the fusion off (idempotent); the slot stays on the model for the next fusion."""
+        self.slot.deactivate()
+
+    def __enter__(self) -> "LiveFusion":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _read_live(adapters: Sequence[Any], model: Any) -> list[Any]:
-    """Names of the live ``model``'s adapters -> read from it; paths and ``LoraAdapter`` s pass through."""
+    """Names of the live ``model``'s adapters -> read from it; paths, ``LoraAdapter`` s and packed adapters pass
+    through."""
     live = set(getattr(model, "peft_config", {}) or {}) if model is not None else set()
     out = [LoraAdapter.from_peft_model(model, a) if isinstance(a, str) and a in live else a for a in adapters]
     for i, a in enumerate(out):
-        if not isinstance(a, (str, Path, LoraAdapter)):
+        if not isinstance(a, (str, Path, LoraAdapter, PackedAdapter)):
             raise FusionInputError(f"adapter {i} is a {type(a).__name__}; expected a path, a LoraAdapter or the "
                                    "name of an adapter of `model`")
     return out
@@ -71,7 +92,8 @@ def _read_live(adapters: Sequence[Any], model: Any) -> list[Any]:
 
 def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAdapter]:
     """Paths -> loaded; ``LoraAdapter`` s pass through; names of a live model's adapters are read from it."""
-    return [a if isinstance(a, LoraAdapter) else LoraAdapter.from_pretrained(a) for a in _read_live(adapters, model)]
+    return [a if isinstance(a, LoraAdapter) else a.to_lora() if isinstance(a, PackedAdapter)
+            else LoraAdapter.from_pretrained(a) for a in _read_live(adapters, model)]
 
 
 def warn_duplicates(adapters: Sequence[Any]) -> list[str]:
@@ -103,67 +125,87 @@ def check_texts(query: str, passages: Sequence[str], n_adapters: int | None = No
         raise FusionInputError(f"got {n_adapters} adapters but {len(passages)} passages; they must pair up in order")
 
 
-def fuse(
-    adapters: Sequence[Any],
-    query: str,
-    passages: Sequence[str],
-    *,
-    controller: FusionController | str | Path | None = None,
-    encoder: Any = None,
-    mode: str = "cat",
-    model: Any = None,
-    use_slot: bool = False,
-    store: Any = None,
-    retrieval_ranks: Sequence[float] | None = None,
-    retrieval_scores: Sequence[float] | None = None,
-    **merge_options: Any,
-) -> FusionResult:
-    """Merge the passage adapters with per-query weights from ``controller`` (``None``: uniform, PRAG's merge).
+def _check_inputs(adapters: Sequence[Any], query: str, passages: Sequence[str]) -> None:
+    if isinstance(adapters, (str, Path, LoraAdapter, PackedAdapter)):
+        raise FusionInputError("adapters must be a list (one per passage)")
+    if len(adapters) == 0:
+        raise FusionInputError("adapters is empty: need one adapter per passage")
+    check_texts(query, passages, len(adapters))
+    warn_duplicates(adapters)
+
+
+def _weights(query: str, passages: Sequence[str], controller: Any, encoder: Any, loaded: Any,
+             retrieval_ranks: Any, retrieval_scores: Any) -> FusionWeights:
+    """The query's weights (``loaded``: the adapters, or a callable returning them, for adapter statistics)."""
+    ctrl = load_controller(controller)
+    side = side_inputs(ctrl, adapters=loaded, retrieval_ranks=retrieval_ranks, retrieval_scores=retrieval_scores)
+    return query_weights(ctrl, query, passages, encoder, side)
+
+
+def fuse(adapters: Sequence[Any], query: str, passages: Sequence[str], *,
+         controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
+         model: Any = None, retrieval_ranks: Sequence[float] | None = None,
+         retrieval_scores: Sequence[float] | None = None, **merge_options: Any) -> FusionResult:
+    """The merged adapter of the passage adapters with per-query weights from ``controller`` (``None``: uniform,
+    PRAG's merge). To put a fusion into a live model instead, see :func:`fuse_into`.
 
     Args:
         adapters: N adapter directories, :class:`LoraAdapter` s, or adapter names of the live ``model``.
         passages: the N passage texts, in the same order as ``adapters``.
         controller: a :class:`FusionController` or its directory.
         encoder: a :class:`TextEncoder`; default: the controller's recorded embedding model.
-        mode: merge mode (``cat``, ``separate``, ``svd``).
-        model: the live model (needed for adapter names and for ``use_slot``).
-        use_slot: write the merge into the model's :class:`~fcprag_plugin.slot.FusedSlot` and switch it on instead
-            of building a merged adapter (``result.adapter`` is None; leaving the ``with`` block or
-            ``result.slot.deactivate()`` switches it off). Modes ``cat`` and ``separate``.
-        store: the :class:`~fcprag_plugin.slot.AdapterStore` that caches adapter directories for the slot.
+        mode: merge mode (``cat``, ``separate``, ``svd``); ``merge_options`` are that mode's options (an option it
+            does not take is a :class:`TypeError` naming it).
+        model: a ``PeftModel`` whose loaded adapters ``adapters`` may name.
         retrieval_ranks, retrieval_scores: one number per passage, for a controller trained with these side
             features (required then, ignored otherwise); adapter statistics are computed from ``adapters``.
     """
-    if isinstance(adapters, (str, Path, LoraAdapter)):
-        raise FusionInputError("adapters must be a list (one per passage)")
-    if len(adapters) == 0:
-        raise FusionInputError("adapters is empty: need one adapter per passage")
-    check_texts(query, passages, len(adapters))
-    warn_duplicates(adapters)
-    ctrl = load_controller(controller)
-    side = {"retrieval_ranks": retrieval_ranks, "retrieval_scores": retrieval_scores}
-    if use_slot:
-        return _fuse_on_slot(adapters, query, passages, ctrl, encoder, mode, model, store, side)
+    _check_inputs(adapters, query, passages)
     loaded = resolve_adapters(adapters, model)
-    fw = FusionWeights.for_query(query, passages, ctrl, encoder, side_inputs(ctrl, adapters=loaded, **side))
+    fw = _weights(query, passages, controller, encoder, loaded, retrieval_ranks, retrieval_scores)
     result: MergeResult = merge_adapters(loaded, fw.merge_weights, mode, **merge_options)
     logger.debug("fused %d adapters: w~=%s g=%.3f tau=%s", len(loaded), fw.merge_weights, fw.g, fw.tau)
     return FusionResult(result.adapter, fw, mode, result.info)
 
 
-def _fuse_on_slot(adapters: Sequence[Any], query: str, passages: Sequence[str], ctrl: FusionController | None,
-                  encoder: Any, mode: str, model: Any, store: Any, side: dict[str, Any]) -> FusionResult:
-    """Fast path: the merge is written into the model's fused slot (no merged adapter is materialised)."""
-    if model is None:
-        raise FusionInputError("use_slot=True needs the live model: fuse(..., model=model, use_slot=True)")
-    existing = FusedSlot.of(model)
+def fuse_into(model: Any, adapters: Sequence[Any], query: str, passages: Sequence[str], *,
+              controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
+              store: AdapterStore | None = None, retrieval_ranks: Sequence[float] | None = None,
+              retrieval_scores: Sequence[float] | None = None, **options: Any) -> LiveFusion:
+    """Put the fusion of the passage adapters (weights as in :func:`fuse`) into the live ``model`` and switch it
+    on; the returned :class:`LiveFusion` switches it off (``with fuse_into(...):`` or ``.close()``). No merged
+    adapter is built and no weight of ``model`` is written.
+
+    Args:
+        model: the live model (a transformers model or a ``PeftModel``).
+        adapters: N adapter directories, :class:`LoraAdapter` s, packed adapters, or adapter names of ``model``.
+        mode: ``cat`` (exact ``sum_i w~_i s_i B_i A_i``) or ``separate`` (DyPRAG's merge).
+        store: the :class:`~fcprag_plugin.slot.AdapterStore` that caches adapter directories (default: the
+            model's slot keeps one across calls).
+        controller, encoder, passages, retrieval_ranks, retrieval_scores: as in :func:`fuse`.
+
+    Merge options of :func:`fuse` (e.g. ``svd``'s) do not apply to a live fusion: any other keyword is a
+    :class:`FusionInputError` naming it.
+    """
+    if options:
+        raise FusionInputError(f"fuse_into: unexpected option(s) {sorted(options)}: a live fusion takes no merge "
+                               "options (they belong to fuse(), which builds the merged adapter)")
+    _check_inputs(adapters, query, passages)
     if store is None:  # the model's slot keeps one store across calls
+        existing = FusedSlot.of(model)
         store = existing.store if existing is not None and existing.store is not None else AdapterStore()
-    packed = [store.get(a) if isinstance(a, (str, Path)) else pack_adapter(a) for a in _read_live(adapters, model)]
-    # sized for this fusion's largest rank, so adapters of ranks [2, 4] fit in any order
-    slot = FusedSlot.for_model(model, packed[0], max_adapters=len(packed), max_rank=max(p.max_rank for p in packed),
-                               store=store)
-    fw = FusionWeights.for_query(query, passages, ctrl, encoder,
-                                 side_inputs(ctrl, adapters=lambda: [p.to_lora() for p in packed], **side))
-    slot.write(packed, fw.merge_weights, mode)
-    return FusionResult(None, fw, mode, {"slot": repr(slot)}, slot)
+    packed = [a if isinstance(a, PackedAdapter) else store.get(a) if isinstance(a, (str, Path)) else pack_adapter(a)
+              for a in _read_live(adapters, model)]
+    fw = _weights(query, passages, controller, encoder, lambda: [p.to_lora() for p in packed], retrieval_ranks,
+                  retrieval_scores)
+    return LiveFusion(fw, mode, switch_on(model, packed, fw.merge_weights, mode, store=store))
+
+
+def switch_on(model: Any, packed: Sequence[PackedAdapter], merge_weights: Sequence[float], mode: str = "cat", *,
+              store: AdapterStore | None = None, max_adapters: int | None = None) -> FusedSlot:
+    """The one place a fusion enters a live model (:func:`fuse_into` and the host shims): the weighted ``mode``
+    merge of ``packed`` (``w~ = merge_weights``) is written into the model's fused slot, sized for at least
+    ``max_adapters`` (default: this fusion's N) adapters of this fusion's largest rank, and switched on."""
+    slot = FusedSlot.for_model(model, packed[0], max_adapters=max(max_adapters or 0, len(packed)),
+                               max_rank=max(p.max_rank for p in packed), store=store)
+    return slot.write(list(packed), merge_weights, mode)

@@ -1,12 +1,8 @@
-"""The weights of one fusion (:class:`FusionWeights`), one object from the controller to the merge and the logs.
+"""The weights of one fusion (:class:`FusionWeights`), from the controller to the merge and the logs.
 
-Words: ``merge_weights`` is always ``w~`` (N numbers, what each passage update is multiplied by; all ones is PRAG's
-sum); ``probabilities`` is ``w`` (N numbers summing to 1). ``w~`` is a tuple of float32-rounded Python floats from
-the controller to the merge (:func:`check_weights`).
-
-:func:`is_uniform` is the one place that decides whether a controller gives uniform weights (PRAG's merge, times
-its ``kappa``); :func:`check_weights` is the one check every merge applies.
-"""
+``merge_weights`` is always ``w~`` (N float32-rounded floats each passage update is multiplied by; all ones is
+PRAG's sum); ``probabilities`` is ``w`` (N numbers summing to 1). :func:`is_uniform` decides whether a controller
+gives uniform weights; :func:`check_weights` is the one check every merge applies."""
 
 from __future__ import annotations
 
@@ -17,9 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ._deprecated import renamed_attribute
 from .errors import MergeError
-from .loading import finite_or_none
+from .fileio import finite_or_none
 
 
 def is_uniform(controller: Any) -> bool:
@@ -30,16 +25,9 @@ def is_uniform(controller: Any) -> bool:
 
 @dataclass(frozen=True)
 class FusionWeights:
-    """The controller's outputs for one query (N passages), immutable.
-
-    Attributes:
-        merge_weights: ``w~`` (N), what the merge multiplies each adapter by; all ones is PRAG's uniform merge.
-        probabilities: ``w`` (N), a distribution over the passages (sums to 1).
-        scores: ``s`` (N) in (0, 1); 0.5 each when uniform.
-        g: the gate in [0, 1] (0 when uniform).
-        tau: the temperature; None when no controller computed one (uniform weights).
-        controller_mode: the controller mode that produced them (``uniform``, ``learned``, ``random``, ``fixed``).
-    """
+    """The controller's outputs for one query (N passages), immutable: ``merge_weights`` ``w~`` (N),
+    ``probabilities`` ``w`` (N, sums to 1), ``scores`` ``s`` (N) in (0, 1) (0.5 when uniform), the gate ``g`` in
+    [0, 1] (0 when uniform), ``tau`` (None when uniform) and the ``controller_mode`` that produced them."""
 
     merge_weights: tuple[float, ...]
     probabilities: tuple[float, ...]
@@ -57,9 +45,6 @@ class FusionWeights:
         """``w~ == [1]*N``: the merge is PRAG's (whatever produced the weights)."""
         return all(w == 1.0 for w in self.merge_weights)
 
-    weights = renamed_attribute("FusionWeights.weights", "probabilities")
-    mode = renamed_attribute("FusionWeights.mode", "controller_mode")
-
     @classmethod
     def uniform(cls, n: int, scale: float = 1.0) -> "FusionWeights":
         """Uniform weights for ``n`` passages: ``w~ = [scale]*n`` (1: PRAG's merge; a scale-only controller's
@@ -74,21 +59,6 @@ class FusionWeights:
         merge_weights = out.merge_weights[b][m].tolist()
         return cls(check_weights(merge_weights, len(merge_weights)), tuple(out.probabilities[b][m].tolist()),
                    tuple(out.scores[b][m].tolist()), float(out.g[b]), float(out.tau[b]), controller_mode)
-
-    @classmethod
-    def for_query(cls, query: str, passages: Sequence[str], controller: Any, encoder: Any = None,
-                  side: dict[str, Any] | None = None) -> "FusionWeights":
-        """The weights for one query: uniform times the controller's ``kappa`` (see :func:`is_uniform`), else
-        ``controller.predict`` with ``encoder`` (default: the controller's shared encoder) and the side-feature
-        arguments ``side`` (:func:`side_inputs`)."""
-        if is_uniform(controller):
-            if controller is not None:
-                controller.warn_if_unproven()
-            return cls.uniform(len(passages), 1.0 if controller is None else controller.config.kappa)
-        if encoder is None:
-            encoder = controller.encoder  # loaded once per process, shared
-        out = controller.predict(query, passages, encoder, **(side or {}))
-        return cls.from_output(out, controller.config.controller_mode)
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON: ``merge_weights``, ``probabilities``, ``scores``, ``g``, ``tau`` (null when uniform),
@@ -105,14 +75,10 @@ def side_inputs(controller: Any, *, adapters: Any = None, retrieval_ranks: Seque
     zero-argument callable returning one, is read only when ``adapter_stats`` is needed. A value that is None
     reaches ``predict``, which falls back for a side input the host may lack (see ``FusionController.predict``)."""
     names = () if is_uniform(controller) else tuple(getattr(controller.config, "side_features", None) or ())
-    out: dict[str, Any] = {}
-    if "retrieval_rank" in names:
-        out["retrieval_ranks"] = retrieval_ranks
-    if "retrieval_score" in names:
-        out["retrieval_scores"] = retrieval_scores
-    if "adapter_stats" in names:
-        out["adapter_stats"] = list(adapters() if callable(adapters) else adapters) if adapters is not None else None
-    return out
+    stats = lambda: list(adapters() if callable(adapters) else adapters) if adapters is not None else None  # noqa
+    return {key: value() for name, key, value in (("retrieval_rank", "retrieval_ranks", lambda: retrieval_ranks),
+                                                  ("retrieval_score", "retrieval_scores", lambda: retrieval_scores),
+                                                  ("adapter_stats", "adapter_stats", stats)) if name in names}
 
 
 def check_weights(weights: Any, n: int) -> tuple[float, ...]:

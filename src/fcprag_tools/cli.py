@@ -1,5 +1,6 @@
 """The ``fcprag`` command line: ``fuse`` and ``inspect`` here; ``train`` / ``eval`` (:mod:`.train_cli`), ``run``
-(:mod:`.run_cli`) and ``labels`` (:mod:`.labels.cli`) each expose ``register(subparsers)``.
+(:mod:`.run_cli`), ``labels`` (:mod:`.label_builder.cli`) and ``study`` (:mod:`.study.cli`) each expose
+``register(subparsers)``.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fcprag_plugin.errors import FcpragError
-from fcprag_plugin.loading import write_json
+from fcprag_plugin.fileio import write_json
 
 from . import run_cli, train_cli
-from .labels import cli as labels_cli
+from .label_builder import cli as labels_cli
+from .study import cli as study_cli
 from .options import (CliParser, check_out_dir, finite_float, keywords_to_flags, positive_int, read_text_arg,
                       write_dir_atomically)
 
@@ -163,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--per-module", action="store_true", help="also print |A|, |B| and |dW| per module")
     i.set_defaults(func=_cmd_inspect)
 
-    for command in (train_cli, run_cli, labels_cli):
+    for command in (train_cli, run_cli, labels_cli, study_cli):
         command.register(sub)
     return p
 
@@ -180,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except FcpragError as e:  # the library names its keyword arguments; the user typed flags
-        return _fail(cmd, keywords_to_flags(str(e), getattr(args, "flag_names", {})))
+        return _fail(cmd, keywords_to_flags(e, getattr(args, "flag_names", {})))
     except UnicodeDecodeError as e:  # a file opened by a library below us; the message has no name, say what
         return _fail(cmd, f"an input file is not valid UTF-8 ({e.reason} at byte {e.start})")
     except OSError as e:

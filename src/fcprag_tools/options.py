@@ -1,4 +1,4 @@
-"""Argument types, output-path checks and the keyword-to-flag rewriting of library messages, shared by the
+"""Argument types, output-path checks and the library messages' keywords said as flags, shared by the
 ``fcprag`` commands (one-line errors naming the option)."""
 
 from __future__ import annotations
@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
-from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.errors import BARE, FcpragError, kw
 
 
 def read_text_arg(value: str, option: str) -> str:
@@ -123,47 +122,30 @@ def finite_float(text: str) -> float:
     return v
 
 
-# A library message names keyword arguments as ``name=`` or ``name=VALUE`` (VALUE: a quoted string, a list, or one
-# word); on the command line the same message must name the flag. A call-like repr (``ControllerConfig(a=1, ...)``)
-# is data, not advice, and is left alone.
-_KEYWORD = re.compile(r"(?<![\w./\-=])([a-z_][a-z0-9_]*)=('[^']*'|\"[^\"]*\"|\[[^\]]*\]|[^\s,;)\]]*[^\s,;)\].])?")
-_CALL_REPR = re.compile(r"\b[A-Z]\w*\((?:[^()]|\([^()]*\))*\)")
-# "--resume (--resume)", "--precision bf16 (--precision)", "--use-slot / --use-slot": a message that named both
-# the keyword and the flag says the flag once
-_REPEATED = re.compile(r"(?P<f>--[a-z][\w-]*)(?P<v> [^\s()/]+)? (?:\((?P=f)\)|/ (?P=f)(?![\w-]))")
+def _plain(value: Any) -> str:
+    """A keyword's value as a command line writes it: a list as space-separated words, a string unquoted."""
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
-def _plain(value: str) -> str:
-    """A keyword's value as a command line writes it: quotes off, a list as space-separated words."""
-    if value[:1] in "'\"" and value[-1:] == value[:1]:
-        return value[1:-1]
-    if value.startswith("["):
-        return " ".join(_plain(v.strip()) for v in value[1:-1].split(",") if v.strip())
-    return value
-
-
-def keywords_to_flags(message: str, flags: dict[str, str]) -> str:
-    """Rewrite the keyword arguments a library message names into the running command's flags.
+def keywords_to_flags(error: BaseException, flags: dict[str, str]) -> str:
+    """The message of ``error`` with the keyword arguments it names (``FcpragError.params``) said as the running
+    command's flags.
 
     ``flags`` is the command's table: ``"name"`` -> ``"--flag"`` (``name=VALUE`` becomes ``--flag VALUE``) or
-    ``"name=VALUE"`` -> ``"--flag"`` for a switch (``resume=True`` -> ``--resume``). Names not in the table stay.
+    ``"name=VALUE"`` -> ``"--flag"`` for a switch (``resume=True`` -> ``--resume``). Names not in the table stay;
+    ``name (--flag)`` and ``name / --flag`` say the flag once.
     """
-    if not flags:
-        return message
-    reprs = [m.span() for m in _CALL_REPR.finditer(message)]
-
-    def swap(m: re.Match) -> str:
-        if any(a <= m.start() < b for a, b in reprs):
-            return m.group(0)
-        name, value = m.group(1), m.group(2) or ""
-        if f"{name}={value}" in flags:
-            return flags[f"{name}={value}"]
-        if name not in flags:
-            return m.group(0)
-        return f"{flags[name]} {_plain(value)}" if value else flags[name]
-
-    message = _REPEATED.sub(r"\g<f>\g<v>", _KEYWORD.sub(swap, message))
-    for name, flag in flags.items():  # "max_adapters / --slot-max-adapters", "max_adapters (--slot-max-adapters)"
-        message = re.sub(rf"(?<![\w.-]){re.escape(name)} (?:/ {re.escape(flag)}|\({re.escape(flag)}\))(?![\w-])",
-                         flag, message)
+    message = str(error)
+    for name, value in getattr(error, "params", ()):
+        spelled = kw(name, value)
+        if spelled in flags:
+            said = flags[spelled]
+        elif name in flags:
+            said = flags[name] if value is BARE else f"{flags[name]} {_plain(value)}"
+        else:
+            continue
+        message = message.replace(spelled, said)
+    for name, flag in flags.items():
+        for both in (f"{name} ({flag})", f"{name} / {flag}", f"{flag} ({flag})", f"{flag} / {flag}"):
+            message = message.replace(both, flag)
     return message

@@ -17,7 +17,7 @@ from fcprag_plugin.training.evaluation import collect_outputs, entropy, metrics_
 
 logger = logging.getLogger(__name__)
 
-# The efficacy study's grid for the fixed baseline (benchmarks/efficacy/grid.py), here scored by the training
+# The first efficacy study's grid for the fixed baseline (docs/results/efficacy.md), here scored by the training
 # objective (weighted KL to the targets) instead of the gold-answer likelihood.
 FIXED_G = (0.25, 0.5, 0.75, 1.0)
 FIXED_TAU = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)

@@ -7,13 +7,12 @@ import warnings
 from pathlib import Path
 
 from fcprag_plugin.errors import FcpragError
-from fcprag_plugin.hosts import dyprag, prag
 
+from .launch import LAUNCHERS
 from .options import positive_int
 
-_SHIMS = {"prag": prag, "dyprag": dyprag}
 QUIET_FUTURE_WARNINGS = ("transformers", "peft")  # packages whose FutureWarnings are ignored while the script runs
-# the shims' install() / launch() keyword arguments -> `fcprag run`'s flags, for their messages
+# the shims' install() / fcprag_tools.launch keyword arguments -> `fcprag run`'s flags, for their messages
 RUN_FLAGS = {
     "controller": "--controller",
     "encoder": "--encoder",
@@ -36,7 +35,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not Path(rest[0]).is_file():
         raise FcpragError(f"host script {rest[0]} not found; expected the path of PRAG's / DyPRAG's inference script "
                           "after '--'")
-    shim = _SHIMS[args.host]
     options = {k: v for k, v in vars(args).items()
                if k in {"controller", "encoder", "mode", "log", "data_file", "use_slot", "slot_max_adapters"}
                and v is not None}
@@ -45,14 +43,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # them: nothing its user can act on. Only those, only while it runs; every other warning stays.
         for module in QUIET_FUTURE_WARNINGS:
             warnings.filterwarnings("ignore", category=FutureWarning, module=rf"{module}(\.|$)")
-        return int(shim.launch(rest[0], rest[1:], **options) or 0)
+        return int(LAUNCHERS[args.host](rest[0], rest[1:], **options) or 0)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="run PRAG's or DyPRAG's unmodified inference script with learned fusion",
                        usage="fcprag run {dyprag,prag} [options] -- SCRIPT [ARGS ...]",
                        description="Everything after '--' is the host script and its own arguments.")
-    r.add_argument("host", choices=sorted(_SHIMS), help="which host's merge to replace: prag or dyprag")
+    r.add_argument("host", choices=sorted(LAUNCHERS), help="which host's merge to replace: prag or dyprag")
     r.add_argument("--controller", help="controller directory (omit for the uniform baseline)")
     r.add_argument("--encoder", help="embedding model name or path (default: the controller's)")
     r.add_argument("--mode",

@@ -12,11 +12,11 @@ from pathlib import Path
 from .options import check_out_file, finite_float, int_at_least, positive_int, refuse_inputs
 from fcprag_plugin.errors import FcpragError, LabelFileError
 from fcprag_plugin.features import SIDE_FEATURES
-from fcprag_plugin.loading import write_json
+from fcprag_plugin.fileio import write_json
 from fcprag_plugin.training.checkpoint import CHECKPOINT_DIR, read_checkpoint_state
 from fcprag_plugin.training.evaluation import format_table
 from fcprag_plugin.training.labels import ON_ERROR, SkippedRecord, load_labels
-from .plots import _pyplot, write_eval_plots
+from .plots import _pyplot, write_eval_plots, write_training_plots
 from fcprag_plugin.training.targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
 from fcprag_plugin.training.selection import BOUNDS, SCALE_METRICS
 from fcprag_plugin.training.trainer import OBJECTIVES, PRECISIONS, RECIPES, TrainArgs
@@ -29,7 +29,7 @@ MAX_LINE_BYTES = 16 * 2**20
 MAX_SCALED_DELTA = 1e37
 # the parsed options that go to train_controller under their own names
 _TRAIN_ARGS = ("epochs", "batch_size", "lr", "weight_decay", "seed", "t_label", "flat_eps", "flat_weight",
-               "val_fraction", "on_error", "precision", "cache_dir", "threads", "plots", "objective", "risk_lambda",
+               "val_fraction", "on_error", "precision", "cache_dir", "threads", "objective", "risk_lambda",
                "cv_folds", "kappa", "side_features", "scale_max_loss_share", "scale_loss_margin", "keep_network",
                "allow_retrieval_score", "recipe", "scale_metric", "scale_bound", "per_query_scale")
 # the options a --recipe sets when they are not given (None: not given)
@@ -41,7 +41,6 @@ _RECIPE_SET = ("kappa", "keep_network", "objective", "per_query_scale")
 TRAIN_FLAGS = {
     "resume=True": "--resume",
     "overwrite=True": "--overwrite",
-    "plots=True": "--plots",
     "progress=False": "--no-progress",
     "out": "--out",
     "val": "--val",
@@ -255,6 +254,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     refuse_inputs("--out", args.out, [("labels", args.labels), ("--val", args.val)])
     out = Path(args.out)
     check_train_out(out, args.overwrite, args.resume)
+    if args.plots:
+        _pyplot()  # a missing matplotlib stops the run before training, not after
     before, state_before = _tree(out), read_checkpoint_state(out)
     args.interrupt_hint = lambda: _after_interrupt(args, out, before, state_before)
     train_set = read_label_file(args.labels, args.on_error, args.t_label)
@@ -273,6 +274,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                            overwrite=args.overwrite, progress=not args.no_progress, controller=controller,
                            **{k: getattr(args, k) for k in _TRAIN_ARGS
                               if not (k in _RECIPE_SET and getattr(args, k) is None)})
+    if args.plots:
+        write_training_plots(res.out / "plots", res.history, res.outputs, res.report_data)
     print(res.table)
     t = res.metrics["timing_s"]
     print(f"\n{res.n_train} training / {res.n_val} validation records, {res.metrics['epochs']} epochs, "

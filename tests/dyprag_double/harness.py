@@ -63,7 +63,7 @@ def host_modules(src_dir: Path) -> Iterator[tuple]:
 
 def run_plain(script: Path, args: Sequence[str]) -> None:
     """Run the double without any shim (DyPRAG's own behaviour)."""
-    from fcprag_plugin.hosts.base import run_script
+    from fcprag_tools.launch import run_script
 
     with host_modules(script.parent):
         run_script(script, list(args))

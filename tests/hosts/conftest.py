@@ -5,7 +5,7 @@ import torch
 
 from dyprag_double import harness as H
 from fcprag_plugin.hosts import dyprag
-from fcprag_plugin.hosts.base import clear_context
+from fcprag_plugin.hosts.context import clear_context
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from dyprag_double.harness import COUNTS
 from fcprag_plugin.controller import ControllerConfig, FusionController
 from fcprag_plugin.errors import HookError
 from fcprag_plugin.hosts import dyprag
+from fcprag_tools.launch import launch_dyprag
 
 pytest.importorskip("peft")
 
@@ -60,7 +61,7 @@ def test_weighted_run_matches_reference(double, tmp_path, encoder16, mode, make_
     script, data, questions = double
     ctrl = make_ctrl()
     rec, log = tmp_path / "rec.pt", tmp_path / "log.jsonl"
-    rc = dyprag.launch(script, ["--data", str(data), "--record", str(rec)], controller=ctrl, encoder=encoder16,
+    rc = launch_dyprag(script, ["--data", str(data), "--record", str(rec)], controller=ctrl, encoder=encoder16,
                        mode=mode, log=log)
     assert rc == 0
     record = H.load_record(rec)
@@ -94,7 +95,7 @@ def test_uniform_separate_is_dyprag_bit_for_bit(double, tmp_path):
     base = H.load_record(base_rec)
     for name, ctrl in [("none", None), ("uniform", FusionController.uniform(16))]:
         rec, out = tmp_path / f"{name}.pt", tmp_path / f"{name}.json"
-        dyprag.launch(script, ["--data", str(data), "--record", str(rec), "--out", str(out)], controller=ctrl,
+        launch_dyprag(script, ["--data", str(data), "--record", str(rec), "--out", str(out)], controller=ctrl,
                       mode="separate")
         shim = H.load_record(rec)
         assert len(base["predict"]) == len(shim["predict"]) == len(questions)
@@ -113,7 +114,7 @@ def test_uniform_separate_is_dyprag_bit_for_bit(double, tmp_path):
 def test_uniform_delta_is_mean_of_updates(double, tmp_path):
     script, data, questions = double
     rec = tmp_path / "rec.pt"
-    dyprag.launch(script, ["--data", str(data), "--record", str(rec)], mode="delta")
+    launch_dyprag(script, ["--data", str(data), "--record", str(rec)], mode="delta")
     record = H.load_record(rec)
     groups = H.group_outputs(record)
     refs = [H.reference_delta(outs, [1.0 / len(outs)] * len(outs)) for outs in groups]
@@ -128,7 +129,7 @@ def test_uniform_delta_is_mean_of_updates(double, tmp_path):
 def test_misaligned_capture_is_an_error(double, tmp_path, encoder16):
     script, data, _ = double
     with pytest.raises(HookError, match=r"captured 2 ParameterTranslator output\(s\).*1 passage\(s\)") as ei:
-        dyprag.launch(script, ["--data", str(data), "--extra_translator_call"], controller=peaked_controller(),
+        launch_dyprag(script, ["--data", str(data), "--extra_translator_call"], controller=peaked_controller(),
                       encoder=encoder16)
     assert "who built the famous novel number 0" in str(ei.value)  # names the question
 
@@ -143,7 +144,7 @@ def test_missing_context_in_script_is_an_error(tmp_path, encoder16):
         .replace('{"question": question,', '{"question": q_text,'))
     data = H.write_data(tmp_path / "data.jsonl", H.make_questions((2,)))
     with pytest.raises(HookError, match="set_context"):
-        dyprag.launch(script, ["--data", str(data)], controller=peaked_controller(), encoder=encoder16)
+        launch_dyprag(script, ["--data", str(data)], controller=peaked_controller(), encoder=encoder16)
 
 
 def test_script_exit_status_is_returned(double, tmp_path):
@@ -151,7 +152,7 @@ def test_script_exit_status_is_returned(double, tmp_path):
     script.write_text(script.read_text().replace("    main(parser.parse_args())", "    main(parser.parse_args())\n"
                                                  "    raise SystemExit(3)"))
     rec = tmp_path / "rec.pt"
-    assert dyprag.launch(script, ["--data", str(data), "--record", str(rec)]) == 3
+    assert launch_dyprag(script, ["--data", str(data), "--record", str(rec)]) == 3
     assert rec.is_file()  # the run itself completed
 
 
@@ -231,7 +232,7 @@ def test_the_shipped_controller_runs_with_what_dyprag_has(double, tmp_path):
     script, data, questions = double
     shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller"
     rec = tmp_path / "rec.pt"
-    assert dyprag.launch(script, ["--data", str(data), "--record", str(rec)], controller=str(shipped),
+    assert launch_dyprag(script, ["--data", str(data), "--record", str(rec)], controller=str(shipped),
                          mode="delta") == 0
     record = H.load_record(rec)
     groups = H.group_outputs(record)

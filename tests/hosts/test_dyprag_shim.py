@@ -14,7 +14,8 @@ from dyprag_double import harness as H
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import HookError
 from fcprag_plugin.hosts import dyprag
-from fcprag_plugin.hosts.base import clear_context, explicit_context, set_context
+from fcprag_tools.launch import launch_dyprag
+from fcprag_plugin.hosts.context import clear_context, explicit_context, set_context
 
 pytest.importorskip("peft")
 
@@ -273,14 +274,14 @@ def test_missing_or_wrong_host_modules(host):
 
 def test_launch_errors(tmp_path):
     with pytest.raises(HookError, match=r"option\(s\) \['data_file'\] do not apply"):
-        dyprag.launch(tmp_path / "x.py", [], data_file="d.jsonl")
+        launch_dyprag(tmp_path / "x.py", [], data_file="d.jsonl")
     with pytest.raises(HookError, match=r"x\.py: script not found"):
-        dyprag.launch(tmp_path / "x.py", [])
+        launch_dyprag(tmp_path / "x.py", [])
     lone = tmp_path / "lone"
     lone.mkdir()
     (lone / "inference_dyprag.py").write_text("print('hi')\n")
     before = {n: sys.modules.get(n) for n in H.HOST_MODULES}
     with pytest.raises(HookError, match="cannot import DyPRAG's '(utils|projector)' module|'utils' was imported from"):
-        dyprag.launch(lone / "inference_dyprag.py", [])
+        launch_dyprag(lone / "inference_dyprag.py", [])
     assert {n: sys.modules.get(n) for n in H.HOST_MODULES} == before
     assert dyprag.current() is None

@@ -16,7 +16,8 @@ import torch
 from fcprag_plugin.compat import peft_has_stale_config_bug
 from fcprag_plugin.controller import ControllerConfig, FusionController
 from fcprag_plugin.errors import HookError, MergeError
-from fcprag_plugin.hosts import prag, run_script
+from fcprag_plugin.hosts import prag
+from fcprag_tools.launch import launch_prag, run_script
 from helpers import files_reference, fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
 from prag_double.world import DOUBLE_SCRIPT, World, build_world, dense_reference, read_capture, reference_logits
 
@@ -51,7 +52,7 @@ def launch_double(world: World, tmp: Path, *, context: str = "locals", sample: i
     cap = tmp / "cap"
     cap.mkdir(exist_ok=True)
     log = tmp / "fusion.jsonl"
-    rc = prag.launch(str(DOUBLE_SCRIPT), world.args(cap, context, sample), log=log, **options)
+    rc = launch_prag(str(DOUBLE_SCRIPT), world.args(cap, context, sample), log=log, **options)
     assert rc == 0
     assert not prag.is_installed()  # launch uninstalls afterwards
     return cap, [json.loads(line) for line in log.read_text().splitlines()]
@@ -218,7 +219,7 @@ def test_no_context_is_an_error_not_a_uniform_merge(world, tmp_path):
     cap = tmp_path / "cap"
     cap.mkdir()
     with pytest.raises(HookError) as e:
-        prag.launch(str(DOUBLE_SCRIPT), world.args(cap, "none"), controller=fixed_controller(),
+        launch_prag(str(DOUBLE_SCRIPT), world.args(cap, "none"), controller=fixed_controller(),
                     encoder=hash_encoder(16))
     msg = str(e.value)
     assert "set_context" in msg and str(world.adapter_path(0, 0)) in msg
@@ -230,7 +231,7 @@ def test_no_context_is_an_error_not_a_uniform_merge(world, tmp_path):
 def test_zero_weight_adapter_is_named(tmp_path):
     bad = build_world(tmp_path / "w", ns=(2,), zero_b=[(0, 1)])
     with pytest.raises(HookError) as e:
-        prag.launch(str(DOUBLE_SCRIPT), bad.args(tmp_path), controller=None)
+        launch_prag(str(DOUBLE_SCRIPT), bad.args(tmp_path), controller=None)
     assert str(bad.adapter_path(0, 1)) in str(e.value) and "zero" in str(e.value)
 
 
@@ -440,7 +441,7 @@ def test_bad_options_fail_at_install():
 def test_launch_returns_the_scripts_exit_status(tmp_path):
     script = tmp_path / "exits.py"
     script.write_text("import sys\nsys.exit(3)\n")
-    assert prag.launch(str(script), []) == 3
+    assert launch_prag(str(script), []) == 3
     assert not prag.is_installed()
 
 

@@ -18,7 +18,9 @@ from dyprag_double.harness import COUNTS
 from fcprag_plugin.compat import peft_has_stale_config_bug
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import HookError
-from fcprag_plugin.hosts import dyprag, prag, run_script
+from fcprag_plugin.hosts import dyprag, prag
+from fcprag_plugin.slot import FusedSlot, fused
+from fcprag_tools.launch import launch_dyprag, launch_prag, run_script
 from helpers import files_reference, fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
 from prag_double.world import DOUBLE_SCRIPT, World, build_world, dense_reference, read_capture, reference_logits
 
@@ -48,16 +50,31 @@ def world(request, tmp_path_factory) -> World:
 def run_double(world: World, tmp: Path, name: str, **options) -> tuple[Path, list[dict]]:
     cap, log = tmp / name, tmp / f"{name}.jsonl"
     cap.mkdir()
-    rc = prag.launch(str(DOUBLE_SCRIPT), world.args(cap, generate=3), log=log, **options)
+    rc = launch_prag(str(DOUBLE_SCRIPT), world.args(cap, generate=3), log=log, **options)
     assert rc == 0 and not prag.is_installed()
     return cap, [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def test_prag_slot_equals_default_path_and_dense_reference(world, tmp_path):
-    """Four questions in a row (N = 3, 4, 2, 3; ranks 2 and 4): on peft < 0.19 this is the stale-config case."""
+def fused_weights_switches(monkeypatch, on_cpu: bool, route: str = "auto") -> list[bool]:
+    """Let route 'auto' use fused weights on the CPU (``on_cpu``), set every slot's ``route``, and record every
+    switch to fused weights (its result)."""
+    monkeypatch.setattr(fused, "AUTO_ON_CPU", on_cpu)
+    monkeypatch.setattr(FusedSlot, "route", route)
+    switches: list[bool] = []
+    to_weights = FusedSlot._to_weights
+    monkeypatch.setattr(FusedSlot, "_to_weights", lambda self: switches.append(to_weights(self)) or switches[-1])
+    return switches
+
+
+@pytest.mark.parametrize("on_weights", [False, True], ids=["hooks", "fused_weights"])
+def test_prag_slot_equals_default_path_and_dense_reference(world, tmp_path, monkeypatch, on_weights):
+    """Four questions in a row (N = 3, 4, 2, 3; ranks 2 and 4): on peft < 0.19 this is the stale-config case.
+    The generation runs through the hooks, or (route auto with the CPU allowed) on fused weights."""
     opts = dict(controller=fixed_controller(), encoder=hash_encoder(16))
     default, _ = run_double(world, tmp_path, "default", **opts)
+    switches = fused_weights_switches(monkeypatch, on_weights)
     slot, records = run_double(world, tmp_path, "slot", use_slot=True, **opts)
+    assert (len(switches) >= len(world.records) and all(switches)) if on_weights else not switches
     from safetensors.torch import load_file
 
     probes = load_file(str(slot / "base.safetensors"))
@@ -100,7 +117,7 @@ def test_prag_fixed_capacity_too_small_is_named(tmp_path):
     cap = tmp_path / "cap"
     cap.mkdir()
     with pytest.raises(HookError, match=r"merges 3 adapters but the fused slot holds max_adapters=2"):
-        prag.launch(str(DOUBLE_SCRIPT), w.args(cap), use_slot=True, slot_max_adapters=2)
+        launch_prag(str(DOUBLE_SCRIPT), w.args(cap), use_slot=True, slot_max_adapters=2)
     assert (cap / "q0.safetensors").exists() and not (cap / "q1.safetensors").exists()
     assert not prag.is_installed()
 
@@ -263,13 +280,17 @@ def test_prag_slot_bad_options():
 # ============================================================================= DyPRAG
 @pytest.mark.parametrize("mode", ["separate", "delta"])
 @pytest.mark.parametrize("ctrl", ["fixed", "none"])
-def test_dyprag_slot_equals_default_path_and_reference(double, tmp_path, encoder16, mode, ctrl):
+@pytest.mark.parametrize("on_weights", [False, True], ids=["hooks", "fused_weights"])
+def test_dyprag_slot_equals_default_path_and_reference(double, tmp_path, encoder16, mode, ctrl, monkeypatch,
+                                                        on_weights):
     script, data, questions = double
     controller = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16) if ctrl == "fixed" else None
     runs = {}
+    # the double decodes without a KV cache (route auto would keep the hooks): fused weights from the write on
+    switches = fused_weights_switches(monkeypatch, on_weights, "weights" if on_weights else "auto")
     for use_slot in (False, True):
         rec, out, log = (tmp_path / f"{use_slot}.{x}" for x in ("pt", "json", "jsonl"))
-        rc = dyprag.launch(script, ["--data", str(data), "--record", str(rec), "--out", str(out)],
+        rc = launch_dyprag(script, ["--data", str(data), "--record", str(rec), "--out", str(out)],
                            controller=controller, encoder=encoder16, mode=mode, log=log, use_slot=use_slot)
         assert rc == 0 and dyprag.current() is None
         runs[use_slot] = (H.load_record(rec), json.loads(out.read_text()),
@@ -290,6 +311,7 @@ def test_dyprag_slot_equals_default_path_and_reference(double, tmp_path, encoder
         assert s_log[qi]["use_slot"] is True and "FusedSlot" in s_log[qi]["slot"]
         assert s_log[qi]["u"] == pytest.approx(u, rel=1e-6)
     assert [p["text"] for p in s_out] == [p["text"] for p in d_out]
+    assert (len(switches) >= len(questions) and all(switches)) if on_weights else not switches
     # the update matters (the comparison can fail): the largest question's logits move off the bare model
     bare = H.reference_logits(script.parent, questions[4]["question"], {})
     assert (s_rec["predict"][4]["logits"] - bare).abs().max() > 1e-4
@@ -368,7 +390,7 @@ def test_dyprag_slot_errors(host, tmp_path, monkeypatch):
         dyprag.install(utils=no_remove, projector=host.projector, use_slot=True)
     assert dyprag.current() is None
     with pytest.raises(HookError, match="only applies with use_slot"):
-        dyprag.launch(tmp_path / "x.py", [], slot_max_adapters=3)
+        launch_dyprag(tmp_path / "x.py", [], slot_max_adapters=3)
 
 
 @pytest.mark.parametrize("use_slot", [False, True])

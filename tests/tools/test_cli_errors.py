@@ -80,6 +80,8 @@ def valid_args(cmd: str, w: dict, out: Path) -> list[str]:
                              str(w["root"]), "--out", str(out / "m.jsonl")],
         "labels merge": ["labels", "merge", str(out / "no.part0-of-2.jsonl"), "--manifest", str(w["manifest"]),
                          "--out", str(out / "merged.jsonl")],
+        "study": ["study", str(out / "no-questions.jsonl"), "--model", str(out / "no-model"), "--out",
+                  str(out / "study"), "--no-progress"],
     }[cmd]
 
 
@@ -410,7 +412,7 @@ def test_a_multi_line_library_message_is_one_line(world, capsys, monkeypatch):
 
 
 def test_labels_build_ctrl_c_says_the_command_resumes(world, tmp_path, capsys, monkeypatch):
-    from fcprag_tools.labels import builder
+    from fcprag_tools.label_builder import builder
     from helpers import save_tiny_lm
 
     def interrupted(*a, **k):

@@ -8,7 +8,7 @@ import torch
 
 from fcprag_plugin import FusionController, TextEncoder, fuse
 from fcprag_plugin.encoding import fallback_model_path
-from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.errors import BARE, FcpragError
 from fcprag_plugin.training import train_controller
 from fcprag_tools.cli import FUSE_FLAGS, main
 from fcprag_tools.options import keywords_to_flags
@@ -55,7 +55,7 @@ def test_train_run_exists_message(labelled, capsys):
         train_controller(tmp / "train.jsonl", out, encoder="syn8", cache_dir=cache, epochs=1, progress=False)
     library = str(raised.value)
     assert "pass resume=True" in library and "overwrite=True" in library
-    said = keywords_to_flags(library, TRAIN_FLAGS)
+    said = keywords_to_flags(raised.value, TRAIN_FLAGS)
     assert "pass --resume to continue it or --overwrite to start over" in said and "=True" not in said, said
     # the command refuses it before any work, in its own words
     line = one_line(main(base), capsys.readouterr().err)
@@ -106,26 +106,31 @@ def test_run_names_use_slot(tmp_path, capsys):
     assert "host ran" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("message,table,expected", [
-    # the forms the library will use everywhere (name= and name=VALUE)
-    ("x: pass resume=True to continue it or overwrite=True to start over", TRAIN_FLAGS,
-     "x: pass --resume to continue it or --overwrite to start over"),
-    ("pass precision='bf16'.", TRAIN_FLAGS, "pass --precision bf16."),
-    ("pass epochs=3 or side_features=['retrieval_rank', 'adapter_stats']", TRAIN_FLAGS,
+@pytest.mark.parametrize("message,params,table,expected", [
+    # the forms the library uses (name= and name=VALUE, each declared in the error's params)
+    ("x: pass resume=True to continue it or overwrite=True to start over", [("resume", True), ("overwrite", True)],
+     TRAIN_FLAGS, "x: pass --resume to continue it or --overwrite to start over"),
+    ("pass precision='bf16'.", [("precision", "bf16")], TRAIN_FLAGS, "pass --precision bf16."),
+    ("pass epochs=3 or side_features=['retrieval_rank', 'adapter_stats']",
+     [("epochs", 3), ("side_features", ["retrieval_rank", "adapter_stats"])], TRAIN_FLAGS,
      "pass --epochs 3 or --side-features retrieval_rank adapter_stats"),
-    ("pass retrieval_scores= (one value per passage)", FUSE_FLAGS, "pass --retrieval-score (one value per passage)"),
-    ("max_adapters= only applies with use_slot=True", RUN_FLAGS, "--slot-max-adapters only applies with --use-slot"),
-    # today's hosts message: the keyword, then its flag in parentheses
-    ("the fused slot holds max_adapters=2; raise max_adapters (--slot-max-adapters) or leave it unset", RUN_FLAGS,
+    ("pass retrieval_scores= (one value per passage)", [("retrieval_scores", BARE)], FUSE_FLAGS,
+     "pass --retrieval-score (one value per passage)"),
+    ("max_adapters= only applies with use_slot=True", [("max_adapters", BARE), ("use_slot", True)], RUN_FLAGS,
+     "--slot-max-adapters only applies with --use-slot"),
+    # the keyword, then its flag in parentheses
+    ("the fused slot holds max_adapters=2; raise max_adapters (--slot-max-adapters) or leave it unset",
+     [("max_adapters", 2)], RUN_FLAGS,
      "the fused slot holds --slot-max-adapters 2; raise --slot-max-adapters or leave it unset"),
-    # left alone: a keyword not in the table, a switch with another value, a repr, a path
-    ("pass model=x or resume=False", TRAIN_FLAGS, "pass model=x or resume=False"),
-    ("differs (ControllerConfig(embed_dim=8, score_hidden=[32]))", TRAIN_FLAGS,
+    # left alone: a keyword not in the table, a switch with another value, what the error does not declare
+    ("pass model=x or resume=False", [("model", "x"), ("resume", False)], TRAIN_FLAGS,
+     "pass model=x or resume=False"),
+    ("differs (ControllerConfig(embed_dim=8, score_hidden=[32]))", [], TRAIN_FLAGS,
      "differs (ControllerConfig(embed_dim=8, score_hidden=[32]))"),
-    ("/runs/epochs=3/cv.json: not JSON", TRAIN_FLAGS, "/runs/epochs=3/cv.json: not JSON"),
+    ("/runs/epochs=3/cv.json: not JSON", [], TRAIN_FLAGS, "/runs/epochs=3/cv.json: not JSON"),
 ])
-def test_keyword_forms(message, table, expected):
-    assert keywords_to_flags(message, table) == expected
+def test_keyword_forms(message, params, table, expected):
+    assert keywords_to_flags(FcpragError(message, params=params), table) == expected
 
 
 def test_every_table_names_real_flags():

@@ -5,7 +5,7 @@ import torch
 
 from fcprag_plugin import MergeError, WeightedAdapterMerger, activate
 from fcprag_plugin.slot import FusedSlot
-from fcprag_tools.mixed import activate_mixed, fused_mixed, union_weights
+from fcprag_tools.mixed import union_weights
 from helpers import logits, make_adapter_dir, random_adapter, tiny_model
 
 B, T = 3, 8
@@ -25,7 +25,7 @@ def test_mixed_cat_equals_per_sample(kind, batch):
                       [0.5, 0.5, 0.5, 1.5]])
     slot = FusedSlot(model, union[0], max_adapters=5, max_rank=4)
     base = logits(model, batch)
-    with fused_mixed(slot, union, W):
+    with slot.mixed(union, W):
         got = logits(model, batch)
     assert torch.equal(logits(model, batch), base)  # off again after the block
     for b in range(B):
@@ -48,7 +48,7 @@ def test_mixed_separate_equals_per_sample(kind, batch):
     mask = torch.tensor([[True, True, False, True], [False, True, True, False], [True, True, True, True]])
     W = torch.tensor([[1.2, 0.9, 0.0, 0.9], [0.0, 1.5, 0.5, 0.0], [1.0, 1.0, 1.0, 1.0]])
     slot = FusedSlot(model, union[0], max_adapters=4, max_rank=2)
-    with fused_mixed(slot, union, W, mode="separate", mask=mask):
+    with slot.mixed(union, W, mode="separate", mask=mask):
         got = logits(model, batch)
     for b in range(B):
         used = mask[b].nonzero()[:, 0].tolist()
@@ -66,7 +66,7 @@ def test_generate_with_mixed_batch():
     inp = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(2))
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     slot = FusedSlot(model, union[0], max_adapters=3)
-    with fused_mixed(slot, union, W):
+    with slot.mixed(union, W):
         got = model.generate(inp, **kw)
     for b in range(2):
         used = W[b].nonzero()[:, 0].tolist()
@@ -84,7 +84,7 @@ def test_union_weights_from_paths(tmp_path):
     model = tiny_model("llama")
     slot = FusedSlot(model, ["gate_proj", "up_proj", "down_proj"], max_adapters=3, max_rank=2)
     x = torch.randint(0, 128, (3, 4))
-    with fused_mixed(slot, union, W, mask=mask):  # paths go through the slot's store
+    with slot.mixed(union, W, mask=mask):  # paths go through the slot's store
         got = logits(model, x)
     with slot.fused([dirs[2]], [5.0]):
         torch.testing.assert_close(got[2:], logits(model, x[2:]), rtol=1e-5, atol=1e-5)
@@ -99,14 +99,14 @@ def test_mixed_errors():
     union = [random_adapter(model, 2, seed=i) for i in range(2)]
     slot = FusedSlot(model, union[0], max_adapters=2)
     with pytest.raises(MergeError, match=r"weights have shape \[2, 3\], expected \[B, 2\]"):
-        activate_mixed(slot, union, torch.ones(2, 3))
+        slot.write_mixed(union, torch.ones(2, 3))
     with pytest.raises(MergeError, match=r"mask has shape \[1, 2\], expected \[2, 2\]"):
-        activate_mixed(slot, union, torch.ones(2, 2), mask=torch.ones(1, 2, dtype=torch.bool))
+        slot.write_mixed(union, torch.ones(2, 2), mask=torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(MergeError, match="sample 1 uses no adapter"):
-        activate_mixed(slot, union, torch.tensor([[1.0, 1.0], [0.0, 0.0]]), mode="separate")
+        slot.write_mixed(union, torch.tensor([[1.0, 1.0], [0.0, 0.0]]), mode="separate")
     with pytest.raises(MergeError, match="mode 'svd' is not supported"):
-        activate_mixed(slot, union, torch.ones(2, 2), mode="svd")
-    with fused_mixed(slot, union, torch.ones(2, 2)):
+        slot.write_mixed(union, torch.ones(2, 2), mode="svd")
+    with slot.mixed(union, torch.ones(2, 2)):
         with pytest.raises(MergeError, match=r"module 'model.layers.0.mlp.\w+_proj': the mixed batch has 2 samples "
                                              r"but the module's input has shape \[3, 4\]"):
             model(torch.zeros(3, 4, dtype=torch.long))

@@ -8,6 +8,7 @@ import pytest
 from fcprag_tools.cli import main
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.training import train_controller, write_labels
+from fcprag_tools.plots import write_training_plots
 from fcprag_tools.synthetic import synthetic_records, table_encoder
 from helpers import SMALL_TRAIN_ARGS as SMALL
 
@@ -72,22 +73,25 @@ def test_training_plots_are_pngs(labelled):
     tmp, cache = labelled
     recs, table = synthetic_records(60, 3, 8, seed=13)
     res = train_controller(recs, tmp / "p", encoder=table_encoder(table, "syn8p"), cache_dir=cache, epochs=2,
-                           plots=True, progress=False, threads=1, controller={"score_hidden": [8], "calib_hidden": 8},
+                           progress=False, threads=1, controller={"score_hidden": [8], "calib_hidden": 8},
                            cv_folds=0)  # two epochs of the network, whatever a verdict would say
+    write_training_plots(res.out / "plots", res.history, res.outputs, res.report_data)
     for name in ("loss.png", "g_tau.png", "entropy.png"):
         data = (res.out / "plots" / name).read_bytes()
         assert data[:8] == PNG and len(data) > 1000
 
 
-def test_missing_matplotlib_is_a_clear_error_before_training(labelled, monkeypatch):
+def test_missing_matplotlib_is_a_clear_error_before_training(labelled, monkeypatch, capsys):
     tmp, cache = labelled
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     recs, table = synthetic_records(20, 3, 8, seed=14)
-    calls = []
-    with pytest.raises(FcpragError, match=r"plots need matplotlib.*pip install 'fcprag-plugin\[plot\]'"):
-        train_controller(recs, tmp / "np", encoder=table_encoder(table, "syn8", calls), cache_dir=cache,
-                         plots=True, progress=False)
-    assert calls == [] and not (tmp / "np").exists()  # failed before any work
+    write_labels(recs, tmp / "np.jsonl")
+    monkeypatch.setattr("fcprag_plugin.training.trainer.train_controller", lambda *a, **k: pytest.fail("trained"))
+    assert main(["train", str(tmp / "np.jsonl"), "--out", str(tmp / "np"), "--encoder", "syn8", "--cache-dir",
+                 str(cache), "--plots", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "plots need matplotlib" in err and "pip install 'fcprag-plugin[plot]'" in err
+    assert not (tmp / "np").exists()  # failed before any work
 
 
 @pytest.mark.integration

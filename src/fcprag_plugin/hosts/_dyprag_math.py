@@ -3,10 +3,9 @@ re-aggregate them with per-passage weights ``u`` (``[N]``, summing to 1).
 
 A translator output is a dict of PEFT-style keys ``...{module}.lora_A.weight`` ``[..., r, in]`` and
 ``...{module}.lora_B.weight`` ``[..., out, r]``; DyPRAG sets ``delta = lora_B @ lora_A`` per module (no scaling).
-``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i`` (DyPRAG's own aggregation, cross terms included);
-``delta``: ``A = cat_i(u_i A_i)``, ``B = cat_i(B_i)`` along rank, so ``B A = sum_i u_i B_i A_i`` exactly. The dict
-handed on has the dtypes, devices and keys of the one DyPRAG built (sums accumulate in float32 / float64).
-"""
+``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i`` (DyPRAG's own aggregation); ``delta``: ``A =
+cat_i(u_i A_i)``, ``B = cat_i(B_i)`` along rank, so ``B A = sum_i u_i B_i A_i`` exactly. The result has the dtypes,
+devices and keys of DyPRAG's dict (sums accumulate in float32 / float64)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..adapter import strip_peft_prefix
-from ..errors import HookError
+from ..errors import HookError, kw
 from ..merge import factors
 
 A_SUFFIX = ".lora_A.weight"
@@ -90,15 +89,16 @@ def _weights_for(u: torch.Tensor | Sequence[float], n: int) -> list[float]:
 
 
 def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
-               hint: str = "use mode 'separate' for other keys") -> dict[str, tuple[str, str]]:
+               hint: str = "use mode 'separate' for other keys", params: Sequence[tuple[str, Any]] = ()
+               ) -> dict[str, tuple[str, str]]:
     """``{module: (A key, B key)}``; every key must be one half of a complete pair (``need`` / ``hint`` word the
-    error)."""
+    error; ``params``: the keywords ``hint`` names, see :class:`~fcprag_plugin.errors.FcpragError`)."""
     mods: dict[str, dict[str, str]] = {}
     for k in keys:
         kind = "A" if k.endswith(A_SUFFIX) else "B" if k.endswith(B_SUFFIX) else None
         if kind is None:
             raise HookError(f"fcprag dyprag: key '{k}' is neither '...{A_SUFFIX}' nor '...{B_SUFFIX}'; "
-                            f"{need} needs LoRA factor pairs ({hint})")
+                            f"{need} needs LoRA factor pairs ({hint})", params=params)
         mods.setdefault(k[: -len(A_SUFFIX)], {})[kind] = k  # both suffixes have the same length
     for mod, d in mods.items():
         if "A" not in d or "B" not in d:
@@ -112,8 +112,8 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
     slot. Leading dimensions of size 1 (``[1, r, in]``) are dropped; a real batch of factors is a
     :class:`HookError` (one slot holds one update per module)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    hint = "run without use_slot=True for other keys"
-    for mod, (ka, kb) in lora_pairs(list(output), need="use_slot", hint=hint).items():
+    hint = f"run without {kw('use_slot', True)} for other keys"
+    for mod, (ka, kb) in lora_pairs(list(output), need="use_slot", hint=hint, params=[("use_slot", True)]).items():
         pair = []
         for key in (ka, kb):
             t = output[key]
@@ -125,7 +125,8 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
             if t.ndim != 2:
                 raise HookError(f"fcprag dyprag: ParameterTranslator output {index}: key '{key}' has shape "
                                 f"{list(t.shape)}; use_slot needs one [r, in] / [out, r] factor pair per module "
-                                "(a batch of factors cannot share one slot): run without use_slot=True")
+                                f"(a batch of factors cannot share one slot): run without {kw('use_slot', True)}",
+                                params=[("use_slot", True)])
             pair.append(t.detach())
         A, B = pair
         if A.shape[0] != B.shape[1]:

@@ -1,9 +1,6 @@
-"""Map PRAG adapter paths back to the question and passages in PRAG's augmented data file.
-
-PRAG saves the adapter of passage ``pid`` of question ``test_id`` of data file ``{group}.json`` at
-``.../{group}/data_{test_id}/passage_{pid}``; ``test_id`` indexes the records of that file (a JSON list of
-objects with ``question`` and ``passages``). JSON Lines files (one record per line) work too.
-"""
+"""Map PRAG adapter paths back to the question and passages in PRAG's augmented data file: the adapter of passage
+``pid`` of record ``test_id`` of ``{group}.json`` (a JSON list, or JSON Lines, of objects with ``question`` and
+``passages``) is saved at ``.../{group}/data_{test_id}/passage_{pid}``."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import HookError
-from ..loading import parse_json_lines, split_lines
+from ..fileio import parse_json_lines, split_lines
 
 _DATA_RE = re.compile(r"^data_(\d+)$")
 _PASSAGE_RE = re.compile(r"^passage_(\d+)$")
@@ -32,15 +29,9 @@ class PragAdapterPath:
 
 def parse_adapter_path(path: str | Path | None) -> PragAdapterPath | None:
     """``PragAdapterPath`` when ``path`` follows PRAG's layout, else None."""
-    if path is None:
-        return None
-    parts = Path(str(path).rstrip("/\\")).parts
-    if len(parts) < 3:
-        return None
-    p, d = _PASSAGE_RE.match(parts[-1]), _DATA_RE.match(parts[-2])
-    if p is None or d is None:
-        return None
-    return PragAdapterPath(str(path), parts[-3], int(d.group(1)), int(p.group(1)))
+    parts = Path(str(path).rstrip("/\\")).parts if path is not None else ()
+    p, d = (_PASSAGE_RE.match(parts[-1]), _DATA_RE.match(parts[-2])) if len(parts) >= 3 else (None, None)
+    return None if p is None or d is None else PragAdapterPath(str(path), parts[-3], int(d.group(1)), int(p.group(1)))
 
 
 def common_test_id(paths: Sequence[PragAdapterPath | None]) -> int | None:
@@ -59,7 +50,6 @@ class PragDataFile:
                             "records with 'question' and 'passages', or the directory holding such files)")
         self._cache: dict[Path, list[Any]] = {}
 
-    # ----------------------------------------------------------------- files
     def file_for(self, group: str, adapter_path: str) -> Path:
         if self.path.is_file():
             if self.path.stem != group:
@@ -73,7 +63,6 @@ class PragDataFile:
                 return cand
         raise HookError(f"adapter {adapter_path}: no data file '{group}.json' or '{group}.jsonl' in {self.path}")
 
-    # ----------------------------------------------------------------- lookup
     def context(self, parsed: Sequence[PragAdapterPath]) -> dict[str, Any]:
         """``{"question", "passages" (one per adapter, in adapter order), "test_id", "data_file"}``."""
         first = parsed[0]

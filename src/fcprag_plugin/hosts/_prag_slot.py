@@ -1,7 +1,6 @@
 """What ``PeftModel.from_pretrained`` returns under PRAG's ``use_slot``: PRAG's adapter verbs over an adapter store
-and a fused slot, no LoRA modules (see ``examples/prag/README.md``). The active adapter's update is written by
-``set_adapter`` or, when it changed otherwise, by a forward pre-hook before the next forward: one write per question.
-"""
+and a fused slot, no LoRA modules. The active adapter's update is written by ``set_adapter`` or, when it changed
+otherwise, by a forward pre-hook before the next forward: one write per question."""
 
 from __future__ import annotations
 
@@ -19,16 +18,12 @@ _REFUSED = frozenset({"save_pretrained", "push_to_hub", "merge_adapter", "unmerg
 
 
 class SlotPeftModel:
-    """A ``PeftModel`` stand-in for PRAG's inference loop whose adapters live in an adapter store and a fused slot.
-
-    PEFT's adapter verbs keep their meaning (the merge is the shim's, with controller weights; ``merge_and_unload``
-    refuses while an adapter is active, since the slot never writes weights); everything else (``generate``,
-    ``config``, ...) is the base model's own. Not a ``PeftModel``: training and saving adapters are refused.
-    """
+    """A ``PeftModel`` stand-in for PRAG's inference loop: PEFT's adapter verbs keep their meaning (the merge is the
+    shim's; ``merge_and_unload`` refuses while an adapter is active), everything else is the base model's own;
+    training and saving adapters are refused."""
 
     def __init__(self, shim: Any, base: Any, model_id: Any, adapter_name: str) -> None:
-        self._shim = shim
-        self._base = base
+        self._shim, self._base = shim, base
         self._adapters: dict[str, PackedAdapter] = {}
         self._paths: dict[str, str] = {}
         # merge name -> (its adapters, the first one's path, w~, mode): a merge keeps its own copy of the recipe, so
@@ -43,7 +38,6 @@ class SlotPeftModel:
         self._active = str(adapter_name)  # active, as after PEFT's from_pretrained; written at the next forward
         self._hook = base.register_forward_pre_hook(lambda module, args: self._sync())
 
-    # ----------------------------------------------------------------- loading
     def load_adapter(self, model_id: Any, adapter_name: str = "default", is_trainable: bool = False,
                      **kwargs: Any) -> None:
         """Read the adapter directory ``model_id`` into the shim's store under ``adapter_name`` (no modules)."""
@@ -58,7 +52,6 @@ class SlotPeftModel:
         self._adapters[name] = self._shim.read_adapter(model_id, self._base)
         self._paths[name] = str(model_id)
 
-    # ----------------------------------------------------------------- merging and switching
     def add_weighted_adapter(self, adapters: Sequence[Any], weights: Sequence[float] | None = None,
                              adapter_name: str = "merge", combination_type: str = "svd", **kwargs: Any) -> None:
         """The shim's controller-weighted merge of ``adapters`` as a new (not yet active) adapter ``adapter_name``."""
@@ -134,7 +127,6 @@ class SlotPeftModel:
         self._merges.clear()
         self._active = None
 
-    # ----------------------------------------------------------------- what PEFT users read
     @property
     def peft_config(self) -> dict[str, Any]:
         """``{adapter name: LoraConfig}`` (a merge: a copy of its first adapter's config, ``r`` = its total rank)."""
@@ -170,7 +162,6 @@ class SlotPeftModel:
     def model(self) -> Any:
         return self._base
 
-    # ----------------------------------------------------------------- the base model's own behaviour
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._base(*args, **kwargs)
 
@@ -202,7 +193,6 @@ class SlotPeftModel:
         return (f"SlotPeftModel(adapters={self._names()}, active={self._active!r}, "
                 f"base={type(self._base).__name__})")
 
-    # ----------------------------------------------------------------- the slot
     def _names(self) -> list[str]:
         return [*self._adapters, *self._merges]
 

@@ -1,26 +1,24 @@
-"""What the host shims share: reversible patches, the query context, the weights and the log, the fused slots
-of ``use_slot``, the install lifecycle and the script launcher (``prag.py`` / ``dyprag.py`` add their patches)."""
+"""What the host shims share: reversible patches, the weights and the log, the fused slots of ``use_slot`` and
+the install lifecycle (``prag.py`` / ``dyprag.py`` add their patches; which question a merge is for:
+:mod:`.context`; running a host's script: ``fcprag_tools.launch``)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import runpy
-import sys
-import threading
 import weakref
 from pathlib import Path
-from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from torch import nn
 
-from ..controller import FusionController, load_controller
-from ..errors import HookError
+from ..controller import FusionController, load_controller, query_weights
+from ..errors import BARE, HookError, kw
+from ..fusion import check_texts, switch_on
 from ..slot.layout import FactorGetter, PackedAdapter, pack_factors
 from ..slot.fused import FusedSlot
-from ..loading import finite_or_none
+from ..fileio import finite_or_none
 from ..weights import FusionWeights, is_uniform, side_inputs
 
 logger = logging.getLogger(__name__)
@@ -28,7 +26,6 @@ logger = logging.getLogger(__name__)
 _MISSING = object()
 
 
-# ----------------------------------------------------------------------------- patches
 class PatchSet:
     """A named group of attribute patches. ``apply`` is idempotent; ``revert`` restores the originals exactly."""
 
@@ -58,66 +55,6 @@ class PatchSet:
         self._patches.clear()
 
 
-# ----------------------------------------------------------------------------- query context
-_ctx = threading.local()
-
-
-def set_context(question: str, passages: Sequence[str], **extra: Any) -> None:
-    """Tell the shims which question and passages the next merge is for (the most reliable source)."""
-    _ctx.value = {"question": question, "passages": list(passages), **extra}
-
-
-def clear_context() -> None:
-    _ctx.value = None
-
-
-def explicit_context() -> dict[str, Any] | None:
-    return getattr(_ctx, "value", None)
-
-
-def find_in_callers(names: Iterable[str], frame: FrameType | None = None,
-                    max_depth: int = 30) -> dict[str, Any] | None:
-    """The nearest caller frame whose locals hold all ``names`` (e.g. ``question`` and ``passages``)."""
-    names = list(names)
-    f = frame or sys._getframe(1)
-    for _ in range(max_depth):
-        if f is None:
-            return None
-        if all(n in f.f_locals for n in names):
-            return {n: f.f_locals[n] for n in names}
-        f = f.f_back
-    return None
-
-
-def caller_test_id(ctx: dict[str, Any]) -> int | str | None:
-    """The host's question index: ``set_context(..., test_id=...)``, else a ``test_id`` local of a calling function
-    (PRAG's and DyPRAG's loops both have one), else None."""
-    tid = ctx.get("test_id")
-    if tid is None:
-        found = find_in_callers(("test_id",), sys._getframe(1))
-        tid = found["test_id"] if found else None
-    return tid if isinstance(tid, (int, str)) and not isinstance(tid, bool) else None
-
-
-def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, what: str = "merge"
-                ) -> dict[str, Any]:
-    """Resolve ``{"question", "passages", "source", ...}``: explicit, else callers' locals, else ``fallback``."""
-    ctx = explicit_context()
-    if ctx is not None:
-        return {**ctx, "source": "set_context"}
-    loc = find_in_callers(("question", "passages"), sys._getframe(1))
-    if loc is not None and isinstance(loc["question"], str) and isinstance(loc["passages"], (list, tuple)):
-        return {"question": loc["question"], "passages": list(loc["passages"]), "source": "caller_locals"}
-    fb = fallback() if fallback is not None else None
-    if fb is not None:
-        return {**fb, "source": fb.get("source", "fallback")}
-    raise HookError(f"fcprag: cannot tell which question and passages this {what} is for: call "
-                    "fcprag_plugin.hosts.set_context(question, passages) before it, keep local variables named "
-                    "'question' and 'passages' in the calling function, or give the shim a data file to map adapter "
-                    "paths")
-
-
-# ----------------------------------------------------------------------------- the weights
 class WeightProvider:
     """Controller + encoder -> the merge weights of one question (:meth:`weights`).
 
@@ -148,77 +85,22 @@ class WeightProvider:
         return "adapter_stats" in side_inputs(self.controller)
 
     def weights(self, question: str, passages: Sequence[str], adapters: Any = None) -> FusionWeights:
-        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question.
-
-        Side features: the hosts hand over their passages in retrieval order, so ``retrieval_rank`` is the
-        position (1..N); ``adapter_stats`` come from ``adapters`` (LoraAdapters, read only when
-        :attr:`needs_adapters`); the hosts keep no retrieval scores, so a controller trained with
-        ``retrieval_score`` takes it as equal for every passage (logged once by ``predict``).
-        """
-        from ..fusion import check_texts
-
+        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question. ``retrieval_rank`` is the position
+        (hosts pass passages in retrieval order); ``adapter_stats`` come from ``adapters`` (read only when
+        :attr:`needs_adapters`); hosts keep no retrieval scores (``predict`` takes them as equal)."""
         check_texts(question, passages)
         side = side_inputs(self.controller, adapters=adapters,
                            retrieval_ranks=[float(i + 1) for i in range(len(passages))])
-        return FusionWeights.for_query(question, passages, self.controller, self.encoder, side)
+        return query_weights(self.controller, question, passages, self.encoder, side)
 
 
-class MergeHook(WeightProvider):
-    """Deprecated name of :class:`WeightProvider` (``mode`` and ``log`` now belong to the shim)."""
-
-    def __init__(self, controller: Any = None, encoder: Any = None, mode: str = "cat", log: Any = None) -> None:
-        import warnings
-
-        warnings.warn("MergeHook is now WeightProvider", DeprecationWarning, stacklevel=2)
-        super().__init__(controller, encoder)
-
-
-def append_log_line(path: Path | None, record: dict[str, Any]) -> None:
-    """Append ``record`` to the JSON Lines file ``path`` in one write (no torn lines); None: no log."""
-    if path is None:
-        return
-    line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-
-
-# ----------------------------------------------------------------------------- launcher
-def run_script(script: str | Path, argv: Sequence[str] = (), *, extra_paths: Sequence[str | Path] = ()) -> dict:
-    """Run ``script`` as ``__main__`` like ``python script ARGS``: its directory first on sys.path, sys.argv set.
-
-    Patches must be installed before this call (hosts bind names at import time).
-    """
-    script = Path(script)
-    if not script.is_file():
-        raise HookError(f"{script}: script not found")
-    old_argv, old_path = sys.argv[:], sys.path[:]
-    sys.argv = [str(script), *argv]
-    sys.path[:0] = [str(script.parent.resolve()), *[str(Path(p).resolve()) for p in extra_paths]]
-    try:
-        return runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv, sys.path[:] = old_argv, old_path
-
-
-def run_host_script(script: str | Path, argv: Sequence[str] = ()) -> int:
-    """:func:`run_script`, returning the exit status ``python script ARGS`` would have (``sys.exit`` is caught)."""
-    try:
-        run_script(script, argv)
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return int(e.code or 0)
-        sys.stderr.write(f"{e.code}\n")  # what python prints for sys.exit("message")
-        return 1
-    return 0
-
-
-# ----------------------------------------------------------------------------- use_slot: one fused slot per model
 def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | None:
     """Validate the ``max_adapters`` option (``None``: the slot grows with the largest question)."""
     if max_adapters is None:
         return None
     if not use_slot:
-        raise HookError(f"{who}: max_adapters= only applies with use_slot=True")
+        raise HookError(f"{who}: {kw('max_adapters')} only applies with {kw('use_slot', True)}",
+                        params=[("max_adapters", BARE), ("use_slot", True)])
     if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
         raise HookError(f"{who}: max_adapters must be a positive integer (the most passages one question may have), "
                         f"got {max_adapters!r}")
@@ -226,12 +108,9 @@ def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | Non
 
 
 class ShimSlots:
-    """The models whose slot one shim used (held weakly), so :meth:`close` can remove those slots. The slot itself
-    belongs to the model (:meth:`FusedSlot.for_model`, its one owner).
-
-    ``max_adapters``: fixed slot capacity K (more adapters is a :class:`HookError`); ``None`` sizes the slot for
-    the first question and grows it (logged) when a later question has more adapters or a larger rank.
-    """
+    """The models whose slot (owned by the model, :meth:`FusedSlot.for_model`) one shim used, held weakly so
+    :meth:`close` can remove them. ``max_adapters``: fixed capacity K (more is a :class:`HookError`); ``None`` sizes
+    the slot for the first question and grows it when a later one needs more adapters or rank."""
 
     def __init__(self, max_adapters: int | None, who: str) -> None:
         self.max_adapters = max_adapters
@@ -244,8 +123,9 @@ class ShimSlots:
         adapters of rank ``rank``."""
         if self.max_adapters is not None and n > self.max_adapters:
             raise HookError(f"{self.who}: this question merges {n} adapters but the fused slot holds "
-                            f"max_adapters={self.max_adapters}; raise max_adapters= or leave it "
-                            "unset so the slot grows with the largest question")
+                            f"{kw('max_adapters', self.max_adapters)}; raise {kw('max_adapters')} or leave it "
+                            "unset so the slot grows with the largest question",
+                            params=[("max_adapters", self.max_adapters), ("max_adapters", BARE)])
         before = FusedSlot.of(model)
         size = None if before is None else (before.max_adapters, before.max_rank)
         slot = FusedSlot.for_model(model, targets, max_adapters=self.max_adapters or n, max_rank=rank)
@@ -258,18 +138,18 @@ class ShimSlots:
         return slot
 
     def write(self, model: nn.Module, modules: Sequence[str], rank: int, factors: Sequence[FactorGetter],
-              sources: Sequence[str], weights: Sequence[float], mode: str) -> FusedSlot:
+              sources: Sequence[str], merge_weights: Sequence[float], mode: str) -> FusedSlot:
         """Pack each adapter's factors (``factors[i](module) -> (A, B, s)``, named ``sources[i]`` in errors) into
-        the slot of ``model`` and write their ``mode`` merge with ``weights`` (switched on)."""
+        the slot of ``model`` and write their ``mode`` merge with ``merge_weights`` (``w~``, switched on)."""
         slot = self.get(model, list(modules), len(factors), rank)
         packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
-        return slot.write(packed, weights, mode)
+        return switch_on(model, packed, merge_weights, mode, max_adapters=slot.max_adapters)
 
-    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], weights: Sequence[float],
+    def write_packed(self, model: nn.Module, packed: Sequence[PackedAdapter], merge_weights: Sequence[float],
                      mode: str) -> FusedSlot:
         """Write the ``mode`` merge of already packed adapters into the slot of ``model`` (switched on)."""
         slot = self.get(model, packed[0], len(packed), max(p.max_rank for p in packed))
-        return slot.write(list(packed), weights, mode)
+        return switch_on(model, packed, merge_weights, mode, max_adapters=slot.max_adapters)
 
     def slot_of(self, model: nn.Module) -> FusedSlot | None:
         return FusedSlot.of(model) if model in self._models else None
@@ -286,7 +166,6 @@ class ShimSlots:
         self._models = weakref.WeakSet()
 
 
-# ----------------------------------------------------------------------------- the shim lifecycle
 class Shim:
     """What every host shim holds: the :class:`WeightProvider` (``weigher``), the merge ``mode``, the fused slots
     of ``use_slot`` (``slots``), its patches, and the per-question JSON Lines log (``log_path``; ``merges`` counts
@@ -298,8 +177,7 @@ class Shim:
 
     def __init__(self, weigher: WeightProvider, mode: str, *, log: str | Path | None = None, use_slot: bool = False,
                  max_adapters: int | None = None) -> None:
-        self.weigher = weigher
-        self.mode = mode
+        self.weigher, self.mode = weigher, mode
         self.log_path = Path(log) if log is not None else None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -345,16 +223,20 @@ class Shim:
             logger.warning(msg, *args)
 
     def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Count the question and write its record (strict JSON: NaN / inf become null) to the log."""
+        """Count the question and append its record (strict JSON: NaN / inf become null) to the log in one write."""
         record = finite_or_none(record)
         self.merges += 1
         self.last_record = record
-        append_log_line(self.log_path, record)
+        if self.log_path is not None:
+            line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist")
+                              else str(o))
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
         return record
 
 
 class Lifecycle:
-    """install / uninstall / installed / launch of one host's shims: at most one is installed at a time."""
+    """install / uninstall / installed of one host's shims: at most one is installed at a time."""
 
     def __init__(self, who: str) -> None:
         self.who = who
@@ -389,12 +271,3 @@ class Lifecycle:
             self.uninstall()
             if previous is not None:
                 self.install(previous)
-
-    def launch(self, script: str | Path, script_args: Sequence[str], shim: Shim) -> int:
-        """Run the unmodified host ``script`` as ``__main__`` with ``shim`` installed; returns its exit status."""
-        with self.installed(shim):
-            code = run_host_script(script, list(script_args))
-            ctrl = shim.weigher.controller
-            logger.info("%s: merged %d question(s) with %s weights", self.who, shim.merges,
-                        "uniform" if is_uniform(ctrl) else ctrl.config.controller_mode)
-        return code

@@ -1,13 +1,10 @@
 """DyPRAG shim: DyPRAG's per-question average of translator-generated LoRA factors becomes a controller-weighted
 aggregation (``u = w~/N``, :mod:`._dyprag_math`), without changing DyPRAG's code.
 
-Captures every ``ParameterTranslator.forward`` output (class-level patch, in call order) and wraps
-``utils.delta_inject``: the capture must be the N passages whose plain mean DyPRAG passes (else :class:`HookError`);
-it is emptied at every ``delta_inject`` and on every error. ``use_slot=True`` writes the update into a
-:class:`~fcprag_plugin.slot.FusedSlot` instead (no dense ``delta``; the patched ``delta_remove`` switches it off).
-Use: ``fcprag run dyprag --controller DIR -- src/inference_dyprag.py ARGS...`` or :func:`install` before
-``from utils import ...``. See ``examples/dyprag/README.md``.
-"""
+Captures every ``ParameterTranslator.forward`` output (class-level patch) and wraps ``utils.delta_inject``: the
+capture must be the N passages whose plain mean DyPRAG passes (else :class:`HookError`); it is emptied at every
+``delta_inject`` and on every error. ``use_slot=True`` writes the update into a fused slot instead (the patched
+``delta_remove`` switches it off). Install before ``from utils import ...``; see ``examples/dyprag/README.md``."""
 
 from __future__ import annotations
 
@@ -19,15 +16,15 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, ContextManager, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping
 
 from ..adapter import LoraAdapter, LoraModule
 from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
-from .base import (Lifecycle, Shim, WeightProvider, caller_test_id, check_max_adapters, clear_context, find_in_callers,
-                   get_context)
-from .base import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
+from .base import Lifecycle, Shim, WeightProvider, check_max_adapters
+from .context import caller_test_id, clear_context, find_in_callers, get_context
+from .context import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +51,6 @@ class DyPragShim(Shim):
         self._captured: list[Any] = []
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ capture
     @property
     def captured(self) -> list[Any]:
         """A copy of the translator outputs captured since the last ``delta_inject``."""
@@ -80,7 +76,6 @@ class DyPragShim(Shim):
             outs, self._captured = self._captured, []
         return outs
 
-    # ------------------------------------------------------------------ the merge
     def reaggregate(self, merged: Mapping[str, Any]) -> dict[str, Any]:
         """Check the captured outputs against DyPRAG's ``merged`` and return the weighted dict (same keys).
         Consumes the capture buffer (also when it raises)."""
@@ -123,15 +118,11 @@ class DyPragShim(Shim):
     def _record(self, merged: Mapping[str, Any], ctx: dict[str, Any], fw: FusionWeights, u: list[float],
                 times: tuple[float, float], slot: str | None = None) -> None:
         (t0, t1), t2 = times, time.perf_counter()
-        record = {
+        self.log_record({
             "shim": "dyprag", "call": self.merges + 1, "test_id": caller_test_id(ctx), "question": ctx["question"],
-            "n": len(u), "mode": self.mode,
-            **fw.to_json(), "u": u, "context_source": ctx["source"], "keys": len(merged),
-            "use_slot": self.use_slot, "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
-        }
-        if slot is not None:
-            record["slot"] = slot
-        self.log_record(record)
+            "n": len(u), "mode": self.mode, **fw.to_json(), "u": u, "context_source": ctx["source"],
+            "keys": len(merged), "use_slot": self.use_slot, "weights_time_s": t1 - t0, "merge_time_s": t2 - t1,
+            **({"slot": slot} if slot is not None else {})})
         logger.debug("dyprag merge: N=%d mode=%s w~=%s (%.1f ms)", len(u), self.mode, fw.merge_weights,
                      (t2 - t1) * 1e3)
 
@@ -156,7 +147,6 @@ class DyPragShim(Shim):
             clear_context()  # one question per set_context: a stale context must not weight the next question
         return ctx
 
-    # ------------------------------------------------------------------ patching
     def apply(self) -> None:
         cls = getattr(self.projector, TRANSLATOR_CLASS)
         originals = {"delta_inject": self.utils.delta_inject}
@@ -230,15 +220,19 @@ def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:
     return LoraAdapter(mods, {}, f"ParameterTranslator output {index}")
 
 
-def _resolve_module(mod: ModuleType | str, what: str) -> ModuleType:
-    if isinstance(mod, ModuleType):
-        return mod
-    try:
-        return importlib.import_module(mod)
-    except ImportError as e:
-        raise HookError(
-            f"fcprag dyprag: cannot import DyPRAG's '{mod}' module ({what}): {e}. Run from DyPRAG's src/ "
-            f"directory, put it on sys.path, or use `fcprag run dyprag -- src/inference_dyprag.py ...`") from e
+def host_modules(utils: ModuleType | str | None = None,
+                 projector: ModuleType | str | None = None) -> tuple[ModuleType, ModuleType]:
+    """DyPRAG's ``utils`` and ``projector`` modules: given ones as they are, names (default ``utils`` /
+    ``projector``) imported."""
+    mods = []
+    for mod, what in ((utils or UTILS_MODULE, "delta_inject"), (projector or PROJECTOR_MODULE, TRANSLATOR_CLASS)):
+        try:
+            mods.append(mod if isinstance(mod, ModuleType) else importlib.import_module(mod))
+        except ImportError as e:
+            raise HookError(
+                f"fcprag dyprag: cannot import DyPRAG's '{mod}' module ({what}): {e}. Run from DyPRAG's src/ "
+                f"directory, put it on sys.path, or use `fcprag run dyprag -- src/inference_dyprag.py ...`") from e
+    return mods[0], mods[1]
 
 
 def _check_host(utils: ModuleType, projector: ModuleType) -> None:
@@ -254,22 +248,14 @@ def _check_host(utils: ModuleType, projector: ModuleType) -> None:
 def install(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
             utils: ModuleType | str | None = None, projector: ModuleType | str | None = None,
             use_slot: bool = False, max_adapters: int | None = None) -> DyPragShim:
-    """Patch DyPRAG's ``utils.delta_inject`` and ``projector.ParameterTranslator.forward``.
+    """Patch DyPRAG's ``utils.delta_inject`` and ``projector.ParameterTranslator.forward`` (before the script runs
+    ``from utils import delta_inject``; installing again replaces the shim). Returns the shim (a context manager).
 
-    Args:
-        controller: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (uniform:
-            DyPRAG's own average in ``separate`` mode).
-        encoder: a :class:`~fcprag_plugin.encoding.TextEncoder` or model name/path (default: the controller's).
-        mode: ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i B_i``) or ``delta`` (exact ``sum u_i B_i A_i``).
-        log: JSON Lines file, one record per question.
-        utils, projector: the host modules (or their import names); default: import ``utils`` / ``projector``.
-        use_slot: write each question's update into a :class:`~fcprag_plugin.slot.FusedSlot` instead of DyPRAG's
-            dense per-module ``delta``.
-        max_adapters: with ``use_slot``, a fixed slot capacity (:class:`~fcprag_plugin.hosts.base.ShimSlots`).
-
-    Install before the script runs ``from utils import delta_inject`` (the launcher does); installing again
-    replaces the previous shim. Returns the shim (also a context manager that uninstalls).
-    """
+    ``controller``: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (uniform:
+    DyPRAG's own average); ``encoder``: a text encoder or model name/path (default: the controller's); ``mode``:
+    ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i B_i``) or ``delta`` (exact ``sum u_i B_i A_i``); ``log``:
+    JSON Lines, one record per question; ``utils``, ``projector``: the host modules or import names; ``use_slot``:
+    a fused slot instead of DyPRAG's dense ``delta``; ``max_adapters``: its fixed capacity (``None``: grows)."""
     return _LIFE.install(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
 
 
@@ -278,8 +264,7 @@ def _make(controller: Any, encoder: Any, mode: str, log: str | Path | None, util
     if mode not in MODES:
         raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
     check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
-    utils_mod = _resolve_module(utils or UTILS_MODULE, "delta_inject")
-    projector_mod = _resolve_module(projector or PROJECTOR_MODULE, TRANSLATOR_CLASS)
+    utils_mod, projector_mod = host_modules(utils, projector)
     _check_host(utils_mod, projector_mod)
     weigher = WeightProvider(controller, encoder)
     _ = weigher.encoder  # load it and check its dimension now, before the host script runs
@@ -304,41 +289,5 @@ def current() -> DyPragShim | None:
     return _LIFE.current  # type: ignore[return-value]
 
 
-def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
-           mode: str | None = None, log: str | Path | None = None, use_slot: bool | None = None,
-           slot_max_adapters: int | None = None, **options: Any) -> int:
-    """``fcprag run dyprag``: run DyPRAG's unmodified ``script`` as ``__main__`` with the shim installed; returns
-    its exit status. The script's own ``utils`` and ``projector`` are imported fresh (its directory first on
-    sys.path) and patched; sys.path and those sys.modules entries are restored afterwards.
-    """
-    if options:
-        raise HookError(f"fcprag run dyprag: option(s) {sorted(options)} do not apply to DyPRAG "
-                        f"(data_file= is for prag); use controller=, encoder=, mode=, log=, use_slot=, "
-                        f"slot_max_adapters=")
-    check_max_adapters(slot_max_adapters, bool(use_slot), "fcprag run dyprag")
-    script = Path(script)
-    if not script.is_file():
-        raise HookError(f"fcprag run dyprag: {script}: script not found (expected DyPRAG's src/inference_dyprag.py)")
-    src = script.resolve().parent
-    names = (UTILS_MODULE, PROJECTOR_MODULE)
-    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}  # another directory's 'utils' must not win
-    old_path = sys.path[:]
-    sys.path.insert(0, str(src))
-    try:
-        utils_mod = _resolve_module(UTILS_MODULE, "delta_inject")
-        projector_mod = _resolve_module(PROJECTOR_MODULE, TRANSLATOR_CLASS)
-        for m in (utils_mod, projector_mod):
-            f = getattr(m, "__file__", None)
-            if f is None or Path(f).resolve().parent != src:
-                raise HookError(f"fcprag run dyprag: '{m.__name__}' was imported from {f}, not from {src}")
-        return _LIFE.launch(script, script_args, _make(controller, encoder, mode or "separate", log, utils_mod,
-                                                       projector_mod, bool(use_slot), slot_max_adapters))
-    finally:
-        sys.path[:] = old_path
-        for n in names:
-            sys.modules.pop(n, None)
-        sys.modules.update(saved)
-
-
-__all__ = ["DyPragShim", "install", "uninstall", "installed", "is_installed", "current", "launch", "set_context",
+__all__ = ["DyPragShim", "install", "uninstall", "installed", "is_installed", "current", "host_modules", "set_context",
            "clear_context", "MODES"]

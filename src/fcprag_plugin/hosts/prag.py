@@ -1,11 +1,9 @@
 """PRAG shim: PRAG's uniform ``add_weighted_adapter`` merge gets controller weights; PRAG's code stays as it is.
 
-``prag.install(controller=DIR, log=...)`` before PRAG's question loop, or ``fcprag run prag --controller DIR --
-src/inference.py ARGS...``. Patches peft at class level (reversible, idempotent): ``add_weighted_adapter`` (checks,
-context, ``w~``, log), ``PeftModel.from_pretrained`` / ``load_adapter`` (remember adapter paths) and, on peft <
-0.19, ``unload`` / ``merge_and_unload`` (clear the stale ``peft_config``). ``use_slot=True``: ``from_pretrained``
-returns a :class:`~fcprag_plugin.hosts._prag_slot.SlotPeftModel`. See ``examples/prag/README.md``.
-"""
+``prag.install(controller=DIR, log=...)`` before PRAG's question loop patches peft at class level (reversible,
+idempotent): ``add_weighted_adapter`` (checks, context, ``w~``, log), ``PeftModel.from_pretrained`` /
+``load_adapter`` (remember adapter paths) and, on peft < 0.19, ``unload`` / ``merge_and_unload`` (clear the stale
+``peft_config``). ``use_slot=True``: ``from_pretrained`` returns a ``SlotPeftModel``. See ``examples/prag/``."""
 
 from __future__ import annotations
 
@@ -24,26 +22,26 @@ from ..compat import (clear_stale_peft_config, has_stale_peft_config, live_lora_
                       peft_has_stale_config_bug, peft_version)
 from ..adapter import LoraAdapter
 from ..controller import FusionController
-from ..errors import HookError
+from ..errors import HookError, kw
 from ..slot import AdapterStore
 from ..slot.fused import SLOT_MODES
 from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
 from ..weights import FusionWeights
-from .base import Lifecycle, Shim, WeightProvider, caller_test_id, clear_context, get_context
-from .base import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
+from .base import Lifecycle, Shim, WeightProvider
+from .context import caller_test_id, clear_context, get_context
+from .context import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PragShim", "install", "uninstall", "installed", "is_installed", "launch", "set_context", "clear_context"]
+__all__ = ["PragShim", "install", "uninstall", "installed", "is_installed", "set_context", "clear_context"]
 
 _LIFE = Lifecycle("fcprag prag")
 # adapter name -> path, per live LoraModel (weak: PRAG builds a new one per question)
 _paths: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
 
 
-# ----------------------------------------------------------------------------- the handle
 class PragShim(Shim):
     """An installed PRAG shim (see :class:`~fcprag_plugin.hosts.base.Shim`) with its data-file mapping; a context
     manager, or call :meth:`uninstall`."""
@@ -57,7 +55,8 @@ class PragShim(Shim):
         get_merge_mode(mode)  # a typo fails now, not at the first question
         if use_slot and mode not in SLOT_MODES:
             raise HookError(f"fcprag prag: use_slot supports modes {list(SLOT_MODES)}, not '{mode}' (an SVD merge "
-                            "needs the materialised adapter): run without use_slot=True")
+                            f"needs the materialised adapter): run without {kw('use_slot', True)}",
+                            params=[("use_slot", True)])
         super().__init__(WeightProvider(controller, encoder), mode, log=log, use_slot=use_slot,
                          max_adapters=max_adapters)
         self._slot_models: "weakref.WeakKeyDictionary[Any, SlotPeftModel]" = weakref.WeakKeyDictionary()
@@ -85,7 +84,6 @@ class PragShim(Shim):
         self._stores.clear()
         super().close()
 
-    # ----------------------------------------------------------------- the merge
     def merge(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
         """``LoraModel.add_weighted_adapter`` (its arguments in ``bound``) with controller weights: take the adapters
         PRAG loaded, compute the question's ``w~``, write the merge, log the question."""
@@ -162,7 +160,6 @@ class PragShim(Shim):
         ctx["test_id"] = caller_test_id(ctx)
         return ctx
 
-    # ----------------------------------------------------------------- use_slot
     def slot_model(self, base: Any, model_id: Any, adapter_name: Any) -> SlotPeftModel:
         """``PeftModel.from_pretrained(base, model_id, adapter_name)`` under ``use_slot``: a :class:`SlotPeftModel`
         with adapter ``adapter_name`` loaded and active (the previous question's one on ``base`` is closed)."""
@@ -184,7 +181,6 @@ class PragShim(Shim):
             store = self._stores[device] = AdapterStore(device=device)
         return store.get(model_id)
 
-    # ----------------------------------------------------------------- stale peft_config repair
     def repair_stale_config(self, model: Any, where: str) -> None:
         if self.repair and peft_has_stale_config_bug() and has_stale_peft_config(model):
             if clear_stale_peft_config(model):
@@ -210,12 +206,9 @@ def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[Prag
     return passages
 
 
-# ----------------------------------------------------------------------------- checks and merges on the live model
 def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None]) -> None:
-    """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` somewhere.
-
-    A failure names the adapter and the path it was loaded from.
-    """
+    """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` somewhere (a failure
+    names the adapter and its path)."""
     hint = ("; peft %s < 0.19 leaves a stale peft_config after unload(), so load_adapter() creates no layers: "
             "install the shim before the first question" % peft_version()) if peft_has_stale_config_bug() else ""
     configured = set(getattr(tuner, "peft_config", {}) or {})
@@ -255,7 +248,6 @@ def add_merged_adapter(tuner: Any, name: str, merged: LoraAdapter, like: str) ->
             b.zero_()[:, : m.rank].copy_(m.B)
 
 
-# ----------------------------------------------------------------------------- patch factories
 def _bind(sig: inspect.Signature, *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
     """The call's arguments (defaults applied) while a shim is installed; else, or for a bad call, None."""
     if _LIFE.current is None:
@@ -331,23 +323,17 @@ def _wrap_unload(original: Callable[..., Any]) -> Callable[..., Any]:
     return unload
 
 
-# ----------------------------------------------------------------------------- public API
 def install(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
             log: str | Path | None = None, data_file: str | Path | None = None, *, repair: bool = True,
             use_slot: bool = False, max_adapters: int | None = None) -> PragShim:
     """Install the PRAG shim (idempotent: installing again keeps one set of patches and the new options).
 
-    Args:
-        controller: a :class:`FusionController` or its directory; None = uniform (PRAG's own merge).
-        encoder: a :class:`TextEncoder` or a model name/path; default: the controller's embedding model.
-        mode: ``cat`` (exact, peft's own cat with ``w~``), ``separate`` or ``svd``.
-        log: JSON Lines file, one record per merged question.
-        data_file: PRAG's augmented data file (or its directory), to map adapter paths back to questions when
-            neither :func:`set_context` nor the caller's locals give them.
-        repair: clear the stale ``peft_config`` after ``unload()`` on peft < 0.19 (False reproduces the bug).
-        use_slot: merge into a :class:`~fcprag_plugin.slot.FusedSlot` instead of building merged PEFT modules.
-        max_adapters: with ``use_slot``, a fixed slot capacity (:class:`~fcprag_plugin.hosts.base.ShimSlots`).
-    """
+    ``controller``: a :class:`FusionController` or its directory (None: uniform, PRAG's own merge); ``encoder``: a
+    text encoder or model name/path (default: the controller's); ``mode``: ``cat`` (exact, peft's own cat with
+    ``w~``), ``separate`` or ``svd``; ``log``: JSON Lines, one record per question; ``data_file``: PRAG's augmented
+    data file or directory, to map adapter paths to questions; ``repair``: clear the stale ``peft_config`` after
+    ``unload()`` on peft < 0.19; ``use_slot``: merge into a fused slot, no merged PEFT modules; ``max_adapters``:
+    the slot's fixed capacity (``None``: grows)."""
     return _LIFE.install(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
 
@@ -360,12 +346,3 @@ def installed(controller: FusionController | str | Path | None = None, encoder: 
               use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[PragShim]:
     """``with prag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
     return _LIFE.installed(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
-
-
-def launch(script: str | Path, script_args: Sequence[str] = (), *, controller: Any = None, encoder: Any = None,
-           mode: str | None = None, log: str | Path | None = None, data_file: str | Path | None = None,
-           use_slot: bool | None = None, slot_max_adapters: int | None = None) -> int:
-    """Run PRAG's unmodified ``script`` as ``__main__`` with the shim installed (:func:`install`'s options;
-    ``slot_max_adapters`` is ``max_adapters``) and removed afterwards; returns the script's exit status."""
-    return _LIFE.launch(script, script_args, PragShim(controller, encoder, mode or "cat", log, data_file,
-                                                      use_slot=bool(use_slot), max_adapters=slot_max_adapters))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .._deprecated import renamed_attribute
 from ..adapter import LoraAdapter
 from ..errors import MergeError
 from ..weights import check_weights
@@ -23,8 +22,6 @@ class MergeResult:
     merge_weights: tuple[float, ...]
     mode: str
     info: dict[str, Any] = field(default_factory=dict)
-
-    weights = renamed_attribute("MergeResult.weights", "merge_weights")
 
 
 def register_merge_mode(name: str) -> Callable[[MergeFn], MergeFn]:
@@ -53,8 +50,7 @@ def check_compatible(adapters: Sequence[LoraAdapter]) -> list[str]:
     names = ref.target_modules
     for i, ad in enumerate(adapters[1:], start=1):
         if set(ad.modules) != set(ref.modules):
-            missing = sorted(set(ref.modules) - set(ad.modules))
-            extra = sorted(set(ad.modules) - set(ref.modules))
+            missing, extra = sorted(set(ref.modules) - set(ad.modules)), sorted(set(ad.modules) - set(ref.modules))
             raise MergeError(f"adapter {i} ({ad.source}) and adapter 0 ({ref.source}) target different modules: "
                              f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
                              f"extra {extra[:3]}{'...' if len(extra) > 3 else ''}")
@@ -67,34 +63,27 @@ def check_compatible(adapters: Sequence[LoraAdapter]) -> list[str]:
     return names
 
 
-def merge_adapters(adapters: Sequence[LoraAdapter], weights: Any, mode: str = "cat", **options: Any) -> MergeResult:
+def merge_adapters(adapters: Sequence[LoraAdapter], merge_weights: Any, mode: str = "cat", **options: Any
+                   ) -> MergeResult:
     """Merge ``adapters`` with merge weights ``w~`` (length N) using ``mode``; see the package docstring."""
     fn = get_merge_mode(mode)
     adapters = list(adapters)
-    w = check_weights(weights, len(adapters))
+    w = check_weights(merge_weights, len(adapters))
     check_compatible(adapters)
     return fn(adapters, w, **options)
 
 
 class WeightedAdapterMerger:
-    """Merge N adapters with weights ``w~`` (length N). ``mode`` is a registered merge mode.
-
-    >>> merger = WeightedAdapterMerger("cat")
-    >>> result = merger.merge([a0, a1, a2], [1.12, 0.89, 0.99])   # doctest: +SKIP
-    >>> result.adapter.save_pretrained("merged")                   # doctest: +SKIP
-    """
+    """Merge N adapters with weights ``w~`` (length N) in registered merge ``mode``:
+    ``WeightedAdapterMerger("cat").merge([a0, a1, a2], [1.12, 0.89, 0.99]).adapter``."""
 
     def __init__(self, mode: str = "cat", **options: Any) -> None:
         get_merge_mode(mode)  # fail early on a typo
-        self.mode = mode
-        self.options = options
+        self.mode, self.options = mode, options
 
-    def merge(self, adapters: Sequence[LoraAdapter], weights: Any | None = None) -> MergeResult:
-        """``weights=None`` means uniform ``[1]*N`` (PRAG's merge)."""
-        adapters = list(adapters)
-        if weights is None:
-            weights = [1.0] * len(adapters)
-        return merge_adapters(adapters, weights, self.mode, **self.options)
+    def merge(self, adapters: Sequence[LoraAdapter], merge_weights: Any | None = None) -> MergeResult:
+        """``merge_weights=None`` means uniform ``[1]*N`` (PRAG's merge)."""
+        return merge_adapters(adapters, merge_weights, self.mode, **self.options)
 
     def __repr__(self) -> str:
         return f"WeightedAdapterMerger(mode={self.mode!r}, options={self.options})"

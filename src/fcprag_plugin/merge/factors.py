@@ -1,11 +1,7 @@
-"""The merge math, once: pure functions over lists of LoRA factors, used by the merge modes, the fused slot's
-buffer writes and the DyPRAG shim's aggregation.
-
-Factors are rank-major: ``A_i [..., r_i, in]`` and ``B_i [..., out, r_i]`` (leading batch dimensions allowed); the
-in-place writers take ``B^T`` rows ``[..., r_i, out]`` so one adapter's rank rows are contiguous in both buffers.
-Rounding contract: a scaled factor is computed in float32 (float64 for float64 inputs) and rounded once to the
-destination dtype; sums are accumulated in that precision in adapter order and rounded once at the end.
-"""
+"""The merge math, once (merge modes, fused slot writes, DyPRAG aggregation): pure functions over LoRA factors
+``A_i [..., r_i, in]``, ``B_i [..., out, r_i]`` (in-place writers take ``B^T`` rows ``[..., r_i, out]``). A scaled
+factor is computed in float32 (float64 for float64 inputs) and rounded once to the destination dtype; sums
+accumulate in that precision in adapter order and are rounded once."""
 
 from __future__ import annotations
 
@@ -99,12 +95,9 @@ def separate(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], a_coefs: Se
 
 
 def svd(A: torch.Tensor, B: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """The best rank-``k`` factors of ``B A`` (``A [R, in]``, ``B [out, R]``) without forming it, in float64.
-
-    ``B = Q_b R_b`` and ``A^T = Q_a R_a`` (thin QR), so ``B A = Q_b (R_b R_a^T) Q_a^T``; the SVD of the small
-    ``[R, R]`` core gives the factors. Returns ``(A_k [k', in], B_k [out, k'], dropped energy, total energy)``
-    with ``k' = min(k, R)`` (squared Frobenius norms).
-    """
+    """The best rank-``k`` factors of ``B A`` (``A [R, in]``, ``B [out, R]``) in float64 without forming it (thin
+    QRs ``B = Q_b R_b``, ``A^T = Q_a R_a``; SVD of the ``[R, R]`` core ``R_b R_a^T``). Returns ``(A_k [k', in],
+    B_k [out, k'], dropped, total)`` squared Frobenius norms, ``k' = min(k, R)``."""
     A, B = A.double(), B.double()
     Qb, Rb = torch.linalg.qr(B)  # [out, R], [R, R]
     Qa, Ra = torch.linalg.qr(A.T)  # [in, R], [R, R]

@@ -24,10 +24,8 @@ def _merged_config(adapters: Sequence[LoraAdapter], r: int) -> dict:
 def _per_module(adapters: Sequence[LoraAdapter], w: tuple[float, ...], mode: str,
                 merge: Callable[[str, list[LoraModule]], tuple[torch.Tensor, torch.Tensor]]) -> MergeResult:
     """``merge(module name, its N LoraModules) -> (A, B)`` over every target module; scaling 1."""
-    modules = {}
-    for name in adapters[0].target_modules:
-        A, B = merge(name, [ad.modules[name] for ad in adapters])
-        modules[name] = LoraModule(A, B, 1.0)
+    modules = {name: LoraModule(*merge(name, [ad.modules[name] for ad in adapters]), 1.0)
+               for name in adapters[0].target_modules}
     r = next(iter(modules.values())).rank
     merged = LoraAdapter(modules, _merged_config(adapters, r), f"merge[{mode},N={len(adapters)}]")
     return MergeResult(merged, w, mode)
@@ -36,25 +34,19 @@ def _per_module(adapters: Sequence[LoraAdapter], w: tuple[float, ...], mode: str
 @register_merge_mode("cat")
 def merge_cat(adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, dtype: torch.dtype | None = None
               ) -> MergeResult:
-    """Exact: ``A* = cat_i(w~_i s_i A_i)`` ``[sum r_i, in]``, ``B* = cat_i(B_i)`` ``[out, sum r_i]``, scaling 1.
-
-    Equals peft's ``add_weighted_adapter(weights=w~, combination_type="cat")``; ranks may differ.
-    """
+    """Exact: ``A* = cat_i(w~_i s_i A_i)`` ``[sum r_i, in]``, ``B* = cat_i(B_i)`` ``[out, sum r_i]``, scaling 1;
+    equals peft's ``add_weighted_adapter(weights=w~, combination_type="cat")``; ranks may differ."""
     return _per_module(adapters, w, "cat", lambda name, parts: factors.cat(
         [m.A for m in parts], [m.B for m in parts], [wi * m.scaling for wi, m in zip(w, parts)],
         dtype=dtype or torch.float32))
 
 
 @register_merge_mode("separate")
-def merge_separate(
-    adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, dtype: torch.dtype | None = None
-) -> MergeResult:
-    """DyPRAG-compatible: ``A* = sum_i u_i s_i A_i``, ``B* = sum_i u_i B_i``, ``u = w~/N`` (sums to 1 if w~ does N).
-
-    Uniform weights reproduce DyPRAG's ``mean(B) @ mean(A)``. This is *not* the mean of the updates:
-    ``B* A* = sum_i sum_j u_i u_j s_j B_i A_j`` has cross terms ``i != j``. Per-adapter scalings are folded
-    into A so adapters with different ``alpha/r`` combine consistently. All adapters need equal rank per module.
-    """
+def merge_separate(adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, dtype: torch.dtype | None = None
+                   ) -> MergeResult:
+    """DyPRAG-compatible: ``A* = sum_i u_i s_i A_i``, ``B* = sum_i u_i B_i``, ``u = w~/N``; uniform weights give
+    DyPRAG's ``mean(B) @ mean(A)`` (not the mean of the updates: cross terms ``i != j``). Scalings are folded into
+    A; all adapters need equal rank per module."""
     u = array("f", [wi / len(adapters) for wi in w]).tolist()  # float32 w~ / N
 
     def merge(name: str, parts: list[LoraModule]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,14 +58,10 @@ def merge_separate(
 
 
 @register_merge_mode("svd")
-def merge_svd(
-    adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, rank: int | None = None,
-    dtype: torch.dtype | None = None
-) -> MergeResult:
-    """The exact ``cat`` update compressed to rank ``k`` (default: the largest input rank), never forming dW
-    (:func:`~fcprag_plugin.merge.factors.svd`). ``info["rel_error"]`` is the relative Frobenius error over all
-    modules, ``info["rel_error_per_module"]`` per module.
-    """
+def merge_svd(adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, rank: int | None = None,
+              dtype: torch.dtype | None = None) -> MergeResult:
+    """The exact ``cat`` update compressed to rank ``k`` (default: the largest input rank), never forming dW;
+    ``info["rel_error"]``: the relative Frobenius error over all modules (``rel_error_per_module``: per module)."""
     k = rank if rank is not None else max(max(ad.ranks.values()) for ad in adapters)
     if k < 1:
         raise MergeError(f"svd rank must be >= 1, got {k}")

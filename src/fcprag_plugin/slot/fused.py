@@ -11,8 +11,17 @@ the DyPRAG ``separate`` sums into the first R rows, zeroes rows left over from a
 the hook on: ``y = W x + BT^T (A x)``. Shapes never change (``torch.compile`` friendly), no module is created,
 and no parameter of the model is ever written: ``remove()`` leaves it exactly as it was.
 
+Routes (``slot.route``): the hooks suit one forward per merge (scoring) and per-sample mixtures; generating runs
+many forwards with one merge, and there fused weights are faster (:mod:`fcprag_plugin.slot.fused_weights`: each
+target module computes with a buffer ``W + BT^T A`` swapped in for its weight ``Parameter``, which is put back on
+switch-off). ``auto`` (default) adds the update through the hooks and, on an accelerator, switches to fused
+weights at the first forward without autograd that continues a KV cache under the same merge (the first decoding
+step of a ``generate``: there the hooks' extra kernels cost 20-50%), when the copy fits ``slot.weights_budget``; on
+the CPU (``AUTO_ON_CPU``) it keeps the hooks, which cost next to nothing beside the matmuls there while the copy
+is one more pass over the target weights. ``hooks`` never switches; ``weights`` switches at :meth:`FusedSlot.write`.
+
 >>> slot = FusedSlot.for_model(model, adapters[0], max_adapters=10)  # doctest: +SKIP
->>> with slot.fused(adapters, weights):                             # doctest: +SKIP
+>>> with slot.fused(adapters, w_tilde):                             # doctest: +SKIP
 ...     out = model.generate(**inputs)
 >>> slot.remove()                                                   # doctest: +SKIP
 """
@@ -32,20 +41,22 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 from torch import nn
 
-from .._deprecated import renamed
 from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
 from ..merge import factors
 from ..weights import check_weights
+from .fused_weights import FusedWeights
 from .store import AdapterStore
 from .layout import Layout, PackedAdapter, PackedGroup, check_layouts, layout_from_shapes, layout_of, pack_adapter
 
 logger = logging.getLogger(__name__)
 
 SLOT_MODES = ("cat", "separate")
+ROUTES = ("auto", "hooks", "weights")
+AUTO_ON_CPU = False  # route 'auto' on CPU weights: keep the hooks (measured: benchmarks/bench_generate.py)
 DEFAULT_MAX_RANK = 8
 
-# A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (used by mixed batches).
+# A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (per-sample mixtures).
 RankTransform = Callable[[torch.Tensor, str], torch.Tensor]
 
 
@@ -88,11 +99,15 @@ class _Entry:
 
 
 class _State:
-    __slots__ = ("active", "transform")
+    __slots__ = ("active", "transform", "pending")
 
     def __init__(self) -> None:
-        self.active = False
+        self.active = False  # the hooks add the update
         self.transform: RankTransform | None = None
+        self.pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
+
+
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 def _make_hook(entry: _Entry, state: _State):
@@ -106,6 +121,27 @@ def _make_hook(entry: _Entry, state: _State):
         return output + (h @ entry.BT).to(output.dtype)
 
     return hook
+
+
+def _continues_cache(kwargs: dict[str, Any]) -> bool:
+    """Whether a forward's keyword arguments carry a non-empty KV cache (a decoding step; transformers 5 names the
+    argument ``cache``, earlier versions ``past_key_values``)."""
+    pkv = kwargs.get("past_key_values")
+    pkv = kwargs.get("cache") if pkv is None else pkv
+    length = getattr(pkv, "get_seq_length", None)
+    return int(length()) > 0 if callable(length) else isinstance(pkv, (tuple, list)) and len(pkv) > 0
+
+
+def _make_pre_hook(state: _State):
+    """Route ``auto``: before a forward without autograd that continues a KV cache (not while compiling or
+    capturing a CUDA graph), switch the pending merge to fused weights."""
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if state.pending is not None and not _is_compiling() and not torch.is_grad_enabled() \
+                and _continues_cache(kwargs) and not (torch.cuda.is_available()
+                                                      and torch.cuda.is_current_stream_capturing()):
+            state.pending()
+
+    return pre_hook
 
 
 def resolve_module(table: dict[str, nn.Module], name: str) -> nn.Module:
@@ -203,6 +239,8 @@ class FusedSlot:
             overwrites them. For a freshly packed adapter that only the slot will use (:func:`activate`).
     """
 
+    route = "auto"  # how the merge enters the model (see the module docstring); per slot or for all slots
+
     def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                  dtype: torch.dtype | None = None, store: Any = None, out_major: bool = False,
                  buffers_from: PackedAdapter | None = None) -> None:
@@ -215,8 +253,7 @@ class FusedSlot:
         self.dtype = dtype
         self.store = store
         self.out_major = out_major
-        self.merge_mode: str | None = None  # what write() wrote: "cat" or "separate"
-        self.unweighted = False  # write_unweighted() wrote the adapters for a rank-space transform
+        self.merge_mode: str | None = None  # what write() wrote: "cat" or "separate" (None: a mixture)
         self.n_active = 0
         self._state = _State()
         self._in_context = False
@@ -227,10 +264,15 @@ class FusedSlot:
         self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
                          for g in self.layout.groups]
         self._allocate(buffers_from)
+        self._weights = FusedWeights([self._modules[s.group][l] for s in self._segments for l in range(s.l0, s.l1)])
+        self._hooks = [(mod, _make_hook(entry, self._state))
+                       for gi, mods in enumerate(self._modules) for entry, mod in zip(self._entries[gi], mods)]
+        self._pre_handle: Any = None
         try:
-            for gi, mods in enumerate(self._modules):
-                for entry, mod in zip(self._entries[gi], mods):
-                    self._handles.append(mod.register_forward_hook(_make_hook(entry, self._state)))
+            self._attach_hooks()
+            root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+            if isinstance(root, nn.Module):  # where generate() calls forward (a PeftModel's inner model)
+                self._pre_handle = root.register_forward_pre_hook(_make_pre_hook(self._state), with_kwargs=True)
         except Exception:
             self.remove()
             raise
@@ -317,7 +359,59 @@ class FusedSlot:
 
     @property
     def active(self) -> bool:
-        return self._state.active
+        """Whether the slot's merge is on (through the hooks or fused weights)."""
+        return self._state.active or self.on_weights
+
+    @property
+    def on_weights(self) -> bool:
+        """Whether the target modules compute with fused weights now (route ``auto`` / ``weights``)."""
+        return self._weights.swapped
+
+    @property
+    def weights_budget(self) -> int | None:
+        """The most bytes the fused-weight copies may take (None, the default: half of the memory the device reports
+        free). Over it, the slot keeps the hooks (logged once)."""
+        return self._weights.budget
+
+    @weights_budget.setter
+    def weights_budget(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise MergeError(f"weights_budget must be a number of bytes (an int >= 0) or None, got {value!r}")
+        self._weights.budget = value
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes of the fused-weight route: one copy of the target weights (allocated at its first use)."""
+        return self._weights.nbytes
+
+    # ------------------------------------------------------------------ the two routes
+    def _attach_hooks(self) -> None:
+        if not self._handles and not self._removed:
+            for mod, fn in self._hooks:
+                self._handles.append(mod.register_forward_hook(fn))
+
+    def _detach_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _to_weights(self) -> bool:
+        """Switch the current merge from the hooks to fused weights (see :mod:`.fused_weights`); False (hooks kept)
+        when the copy does not fit or the weights cannot be swapped (logged once)."""
+        self._state.pending = None
+        if self._weights.available() is not None:
+            return False
+        try:
+            self._weights.fill([(seg.A[l - seg.l0, :seg.dirty], seg.BT[l - seg.l0, :seg.dirty])
+                                for seg in self._segments for l in range(seg.l0, seg.l1)])
+            self._weights.swap_in()
+            self._state.active = False
+            self._detach_hooks()
+        except BaseException:  # interrupted half way: back to the hooks, whole
+            self._weights.restore()
+            self._attach_hooks()
+            self._state.active = True
+            raise
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -424,19 +518,8 @@ class FusedSlot:
             t = seg.scratch[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
         return t
 
-    @torch.no_grad()
-    def write_unweighted(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
-        """Write adapters unweighted (``A = s_i A_i``, ``BT = B_i^T``) for a rank-space transform (mixed batches,
-        :meth:`switch_on_transform`), without switching the slot on; returns the packed adapters."""
-        self._check_usable()
-        packed = self.prepare(adapters)
-        self.deactivate()
-        self._write_cat(packed, [1.0] * len(packed))
-        self.n_active, self.merge_mode, self.unweighted = len(packed), None, True
-        return packed
-
     # ------------------------------------------------------------------ activation
-    def write(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> "FusedSlot":
+    def write(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat") -> "FusedSlot":
         """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) in place of what the
         slot held and switch it on; ``cat`` is the exact ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's
         ``(sum u_i B_i)(sum u_i s_i A_i)`` with ``u = w~/N``. Returns the slot."""
@@ -444,40 +527,84 @@ class FusedSlot:
         if mode not in SLOT_MODES:
             raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "
                              "(use fcprag_plugin.merge for 'svd')")
+        if self.route not in ROUTES:
+            raise MergeError(f"FusedSlot.route is {self.route!r}; expected one of {list(ROUTES)}")
         packed = self.prepare(adapters)
         n = len(packed)
-        w = check_weights(weights, n)
+        w = check_weights(merge_weights, n)
         self.deactivate()
         if mode == "cat":
             self._write_cat(packed, w)
         else:
             self._write_separate(packed, array("f", [v / n for v in w]).tolist())  # = float32 w / N
-        self.n_active, self.merge_mode, self.unweighted = len(packed), mode, False
+        self.n_active, self.merge_mode = len(packed), mode
+        self._state.active = True
+        if self.route == "weights":
+            self._to_weights()
+        elif self.route == "auto" and (AUTO_ON_CPU or self._weights.device_type != "cpu"):
+            self._state.pending = self._to_weights
+        return self
+
+    @torch.no_grad()
+    def write_mixed(self, adapters: Sequence[Any], merge_weights: Any, mode: str = "cat", mask: Any = None
+                    ) -> "FusedSlot":
+        """Switch on one mixture per sample of a batch: ``adapters`` (K' <= K, the union of the batch's adapters)
+        with ``merge_weights [B, K']`` (``w~`` per sample). ``mask [B, K']`` marks which adapters each sample uses
+        (default: non-zero weights); ``separate`` divides by the per-sample count ``N_b``. The adapters are written
+        unweighted (``A = s_i A_i``, ``BT = B_i^T``) and the weights act in rank space between A and B
+        (``cat``: ``sum_i w_bi s_i B_i A_i x_b``; ``separate``: DyPRAG's merge per sample), equal to running each
+        sample alone with its own merge up to rounding. Every target module's input must then have batch size
+        ``B`` first."""
+        self._check_usable()
+        if mode not in SLOT_MODES:
+            raise MergeError(f"mixed-batch mode '{mode}' is not supported; expected one of {list(SLOT_MODES)}")
+        w, m = _mixture_weights(merge_weights, mask, len(adapters))
+        packed = self.prepare(adapters)
+        self.deactivate()
+        self._write_cat(packed, [1.0] * len(packed))
+        self.n_active, self.merge_mode = len(packed), None
+        K, R, B = self.max_adapters, self.max_rank, w.shape[0]
+        if mode == "cat":
+            coef = torch.zeros(B, K, R)
+            coef[:, :len(packed)] = w[:, :, None]
+            coef = coef.view(B, K * R)
+        else:
+            self._check_equal_ranks(packed, "mixed mode 'separate'")
+            n = m.sum(1, keepdim=True)
+            if bool((n == 0).any()):
+                bad = int(torch.nonzero(n[:, 0] == 0)[0])
+                raise MergeError(f"mixed mode 'separate': sample {bad} uses no adapter (its mask row is all False)")
+            coef = torch.zeros(B, K)
+            coef[:, :len(packed)] = (w / n.to(torch.float32)) * m
+        self._state.transform = _Mixture(coef, mode, K, R)
         self._state.active = True
         return self
 
-    def switch_on_transform(self, transform: RankTransform) -> None:
-        """Switch the slot on with a rank-space transform between A and B (see :mod:`fcprag_tools.mixed`)."""
-        self._check_usable()
-        if not self.unweighted:
-            raise MergeError("switch_on_transform needs the adapters written with write_unweighted() first")
-        self._state.transform = transform
-        self._state.active = True
+    def mixed(self, adapters: Sequence[Any], merge_weights: Any, mode: str = "cat", mask: Any = None
+              ) -> ContextManager["FusedSlot"]:
+        """``with slot.mixed(union, W): model(**batch)`` -- :meth:`write_mixed` inside the block only."""
+        return self._block(lambda: self.write_mixed(adapters, merge_weights, mode, mask),
+                           "FusedSlot.mixed() cannot run inside another block of the same slot")
 
     def deactivate(self) -> None:
-        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept)."""
+        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept; fused weights
+        are swapped back for the original ``Parameter`` objects)."""
         self._state.active = False
         self._state.transform = None
+        self._state.pending = None
+        self._weights.restore()
+        self._attach_hooks()
 
-    def fused(self, adapters: Sequence[Any], weights: Any = None, mode: str = "cat") -> ContextManager["FusedSlot"]:
+    def fused(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat"
+              ) -> ContextManager["FusedSlot"]:
         """``with slot.fused(adapters, w~): model.generate(...)`` -- active inside the block only."""
-        return self._block(lambda: self.write(adapters, weights, mode),
+        return self._block(lambda: self.write(adapters, merge_weights, mode),
                           "FusedSlot.fused() blocks cannot be nested: the slot holds one merge at a time")
 
     @contextmanager
     def _block(self, switch_on: Callable[[], Any], nested_error: str) -> Iterator["FusedSlot"]:
-        """``switch_on()`` for the block only (:meth:`fused`, :func:`~fcprag_tools.mixed.fused_mixed`); a block
-        inside another block of the slot is a :class:`MergeError` saying ``nested_error``."""
+        """``switch_on()`` for the block only (:meth:`fused`, :meth:`mixed`); a block inside another block of the
+        slot is a :class:`MergeError` saying ``nested_error``."""
         if self._in_context:
             raise MergeError(nested_error)
         switch_on()
@@ -496,7 +623,7 @@ class FusedSlot:
             seg.A.zero_()
             seg.BT.zero_()
             seg.dirty = 0
-        self.n_active, self.merge_mode, self.unweighted = 0, None, False
+        self.n_active, self.merge_mode = 0, None
 
     def resize(self, max_adapters: int | None = None, max_rank: int | None = None) -> None:
         """Reallocate for a new K and/or R (content is cleared; the hooks stay, pointed at the new buffers)."""
@@ -509,7 +636,7 @@ class FusedSlot:
         self.deactivate()
         self.max_adapters, self.max_rank = k, r
         self._allocate()
-        self.n_active, self.merge_mode, self.unweighted = 0, None, False
+        self.n_active, self.merge_mode = 0, None
         logger.info("FusedSlot resized to K=%d, R=%d (%d bytes)", k, r, self.nbytes)
 
     def current_adapter(self) -> LoraAdapter:
@@ -529,13 +656,15 @@ class FusedSlot:
 
     def remove(self) -> None:
         """Remove the hooks and free the buffers: the model is exactly as before the slot was created."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._removed = True  # first: deactivate() must not attach the hooks again
         self.deactivate()
+        self._weights.free()
+        self._detach_hooks()
+        if getattr(self, "_pre_handle", None) is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
         self._segments = []
         self._entries = []
-        self._removed = True
         model = self.model
         if model is not None and _SLOTS.get(model) is self:
             del _SLOTS[model]
@@ -546,10 +675,43 @@ class FusedSlot:
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
-    # deprecated names ("activate" named two APIs), kept for one release
-    activate = renamed("FusedSlot.activate", "write")
-    write_union = renamed("FusedSlot.write_union", "write_unweighted")
-    activate_transform = renamed("FusedSlot.activate_transform", "switch_on_transform")
+
+def _mixture_weights(merge_weights: Any, mask: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked per-sample weights ``[B, k]`` (masked entries zeroed) and the mask (default: non-zero weights)."""
+    w = torch.as_tensor(merge_weights, dtype=torch.float32).detach().cpu()
+    if w.ndim != 2 or w.shape[1] != k or w.shape[0] < 1:
+        raise MergeError(f"mixed-batch weights have shape {list(w.shape)}, expected [B, {k}] (one row per sample, "
+                         "one column per adapter of the union)")
+    if not bool(torch.isfinite(w).all()):
+        raise MergeError("mixed-batch weights must be finite")
+    m = w != 0 if mask is None else torch.as_tensor(mask).detach().cpu().to(torch.bool)
+    if m.shape != w.shape:
+        raise MergeError(f"mixed-batch mask has shape {list(m.shape)}, expected {list(w.shape)}")
+    return w * m, m
+
+
+class _Mixture:
+    """The rank-space transform of :meth:`FusedSlot.write_mixed` for ``B`` samples: ``coef`` is ``[B, K*R]`` row
+    weights (``cat``) or ``[B, K]`` ``u`` (``separate``: ``h* = sum_i u_bi h_i``, then ``sum_i u_bi B_i h*``)."""
+
+    def __init__(self, coef: torch.Tensor, mode: str, k_slot: int, rank: int) -> None:
+        self.coef, self.mode, self.k, self.r, self.batch = coef, mode, k_slot, rank, coef.shape[0]
+        self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def __call__(self, h: torch.Tensor, name: str) -> torch.Tensor:
+        if h.ndim < 2 or h.shape[0] != self.batch:
+            raise MergeError(f"module '{name}': the mixed batch has {self.batch} samples but the module's input has "
+                             f"shape {list(h.shape[:-1])} (batch first expected; beam search or other batch "
+                             "expansion needs one weight row per expanded sample)")
+        c = self._cache.get((h.device, h.dtype))
+        if c is None:
+            c = self._cache[(h.device, h.dtype)] = self.coef.to(device=h.device, dtype=h.dtype)
+        lead = (self.batch,) + (1,) * (h.ndim - 2)
+        if self.mode == "cat":
+            return h * c.view(*lead, -1)
+        u = c.view(*lead, self.k, 1)
+        hs = (h.view(*h.shape[:-1], self.k, self.r) * u).sum(-2, keepdim=True)  # [..., 1, R] = A*_b x
+        return (u * hs).reshape(h.shape)
 
 
 def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:

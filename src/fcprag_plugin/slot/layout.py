@@ -1,18 +1,10 @@
 """Packed adapters: each adapter held as a few contiguous per-layer stacks, so a merge is a handful of big ops.
 
-Target modules are grouped by *pattern* (the module path with its layer numbers replaced by ``*``) and shape:
-``model.layers.0.mlp.gate_proj`` ... ``model.layers.29.mlp.gate_proj`` form one group of ``L = 30`` modules.
-Per group an adapter is stored as
-
-    A  [L, r, in]    the raw ``lora_A`` weights, stacked over layers
-    BT [L, r, out]   ``lora_B`` transposed, so one adapter's rank rows are contiguous like A's (``out_major``
-                     packs keep ``B`` as stored, ``[L, out, r]``, and BT is its transposed view)
-    scales [L]       the per-module LoRA scaling (``alpha / r``), float64
-
-``r`` is the largest rank in the group; a module of smaller rank is zero-padded (zero rows of A, zero rows of
-BT), which leaves its update ``B @ A`` unchanged. The layout (groups and module order) depends only on the module
-names and shapes, so every adapter of the same model and target modules gets the *same* layout object.
-"""
+Target modules are grouped by *pattern* (the path with layer numbers as ``*``) and shape: ``model.layers.{0..29}.
+mlp.gate_proj`` form one group of ``L = 30`` modules, stored per adapter as ``A [L, r, in]`` (``lora_A`` stacked),
+``BT [L, r, out]`` (``lora_B`` transposed; ``out_major`` packs keep ``B [L, out, r]`` and BT is its view) and
+``scales [L]`` (float64). ``r`` is the group's largest rank; smaller ranks are zero-padded (``B @ A`` unchanged).
+The layout depends only on module names and shapes, so adapters of one model share the *same* layout object."""
 
 from __future__ import annotations
 
@@ -113,11 +105,8 @@ class PackedGroup:
 
 @dataclass
 class PackedAdapter:
-    """An adapter as per-group contiguous stacks (:class:`PackedGroup`), ready to be written into a slot.
-
-    Build with :func:`pack_adapter` or :class:`~fcprag_plugin.slot.store.AdapterStore`. Read-only by convention:
-    slots copy from it and never write to it.
-    """
+    """An adapter as per-group contiguous stacks (:class:`PackedGroup`), ready to be written into a slot (read-only:
+    slots copy from it). Build with :func:`pack_adapter` or :class:`~fcprag_plugin.slot.store.AdapterStore`."""
 
     layout: Layout
     groups: tuple[PackedGroup, ...]
@@ -147,11 +136,9 @@ class PackedAdapter:
 
     def to_lora(self) -> LoraAdapter:
         """Unpack into a :class:`LoraAdapter` (copies; for checks and interop, not for the hot path)."""
-        modules = {}
-        for lg, pg in zip(self.layout.groups, self.groups):
-            for l, name in enumerate(lg.names):
-                r = pg.ranks[l]
-                modules[name] = LoraModule(pg.A[l, :r].clone(), pg.BT[l, :r].T.contiguous(), float(pg.scales[l]))
+        modules = {name: LoraModule(pg.A[l, :pg.ranks[l]].clone(), pg.BT[l, :pg.ranks[l]].T.contiguous(),
+                                    float(pg.scales[l]))
+                   for lg, pg in zip(self.layout.groups, self.groups) for l, name in enumerate(lg.names)}
         return LoraAdapter(modules, dict(self.config), self.source)
 
     def __repr__(self) -> str:
@@ -167,15 +154,9 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
                  dtype: torch.dtype | None = None, error: type[Exception] = MergeError,
                  out_major: bool = False) -> PackedAdapter:
     """Pack one adapter given per module by ``factors(name) -> (A [r, in], B [out, r], scaling)`` into ``layout``
-    on ``device`` in ``dtype`` (defaults: the factors' own). The one packer: adapters, live PEFT layers and DyPRAG
-    translator outputs all come through here.
-
-    Modules of one group with different ranks are zero-padded to the largest (``B @ A`` unchanged). A factor of
-    the wrong shape is an ``error`` naming the module, the adapter (``source``) and both shapes. ``out_major``
-    stacks ``B`` as it is stored (``[L, out, r]``; ``BT`` is its transposed view) for an ``out_major``
-    :class:`~fcprag_plugin.slot.fused.FusedSlot`, whose writes are then plain copies (a skinny ``B`` transposes
-    slowly).
-    """
+    on ``device`` in ``dtype`` (defaults: the factors' own); the one packer. A factor of the wrong shape is an
+    ``error`` naming the module, ``source`` and both shapes. ``out_major`` stacks ``B`` as stored (``BT`` is its
+    view) for an ``out_major`` :class:`~fcprag_plugin.slot.fused.FusedSlot` (plain-copy writes)."""
     dev = torch.device(device) if device is not None else None
     groups = []
     for g in layout.groups:
@@ -195,8 +176,7 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
         d, dt = dev or As[0].device, dtype or As[0].dtype
 
         def stack(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
-            # rank_pattern: a smaller rank is zero-padded along its rank dim ``dim`` (rows of A / BT, columns of an
-            # out-major B), which keeps B @ A
+            # a smaller rank is zero-padded along its rank dim ``dim`` (rows of A / BT, columns of out-major B)
             ts = [t if t.shape[dim] == r else torch.nn.functional.pad(
                 t, (0, r - t.shape[1]) if dim else (0, 0, 0, r - t.shape[0])) for t in ts]
             return torch.stack(ts).to(device=d, dtype=dt).contiguous()

@@ -1,10 +1,6 @@
-"""``AdapterStore``: a bounded LRU cache of packed adapters, keyed by directory and file signatures.
-
-PRAG reads every passage adapter from disk for every question. The store reads an adapter directory once
-(memory-mapped), validates it with the library's loader, packs it (:func:`~fcprag_plugin.slot.layout.pack_adapter`)
-on the chosen device and keeps it while the byte budget allows; a rewritten ``adapter_model.safetensors`` or
-``adapter_config.json`` is noticed on the next ``get`` and reloaded.
-"""
+"""``AdapterStore``: a bounded LRU cache of packed adapters, keyed by directory and file signatures. It reads an
+adapter directory once (memory-mapped), validates and packs it on the chosen device and keeps it while the byte
+budget allows; rewritten files are noticed on the next ``get`` and reloaded."""
 
 from __future__ import annotations
 
@@ -51,13 +47,9 @@ class _NotFastPath(Exception):
 
 
 def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a zero-copy view into one private memory map of the file.
-
-    The format is an 8-byte little-endian header length, a JSON header ``{key: {dtype, shape, data_offsets}}``
-    and the raw data. Anything unusual raises :class:`_NotFastPath` and the store falls back to safetensors'
-    ``load_file``. Kept for the cold path, where an adapter of many small tensors is read once and
-    ``load_file``'s per-tensor overhead dominates.
-    """
+    """Every tensor of a safetensors file (8-byte little-endian header length, JSON header ``{key: {dtype, shape,
+    data_offsets}}``, raw data) as a zero-copy view into one private memory map; anything unusual raises
+    :class:`_NotFastPath` (the store then uses ``load_file``). ``benchmarks/bench_safetensors.py`` measures it."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -110,11 +102,8 @@ def _read_mapped(file: Path, device: str | torch.device) -> dict[str, torch.Tens
 
 def read_adapter_dir(path: str | Path, *, device: str | torch.device | None = None,
                      check_values: bool = True) -> LoraAdapter:
-    """Load a PEFT adapter directory, reading ``adapter_model.safetensors`` memory-mapped.
-
-    ``check_values=False`` leaves the finiteness check to the caller (see :meth:`AdapterStore.load`); the tensors
-    may then be views into the file's memory map, so copy them before the file is rewritten.
-    """
+    """Load a PEFT adapter directory, reading ``adapter_model.safetensors`` memory-mapped (``check_values=False``:
+    the caller checks values; the tensors may be views of the file's map, copy them before it is rewritten)."""
     return load_adapter_dir(path, device=device or "cpu", check_values=check_values, read_safetensors=_read_mapped)
 
 
@@ -134,30 +123,21 @@ def pack_checked(adapter: LoraAdapter, *, device: str | torch.device | None = No
 
 
 class AdapterStore:
-    """LRU cache ``adapter directory -> PackedAdapter`` bounded by ``budget_bytes`` of packed tensors.
-
-    Args:
-        budget_bytes: the most bytes of adapter tensors kept (default 1 GiB). An adapter larger than the whole
-            budget is returned but not kept (with a warning).
-        device: where packed adapters live (e.g. the model's GPU, so a merge never crosses devices).
-        dtype: the dtype they are packed in (default: as stored; PRAG saves float32).
-        check_mtime: re-stat the two files on every ``get`` to notice rewritten adapters.
-    """
+    """LRU cache ``adapter directory -> PackedAdapter`` bounded by ``budget_bytes`` of packed tensors (default
+    1 GiB; a larger adapter is returned, not kept), packed on ``device`` in ``dtype`` (default: as stored);
+    ``check_mtime``: re-stat the two files on every ``get`` to notice rewritten adapters."""
 
     def __init__(self, budget_bytes: int = 1 << 30, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, check_mtime: bool = True) -> None:
         if not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise AdapterError(f"AdapterStore budget_bytes must be a non-negative integer, got {budget_bytes!r}")
-        self.budget_bytes = budget_bytes
+        self.budget_bytes, self.dtype, self.check_mtime = budget_bytes, dtype, check_mtime
         self.device = torch.device(device) if device is not None else None
-        self.dtype = dtype
-        self.check_mtime = check_mtime
         self.stats = StoreStats()
         self._items: "OrderedDict[str, tuple[tuple, PackedAdapter]]" = OrderedDict()
         self._nbytes = 0
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ lookup
     @staticmethod
     def key(path: str | Path) -> str:
         return os.path.abspath(os.fspath(path))
@@ -191,10 +171,8 @@ class AdapterStore:
 
     def load(self, path: str | Path) -> PackedAdapter:
         """Read and pack without touching the cache (the cold path)."""
-        adapter = read_adapter_dir(path, check_values=False)
-        return pack_checked(adapter, device=self.device, dtype=self.dtype)
+        return pack_checked(read_adapter_dir(path, check_values=False), device=self.device, dtype=self.dtype)
 
-    # ------------------------------------------------------------------ bookkeeping
     def _insert(self, key: str, fp: tuple, packed: PackedAdapter) -> None:
         size = packed.nbytes
         with self._lock:
@@ -208,8 +186,7 @@ class AdapterStore:
             self._items[key] = (fp, packed)
             self._nbytes += size
             while self._nbytes > self.budget_bytes:
-                old = next(iter(self._items))
-                self._drop(old)
+                self._drop(next(iter(self._items)))
                 self.stats.evictions += 1
 
     def _drop(self, key: str) -> None:

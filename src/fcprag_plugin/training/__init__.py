@@ -1,5 +1,5 @@
 """Train a :class:`~fcprag_plugin.controller.FusionController` from leave-one-out label files (``trainer`` runs
-the loop; ``cli`` holds ``fcprag train`` / ``fcprag eval``)."""
+the loop; ``fcprag train`` / ``fcprag eval`` are in ``fcprag_tools.train_cli``)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,6 @@ from .evaluation import evaluate, format_table
 from .targets import make_targets, weighted_kl
 from .trainer import EvalResult, TrainArgs, Trainer, TrainResult, evaluate_controller, train_controller
 
-__all__ = [
-    "train_controller",
-    "evaluate_controller",
-    "EvalResult",
-    "Trainer",
-    "TrainArgs",
-    "TrainResult",
-    "LabelRecord",
-    "LabelSet",
-    "load_labels",
-    "write_labels",
-    "make_targets",
-    "weighted_kl",
-    "evaluate",
-    "format_table",
-]
+__all__ = ["train_controller", "evaluate_controller", "EvalResult", "Trainer", "TrainArgs", "TrainResult",
+           "LabelRecord", "LabelSet", "load_labels", "write_labels", "make_targets", "weighted_kl", "evaluate",
+           "format_table"]

@@ -1,8 +1,5 @@
-"""Label records -> tensors: a table of unique text embeddings plus index tensors, and padded batches with a mask.
-
-Texts are embedded once (through the on-disk cache); a batch is a gather from the table, so an epoch costs no
-encoding and no Python work per record.
-"""
+"""Label records -> tensors: a table of unique text embeddings (embedded once, through the on-disk cache) plus
+index tensors; a padded batch with a mask is a gather from the table."""
 
 from __future__ import annotations
 
@@ -39,22 +36,12 @@ class Batch:
 
 @dataclass
 class LabelTensors:
-    """A whole label set as tensors (R records, at most ``N_max`` passages, U unique texts).
-
-    Attributes:
-        table: ``[U, d]`` embeddings of the unique texts
-        q_idx: ``[R]`` row of each query in ``table``
-        p_idx: ``[R, N_max]`` rows of the passages (0 on padding)
-        mask: ``[R, N_max]`` True for real passages
-        deltas: ``[R, N_max]`` (0 on padding); ``y`` the soft targets; ``omega``/``flat`` ``[R]``
-        ids, groups: per record, for reports
-        side: ``[R, N_max, k]`` raw side features (columns ``side_columns``), None without side features
-        scales: ``[S]`` the total scales measured (``scales`` of the records, one grid), None without them
-        scale_gains: ``[R, S]`` float64, the measured gain of PRAG's sum times ``scales[j]`` over the sum; NaN for a
-            record without scale measurements
-        f1_scale_gains: ``[R, S]`` float64, the same in F1 of the greedy answer (``f1_at_scales``); None when no
-            record has them
-    """
+    """A whole label set as tensors (R records, at most ``N`` passages, U unique texts): ``table [U, d]``
+    embeddings; rows of each query ``q_idx [R]`` and passage ``p_idx [R, N]`` (0 on padding); ``mask [R, N]``;
+    ``deltas``/``y [R, N]`` (0 on padding); ``omega``/``flat [R]``; ``ids``/``groups`` per record; raw ``side
+    [R, N, k]`` (columns ``side_columns``) or None; ``scales [S]`` (one grid) and ``scale_gains [R, S]`` float64
+    (gain of PRAG's sum times ``scales[j]`` over the sum; NaN rows without measurements) or None;
+    ``f1_scale_gains [R, S]`` the same in F1 of the greedy answer (``f1_at_scales``) or None."""
 
     table: torch.Tensor
     q_idx: torch.Tensor

@@ -1,6 +1,5 @@
 """Leave-one-out label files: parsing and validation (JSON Lines or a JSON array; the format, the error messages
-``FILE:LINE: field 'NAME': ...`` and ``on_error`` are in ``docs/label-format.md`` and ``schemas/labels.schema.json``).
-"""
+``FILE:LINE: field 'NAME': ...`` and ``on_error``: ``docs/label-format.md``, ``schemas/labels.schema.json``)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import LabelFileError
-from ..loading import parse_json_lines, split_lines
+from ..fileio import parse_json_lines, split_lines
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +126,7 @@ class LabelSet:
 class _RecordError(Exception):
     def __init__(self, field: str | None, message: str) -> None:
         super().__init__(message)
-        self.field = field
-        self.message = message
+        self.field, self.message = field, message
 
 
 def _type_name(v: Any) -> str:
@@ -179,10 +177,9 @@ def validate_record(obj: Any) -> LabelRecord:
     rid = _nonempty_str(obj["id"], "id")
     query = _nonempty_str(obj["query"], "query")
     ps = obj["passages"]
-    if not isinstance(ps, list):
-        raise _RecordError("passages", f"is a {_type_name(ps)}, expected a list of non-empty strings")
-    if not ps:
-        raise _RecordError("passages", "is empty, expected at least one passage")
+    if not isinstance(ps, list) or not ps:
+        raise _RecordError("passages", f"is a {_type_name(ps)}, expected a list of non-empty strings" if not
+                           isinstance(ps, list) else "is empty, expected at least one passage")
     passages = [_nonempty_str(p, f"passages[{i}]") for i, p in enumerate(ps)]
     n = len(passages)
 
@@ -218,9 +215,7 @@ def validate_record(obj: Any) -> LabelRecord:
     if answer is not None and not (isinstance(answer, str) or
                                    (isinstance(answer, list) and all(isinstance(a, str) for a in answer))):
         raise _RecordError("answer", f"is a {_type_name(answer)}, expected a string or a list of strings")
-    metric = obj.get("metric")
-    if metric is not None:
-        metric = _nonempty_str(metric, "metric")
+    metric = None if obj.get("metric") is None else _nonempty_str(obj["metric"], "metric")
     group = obj.get("group")
     if group is not None:
         if isinstance(group, bool) or not isinstance(group, (str, int)):
@@ -305,17 +300,9 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
     return out
 
 
-def _iter_jsonl(text: str) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield ``(line, value, parse_error)`` per non-blank line."""
-    for lineno, _, value, e in parse_json_lines(split_lines(text)):
-        yield lineno, value, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})"
-
-
 def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield ``(line, value, None)`` per element of a top-level JSON array, with the line each element starts on.
-
-    A syntax error cannot be skipped inside an array (the rest cannot be resynchronised): it always raises.
-    """
+    """Yield ``(line, value, None)`` per element of a top-level JSON array (the line it starts on); a syntax error
+    always raises (the rest of an array cannot be resynchronised)."""
     newlines = [i for i, ch in enumerate(text) if ch == "\n"]
     ws = re.compile(r"[ \t\r\n]*")
     dec = json.JSONDecoder()
@@ -348,15 +335,9 @@ def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | Non
 
 
 def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
-    """Read and validate a label file (JSON Lines, or one JSON array of records).
-
-    Args:
-        path: the label file.
-        on_error: ``"fail"`` raises :class:`LabelFileError` at the first bad record; ``"skip"`` leaves bad records
-            out and lists them in ``LabelSet.skipped`` (a warning with the counts is logged).
-
-    Duplicate ids within the file are errors (the second occurrence is the bad record).
-    """
+    """Read and validate a label file (JSON Lines, or one JSON array of records). ``on_error``: ``"fail"`` raises
+    :class:`LabelFileError` at the first bad record (a repeated id is one); ``"skip"`` leaves bad records out,
+    lists them in ``LabelSet.skipped`` and logs the counts."""
     if on_error not in ON_ERROR:
         raise LabelFileError(f"on_error is '{on_error}', expected one of {list(ON_ERROR)}")
     p = Path(path)
@@ -373,7 +354,9 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
     if not stripped:
         raise LabelFileError(f"{p}: label file is empty; expected JSON Lines or a JSON array of records")
     text = text.lstrip("\ufeff")
-    items = _iter_json_array(text, spath) if stripped.startswith("[") else _iter_jsonl(text)
+    items = _iter_json_array(text, spath) if stripped.startswith("[") else (
+        (n, v, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})")
+        for n, _, v, e in parse_json_lines(split_lines(text)))
 
     records: list[LabelRecord] = []
     skipped: list[SkippedRecord] = []

@@ -1,11 +1,8 @@
 """Training precision: float32, or bfloat16 matmuls through ``torch.autocast``.
 
-With ``precision="bf16"`` the trainer runs the controller's forward under ``torch.autocast("cpu", bfloat16)``:
-the Linear layers multiply in bfloat16 while the master weights, AdamW and the gradients stay float32. The two MLPs
-return float32 (``ScoreNet`` / ``CalibNet`` cast their outputs), so the gate, temperature, softmax, weights and loss
-are computed in float32 (autocast leaves float32 inputs of those ops alone); rounding them to bfloat16 would make
-the loss coarse and tie scores.
-"""
+``precision="bf16"``: the controller's Linear layers multiply in bfloat16 under ``torch.autocast``; master
+weights, AdamW, gradients and everything after the two MLPs (which return float32: gate, temperature, softmax,
+weights, loss) stay float32."""
 
 from __future__ import annotations
 

@@ -245,7 +245,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     per_query = args.kappa == "auto" and getattr(args, "per_query_scale", False) and has_measured(data, metric)
     q_gain, q_global = nan(), nan()  # per-query scale vs the sum, and the fold's global kappa vs the sum
     fold_epochs, fold_kappas, fold_heads, scale_measured = [], [], [], True
-    fold_args = dataclasses.replace(args, cv_folds=0, plots=False)
+    fold_args = dataclasses.replace(args, cv_folds=0)
     with tqdm(total=len(folds) * E, unit="epoch", desc=f"nested {len(folds)}-fold CV", dynamic_ncols=True,
               disable=not progress) as bar:
         for f, held in enumerate(folds):
@@ -366,10 +366,6 @@ MEASURE_HINT = ("to measure it, evaluate the controller by real forwards on held
 def verdict_lines(cv: dict[str, Any]) -> list[str]:
     """The verdict in plain words (the CLI's last lines): the total against PRAG's sum, its parts, what was
     shipped and why."""
-    if "scale" not in cv:  # a cv.json written before the verdict was split
-        lo, hi = cv["ci95"]
-        return [f"cross-validated gain over uniform {cv['gain']:+.4g}, 95% CI [{lo:+.4g}, {hi:+.4g}] "
-                f"({cv['verdict']}; first order, epochs chosen on the same data)"]
     s, r, q = cv["scale"], cv["reweighting"], cv.get("query_scale")
     metric = {"label": "the label metric", "f1": "F1"}.get(s.get("metric", "label"), "the label metric")
     how = {"measured": f"chosen on measured scales in {metric}",

@@ -22,9 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..controller import ControllerConfig, FusionController
-from ..errors import FcpragError, LabelFileError
+from ..errors import FcpragError, LabelFileError, kw
 from ..features import SIDE_FEATURES, center_side
-from ..loading import finite_or_none, write_json
+from ..fileio import finite_or_none, write_json
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
 from .data import LabelTensors, build_tensors
 from .embed_cache import EmbeddingCache, default_cache_dir
@@ -52,7 +52,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 # arguments that may change between a run and its resume (they do not change what is learned)
 # (precision: "auto" may resolve differently on another machine; the resolved precision is compared instead)
-_RESUME_FREE = {"epochs", "plots", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network", "precision"}
+_RESUME_FREE = {"epochs", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network", "precision"}
 
 
 @dataclass
@@ -79,7 +79,6 @@ class TrainArgs:
     eval_batch_size: int = 512
     cache_dir: str | None = None  # None: default_cache_dir(); "" : no disk cache
     threads: int | None = None  # torch intra-op threads for this run (None: torch's default)
-    plots: bool = False
     controller: dict[str, Any] = field(default_factory=dict)  # ControllerConfig overrides, e.g. score_hidden
     objective: str = "kl"  # "kl": the paper's KL to softmax(delta / t_label); "risk": see targets.py
     risk_lambda: float | None = None  # None: estimated from the training labels (targets.estimate_lambda)
@@ -98,9 +97,9 @@ class TrainArgs:
     allow_retrieval_score: bool = False  # see validate(): PRAG and DyPRAG keep no retrieval scores
 
     def validate(self) -> "TrainArgs":
-        def need(ok: bool, what: str) -> None:
+        def need(ok: bool, what: str, params: Sequence[tuple[str, Any]] = ()) -> None:
             if not ok:
-                raise FcpragError(f"training argument {what}")
+                raise FcpragError(f"training argument {what}", params=params)
 
         need(isinstance(self.epochs, int) and self.epochs >= 1, f"'epochs' is {self.epochs!r}, expected an int >= 1")
         need(isinstance(self.batch_size, int) and self.batch_size >= 1,
@@ -112,8 +111,8 @@ class TrainArgs:
         need(self.grad_clip is None or self.grad_clip > 0, f"'grad_clip' is {self.grad_clip}, expected > 0 or None")
         need(self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
              f"'threads' is {self.threads!r}, expected an int >= 1 or None")
-        known = {f.name for f in dataclasses.fields(ControllerConfig)} - {"embed_dim", "embedding_model", "mode",
-                                                                          "seed", "format_version"}
+        known = {f.name for f in dataclasses.fields(ControllerConfig)} - {"embed_dim", "embedding_model", "seed",
+                                                                          "format_version"}
         bad = sorted(set(self.controller) - known)
         need(not bad, f"'controller' has unknown key(s) {bad}; expected among {sorted(known)}")
         need(self.objective in OBJECTIVES, f"'objective' is {self.objective!r}, expected one of {list(OBJECTIVES)}")
@@ -135,9 +134,10 @@ class TrainArgs:
              f"'scale_max_loss_share' is {self.scale_max_loss_share} and 'scale_loss_margin' is "
              f"{self.scale_loss_margin}, expected a share in [0, 1] and a margin >= 0")
         need("retrieval_score" not in self.side_features or self.allow_retrieval_score,
-             "side_features=['retrieval_score'] is a score PRAG and DyPRAG do not keep: their shims would run the "
-             "controller with it taken as equal for every passage, which its verdict did not measure; leave it "
-             "out, or pass allow_retrieval_score=True for a host that supplies scores")
+             f"{kw('side_features', ['retrieval_score'])} is a score PRAG and DyPRAG do not keep: their shims would "
+             "run the controller with it taken as equal for every passage, which its verdict did not measure; leave "
+             f"it out, or pass {kw('allow_retrieval_score', True)} for a host that supplies scores",
+             [("side_features", ["retrieval_score"]), ("allow_retrieval_score", True)])
         need(self.scale_bound in BOUNDS, f"'scale_bound' is {self.scale_bound!r}, expected one of {list(BOUNDS)}")
         need(self.scale_metric in SCALE_METRICS,
              f"'scale_metric' is {self.scale_metric!r}, expected one of {list(SCALE_METRICS)}")
@@ -163,12 +163,18 @@ class TrainArgs:
 
 @dataclass
 class TrainResult:
+    """The shipped ``controller`` (saved in ``out``), ``metrics.json``'s content, the per-epoch ``history`` and what
+    the final evaluation saw: ``outputs[name]`` (``w, g, tau`` per controller, the shipped one first) on
+    ``report_data`` (the validation records, the training records without any)."""
+
     controller: FusionController
     out: Path
     metrics: dict[str, Any]
     history: list[dict[str, Any]]
     n_train: int
     n_val: int
+    outputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    report_data: LabelTensors | None = None
 
     @property
     def table(self) -> str:
@@ -378,12 +384,14 @@ class Trainer:
         diff = sorted(k for k in set(old) | set(new) if k not in _RESUME_FREE and old.get(k) != new.get(k))
         if diff:
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, argument(s) {diff} differ from the "
-                              "checkpoint: " + ", ".join(f"{k}={new.get(k)!r} (the checkpoint has {k}="
-                                                         f"{old.get(k)!r})" for k in diff))
+                              "checkpoint: " + ", ".join(f"{kw(k, new.get(k))} (the checkpoint has "
+                                                         f"{kw(k, old.get(k))})" for k in diff),
+                              params=[(k, v.get(k)) for k in diff for v in (new, old)])
         if state.get("precision", self.precision) != self.precision:
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the checkpoint trained in "
                               f"{state.get('precision')} but this run would use {self.precision}; pass "
-                              f"precision='{state.get('precision')}'")
+                              f"{kw('precision', state.get('precision'))}",
+                              params=[("precision", state.get("precision"))])
         if state.get("info_label_sha256") != self.info.get("label_sha256"):
             raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the label file(s) changed since the "
                               "checkpoint (sha256 differs)")
@@ -488,12 +496,8 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
     """Read and split the labels, embed their texts (through the cache), record provenance and make ``out`` ready
     (a previous run there is continued with ``resume``, replaced with ``overwrite``, else refused)."""
     if not resume and not overwrite and (out / CHECKPOINT_DIR).exists():
-        raise FcpragError(f"{out}: already holds a training run; pass resume=True to continue it or overwrite=True "
-                          "to start over")
-    if args.plots:
-        from fcprag_tools.plots import _pyplot  # the plots live with the tooling
-
-        _pyplot()  # a missing matplotlib should stop the run before training, not after
+        raise FcpragError(f"{out}: already holds a training run; pass {kw('resume', True)} to continue it or "
+                          f"{kw('overwrite', True)} to start over", params=[("resume", True), ("overwrite", True)])
     t_start = time.perf_counter()
     train_set = _as_label_set(labels, args.on_error, "labels")
     records = _drop_test(train_set.records, train_set.path)
@@ -596,8 +600,7 @@ def query_scale_controller(run: Run, cv: dict[str, Any]) -> FusionController:
 def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
              history: list[dict[str, Any]]) -> TrainResult:
     """Record ``kappa`` and the verdict in the controller's config, save it, evaluate it on the validation records
-    (the training records without any) next to the uniform and random baselines, write ``metrics.json`` (and the
-    plots)."""
+    (the training records without any) next to the uniform and random baselines, write ``metrics.json``."""
     args, out = run.args, run.out
     kappa = cv["kappa"] if cv is not None else fold_kappa(run.train, args, args.scale_rule)[0]
     if controller.config.controller_mode == "scale":
@@ -630,11 +633,8 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
                      "total": round(time.perf_counter() - run.t_start, 3)},
     })
     write_json(out / METRICS_NAME, metrics)
-    if args.plots:
-        from fcprag_tools.plots import write_training_plots
-
-        write_training_plots(out / "plots", history, outputs, report_on)
-    result = TrainResult(controller, out, metrics, history, len(run.train), 0 if run.val is None else len(run.val))
+    result = TrainResult(controller, out, metrics, history, len(run.train), 0 if run.val is None else len(run.val),
+                         outputs, report_on)
     logger.info("wrote %s\n%s", out, result.table)
     return result
 
@@ -677,12 +677,9 @@ def evaluate_controller(controller: FusionController | str | Path, labels: Any, 
 
 def trained_on(saved_args: dict[str, Any], sha256: str) -> str | None:
     """``"trained"`` / ``"validated"`` when ``sha256`` is the training / validation label file recorded in a
-    controller's ``training_args.json`` (older runs: the ``label_sha256`` field), else None."""
-    if not sha256:
-        return None
-    parts = str(saved_args.get("label_sha256") or "").split("+")
-    if sha256 == saved_args.get("train_labels_sha256", parts[0]):
+    controller's ``training_args.json``, else None."""
+    if sha256 and sha256 == saved_args.get("train_labels_sha256"):
         return "trained"
-    if sha256 == saved_args.get("val_labels_sha256", parts[1] if len(parts) > 1 else None):
+    if sha256 and sha256 == saved_args.get("val_labels_sha256"):
         return "validated"
     return None

@@ -1,0 +1,94 @@
+"""File I/O of the library: strict JSON values (:func:`finite_or_none`), the JSON / JSON Lines readers, the one
+atomic file writer and the safetensors reader. Errors name the file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+def finite_or_none(obj: Any) -> Any:
+    """NaN / inf -> None, recursively through dicts, lists and tuples, so a record is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def split_lines(text: str, keepends: bool = False) -> list[str]:
+    """``text``'s lines, broken at ``"\\n"`` only (unlike ``str.splitlines()``, not at U+2028, U+0085 and others
+    that JSON strings written with ``ensure_ascii=False`` hold raw; a ``"\\r"`` stays, JSON reads it as space)."""
+    lines = text.split("\n")
+    last = lines.pop()  # "" when the text ends with a newline (or is empty)
+    if keepends:
+        lines = [line + "\n" for line in lines]
+    return lines + [last] if last else lines
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through a temp file beside it, ``fsync`` and ``os.replace``: a reader,
+    or a run resumed after a crash, never sees a half-written file, and no temp file is left when a step fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented strict JSON (NaN/inf as null, other non-JSON values as ``str``), atomically."""
+    return write_atomic(path, json.dumps(finite_or_none(obj), indent=2, allow_nan=False, default=str) + "\n")
+
+
+def parse_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, str, Any, json.JSONDecodeError | None]]:
+    """``(line number, raw line, value, error)`` per non-blank line; for invalid JSON ``value`` is None and
+    ``error`` says why (each reader turns it into its own message)."""
+    for lineno, raw in enumerate(lines, start=1):
+        if raw.strip():
+            try:
+                value, error = json.loads(raw), None
+            except json.JSONDecodeError as e:
+                value, error = None, e
+            yield lineno, raw, value, error
+
+
+def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:
+    """The JSON object in ``path`` (the one reader of JSON config files); a missing file, invalid JSON or a
+    non-object is an ``error`` naming the file (``missing``: what to say when it does not exist)."""
+    if not path.is_file():
+        raise error(f"{path}: {missing}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_tensor_file(path: Path, device: Any, error: type[Exception], missing: str) -> dict[str, Any]:
+    """The tensors of safetensors file ``path`` on ``device``; a missing or unreadable file is an ``error`` naming
+    it (``missing``: what to say when it does not exist)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise error(f"{path}: {missing}")
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise error(f"{path}: corrupt or unreadable safetensors file ({e})") from e

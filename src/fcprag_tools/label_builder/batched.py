@@ -1,0 +1,217 @@
+"""Batched scoring: many rows in one forward / one ``generate``, each row under its own adapter mixture.
+
+Rows are left-padded with explicit ``position_ids`` (each row's real tokens at positions ``0 .. n-1``, as when it
+runs alone), so every row's logits equal its unbatched logits up to float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from fcprag_plugin.errors import FcpragError, MergeError
+from ..mixed import adapter_key
+from .metrics import model_device
+
+_KEEP_ARG: dict[type, str | None] = {}
+
+
+def _keep_arg(model: Any) -> str | None:
+    """The name of the model's "compute logits for the last k positions only" argument, if it has one."""
+    cls = type(model)
+    if cls not in _KEEP_ARG:
+        params = inspect.signature(model.forward).parameters
+        _KEEP_ARG[cls] = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
+    return _KEEP_ARG[cls]
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, L]`` ids, attention mask and position ids of left-padded rows (positions count real tokens only)."""
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise FcpragError("batched scoring needs at least one row and no empty row")
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, L - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[b, L - len(s):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+    return ids.to(device), mask.to(device), pos.to(device)
+
+
+@torch.no_grad()
+def batched_answer_logprobs(model: Any, rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+                            pad_id: int) -> list[float]:
+    """Mean log-probability of each row's answer tokens ``[T_b]`` after its prompt ``[P_b]`` (both non-empty), in
+    one forward: :func:`~fcprag_plugin.labels.metrics.answer_logprob` batched. Only the last ``T_max + 1`` positions
+    go through the output projection when the model accepts ``logits_to_keep``."""
+    if any(not p or not a for p, a in rows):
+        raise ValueError("batched_answer_logprobs needs a non-empty prompt and answer in every row")
+    ids, mask, pos = left_pad([list(p) + list(a) for p, a in rows], pad_id, model_device(model))
+    t_max = max(len(a) for _, a in rows)
+    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+    keep = _keep_arg(model)
+    if keep is not None:
+        kwargs[keep] = t_max + 1
+    logits = model(**kwargs).logits[:, -(t_max + 1):-1]  # [B, T_max, V]: position j predicts token j + 1
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    tok = logp.gather(2, ids[:, -t_max:].unsqueeze(-1)).squeeze(-1)  # [B, T_max]
+    return [float(tok[b, t_max - len(a):].mean()) for b, (_, a) in enumerate(rows)]
+
+
+def eos_ids(model: Any) -> set[int]:
+    """The token ids ``generate`` stops at: the generation config's EOS (none without one)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+@torch.no_grad()
+def batched_greedy(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   stop_ids: Iterable[int] | None = None) -> list[str]:
+    """Greedy continuation of each prompt (left-padded, one ``generate``), decoded without special tokens; a row's
+    text runs through its first ``stop_ids`` token (default :func:`eos_ids`, where a one-row ``generate`` stops)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad if pad is not None else 0
+    ids, mask, _ = left_pad(prompts, pad, model_device(model))
+    stops = eos_ids(model) if stop_ids is None else {int(t) for t in stop_ids}
+    extra: dict[str, Any] = {} if stop_ids is None else {"eos_token_id": sorted(stops) or None}
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         num_beams=1, pad_token_id=pad, **extra)
+    texts = []
+    for row in out[:, ids.shape[1]:].tolist():
+        cut = next((j + 1 for j, t in enumerate(row) if t in stops), len(row))  # through the first EOS, like 1 row
+        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    return texts
+
+
+# ----------------------------------------------------------------------------- the public scorer
+@dataclass
+class ScoreRow:
+    """One thing to score: ``prompt_ids [P]`` and its non-empty gold aliases ``gold_ids`` under this row's
+    ``adapters`` (packed, ``LoraAdapter`` s or directories; empty: the base model) with ``weights`` ``w~`` (default
+    1.0 each: PRAG's sum); ``gen_prompt_ids``: also greedy-generate from this prompt.
+    """
+
+    prompt_ids: Sequence[int]
+    gold_ids: Sequence[Sequence[int]]
+    adapters: Sequence[Any] = ()
+    weights: Sequence[float] | None = None
+    gen_prompt_ids: Sequence[int] | None = None
+
+
+@dataclass
+class RowScore:
+    """``logprob``: the best alias's mean gold log-probability; ``alias_logprobs``: per alias (``gold_ids`` order);
+    ``generation``: the raw greedy text (``None`` without ``gen_prompt_ids``)."""
+
+    logprob: float
+    alias_logprobs: list[float]
+    generation: str | None = None
+
+
+def _check_rows(rows: Sequence[ScoreRow]) -> None:
+    for i, r in enumerate(rows):
+        if not len(r.prompt_ids) or not len(r.gold_ids) or any(not len(g) for g in r.gold_ids):
+            raise FcpragError(f"score row {i}: needs a non-empty prompt and at least one non-empty gold alias")
+        if r.weights is not None and len(r.weights) != len(r.adapters):
+            raise MergeError(f"score row {i}: {len(r.adapters)} adapters but {len(r.weights)} weights")
+        if r.gen_prompt_ids is not None and not len(r.gen_prompt_ids):
+            raise FcpragError(f"score row {i}: empty generation prompt")
+
+
+def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size: int, max_tokens: int | None,
+          max_adapters: int) -> Iterator[list[int]]:
+    """Consecutive rows (indices) per forward: <= ``batch_size`` sequences, <= ``max_tokens`` padded tokens,
+    <= ``max_adapters`` distinct adapters; a row is never split (a row too big alone gets a forward alone)."""
+    cur: list[int] = []
+    n_seq = width = 0
+    keys: set = set()
+    for i in order:
+        seqs, length = cost(rows[i])
+        row_keys = {adapter_key(a) for a in rows[i].adapters}
+        fits = (n_seq + seqs <= batch_size and len(keys | row_keys) <= max_adapters
+                and (max_tokens is None or (n_seq + seqs) * max(width, length) <= max_tokens))
+        if cur and not fits:
+            yield cur
+            cur, n_seq, width, keys = [], 0, 0, set()
+        cur.append(i)
+        n_seq, width, keys = n_seq + seqs, max(width, length), keys | row_keys
+    if cur:
+        yield cur
+
+
+@contextlib.contextmanager
+def _mixture(slot: Any, rows: Sequence[ScoreRow], seq_rows: Sequence[int], mode: str) -> Iterator[None]:
+    """Per-sequence mixtures for one forward: sequence ``s`` runs under row ``seq_rows[s]``'s adapters and weights."""
+    from ..mixed import union_weights
+
+    used = [s for s, r in enumerate(seq_rows) if len(rows[r].adapters)]
+    if not used:  # base model for every sequence of this forward
+        yield
+        return
+    if slot is None:
+        raise FcpragError("score_rows: rows with adapters need a FusedSlot (slot=None only scores the base model)")
+    mixed = [rows[seq_rows[s]] for s in used]
+    union, Wu, Mu = union_weights([r.adapters for r in mixed],
+                                  [r.weights if r.weights is not None else [1.0] * len(r.adapters) for r in mixed])
+    W = torch.zeros(len(seq_rows), len(union))
+    M = torch.zeros(len(seq_rows), len(union), dtype=torch.bool)
+    W[used], M[used] = Wu, Mu
+    if mode == "separate":  # a base-model row uses no adapter; give it a weight-0 mask entry so N_b > 0
+        M[sorted(set(range(len(seq_rows))) - set(used)), 0] = True
+    with slot.mixed(union, W, mode, mask=M):
+        yield
+
+
+@torch.no_grad()
+def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], *, mode: str = "cat",
+               batch_size: int = 16, max_tokens: int | None = None, max_new_tokens: int = 32,
+               stop_ids: Iterable[int] | None = None, progress: bool = False) -> list[RowScore]:
+    """Score ``rows`` in batched forwards, each row under its own adapter mixture; one :class:`RowScore` per row.
+
+    Rows are packed in order into forwards of at most ``batch_size`` sequences (teacher forcing: one per gold
+    alias; generation: one per row), ``max_tokens`` padded tokens (``B x L_max``, optional) and
+    ``slot.max_adapters`` distinct adapters; a row is never split. Per forward the union of its rows' adapters is
+    written once into ``slot`` (:meth:`FusedSlot.mixed` in ``mode``), so a row only ever sees its
+    own adapters; ``slot`` may be None when no row has adapters, and is inactive again on return.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise FcpragError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if max_tokens is not None and max_tokens < 1:
+        raise FcpragError(f"max_tokens must be >= 1, got {max_tokens!r}")
+    _check_rows(rows)
+    k_max = slot.max_adapters if slot is not None else 0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    alias_lps: list[list[float]] = [[] for _ in rows]
+    gen_order = [i for i in range(len(rows)) if rows[i].gen_prompt_ids is not None]
+    tf_cost = lambda r: (len(r.gold_ids), len(r.prompt_ids) + max(len(g) for g in r.gold_ids))  # noqa: E731
+    gen_cost = lambda r: (1, len(r.gen_prompt_ids) + max_new_tokens)  # noqa: E731
+    tf_chunks = list(_pack(rows, range(len(rows)), tf_cost, batch_size, max_tokens, k_max))
+    gen_chunks = list(_pack(rows, gen_order, gen_cost, batch_size, max_tokens, k_max))
+    with tqdm(total=len(tf_chunks) + len(gen_chunks), unit="fwd", desc="scoring", disable=not progress,
+              dynamic_ncols=True) as bar:
+        for chunk in tf_chunks:
+            seq_rows = [i for i in chunk for _ in rows[i].gold_ids]
+            with _mixture(slot, rows, seq_rows, mode):
+                vals = batched_answer_logprobs(model, [(rows[i].prompt_ids, g) for i in chunk
+                                                       for g in rows[i].gold_ids], pad)
+            for i, v in zip(seq_rows, vals):
+                alias_lps[i].append(v)
+            bar.update(1)
+        gens: list[str | None] = [None] * len(rows)
+        for chunk in gen_chunks:
+            with _mixture(slot, rows, chunk, mode):
+                texts = batched_greedy(model, tokenizer, [rows[i].gen_prompt_ids for i in chunk], max_new_tokens,
+                                       stop_ids)
+            for i, t in zip(chunk, texts):
+                gens[i] = t
+            bar.update(1)
+    return [RowScore(max(lps), lps, g) for lps, g in zip(alias_lps, gens)]

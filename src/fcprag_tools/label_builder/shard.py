@@ -1,0 +1,152 @@
+"""Sharding over processes (torchrun / accelerate launch): rank ``r`` of ``W`` takes records ``i % W == r`` and
+writes ``OUT.part{r}-of{W}.jsonl``; ``merge_parts`` validates the parts and concatenates them in manifest order."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fcprag_plugin.errors import LabelFileError
+from fcprag_plugin.fileio import write_atomic
+from .manifest import ManifestRecord
+from .store import read_label_lines
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def shard_from_env(env: Mapping[str, str] | None = None) -> ShardInfo:
+    """Rank, world size and local rank from the launcher's environment (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``)."""
+    env = os.environ if env is None else env
+
+    def read(key: str, default: str) -> int:
+        try:
+            return int(env.get(key, default))
+        except ValueError:
+            raise LabelFileError(f"environment variable {key}={env[key]!r}: expected an integer (set by torchrun / "
+                                 "accelerate launch)") from None
+
+    rank, world = read("RANK", "0"), read("WORLD_SIZE", "1")
+    local_rank = read("LOCAL_RANK", str(rank))
+    if world < 1 or not 0 <= rank < world:
+        raise LabelFileError(f"environment: RANK={rank}, WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
+    return ShardInfo(rank, world, local_rank)
+
+
+def shard_records(records: Sequence[ManifestRecord], rank: int, world: int) -> list[ManifestRecord]:
+    """Records ``i % world == rank`` (round robin keeps shards balanced when record sizes drift along the file)."""
+    return [r for i, r in enumerate(records) if i % world == rank]
+
+
+def part_path(out: str | Path, rank: int, world: int) -> Path:
+    """``labels.jsonl`` -> ``labels.part{rank}-of{world}.jsonl`` (the ``.jsonl`` suffix is kept last)."""
+    out = Path(out)
+    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
+    return out.with_name(f"{stem}.part{rank}-of{world}.jsonl")
+
+
+def output_path(out: str | Path, shard: ShardInfo) -> Path:
+    return part_path(out, shard.rank, shard.world) if shard.distributed else Path(out)
+
+
+@dataclass
+class MergeSummary:
+    written: int
+    missing: list[str]
+    per_file: dict[str, int]
+
+
+def merge_parts(parts: Sequence[str | Path], manifest: Sequence[ManifestRecord], out: str | Path, *,
+                allow_missing: bool = False, allow_identical_duplicates: bool = False) -> MergeSummary:
+    """Validate label part files against the manifest and write them to ``out`` in manifest order.
+
+    Errors name the file and line: an id not in the manifest, a duplicate id (both places), a record whose
+    ``metric_without`` length differs from the manifest's passage count, a record whose ``scales`` (none: built
+    without ``--scales``) differ from the first record's or do not match its ``metric_at_scales``, a partial last
+    line. Missing ids are an error unless ``allow_missing``. Lines are copied verbatim (no float re-formatting).
+    ``allow_identical_duplicates`` accepts an id seen twice with byte-identical lines (a part that was already
+    merged into ``out`` by an earlier run); differing duplicates are always an error.
+    """
+    order = {r.id: i for i, r in enumerate(manifest)}
+    n_of = {r.id: r.n for r in manifest}
+    found: dict[str, tuple[str, int, str]] = {}
+    per_file: dict[str, int] = {}
+    grid: tuple[Any, str] | None = None  # the first record's scales and place: one grid per label file
+    if not parts:
+        raise LabelFileError("no part files given to merge")
+    for part in parts:
+        part = Path(part)
+        if not part.is_file():
+            raise LabelFileError(f"{part}: part file not found")
+        lines = read_label_lines(part, partial="error")
+        per_file[str(part)] = len(lines)
+        for sl in lines:
+            rid = sl.record["id"]
+            where = f"{part}:{sl.line}"
+            if rid not in order:
+                raise LabelFileError(f"{where}: field 'id': '{rid}' is not in the manifest")
+            if rid in found:
+                f0, l0, raw0 = found[rid]
+                if allow_identical_duplicates and raw0 == sl.raw:
+                    continue
+                raise LabelFileError(f"{where}: field 'id': duplicate id '{rid}' (also at {f0}:{l0})")
+            mw = sl.record.get("metric_without")
+            if not isinstance(mw, list) or len(mw) != n_of[rid]:
+                got = len(mw) if isinstance(mw, list) else type(mw).__name__
+                raise LabelFileError(f"{where}: field 'metric_without': expected a list of {n_of[rid]} numbers "
+                                     f"(one per manifest passage), got {got}")
+            grid = _check_scales(sl.record, where, grid)
+            found[rid] = (str(part), sl.line, sl.raw)
+    missing = [r.id for r in manifest if r.id not in found]
+    if missing and not allow_missing:
+        shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+        raise LabelFileError(f"{len(missing)} manifest ids have no labels in the given parts: {shown} "
+                             "(re-run 'fcprag labels build' to fill them in, or pass --allow-missing)")
+    ordered = sorted(found, key=order.__getitem__)
+    write_atomic(out, "".join(found[rid][2] for rid in ordered))
+    return MergeSummary(len(ordered), missing, per_file)
+
+
+def _check_scales(record: dict[str, Any], where: str, grid: tuple[Any, str] | None) -> tuple[Any, str]:
+    """The record's ``scales`` (``[]`` when absent) against the file's first (``grid``), and its
+    ``metric_at_scales`` against its ``scales``; returns the grid."""
+    scales = record.get("scales", [])
+    if not isinstance(scales, list):
+        raise LabelFileError(f"{where}: field 'scales': expected a list of numbers, got {type(scales).__name__}")
+    if grid is not None and scales != grid[0]:
+        raise LabelFileError(f"{where}: field 'scales': {scales} but {grid[1]} has {grid[0]}; a label file does not "
+                             "mix scale grids: build every part with the same --scales")
+    at = record.get("metric_at_scales")
+    if scales and (not isinstance(at, list) or len(at) != len(scales)):
+        got = len(at) if isinstance(at, list) else type(at).__name__
+        raise LabelFileError(f"{where}: field 'metric_at_scales': expected a list of {len(scales)} numbers (one per "
+                             f"entry of 'scales'), got {got}")
+    return grid or (scales, where)
+
+
+# ----------------------------------------------------------------------------- process group
+def init_process_group(shard: ShardInfo, env: Mapping[str, str] | None = None) -> bool:
+    """Join the launcher's process group (gloo: it only carries barriers) so rank 0 can merge at the end; False
+    (no group) in a plain process or without ``MASTER_ADDR``. Long timeout: ranks wait at the final barrier."""
+    env = os.environ if env is None else env
+    if not shard.distributed or "MASTER_ADDR" not in env:
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=shard.rank, world_size=shard.world,
+                                timeout=datetime.timedelta(days=7))
+    return True

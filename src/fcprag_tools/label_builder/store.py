@@ -1,0 +1,106 @@
+"""JSON Lines label output: crash-safe appends (a crash can only leave a partial *last* line) and the resume scan,
+which drops that line before appending again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from fcprag_plugin.errors import LabelFileError
+from fcprag_plugin.fileio import parse_json_lines, split_lines
+
+logger = logging.getLogger(__name__)
+
+
+def json_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, str, Any]]:
+    """``(line number, raw line, parsed object)`` per non-blank line; invalid JSON is an error naming file and line."""
+    for lineno, raw, obj, e in parse_json_lines(lines):
+        if e is not None:
+            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+        yield lineno, raw, obj
+
+
+@dataclass
+class StoredLine:
+    """One complete line of a label file: its parsed record, its raw text (with newline) and its line number."""
+
+    record: dict[str, Any]
+    raw: str
+    line: int
+
+
+def read_label_lines(path: str | Path, *, partial: str = "error") -> list[StoredLine]:
+    """The complete lines of a JSON Lines label file (each a JSON object with a string ``id``; errors name the file
+    and line). ``partial``: what to do with a trailing line without its newline (an interrupted append):
+    ``"error"``, ``"ignore"`` or ``"truncate"`` (cut it off the file)."""
+    path = Path(path)
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1  # bytes up to and including the last newline
+    if cut < len(data):
+        tail = data[cut:]
+        if partial == "error":
+            lineno = data[:cut].count(b"\n") + 1
+            raise LabelFileError(f"{path}:{lineno}: the last line is incomplete "
+                                 f"({len(tail)} bytes without a newline; an interrupted run?). Re-run "
+                                 "'fcprag labels build' on it to resume, which drops the partial line")
+        if partial == "truncate":
+            logger.warning("%s: dropping a partial last line (%d bytes) left by an interrupted run", path, len(tail))
+            with path.open("r+b") as f:
+                f.truncate(cut)
+                f.flush()
+                os.fsync(f.fileno())
+    lines: list[StoredLine] = []
+    for lineno, raw, obj in json_lines(path, split_lines(data[:cut].decode("utf-8"), keepends=True)):
+        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+            raise LabelFileError(f"{path}:{lineno}: field 'id': expected a JSON object with a string 'id'")
+        lines.append(StoredLine(obj, raw if raw.endswith("\n") else raw + "\n", lineno))
+    return lines
+
+
+def done_ids(path: str | Path, *, repair: bool) -> dict[str, int]:
+    """Ids already in a label file (id -> line; a duplicate id is an error). ``repair`` drops a partial last
+    line from the file."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    lines = read_label_lines(path, partial="truncate" if repair else "ignore")
+    seen: dict[str, int] = {}
+    for sl in lines:
+        rid = sl.record["id"]
+        if rid in seen:
+            raise LabelFileError(f"{path}:{sl.line}: field 'id': duplicate id '{rid}' (first on line {seen[rid]})")
+        seen[rid] = sl.line
+    return seen
+
+
+class JsonlAppender:
+    """Append records to a JSON Lines file, each as one ``os.write`` of a full line, then fsync."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, record: dict[str, Any]) -> None:
+        data = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+        view = memoryview(data)
+        while view:  # os.write may write less than asked for huge lines; a crash in between leaves a partial line
+            n = os.write(self._fd, view)
+            view = view[n:]
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "JsonlAppender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+

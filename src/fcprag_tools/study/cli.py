@@ -1,0 +1,83 @@
+"""``fcprag study QUESTIONS --model M --out OUT``: the whole study, resumable (see :mod:`.pipeline`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from fcprag_plugin.errors import FcpragError
+from ..options import finite_float, positive_int
+
+
+def _scales(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise FcpragError(f"--scales {text}: expected comma-separated numbers > 0, e.g. 0.5,2,3,4,6") from None
+    if len(set(out)) != len(out):
+        raise FcpragError(f"--scales {text}: a scale is listed twice")
+    return out
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from .pipeline import StudyOptions, run_study
+
+    train_args: dict[str, Any] = {}
+    if args.epochs is not None:
+        train_args["epochs"] = args.epochs
+    opts = StudyOptions(
+        questions=args.questions, model=args.model, out=args.out, gguf_file=args.gguf_file, device=args.device,
+        dtype=args.dtype, test_fraction=args.test_fraction, seed=args.seed, controller=args.controller,
+        retrieval=args.retrieval, top_k=args.top_k, limit=args.limit, scales=_scales(args.scales),
+        generate=not args.no_generate, max_new_tokens=args.max_new_tokens, group=args.group,
+        batch_size=args.batch_size, chunk=args.chunk, cv_folds=args.cv_folds, encoder=args.encoder,
+        arrow=not args.no_arrow, progress=not args.no_progress, aug_batch=args.aug_batch, train_args=train_args)
+    args.interrupt_hint = "interrupted; everything finished is kept under --out: run the same command to resume"
+    out = run_study(opts)
+    if out is not None:
+        v = out["verdict"]
+        print(json.dumps({"ship": v["ship"], "kappa": v["kappa"], "why": v["why"]}, indent=2))
+        print(f"wrote {args.out}/summary.json, report.md and controller/")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser(
+        "study", help="does learned fusion beat PRAG's sum on my model and data? one resumable command",
+        description="From a question file and a model to a measured verdict: BM25 retrieval, PRAG's augmentation "
+                    "by the model, passage adapters (PRAG's recipe, trained stacked), leave-one-out and scale "
+                    "labels on the training questions, a controller (nested CV), and the held-out evaluation by "
+                    "real forwards. Writes OUT/summary.json, OUT/report.md and OUT/controller/ (what it "
+                    "recommends). Every stage is cached under OUT: after Ctrl-C or a killed process, run the same "
+                    "command again and nothing finished is redone. Under torchrun the heavy stages shard over "
+                    "the processes.")
+    s.add_argument("questions", metavar="QUESTIONS",
+                   help="question file: JSON Lines in the ../shared/data schema, or PRAG's HotpotQA/2Wiki JSON")
+    s.add_argument("--model", required=True, help="causal LM name or folder (with --gguf-file: the GGUF's folder)")
+    s.add_argument("--gguf-file", help="GGUF file inside --model")
+    s.add_argument("--out", required=True, metavar="DIR", help="study folder (created; the same DIR resumes)")
+    s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (bfloat16 on a GPU)")
+    s.add_argument("--test-fraction", type=finite_float, default=0.33, help="held-out share of the questions")
+    s.add_argument("--seed", type=int, default=0, help="split and training seed")
+    s.add_argument("--controller", metavar="DIR",
+                   help="train nothing: evaluate this saved controller on all the questions (row 'recommended'), but those "
+                        "listed in its train_question_ids.json")
+    s.add_argument("--retrieval", metavar="FILE",
+                   help="JSON Lines {\"id\", \"passages\": [...]} in rank order instead of BM25")
+    s.add_argument("--top-k", type=positive_int, default=3, help="passages (adapters) per question")
+    s.add_argument("--limit", type=positive_int, help="only the first N questions of the file")
+    s.add_argument("--scales", default="0.5,2,3,4,6", help="PRAG's sum times each scale, in labels and evaluation")
+    s.add_argument("--no-generate", action="store_true", help="gold log-lik. only (no greedy answers, no F1/EM)")
+    s.add_argument("--max-new-tokens", type=positive_int, default=16, help="greedy answer length")
+    s.add_argument("--group", type=positive_int, default=16, help="adapters trained together per step")
+    s.add_argument("--aug-batch", type=positive_int, default=8, help="passages augmented per generate call")
+    s.add_argument("--batch-size", type=positive_int, default=16, help="sequences per scoring forward")
+    s.add_argument("--chunk", type=positive_int, default=8, help="questions per evaluation call")
+    s.add_argument("--cv-folds", type=int, default=5, help="the trainer's nested CV folds")
+    s.add_argument("--epochs", type=positive_int, help="the trainer's most epochs (its default otherwise)")
+    s.add_argument("--encoder", help="sentence encoder name or path (default: the library's)")
+    s.add_argument("--no-arrow", action="store_true", help="skip PEFT's Arrow router row")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.set_defaults(func=_cmd_study)

@@ -1,0 +1,147 @@
+"""Questions in, retrieved passages out.
+
+Input files: JSON Lines in the ``../shared/data`` schema (``id``, ``question``, ``answer``, ``passages`` as
+``"<title>: <text>"``, optional ``titles`` / ``supporting_titles``), or PRAG's own data files (a JSON array, or
+JSON Lines, of HotpotQA / 2WikiMultihopQA records: ``_id``, ``question``, ``answer``, ``context`` as
+``[[title, [sentence, ...]], ...]``, ``supporting_facts`` as ``[[title, index], ...]``).
+
+Retrieval: BM25 (``bm25s``, Lucene, k1 1.5, b 0.75, English stop words) of the question over its own passages, the
+top ``k`` kept in rank order; or a user's retrieval file, JSON Lines ``{"id": ..., "passages": [text, ...]}`` in
+rank order (optional ``"scores"``), used as given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+from fcprag_plugin.errors import FcpragError
+
+BM25 = {"library": "bm25s", "method": "lucene", "k1": 1.5, "b": 0.75, "stopwords": "en"}
+
+
+def passage_id(text: str) -> str:
+    """A stable id of a passage text: one adapter per distinct text."""
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _records(path: Path) -> list[tuple[int, Any]]:
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            return list(enumerate(json.loads(text), 1))
+        except json.JSONDecodeError as e:
+            raise FcpragError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise FcpragError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    return out
+
+
+def read_questions(path: str | Path) -> list[dict[str, Any]]:
+    """``[{"id", "question", "answers": [...], "passages": [...], "titles": [...], "supporting": [...]}]``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FcpragError(f"{path}: question file not found; expected JSON Lines in the ../shared/data schema or "
+                          "PRAG's HotpotQA / 2WikiMultihopQA JSON")
+    out, seen = [], set()
+    for n, r in _records(path):
+        where = f"{path}:{n}"
+        if not isinstance(r, dict):
+            raise FcpragError(f"{where}: expected a JSON object per question")
+        if "context" in r and "passages" not in r:  # PRAG's / the original datasets' layout
+            ctx = r["context"]
+            titles = [c[0] for c in ctx]
+            passages = [f"{c[0]}: {' '.join(s.strip() for s in c[1])}" for c in ctx]
+            support = list(dict.fromkeys(f[0] for f in r.get("supporting_facts", [])))
+            qid = r.get("_id", r.get("id"))
+        else:
+            passages, qid = r.get("passages"), r.get("id")
+            titles = r.get("titles") or [p.partition(": ")[0] for p in passages or []]
+            support = r.get("supporting_titles", [])
+        for key, val, ok in (("id", qid, isinstance(qid, str) and qid),
+                             ("question", r.get("question"), isinstance(r.get("question"), str)),
+                             ("passages", passages, isinstance(passages, list) and passages
+                              and all(isinstance(p, str) and p.strip() for p in passages))):
+            if not ok:
+                raise FcpragError(f"{where}: field '{key}': missing or invalid ({str(val)[:60]!r}); expected the "
+                                  "../shared/data record schema (id, question, answer, passages)")
+        ans = r.get("answer")
+        answers = [ans] if isinstance(ans, str) else ans
+        if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
+            raise FcpragError(f"{where}: field 'answer': expected a non-empty string or list of strings")
+        if qid in seen:
+            raise FcpragError(f"{where}: field 'id': duplicate id '{qid}'")
+        seen.add(qid)
+        out.append({"id": qid, "question": r["question"], "answers": answers, "passages": passages,
+                    "titles": titles, "supporting": support})
+    if not out:
+        raise FcpragError(f"{path}: no questions in it")
+    return out
+
+
+def split(ids: list[str], test_fraction: float, seed: int) -> set[str]:
+    """The test ids: a seeded shuffle of the question ids, ``round(test_fraction * n)`` of them (at least 1 and
+    at most n - 1 when there are two or more questions)."""
+    order = sorted(ids)
+    random.Random(f"split:{seed}").shuffle(order)
+    n = len(order)
+    k = min(max(1, round(test_fraction * n)), n - 1) if n > 1 else 0
+    return set(order[:k])
+
+
+def bm25_rank(question: str, passages: list[str]) -> list[tuple[int, float]]:
+    """``[(passage index, score)]`` best first (ties by index)."""
+    try:
+        import bm25s
+    except ImportError:
+        raise FcpragError("retrieval needs the bm25s package (pip install bm25s), or pass --retrieval FILE") from None
+    logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs every index it builds at DEBUG
+    corpus = bm25s.tokenize(passages, stopwords=BM25["stopwords"], show_progress=False)
+    retriever = bm25s.BM25(method=BM25["method"], k1=BM25["k1"], b=BM25["b"])
+    retriever.index(corpus, show_progress=False)
+    docs, scores = retriever.retrieve(bm25s.tokenize([question], stopwords=BM25["stopwords"], show_progress=False),
+                                      k=len(passages), show_progress=False)
+    return sorted(((int(d), float(s)) for d, s in zip(docs[0], scores[0])), key=lambda t: (-t[1], t[0]))
+
+
+def read_retrieval(path: str | Path) -> dict[str, dict[str, Any]]:
+    """A user's retrieval file: ``{id: {"passages": [...], "scores": [...] | None}}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FcpragError(f"--retrieval {path}: file not found; expected JSON Lines {{\"id\", \"passages\": [...]}}")
+    out = {}
+    for n, r in _records(path):
+        ps = r.get("passages") if isinstance(r, dict) else None
+        if not isinstance(r, dict) or not isinstance(r.get("id"), str) or not isinstance(ps, list) or not ps \
+                or not all(isinstance(p, str) and p.strip() for p in ps):
+            raise FcpragError(f"--retrieval {path}:{n}: expected {{\"id\": str, \"passages\": [non-empty text, ...]}}")
+        sc = r.get("scores")
+        if sc is not None and (not isinstance(sc, list) or len(sc) != len(ps)):
+            raise FcpragError(f"--retrieval {path}:{n}: field 'scores': expected one number per passage")
+        out[r["id"]] = {"passages": ps, "scores": sc}
+    return out
+
+
+def retrieve(q: dict[str, Any], top_k: int, given: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The question's top ``top_k`` passages: ``[{"pid", "text", "title", "rank", "score", "supporting"}]``."""
+    if given is not None:
+        texts = given["passages"][:top_k]
+        scores = given["scores"] or [0.0] * len(texts)
+        ranked = [(texts[i], float(scores[i])) for i in range(len(texts))]
+    else:
+        ranked = [(q["passages"][i], s) for i, s in bm25_rank(q["question"], q["passages"])[:top_k]]
+    out = []
+    for r, (text, s) in enumerate(ranked):
+        title = text.partition(": ")[0]
+        out.append({"pid": passage_id(text), "text": text, "title": title, "rank": r, "score": round(s, 4),
+                    "supporting": title in q["supporting"]})
+    return out

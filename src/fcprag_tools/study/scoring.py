@@ -1,0 +1,114 @@
+"""Held-out scoring by real forwards: named weight rows of many questions in mixed batches, each row its own
+per-sample fusion (:func:`fcprag_tools.label_builder.batched.score_rows`), and PEFT's Arrow router on its own path.
+
+A row's result: ``logprob`` (the gold answer's mean token log-likelihood under teacher forcing, best over the
+aliases), and the greedy answer from the same ``param`` prompt scored by PRAG's rules: the short answer is the
+generation cut at its first ``.``, newline or ``,``, SQuAD normalisation, ``f1`` (HotpotQA's yes/no rule) and
+``em`` best over the aliases; ``acc`` is answer presence (a normalised alias as whole words anywhere in the
+normalised generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..label_builder.batched import ScoreRow, batched_answer_logprobs, batched_greedy, score_rows
+from ..label_builder.metrics import answer_in_text, exact_match, extract_answer, f1_score
+from ..label_builder.prompts import PromptTemplate, answer_ids, render_prompt
+
+ARROW = {"top_k": 3, "router_temperature": 1.0, "rng_seed": 0}
+
+
+@dataclass
+class Row:
+    """One question under one method: its adapters (pids) and their ``w~``."""
+
+    qid: str
+    name: str
+    pids: list[str]
+    weights: list[float]
+
+
+def encode(tok: Any, question: str, answers: Sequence[str]) -> tuple[list[int], list[list[int]]]:
+    prompt = render_prompt(tok, PromptTemplate(), question, None, "param")
+    return list(prompt.ids), [answer_ids(tok, prompt, a) for a in answers]
+
+
+def stop_ids(model: Any, tok: Any) -> list[int]:
+    """eos, ``<|im_end|>`` (when the vocabulary has it) and the generation config's eos."""
+    stops = {tok.eos_token_id}
+    if "<|im_end|>" in tok.get_vocab():
+        stops.add(tok.convert_tokens_to_ids("<|im_end|>"))
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    stops |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(s for s in stops if isinstance(s, int) and s >= 0)
+
+
+def result(row_id: str, logprob: float, generation: str | None, answers: Sequence[str],
+           extra: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": row_id, "logprob": round(float(logprob), 6), **extra}
+    if generation is not None:
+        pred = extract_answer(generation, False, scoring="prag")
+        out.update(generation=generation, prediction=pred, f1=round(f1_score(pred, answers), 6),
+                   em=exact_match(pred, answers), acc=answer_in_text(generation, answers))
+    return out
+
+
+def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[str, dict[str, Any]],
+          adapters: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16,
+          batch_size: int = 16) -> list[dict[str, Any]]:
+    """One result per row (``id`` = ``"<qid>|<name>"``, with its pids and weights), in row order."""
+    enc = {q: encode(tok, questions[q]["question"], questions[q]["answers"]) for q in {r.qid for r in rows}}
+    srows = []
+    for r in rows:
+        keep = [(adapters(p), float(w)) for p, w in zip(r.pids, r.weights) if float(w) != 0.0]
+        p_ids, gold = enc[r.qid]
+        srows.append(ScoreRow(p_ids, gold, [a for a, _ in keep], [w for _, w in keep],
+                              gen_prompt_ids=p_ids if generate else None))
+    out = score_rows(model, tok, slot, srows, mode="cat", batch_size=batch_size, max_new_tokens=max_new_tokens,
+                     stop_ids=stop_ids(model, tok))
+    return [result(f"{r.qid}|{r.name}", s.logprob, s.generation, questions[r.qid]["answers"],
+                   {"pids": r.pids, "w": [round(float(w), 6) for w in r.weights]}) for r, s in zip(rows, out)]
+
+
+def arrow_status() -> tuple[bool, str]:
+    """Whether the installed PEFT has Arrow (``peft.ArrowConfig``, PEFT >= 0.18), and why not."""
+    try:
+        import peft
+        from peft import ArrowConfig, create_arrow_model  # noqa: F401
+    except ImportError:
+        import importlib.metadata as md
+
+        try:
+            return False, f"peft {md.version('peft')} has no ArrowConfig (PEFT >= 0.18 has it)"
+        except md.PackageNotFoundError:
+            return False, "peft is not installed"
+    return True, f"peft {peft.__version__}"
+
+
+@torch.no_grad()
+def score_arrow(model: Any, tok: Any, qid: str, q: dict[str, Any], pids: Sequence[str],
+                adapter_dir: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16) -> dict[str, Any]:
+    """PEFT's training-free Arrow router over the question's own passage adapters (per token and layer, the top
+    ``min(3, N)`` adapters by ``|x . prototype|``, softmax coefficients), scored like the other rows. ``model``
+    must carry no active adapter; it is left as it was (``unload()``)."""
+    import warnings
+
+    from peft import ArrowConfig, create_arrow_model
+
+    p_ids, gold = encode(tok, q["question"], q["answers"])
+    cfg = ArrowConfig(top_k=min(ARROW["top_k"], len(pids)), router_temperature=ARROW["router_temperature"],
+                      rng_seed=ARROW["rng_seed"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = create_arrow_model(model, [str(adapter_dir(p)) for p in pids], cfg)
+    try:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        lp = max(batched_answer_logprobs(model, [(p_ids, g) for g in gold], pad))
+        gen = batched_greedy(model, tok, [p_ids], max_new_tokens, stop_ids(model, tok))[0] if generate else None
+    finally:
+        wrapped.unload()
+    return result(f"{qid}|arrow", lp, gen, q["answers"], {"pids": list(pids), "w": None})

@@ -1,0 +1,27 @@
+"""``fcprag study`` end to end on CUDA in bf16 (only where torch sees a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fcprag_tools.cli import main
+from fcprag_tools.study import check_summary
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_study_runs_end_to_end_on_cuda_in_bf16(tiny_study):
+    from fcprag_plugin import LoraAdapter
+
+    out = tiny_study["root"] / "cuda"
+    assert main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--top-k", "2",
+                 "--scales", "2,4", "--max-new-tokens", "3", "--test-fraction", "0.5", "--epochs", "2",
+                 "--no-progress", "--device", "cuda", "--dtype", "bfloat16"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert check_summary(s) == [] and s["settings"]["device"].startswith("cuda")
+    assert s["settings"]["dtype"] == "bfloat16"
+    pid = json.loads((out / "adapters.jsonl").read_text().splitlines()[0])["id"]
+    assert LoraAdapter.from_pretrained(out / "adapters" / pid).dtype == torch.float32  # float32 factors, saved so

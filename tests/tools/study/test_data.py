@@ -1,0 +1,73 @@
+"""Question files (shared schema, PRAG's layout), the split, BM25 and a user's retrieval file, the augmentation's
+parser, and the resumable unit store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fcprag_plugin.errors import FcpragError
+from fcprag_tools.label_builder.shard import ShardInfo
+from fcprag_tools.study import augment, data
+from fcprag_tools.study.store import UnitStore
+
+
+def test_shared_schema_and_prag_layout_read_alike(tmp_path):
+    shared = {"id": "a", "question": "Who?", "answer": "Bo", "passages": ["T1: x y.", "T2: z."],
+              "titles": ["T1", "T2"], "supporting_titles": ["T2"]}
+    (tmp_path / "s.jsonl").write_text(json.dumps(shared) + "\n")
+    prag = [{"_id": "a", "question": "Who?", "answer": "Bo", "context": [["T1", ["x ", "y."]], ["T2", ["z."]]],
+             "supporting_facts": [["T2", 0]]}]
+    (tmp_path / "p.json").write_text(json.dumps(prag))
+    a, b = data.read_questions(tmp_path / "s.jsonl"), data.read_questions(tmp_path / "p.json")
+    assert a == b and a[0]["passages"] == ["T1: x y.", "T2: z."] and a[0]["answers"] == ["Bo"]
+
+
+@pytest.mark.parametrize("line,culprit", [({"id": "a", "question": "q", "passages": ["p"]}, "'answer'"),
+                                          ({"id": "a", "question": "q", "answer": "x"}, "'passages'")])
+def test_a_bad_question_names_the_file_line_and_field(tmp_path, line, culprit):
+    (tmp_path / "q.jsonl").write_text(json.dumps(line) + "\n")
+    with pytest.raises(FcpragError, match=f"q.jsonl:1: field {culprit}"):
+        data.read_questions(tmp_path / "q.jsonl")
+
+
+def test_split_is_seeded_and_keeps_both_sides():
+    ids = [f"q{i}" for i in range(10)]
+    t = data.split(ids, 0.3, 0)
+    assert len(t) == 3 and t == data.split(list(reversed(ids)), 0.3, 0) and t != data.split(ids, 0.3, 1)
+    assert len(data.split(["a", "b"], 0.9, 0)) == 1
+
+
+def test_bm25_ranks_the_matching_passage_first_and_a_given_file_is_used_as_is():
+    pytest.importorskip("bm25s")
+    q = {"question": "Which river flows through Paris?", "passages": ["Berlin: a city.", "Seine: the river of Paris.",
+                                                                      "Rome: old city."], "supporting": ["Seine"]}
+    top = data.retrieve(q, 2)
+    assert top[0]["title"] == "Seine" and top[0]["supporting"] and top[0]["pid"] == data.passage_id(q["passages"][1])
+    given = data.retrieve(q, 2, {"passages": ["Rome: old city.", "Berlin: a city."], "scores": [2.0, 1.0]})
+    assert [p["title"] for p in given] == ["Rome", "Berlin"] and [p["rank"] for p in given] == [0, 1]
+
+
+def test_parse_qa_json_then_lines_then_fallback_pairs_from_the_passage_only():
+    assert augment.parse_qa('x [{"question": "Who?", "answer": "Bo"}] y') == [
+        {"question": "Who?", "answer": "Bo", "source": "model-json"}]
+    assert augment.parse_qa("Question: Where?\nAnswer: Paris")[0]["source"] == "model-lines"
+    pairs = augment.complete_pairs([], "Eiffel: The tower was built in 1889. It stands in Paris.")
+    assert pairs[0]["question"] == "What do you know about Eiffel?"
+    assert {p["answer"] for p in pairs[1:]} == {"1889", "Paris"}
+    assert all(p["answer"] in "Eiffel: The tower was built in 1889. It stands in Paris." for p in pairs)
+
+
+def test_unit_store_drops_a_partial_line_and_merges_parts(tmp_path):
+    st = UnitStore(tmp_path / "s.jsonl")
+    st.append([{"id": "a", "v": 1}])
+    with open(tmp_path / "s.jsonl", "a") as f:
+        f.write('{"id": "b", "v"')  # a killed process
+    assert list(st.done()) == ["a"]
+    assert (tmp_path / "s.jsonl").read_text() == '{"id": "a", "v": 1}\n'
+    for r in range(2):
+        UnitStore(tmp_path / "s.jsonl", ShardInfo(r, 2)).append([{"id": f"p{r}", "v": r}])
+    assert set(st.done()) == {"a", "p0", "p1"}
+    st.merge()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.jsonl"] and set(st.done()) == {"a", "p0", "p1"}

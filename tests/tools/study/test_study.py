@@ -1,0 +1,144 @@
+"""``fcprag study`` end to end on a tiny model, its resume after an interrupt in each stage, and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fcprag_tools.cli import main
+from fcprag_tools.study import StudyOptions, check_summary, run_study
+from fcprag_tools.study import adapters as ad
+from fcprag_tools.study import pipeline, scoring
+from helpers import hash_encoder
+
+FAST = dict(top_k=2, scales=(2.0, 4.0), max_new_tokens=3, aug_max_new_tokens=6, progress=False, test_fraction=0.5,
+            group=2, chunk=1, train_args={"epochs": 2})
+
+
+def _opts(t, out="out", **kw):
+    return StudyOptions(questions=t["questions"], model=t["model"], out=str(t["root"] / out), encoder=hash_encoder(),
+                        **{**FAST, **kw})
+
+
+def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controller(tiny_study, capsys):
+    from fcprag_plugin import FusionController
+
+    out = tiny_study["root"] / "cli"
+    rc = main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--top-k", "2",
+               "--scales", "2,4", "--max-new-tokens", "3", "--test-fraction", "0.5", "--epochs", "2",
+               "--no-progress", "--device", "cpu", "--dtype", "float32"])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads((out / "summary.json").read_text())
+    assert check_summary(s) == [] and s["n_train"] == 3 and s["n_test"] == 3
+    assert {"prag_sum", "recommended", "average", "scale:2", "scale:4", "learned", "learned_same_total",
+            "oracle"} <= set(s["methods"])
+    assert s["settings"]["device"] == "cpu" and s["settings"]["dtype"] == "float32"
+    labels = [json.loads(x) for x in (out / "labels.jsonl").read_text().splitlines()]  # the training questions'
+    assert len(labels) == 3 and all(r["scales"] == [1.0, 2.0, 4.0] and len(r["metric_without"]) == 2
+                                    and len(r["f1_at_scales"]) == 3 for r in labels)
+    test_ids = {json.loads(x)["id"] for x in (out / "questions.jsonl").read_text().splitlines()
+                if json.loads(x)["split"] == "test"}
+    assert not test_ids & {r["id"] for r in labels}  # no held-out question is labelled or trained on
+    ctrl = FusionController.from_pretrained(out / "controller")  # what it recommends, a normal controller folder
+    assert (ctrl.config.controller_mode == "uniform") == (s["verdict"]["ship"] != "network")
+    assert f"Ship: {s['verdict']['ship']}" in (out / "report.md").read_text()
+    # the recommended row is the row of what ships, measured on the same questions
+    row = {"network": "learned", "prag_sum": "prag_sum"}.get(s["verdict"]["ship"], f"scale:{s['verdict']['kappa']:g}")
+    assert s["methods"]["recommended"] == s["methods"][row]
+    # --controller: trains nothing, evaluates it on every question it was not trained on
+    out2 = tiny_study["root"] / "given"
+    assert main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out2), "--top-k", "2",
+                 "--scales", "2", "--max-new-tokens", "3", "--no-progress", "--controller",
+                 str(out / "controller")]) == 0
+    s2 = json.loads((out2 / "summary.json").read_text())
+    assert check_summary(s2) == [] and s2["n_test"] == 3 and s2["n_train"] == 0
+    trained = set(json.loads((out / "controller" / "train_question_ids.json").read_text())["ids"])
+    evaluated = {json.loads(x)["id"] for x in (out2 / "questions.jsonl").read_text().splitlines()}
+    assert len(trained) == 3 and not trained & evaluated
+    assert not (out2 / "labels.jsonl").exists() and not (out2 / "train").exists()
+
+
+def _interrupt_at(monkeypatch, module, name, call):
+    real, calls = getattr(module, name), []
+
+    def wrapped(*a, **k):
+        calls.append(a)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(module, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("module,name,call", [(pipeline, "augment_batch", 2), (ad, "train_stacked", 3),
+                                              (scoring, "score", 3)])
+def test_an_interrupt_in_a_stage_loses_nothing_finished(tiny_study, monkeypatch, module, name, call):
+    opts = _opts(tiny_study, aug_batch=2)
+    with monkeypatch.context() as m:
+        _interrupt_at(m, module, name, call)
+        with pytest.raises(KeyboardInterrupt):
+            run_study(opts)
+    out = tiny_study["root"] / "out"
+    before = {f: (out / f).read_text() for f in ("augment.jsonl", "adapters.jsonl", "eval.jsonl")
+              if (out / f).exists()}
+    trained = [json.loads(x)["id"] for x in before.get("adapters.jsonl", "").splitlines()]
+    with monkeypatch.context() as m:
+        calls = _interrupt_at(m, ad, "train_stacked", 0)
+        scored = _interrupt_at(m, scoring, "score", 0)
+        s = run_study(opts)
+    assert check_summary(s) == []
+    for f, text in before.items():  # what was written is kept as it was, and extended
+        assert (out / f).read_text().startswith(text), f
+    done_again = {json.loads(x)["id"] for x in (out / "adapters.jsonl").read_text().splitlines()}
+    assert len(done_again) == len((out / "adapters.jsonl").read_text().splitlines())  # each adapter once
+    assert set(trained) <= done_again and len(calls) == -(-(len(done_again) - len(trained)) // 2)
+    ids = [json.loads(x)["id"] for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids))  # no row scored twice
+    if name == "score":
+        first = [json.loads(x)["id"] for x in before["eval.jsonl"].splitlines()]
+        assert not set(first) & {f"{r.qid}|{r.name}" for a in scored for r in a[3]}
+
+
+def test_a_resume_with_other_settings_is_refused_and_changes_nothing(tiny_study, capsys):
+    out = tiny_study["root"] / "o"
+    args = ["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--top-k", "2",
+            "--scales", "2", "--max-new-tokens", "2", "--no-progress", "--test-fraction", "0.5", "--epochs", "1"]
+    assert main(args) == 0
+    snap = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(args[:-4] + ["--test-fraction", "0.3", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "test_fraction=0.5" in err and "--test-fraction" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == snap
+
+
+def test_a_model_without_prags_target_modules_is_one_line(tiny_study, tmp_path, capsys):
+    from helpers import tiny_tokenizer
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path / "g")
+    tiny_tokenizer().save_pretrained(tmp_path / "g")
+    capsys.readouterr()
+    rc = main(["study", tiny_study["questions"], "--model", str(tmp_path / "g"), "--out", str(tmp_path / "x"),
+               "--no-progress", "--top-k", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "gate_proj/up_proj/down_proj" in err
+
+
+@pytest.mark.parametrize("extra,needle", [(["--retrieval", "nope.jsonl"], "--retrieval nope.jsonl: file not found"),
+                                          (["--controller", "."], "--controller .: no config.json"),
+                                          (["--test-fraction", "1.5"], "--test-fraction 1.5"),
+                                          (["--scales", "2,1"], "scale 1 is prag_sum")])
+def test_bad_inputs_are_one_line_and_write_nothing(tiny_study, capsys, extra, needle):
+    out = tiny_study["root"] / "never"
+    rc = main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--no-progress",
+               *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and needle in err and not out.exists()
+
+
+def test_a_missing_question_file_is_named(tmp_path, capsys):
+    assert main(["study", str(tmp_path / "q.jsonl"), "--model", "m", "--out", str(tmp_path / "o")]) == 2
+    assert "QUESTIONS" in capsys.readouterr().err and not (tmp_path / "o").exists()
