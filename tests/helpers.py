@@ -220,3 +220,25 @@ def cli_leaves() -> list:
 
 # CLI options that keep ``fcprag train`` small and quick (with the ``labelled`` fixture of conftest.py)
 SMALL_TRAIN_ARGS = ["--score-hidden", "32", "--calib-hidden", "16", "--threads", "1", "--no-progress"]
+
+
+def save_tiny_sentence_encoder(path) -> Path:
+    """A random 2-layer BERT sentence encoder (32-d, mean pooling, character-piece vocabulary) saved to ``path/st``:
+    a real sentence-transformers model for machines without the offline MiniLM package (the GPU machine)."""
+    import string
+
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    raw = Path(path) / "bert"
+    raw.mkdir(parents=True, exist_ok=True)
+    chars = string.ascii_lowercase + string.digits
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *[f"##{c}" for c in chars]]
+    (raw / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(raw / "vocab.txt")).save_pretrained(raw)
+    BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=128)).save_pretrained(raw)
+    word = models.Transformer(str(raw), max_seq_length=64)
+    st = SentenceTransformer(modules=[word, models.Pooling(word.get_word_embedding_dimension(), "mean")], device="cpu")
+    st.save(str(Path(path) / "st"))
+    return Path(path) / "st"

@@ -350,10 +350,18 @@ class Study:
                                retrieval_ranks=[float(p["rank"]) for p in ps],
                                retrieval_scores=[float(p["score"]) for p in ps])
             with torch.no_grad():
-                w = [float(x) for x in query_weights(ctrl, q["question"], [p["text"] for p in ps], self.o.encoder,
-                                                     side).merge_weights]
+                w = [float(x) for x in query_weights(ctrl, q["question"], [p["text"] for p in ps],
+                                                     self.query_encoder(), side).merge_weights]
             rows["learned"], rows["learned_same_total"] = w, [sum(w) / n] * n
         return rows
+
+    def query_encoder(self) -> Any:
+        """``--encoder`` as an encoder object (a name or path is loaded once); None: the controller's own model."""
+        if isinstance(self.o.encoder, (str, Path)):
+            from fcprag_plugin.encoding import get_encoder
+
+            return get_encoder(self.o.encoder)  # cached by the library: loaded once per process
+        return self.o.encoder
 
     def evaluate(self, qs: dict[str, dict[str, Any]], ctrl: Any, kappa: float) -> dict[str, dict[str, Any]]:
         from fcprag_plugin.slot import FusedSlot

@@ -9,6 +9,7 @@ import torch
 
 from fcprag_tools.cli import main
 from fcprag_tools.study import check_summary
+from helpers import save_tiny_sentence_encoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -17,9 +18,10 @@ def test_study_runs_end_to_end_on_cuda_in_bf16(tiny_study):
     from fcprag_plugin import LoraAdapter
 
     out = tiny_study["root"] / "cuda"
+    encoder = save_tiny_sentence_encoder(tiny_study["root"] / "encoder")  # the GPU machine has no offline MiniLM
     assert main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--top-k", "2",
                  "--scales", "2,4", "--max-new-tokens", "3", "--test-fraction", "0.5", "--epochs", "2",
-                 "--no-progress", "--device", "cuda", "--dtype", "bfloat16"]) == 0
+                 "--no-progress", "--device", "cuda", "--dtype", "bfloat16", "--encoder", str(encoder)]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert check_summary(s) == [] and s["settings"]["device"].startswith("cuda")
     assert s["settings"]["dtype"] == "bfloat16"
