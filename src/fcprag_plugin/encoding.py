@@ -273,20 +273,20 @@ def get_encoder(model: str | Path | None = None, *, device: str | torch.device =
     return ENCODERS.get(key, lambda: TextEncoder(model, device=dev))
 
 
-def check_recorded_model(recorded: str | None, encoder: Any) -> None:
-    """Warn once per pair when a controller trained with embedding model ``recorded`` meets an encoder of another
-    model (by name, then by resolved path: one model often has two names) of the same dimension."""
+def check_recorded_model(recorded: str | None, encoder: Any) -> bool:
+    """Whether ``encoder`` may stand for embedding model ``recorded`` (what a controller was trained with): True
+    when nothing is recorded, the names are equal, or both resolve to the same local folder (one model is often
+    reached under two names: a hub name and a local copy). The caller raises otherwise."""
     name = getattr(encoder, "name", None)
     if recorded is None or name is None or name == recorded:
-        return
+        return True
     source = getattr(encoder, "source", None)
     pair = (str(recorded), str(name), source)
     if pair in _MODEL_CHECKS:
-        return
-    _MODEL_CHECKS.add(pair)
+        return True
     if source is not None:
         rec_path = resolve_model(recorded)[1]  # an explicit name never raises
         if os.path.exists(rec_path) and os.path.exists(source) and os.path.samefile(rec_path, source):
-            return
-    logger.warning("the controller was trained with embedding model '%s' but the encoder in use is '%s' "
-                   "(same dimension): its weights assume the other model's embeddings (logged once)", recorded, name)
+            _MODEL_CHECKS.add(pair)
+            return True
+    return False

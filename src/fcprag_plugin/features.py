@@ -105,6 +105,19 @@ def adapter_stats(adapter: Any) -> dict[str, float]:
             "scaling": sum(float(m.scaling) for m in mods.values()) / len(mods)}
 
 
+def adapter_recipe(adapter: Any) -> dict[str, Any]:
+    """What a controller's scale and adapter statistics depend on besides the passage, read from one
+    :class:`~fcprag_plugin.adapter.LoraAdapter` without any tensor math: its ``rank`` s, ``scaling`` s (alpha / r),
+    ``targets`` (module name's last part), number of ``modules`` and their ``shapes`` (``"out x in"``), each as a
+    sorted list, and the ``base_model`` its config names (None when it names none; never compared: one model has
+    several names, its shapes are compared instead)."""
+    mods = adapter.modules.values()
+    return {"rank": sorted({m.rank for m in mods}), "scaling": sorted({round(float(m.scaling), 6) for m in mods}),
+            "targets": sorted({n.rsplit(".", 1)[-1] for n in adapter.modules}), "modules": len(adapter.modules),
+            "shapes": sorted({f"{m.out_features}x{m.in_features}" for m in mods}),
+            "base_model": (getattr(adapter, "config", None) or {}).get("base_model_name_or_path")}
+
+
 def center_side(side: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Side features as the controller sees them: ``(f_i - mean over the set's real passages) / scale``, exactly 0
     for a feature equal across the set. ``side [B, N, k]``, ``mask [B, N]`` (None: all real), ``scale [k]``

@@ -138,6 +138,8 @@ def _weights(query: str, passages: Sequence[str], controller: Any, encoder: Any,
              retrieval_ranks: Any, retrieval_scores: Any) -> FusionWeights:
     """The query's weights (``loaded``: the adapters, or a callable returning them, for adapter statistics)."""
     ctrl = load_controller(controller)
+    if ctrl is not None:
+        ctrl.check_adapters(loaded)  # another adapter recipe than the controller's: a warning, once
     side = side_inputs(ctrl, adapters=loaded, retrieval_ranks=retrieval_ranks, retrieval_scores=retrieval_scores)
     return query_weights(ctrl, query, passages, encoder, side)
 
@@ -153,12 +155,13 @@ def fuse(adapters: Sequence[Any], query: str, passages: Sequence[str], *,
         adapters: N adapter directories, :class:`LoraAdapter` s, or adapter names of the live ``model``.
         passages: the N passage texts, in the same order as ``adapters``.
         controller: a :class:`FusionController` or its directory.
-        encoder: a :class:`TextEncoder`; default: the controller's recorded embedding model.
+        encoder: a :class:`TextEncoder`; default: the controller's recorded embedding model (another: an error).
         mode: merge mode (``cat``, ``separate``, ``svd``); ``merge_options`` are that mode's options (an option it
             does not take is a :class:`TypeError` naming it).
         model: a ``PeftModel`` whose loaded adapters ``adapters`` may name.
         retrieval_ranks, retrieval_scores: one number per passage, for a controller trained with these side
-            features (required then, ignored otherwise); adapter statistics are computed from ``adapters``.
+            features (ignored otherwise; missing: equal for every passage, with a ``UserWarning`` once per
+            controller). Adapter statistics are computed from ``adapters``.
     """
     _check_inputs(adapters, query, passages)
     loaded = resolve_adapters(adapters, model)

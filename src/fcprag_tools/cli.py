@@ -9,11 +9,12 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.errors import BARE, FcpragError
 from fcprag_plugin.fileio import write_json
 
 from . import run_cli, train_cli
@@ -192,7 +193,33 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(cmd, f"{where}{e.strerror or e}")
 
 
+def _not_utf8(argv: Sequence[str]) -> str | None:
+    """One line for the first argument that is not valid UTF-8 (a shell passes raw bytes; Python holds them as
+    surrogates, which no text encoder, tokenizer or JSON file takes), naming its option; None when all are."""
+    for i, word in enumerate(argv):
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError as e:
+            if word.startswith("--") and "=" in word:
+                opt = word.split("=", 1)[0]
+            elif i and argv[i - 1].startswith("-"):
+                opt = argv[i - 1]
+            else:
+                opt = f"argument {i + 1}"
+            code = ord(word[e.start])
+            byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"character U+{code:04X}"
+            words = [w for w in argv[:i] if not w.startswith("-")][:2]
+            cmd = " ".join(words[:2] if words[:1] == ["labels"] else words[:1])
+            return (f"fcprag{' ' + cmd if cmd else ''}: error: {opt}: the argument is not valid UTF-8 ({byte} at "
+                    f"position {e.start}); expected UTF-8 text (texts and paths are written to UTF-8 JSON)")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    bad = _not_utf8(list(sys.argv[1:] if argv is None else argv))
+    if bad:
+        print(bad, file=sys.stderr)
+        return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "accepts_rest", False):
@@ -201,6 +228,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to print a command that goes on after Ctrl-C
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # the library says each of its warnings in the log too (the line printed above): once is enough here
+    warnings.filterwarnings("ignore", message="fcprag: ", category=UserWarning)
+    flags = _LogFlags(getattr(args, "flag_names", {}))
+    handlers = list(logging.getLogger().handlers)
+    for h in handlers:
+        h.addFilter(flags)
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -215,6 +248,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
+    finally:
+        for h in handlers:
+            h.removeFilter(flags)
+
+
+class _LogFlags(logging.Filter):
+    """The library's log lines name its keyword arguments (``retrieval_ranks=``); on the command line they name
+    the command's flags (``--retrieval-rank``), as its error messages do (:func:`keywords_to_flags`)."""
+
+    def __init__(self, flags: dict[str, str]) -> None:
+        super().__init__()
+        self.flags = flags
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.flags and record.name.startswith("fcprag_plugin"):
+            said = FcpragError(record.getMessage(), params=[(n, BARE) for n in self.flags if "=" not in n])
+            record.msg, record.args = keywords_to_flags(said, self.flags), None
+        return True
 
 
 if __name__ == "__main__":

@@ -92,19 +92,25 @@ class CliParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum``."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (and <= ``maximum`` when given: a size refused before anything
+    is allocated)."""
+    expected = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not an integer; expected an integer >= {minimum}") from None
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer; expected {expected}") from None
         if v < minimum:
-            raise argparse.ArgumentTypeError(f"{v} is too small; expected an integer >= {minimum}")
+            raise argparse.ArgumentTypeError(f"{v} is too small; expected {expected}")
+        if maximum is not None and v > maximum:
+            raise argparse.ArgumentTypeError(f"{v} is too large; expected {expected}")
         return v
 
     parse.__name__ = parse.__qualname__ = f"int_at_least_{minimum}"
     parse.minimum = minimum  # type: ignore[attr-defined]  (read by the CLI tests' bad-value generator)
+    parse.maximum = maximum  # type: ignore[attr-defined]
     return parse
 
 

@@ -9,7 +9,11 @@ from pathlib import Path
 from fcprag_plugin.errors import FcpragError
 
 from .launch import LAUNCHERS
-from .options import positive_int
+from .options import int_at_least
+
+# passages per question a slot is sized for at most (a slot holds max_adapters x rank factors per module: 1024 of
+# rank 2 on an 8B Llama are about 7 GB): a larger --slot-max-adapters is refused before anything is allocated
+MAX_SLOT_ADAPTERS = 1024
 
 QUIET_FUTURE_WARNINGS = ("transformers", "peft")  # packages whose FutureWarnings are ignored while the script runs
 # the shims' install() / fcprag_tools.launch keyword arguments -> `fcprag run`'s flags, for their messages
@@ -61,6 +65,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--use-slot", dest="use_slot", action="store_const", const=True,
                    help="merge into a pre-allocated fused slot (fcprag_plugin.slot): prag builds no merged PEFT "
                         "modules, dyprag builds no dense deltas (prag modes cat/separate)")
-    r.add_argument("--slot-max-adapters", dest="slot_max_adapters", type=positive_int,
+    r.add_argument("--slot-max-adapters", dest="slot_max_adapters", type=int_at_least(1, MAX_SLOT_ADAPTERS),
                    help="with --use-slot: fixed slot capacity (most passages per question); default: grow as needed")
     r.set_defaults(func=_cmd_run, accepts_rest=True, flag_names=RUN_FLAGS)

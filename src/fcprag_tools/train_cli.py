@@ -15,11 +15,12 @@ from fcprag_plugin.features import SIDE_FEATURES
 from fcprag_plugin.fileio import write_json
 from fcprag_plugin.training.checkpoint import CHECKPOINT_DIR, read_checkpoint_state
 from fcprag_plugin.training.evaluation import format_table
+from fcprag_plugin.training.selection import CV_PARTIAL_NAME, read_cv_partial
 from fcprag_plugin.training.labels import ON_ERROR, SkippedRecord, load_labels
 from .plots import _pyplot, write_eval_plots, write_training_plots
 from fcprag_plugin.training.targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
 from fcprag_plugin.training.selection import BOUNDS, SCALE_METRICS
-from fcprag_plugin.training.trainer import OBJECTIVES, PRECISIONS, RECIPES, TrainArgs
+from fcprag_plugin.training.trainer import MAX_EPOCHS, MAX_HIDDEN, OBJECTIVES, PRECISIONS, RECIPES, TrainArgs
 
 
 # A label record is one line of a JSON Lines file: a longer line is refused before it is parsed (parsing a huge
@@ -85,13 +86,14 @@ EVAL_FLAGS = {
 
 
 def hidden_sizes(text: str) -> list[int]:
-    """argparse type for ``--score-hidden``: comma-separated integers >= 1, e.g. ``2048,1024``."""
+    """argparse type for ``--score-hidden``: comma-separated integers from 1 to ``MAX_HIDDEN``, e.g. ``2048,1024``."""
     try:
         sizes = [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}': expected comma-separated integers >= 1, e.g. 2048,1024") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"'{text}': every hidden size must be an integer >= 1, e.g. 2048,1024")
+    if not sizes or min(sizes) < 1 or max(sizes) > MAX_HIDDEN:
+        raise argparse.ArgumentTypeError(f"'{text}': every hidden size must be an integer from 1 to {MAX_HIDDEN}, "
+                                         "e.g. 2048,1024")
     return sizes
 
 
@@ -176,6 +178,11 @@ def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
         raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
     if not out.is_dir() or not any(out.iterdir()) or overwrite:
         return
+    if not (out / CHECKPOINT_DIR).exists() and read_cv_partial(out):  # an interrupted cross-validation
+        if resume:
+            return
+        raise FcpragError(f"--out {out} holds the finished folds of an interrupted cross-validation "
+                          f"({CV_PARTIAL_NAME}); pass --resume to continue it or --overwrite to start over")
     if not (out / CHECKPOINT_DIR).exists():
         what = "--resume found no checkpoint there and it" if resume else "it"
         raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
@@ -237,15 +244,22 @@ def _after_interrupt(args: argparse.Namespace, out: Path, before: set[str] | Non
     if state is not None and not (args.overwrite and state == state_before):  # not the run --overwrite replaces
         return (f"interrupted after epoch {state.get('epoch')}, which {out}/{CHECKPOINT_DIR} holds; this continues "
                 f"the run: {_command(args.argv, add='--resume', drop='--overwrite')}")
+    partial = read_cv_partial(out)
+    if partial is not None and partial["folds"]:
+        return (f"interrupted during the cross-validation after {len(partial['folds'])} of {partial.get('n_folds')} "
+                f"folds, which {out}/{CV_PARTIAL_NAME} keeps (with {out}/training_args.json); this continues from "
+                f"there: {_command(args.argv, add='--resume', drop='--overwrite')}")
     _remove_new(out, before)
     kept = ("nothing was kept" if not before else
             f"what this run had written into {out} was removed (the rest was there before)")
     try:
         check_train_out(out, args.overwrite, args.resume)
     except FcpragError:  # e.g. --resume, and this run had already removed the checkpoint it would restart from
-        return (f"interrupted before the first epoch finished; {kept}, and {out} holds no checkpoint to resume: "
+        return (f"interrupted before the first cross-validation fold or epoch finished; {kept}, and {out} holds no "
+                f"checkpoint to resume: "
                 f"start over with {_command(args.argv, add='--overwrite', drop='--resume')}")
-    return f"interrupted before the first epoch finished; {kept}: run the same command again: {_command(args.argv)}"
+    return (f"interrupted before the first cross-validation fold or epoch finished; {kept}: run the same command "
+            f"again: {_command(args.argv)}")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -279,9 +293,71 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(res.table)
     t = res.metrics["timing_s"]
     print(f"\n{res.n_train} training / {res.n_val} validation records, {res.metrics['epochs']} epochs, "
-          f"fit {t['fit']:.1f} s; wrote {res.out} (controller, training_args.json, metrics.json, train_log.jsonl"
-          + (", plots/" if args.plots else "") + ")")
+          f"fit {t['fit']:.1f} s")
+    print("\n".join(closing_lines(res, args, train_set)))
     return 0
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option VALUE`` / ``option=VALUE``."""
+    out, skip = [], False
+    for w in argv:
+        if skip or w.startswith(option + "="):
+            skip = False
+            continue
+        if w == option:
+            skip = True
+            continue
+        out.append(w)
+    return out
+
+
+# the label metrics fcprag labels build writes, in words: what one unit of "gain" is
+METRIC_UNITS = {"answer_logprob": "mean log-likelihood of the gold answer's tokens", "f1": "answer F1 (0 to 1)",
+                "em": "exact match (0 or 1)"}
+
+
+def closing_lines(res, args: argparse.Namespace, train_set) -> list[str]:
+    """The last lines of ``fcprag train``: the one gain to quote, with its unit and its two parts, what "first
+    order" means, what was saved and the command that uses the controller (and, when the defaults end in PRAG's
+    own merge, the flag to try)."""
+    metrics = sorted({r.metric for r in train_set.records if r.metric})
+    unit = " / ".join(METRIC_UNITS.get(m, f"the label metric '{m}'") for m in metrics) or "the label metric"
+    cv, cfg = res.metrics.get("cv"), res.controller.config
+    lines = [f"In short (unit: {unit}, per record, over PRAG's sum of the passage updates):"]
+    if cv is None:
+        lines.append("  no gain was measured (--cv-folds 0): the controller says it is unproven wherever it is used")
+    else:
+        s, r = cv["scale"], cv["reweighting"]
+
+        def part(p: dict, counted: bool) -> str:
+            return ("not measured" if p["gain"] is None else f"{p['gain']:+.4g}") + (
+                "" if counted else " (not in the saved controller: not shown)")
+
+        gain = "+0 (nothing shipped but PRAG's sum)" if cv["gain"] is None else \
+            f"{cv['gain']:+.4g}, 95% CI [{cv['ci95'][0]:+.4g}, {cv['ci95'][1]:+.4g}]"
+        scale = "kappa 1: PRAG's own scale, +0" if s["kappa"] == 1.0 else \
+            f"PRAG's sum times kappa {s['kappa']:.4g}: {part(s, cv['kappa'] != 1.0)}"
+        lines += [f"  gain {gain} on held-out questions; its parts: scale ({scale}), reweighting "
+                  f"{part(r, cv['shipped'] == 'learned')}",
+                  "  first order: estimated from the leave-one-out deltas as if the passages' effects added up, "
+                  "without running the fused model (the reweighting part always; the scale part unless the labels "
+                  "measured scales). The table's 'gain' row is that estimate on the validation records alone."]
+    what = "a scale-only controller (no network, no encoder)" if cfg.controller_mode == "uniform" else \
+        "the learned controller"
+    lines.append(f"Saved {what} with kappa {cfg.kappa:.4g} to {res.out} (config.json, model.safetensors; "
+                 "training_args.json, metrics.json, train_log.jsonl" + (", cv.json" if cv else "")
+                 + (", plots/" if args.plots else "") + ").")
+    ranks = " --retrieval-rank R" if "retrieval_rank" in cfg.side_features else ""
+    lines.append(f"Use it: fcprag fuse --controller {shlex.quote(str(res.out))} --query TEXT --adapter DIR "
+                 f"--passage TEXT{ranks} (one --adapter/--passage{'/--retrieval-rank' if ranks else ''} per "
+                 f"passage) --out FUSED, or in PRAG's loop: fcprag run prag --controller "
+                 f"{shlex.quote(str(res.out))} -- src/inference.py ARGS...")
+    if cfg.controller_mode == "uniform" and cfg.kappa == 1.0 and args.kappa != "auto":
+        again = shlex.join(["fcprag", *_without_option(args.argv, "--kappa"), "--kappa", "auto"])
+        lines.append(f"This is PRAG's own merge (scale-only, kappa 1): to let the scale be chosen from the labels, "
+                     f"add --kappa auto: {again}")
+    return lines
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -295,6 +371,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         refuse_inputs("--plots", args.plots, [("labels", args.labels)])
         if Path(args.plots).exists() and not Path(args.plots).is_dir():
             raise FcpragError(f"--plots {args.plots} is an existing file; expected a directory for the PNGs")
+    if args.encoder:
+        _check_eval_encoder(args.controller, args.encoder)
     labels = read_label_file(args.labels, args.on_error, args.t_label or DEFAULT_T_LABEL)
     res = evaluate_controller(
         args.controller, labels, encoder=args.encoder, cache_dir=args.cache_dir, on_error=args.on_error,
@@ -310,6 +388,21 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         for p in write_eval_plots(args.plots, res.outputs, res.data):
             print(f"wrote {p}")
     return 0
+
+
+def _check_eval_encoder(controller: str, encoder: str) -> None:
+    """``--encoder`` of ``fcprag eval`` is the controller's own embedding model (or the same folder under another
+    name), as everywhere a controller is used; checked before any text is embedded."""
+    from types import SimpleNamespace
+
+    from fcprag_plugin.controller import FusionController
+    from fcprag_plugin.encoding import check_recorded_model, resolve_model
+
+    recorded = FusionController.from_pretrained(controller).config.embedding_model
+    name, path = resolve_model(encoder)
+    if not check_recorded_model(recorded, SimpleNamespace(name=name, source=path if os.path.exists(path) else None)):
+        raise FcpragError(f"--encoder {encoder} is not the embedding model the controller was trained with "
+                          f"('{recorded}'); leave --encoder out to use it")
 
 
 def _label_options(p: argparse.ArgumentParser, encoder_help: str) -> None:
@@ -332,8 +425,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "all-MiniLM-L6-v2)")
     t.add_argument("--out", required=True, help="output directory (controller + training_args/metrics/log)")
     t.add_argument("--val", help="explicit validation label file (default: a group/id-based split of LABELS)")
-    t.add_argument("--epochs", type=positive_int, default=d.epochs,
-                   help=f"total epochs (default {d.epochs}); with --resume, the total including the finished ones")
+    t.add_argument("--epochs", type=int_at_least(1, MAX_EPOCHS), default=d.epochs,
+                   help=f"total epochs (default {d.epochs}, at most {MAX_EPOCHS}); with --resume, the total including "
+                        "the finished ones")
     t.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help=f"records per optimizer step (default {d.batch_size})")
     t.add_argument("--lr", type=finite_float, default=d.lr, help=f"AdamW learning rate (default {d.lr:g})")
@@ -353,7 +447,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "controller's MLPs in bfloat16 with fp32 master weights")
     t.add_argument("--score-hidden", type=hidden_sizes, metavar="N[,N...]",
                    help="score net hidden sizes, e.g. 2048,1024 (default)")
-    t.add_argument("--calib-hidden", type=positive_int, metavar="N", help="calibration net hidden size (default 256)")
+    t.add_argument("--calib-hidden", type=int_at_least(1, MAX_HIDDEN), metavar="N",
+                   help="calibration net hidden size (default 256)")
     t.add_argument("--recipe", choices=list(RECIPES), default=d.recipe,
                    help="measured (default): what the measurements support (docs/results/efficacy-fresh.md): kappa "
                         "chosen on the labels' measured scales by the risk rule, a scale-only controller (or a "

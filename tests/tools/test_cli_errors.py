@@ -92,15 +92,17 @@ def bad_values(action: argparse.Action) -> list[str]:
     if action.choices:
         return ["bogus-choice"]
     name = getattr(action.type, "__name__", "")
-    minimum = getattr(action.type, "minimum", None)  # options.int_at_least(minimum)
+    minimum = getattr(action.type, "minimum", None)  # options.int_at_least(minimum, maximum)
+    maximum = getattr(action.type, "maximum", None)
     if name == "int" or minimum is not None:
-        return ["abc", "1.5"] + ([str(minimum - 1), "-3"] if minimum is not None else [])
+        return ["abc", "1.5"] + ([str(minimum - 1), "-3"] if minimum is not None else []) + (
+            [str(maximum + 1), "1000000000"] if maximum is not None else [])
     if name in ("float", "finite_float"):
         return ["abc", "nan", "inf"]
     if name == "kappa_value":
         return ["big", "0", "-1", "nan"]
     if name == "hidden_sizes":
-        return ["0", "abc", "64,"]
+        return ["0", "abc", "64,", "64,100000000"]
     return []
 
 
@@ -338,7 +340,8 @@ def test_train_ctrl_c_before_training_says_run_it_again(labelled, capsys, monkey
     rc = main(["train", str(tmp / "train.jsonl"), "--out", str(tmp / "run"), "--encoder", "syn8", *SMALL])
     err = capsys.readouterr().err
     assert rc == 130 and "Traceback" not in err and "--resume" not in err
-    assert "interrupted before the first epoch finished; nothing was kept: run the same command again: " in err
+    assert ("interrupted before the first cross-validation fold or epoch finished; nothing was kept: run the same "
+            "command again: ") in err
     assert not (tmp / "run").exists()
 
 

@@ -176,3 +176,64 @@ def test_scale_metric_f1_without_f1_labels_is_one_line(labelled, capsys):
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert str(tmp / "train.jsonl") in lines[0] and "f1_at_scales" in lines[0] and "--scales" in lines[0]
     assert not (tmp / "f1" / "config.json").exists()
+
+
+def _last_lines(text: str) -> list[str]:
+    lines = text.splitlines()
+    return lines[next(i for i, ln in enumerate(lines) if ln.startswith("In short (unit: ")):]
+
+
+def test_the_last_lines_say_the_gain_its_unit_and_parts_what_was_saved_and_how_to_use_it(labelled, capsys):
+    tmp, cache = labelled
+    out = tmp / "ctrl"
+    assert main(["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir",
+                 str(cache), "--epochs", "2", *SMALL]) == 0
+    last = _last_lines(capsys.readouterr().out)
+    cv = json.loads((out / "cv.json").read_text())
+    head, gain, first_order, saved, use = last[:5]
+    assert head.startswith("In short (unit: the label metric, per record, over PRAG's sum")  # no metric field
+    assert gain.startswith(f"  gain {cv['gain']:+.4g}, 95% CI [{cv['ci95'][0]:+.4g}, ")
+    assert "its parts: scale (" in gain and f"reweighting {cv['reweighting']['gain']:+.4g}" in gain
+    assert first_order.startswith("  first order: estimated from the leave-one-out deltas")
+    assert saved.startswith("Saved ") and f"to {out} (config.json, model.safetensors;" in saved
+    assert use.startswith(f"Use it: fcprag fuse --controller {out} --query TEXT --adapter DIR --passage TEXT")
+    assert f"fcprag run prag --controller {out} -- " in use
+
+
+def test_defaults_ending_in_prags_own_merge_suggest_kappa_auto(labelled, capsys):
+    """Deltas that are noise: nothing is shown, and the defaults (kappa 1) ship PRAG's own merge; the last line
+    is the same command with --kappa auto, which runs."""
+    tmp, cache = labelled
+    gen = __import__("random").Random(3)
+    noisy = []
+    for line in (tmp / "train.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        for k in ("metric_all", "metric_without", "scales", "metric_at_scales"):
+            rec.pop(k, None)
+        rec["deltas"] = [gen.gauss(0, 1) for _ in rec["passages"]]
+        noisy.append(json.dumps(rec))
+    (tmp / "noise.jsonl").write_text("\n".join(noisy) + "\n")
+    argv = ["train", str(tmp / "noise.jsonl"), "--out", str(tmp / "noise"), "--encoder", "syn8", "--cache-dir",
+            str(cache), "--epochs", "2", *SMALL]
+    assert main(argv) == 0
+    last = _last_lines(capsys.readouterr().out)
+    assert last[-1].startswith("This is PRAG's own merge (scale-only, kappa 1): to let the scale be chosen from "
+                               "the labels, add --kappa auto: fcprag train ")
+    again = last[-1].split("add --kappa auto: fcprag ", 1)[1].split()
+    assert again[-2:] == ["--kappa", "auto"] and again[:-2] == argv
+    assert main(again + ["--overwrite"]) == 0
+    assert "add --kappa auto" not in capsys.readouterr().out
+
+
+def test_eval_refuses_another_embedding_model_before_embedding(labelled, capsys):
+    tmp, cache = labelled
+    out = tmp / "ctrl"
+    assert main(["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir",
+                 str(cache), "--epochs", "1", "--cv-folds", "0", *SMALL]) == 0
+    capsys.readouterr()
+    base = ["eval", str(out), str(tmp / "val.jsonl"), "--cache-dir", str(cache), "--no-progress"]
+    assert main(base + ["--encoder", "syn8"]) == 0  # its own model, named: fine
+    capsys.readouterr()
+    assert main(base + ["--encoder", "other-model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--encoder other-model is not the embedding model" in err and "'syn8'" in err

@@ -16,7 +16,7 @@ from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.controller import ControllerOutput
 from fcprag_plugin.training.selection import (ScaleRule, bootstrap_ci, choose_scale, group_kfold, reweighting_gain,
                                               scale_gain, select, wilson_interval)
-from fcprag_plugin.training.trainer import TrainArgs
+from fcprag_plugin.training.trainer import TrainArgs, Trainer
 from fcprag_tools.synthetic import synthetic_records, table_encoder
 
 # small and fast, but the nets move enough in 6 epochs to learn a planted signal (and to overfit noise)
@@ -291,3 +291,19 @@ def test_keep_network_ships_the_learned_controller_and_warns(tmp_path):
     assert saved.config.controller_mode == "learned"
     with pytest.warns(UserWarning, match="NOT shown to beat PRAG's sum"):
         assert saved.warn_if_unproven()
+
+
+def test_an_interrupted_cv_goes_on_with_the_per_query_and_f1_parts_it_had():
+    """The folds a stopped CV finished (select's on_fold results, through JSON) are not redone and give the same
+    verdict, per-query scale part included."""
+    recs, table = synthetic_records(60, 3, 8, kind="noise", noise=0.1, seed=11, groups=60, scales=GRID)
+    data = build_tensors(_two_kinds_of_questions(recs, table, GRID, 11), table_encoder(table, "syn8"))
+    args = TrainArgs(epochs=2, cv_folds=3, controller={"score_hidden": [8], "calib_hidden": 8}, precision="fp32",
+                     threads=1).validate()
+    saved = []
+    full = select(data, args, "syn8", Trainer, args.scale_rule, on_fold=lambda r: saved.append(json.loads(
+        json.dumps(r))))
+    again = select(data, args, "syn8", Trainer, args.scale_rule, done=saved[1])
+    assert [full[k] for k in ("gain", "ci95", "shipped", "kappa")] == [again[k] for k in ("gain", "ci95", "shipped",
+                                                                                         "kappa")]
+    assert full["query_scale"] == {**again["query_scale"]} and full["scale"]["by_metric"] == again["scale"]["by_metric"]

@@ -67,6 +67,7 @@ class WeightProvider:
         # A name/path is loaded lazily, and only when the weights need an encoder (not for uniform merges).
         self._encoder_name = str(encoder) if isinstance(encoder, (str, Path)) else None
         self._encoder = None if self._encoder_name is not None else encoder
+        self._recipe_checked = False
 
     @property
     def encoder(self) -> Any:
@@ -82,13 +83,20 @@ class WeightProvider:
     @property
     def needs_adapters(self) -> bool:
         """Whether :meth:`weights` reads the adapters (a controller trained with adapter statistics)."""
-        return "adapter_stats" in side_inputs(self.controller)
+        return "adapter_stats" in side_inputs(self.controller) or (
+            self.controller is not None and bool(self.controller.config.trained_for) and not self._recipe_checked)
 
     def weights(self, question: str, passages: Sequence[str], adapters: Any = None) -> FusionWeights:
         """The :class:`~fcprag_plugin.weights.FusionWeights` for one question. ``retrieval_rank`` is the position
         (hosts pass passages in retrieval order); ``adapter_stats`` come from ``adapters`` (read only when
-        :attr:`needs_adapters`); hosts keep no retrieval scores (``predict`` takes them as equal)."""
+        :attr:`needs_adapters`); hosts keep no retrieval scores (``predict`` takes them as equal, with a warning).
+        The first call's adapters are checked against the controller's recipe (``check_adapters``)."""
         check_texts(question, passages)
+        trained_for = self.controller is not None and self.controller.config.trained_for
+        if adapters is not None and trained_for and not self._recipe_checked:
+            self._recipe_checked = True  # the first merge's adapters: the recipe of a host's run
+            adapters = list(adapters() if callable(adapters) else adapters)  # read once, also for the statistics
+            self.controller.check_adapters(adapters)
         side = side_inputs(self.controller, adapters=adapters,
                            retrieval_ranks=[float(i + 1) for i in range(len(passages))])
         return query_weights(self.controller, question, passages, self.encoder, side)

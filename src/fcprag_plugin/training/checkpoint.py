@@ -19,7 +19,7 @@ from ..controller import FusionController
 from ..errors import FcpragError
 
 CHECKPOINT_DIR = "checkpoint"
-STATE_NAME = "state.json"
+STATE_NAME = "state.json"  # these two names mark a checkpoint (controller.CHECKPOINT_MARKERS)
 OPTIM_NAME = "optimizer.safetensors"
 
 
@@ -68,7 +68,7 @@ def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.op
     from safetensors import safe_open
 
     ckpt = out / CHECKPOINT_DIR
-    saved = FusionController.from_pretrained(ckpt)
+    saved = FusionController._from_dir(ckpt)  # from_pretrained refuses checkpoints: they are not controllers
     if saved.config != controller.config:
         raise FcpragError(f"{ckpt / 'config.json'}: the checkpoint's controller config differs from this run's "
                           f"({saved.config} vs {controller.config})")

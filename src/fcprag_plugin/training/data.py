@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ..errors import LabelFileError
+from ..errors import BARE, LabelFileError, kw
 from ..features import ADAPTER_STAT_NAMES, side_feature_columns
 from .embed_cache import EmbeddingCache, embed_texts
 from .labels import LabelRecord
@@ -171,7 +171,9 @@ def side_rows(record: LabelRecord, side_features: Sequence[str]) -> list[list[fl
         v = getattr(record, _SIDE_FIELDS[name])
         if v is None:
             raise LabelFileError(f"{record.where}: field '{_SIDE_FIELDS[name]}' is missing; the side feature "
-                                 f"'{name}' was requested, so every record needs it")
+                                 f"'{name}' was requested ({kw('side_features')}), so every record needs it "
+                                 "(fcprag labels build writes it; docs/label-format.md)",
+                                 params=[("side_features", BARE)])
         cols.append([[float(s[k]) for k in ADAPTER_STAT_NAMES] for s in v] if name == "adapter_stats"
                     else [[float(x)] for x in v])
     return [[x for c in cols for x in c[i]] for i in range(record.n)]

@@ -23,10 +23,12 @@ parts evaluated) lies above 0. The risk rule's loss share is a proportion of que
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -39,6 +41,7 @@ from . import query_scale as qs
 logger = logging.getLogger(__name__)
 
 CV_NAME = "cv.json"
+CV_PARTIAL_NAME = "cv.partial.json"  # the folds an interrupted cross-validation finished (select's on_fold)
 BOOTSTRAP = 2000
 PARTS = 2  # scale and reweighting: the Bonferroni factor of the "shown" decisions (3 with the per-query scale)
 CI_METHOD = f"percentile bootstrap over questions (groups), {BOOTSTRAP} resamples"
@@ -207,6 +210,22 @@ def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, s
     return 1.0, "no_scales", None
 
 
+def _from_json(values: Any) -> torch.Tensor:
+    """A (nested) list written by ``write_json`` back to float64, its nulls to NaN."""
+    back = lambda v: [back(x) for x in v] if isinstance(v, list) else float("nan" if v is None else v)  # noqa: E731
+    return torch.tensor(back(values), dtype=torch.float64)
+
+
+def read_cv_partial(out: Any) -> dict[str, Any] | None:
+    """The folds an interrupted cross-validation in run directory ``out`` finished (``{"key", "n_folds",
+    "folds"}``), or None when there are none or the file is unreadable (cut off mid-write: nothing to go on from)."""
+    try:
+        got = json.loads((Path(out) / CV_PARTIAL_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) and isinstance(got.get("folds"), list) else None
+
+
 def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: int = PARTS) -> dict[str, Any]:
     """Mean, 95% CI, the Bonferroni-adjusted CI (over ``parts``) and whether that one lies above 0, over the
     non-NaN records."""
@@ -221,7 +240,8 @@ def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: 
 
 
 def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
-           rule: ScaleRule = ScaleRule(), progress: bool = False) -> dict[str, Any]:
+           rule: ScaleRule = ScaleRule(), progress: bool = False, done: Sequence[dict[str, Any]] = (),
+           on_fold: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Nested grouped CV (module docstring) -> a JSON-ready dict: the epoch count and ``kappa`` to ship, the parts
     with their CIs, what to ship and the verdict of the shipped controller against PRAG's sum.
 
@@ -229,7 +249,9 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     measurement); else ``query_scale`` when the per-query scale's part is shown and its held-out loss share keeps
     the risk rule; else ``scale_only`` (PRAG's sum times kappa; kappa 1 when the scale part is not shown).
     ``args`` is the run's ``TrainArgs``; ``trainer(train_data, None, None, args, embedding_model)`` builds one
-    fold's trainer (passed in so that this module does not import the one that imports it).
+    fold's trainer (passed in so that this module does not import the one that imports it). Each fold depends only
+    on its own seed, so a CV can stop and go on: ``on_fold(results)`` is called with the JSON-ready results of the
+    folds finished so far after each fold, and ``done`` (such a list, from the same data and ``args``) skips them.
     """
     t0 = time.perf_counter()
     folds = group_kfold(data.groups, args.cv_folds, args.seed)
@@ -246,9 +268,24 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     q_gain, q_global = nan(), nan()  # per-query scale vs the sum, and the fold's global kappa vs the sum
     fold_epochs, fold_kappas, fold_heads, scale_measured = [], [], [], True
     fold_args = dataclasses.replace(args, cv_folds=0)
+    results: list[dict[str, Any]] = []
     with tqdm(total=len(folds) * E, unit="epoch", desc=f"nested {len(folds)}-fold CV", dynamic_ncols=True,
               disable=not progress) as bar:
         for f, held in enumerate(folds):
+            if f < len(done) and done[f].get("held") == held:  # finished by an interrupted run
+                r = done[f]
+                curve[:, held], rw[held] = _from_json(r["curve"]), _from_json(r["reweighting"])
+                for m in scale:
+                    scale[m][held] = _from_json(r["scale"][m])
+                if per_query:
+                    q_gain[held], q_global[held] = _from_json(r["q_gain"]), _from_json(r["q_global"])
+                    fold_heads.append(r["head"])
+                scale_measured &= bool(r["measured"])
+                fold_epochs.append(int(r["epochs"]))
+                fold_kappas.append(float(r["kappa"]))
+                results.append(r)
+                bar.update(E)
+                continue
             rest = [i for i in range(R) if i not in set(held)]
             inner = group_kfold([data.groups[i] for i in rest], len(folds), args.seed + 1 + f)
             # one question left to train on: its epochs are chosen on itself, still never on the held-out ones
@@ -273,9 +310,10 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             total = totals(w_held, held_data) if args.controller.get("query_scale") else \
                 torch.full((len(held),), kappa, dtype=torch.float64)
             for m in scale:
-                scale[m][held], measured = scale_gain(held_data, total, m)
+                scale[m][held], measured_m = scale_gain(held_data, total, m)
                 if m == metric:
-                    scale_measured &= measured
+                    measured = measured_m
+            scale_measured &= measured
             if per_query and has_measured(rest_data, metric):
                 head, info = qs.fit_query_scale(rest_data, metric, kappa, rule, args.seed + f)
                 chosen = qs.choose(head, held_data)
@@ -287,6 +325,14 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
                                               if int((chosen == v).sum())}})
             fold_epochs.append(e_f)
             fold_kappas.append(kappa)
+            results.append({"held": held, "curve": curve[:, held].tolist(), "reweighting": rw[held].tolist(),
+                            "scale": {m: v[held].tolist() for m, v in scale.items()}, "measured": measured,
+                            "epochs": e_f, "kappa": kappa,
+                            **({"q_gain": q_gain[held].tolist(), "q_global": q_global[held].tolist(),
+                                "head": fold_heads[-1] if len(fold_heads) == len(fold_epochs) else None}
+                               if per_query else {})})
+            if on_fold is not None:
+                on_fold(results)
     pooled = curve.mean(1)
     epochs = int(torch.argmax(pooled))  # first maximum: the fewest epochs among ties (0 = uniform weights)
     kappa, how, grid = fold_kappa(data, args, rule)

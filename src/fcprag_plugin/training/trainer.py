@@ -26,13 +26,14 @@ from ..errors import FcpragError, LabelFileError, kw
 from ..features import SIDE_FEATURES, center_side
 from ..fileio import finite_or_none, write_json
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
-from .data import LabelTensors, build_tensors
+from .data import LabelTensors, build_tensors, side_rows
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
 from .evaluation import collect_outputs, evaluate, format_table, metrics_from_outputs
 from .precision import autocast, resolve_precision
 from . import query_scale as qs
-from .selection import BOUNDS, CV_NAME, SCALE_METRICS, ScaleRule, fold_kappa, has_measured, select, verdict_lines
+from .selection import (BOUNDS, CV_NAME, CV_PARTIAL_NAME, SCALE_METRICS, ScaleRule, fold_kappa, has_measured,
+                        read_cv_partial, select, verdict_lines)
 from .targets import (DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, estimate_lambda,
                       risk_loss, weighted_kl)
 
@@ -52,6 +53,9 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 # arguments that may change between a run and its resume (they do not change what is learned)
 # (precision: "auto" may resolve differently on another machine; the resolved precision is compared instead)
+# more epochs than anyone trains a controller for (the cross-validation keeps a curve of (epochs + 1) x records),
+# and a wider layer than any controller needs (a 16384 x 16384 layer is 1 GiB): sizes refused before allocation
+MAX_EPOCHS, MAX_HIDDEN = 10_000, 16_384
 _RESUME_FREE = {"epochs", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network", "precision"}
 
 
@@ -101,7 +105,8 @@ class TrainArgs:
             if not ok:
                 raise FcpragError(f"training argument {what}", params=params)
 
-        need(isinstance(self.epochs, int) and self.epochs >= 1, f"'epochs' is {self.epochs!r}, expected an int >= 1")
+        need(isinstance(self.epochs, int) and 1 <= self.epochs <= MAX_EPOCHS,
+             f"'epochs' is {self.epochs!r}, expected an int from 1 to {MAX_EPOCHS}")
         need(isinstance(self.batch_size, int) and self.batch_size >= 1,
              f"'batch_size' is {self.batch_size!r}, expected an int >= 1")
         need(self.lr > 0, f"'lr' is {self.lr}, expected > 0")
@@ -115,6 +120,9 @@ class TrainArgs:
                                                                           "format_version"}
         bad = sorted(set(self.controller) - known)
         need(not bad, f"'controller' has unknown key(s) {bad}; expected among {sorted(known)}")
+        sizes = [*self.controller.get("score_hidden", []), self.controller.get("calib_hidden", 1)]
+        need(all(isinstance(h, int) and 1 <= h <= MAX_HIDDEN for h in sizes),
+             f"'controller' hidden sizes are {sizes}, expected ints from 1 to {MAX_HIDDEN}")
         need(self.objective in OBJECTIVES, f"'objective' is {self.objective!r}, expected one of {list(OBJECTIVES)}")
         need(self.risk_lambda is None or (isinstance(self.risk_lambda, (int, float)) and self.risk_lambda > 0),
              f"'risk_lambda' is {self.risk_lambda!r}, expected a number > 0 or None (estimated from the labels)")
@@ -276,6 +284,19 @@ def resolve_encoder(encoder: Any) -> tuple[str, Any]:
     return resolve_model(encoder)[0], functools.cache(lambda: get_encoder(encoder))
 
 
+def trained_for(records: Sequence[LabelRecord]) -> dict[str, Any] | None:
+    """The base model(s) (the records' ``model``) and the distinct adapter recipes (``adapter_recipe``, written by
+    ``fcprag labels build``) of the training records, for the controller's ``config.trained_for``; None when the
+    labels do not say."""
+    recipes: list[Any] = []
+    models: list[Any] = []
+    for r in records:
+        for seen, v in ((recipes, r.extra.get("adapter_recipe")), (models, r.extra.get("model"))):
+            if v is not None and v not in seen:
+                seen.append(v)
+    return {"base_model": models, "adapter_recipes": recipes} if recipes else None
+
+
 def open_cache(cache_dir: str | Path | None, model_name: str, dim: int | None) -> EmbeddingCache | None:
     if cache_dir == "":
         return None
@@ -378,7 +399,7 @@ class Trainer:
         """Load the checkpoint in ``out`` when there is one; returns whether it did."""
         state = read_checkpoint_state(self.out)
         if state is None:
-            logger.warning("%s: no checkpoint found, training from scratch", self.out / CHECKPOINT_DIR)
+            logger.warning("%s: no checkpoint: the network trains from its start", self.out / CHECKPOINT_DIR)
             return False
         old, new = state.get("args", {}), asdict(self.args)
         diff = sorted(k for k in set(old) | set(new) if k not in _RESUME_FREE and old.get(k) != new.get(k))
@@ -511,6 +532,8 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
         raise LabelFileError(f"{train_set.path}: no training records left after the split ({how})")
     logger.info("%d training and %d validation records (split: %s)", len(train_recs), len(val_recs), how)
 
+    for r in (*train_recs, *val_recs):  # every field the side features need, before any text is embedded
+        side_rows(r, args.side_features)
     name, enc = resolve_encoder(encoder)
     cache = open_cache(args.cache_dir, name, getattr(enc, "dim", None))
     tkw = dict(t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, progress=progress,
@@ -529,7 +552,7 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
         "n_train_flat": int(train_t.flat.sum()), "embedding_model": name, "embed_dim": train_t.dim,
         "cache_dir": str(cache.dir) if cache is not None else None,
         "skipped": {"labels": len(train_set.skipped), **({"val": len(val_set.skipped)} if val_set else {})},
-        "versions": _versions(),
+        "versions": _versions(), "trained_for": trained_for(train_recs),
     }
     run = Run(args, out, resume, progress, train_set, val_set, train_t, val_t, how, name, info, t_start,
               time.perf_counter() - t_start)
@@ -539,6 +562,7 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         (out / CV_NAME).unlink(missing_ok=True)
+        (out / CV_PARTIAL_NAME).unlink(missing_ok=True)
     write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": resolve_precision(args.precision),
                                  "risk_lambda_used": args.risk_lambda_for(train_t), **info})
     return run
@@ -553,8 +577,18 @@ def select_by_cv(run: Run) -> dict[str, Any] | None:
         return None
     cv = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv:
-        cv = select(run.train, args, run.embedding_model, Trainer, args.scale_rule, run.progress)
+        # the folds finished so far are kept (CV_PARTIAL_NAME) and, on resume with the same arguments and labels,
+        # not redone
+        key = {"args": {k: v for k, v in asdict(args).items() if k not in _RESUME_FREE or k == "epochs"},
+               "label_sha256": run.info.get("label_sha256")}
+        partial = read_cv_partial(run.out) if run.resume else None
+        same = partial is not None and partial.get("key") == json.loads(json.dumps(finite_or_none(key), default=str))
+        done = partial["folds"] if same else []  # made with other arguments or labels: the CV starts over
+        cv = select(run.train, args, run.embedding_model, Trainer, args.scale_rule, run.progress, done=done,
+                    on_fold=lambda folds: write_json(run.out / CV_PARTIAL_NAME, {
+                        "key": key, "n_folds": args.cv_folds, "folds": folds}))
         write_json(path, cv)
+        (run.out / CV_PARTIAL_NAME).unlink(missing_ok=True)
     if args.keep_network and cv["shipped"] != "learned":  # keep_network may change on a resume
         cv = {**cv, "shipped": "learned"}
     return cv
@@ -605,7 +639,7 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
     kappa = cv["kappa"] if cv is not None else fold_kappa(run.train, args, args.scale_rule)[0]
     if controller.config.controller_mode == "scale":
         kappa = 1.0  # its scale is the head's, per query
-    updates: dict[str, Any] = {"kappa": kappa}
+    updates: dict[str, Any] = {"kappa": kappa, "trained_for": run.info.get("trained_for")}
     if cv is not None:
         part = ("gain", "ci95", "shown", "n_records")
         updates["cv"] = {k: cv[k] for k in ("gain", "ci95", "ci_method", "verdict", "folds", "selected_epochs",
@@ -615,6 +649,9 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
             **({"query_scale": {k: cv["query_scale"][k] for k in (*part, "measured")}} if "query_scale" in cv
                else {}),
             "source": str(out)}
+    else:  # no cross-validation, no verdict: the controller says it is unproven wherever it is used
+        updates["cv"] = {"gain": None, "ci95": None, "verdict": "unproven", "folds": 0, "objective": args.objective,
+                         "shipped": "learned", "source": str(out)}
     controller.config = dataclasses.replace(controller.config, **updates)
     controller.save_pretrained(out)
     report_on = run.val if run.val is not None else run.train  # no validation data: report the training set

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.features import adapter_recipe, adapter_stats
 from fcprag_plugin.slot import activate
 from fcprag_plugin.fusion import fuse_into
 from fcprag_plugin.merge import merge_adapters
@@ -163,6 +164,7 @@ class LabelBuilder:
         self.device = next(model.parameters()).device
         self._slot: Any = None
         self._reserve = 1
+        self._adapter_fields: dict[str, dict[str, Any]] = {}  # record id -> adapter_stats, adapter_recipe
 
     def reserve(self, max_adapters: int) -> None:
         """Size the fused slot for records of up to ``max_adapters`` adapters (avoids resizes mid-run)."""
@@ -235,7 +237,11 @@ class LabelBuilder:
             score_prompt, gen_prompt, answers_ids = self.prompts(rec)
         except FcpragError as e:
             raise LabelBuildError(f"record '{rec.id}' ({rec.where}): {e}") from e
-        return score_prompt, gen_prompt, answers_ids, self.load_adapters(rec)
+        adapters = self.load_adapters(rec)
+        # the side features and recipe fcprag train reads (--side-features adapter_stats; config.trained_for)
+        self._adapter_fields[rec.id] = {"adapter_stats": [adapter_stats(a) for a in adapters],
+                                        "adapter_recipe": adapter_recipe(adapters[0])}
+        return score_prompt, gen_prompt, answers_ids, adapters
 
     def label(self, rec: ManifestRecord) -> dict[str, Any]:
         """Evaluate one record (N + 1 subsets, and the scales) and return its label record (batched when
@@ -383,6 +389,8 @@ class LabelBuilder:
         out["prompt_mode"] = o.prompt_mode + ("+cot" if o.cot else "")
         if o.model_name:
             out["model"] = o.model_name
+        out.update(rec.retrieval)
+        out.update(self._adapter_fields.pop(rec.id, {}))
         out.update(rec.extra)
         return out
 

@@ -48,7 +48,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
     options = BuildOptions(prompt_mode=args.prompt_mode, template=template, use_chat_template=chat, cot=args.cot,
                            scoring=args.scoring, metric=args.metric, generate=not args.no_generation,
-                           max_new_tokens=args.max_new_tokens, empty_generation=args.empty_generation,
+                           max_new_tokens=args.max_new_tokens, empty_generation=(
+                               args.empty_generation if args.empty_generation != "auto" else
+                               "fail" if args.metric in ("f1", "em") else "zero"),
                            use_slot=args.use_slot, batch_size=args.batch_size, scales=args.scales or (),
                            model_name=args.model + (f"::{args.gguf_file}" if args.gguf_file else ""))
     options.validate()
@@ -165,8 +167,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="greedy generation length (default 32)")
     b.add_argument("--on-error", dest="on_error", default="fail", choices=["fail", "skip"],
                    help="a record that fails (adapter does not load, empty generation): stop, or log and skip it")
-    b.add_argument("--empty-generation", dest="empty_generation", default="fail", choices=["fail", "zero"],
-                   help="an empty answer is a record error (fail) or scores f1 = em = 0 (zero)")
+    b.add_argument("--empty-generation", dest="empty_generation", default="auto", choices=["auto", "fail", "zero"],
+                   help="an empty answer is a record error (fail) or scores f1 = em = 0, counted in the record's "
+                        "empty_generations (zero); auto (default): fail when --metric is f1 or em (the label itself "
+                        "would be made up), else zero (the label metric does not read the generation)")
     b.add_argument("--use-slot", dest="use_slot", action="store_true",
                    help="evaluate subsets in one pre-allocated fused slot (fcprag_plugin.slot.FusedSlot) instead of "
                         "a merged adapter + hooks per subset")

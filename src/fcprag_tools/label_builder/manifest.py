@@ -4,6 +4,7 @@ conversion from PRAG's on-disk layout."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -29,6 +30,8 @@ class ManifestRecord:
     line: int = 0
     source: str = "<memory>"
     extra: dict[str, Any] = field(default_factory=dict)
+    # per passage, for the label record: retrieval_ranks (and retrieval_scores when given), see retrieval_fields
+    retrieval: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -90,7 +93,32 @@ def parse_record(obj: Any, where: str, base_dir: Path | None = None, *, line: in
     paths = [Path(a) if Path(a).is_absolute() or base_dir is None else base_dir / a for a in adapters]
     extra = {k: obj[k] for k in PASS_THROUGH_FIELDS if k in obj}
     _check_pass_through(extra, where)
-    return ManifestRecord(rid, question, answers, passages, paths, line=line, source=source, extra=extra)
+    return ManifestRecord(rid, question, answers, passages, paths, line=line, source=source, extra=extra,
+                          retrieval=retrieval_fields(obj, len(passages), where))
+
+
+def _numbers(obj: dict[str, Any], name: str, n: int, where: str) -> list[float] | None:
+    if name not in obj:
+        return None
+    v = obj[name]
+    if not isinstance(v, list) or len(v) != n or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
+        raise _fail(where, name, f"a list of {n} finite numbers (one per passage, same order)", v)
+    return [float(x) for x in v]
+
+
+def retrieval_fields(obj: dict[str, Any], n: int, where: str) -> dict[str, list[float]]:
+    """The side features a manifest line gives or implies, for its label record: ``retrieval_scores`` as given
+    (optional); ``retrieval_ranks`` as given, else from the scores (0 = the highest; ties keep the manifest's
+    order), else the manifest's order ``0 .. N-1`` (PRAG lists its passages in retrieval order)."""
+    ranks, scores = _numbers(obj, "retrieval_ranks", n, where), _numbers(obj, "retrieval_scores", n, where)
+    if ranks is None and scores is not None:
+        order = sorted(range(n), key=lambda i: -scores[i])  # stable: ties in manifest order
+        ranks = [0.0] * n
+        for r, i in enumerate(order):
+            ranks[i] = float(r)
+    out = {"retrieval_ranks": ranks if ranks is not None else [float(i) for i in range(n)]}
+    return {**out, "retrieval_scores": scores} if scores is not None else out
 
 
 def _check_pass_through(extra: dict[str, Any], where: str) -> None:

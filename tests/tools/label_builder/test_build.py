@@ -245,11 +245,18 @@ def test_empty_generation_is_a_record_error_or_zero(tmp_path, capsys):
     out = tmp_path / "labels.jsonl"
     args = ["labels", "build", str(manifest), "--model", str(model_dir), "--out", str(out), "--max-new-tokens", "2",
             "--no-progress"]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "record 'e1'" in err and "empty generation with all 1 adapters" in err
-    assert not out.exists() or out.read_text() == ""
+    for extra in (["--empty-generation", "fail"], ["--metric", "f1"]):  # the default fails where f1 is the label
+        assert main(args + extra) == 2
+        err = capsys.readouterr().err
+        assert "record 'e1'" in err and "empty generation with all 1 adapters" in err
+        assert not out.exists() or out.read_text() == ""
+    # the default with the answer_logprob label: the generation is an extra, an empty one scores 0 and is counted
+    assert main(args) == 0
+    default = out.read_text()
+    assert json.loads(default)["metric"] == "answer_logprob"
+    out.unlink()
     assert main(args + ["--empty-generation", "zero"]) == 0
+    assert out.read_text() == default
     (rec,) = read_jsonl(out)
     assert rec["f1_all"] == 0.0 and rec["f1_without"] == [0.0] and rec["empty_generations"] == 2
     assert rec["prediction_all"] == ""
