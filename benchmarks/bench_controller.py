@@ -4,8 +4,8 @@ The float32 controller is memory-bound: its score net streams 21 MB (d = 384) / 
 call. The script times, side by side in one run, the float32 reference (``FusionController.forward``) and the
 bfloat16 copy of ``for_inference``, for d = 384 and 768 and torch threads 1 and 2; variants are interleaved in
 rounds so a change in the machine's load hits all of them alike. Reported: the median of many calls and the
-ratio to float32, plus the machine's load average. Issue 6's 1 ms target is retired (issue 12): a few ms sit next
-to tens of ms of sentence encoding and seconds of generation per query.
+ratio to float32, plus the machine's load average. There is no latency target: a few ms sit next to tens of ms of
+sentence encoding and seconds of generation per query.
 
 Two cache states:
   hot   calls back to back: the weights stay in the CPU caches (best case; what a tight loop sees);

@@ -506,8 +506,8 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{c['forward']['median_ms']:.2f} | "
                  f"{c['weight_bytes_copy']['median_ms']:.2f} | {c['ratio_forward_over_weight_copy']:.1f}x | "
                  f"{c.get('max_abs_merge_weight_diff_vs_fp32', 0.0):.1e} |")
-    L += ["", "A few ms per query, next to tens of ms of sentence encoding and seconds of generation; no target (the "
-              "earlier < 1 ms target is retired, issue 12)."]
+    L += ["", "A few ms per query, next to tens of ms of sentence encoding and seconds of generation; no latency "
+              "target."]
     peer_rows = [r for r in res["fusion"] if "peers" in r]
     if peer_rows:
         L += ["", "**PEFT's own fastest per-query merges** (same run, interleaved with a fresh (b) and (d); ratios to "

@@ -1,6 +1,6 @@
 """Label builder throughput: records/s, side by side in one run, in two modes.
 
-``--mode batch`` (default; issue 14.2), one process, ``--threads`` (default 1) torch threads: the real
+``--mode batch`` (default), one process, ``--threads`` (default 1) torch threads: the real
 SmolLM2-135M-Instruct from the offline GGUF package (dequantised to float32; a random model of its shape when the
 package is missing), real HotpotQA questions with their first N passages, each passage its own random rank-2
 adapter on gate/up/down_proj (PRAG's setting). It labels the same records with

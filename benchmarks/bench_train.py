@@ -3,8 +3,8 @@
 The script writes a synthetic label file (plus a 1,000-record validation file), fills the embedding cache once
 (not timed), then times ``train_controller`` end to end with a warm cache (parsing, cache look-up, training,
 per-epoch validation and checkpoints, final metrics) for each requested precision, and prints seconds, CPU-seconds
-and records/s, for comparing versions of the trainer side by side (issue 3's 60 s target is retired; issue 12
-replaced the custom kernels that served it by ``torch.autocast``: docs/results/bench_train.md). The timed runs
+and records/s, for comparing versions of the trainer side by side (no time target; bf16 runs through
+``torch.autocast``: docs/results/bench_train.md). The timed runs
 train exactly ``--epochs`` epochs (``cv_folds=0``); ``--cv-folds K`` times the trainer's default instead, whose
 grouped K-fold cross-validation trains K more controllers before the final one (about K times the work).
 

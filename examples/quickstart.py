@@ -4,7 +4,7 @@ For each demo question (``adapters/demo/manifest.json``: 3 HotpotQA questions, 3
 one LoRA per passage for SmolLM2-135M-Instruct), it fuses the passage adapters
 
 - with PRAG's uniform merge (``controller=None``: ``w~ = [1, 1, 1]``),
-- with a controller *trained right here* (minutes, with progress bars; see README's demo timings) with
+- with a controller *trained right here* (minutes, with progress bars; see docs/demo.md's timings) with
   ``fcprag_plugin.training.train_controller`` and the efficacy study's recommended recipe (``RECIPE``) from the
   shipped label file ``examples/data/efficacy_train_labels.jsonl``: the study's leave-one-out labels of 126
   HotpotQA and 2WikiMultihopQA training questions (``benchmarks/efficacy/``; the demo questions are in its test
@@ -289,7 +289,7 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
 
 class PartTimer:
     """Wall and CPU seconds (this process, all its threads) of consecutive parts of the demo, printed at the end;
-    README's demo timings come from it. CPU seconds say how much work a part is whatever else the machine runs."""
+    docs/demo.md's timings come from it. CPU seconds say how much work a part is whatever else the machine runs."""
 
     def __init__(self) -> None:
         self.start = self.last = (time.perf_counter(), time.process_time())

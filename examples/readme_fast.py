@@ -1,5 +1,6 @@
 # examples/readme_fast.py; run it from the repository root: python examples/readme_fast.py [CONTROLLER_DIR]
-from readme_example import adapter_dirs, controller, inputs, model, output, passages, query, ranks, result
+from readme_model import inputs, model, output  # first: it keeps transformers' progress bars off
+from readme_example import adapter_dirs, controller, passages, query, ranks, result  # noqa: I001
 
 from fcprag_plugin import fuse_into
 from fcprag_plugin.slot import AdapterStore, FusedSlot

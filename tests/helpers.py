@@ -151,7 +151,7 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
-# ----------------------------------------------------------------------------- label builder (issue 7)
+# ----------------------------------------------------------------------------- label builder
 TINY_SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>"]
 TINY_WORDS = (
     "answer the question with a short using passages below and your own knowledge passage is what who where "

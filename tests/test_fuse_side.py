@@ -1,4 +1,4 @@
-"""Side features end to end (issue 15 section 2): fuse(), the slot path, the shims' WeightProvider, and kappa."""
+"""Side features end to end: fuse(), the slot path, the shims' WeightProvider, and kappa."""
 
 import dataclasses
 

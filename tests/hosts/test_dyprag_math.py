@@ -3,6 +3,8 @@ float64 references written out here."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -89,10 +91,11 @@ def test_unknown_mode():
 
 def test_delta_needs_lora_pairs():
     outs = make_outputs(2)
-    odd = [{**o, "some.bias": torch.zeros(3)} for o in outs]
+    odd = [{**o, "some.bias": torch.full((3,), float(i + 1))} for i, o in enumerate(outs)]
     with pytest.raises(HookError, match="key 'some.bias'"):
         dm.aggregate(odd, weights(2), "delta")
-    dm.aggregate(odd, weights(2), "separate")  # separate weights any key
+    sep = dm.aggregate(odd, weights(2), "separate")  # separate weights any key, the bias included
+    torch.testing.assert_close(sep["some.bias"], torch.full((3,), weights(2)[0] * 1 + weights(2)[1] * 2))
     half = [{k: v for k, v in o.items() if not k.endswith("layers.0.mlp.gate_proj.lora_B.weight")} for o in outs]
     with pytest.raises(HookError, match=r"module '.*layers\.0\.mlp\.gate_proj' has only"):
         dm.aggregate(half, weights(2), "delta")
@@ -107,11 +110,22 @@ def test_delta_needs_lora_pairs():
 # ----------------------------------------------------------------------------- alignment
 @pytest.mark.parametrize("n", [1, 3, 5])
 def test_alignment_accepts_dyprag_mean(n):
+    """DyPRAG's mean and the same mean in another summation order pass; the same dict moved by more than the
+    stated tolerance (8 ulps of the dtype at the inputs' largest magnitude) is refused."""
     outs = make_outputs(n)
-    dm.check_alignment(outs, dyprag_mean(outs), n, "q")
-    # another summation order (sum / N) is within a few ulps: accepted
+    assert dm.check_alignment(outs, dyprag_mean(outs), n, "q") is None
     other = {k: sum(o[k] for o in reversed(outs)) / n for k in outs[0]}
-    dm.check_alignment(outs, other, n, "q")
+    # the reordered sum is within the tolerance; an independent float64 check of that premise:
+    for k in outs[0]:
+        scale = float(torch.stack([o[k] for o in outs]).abs().max())
+        gap = float((other[k].double() - torch.stack([o[k].double() for o in outs]).mean(0)).abs().max())
+        assert gap <= 8 * torch.finfo(torch.float32).eps * scale
+    assert dm.check_alignment(outs, other, n, "q") is None
+    k = next(iter(outs[0]))
+    scale = float(torch.stack([o[k] for o in outs]).abs().max())
+    moved = {**other, k: other[k] + 64 * torch.finfo(torch.float32).eps * scale}
+    with pytest.raises(HookError, match=rf"key '{re.escape(k)}'.*not the plain mean of the {n}"):
+        dm.check_alignment(outs, moved, n, "q")
 
 
 def test_alignment_count_mismatch():
@@ -154,7 +168,13 @@ def test_alignment_keys_and_shapes():
 
 
 def test_alignment_nan_in_same_place_is_accepted():
+    """A NaN in a translator output passes when DyPRAG's mean has it at the same place, and is refused elsewhere."""
     outs = make_outputs(2)
     k = next(iter(outs[0]))
     outs[0][k][0, 0] = float("nan")
-    dm.check_alignment(outs, dyprag_mean(outs), 2)
+    merged = dyprag_mean(outs)
+    assert torch.isnan(merged[k][0, 0]) and dm.check_alignment(outs, merged, 2) is None
+    elsewhere = merged[k].clone()
+    elsewhere[0, 0], elsewhere[1, 1] = 0.0, float("nan")
+    with pytest.raises(HookError, match="not the plain mean"):
+        dm.check_alignment(outs, {**merged, k: elsewhere}, 2)

@@ -17,8 +17,6 @@ from fcprag_plugin.hosts import dyprag
 from fcprag_tools.launch import launch_dyprag
 from fcprag_plugin.hosts.context import clear_context, explicit_context, set_context
 
-pytest.importorskip("peft")
-
 TEXTS = ["the famous bridge in the old town was built by person one",
          "unrelated text about weather and cooking",
          "sports scores from last year in another city"]

@@ -12,6 +12,8 @@ import torch
 
 from prag_double.world import DOUBLE_SCRIPT, build_world, dense_reference, read_capture
 
+pytestmark = pytest.mark.slow  # every test runs the CLI (torch, the host double) in a fresh process
+
 
 def _run_cli(options: list[str], script_args: list[str], cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

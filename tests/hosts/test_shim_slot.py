@@ -24,8 +24,6 @@ from fcprag_tools.launch import launch_dyprag, launch_prag, run_script
 from helpers import files_reference, fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
 from prag_double.world import DOUBLE_SCRIPT, World, build_world, dense_reference, read_capture, reference_logits
 
-pytest.importorskip("peft")
-
 STALE = peft_has_stale_config_bug()
 
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 # Warnings attributed to a module are what `warnings` filters by: code run with that module's __name__ raises them
@@ -26,6 +28,7 @@ print("host ran")
 '''
 
 
+@pytest.mark.slow
 def test_only_transformers_and_peft_future_warnings_are_quiet(tmp_path):
     script = tmp_path / "host.py"
     script.write_text(HOST, encoding="utf-8")

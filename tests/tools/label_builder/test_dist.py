@@ -14,6 +14,7 @@ import torch
 
 from fcprag_tools.cli import main
 from fcprag_plugin.errors import LabelFileError
+from fcprag_plugin.training import load_labels
 from fcprag_tools.label_builder.manifest import read_manifest
 from fcprag_tools.label_builder.shard import ShardInfo, output_path, part_path, shard_from_env, shard_records
 from helpers import make_adapter_dir, save_tiny_lm
@@ -79,6 +80,7 @@ def _single(common: list[str], out: Path) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_match_one_process(small_world, tmp_path):
     """With --batch-size 1 (one row per forward) the 2-process labels are the 1-process labels byte for byte."""
     common = ["labels", "build", str(small_world["manifest"]), "--model", str(small_world["model"]),
@@ -98,6 +100,7 @@ def test_torchrun_two_processes_match_one_process(small_world, tmp_path):
     assert dist_out.read_text() == single.read_text()  # rank 0 merged at the end as well
 
 
+@pytest.mark.slow
 def test_torchrun_batched_with_scales_matches_one_process(small_world, tmp_path):
     """Batched (the default --batch-size 16), a record's rounding depends on its batch neighbours, which differ
     between the ranks: the labels agree within the batched path's tolerance. The scale fields go through the
@@ -121,11 +124,10 @@ def test_torchrun_batched_with_scales_matches_one_process(small_world, tmp_path)
 
 
 def test_trainer_parser_accepts_builder_output(small_world, tmp_path):
-    labels_mod = pytest.importorskip("fcprag_plugin.training.labels")
     out = tmp_path / "labels.jsonl"
     assert main(["labels", "build", str(small_world["manifest"]), "--model", str(small_world["model"]),
                  "--out", str(out), "--max-new-tokens", "2", "--empty-generation", "zero", "--no-progress"]) == 0
-    ls = labels_mod.load_labels(out)
+    ls = load_labels(out)
     assert [r.id for r in ls.records] == [r.id for r in read_manifest(small_world["manifest"])]
     raw = [json.loads(l) for l in out.read_text().splitlines()]
     for rec, obj in zip(ls.records, raw):

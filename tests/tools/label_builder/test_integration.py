@@ -25,6 +25,7 @@ def _pkg_dir() -> str | None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_build_on_real_gguf_model(tmp_path, capsys):
     pkg = _pkg_dir()
     if pkg is None or not DATA.is_file():

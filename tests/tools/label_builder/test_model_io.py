@@ -86,6 +86,7 @@ def test_no_progress_loads_quietly_and_restores_the_bars(world, capsys):
     assert before[0] and "Loading weights" in loud
 
 
+@pytest.mark.slow
 def test_build_no_progress_writes_nothing_to_stderr(world, tmp_path):
     """Load, label and write with --no-progress: stderr stays empty. transformers' log messages are set to errors
     only (4.44 logs a deprecation from the forward pass); its progress bars do not follow that setting."""

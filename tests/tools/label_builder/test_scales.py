@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fcprag_plugin.errors import FcpragError, LabelFileError
+from fcprag_plugin.training import load_labels
 from fcprag_tools.cli import main
 from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels, format_scales
 from fcprag_tools.label_builder.cli import scale_list
@@ -194,10 +195,9 @@ def test_groups_count_the_scale_rows(world):
 
 
 def test_trainer_reads_labels_with_scales(world, tmp_path):
-    labels_mod = pytest.importorskip("fcprag_plugin.training.labels")
     out = tmp_path / "labels.jsonl"
     assert _build(world, out, "--scales", SCALES, "--no-generation") == 0
-    ls = labels_mod.load_labels(out)
+    ls = load_labels(out)
     for rec, raw in zip(ls.records, read_jsonl(out)):
         assert rec.metric_at_scales == raw["metric_at_scales"] and rec.scales == raw["scales"]
         assert rec.scale_gains[1.0] == 0.0  # scale 1 is the full set itself: metric_all, measured once
