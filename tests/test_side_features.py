@@ -140,7 +140,7 @@ def test_trainer_learns_from_a_side_feature_and_predict_needs_it(tmp_path):
     enc = table_encoder(table, "syn8")
     kw = dict(encoder=enc, cache_dir=tmp_path / "cache", epochs=6, lr=3e-3, val_fraction=0.2, progress=False,
               precision="fp32", threads=1, controller={"score_hidden": [32], "calib_hidden": 16}, cv_folds=3)
-    res = train_controller(recs, tmp_path / "side", side_features=["retrieval_rank"], **kw)
+    res = train_controller(recs, tmp_path / "side", side_features=["retrieval_rank"], keep_network=True, **kw)
     plain = train_controller(recs, tmp_path / "plain", keep_network=True, **kw)  # its network, to compare
     v, p = res.metrics["val"]["learned"], plain.metrics["val"]["learned"]
     assert v["top1"] >= 0.8 and v["top1"] > p["top1"] + 0.3, (v["top1"], p["top1"])

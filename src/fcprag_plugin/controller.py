@@ -7,8 +7,9 @@
     merge weights = kappa * c * w~                             kappa = 1, c = 1 unless configured
 
 Modes (``config.controller_mode``): ``learned`` (the nets above), ``uniform`` (no nets, no encoder: ``w~ = [kappa]*N``;
-:meth:`FusionController.scale_only` is the one a trainer ships when reweighting was not shown to help), ``random``
-(untrained nets, seeded) and ``fixed`` (one global g and tau).
+:meth:`FusionController.scale_only` is the one a trainer ships when reweighting was not shown to help), ``scale``
+(uniform weights times a per-query scale: :class:`ScaleHead` picks one of ``config.scale_grid`` from the query and
+the mean passage embedding), ``random`` (untrained nets, seeded) and ``fixed`` (one global g and tau).
 
 ``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates); ``init="uniform"`` (the trainer's choice,
 :meth:`FusionController.reset_to_uniform_`) starts exactly there, so training moves away from it only as far as
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-CONTROLLER_MODES = ("learned", "uniform", "random", "fixed")
+CONTROLLER_MODES = ("learned", "uniform", "random", "fixed", "scale")
 SCORERS = ("mlp", "cosine")
 INITS = ("uniform", "random")
 FORMAT_VERSION = 1
@@ -88,6 +89,7 @@ class ControllerConfig:
     side_optional: list[str] | None = None
     kappa: float = 1.0
     query_scale: bool = False
+    scale_grid: list[float] | None = None  # controller_mode "scale": the scales its ScaleHead chooses among
     cv: dict[str, Any] | None = None
     trained_for: dict[str, Any] | None = None  # {"base_model": [...], "adapter_recipes": [features.adapter_recipe]}
 
@@ -115,6 +117,12 @@ class ControllerConfig:
                                   f"(one per side-feature column)")
         if not (isinstance(self.kappa, (int, float)) and math.isfinite(self.kappa) and self.kappa > 0):
             raise ControllerError(f"{where}: key 'kappa' is {self.kappa!r}, expected a positive number")
+        grid = self.scale_grid
+        if (self.controller_mode == "scale" or grid is not None) and not (
+                isinstance(grid, list) and grid and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                        and math.isfinite(v) and v > 0 for v in grid)):
+            raise ControllerError(f"{where}: key 'scale_grid' is {grid!r}, expected a non-empty list of numbers > 0 "
+                                  "(controller_mode 'scale' chooses its per-query scale among them)")
         return self
 
     @property
@@ -215,6 +223,42 @@ class CalibNet(nn.Sequential):
         return g, tau, c
 
 
+class ScaleHead(nn.Module):
+    """The per-query scale of controller mode ``scale``: ``x = [e_q; mean_i e_p_i]`` standardised by the stored
+    training ``mean`` / ``std`` (``[2d]`` buffers, saved with the weights), one linear layer to ``S`` logits, one
+    per scale of ``grid``; the query's scale is ``grid[argmax]`` (the first among ties).
+
+    ``forward(e_q [B, d], E_p [B, N, d], mask [B, N] or None) -> logits [B, S]`` float32.
+    """
+
+    def __init__(self, d: int, grid: Sequence[float]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2 * d, len(grid))
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.register_buffer("grid", torch.tensor([float(v) for v in grid], dtype=torch.float32))
+        self.register_buffer("mean", torch.zeros(2 * d))
+        self.register_buffer("std", torch.ones(2 * d))
+
+    @staticmethod
+    def features(e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``[e_q; mean of the real passages' embeddings]`` -> ``[B, 2d]``."""
+        if mask is None:
+            mean_p = E_p.mean(1)
+        else:
+            m = mask.to(E_p.dtype).unsqueeze(-1)
+            mean_p = (E_p * m).sum(1) / m.sum(1)
+        return torch.cat([e_q, mean_p], -1)
+
+    def forward(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = (self.features(e_q, E_p, mask).float() - self.mean) / self.std
+        return self.linear(x.to(self.linear.weight.dtype)).float()
+
+    def choose(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The chosen scale per query ``[B]`` (float32)."""
+        return self.grid[self(e_q, E_p, mask).argmax(1)]
+
+
 def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieval_ranks: Any, retrieval_scores: Any,
                  adapter_stats_: Any) -> tuple[torch.Tensor, list[str]]:
     """The raw side-feature columns ``[n, k]`` for one query from :meth:`FusionController.predict`'s arguments, and
@@ -271,7 +315,8 @@ class FusionController(nn.Module):
         d, k = config.embed_dim, len(config.side_columns)
         self.score_net: ScoreNet | None = None
         self.calib_net: CalibNet | None = None
-        if config.controller_mode != "uniform":
+        self.scale_head = ScaleHead(d, config.scale_grid) if config.controller_mode == "scale" else None
+        if config.controller_mode not in ("uniform", "scale"):
             with torch.random.fork_rng(devices=[], enabled=config.seed is not None):  # the global RNG is left alone
                 if config.seed is not None:
                     torch.manual_seed(config.seed)
@@ -347,7 +392,7 @@ class FusionController(nn.Module):
         if N == 0:
             raise ControllerError("no passages (N == 0)")
         k = len(c.side_columns)
-        if k and c.controller_mode != "uniform" and side is None:
+        if k and c.controller_mode not in ("uniform", "scale") and side is None:
             raise ControllerError(f"this controller was trained with side features {c.side_features}; they must be "
                                   f"given (predict(..., retrieval_ranks=, retrieval_scores=, adapter_stats=))")
         if side is not None and k and tuple(side.shape) != (B, N, k):
@@ -378,7 +423,10 @@ class FusionController(nn.Module):
         B, N, _ = E_p.shape
         full_mask = torch.ones(B, N, dtype=torch.bool, device=p.device) if mask is None else mask
         scale = None if c.kappa == 1.0 else torch.full((B,), float(c.kappa), dtype=p.dtype, device=p.device)
-        if c.controller_mode == "uniform":
+        if c.controller_mode == "scale":  # PRAG's sum times a per-query scale
+            q = self.scale_head.choose(e_q, E_p, mask).to(p.dtype)
+            scale = q if scale is None else scale * q
+        if c.controller_mode in ("uniform", "scale"):
             ones = full_mask.to(p.dtype)
             w = ones / ones.sum(1, keepdim=True)
             mw = ones if scale is None else ones * scale.unsqueeze(1)
@@ -413,7 +461,7 @@ class FusionController(nn.Module):
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
                                   f"{[str(t) for t in INFERENCE_DTYPES]}")
         fast = copy.deepcopy(self).eval().requires_grad_(False)
-        for net in (fast.score_net, fast.calib_net):
+        for net in (fast.score_net, fast.calib_net):  # (the scale head is one small layer: float32)
             if net is not None:
                 net.to(dtype)
         fast._inference_copy = True
@@ -433,7 +481,7 @@ class FusionController(nn.Module):
             encoder = self.encoder  # the shared, lazily loaded encoder of config.embedding_model
         self.check_encoder(encoder)
         side = None
-        if self.config.side_features and self.config.controller_mode != "uniform":
+        if self.config.side_features and self.config.controller_mode not in ("uniform", "scale"):
             side, missing = _side_matrix(self.config.side_features, self.config.optional_side, len(passages),
                                          retrieval_ranks, retrieval_scores, adapter_stats)
             side = side.unsqueeze(0)

@@ -19,7 +19,8 @@ from fcprag_plugin.training.selection import CV_PARTIAL_NAME, read_cv_partial
 from fcprag_plugin.training.labels import ON_ERROR, SkippedRecord, load_labels
 from .plots import _pyplot, write_eval_plots, write_training_plots
 from fcprag_plugin.training.targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
-from fcprag_plugin.training.trainer import MAX_EPOCHS, MAX_HIDDEN, OBJECTIVES, PRECISIONS, TrainArgs
+from fcprag_plugin.training.selection import BOUNDS, SCALE_METRICS
+from fcprag_plugin.training.trainer import MAX_EPOCHS, MAX_HIDDEN, OBJECTIVES, PRECISIONS, RECIPES, TrainArgs
 
 
 # A label record is one line of a JSON Lines file: a longer line is refused before it is parsed (parsing a huge
@@ -31,7 +32,9 @@ MAX_SCALED_DELTA = 1e37
 _TRAIN_ARGS = ("epochs", "batch_size", "lr", "weight_decay", "seed", "t_label", "flat_eps", "flat_weight",
                "val_fraction", "on_error", "precision", "cache_dir", "threads", "objective", "risk_lambda",
                "cv_folds", "kappa", "side_features", "scale_max_loss_share", "scale_loss_margin", "keep_network",
-               "allow_retrieval_score")
+               "allow_retrieval_score", "recipe", "scale_metric", "scale_bound", "per_query_scale")
+# the options a --recipe sets when they are not given (None: not given)
+_RECIPE_SET = ("kappa", "keep_network", "objective", "per_query_scale")
 
 
 # train_controller()'s / evaluate_controller()'s keyword arguments -> the commands' flags, for the library's
@@ -64,6 +67,11 @@ TRAIN_FLAGS = {
     "side_features": "--side-features",
     "allow_retrieval_score=True": "--allow-retrieval-score",
     "threads": "--threads",
+    "recipe": "--recipe",
+    "scale_metric": "--scale-metric",
+    "scale_bound": "--scale-bound",
+    "keep_network=True": "--keep-network",
+    "per_query_scale=False": "--no-per-query-scale",
 }
 EVAL_FLAGS = {
     "encoder": "--encoder",
@@ -278,7 +286,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             print(f"{args.out}: resuming after epoch {done}, training epochs {done + 1}..{args.epochs}")
     res = train_controller(train_set, args.out, val=val_set, encoder=args.encoder, resume=args.resume,
                            overwrite=args.overwrite, progress=not args.no_progress, controller=controller,
-                           **{k: getattr(args, k) for k in _TRAIN_ARGS})
+                           **{k: getattr(args, k) for k in _TRAIN_ARGS
+                              if not (k in _RECIPE_SET and getattr(args, k) is None)})
     if args.plots:
         write_training_plots(res.out / "plots", res.history, res.outputs, res.report_data)
     print(res.table)
@@ -440,7 +449,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="score net hidden sizes, e.g. 2048,1024 (default)")
     t.add_argument("--calib-hidden", type=int_at_least(1, MAX_HIDDEN), metavar="N",
                    help="calibration net hidden size (default 256)")
-    t.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
+    t.add_argument("--recipe", choices=list(RECIPES), default=d.recipe,
+                   help="measured (default): what the measurements support (docs/results/efficacy-fresh.md): kappa "
+                        "chosen on the labels' measured scales by the risk rule, a scale-only controller (or a "
+                        "per-query scale when its measured part is shown), the network only with --keep-network; "
+                        "paper: the paper's setting, the learned network shipped at PRAG's total (kappa 1, KL "
+                        "objective). Options given explicitly override the recipe")
+    t.add_argument("--objective", choices=OBJECTIVES, default=None,
                    help="kl (default, the paper's): KL to softmax(delta / T_label); risk: maximise "
                         "sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record (docs/label-format.md)")
     t.add_argument("--risk-lambda", type=finite_float, default=None, metavar="X",
@@ -450,20 +465,33 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "uniform) and kappa without seeing the questions it scores, and states the gain over PRAG's "
                         "sum split into a scale part and a reweighting part, each with a 95%% CI (default "
                         f"{d.cv_folds}; 0: off, train exactly --epochs)")
-    t.add_argument("--kappa", type=kappa_value, default=d.kappa, metavar="X|auto",
-                   help="global scale of the merge weights, w~ * kappa (default 1, the paper's); 'auto': chosen "
-                        "on the training labels, from their measured scales ('fcprag labels build --scales') by the "
-                        "rule of --scale-max-loss-share / --scale-loss-margin, else by a first-order extrapolation "
-                        "(said so in the verdict)")
+    t.add_argument("--kappa", type=kappa_value, default=None, metavar="X|auto",
+                   help="global scale of the merge weights, w~ * kappa (default: auto; --recipe paper: 1); 'auto': "
+                        "chosen on the labels' measured scales ('fcprag labels build --scales') by the rule of "
+                        "--scale-max-loss-share / --scale-loss-margin / --scale-bound; labels without scale "
+                        "measurements keep 1 (PRAG's sum)")
+    t.add_argument("--scale-metric", choices=SCALE_METRICS, default=d.scale_metric,
+                   help="what kappa is chosen on: label (default): the label metric (e.g. gold answer log-lik.); f1: "
+                        "the F1 of the greedy answers (the labels' f1_at_scales, written by 'fcprag labels build "
+                        "--scales' with generation). The verdict shows the scale part in both when both are there")
     t.add_argument("--scale-max-loss-share", type=finite_float, default=d.scale_max_loss_share, metavar="X",
-                   help="--kappa auto on measured scales: the largest mean gain such that at most this share of the "
-                        f"training questions lose more than --scale-loss-margin (default {d.scale_max_loss_share})")
+                   help="--kappa auto: the largest mean gain among the scales whose share of questions losing more "
+                        "than --scale-loss-margin stays at most this (default "
+                        f"{d.scale_max_loss_share})")
     t.add_argument("--scale-loss-margin", type=finite_float, default=d.scale_loss_margin, metavar="M",
-                   help="the loss that counts against a scale, in the label metric's units (default "
+                   help="the loss that counts against a scale, in the --scale-metric's units (default "
                         f"{d.scale_loss_margin})")
-    t.add_argument("--keep-network", action="store_true",
-                   help="save the learned controller even when its reweighting part is not shown (default: a "
-                        "scale-only controller then, which needs no encoder)")
+    t.add_argument("--scale-bound", choices=BOUNDS, default=d.scale_bound,
+                   help="upper (default): the loss share's 95%% Wilson upper bound must stay under the allowed share, "
+                        "so the rule holds on new questions; observed: the share on the training questions itself")
+    t.add_argument("--no-per-query-scale", dest="per_query_scale", action="store_false", default=None,
+                   help="do not try a per-query scale (by default, with --kappa auto and measured scales, a small head "
+                        "choosing each question's scale from the grid is measured on held-out folds against the best "
+                        "global scale, and ships only when that part is shown)")
+    t.add_argument("--keep-network", action="store_true", default=None,
+                   help="save the learned network (default: not; its reweighting part is a first-order estimate from "
+                        "leave-one-out deltas at PRAG's sum, not a measurement: measure it with 'fcprag study ... "
+                        "--controller DIR'); --recipe paper sets it")
     t.add_argument("--side-features", nargs="+", default=[], metavar="NAME", choices=SIDE_FEATURES,
                    help="opt-in per-passage inputs read from the label records: " + ", ".join(SIDE_FEATURES)
                         + " (retrieval_score only with --allow-retrieval-score: PRAG and DyPRAG keep none)")

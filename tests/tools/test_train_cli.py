@@ -20,7 +20,7 @@ def test_cli_train_then_eval(labelled, capsys):
     out = tmp / "ctrl"
     rc = main(["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
                "--val", str(tmp / "val.jsonl"), "--epochs", "3", "--lr", "1e-3", "--batch-size", "16", "--seed", "2",
-               "--t-label", "0.2", "--flat-eps", "1e-4", "--flat-weight", "0.5", *SMALL])
+               "--t-label", "0.2", "--flat-eps", "1e-4", "--flat-weight", "0.5", "--recipe", "paper", *SMALL])
     assert rc == 0
     text = capsys.readouterr().out
     assert "learned" in text and "uniform" in text and "random" in text and "120 training / 30 validation" in text
@@ -51,7 +51,7 @@ def test_cli_resume_and_errors(labelled, capsys):
     tmp, cache = labelled
     out = tmp / "ctrl"
     base = ["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
-            *SMALL]
+            "--recipe", "paper", *SMALL]  # the paper's recipe saves the network: its epochs are checkpointed
     assert main(base + ["--epochs", "1"]) == 0
     assert main(base + ["--epochs", "2"]) == 2
     assert "already holds a training run" in capsys.readouterr().err
@@ -128,6 +128,54 @@ def test_real_encoder_on_hotpotqa_gold_passages(tmp_path, monkeypatch):
     monkeypatch.setattr(TextEncoder, "__init__", no_load)
     ev = evaluate_controller(tmp_path / "ctrl", tmp_path / "hotpot.jsonl", cache_dir=tmp_path / "cache")
     assert ev.metrics["learned"]["n"] == 40
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_recipe_paper_is_the_papers_setting_one_flag_away(labelled, capsys):
+    """--recipe paper: the learned network shipped at kappa 1 with the KL objective, exactly what the same run
+    with those options spelled out gives; the default recipe ships no network on the same labels."""
+    tmp, cache = labelled
+    base = ["train", str(tmp / "train.jsonl"), "--encoder", "syn8", "--cache-dir", str(cache), "--epochs", "2",
+            "--lr", "1e-3", "--cv-folds", "2", *SMALL]
+    assert main(base + ["--out", str(tmp / "paper"), "--recipe", "paper"]) == 0
+    paper_text = capsys.readouterr().out
+    assert main(base + ["--out", str(tmp / "spelled"), "--kappa", "1", "--keep-network", "--objective", "kl",
+                        "--no-per-query-scale"]) == 0
+    capsys.readouterr()
+    cfg = json.loads((tmp / "paper" / "config.json").read_text())
+    args = json.loads((tmp / "paper" / "training_args.json").read_text())
+    assert cfg["controller_mode"] == "learned" and cfg["kappa"] == 1.0 and cfg["cv"]["shipped"] == "learned"
+    assert (args["recipe"], args["kappa"], args["keep_network"], args["objective"]) == ("paper", 1.0, True, "kl")
+    a, b = _weights(tmp / "paper"), _weights(tmp / "spelled")
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    assert "because --keep-network asked for it" in paper_text and "first order" in paper_text
+    assert main(base + ["--out", str(tmp / "measured")]) == 0
+    text = capsys.readouterr().out
+    cfg = json.loads((tmp / "measured" / "config.json").read_text())
+    args = json.loads((tmp / "measured" / "training_args.json").read_text())
+    assert cfg["controller_mode"] == "uniform" and args["recipe"] == "measured" and args["kappa"] == "auto"
+    assert "FIRST ORDER" in text and "fcprag study" in text and "--keep-network saves it" in text
+    assert "no scale measurements in the labels" in text
+    # an option given explicitly wins over the recipe
+    assert main(base + ["--out", str(tmp / "paper2"), "--recipe", "paper", "--kappa", "2"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp / "paper2" / "config.json").read_text())["kappa"] == 2.0
+
+
+def test_scale_metric_f1_without_f1_labels_is_one_line(labelled, capsys):
+    tmp, cache = labelled
+    rc = main(["train", str(tmp / "train.jsonl"), "--out", str(tmp / "f1"), "--encoder", "syn8", "--cache-dir",
+               str(cache), "--scale-metric", "f1", *SMALL])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert str(tmp / "train.jsonl") in lines[0] and "f1_at_scales" in lines[0] and "--scales" in lines[0]
+    assert not (tmp / "f1" / "config.json").exists()
 
 
 def _last_lines(text: str) -> list[str]:

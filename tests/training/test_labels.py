@@ -220,3 +220,26 @@ def test_schema_file_matches_the_parser():
     jsonschema.validate(rec(1, deltas=_DROP, metric_all=1.0, metric_without=[0.0, 0.5]), schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(rec(2, deltas=_DROP), schema)
+
+
+def test_f1_scale_labels_are_read_and_checked(tmp_path):
+    """Answer-level scale labels: f1_at_scales with scales and f1_all; every bad form is one message naming the
+    file, the line and the field."""
+    good = rec(0, metric_all=-1.0, metric_without=[-1.5, -1.1], scales=[0.5, 1, 2], metric_at_scales=[-2, -1, -0.5],
+               f1_all=0.5, f1_at_scales=[0.0, 0.5, 1.0])
+    good.pop("deltas", None)
+    path = write_jsonl(tmp_path / "ok.jsonl", [good])
+    r = load_labels(path).records[0]
+    assert r.f1_all == 0.5 and r.f1_at_scales == [0.0, 0.5, 1.0] and "f1_all" not in r.extra
+    assert r.f1_scale_gains == {0.5: -0.5, 1.0: 0.0, 2.0: 0.5}
+    assert json.loads((write_labels([r], tmp_path / "back.jsonl")).read_text())["f1_at_scales"] == [0.0, 0.5, 1.0]
+    for change, field, what in (({"f1_all": None}, "f1_all", "is missing"),
+                                ({"f1_at_scales": [0.0, 0.5]}, "f1_at_scales", "has 2 values but 'scales' has 3"),
+                                ({"f1_at_scales": [0.0, 1.5, 1.0]}, "f1_at_scales[1]", "expected an F1 in [0, 1]"),
+                                ({"f1_all": 2.0}, "f1_all", "expected an F1 in [0, 1]"),
+                                ({"scales": None, "metric_at_scales": None}, "scales", "is missing")):
+        bad = {k: v for k, v in {**good, **change}.items() if v is not None}
+        p = write_jsonl(tmp_path / "bad.jsonl", [bad])
+        with pytest.raises(LabelFileError) as e:
+            load_labels(p)
+        assert str(e.value).startswith(f"{p}:1: field '{field}': ") and what in str(e.value), (change, str(e.value))

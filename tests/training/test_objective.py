@@ -14,7 +14,7 @@ from fcprag_plugin.training import train_controller, write_labels
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.training.evaluation import collect_outputs
 from fcprag_tools.synthetic import synthetic_records, table_encoder
-from fcprag_plugin.training.targets import estimate_lambda, first_order_gain, risk_loss
+from fcprag_plugin.training.targets import best_kappa, estimate_lambda, first_order_gain, risk_loss
 from fcprag_plugin.training.trainer import TrainArgs, Trainer, evaluate_controller
 
 SMALL = {"score_hidden": [64, 32], "calib_hidden": 32}
@@ -131,7 +131,7 @@ def test_lambda_is_the_pooled_within_record_standard_deviation():
 @pytest.mark.parametrize("objective", ["kl", "risk"])
 def test_planted_signal_is_proven_and_the_verdict_is_everywhere(tmp_path, objective, caplog):
     recs, table = synthetic_records(300, 3, 16, seed=1, groups=100)  # 3 records per question
-    res = run(recs, table, tmp_path / "run", objective=objective)
+    res = run(recs, table, tmp_path / "run", objective=objective, keep_network=True)
     cv = res.metrics["cv"]
     assert cv["folds"] == 3 and cv["n_groups"] == 80 and cv["objective"] == objective  # 20 groups validate
     assert cv["verdict"] == "better_than_uniform" and cv["ci95"][0] > 0 and cv["selected_epochs"] >= 1
@@ -192,7 +192,7 @@ def test_selected_zero_epochs_keeps_uniform_weights(tmp_path, monkeypatch):
 
 def test_the_final_controller_is_the_plain_run_of_the_selected_length(tmp_path):
     recs, table = synthetic_records(120, 3, 8, seed=8, groups=40)
-    kw = dict(name="syn8", epochs=3, controller={"score_hidden": [16], "calib_hidden": 8})
+    kw = dict(name="syn8", epochs=3, controller={"score_hidden": [16], "calib_hidden": 8}, keep_network=True)
     cv = run(recs, table, tmp_path / "cv", **kw)
     e = cv.metrics["cv"]["selected_epochs"]
     assert e >= 1 and cv.metrics["cv"]["shipped"] == "learned"  # the planted signal is found
@@ -203,12 +203,13 @@ def test_the_final_controller_is_the_plain_run_of_the_selected_length(tmp_path):
 
 def test_cv_resume_reuses_the_cross_validation(tmp_path):
     recs, table = synthetic_records(90, 3, 8, seed=5, groups=30)
-    first = run(recs, table, tmp_path / "run", name="syn8", epochs=2)
+    first = run(recs, table, tmp_path / "run", name="syn8", epochs=2, keep_network=True)
     cv_path = tmp_path / "run" / "cv.json"
     stamp = cv_path.stat().st_mtime_ns
-    again = run(recs, table, tmp_path / "run", name="syn8", epochs=2, resume=True)
+    again = run(recs, table, tmp_path / "run", name="syn8", epochs=2, resume=True, keep_network=True)
     assert cv_path.stat().st_mtime_ns == stamp and again.metrics["cv"] == first.metrics["cv"]
-    more = run(recs, table, tmp_path / "run", name="syn8", epochs=3, resume=True)  # more epochs: a new CV
+    more = run(recs, table, tmp_path / "run", name="syn8", epochs=3, resume=True,
+               keep_network=True)  # more epochs: a new CV
     assert more.metrics["cv"]["max_epochs"] == 3 and more.metrics["epochs"] == more.metrics["cv"]["selected_epochs"]
 
 
@@ -285,16 +286,19 @@ def test_best_kappa_is_the_risk_optimal_global_scale():
     assert k > 1 and k == pytest.approx(float(grid[vals.argmax()]), abs=1e-3)
 
 
-def test_kappa_auto_is_tuned_and_saved(tmp_path):
+def test_kappa_auto_without_scale_measurements_stays_at_the_sum(tmp_path):
+    """Every adapter helps, so a first-order extrapolation would ask for kappa > 1; nothing measured a scale, so
+    the default keeps PRAG's sum and says why."""
     recs, table = synthetic_records(90, 3, 8, seed=9, groups=30)
     recs = [type(r)(id=r.id, query=r.query, passages=r.passages, deltas=[d + 0.3 for d in r.deltas], group=r.group)
             for r in recs]  # all adapters help
-    res = run(recs, table, tmp_path / "k", name="syn8", epochs=2, objective="risk", kappa="auto")
-    k = res.metrics["kappa"]
-    assert k > 1 and FusionController.from_pretrained(tmp_path / "k").config.kappa == k
+    assert best_kappa(torch.ones(90, 3), torch.tensor([r.deltas for r in recs]), torch.ones(90, 3, dtype=torch.bool),
+                      0.1) > 1
+    res = run(recs, table, tmp_path / "k", name="syn8", epochs=2, objective="risk")
     s = res.metrics["cv"]["scale"]
-    assert res.metrics["cv"]["kappa"] == k == s["kappa"] and all(x > 1 for x in s["fold_kappas"])
-    assert s["chosen_by"] == "first_order" and s["shown"]  # every adapter helps: the extrapolation says so
+    assert res.metrics["kappa"] == 1.0 and FusionController.from_pretrained(tmp_path / "k").config.kappa == 1.0
+    assert s["chosen_by"] == "no_scales" and not s["shown"] and all(x == 1.0 for x in s["fold_kappas"])
+    assert "no scale measurements in the labels" in res.table
 
 
 def test_fuse_logs_one_warning_for_an_unproven_controller(tmp_path, adapter_dirs, encoder16, caplog):

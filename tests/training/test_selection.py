@@ -9,13 +9,14 @@ import math
 import pytest
 import torch
 
-from fcprag_plugin import FusionController
+from fcprag_plugin import FusionController, fuse
+from helpers import files_reference, make_adapter_dir
 from fcprag_plugin.training import train_controller
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.controller import ControllerOutput
 from fcprag_plugin.training.selection import (ScaleRule, bootstrap_ci, choose_scale, group_kfold, reweighting_gain,
-                                              scale_gain, select)
-from fcprag_plugin.training.trainer import TrainArgs
+                                              scale_gain, select, wilson_interval)
+from fcprag_plugin.training.trainer import TrainArgs, Trainer
 from fcprag_tools.synthetic import synthetic_records, table_encoder
 
 # small and fast, but the nets move enough in 6 epochs to learn a planted signal (and to overfit noise)
@@ -25,8 +26,8 @@ GRID = [0.5, 1.5, 2.0, 3.0, 4.0]
 
 
 def train(tmp_path, kind, seed, **kw):
-    recs, table = synthetic_records(120, 3, 8, kind=kind, noise=0.1, seed=seed, groups=40,
-                                    scales=GRID if kind == "scale" else None)
+    recs, table = synthetic_records(120, 3, 8, kind=kind, noise=0.1, seed=seed, groups=120,
+                                    scales=GRID if kind in ("scale", "noise") else None)
     return train_controller(recs, tmp_path / f"{kind}{seed}", encoder=table_encoder(table, "syn8"),
                             **{**QUICK, "kappa": "auto", **kw})
 
@@ -54,13 +55,40 @@ def test_bootstrap_ci_resamples_questions():
     assert wide[0] < narrow[0] and wide[1] > narrow[1]  # the Bonferroni-adjusted interval is wider
 
 
+def _wilson_by_bisection(k, n, upper):
+    """The Wilson bound as the root of (k/n - p)^2 = z^2 p (1 - p) / n on the upper / lower side of k/n."""
+    z, ph = 1.959963984540054, k / n
+    f = lambda p: (ph - p) ** 2 - z * z * p * (1 - p) / n  # noqa: E731
+    lo, hi = (ph, 1.0) if upper else (0.0, ph)
+    if upper and f(1.0) < 0 or not upper and f(0.0) < 0:
+        return hi if upper else lo
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if (f(mid) < 0) == upper:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def test_wilson_interval_is_the_root_of_its_defining_equation():
+    for k, n in ((0, 10), (1, 10), (5, 10), (10, 10), (3, 126), (14, 196)):
+        lo, hi = wilson_interval(k, n)
+        assert hi == pytest.approx(_wilson_by_bisection(k, n, True), abs=1e-9)
+        assert lo == pytest.approx(_wilson_by_bisection(k, n, False), abs=1e-9)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
 def test_choose_scale_against_a_hand_written_rule():
     gen = torch.Generator().manual_seed(3)
     scales = torch.tensor([0.5, 1.5, 2.0, 3.0], dtype=torch.float64)
-    gains = 0.3 * torch.randn(30, 4, generator=gen, dtype=torch.float64) + torch.tensor([-0.1, 0.1, 0.2, 0.25])
+    gains = (torch.randn(60, 4, generator=gen, dtype=torch.float64) * torch.tensor([0.2, 0.1, 0.25, 0.6])
+             + torch.tensor([-0.1, 0.1, 0.2, 0.25]))  # the larger scales gain more on average and risk more
     gains[3, :] = float("nan")  # a record without measurements
-    groups = [f"q{i // 2}" for i in range(30)]  # two records per question
-    for rule in (ScaleRule(0.1, 0.1), ScaleRule(0.3, 0.2), ScaleRule(1.0, 0.0), ScaleRule(0.0, 5.0)):
+    groups = [f"q{i // 2}" for i in range(60)]  # two records per question
+    chosen = set()
+    for rule in (ScaleRule(0.1, 0.1), ScaleRule(0.3, 0.2), ScaleRule(0.45, 0.2), ScaleRule(1.0, 0.0),
+                 ScaleRule(0.0, 5.0), ScaleRule(0.3, 0.2, "observed"), ScaleRule(0.2, 0.1, "observed")):
         best = (0.0, -1.0)  # (mean gain, -scale) of scale 1: PRAG's sum, always allowed
         for j, s in enumerate(scales.tolist()):
             per_q = {}
@@ -68,15 +96,24 @@ def test_choose_scale_against_a_hand_written_rule():
                 if not math.isnan(gains[i, j]):
                     per_q.setdefault(g, []).append(float(gains[i, j]))
             means = [sum(v) / len(v) for v in per_q.values()]
-            share = sum(m < -rule.loss_margin for m in means) / len(means)
+            lost = sum(m < -rule.loss_margin for m in means)
+            share = lost / len(means) if rule.bound == "observed" else _wilson_by_bisection(lost, len(means), True)
             if share <= rule.max_loss_share and (sum(means) / len(means), -s) > best:
                 best = (sum(means) / len(means), -s)
         kappa, info = choose_scale(scales, gains, groups, rule)
+        chosen.add(kappa)
         assert kappa == -best[1], rule
-        assert info["grid"] == [0.5, 1.0, 1.5, 2.0, 3.0] and info["questions"] == 15
+        assert info["grid"] == [0.5, 1.0, 1.5, 2.0, 3.0] and info["questions"] == 30
         assert info["at_grid_edge"] == (kappa in (0.5, 3.0))
+        assert all(lo <= sh <= hi for sh, (lo, hi) in zip(info["loss_share"], info["loss_share_ci95"]))
+    assert len(chosen) >= 3, chosen  # the rules above do not all agree: the test tells them apart
+    # the upper bound is stricter than the observed share: here it stops one scale earlier
+    assert choose_scale(scales, gains, groups, ScaleRule(0.3, 0.2))[0] < \
+        choose_scale(scales, gains, groups, ScaleRule(0.3, 0.2, "observed"))[0]
     assert choose_scale(scales, gains, groups, ScaleRule(1.0, 0.0))[0] == 3.0  # no risk limit: the best mean
-    assert choose_scale(scales, gains, groups, ScaleRule(0.0, 5.0))[1]["at_grid_edge"]  # no loss beyond 5: same
+    assert choose_scale(scales, gains, groups, ScaleRule(0.0, 5.0, "observed"))[0] == 3.0  # no loss beyond 5
+    # ... but no share is *shown* to be 0 from 30 questions: the upper bound allows only PRAG's sum
+    assert choose_scale(scales, gains, groups, ScaleRule(0.0, 5.0))[0] == 1.0
 
 
 def test_the_two_parts_against_their_formulas():
@@ -100,13 +137,60 @@ def test_the_two_parts_against_their_formulas():
 
 
 def test_noise_labels_are_not_shown_at_more_than_the_nominal_rate(tmp_path):
-    """20 label sets of pure noise (i.i.d. deltas), kappa chosen too: at most 1 (5%) may be called better."""
+    """20 label sets of pure noise (i.i.d. deltas, scale gains pure noise), kappa and a per-query scale chosen too:
+    at most 1 (5%) may be called better, in each part."""
     shown = []
     for seed in range(20):
         cv = train(tmp_path, "noise", 100 + seed).metrics["cv"]
-        shown.append((cv["verdict"] == "better_than_uniform", cv["reweighting"]["shown"], cv["scale"]["shown"]))
-    assert sum(v for v, _, _ in shown) <= 1, shown
-    assert sum(r for _, r, _ in shown) <= 1 and sum(s for _, _, s in shown) <= 1, shown
+        shown.append((cv["verdict"] == "better_than_uniform", cv["reweighting"]["shown"], cv["scale"]["shown"],
+                      cv["query_scale"]["shown"], cv["shipped"]))
+    assert sum(v[0] for v in shown) <= 1, shown
+    assert all(sum(v[k] for v in shown) <= 1 for k in (1, 2, 3)), shown
+    assert sum(v[4] != "scale_only" for v in shown) <= 1, shown
+
+
+def _two_kinds_of_questions(recs, table, grid, seed):
+    """Rewrite the measured scales: questions whose embedding has q[0] > 0 gain up to scale 4, the others lose
+    beyond 1.5 (a per-query optimum no global scale serves), plus noise."""
+    gen = torch.Generator().manual_seed(seed)
+    for r in recs:
+        best = 4.0 if float(table[r.query][0]) > 0 else 1.5
+        r.metric_at_scales = [0.5 * ((s - 1) - (s - 1) ** 2 / (2 * (best - 1))) + 0.05 * float(torch.randn(1,
+                              generator=gen)) for s in grid]
+    return recs
+
+
+def test_a_planted_per_query_scale_is_shown_and_shipped(tmp_path):
+    recs, table = synthetic_records(120, 3, 8, kind="noise", noise=0.1, seed=11, groups=120, scales=GRID)
+    recs = _two_kinds_of_questions(recs, table, GRID, 11)
+    res = train_controller(recs, tmp_path / "pq", encoder=table_encoder(table, "syn8"), **QUICK)
+    cv = res.metrics["cv"]
+    q = cv["query_scale"]
+    assert q["shown"] and q["ci_adjusted"][0] > 0 and q["measured"] and cv["shipped"] == "query_scale"
+    # the held-out reference written out: each record's gain at its fold's choice minus at its fold's kappa is what
+    # the part averages; here its sign per kind of question is checked against the planted optimum
+    saved = FusionController.from_pretrained(res.out)
+    assert saved.config.controller_mode == "scale" and saved.config.kappa == 1.0
+    data = build_tensors(recs, table_encoder(table, "syn8"))
+    out = saved(data.table[data.q_idx], data.table[data.p_idx], data.mask)
+    chosen = out.scale.tolist()
+    kinds = [float(table[r.query][0]) > 0 for r in recs]
+    hi = [c for c, k in zip(chosen, kinds) if k]
+    lo = [c for c, k in zip(chosen, kinds) if not k]
+    assert sum(c >= 3.0 for c in hi) >= 0.7 * len(hi) and sum(c <= 2.0 for c in lo) >= 0.7 * len(lo)
+    assert torch.allclose(out.merge_weights, out.scale.unsqueeze(1) * data.mask)  # uniform weights times the scale
+    assert "per-query scale controller" in res.table and saved.config.cv["query_scale"]["shown"]
+    # fuse() uses each query's own scale: the merge is PRAG's sum times it (a dense reference from the files)
+    ads = [make_adapter_dir(tmp_path / f"a{i}", seed=i) for i in range(3)]
+    for b in (kinds.index(True), kinds.index(False)):
+        r = recs[b]
+        got = fuse(ads, r.query, r.passages, controller=res.out, encoder=table_encoder(table, "syn8"))
+        assert got.merge_weights == [chosen[b]] * 3
+        ref = files_reference(ads, [chosen[b]] * 3)
+        assert len(ref) == len(got.adapter.modules)
+        for name, m in got.adapter.modules.items():
+            dense = next(v for k, v in ref.items() if k.endswith(name) or name.endswith(k))
+            assert torch.allclose(m.scaling * (m.B.double() @ m.A.double()), dense.double(), atol=1e-6), name
 
 
 class RandomWeights(torch.nn.Module):
@@ -161,30 +245,42 @@ def test_labels_where_only_the_total_scale_helps(tmp_path):
     assert saved.config.controller_mode == "uniform" and saved.config.kappa == 2.0
     assert saved.score_net is None and saved.config.cv["shipped"] == "scale_only"
     assert "a scale-only controller (PRAG's sum times 2, no network)" in res.table
-    assert "because the reweighting part was not shown" in res.table and "measured" in res.table
+    assert "the learned network is not saved, because its reweighting part is first order, not a measurement" in res.table
+    assert "measured" in res.table and "fcprag study" in res.table and "--keep-network" in res.table
+    assert "per-query scale part" in res.table and not cv["query_scale"]["shown"]  # one scale serves every query
 
 
 def test_planted_passage_specific_labels(tmp_path):
+    """The reweighting part is first order: even when it is "shown" the network ships only with keep_network."""
     res = train(tmp_path, "planted", 1, kappa=1.0)
     cv = res.metrics["cv"]
-    assert cv["reweighting"]["shown"] and cv["reweighting"]["ci95"][0] > 0 and cv["shipped"] == "learned"
+    assert cv["reweighting"]["shown"] and cv["reweighting"]["ci95"][0] > 0 and cv["reweighting"]["first_order"]
+    assert not cv["reweighting"]["measured"] and cv["shipped"] == "scale_only"
+    assert "FIRST ORDER" in res.table and "fcprag study" in res.table
+    assert FusionController.from_pretrained(res.out).config.controller_mode == "uniform"
+    res = train(tmp_path, "planted", 1, kappa=1.0, keep_network=True, overwrite=True)
+    cv = res.metrics["cv"]
+    assert cv["reweighting"]["shown"] and cv["shipped"] == "learned"
     assert cv["scale"]["gain"] == 0.0 and not cv["scale"]["shown"]  # kappa 1: no scale part at all
     assert cv["verdict"] == "better_than_uniform" and cv["gain"] == pytest.approx(cv["reweighting"]["gain"])
     assert len(cv["fold_epochs"]) == cv["folds"] and cv["curve"][0] == 0.0  # epoch 0 is uniform weights
     saved = json.loads((res.out / "config.json").read_text())["cv"]
     assert saved["reweighting"]["ci95"] == cv["reweighting"]["ci95"] and saved["shipped"] == "learned"
+    assert saved["reweighting"]["first_order"] and "because --keep-network asked for it" in res.table
 
 
-def test_first_order_scale_says_so_and_the_grid_edge_is_flagged(tmp_path):
-    recs, table = synthetic_records(120, 3, 8, kind="scale", noise=0.1, seed=5, groups=40, scales=[0.5, 1.5, 2.0],
+def test_without_scale_measurements_kappa_stays_1_and_the_grid_edge_is_flagged(tmp_path):
+    recs, table = synthetic_records(120, 3, 8, kind="scale", noise=0.1, seed=5, groups=120, scales=[0.5, 1.5, 2.0],
                                     best_scale=4.0)  # the optimum lies beyond the grid
     res = train_controller(recs, tmp_path / "edge", encoder=table_encoder(table, "syn8"), kappa="auto", **QUICK)
     cv = res.metrics["cv"]
     assert cv["kappa"] == 2.0 and cv["scale"]["at_grid_edge"] and "edge of the measured grid" in res.table
     plain = [type(r)(id=r.id, query=r.query, passages=r.passages, deltas=r.deltas, group=r.group) for r in recs]
     res = train_controller(plain, tmp_path / "fo", encoder=table_encoder(table, "syn8"), kappa="auto", **QUICK)
-    s = res.metrics["cv"]["scale"]
-    assert s["chosen_by"] == "first_order" and not s["measured"] and "first-order extrapolation" in res.table
+    cv = res.metrics["cv"]  # every delta is positive: a first-order extrapolation would ask for a larger total
+    assert cv["scale"]["chosen_by"] == "no_scales" and cv["kappa"] == 1.0 and not cv["scale"]["measured"]
+    assert "no scale measurements in the labels" in res.table and "query_scale" not in cv
+    assert FusionController.from_pretrained(res.out).config.kappa == 1.0
 
 
 def test_keep_network_ships_the_learned_controller_and_warns(tmp_path):
@@ -195,3 +291,19 @@ def test_keep_network_ships_the_learned_controller_and_warns(tmp_path):
     assert saved.config.controller_mode == "learned"
     with pytest.warns(UserWarning, match="NOT shown to beat PRAG's sum"):
         assert saved.warn_if_unproven()
+
+
+def test_an_interrupted_cv_goes_on_with_the_per_query_and_f1_parts_it_had():
+    """The folds a stopped CV finished (select's on_fold results, through JSON) are not redone and give the same
+    verdict, per-query scale part included."""
+    recs, table = synthetic_records(60, 3, 8, kind="noise", noise=0.1, seed=11, groups=60, scales=GRID)
+    data = build_tensors(_two_kinds_of_questions(recs, table, GRID, 11), table_encoder(table, "syn8"))
+    args = TrainArgs(epochs=2, cv_folds=3, controller={"score_hidden": [8], "calib_hidden": 8}, precision="fp32",
+                     threads=1).validate()
+    saved = []
+    full = select(data, args, "syn8", Trainer, args.scale_rule, on_fold=lambda r: saved.append(json.loads(
+        json.dumps(r))))
+    again = select(data, args, "syn8", Trainer, args.scale_rule, done=saved[1])
+    assert [full[k] for k in ("gain", "ci95", "shipped", "kappa")] == [again[k] for k in ("gain", "ci95", "shipped",
+                                                                                         "kappa")]
+    assert full["query_scale"] == {**again["query_scale"]} and full["scale"]["by_metric"] == again["scale"]["by_metric"]

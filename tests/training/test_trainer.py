@@ -14,7 +14,9 @@ from fcprag_plugin.training.trainer import split_records
 
 SMALL = {"score_hidden": [64, 32], "calib_hidden": 32}  # the default 2048/1024 net is too slow for unit tests
 # one thread: tiny nets gain nothing from two, and a busy shared CPU makes OpenMP barriers very slow
-FAST = dict(epochs=10, lr=3e-4, val_fraction=0.2, controller=SMALL, progress=False, precision="fp32", threads=1)
+# keep_network: these tests are about the network itself (the default recipe ships none on labels alone)
+FAST = dict(epochs=10, lr=3e-4, val_fraction=0.2, controller=SMALL, progress=False, precision="fp32", threads=1,
+            keep_network=True)
 
 
 def run(records, table, out, name="syn16", calls=None, **kw):

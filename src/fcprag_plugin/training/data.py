@@ -40,7 +40,8 @@ class LabelTensors:
     embeddings; rows of each query ``q_idx [R]`` and passage ``p_idx [R, N]`` (0 on padding); ``mask [R, N]``;
     ``deltas``/``y [R, N]`` (0 on padding); ``omega``/``flat [R]``; ``ids``/``groups`` per record; raw ``side
     [R, N, k]`` (columns ``side_columns``) or None; ``scales [S]`` (one grid) and ``scale_gains [R, S]`` float64
-    (gain of PRAG's sum times ``scales[j]`` over the sum; NaN rows without measurements) or None."""
+    (gain of PRAG's sum times ``scales[j]`` over the sum; NaN rows without measurements) or None;
+    ``f1_scale_gains [R, S]`` the same in F1 of the greedy answer (``f1_at_scales``) or None."""
 
     table: torch.Tensor
     q_idx: torch.Tensor
@@ -56,6 +57,11 @@ class LabelTensors:
     side_columns: list[str] = field(default_factory=list)
     scales: torch.Tensor | None = None
     scale_gains: torch.Tensor | None = None
+    f1_scale_gains: torch.Tensor | None = None
+
+    def gains(self, metric: str) -> torch.Tensor | None:
+        """The measured scale gains in ``metric``: ``"label"`` (the label metric) or ``"f1"``."""
+        return self.f1_scale_gains if metric == "f1" else self.scale_gains
 
     def __len__(self) -> int:
         return int(self.q_idx.shape[0])
@@ -86,7 +92,8 @@ class LabelTensors:
                             self.deltas[rows_t], self.y[rows_t], self.omega[rows_t], self.flat[rows_t],
                             [self.ids[i] for i in rl], [self.groups[i] for i in rl],
                             None if self.side is None else self.side[rows_t], self.side_columns, self.scales,
-                            None if self.scale_gains is None else self.scale_gains[rows_t])
+                            None if self.scale_gains is None else self.scale_gains[rows_t],
+                            None if self.f1_scale_gains is None else self.f1_scale_gains[rows_t])
 
 
 def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: EmbeddingCache | None = None, *,
@@ -124,26 +131,31 @@ def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: Embedding
         side[rows, cols] = torch.tensor([row for r in records for row in side_rows(r, side_features)],
                                         dtype=torch.float32)
     scales, scale_gains = scale_tensors(records)
+    f1_gains = scale_tensors(records, "f1_scale_gains")[1] if scales is not None else None
     return LabelTensors(table.float().contiguous(), q_idx, p_idx, mask, deltas, y, omega, flat,
                         [r.id for r in records], [r.group_key for r in records], side,
-                        side_feature_columns(side_features), scales, scale_gains)
+                        side_feature_columns(side_features), scales, scale_gains, f1_gains)
 
 
-def scale_tensors(records: Sequence[LabelRecord]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(scales [S], gains [R, S])`` from the records' scale measurements (NaN rows where a record has none), or
-    ``(None, None)`` when no record has any. Every record with measurements must share one grid of scales."""
-    measured = [r for r in records if r.scale_gains is not None]
+def scale_tensors(records: Sequence[LabelRecord], attr: str = "scale_gains"
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(scales [S], gains [R, S])`` from the records' scale measurements (``attr``: ``scale_gains`` in the label
+    metric, ``f1_scale_gains`` in F1; NaN rows where a record has none), or ``(None, None)`` when no record has
+    any. Every record with measurements must share one grid of scales."""
+    measured = [r for r in records if r.scales is not None]
     if not measured:
         return None, None
-    grid = sorted(measured[0].scale_gains)
+    grid = sorted(measured[0].scales)
     gains = torch.full((len(records), len(grid)), float("nan"), dtype=torch.float64)
+    if not any(getattr(r, attr) is not None for r in measured):
+        return torch.tensor(grid, dtype=torch.float64), None
     for i, r in enumerate(records):
-        g = r.scale_gains
+        g = getattr(r, attr)
+        if r.scales is not None and sorted(r.scales) != grid:
+            raise LabelFileError(f"{r.where}: field 'scales' is {sorted(r.scales)} but {measured[0].where} has "
+                                 f"{grid}; expected one grid of scales in a label file")
         if g is None:
             continue
-        if sorted(g) != grid:
-            raise LabelFileError(f"{r.where}: field 'scales' is {sorted(g)} but {measured[0].where} has {grid}; "
-                                 "expected one grid of scales in a label file")
         gains[i] = torch.tensor([g[s] for s in grid], dtype=torch.float64)
     return torch.tensor(grid, dtype=torch.float64), gains
 

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 ON_ERROR = ("fail", "skip")
 REQUIRED = ("id", "query", "passages")
 OPTIONAL = ("deltas", "metric_all", "metric_without", "adapters", "answer", "metric", "group", "split",
-            "retrieval_ranks", "retrieval_scores", "adapter_stats", "scales", "metric_at_scales")
+            "retrieval_ranks", "retrieval_scores", "adapter_stats", "scales", "metric_at_scales", "f1_all",
+            "f1_at_scales")
 # split values understood by the trainer; anything else is an error (a typo must not move data silently)
 TRAIN_SPLITS = ("train",)
 VAL_SPLITS = ("val", "validation", "dev")
@@ -53,6 +54,8 @@ class LabelRecord:
     adapter_stats: list[dict[str, float]] | None = None
     scales: list[float] | None = None  # total scales s at which the full set was measured (every w~_i = s) ...
     metric_at_scales: list[float] | None = None  # ... and the label metric there (fcprag labels build --scales)
+    f1_all: float | None = None  # F1 of the greedy answer with all passages (PRAG's sum) ...
+    f1_at_scales: list[float] | None = None  # ... and at each of ``scales`` (answer-level scale labels)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -62,6 +65,14 @@ class LabelRecord:
         if self.scales is None or self.metric_at_scales is None or self.metric_all is None:
             return None
         return {s: m - self.metric_all for s, m in zip(self.scales, self.metric_at_scales)}
+
+    @property
+    def f1_scale_gains(self) -> dict[float, float] | None:
+        """``{s: F1 at scale s - f1_all}`` (the measured F1 gain of PRAG's sum times s over the sum), or None
+        without ``f1_at_scales``."""
+        if self.scales is None or self.f1_at_scales is None or self.f1_all is None:
+            return None
+        return {s: m - self.f1_all for s, m in zip(self.scales, self.f1_at_scales)}
 
     @property
     def n(self) -> int:
@@ -219,11 +230,13 @@ def validate_record(obj: Any) -> LabelRecord:
     scores = _number_list(obj["retrieval_scores"], "retrieval_scores", n) if "retrieval_scores" in obj else None
     stats = _adapter_stats_field(obj["adapter_stats"], n) if "adapter_stats" in obj else None
     scales, at_scales = _scale_fields(obj, metric_all)
+    f1_all, f1_at = _f1_scale_fields(obj, scales)
     extra = {k: v for k, v in obj.items() if k not in REQUIRED and k not in OPTIONAL}
     return LabelRecord(id=rid, query=query, passages=passages, deltas=deltas, metric_all=metric_all,
                        metric_without=metric_without, adapters=adapters, answer=answer, metric=metric,
                        group=group, split=split, retrieval_ranks=ranks, retrieval_scores=scores,
-                       adapter_stats=stats, scales=scales, metric_at_scales=at_scales, extra=extra)
+                       adapter_stats=stats, scales=scales, metric_at_scales=at_scales, f1_all=f1_all,
+                       f1_at_scales=f1_at, extra=extra)
 
 
 def _scale_fields(obj: dict[str, Any], metric_all: float | None) -> tuple[list[float] | None, list[float] | None]:
@@ -244,6 +257,28 @@ def _scale_fields(obj: dict[str, Any], metric_all: float | None) -> tuple[list[f
     if bad is not None:
         raise _RecordError(f"scales[{bad}]", f"is {scales[bad]}, expected distinct numbers > 0")
     return scales, _number_list(obj["metric_at_scales"], "metric_at_scales", len(scales), "scale")
+
+
+def _f1_scale_fields(obj: dict[str, Any], scales: list[float] | None
+                     ) -> tuple[float | None, list[float] | None]:
+    """``f1_all`` (a number in [0, 1]) and ``f1_at_scales`` (one F1 per entry of ``scales``); the second needs the
+    first and ``scales`` (the F1 gain at scale s is measured against ``f1_all``)."""
+    f1_all = None
+    if "f1_all" in obj:
+        f1_all = _number(obj["f1_all"], "f1_all")
+        if not 0 <= f1_all <= 1:
+            raise _RecordError("f1_all", f"is {f1_all}, expected an F1 in [0, 1]")
+    if "f1_at_scales" not in obj:
+        return f1_all, None
+    if scales is None:
+        raise _RecordError("scales", "is missing; 'f1_at_scales' gives one F1 per entry of 'scales'")
+    if f1_all is None:
+        raise _RecordError("f1_all", "is missing; 'f1_at_scales' are F1 gains over 'f1_all' (PRAG's sum)")
+    at = _number_list(obj["f1_at_scales"], "f1_at_scales", len(scales), "scale")
+    bad = next((i for i, v in enumerate(at) if not 0 <= v <= 1), None)
+    if bad is not None:
+        raise _RecordError(f"f1_at_scales[{bad}]", f"is {at[bad]}, expected an F1 in [0, 1]")
+    return f1_all, at
 
 
 def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:

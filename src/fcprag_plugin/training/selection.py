@@ -1,20 +1,23 @@
 """Model selection and a verdict that selection never saw (``docs/label-format.md``, "Model selection and the
 verdict").
 
-The gain of merge weights ``w~`` over PRAG's sum is split in two parts, each estimated per record on held-out
+The gain of merge weights ``w~`` over PRAG's sum is split in parts, each estimated per record on held-out
 questions:
 
-    scale        PRAG's sum times the controller's total T = mean_i w~_i, against the sum: m(T) - m(1), measured
-                 when the labels carry scale measurements (``scales`` / ``metric_at_scales``), else the first-order
-                 extrapolation (T - 1) sum_i delta_i (labelled as such: it favours any T > 1 when most deltas are
-                 positive)
-    reweighting  w~ against uniform weights at the same total: sum_i (w~_i - T) delta_i (first order; a contrast,
-                 so the sign of the deltas' mean does not bias it)
+    scale        PRAG's sum times the global kappa, against the sum: m(kappa) - m(1), measured from the labels'
+                 ``scales`` / ``metric_at_scales`` (and in F1 from ``f1_at_scales``); without scale measurements
+                 kappa stays 1 (nothing measured, nothing to gain)
+    reweighting  w~ against uniform weights at the same total: sum_i (w~_i - T) delta_i. FIRST ORDER: a contrast of
+                 leave-one-out deltas taken at PRAG's sum (total 1), not a measurement at the operating total; a
+                 network never ships on it (only with ``keep_network``); ``fcprag study --controller DIR`` measures
+                 it by real forwards
+    query_scale  a per-query scale (:mod:`.query_scale`) against the best global scale chosen on the same training
+                 folds, measured on the grid (with ``per_query_scale`` and measured scales)
 
 Nested grouped cross-validation: in each outer fold the epoch count is chosen on an inner split of the outer
-training questions and ``kappa`` on all of them; the held-out questions are scored with those choices only. The
-95% CIs resample questions (groups); a part is *shown* when its Bonferroni-adjusted CI (two parts: 97.5%) lies
-above 0.
+training questions, ``kappa`` and the per-query head on all of them; the held-out questions are scored with those
+choices only. The 95% CIs resample questions (groups); a part is *shown* when its Bonferroni-adjusted CI (over the
+parts evaluated) lies above 0. The risk rule's loss share is a proportion of questions: its CI is Wilson's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,24 +36,50 @@ from tqdm.auto import tqdm
 
 from .data import LabelTensors
 from .evaluation import collect_outputs
-from .targets import best_kappa
+from . import query_scale as qs
 
 logger = logging.getLogger(__name__)
 
 CV_NAME = "cv.json"
 CV_PARTIAL_NAME = "cv.partial.json"  # the folds an interrupted cross-validation finished (select's on_fold)
 BOOTSTRAP = 2000
-PARTS = 2  # scale and reweighting: the Bonferroni factor of the "shown" decisions
+PARTS = 2  # scale and reweighting: the Bonferroni factor of the "shown" decisions (3 with the per-query scale)
 CI_METHOD = f"percentile bootstrap over questions (groups), {BOOTSTRAP} resamples"
+Z95 = 1.959963984540054  # the two-sided 95% normal quantile
+SCALE_METRICS = ("label", "f1")
+BOUNDS = ("upper", "observed")
 
 
 @dataclass(frozen=True)
 class ScaleRule:
     """How ``kappa`` is chosen from measured scales: the largest mean gain over training questions among the scales
-    where at most ``max_loss_share`` of the questions lose more than ``loss_margin`` (in the label metric)."""
+    whose share of questions losing more than ``loss_margin`` (in the metric chosen on) stays at most
+    ``max_loss_share``: its 95% Wilson upper bound (``bound="upper"``, so that the share holds out of sample) or the
+    observed share (``bound="observed"``, the in-sample rule). Scale 1 (PRAG's sum) is always allowed."""
 
     max_loss_share: float = 0.1
     loss_margin: float = 0.1
+    bound: str = "upper"
+
+
+def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a proportion ``k / n`` (``(0, 1)`` for ``n = 0``)."""
+    if n <= 0:
+        return 0.0, 1.0
+    p, z2 = k / n, z * z
+    den = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / den
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def loss_share(values: torch.Tensor, groups: Sequence[str], margin: float) -> dict[str, Any]:
+    """The share of questions whose mean of ``values [R]`` (NaN rows ignored) is below ``-margin``, with its 95%
+    Wilson CI: ``{"share", "ci95", "questions"}`` (share None when no question has a value)."""
+    per_q = group_means(values, groups)
+    per_q = per_q[~torch.isnan(per_q)]
+    n, k = len(per_q), int((per_q < -margin).sum())
+    return {"share": k / n if n else None, "ci95": list(wilson_interval(k, n)), "questions": n}
 
 
 def group_kfold(groups: Sequence[str], k: int, seed: int) -> list[list[int]]:
@@ -101,36 +131,48 @@ def choose_scale(scales: torch.Tensor, gains: torch.Tensor, groups: Sequence[str
                  ) -> tuple[float, dict[str, Any]]:
     """``kappa`` from measured gains ``[R, S]`` at ``scales [S]`` (NaN: unmeasured) by ``rule`` over the questions
     (groups) that have measurements; scale 1 (PRAG's sum, gain 0) is always a candidate. Returns ``(kappa,
-    {"grid", "mean_gain", "loss_share", "at_grid_edge", "questions"})``; ties go to the smaller scale."""
+    {"grid", "mean_gain", "loss_share", "loss_share_ci95", "bound", "at_grid_edge", "questions"})``; ties go to
+    the smaller scale."""
     per_q = group_means(gains, groups)
     per_q = per_q[~torch.isnan(per_q).all(1)]
     grid = scales.tolist()
     if 1.0 not in grid:
         grid, per_q = grid + [1.0], torch.cat([per_q, torch.zeros(len(per_q), 1, dtype=per_q.dtype)], 1)
     mean = per_q.nanmean(0)
-    loss = (per_q < -rule.loss_margin).double().mean(0)
-    feasible = [j for j in range(len(grid)) if float(loss[j]) <= rule.max_loss_share]
+    n = len(per_q)
+    lost = (per_q < -rule.loss_margin).sum(0).tolist()
+    ci = [wilson_interval(int(k), n) for k in lost]
+    tested = [ci[j][1] if rule.bound == "upper" else lost[j] / n for j in range(len(grid))]
+    feasible = [j for j in range(len(grid)) if grid[j] == 1.0 or tested[j] <= rule.max_loss_share]
     best = max(feasible, key=lambda j: (float(mean[j]), -grid[j]))
     kappa = grid[best]
     edge = kappa != 1.0 and kappa in (max(grid), min(grid))
     order = sorted(range(len(grid)), key=grid.__getitem__)
     return kappa, {"grid": [grid[j] for j in order], "mean_gain": [float(mean[j]) for j in order],
-                   "loss_share": [float(loss[j]) for j in order], "at_grid_edge": edge, "questions": len(per_q)}
+                   "loss_share": [lost[j] / n for j in order], "loss_share_ci95": [list(ci[j]) for j in order],
+                   "bound": rule.bound, "at_grid_edge": edge, "questions": n}
 
 
-def scale_gain(data: LabelTensors, total: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Per record, the gain of PRAG's sum times ``total [R]`` over the sum, and whether it was measured.
+def scale_gain(data: LabelTensors, total: torch.Tensor, metric: str = "label") -> tuple[torch.Tensor, bool]:
+    """Per record, the gain in ``metric`` (``"label"`` or ``"f1"``) of PRAG's sum times ``total [R]`` over the sum,
+    and whether it was measured.
 
     Measured when every total is 1 or on the records' grid of scales: then a record without measurements gets NaN
-    (left out of the part: the labels measured other records of its question); otherwise the first-order
-    ``(total - 1) sum_i delta_i`` for every record."""
+    (left out of the part: the labels measured other records of its question). Off the grid the label metric falls
+    back to the first-order ``(total - 1) sum_i delta_i`` for every record (not measured); F1 has no such
+    extrapolation (NaN)."""
     t = total.double()
-    on_grid = data.scale_gains is not None and all(v == 1.0 or v in data.scales.tolist() for v in t.unique().tolist())
+    gains = data.gains(metric)
+    on_grid = gains is not None and all(v == 1.0 or v in data.scales.tolist() for v in t.unique().tolist())
     if not on_grid:
-        return (t - 1) * (data.deltas.double() * data.mask).sum(1), bool((t == 1.0).all())
+        if bool((t == 1.0).all()):
+            return torch.zeros(len(data), dtype=torch.float64), True
+        if metric == "f1":
+            return torch.full((len(data),), float("nan"), dtype=torch.float64), False
+        return (t - 1) * (data.deltas.double() * data.mask).sum(1), False
     out = torch.full((len(data),), float("nan"), dtype=torch.float64)
     for j, s in enumerate(data.scales.tolist()):
-        out[t == s] = data.scale_gains[t == s, j]
+        out[t == s] = gains[t == s, j]
     out[t == 1.0] = 0.0
     return out, True
 
@@ -150,17 +192,22 @@ def totals(w_tilde: torch.Tensor, data: LabelTensors) -> torch.Tensor:
     return (w_tilde.double() * m).sum(1) / m.sum(1)
 
 
+def has_measured(data: LabelTensors, metric: str) -> bool:
+    """Whether ``data`` carries measured scale gains in ``metric`` for at least one record."""
+    g = data.gains(metric)
+    return g is not None and bool((~torch.isnan(g)).any())
+
+
 def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, str, dict[str, Any] | None]:
-    """The global scale chosen on ``data``, how, and the grid behind it: ``args.kappa`` when it is a number, else
-    by ``rule`` on the measured scales (the grid: :func:`choose_scale`'s info), else the first-order optimum of the
-    risk objective for uniform weights (no grid)."""
+    """The global scale chosen on ``data``, how, and the grid behind it: ``args.kappa`` when it is a number
+    (``"fixed"``), else by ``rule`` on the gains measured in ``args.scale_metric`` (``"measured"``; the grid:
+    :func:`choose_scale`'s info), else 1, PRAG's sum (``"no_scales"``: nothing was measured)."""
     if args.kappa != "auto":
         return float(args.kappa), "fixed", None
-    if data.scale_gains is not None and bool((~torch.isnan(data.scale_gains)).any()):
-        kappa, grid = choose_scale(data.scales, data.scale_gains, data.groups, rule)
+    if has_measured(data, args.scale_metric):
+        kappa, grid = choose_scale(data.scales, data.gains(args.scale_metric), data.groups, rule)
         return kappa, "measured", grid
-    return (best_kappa(data.mask.to(torch.float32), data.deltas, data.mask, args.risk_lambda_for(data)),
-            "first_order", None)
+    return 1.0, "no_scales", None
 
 
 def _from_json(values: Any) -> torch.Tensor:
@@ -179,14 +226,15 @@ def read_cv_partial(out: Any) -> dict[str, Any] | None:
     return got if isinstance(got, dict) and isinstance(got.get("folds"), list) else None
 
 
-def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int) -> dict[str, Any]:
-    """Mean, 95% CI, the Bonferroni-adjusted CI and whether that one lies above 0, over the non-NaN records."""
+def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: int = PARTS) -> dict[str, Any]:
+    """Mean, 95% CI, the Bonferroni-adjusted CI (over ``parts``) and whether that one lies above 0, over the
+    non-NaN records."""
     ok = ~torch.isnan(values)
     v, g = values[ok], [gr for gr, k in zip(groups, ok.tolist()) if k]
     if not len(v):
         return {"gain": None, "ci95": None, "ci_adjusted": None, "shown": False, "n_records": 0}
     lo, hi = bootstrap_ci(v, g, seed)
-    alo, ahi = bootstrap_ci(v, g, seed, level=1 - 0.05 / PARTS)
+    alo, ahi = bootstrap_ci(v, g, seed, level=1 - 0.05 / parts)
     return {"gain": float(v.mean()), "ci95": [lo, hi], "ci_adjusted": [alo, ahi], "shown": alo > 0,
             "n_records": int(ok.sum())}
 
@@ -194,10 +242,12 @@ def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int) -> dict
 def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
            rule: ScaleRule = ScaleRule(), progress: bool = False, done: Sequence[dict[str, Any]] = (),
            on_fold: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
-    """Nested grouped CV (module docstring) -> a JSON-ready dict: the epoch count and ``kappa`` to ship, the two
-    parts with their CIs, what to ship (``learned`` only when the reweighting part is shown or
-    ``args.keep_network``) and the verdict of the shipped controller against PRAG's sum.
+    """Nested grouped CV (module docstring) -> a JSON-ready dict: the epoch count and ``kappa`` to ship, the parts
+    with their CIs, what to ship and the verdict of the shipped controller against PRAG's sum.
 
+    What ships: ``learned`` only with ``args.keep_network`` (its reweighting part is first order, never a
+    measurement); else ``query_scale`` when the per-query scale's part is shown and its held-out loss share keeps
+    the risk rule; else ``scale_only`` (PRAG's sum times kappa; kappa 1 when the scale part is not shown).
     ``args`` is the run's ``TrainArgs``; ``trainer(train_data, None, None, args, embedding_model)`` builds one
     fold's trainer (passed in so that this module does not import the one that imports it). Each fold depends only
     on its own seed, so a CV can stop and go on: ``on_fold(results)`` is called with the JSON-ready results of the
@@ -208,10 +258,15 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     if len(folds) < 2:
         raise ValueError(f"cross-validation needs at least 2 groups (questions), got {len(folds)}")
     E, R = args.epochs, len(data)
+    metric = args.scale_metric
+    metrics = [m for m in SCALE_METRICS if data.gains(m) is not None]
+    nan = lambda: torch.full((R,), float("nan"), dtype=torch.float64)  # noqa: E731
     curve = torch.zeros(E + 1, R, dtype=torch.float64)  # held-out reweighting gain after e epochs (for the count)
-    rw = torch.full((R,), float("nan"), dtype=torch.float64)  # nested: each fold's own epoch choice
-    scale = torch.full((R,), float("nan"), dtype=torch.float64)
-    fold_epochs, fold_kappas, scale_measured = [], [], True
+    rw = nan()  # nested: each fold's own epoch choice
+    scale = {m: nan() for m in {metric, *metrics}}  # the scale part at each fold's kappa, per metric
+    per_query = args.kappa == "auto" and getattr(args, "per_query_scale", False) and has_measured(data, metric)
+    q_gain, q_global = nan(), nan()  # per-query scale vs the sum, and the fold's global kappa vs the sum
+    fold_epochs, fold_kappas, fold_heads, scale_measured = [], [], [], True
     fold_args = dataclasses.replace(args, cv_folds=0)
     results: list[dict[str, Any]] = []
     with tqdm(total=len(folds) * E, unit="epoch", desc=f"nested {len(folds)}-fold CV", dynamic_ncols=True,
@@ -219,7 +274,12 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
         for f, held in enumerate(folds):
             if f < len(done) and done[f].get("held") == held:  # finished by an interrupted run
                 r = done[f]
-                curve[:, held], rw[held], scale[held] = (_from_json(r[k]) for k in ("curve", "reweighting", "scale"))
+                curve[:, held], rw[held] = _from_json(r["curve"]), _from_json(r["reweighting"])
+                for m in scale:
+                    scale[m][held] = _from_json(r["scale"][m])
+                if per_query:
+                    q_gain[held], q_global[held] = _from_json(r["q_gain"]), _from_json(r["q_global"])
+                    fold_heads.append(r["head"])
                 scale_measured &= bool(r["measured"])
                 fold_epochs.append(int(r["epochs"]))
                 fold_kappas.append(float(r["kappa"]))
@@ -249,34 +309,80 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             # w~ sums to N, so the total is kappa exactly (up to rounding); a per-query scale makes it vary
             total = totals(w_held, held_data) if args.controller.get("query_scale") else \
                 torch.full((len(held),), kappa, dtype=torch.float64)
-            scale[held], measured = scale_gain(held_data, total)
+            for m in scale:
+                scale[m][held], measured_m = scale_gain(held_data, total, m)
+                if m == metric:
+                    measured = measured_m
             scale_measured &= measured
+            if per_query and has_measured(rest_data, metric):
+                head, info = qs.fit_query_scale(rest_data, metric, kappa, rule, args.seed + f)
+                chosen = qs.choose(head, held_data)
+                q_gain[held] = scale_gain(held_data, chosen, metric)[0]
+                q_global[held] = scale_gain(held_data, torch.full((len(held),), kappa, dtype=torch.float64),
+                                            metric)[0]
+                fold_heads.append({"l2": info["l2"], "rho": info["rho"],
+                                   "chosen": {repr(v): int((chosen == v).sum()) for v in info["grid"]
+                                              if int((chosen == v).sum())}})
             fold_epochs.append(e_f)
             fold_kappas.append(kappa)
             results.append({"held": held, "curve": curve[:, held].tolist(), "reweighting": rw[held].tolist(),
-                            "scale": scale[held].tolist(), "measured": measured, "epochs": e_f, "kappa": kappa})
+                            "scale": {m: v[held].tolist() for m, v in scale.items()}, "measured": measured,
+                            "epochs": e_f, "kappa": kappa,
+                            **({"q_gain": q_gain[held].tolist(), "q_global": q_global[held].tolist(),
+                                "head": fold_heads[-1] if len(fold_heads) == len(fold_epochs) else None}
+                               if per_query else {})})
             if on_fold is not None:
                 on_fold(results)
     pooled = curve.mean(1)
     epochs = int(torch.argmax(pooled))  # first maximum: the fewest epochs among ties (0 = uniform weights)
     kappa, how, grid = fold_kappa(data, args, rule)
+    parts = PARTS + bool(per_query)
+    sc = scale[metric]
     out: dict[str, Any] = {
-        "method": "nested grouped CV: epochs chosen on an inner split, kappa on the outer training questions",
+        "method": "nested grouped CV: epochs chosen on an inner split, kappa (and the per-query scale) on the "
+                  "outer training questions",
         "folds": len(folds), "n_records": R, "n_groups": len(set(data.groups)), "max_epochs": E,
         "objective": args.objective, "selected_epochs": epochs, "fold_epochs": fold_epochs,
-        "scale": {**part_summary(scale, data.groups, args.seed), "kappa": kappa, "chosen_by": how,
-                  "measured": scale_measured, "fold_kappas": fold_kappas,
+        "scale_metric": metric,
+        "scale": {**part_summary(sc, data.groups, args.seed, parts), "kappa": kappa, "chosen_by": how,
+                  "metric": metric, "measured": scale_measured and how != "no_scales", "fold_kappas": fold_kappas,
                   "at_grid_edge": bool(grid and grid["at_grid_edge"]), "grid": grid,
-                  "rule": dataclasses.asdict(rule) if how == "measured" else None},
-        "reweighting": {**part_summary(rw, data.groups, args.seed), "first_order": True},
+                  "rule": dataclasses.asdict(rule) if how == "measured" else None,
+                  "held_out_loss_share": {**loss_share(sc, data.groups, rule.loss_margin),
+                                          "allowed": rule.max_loss_share, "margin": rule.loss_margin},
+                  "by_metric": {m: part_summary(scale[m], data.groups, args.seed, parts) for m in metrics}},
+        "reweighting": {**part_summary(rw, data.groups, args.seed, parts), "first_order": True,
+                        "measured": False},
         "curve": [float(v) for v in pooled], "ci_method": CI_METHOD,
-        "metric": "per record: scale m(T) - m(1) (measured, or (T - 1) sum delta first order) plus reweighting "
-                  "sum_i (w~_i - T) delta_i (first order), on held-out questions",
+        "loss_share_ci_method": "Wilson score interval (95%) over questions",
+        "metric": "per record, on held-out questions: scale m(kappa) - m(1) (measured on the labels' scale grid), "
+                  "reweighting sum_i (w~_i - T) delta_i (first order, deltas taken at PRAG's sum), per-query "
+                  "scale m(s_q) - m(kappa) (measured)",
     }
-    shipped = "learned" if out["reweighting"]["shown"] or args.keep_network else "scale_only"
+    q_part = None
+    if per_query:
+        q_part = {**part_summary(q_gain - q_global, data.groups, args.seed, parts), "measured": True,
+                  "metric": metric, "against": "the global kappa chosen on the same training folds",
+                  "vs_sum": part_summary(q_gain, data.groups, args.seed, parts),
+                  "held_out_loss_share": {**loss_share(q_gain, data.groups, rule.loss_margin),
+                                          "allowed": rule.max_loss_share},
+                  "folds": fold_heads}
+        ls = q_part["held_out_loss_share"]
+        q_part["keeps_rule"] = ls["share"] is not None and ls["ci95"][1] <= rule.max_loss_share or (
+            ls["share"] is not None and ls["share"] <= (out["scale"]["held_out_loss_share"]["share"] or 0.0))
+        out["query_scale"] = q_part
     ship_kappa = kappa if out["scale"]["shown"] or args.kappa != "auto" else 1.0
-    total = (scale if ship_kappa != 1.0 else torch.zeros(R, dtype=torch.float64)) + \
-        (rw if shipped == "learned" else torch.zeros(R, dtype=torch.float64))
+    if args.keep_network:
+        shipped = "learned"
+    elif q_part is not None and q_part["shown"] and q_part["keeps_rule"]:
+        shipped = "query_scale"
+    else:
+        shipped = "scale_only"
+    zero = torch.zeros(R, dtype=torch.float64)
+    if shipped == "query_scale":
+        total = q_gain
+    else:
+        total = (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "learned" and metric == "label" else zero)
     summary = part_summary(total, data.groups, args.seed)
     out.update(shipped=shipped, kappa=ship_kappa, gain=summary["gain"], ci95=summary["ci95"],
                verdict="better_than_uniform" if summary["ci95"] and summary["ci95"][0] > 0 else "unproven",
@@ -292,22 +398,55 @@ def _part(p: dict[str, Any]) -> str:
     return f"{p['gain']:+.4g} per record, 95% CI [{lo:+.4g}, {hi:+.4g}]"
 
 
+def _share(ls: dict[str, Any]) -> str:
+    if ls.get("share") is None:
+        return "no question measured"
+    lo, hi = ls["ci95"]
+    return f"{100 * ls['share']:.0f}% of {ls['questions']} questions, 95% CI [{100 * lo:.0f}%, {100 * hi:.0f}%]"
+
+
+MEASURE_HINT = ("to measure it, evaluate the controller by real forwards on held-out questions: "
+                "fcprag study QUESTIONS --model MODEL --controller DIR --out OUT")
+
+
 def verdict_lines(cv: dict[str, Any]) -> list[str]:
-    """The verdict in plain words (the CLI's last lines): the total against PRAG's sum, its two parts, what was
+    """The verdict in plain words (the CLI's last lines): the total against PRAG's sum, its parts, what was
     shipped and why."""
-    s, r = cv["scale"], cv["reweighting"]
-    how = {"measured": "chosen on measured scales", "first_order": "chosen by the first-order extrapolation (no "
-           "scale measurements in the labels)", "fixed": "fixed by the caller"}[s["chosen_by"]]
+    s, r, q = cv["scale"], cv["reweighting"], cv.get("query_scale")
+    metric = {"label": "the label metric", "f1": "F1"}.get(s.get("metric", "label"), "the label metric")
+    how = {"measured": f"chosen on measured scales in {metric}",
+           "no_scales": "no scale measurements in the labels, so PRAG's sum (build them with 'fcprag labels build "
+                        "--scales')",
+           "first_order": "chosen by the first-order extrapolation", "fixed": "fixed by the caller"}[s["chosen_by"]]
     edge = " It sits at the edge of the measured grid: a larger scale may do better." if s["at_grid_edge"] else ""
     lines = [f"Held-out, selection-unbiased ({cv['folds']}-fold nested CV over {cv['n_groups']} questions):",
              f"  scale part (PRAG's sum times kappa = {s['kappa']:.4g}, {how}): {_part(s)}; "
-             + ("measured" if s["measured"] else "first-order extrapolation") + (
-                 " - shown" if s["shown"] else " - NOT shown") + "." + edge,
-             f"  reweighting part (learned weights vs the same total, first order): {_part(r)}"
-             + (" - shown." if r["shown"] else " - NOT shown.")]
-    what = ("the learned controller" if cv["shipped"] == "learned" else
-            f"a scale-only controller (PRAG's sum times {cv['kappa']:.4g}, no network)")
-    why = "" if cv["shipped"] == "learned" or r["shown"] else " because the reweighting part was not shown"
+             + ("measured" if s["measured"] else "not measured") + (
+                 " - shown" if s["shown"] else " - NOT shown") + "." + edge]
+    for m, p in (s.get("by_metric") or {}).items():
+        if m != s.get("metric", "label"):
+            lines.append(f"    the same scale in {'F1' if m == 'f1' else 'the label metric'}: {_part(p)}")
+    ls = s.get("held_out_loss_share")
+    if ls and ls.get("share") is not None and s["chosen_by"] == "measured":
+        lines.append(f"    questions losing more than {ls['margin']:g} at each fold's kappa (held out): {_share(ls)}; "
+                     f"the rule allows {100 * ls['allowed']:.0f}%.")
+    lines.append(f"  reweighting part (learned weights vs the same total): {_part(r)} - FIRST ORDER (a contrast of "
+                 "leave-one-out deltas taken at PRAG's sum, total 1), not a measurement at the operating total.")
+    if q is not None:
+        lines.append(f"  per-query scale part (a scale per question from the grid vs the best global scale of the same "
+                     f"training folds, in {metric}): {_part(q)}; measured" + (" - shown" if q["shown"] else
+                                                                              " - NOT shown")
+                     + f"; questions losing more than the margin against PRAG's sum: {_share(q['held_out_loss_share'])}.")
+    shipped = cv["shipped"]
+    what = {"learned": f"the learned controller (network, kappa {cv['kappa']:.4g})",
+            "query_scale": "a per-query scale controller (PRAG's sum times a scale chosen per question, no weights "
+                           "network)",
+            "scale_only": f"a scale-only controller (PRAG's sum times {cv['kappa']:.4g}, no network)"}[shipped]
+    why = {"learned": ", because --keep-network asked for it: its reweighting part is first order, not measured; "
+                      + MEASURE_HINT,
+           "query_scale": ", because its measured per-query part was shown",
+           "scale_only": ": the learned network is not saved, because its reweighting part is first order, not a "
+                         "measurement (--keep-network saves it; " + MEASURE_HINT + ")"}[shipped]
     total = "NOT shown to beat PRAG's sum" if cv["verdict"] == "unproven" else "better than PRAG's sum"
     gain = "" if cv["gain"] is None else f": {cv['gain']:+.4g} per record, 95% CI [{cv['ci95'][0]:+.4g}, " \
                                         f"{cv['ci95'][1]:+.4g}]"

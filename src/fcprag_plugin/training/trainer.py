@@ -31,7 +31,9 @@ from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
 from .evaluation import collect_outputs, evaluate, format_table, metrics_from_outputs
 from .precision import autocast, resolve_precision
-from .selection import CV_NAME, CV_PARTIAL_NAME, ScaleRule, fold_kappa, read_cv_partial, select, verdict_lines
+from . import query_scale as qs
+from .selection import (BOUNDS, CV_NAME, CV_PARTIAL_NAME, SCALE_METRICS, ScaleRule, fold_kappa, has_measured,
+                        read_cv_partial, select, verdict_lines)
 from .targets import (DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, estimate_lambda,
                       risk_loss, weighted_kl)
 
@@ -42,6 +44,13 @@ ARGS_NAME = "training_args.json"
 METRICS_NAME = "metrics.json"
 PRECISIONS = ("auto", "fp32", "bf16")
 OBJECTIVES = ("kl", "risk")
+# what a recipe sets unless the caller sets it: "measured" (the default: the TrainArgs defaults, which follow the
+# measurements of docs/results/efficacy-fresh.md) and "paper" (the paper's setting: the learned network, shipped,
+# at PRAG's total, kappa 1)
+RECIPES: dict[str, dict[str, Any]] = {
+    "measured": {},
+    "paper": {"kappa": 1.0, "keep_network": True, "per_query_scale": False, "objective": "kl"},
+}
 # arguments that may change between a run and its resume (they do not change what is learned)
 # (precision: "auto" may resolve differently on another machine; the resolved precision is compared instead)
 # more epochs than anyone trains a controller for (the cross-validation keeps a curve of (epochs + 1) x records),
@@ -52,7 +61,10 @@ _RESUME_FREE = {"epochs", "cache_dir", "on_error", "eval_batch_size", "threads",
 
 @dataclass
 class TrainArgs:
-    """Training hyper-parameters (the defaults follow the paper: AdamW 1e-4, wd 0.01, batch 32, 10 epochs)."""
+    """Training hyper-parameters. The network's follow the paper (AdamW 1e-4, wd 0.01, batch 32, 10 epochs); what
+    ships follows the measurements (``recipe="measured"``: kappa chosen on measured scales by a risk rule that
+    holds out of sample, a scale-only controller, a per-query scale only when its measured part is shown);
+    :meth:`for_recipe` with ``"paper"`` gives the paper's setting (learned network shipped, kappa 1)."""
 
     epochs: int = 10
     batch_size: int = 32
@@ -75,13 +87,17 @@ class TrainArgs:
     objective: str = "kl"  # "kl": the paper's KL to softmax(delta / t_label); "risk": see targets.py
     risk_lambda: float | None = None  # None: estimated from the training labels (targets.estimate_lambda)
     cv_folds: int = 5  # nested grouped CV: epochs, kappa and the verdict (selection.py); 0: off, train `epochs`
-    kappa: float | str = 1.0  # global scale of the merge weights; "auto": chosen on the training labels
+    kappa: float | str = "auto"  # global scale of the merge weights; "auto": chosen on the labels' measured scales
     side_features: list[str] = field(default_factory=list)  # opt-in per-passage inputs (features.SIDE_FEATURES)
     # kappa "auto" with measured scales: the largest mean gain such that at most this share of the training
     # questions lose more than scale_loss_margin (in the label metric) against PRAG's sum (selection.ScaleRule)
     scale_max_loss_share: float = 0.1
     scale_loss_margin: float = 0.1
-    keep_network: bool = False  # ship the learned network even when its reweighting part is not shown
+    scale_bound: str = "upper"  # the share's 95% Wilson upper bound ("upper") or the observed share ("observed")
+    scale_metric: str = "label"  # kappa chosen on the label metric ("label") or on F1 ("f1": f1_at_scales)
+    per_query_scale: bool = True  # also try a per-query scale (query_scale.py); ships only when shown
+    keep_network: bool = False  # ship the learned network (its reweighting part is first order, never measured)
+    recipe: str = "measured"  # the name of the preset these arguments came from (RECIPES)
     allow_retrieval_score: bool = False  # see validate(): PRAG and DyPRAG keep no retrieval scores
 
     def validate(self) -> "TrainArgs":
@@ -130,12 +146,23 @@ class TrainArgs:
              "run the controller with it taken as equal for every passage, which its verdict did not measure; leave "
              f"it out, or pass {kw('allow_retrieval_score', True)} for a host that supplies scores",
              [("side_features", ["retrieval_score"]), ("allow_retrieval_score", True)])
+        need(self.scale_bound in BOUNDS, f"'scale_bound' is {self.scale_bound!r}, expected one of {list(BOUNDS)}")
+        need(self.scale_metric in SCALE_METRICS,
+             f"'scale_metric' is {self.scale_metric!r}, expected one of {list(SCALE_METRICS)}")
+        need(self.recipe in RECIPES, f"'recipe' is {self.recipe!r}, expected one of {list(RECIPES)}")
         check_target_args(self.t_label, self.flat_eps, self.flat_weight)
         return self
 
+    @classmethod
+    def for_recipe(cls, recipe: str = "measured", **kwargs: Any) -> "TrainArgs":
+        """The arguments of ``recipe`` (:data:`RECIPES`), overridden by ``kwargs``."""
+        if recipe not in RECIPES:
+            raise FcpragError(f"training argument 'recipe' is {recipe!r}, expected one of {list(RECIPES)}")
+        return cls(**{**RECIPES[recipe], **kwargs, "recipe": recipe})
+
     @property
     def scale_rule(self) -> ScaleRule:
-        return ScaleRule(self.scale_max_loss_share, self.scale_loss_margin)
+        return ScaleRule(self.scale_max_loss_share, self.scale_loss_margin, self.scale_bound)
 
     def risk_lambda_for(self, data: LabelTensors) -> float:
         """The risk objective's lambda on ``data``: ``risk_lambda`` when given, else estimated from its labels."""
@@ -450,7 +477,7 @@ def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: 
         raise FcpragError(f"train_controller: unknown argument(s) {unknown}; expected TrainArgs fields {names}")
     if "cache_dir" in kwargs and kwargs["cache_dir"] is not None:
         kwargs["cache_dir"] = str(kwargs["cache_dir"])
-    args = TrainArgs(**kwargs).validate()
+    args = TrainArgs.for_recipe(**kwargs).validate()
     prev_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -512,6 +539,10 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
     tkw = dict(t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, progress=progress,
                side_features=args.side_features)
     train_t = build_tensors(train_recs, enc, cache, **tkw)
+    if args.scale_metric == "f1" and args.kappa == "auto" and not has_measured(train_t, "f1"):
+        raise LabelFileError(f"{train_set.path}: no record has 'f1_at_scales' (with 'f1_all' and 'scales'); "
+                             "scale_metric 'f1' chooses kappa on answer-level scale labels: build them with "
+                             "'fcprag labels build --scales ...' (with generation), or choose on the label metric")
     val_t = build_tensors(val_recs, enc, cache, **tkw) if val_recs else None
     sha = train_set.sha256 + (("+" + val_set.sha256) if val_set is not None else "")
     info = {
@@ -573,7 +604,7 @@ def fit(run: Run, cv: dict[str, Any] | None) -> tuple[FusionController, list[dic
     if run.resume:
         trainer.resume()
     epochs = args.epochs if cv is None else cv["selected_epochs"]
-    if cv is not None and cv["shipped"] == "scale_only":
+    if cv is not None and cv["shipped"] in ("scale_only", "query_scale"):
         epochs = 0
     if trainer.epoch > epochs:
         logger.warning("%s: the checkpoint has %d epochs but %d are to be trained; training again from the start",
@@ -585,7 +616,19 @@ def fit(run: Run, cv: dict[str, Any] | None) -> tuple[FusionController, list[dic
     if cv is not None and cv["shipped"] == "scale_only":
         return FusionController.scale_only(cv["kappa"], embed_dim=run.train.dim,
                                            embedding_model=run.embedding_model), history
+    if cv is not None and cv["shipped"] == "query_scale":
+        return query_scale_controller(run, cv), history
     return trainer.controller.eval(), history
+
+
+def query_scale_controller(run: Run, cv: dict[str, Any]) -> FusionController:
+    """Controller mode ``scale``: its head trained on all the training records (the recipe the CV measured)."""
+    args = run.args
+    head, info = qs.fit_query_scale(run.train, args.scale_metric, cv["scale"]["kappa"], args.scale_rule, args.seed)
+    ctrl = FusionController(ControllerConfig(embed_dim=run.train.dim, embedding_model=run.embedding_model,
+                                             controller_mode="scale", scale_grid=info["grid"]))
+    ctrl.scale_head.load_state_dict(head.state_dict())
+    return ctrl.eval()
 
 
 def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
@@ -594,13 +637,18 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
     (the training records without any) next to the uniform and random baselines, write ``metrics.json``."""
     args, out = run.args, run.out
     kappa = cv["kappa"] if cv is not None else fold_kappa(run.train, args, args.scale_rule)[0]
+    if controller.config.controller_mode == "scale":
+        kappa = 1.0  # its scale is the head's, per query
     updates: dict[str, Any] = {"kappa": kappa, "trained_for": run.info.get("trained_for")}
     if cv is not None:
         part = ("gain", "ci95", "shown", "n_records")
         updates["cv"] = {k: cv[k] for k in ("gain", "ci95", "ci_method", "verdict", "folds", "selected_epochs",
                                             "objective", "n_groups", "metric", "shipped")} | {
             "scale": {k: cv["scale"][k] for k in (*part, "kappa", "chosen_by", "measured", "at_grid_edge")},
-            "reweighting": {k: cv["reweighting"][k] for k in part}, "source": str(out)}
+            "reweighting": {k: cv["reweighting"][k] for k in part} | {"first_order": True, "measured": False},
+            **({"query_scale": {k: cv["query_scale"][k] for k in (*part, "measured")}} if "query_scale" in cv
+               else {}),
+            "source": str(out)}
     else:  # no cross-validation, no verdict: the controller says it is unproven wherever it is used
         updates["cv"] = {"gain": None, "ci95": None, "verdict": "unproven", "folds": 0, "objective": args.objective,
                          "shipped": "learned", "source": str(out)}

@@ -18,6 +18,7 @@ from fcprag_tools.cli import main
 from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels, format_scales
 from fcprag_tools.label_builder.cli import scale_list
 from fcprag_tools.label_builder.manifest import read_manifest
+from fcprag_tools.label_builder.metrics import score_generation
 from fcprag_tools.label_builder.prompts import PromptTemplate, answer_ids, render_prompt
 from fcprag_tools.label_builder.shard import merge_parts
 from helpers import files_reference, make_adapter_dir, read_jsonl, save_tiny_lm
@@ -125,10 +126,13 @@ def test_metric_at_scales_equals_a_dense_reference(world, tmp_path, batch_size):
     for rec in records[:2]:  # N = 3 and N = 1
         lab = got[rec.id]
         assert lab["scales"] == [0.5, 1.0, 2.0, 4.0]
-        for s, m, g in zip(lab["scales"], lab["metric_at_scales"], lab["generation_at_scales"]):
+        for s, m, g, f1 in zip(lab["scales"], lab["metric_at_scales"], lab["generation_at_scales"],
+                               lab["f1_at_scales"]):
             ref_lp, ref_gen = _dense_reference(world, rec, s)
             assert m == pytest.approx(ref_lp, abs=1e-4), (rec.id, s)
             assert g == ref_gen, (rec.id, s)
+            # answer-level scale labels: the F1 of the dense model's own greedy answer at that scale
+            assert f1 == score_generation(ref_gen, rec.answers)[1], (rec.id, s)
         assert lab["metric_at_scales"][1] == lab["metric_all"]  # scale 1 is the full set's own measurement
         # the scale moves the label (otherwise a mix-up of scales would not show)
         assert max(lab["metric_at_scales"]) - min(lab["metric_at_scales"]) > 1e-3
@@ -305,3 +309,31 @@ def test_empty_generations_at_scales_are_counted_or_name_the_scale(tmp_path):
         assert lab["empty_generations"] == 4 and lab["f1_at_scales"] == [0.0, 0.0, 0.0]
     assert describe_subset([0, 1], 2, 3.0) == "all 2 adapters at scale 3"
     assert describe_subset([0, 1], 2, 1.0) == "all 2 adapters"
+
+
+def test_f1_scale_labels_end_to_end_choose_kappa_on_f1(world, tmp_path):
+    """Build F1 scale labels on the tiny model, read them, and train with kappa chosen on F1: the grid's mean F1
+    gains are those of the file, written out here, and the verdict shows the scale part in both metrics."""
+    from fcprag_plugin.training import load_labels, train_controller
+    from fcprag_tools.synthetic import table_encoder
+
+    out = tmp_path / "labels.jsonl"
+    assert _build(world, out, "--scales", SCALES) == 0
+    raw = read_jsonl(out)
+    ls = load_labels(out)
+    for rec, r in zip(ls.records, raw):
+        assert rec.f1_at_scales == r["f1_at_scales"] and rec.f1_all == r["f1_all"]
+        assert rec.f1_scale_gains == {s: f - r["f1_all"] for s, f in zip(r["scales"], r["f1_at_scales"])}
+    gen = torch.Generator().manual_seed(0)
+    table = {t: torch.randn(8, generator=gen) for r in raw for t in [r["query"], *r["passages"]]}
+    res = train_controller(out, tmp_path / "ctrl", encoder=table_encoder(table, "tiny8"), cache_dir="",
+                           scale_metric="f1", cv_folds=2, epochs=1, val_fraction=0.0, progress=False, threads=1,
+                           controller={"score_hidden": [8], "calib_hidden": 8}, scale_max_loss_share=1.0)
+    cv = res.metrics["cv"]
+    grid = cv["scale"]["grid"]
+    assert cv["scale_metric"] == "f1" and cv["scale"]["metric"] == "f1" and grid["grid"] == [0.5, 1.0, 2.0, 4.0]
+    for j, s in enumerate(grid["grid"]):  # one record per question: the question mean is the record's gain
+        want = sum(r["f1_at_scales"][r["scales"].index(s)] - r["f1_all"] for r in raw) / len(raw)
+        assert grid["mean_gain"][j] == pytest.approx(want, abs=1e-12), s
+    assert set(cv["scale"]["by_metric"]) == {"label", "f1"}
+    assert "the same scale in the label metric" in res.table

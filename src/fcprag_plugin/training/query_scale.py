@@ -1,0 +1,151 @@
+"""A per-query scale from measured scale labels: which of the grid scales to merge PRAG's sum at, per question.
+
+Each label record with scale measurements carries its question's gain at every grid scale ``g [S]`` (label metric
+or F1). A :class:`~fcprag_plugin.controller.ScaleHead` (one linear layer on the standardised ``[e_q; mean e_p]``)
+gives a softmax policy ``pi [S]`` over the grid (scale 1, PRAG's sum, always among them) and is trained to maximise
+the mean expected utility
+
+    u_s = g_s - rho * 1[g_s < -margin]          (a loss beyond the risk rule's margin costs rho)
+    J   = mean_b sum_s pi_bs u_bs - l2 |W|^2     (the bias is not penalised: W = 0 is one global scale)
+
+``rho`` and ``l2`` are chosen by an inner grouped CV on the training questions, under the same risk rule as the
+global scale: among ``rho`` in :data:`RHO_FACTORS` times the price of a loss at which the best global scale under
+``u`` is the rule's ``kappa`` (:func:`risk_price`) and ``l2`` in :data:`L2_GRID` (infinity: bias only, one global
+scale), the pair with the largest inner held-out mean gain among those whose inner held-out share of questions
+losing more than the margin passes the rule (its Wilson upper bound, or the observed share, at most the allowed
+share). The rule's own choice, kappa for every query, is always allowed (and wins ties). The query's scale is the
+argmax.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Sequence
+
+import torch
+
+from ..controller import ScaleHead
+from .data import LabelTensors
+
+logger = logging.getLogger(__name__)
+
+L2_GRID = (math.inf, 1.0, 0.1, 0.01)  # strongest first: ties go to the simpler head
+RHO_FACTORS = (1.0, 0.25, 1 / 16, 0.0)  # times risk_price: the safest first
+STEPS = 300
+LR = 0.05
+
+
+def grid_with_sum(scales: torch.Tensor, gains: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """The grid with scale 1 (gain 0 by definition) added when missing, sorted, and the gains ``[R, S]`` to match."""
+    grid = scales.tolist()
+    if 1.0 not in grid:
+        grid, gains = grid + [1.0], torch.cat([gains, torch.zeros(len(gains), 1, dtype=gains.dtype)], 1)
+    order = sorted(range(len(grid)), key=grid.__getitem__)
+    return [grid[j] for j in order], gains[:, order]
+
+
+def utility(gains: torch.Tensor, rho: float, margin: float) -> torch.Tensor:
+    """``u = g - rho * 1[g < -margin]`` (``[R, S]``)."""
+    return gains - rho * (gains < -margin).to(gains.dtype)
+
+
+def risk_price(gains: torch.Tensor, grid: Sequence[float], kappa: float, margin: float) -> float:
+    """The smallest ``rho`` on a geometric ladder (0, then 1/64 .. 64 times the mean |gain|) at which the best
+    global scale by mean utility is ``kappa`` (the risk rule's choice); the largest when none is."""
+    base = float(gains.abs().mean()) or 1.0
+    ladder = [0.0] + [base * 2.0 ** k for k in range(-6, 7)]
+    target = grid.index(kappa) if kappa in grid else None
+    for rho in ladder:
+        mean = utility(gains, rho, margin).mean(0)
+        if target is not None and int(torch.argmax(mean)) == target:
+            return rho
+    return ladder[-1]
+
+
+def _fit(x: torch.Tensor, u: torch.Tensor, grid: Sequence[float], l2: float) -> ScaleHead:
+    """Full-batch Adam on ``-J`` (module docstring) from zero weights; deterministic."""
+    head = ScaleHead(x.shape[1] // 2, grid)
+    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
+    head.mean.copy_(mean.float())
+    head.std.copy_(std.float())
+    z = ((x - mean) / std).float()
+    uf = u.float()
+    params = [head.linear.bias] if math.isinf(l2) else list(head.linear.parameters())
+    opt = torch.optim.Adam(params, lr=LR)
+    for _ in range(STEPS):
+        pi = torch.softmax(head.linear(z), 1)
+        loss = -(pi * uf).sum(1).mean()
+        if not math.isinf(l2):
+            loss = loss + l2 * head.linear.weight.pow(2).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return head.requires_grad_(False).eval()
+
+
+def _constant(d: int, grid: Sequence[float], kappa: float) -> ScaleHead:
+    """The head that gives every query ``kappa`` (the global rule's own choice)."""
+    head = ScaleHead(d, grid)
+    head.linear.bias.data[list(grid).index(kappa)] = 1.0
+    return head.requires_grad_(False).eval()
+
+
+def features(data: LabelTensors) -> torch.Tensor:
+    """``[e_q; mean e_p]`` per record ``[R, 2d]`` (float64)."""
+    e_q = data.table[data.q_idx]
+    E_p = data.table[data.p_idx]
+    return ScaleHead.features(e_q, E_p, data.mask).double()
+
+
+def choose(head: ScaleHead, data: LabelTensors) -> torch.Tensor:
+    """The head's scale for every record of ``data`` ``[R]`` (float64)."""
+    with torch.no_grad():  # the controller's own path (ScaleHead.choose), so the verdict scores what ships
+        return head.choose(data.table[data.q_idx], data.table[data.p_idx], data.mask).double()
+
+
+def gains_at(grid: Sequence[float], gains: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``gains[r, grid.index(chosen[r])]`` per record ``[R]``."""
+    idx = torch.tensor([list(grid).index(float(s)) for s in chosen.tolist()], dtype=torch.long)
+    return gains.gather(1, idx.unsqueeze(1)).squeeze(1)
+
+
+def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, seed: int,
+                    folds: int = 3) -> tuple[ScaleHead, dict[str, Any]]:
+    """The head trained on the records of ``data`` with measured gains in ``metric`` (``"label"`` / ``"f1"``),
+    ``rho`` and ``l2`` chosen by an inner grouped ``folds``-fold CV under ``rule`` (a ``selection.ScaleRule``;
+    module docstring) at the rule's global ``kappa``. Returns ``(head, {"grid", "rho", "l2", "inner"})``, ``inner``
+    listing each pair's inner held-out mean gain and loss share."""
+    from .selection import group_kfold, loss_share
+
+    gains = data.gains(metric)
+    ok = ~torch.isnan(gains).any(1)
+    rows = torch.nonzero(ok).squeeze(1).tolist()
+    sub = data.subset(rows)
+    grid, g = grid_with_sum(data.scales, gains[ok])
+    price = risk_price(g, grid, kappa, rule.loss_margin)
+    x = features(sub)
+    inner = group_kfold(sub.groups, folds, seed)
+    # first the rule's own choice, kappa for every query (always allowed; rho None); with a free rule (price 0)
+    # risk is still priced on the ladder
+    base = [f * price for f in RHO_FACTORS] if price > 0 else [float(g.abs().mean()) * f for f in RHO_FACTORS]
+    pairs = [(None, math.inf)] + list(dict.fromkeys((rho, l2) for rho in base for l2 in L2_GRID))
+    fit = lambda rows_, rho_, l2_: _constant(x.shape[1] // 2, grid, kappa) if rho_ is None else _fit(  # noqa: E731
+        x[rows_], utility(g[rows_], rho_, rule.loss_margin), grid, l2_)
+    report, best, best_gain = [], pairs[0], -math.inf
+    for rho, l2 in pairs:
+        got = torch.zeros(len(rows), dtype=torch.float64)
+        for held in inner if len(inner) > 1 else []:
+            keep = sorted(set(range(len(rows))) - set(held))
+            got[held] = gains_at(grid, g[held], choose(fit(keep, rho, l2), sub.subset(held)))
+        ls = loss_share(got, sub.groups, rule.loss_margin)
+        tested = ls["ci95"][1] if rule.bound == "upper" else ls["share"]
+        allowed = (rho, l2) == pairs[0] or (len(inner) > 1 and tested <= rule.max_loss_share)
+        mean = float(got.mean())
+        report.append({"rho": rho, "l2": None if math.isinf(l2) else l2, "gain": mean, "loss_share": ls["share"],
+                       "allowed": allowed})
+        if allowed and mean > best_gain:  # strict: ties keep the safer, simpler pair listed first
+            best, best_gain = (rho, l2), mean
+    rho, l2 = best
+    head = fit(list(range(len(rows))), rho, l2)
+    return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(l2) else l2, "inner": report}
