@@ -8,12 +8,10 @@ the mean expected utility
     u_s = g_s - rho * 1[g_s < -margin]          (a loss beyond the risk rule's margin costs rho)
     J   = mean_b sum_s pi_bs u_bs - l2 |W|^2     (the bias is not penalised: W = 0 is one global scale)
 
-``rho`` and ``l2`` are chosen by an inner grouped CV on the training questions, under the same risk rule as the
-global scale: among ``rho`` in :data:`RHO_FACTORS` times the price of a loss at which the best global scale under
-``u`` is the rule's ``kappa`` (:func:`risk_price`) and ``l2`` in :data:`L2_GRID` (infinity: bias only, one global
-scale), the pair with the largest inner held-out mean gain among those whose inner held-out share of questions
-losing more than the margin passes the rule (its Wilson upper bound, or the observed share, at most the allowed
-share). The rule's own choice, kappa for every query, is always allowed (and wins ties). The query's scale is the
+``rho`` (:data:`RHO_FACTORS` times :func:`risk_price`, the loss price at which the best global scale is the rule's
+``kappa``) and ``l2`` (:data:`L2_GRID`; infinity: bias only) are chosen by an inner grouped CV on the training
+questions: the largest inner held-out mean gain among the pairs whose held-out loss share passes the global scale's
+risk rule; the rule's own choice, kappa for every query, is always allowed and wins ties. A query's scale is the
 argmax.
 """
 

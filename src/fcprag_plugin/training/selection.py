@@ -154,13 +154,10 @@ def choose_scale(scales: torch.Tensor, gains: torch.Tensor, groups: Sequence[str
 
 
 def scale_gain(data: LabelTensors, total: torch.Tensor, metric: str = "label") -> tuple[torch.Tensor, bool]:
-    """Per record, the gain in ``metric`` (``"label"`` or ``"f1"``) of PRAG's sum times ``total [R]`` over the sum,
-    and whether it was measured.
-
-    Measured when every total is 1 or on the records' grid of scales: then a record without measurements gets NaN
-    (left out of the part: the labels measured other records of its question). Off the grid the label metric falls
-    back to the first-order ``(total - 1) sum_i delta_i`` for every record (not measured); F1 has no such
-    extrapolation (NaN)."""
+    """Per record, the gain in ``metric`` (``"label"`` / ``"f1"``) of PRAG's sum times ``total [R]`` over the sum,
+    and whether it was measured: yes when every total is 1 or on the records' scale grid (a record without
+    measurements: NaN, left out); off the grid the label metric falls back to the first-order
+    ``(total - 1) sum_i delta_i`` (not measured), F1 to NaN."""
     t = total.double()
     gains = data.gains(metric)
     on_grid = gains is not None and all(v == 1.0 or v in data.scales.tolist() for v in t.unique().tolist())
@@ -243,16 +240,12 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
            rule: ScaleRule = ScaleRule(), progress: bool = False, done: Sequence[dict[str, Any]] = (),
            on_fold: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Nested grouped CV (module docstring) -> a JSON-ready dict: the epoch count and ``kappa`` to ship, the parts
-    with their CIs, what to ship and the verdict of the shipped controller against PRAG's sum.
-
-    What ships: ``learned`` only with ``args.keep_network`` (its reweighting part is first order, never a
-    measurement); else ``query_scale`` when the per-query scale's part is shown and its held-out loss share keeps
-    the risk rule; else ``scale_only`` (PRAG's sum times kappa; kappa 1 when the scale part is not shown).
-    ``args`` is the run's ``TrainArgs``; ``trainer(train_data, None, None, args, embedding_model)`` builds one
-    fold's trainer (passed in so that this module does not import the one that imports it). Each fold depends only
-    on its own seed, so a CV can stop and go on: ``on_fold(results)`` is called with the JSON-ready results of the
-    folds finished so far after each fold, and ``done`` (such a list, from the same data and ``args``) skips them.
-    """
+    with their CIs, what ships and its verdict against PRAG's sum. Ships ``learned`` only with ``args.keep_network``
+    (its reweighting part is first order); else ``query_scale`` when that part is shown and its held-out loss share
+    keeps the risk rule; else ``scale_only`` (kappa 1 when the scale part is not shown). ``args``: the run's
+    ``TrainArgs``; ``trainer(train_data, None, None, args, embedding_model)`` builds one fold's trainer. A fold
+    depends only on its seed: ``on_fold(results)`` gets the finished folds' JSON-ready results after each fold, and
+    ``done`` (such a list, same data and ``args``) skips them."""
     t0 = time.perf_counter()
     folds = group_kfold(data.groups, args.cv_folds, args.seed)
     if len(folds) < 2:
@@ -433,10 +426,10 @@ def verdict_lines(cv: dict[str, Any]) -> list[str]:
     lines.append(f"  reweighting part (learned weights vs the same total): {_part(r)} - FIRST ORDER (a contrast of "
                  "leave-one-out deltas taken at PRAG's sum, total 1), not a measurement at the operating total.")
     if q is not None:
-        lines.append(f"  per-query scale part (a scale per question from the grid vs the best global scale of the same "
-                     f"training folds, in {metric}): {_part(q)}; measured" + (" - shown" if q["shown"] else
-                                                                              " - NOT shown")
-                     + f"; questions losing more than the margin against PRAG's sum: {_share(q['held_out_loss_share'])}.")
+        lines.append(f"  per-query scale part (a scale per question from the grid vs the best global scale of the "
+                     f"same training folds, in {metric}): {_part(q)}; measured"
+                     + (" - shown" if q["shown"] else " - NOT shown") + "; questions losing more than the margin "
+                     f"against PRAG's sum: {_share(q['held_out_loss_share'])}.")
     shipped = cv["shipped"]
     what = {"learned": f"the learned controller (network, kappa {cv['kappa']:.4g})",
             "query_scale": "a per-query scale controller (PRAG's sum times a scale chosen per question, no weights "

@@ -454,23 +454,15 @@ class Trainer:
 
 def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: Any = None, resume: bool = False,
                      overwrite: bool = False, progress: bool = True, **kwargs: Any) -> TrainResult:
-    """Train a controller from a label file and write it (plus args, metrics, log, checkpoint) to ``out``.
+    """Train a controller from ``labels`` (a label file, JSON Lines or JSON array, a :class:`LabelSet` or records)
+    and write it (plus args, metrics, log, checkpoint) to ``out``. ``val``: a validation label file / set (else a
+    group-based split); ``encoder``: a ``TextEncoder``, a model name/path or None (the default model, loaded only
+    for texts not in the embedding cache); ``resume``: continue from ``out/checkpoint`` (arguments must match but
+    ``epochs`` and a few others); ``overwrite``: train into a directory holding a run; ``kwargs``: :class:`TrainArgs`.
 
-    Args:
-        labels: label file path (JSON Lines or JSON array), a :class:`LabelSet` or a list of records.
-        val: an explicit validation label file / set (else a group-based split of ``labels``).
-        encoder: a ``TextEncoder``, a model name/path, or None for the default model (loaded only when a text is
-            not in the embedding cache).
-        resume: continue from ``out/checkpoint`` (the arguments must match, except ``epochs`` and a few others).
-        overwrite: allow training into a directory that already holds a run.
-        **kwargs: :class:`TrainArgs` fields.
-
-    Steps: :func:`prepare` (labels, split, embeddings), :func:`select_by_cv` (with ``cv_folds``, default 5: nested
-    grouped CV choosing the epoch count and ``kappa`` and stating the verdict, :mod:`.selection`), :func:`fit` (the
-    learned controller, or a scale-only one when its reweighting part is not shown) and :func:`finalise` (save,
-    evaluate, metrics). The verdict is in ``metrics["cv"]``, the saved config's ``cv`` and
-    :attr:`TrainResult.table`.
-    """
+    Steps: :func:`prepare`, :func:`select_by_cv` (``cv_folds``, default 5: nested grouped CV, :mod:`.selection`),
+    :func:`fit` and :func:`finalise`. The verdict is in ``metrics["cv"]``, the config's ``cv`` and
+    :attr:`TrainResult.table`."""
     names = [f.name for f in dataclasses.fields(TrainArgs)]
     unknown = sorted(set(kwargs) - set(names))
     if unknown:
@@ -545,15 +537,13 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
                              "'fcprag labels build --scales ...' (with generation), or choose on the label metric")
     val_t = build_tensors(val_recs, enc, cache, **tkw) if val_recs else None
     sha = train_set.sha256 + (("+" + val_set.sha256) if val_set is not None else "")
-    info = {
-        "labels": train_set.path, "val": val_set.path if val_set is not None else None, "label_sha256": sha,
-        "train_labels_sha256": train_set.sha256, "val_labels_sha256": val_set.sha256 if val_set else None,
-        "split": how, "n_train": len(train_recs), "n_val": len(val_recs),
-        "n_train_flat": int(train_t.flat.sum()), "embedding_model": name, "embed_dim": train_t.dim,
-        "cache_dir": str(cache.dir) if cache is not None else None,
-        "skipped": {"labels": len(train_set.skipped), **({"val": len(val_set.skipped)} if val_set else {})},
-        "versions": _versions(), "trained_for": trained_for(train_recs),
-    }
+    info = {"labels": train_set.path, "val": val_set.path if val_set is not None else None, "label_sha256": sha,
+            "train_labels_sha256": train_set.sha256, "val_labels_sha256": val_set.sha256 if val_set else None,
+            "split": how, "n_train": len(train_recs), "n_val": len(val_recs), "n_train_flat": int(train_t.flat.sum()),
+            "embedding_model": name, "embed_dim": train_t.dim,
+            "cache_dir": str(cache.dir) if cache is not None else None,
+            "skipped": {"labels": len(train_set.skipped), **({"val": len(val_set.skipped)} if val_set else {})},
+            "versions": _versions(), "trained_for": trained_for(train_recs)}
     run = Run(args, out, resume, progress, train_set, val_set, train_t, val_t, how, name, info, t_start,
               time.perf_counter() - t_start)
     if not resume and (out / CHECKPOINT_DIR).exists():
