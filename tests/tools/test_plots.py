@@ -68,7 +68,8 @@ def test_training_plots_draw_uniform_fixed_and_one_strip_per_controller(tmp_path
     table.update(vtable)
     enc = table_encoder(table, "t8")
     res = train_controller(recs, tmp_path / "run", val=vrecs, encoder=enc, cache_dir="", epochs=3,
-                           progress=False, threads=1, controller={"score_hidden": [16], "calib_hidden": 8})
+                           progress=False, threads=1, controller={"score_hidden": [16], "calib_hidden": 8},
+                           keep_network=True)
     plots.write_training_plots(res.out / "plots", res.history, res.outputs, res.report_data)
     for name in ("loss.png", "g_tau.png", "entropy.png"):
         assert (tmp_path / "run" / "plots" / name).read_bytes()[:8] == PNG

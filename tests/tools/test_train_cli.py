@@ -115,7 +115,7 @@ def test_real_encoder_on_hotpotqa_gold_passages(tmp_path, monkeypatch):
     write_labels(records, tmp_path / "hotpot.jsonl")
     enc = TextEncoder()
     res = train_controller(tmp_path / "hotpot.jsonl", tmp_path / "ctrl", encoder=enc, cache_dir=tmp_path / "cache",
-                           epochs=3, progress=False, threads=1)
+                           epochs=3, progress=False, threads=1, keep_network=True)
     cfg = json.loads((tmp_path / "ctrl" / "config.json").read_text())
     assert cfg["embed_dim"] == enc.dim == 384 and cfg["embedding_model"] == enc.name
     v = res.metrics["val"]
