@@ -59,9 +59,10 @@ LABELS = Path(__file__).resolve().parent / "data" / "efficacy_train_labels.jsonl
 # The one place that says how the demo trains its controller: every train_controller argument but the paths and
 # the encoder. The recommended recipe (docs/results/efficacy-fresh-plan.md, benchmarks/efficacy/controller): the
 # risk objective, kappa chosen on the labels' measured scales, the side features the hosts can supply (retrieval
-# rank, adapter statistics); nested CV trains at most 3 epochs. A change here changes demo_key.json, so the next
-# demo trains again.
-RECIPE: dict[str, Any] = {"objective": "risk", "kappa": "auto", "epochs": 3,
+# rank, adapter statistics); nested CV trains at most 3 epochs. The demo keeps the learned network
+# (keep_network) to show what it does: `fcprag train`'s default saves scale-only, since the network's reweighting
+# part is first order, not a measurement. A change here changes demo_key.json, so the next demo trains again.
+RECIPE: dict[str, Any] = {"objective": "risk", "kappa": "auto", "epochs": 3, "keep_network": True,
                           "side_features": ["retrieval_rank", "adapter_stats"], "seed": 0}
 # ==================================================================================================================
 

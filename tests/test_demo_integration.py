@@ -118,11 +118,15 @@ def test_quickstart_core_path(smollm2, encoder, manifest, tmp_path):
     assert any(line.startswith("trained a controller on efficacy_train_labels.jsonl") for line in lines)
     cv = json.loads((tmp_path / "ctrl" / "metrics.json").read_text())["cv"]  # the verdict is printed as recorded
     start = next(i for i, line in enumerate(lines) if "-fold nested CV" in line)
-    verdict = lines[start:start + 4]  # the heading, the scale part, the reweighting part, what was saved
-    assert "scale part" in verdict[1] and f"{cv['scale']['gain']:+.4g}" in verdict[1]
-    assert "reweighting part" in verdict[2] and f"{cv['reweighting']['gain']:+.4g}" in verdict[2]
-    assert verdict[3].strip().startswith("Saved") and f"{cv['gain']:+.4g}" in verdict[3]
-    assert ("it is better than PRAG's sum" in verdict[3]) == (cv["verdict"] == "better_than_uniform")
+    end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith("Saved"))
+    # the heading, the scale part (and its held-out loss share), the reweighting part, ..., what was saved
+    verdict = lines[start:end + 1]
+    scale = next(line for line in verdict if line.strip().startswith("scale part"))
+    reweighting = next(line for line in verdict if line.strip().startswith("reweighting part"))
+    assert verdict.index(scale) == 1 and verdict.index(scale) < verdict.index(reweighting)
+    assert f"{cv['scale']['gain']:+.4g}" in scale and f"{cv['reweighting']['gain']:+.4g}" in reweighting
+    assert f"{cv['gain']:+.4g}" in verdict[-1]
+    assert ("it is better than PRAG's sum" in verdict[-1]) == (cv["verdict"] == "better_than_uniform")
     assert "fixed cosine baseline" in fixed["label"] and "not trained" in fixed["label"]
     # Independent reference for the fixed baseline: s = (1 + cos) / 2, pi = softmax(s / tau),
     # w = g * pi + (1 - g) / N, w~ = N * w / sum(w).
