@@ -29,7 +29,8 @@ def _cmd_study(args: argparse.Namespace) -> int:
     opts = StudyOptions(
         questions=args.questions, model=args.model, out=args.out, gguf_file=args.gguf_file, device=args.device,
         dtype=args.dtype, test_fraction=args.test_fraction, seed=args.seed, controller=args.controller,
-        retrieval=args.retrieval, top_k=args.top_k, limit=args.limit, scales=_scales(args.scales),
+        train_ids=args.train_ids, retrieval=args.retrieval, top_k=args.top_k, limit=args.limit,
+        scales=_scales(args.scales),
         generate=not args.no_generate, max_new_tokens=args.max_new_tokens, group=args.group,
         batch_size=args.batch_size, chunk=args.chunk, cv_folds=args.cv_folds, encoder=args.encoder,
         arrow=not args.no_arrow, progress=not args.no_progress, aug_batch=args.aug_batch, train_args=train_args)
@@ -64,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--controller", metavar="DIR",
                    help="train nothing: evaluate this saved controller on all the questions (row 'recommended'), but those "
                         "listed in its train_question_ids.json")
+    s.add_argument("--train-ids", metavar="FILE",
+                   help="train on the questions with these ids and hold out the rest, instead of a seeded split "
+                        "(JSON {\"ids\": [...]} such as a controller's train_question_ids.json, a list, or a line each)")
     s.add_argument("--retrieval", metavar="FILE",
                    help="JSON Lines {\"id\", \"passages\": [...]} in rank order instead of BM25")
     s.add_argument("--top-k", type=positive_int, default=3, help="passages (adapters) per question")

@@ -21,6 +21,8 @@ from typing import Any
 
 from fcprag_plugin.errors import FcpragError
 
+logger = logging.getLogger(__name__)
+
 BM25 = {"library": "bm25s", "method": "lucene", "k1": 1.5, "b": 0.75, "stopwords": "en"}
 
 
@@ -96,6 +98,36 @@ def split(ids: list[str], test_fraction: float, seed: int) -> set[str]:
     n = len(order)
     k = min(max(1, round(test_fraction * n)), n - 1) if n > 1 else 0
     return set(order[:k])
+
+
+def read_ids(path: str | Path) -> list[str]:
+    """Question ids from a file: JSON ``{"ids": [...]}`` (a controller's ``train_question_ids.json``), a JSON list,
+    or one id per line."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = [line.strip() for line in text.splitlines() if line.strip()]
+    if isinstance(value, dict):
+        value = value.get("ids")
+    if not isinstance(value, list) or not value or not all(isinstance(i, str) and i for i in value):
+        raise FcpragError(f"--train-ids {path}: expected JSON {{\"ids\": [...]}}, a JSON list, or one id per line, "
+                          "with at least one id")
+    return value
+
+
+def split_by_ids(ids: list[str], train: list[str], where: str) -> set[str]:
+    """The test ids: every question whose id is not in ``train``; at least one of each side."""
+    train_set = set(train)
+    test = {i for i in ids if i not in train_set}
+    if len(test) == len(ids) or not test:
+        side = "none of" if test else "every one of"
+        raise FcpragError(f"{where}: {side} the questions' ids is listed there; a study needs training and held-out "
+                          "questions")
+    missing = len(train_set - set(ids))
+    if missing:
+        logger.warning("%s: %d listed id(s) are not among the questions", where, missing)
+    return test
 
 
 def bm25_rank(question: str, passages: list[str]) -> list[tuple[int, float]]:

@@ -4,7 +4,7 @@ file is appended a whole line at a time with fsync, or written through a temp fi
 ==========  =========================================================  ==========================================
 stage       what                                                        cache (unit)
 ==========  =========================================================  ==========================================
-retrieval   split (seeded, ``test_fraction``), BM25 top-k / a file      ``questions.jsonl`` (question)
+retrieval   split (seeded, or ``train_ids``), BM25 top-k / a file      ``questions.jsonl`` (question)
 augment     PRAG's augmentation by the model (:mod:`.augment`)          ``augment.jsonl`` (passage)
 adapters    PRAG-recipe passage adapters, stacked (:mod:`.adapters`)    ``adapters/<pid>/``, ``adapters.jsonl``
 labels      leave-one-out + scale labels, training questions            ``labels.jsonl`` (question; label builder)
@@ -45,7 +45,7 @@ W_TOL = 1e-5
 ORACLE_T = 0.1  # the trainer's default label temperature: the oracle's w~ = N softmax(delta / 0.1)
 # what decides the cached results: a resumed run must use the same values (checked against OUT/settings.json)
 FIXED = ("questions_sha256", "model", "gguf_file", "dtype", "top_k", "retrieval", "test_fraction", "seed",
-         "scales", "controller", "generate", "max_new_tokens", "limit", "max_tokens")
+         "train_ids", "scales", "controller", "generate", "max_new_tokens", "limit", "max_tokens")
 
 
 @dataclass
@@ -61,6 +61,7 @@ class StudyOptions:
     test_fraction: float = 0.33
     seed: int = 0
     controller: str | None = None
+    train_ids: str | None = None  # a file of the training questions' ids; the rest are held out (no seeded split)
     retrieval: str | None = None
     top_k: int = 3
     limit: int | None = None
@@ -90,10 +91,16 @@ class StudyOptions:
         for s in self.scales:
             if not (math.isfinite(s) and s > 0) or s == 1.0:
                 raise FcpragError(f"--scales: {s} must be a finite number > 0 and not 1 (scale 1 is prag_sum)")
-        for what, path in (("QUESTIONS", self.questions), ("--retrieval", self.retrieval)):
+        if self.train_ids is not None and self.controller is not None:
+            raise FcpragError("--train-ids with --controller: a given controller trains nothing and is evaluated on "
+                              "every question; drop one of them")
+        for what, path in (("QUESTIONS", self.questions), ("--retrieval", self.retrieval),
+                           ("--train-ids", self.train_ids)):
             if path is not None and not Path(path).is_file():
-                raise FcpragError(f"{what} {path}: file not found; expected JSON Lines (the ../shared/data schema"
-                                  + (")" if what == "QUESTIONS" else ": {\"id\", \"passages\": [...]})"))
+                expected = {"QUESTIONS": "JSON Lines (the ../shared/data schema)",
+                            "--retrieval": "JSON Lines {\"id\", \"passages\": [...]}",
+                            "--train-ids": "JSON {\"ids\": [...]}, a JSON list, or one id per line"}[what]
+                raise FcpragError(f"{what} {path}: file not found; expected {expected}")
         if self.controller is not None and not (Path(self.controller) / "config.json").is_file():
             raise FcpragError(f"--controller {self.controller}: no config.json there; expected a saved controller")
         if self.gguf_file and not self.model:
@@ -155,6 +162,7 @@ class Study:
         now = {"questions": str(Path(o.questions).resolve()), "questions_sha256": _sha256(Path(o.questions)),
                "model": o.model, "gguf_file": o.gguf_file, "dtype": o.dtype, "top_k": o.top_k,
                "retrieval": None if o.retrieval is None else _sha256(Path(o.retrieval)),
+               "train_ids": None if o.train_ids is None else _sha256(Path(o.train_ids)),
                "test_fraction": o.test_fraction, "seed": o.seed, "scales": [float(s) for s in o.scales],
                "controller": None if o.controller is None else str(Path(o.controller).resolve()),
                "generate": o.generate, "max_new_tokens": o.max_new_tokens, "limit": o.limit,
@@ -164,8 +172,8 @@ class Study:
             old = json.loads(path.read_text(encoding="utf-8"))
             for k in FIXED:
                 if old.get(k) != now[k]:
-                    flag = {"questions_sha256": "QUESTIONS (its content)", "retrieval": "--retrieval (its content)"
-                            }.get(k, f"--{k.replace('_', '-')}")
+                    flag = {"questions_sha256": "QUESTIONS (its content)", "retrieval": "--retrieval (its content)",
+                            "train_ids": "--train-ids (its content)"}.get(k, f"--{k.replace('_', '-')}")
                     raise FcpragError(f"--out {self.out}: it holds a study run with {k}={old.get(k)!r}, not "
                                       f"{now[k]!r}; resume with the same {flag}, or choose another --out")
         elif self.shard.rank == 0:
@@ -220,8 +228,13 @@ class Study:
             if missing:
                 raise FcpragError(f"--retrieval {self.o.retrieval}: no passages for question id '{missing[0]}' "
                                   f"({len(missing)} missing)")
-        test = set(q["id"] for q in qs) if self.o.controller else data.split([q["id"] for q in qs],
-                                                                               self.o.test_fraction, self.o.seed)
+        ids = [q["id"] for q in qs]
+        if self.o.controller:
+            test = set(ids)
+        elif self.o.train_ids:
+            test = data.split_by_ids(ids, data.read_ids(self.o.train_ids), f"--train-ids {self.o.train_ids}")
+        else:
+            test = data.split(ids, self.o.test_fraction, self.o.seed)
         st = self.store("questions")
         done = st.done()
         todo = [q for q in qs if q["id"] not in done]

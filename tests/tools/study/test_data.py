@@ -39,6 +39,27 @@ def test_split_is_seeded_and_keeps_both_sides():
     assert len(data.split(["a", "b"], 0.9, 0)) == 1
 
 
+@pytest.mark.parametrize("text", ['{"ids": ["q1", "q3"]}', '["q1", "q3"]', "q1\n\nq3\n"])
+def test_train_ids_read_in_each_format_and_hold_out_the_rest(tmp_path, text, caplog):
+    (tmp_path / "ids").write_text(text)
+    train = data.read_ids(tmp_path / "ids")
+    assert train == ["q1", "q3"]
+    assert data.split_by_ids(["q0", "q1", "q2", "q3"], train + ["elsewhere"], "--train-ids ids") == {"q0", "q2"}
+    assert "1 listed id(s) are not among the questions" in caplog.text
+
+
+@pytest.mark.parametrize("ids,needle", [(["x"], "none of the questions' ids"), (["a", "b"], "every one of")])
+def test_a_split_by_ids_without_both_sides_is_refused(ids, needle):
+    with pytest.raises(FcpragError, match=needle):
+        data.split_by_ids(["a", "b"], ids, "--train-ids f")
+
+
+def test_an_ids_file_without_ids_is_named(tmp_path):
+    (tmp_path / "ids.json").write_text('{"ids": []}')
+    with pytest.raises(FcpragError, match="--train-ids .*ids.json: expected JSON"):
+        data.read_ids(tmp_path / "ids.json")
+
+
 def test_bm25_ranks_the_matching_passage_first_and_a_given_file_is_used_as_is():
     pytest.importorskip("bm25s")
     q = {"question": "Which river flows through Paris?", "passages": ["Berlin: a city.", "Seine: the river of Paris.",

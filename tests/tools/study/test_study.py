@@ -130,13 +130,22 @@ def test_a_model_without_prags_target_modules_is_one_line(tiny_study, tmp_path, 
 @pytest.mark.parametrize("extra,needle", [(["--retrieval", "nope.jsonl"], "--retrieval nope.jsonl: file not found"),
                                           (["--controller", "."], "--controller .: no config.json"),
                                           (["--test-fraction", "1.5"], "--test-fraction 1.5"),
-                                          (["--scales", "2,1"], "scale 1 is prag_sum")])
+                                          (["--scales", "2,1"], "scale 1 is prag_sum"),
+                                          (["--train-ids", "nope.json"], "--train-ids nope.json: file not found"),
+                                          (["--train-ids", "x", "--controller", "."], "--train-ids with --controller")])
 def test_bad_inputs_are_one_line_and_write_nothing(tiny_study, capsys, extra, needle):
     out = tiny_study["root"] / "never"
     rc = main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--no-progress",
                *extra])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and needle in err and not out.exists()
+
+
+def test_train_ids_decide_the_split(tiny_study, tmp_path):
+    ids = [json.loads(x)["id"] for x in open(tiny_study["questions"], encoding="utf-8").read().splitlines()]
+    (tmp_path / "train.json").write_text(json.dumps({"ids": ids[:2]}))
+    qs = pipeline.Study(_opts(tiny_study, out=str(tmp_path / "s"), train_ids=str(tmp_path / "train.json"))).retrieval()
+    assert {q for q, r in qs.items() if r["split"] == "train"} == set(ids[:2]) and len(qs) == len(ids)
 
 
 def test_a_missing_question_file_is_named(tmp_path, capsys):
