@@ -100,7 +100,7 @@ def test_real_encoder_on_hotpotqa_gold_passages(tmp_path, monkeypatch):
     from pathlib import Path
 
     from fcprag_plugin.encoding import TextEncoder
-    from fcprag_plugin.training import evaluate_controller
+    from fcprag_tools.evaluate import evaluate_controller
 
     data = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
     if not data.is_file():

@@ -5,7 +5,6 @@ metrics are defined in ``docs/label-format.md``, end of "Outputs"; the helpers b
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -15,9 +14,6 @@ from .data import LabelTensors
 from .precision import autocast
 from .targets import first_order_gain, kl_per_sample
 
-METRIC_KEYS = ("kl", "kl_nonflat", "top1", "spearman", "g_mean", "g_std", "tau_mean", "tau_std", "entropy_mean",
-               "entropy_norm_mean", "gain")
-BASELINES = ("uniform", "random")
 _W_TIE = 1e-9
 
 
@@ -143,23 +139,3 @@ def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0,
     metrics = {k: metrics_from_outputs(o["w"], o["g"], o["tau"], data, o["wt"]) for k, o in outputs.items()}
     return metrics, outputs
 
-
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-
-def format_table(metrics: dict[str, dict[str, Any]], title: str | None = None) -> str:
-    """A plain-text table: one row per metric, one column per controller (learned first)."""
-    names = list(metrics)
-    rows = [("metric", *names)]
-    for key in ("n", "n_nonflat", *METRIC_KEYS, "spearman_n"):
-        rows.append((key, *(_fmt(metrics[n].get(key)) for n in names)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [title] if title else []
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)

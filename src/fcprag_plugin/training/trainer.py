@@ -1,8 +1,5 @@
 """Train a :class:`FusionController` on leave-one-out label files (orchestration; math in ``targets``, ``evaluation``).
-
-``train_controller("labels.jsonl", "runs/ctrl")`` returns a :class:`TrainResult` (``.table``, ``.controller``); the
-output directory is described in ``docs/label-format.md``.
-"""
+The output directory of ``train_controller(labels, out)`` is described in ``docs/label-format.md``."""
 
 from __future__ import annotations
 
@@ -29,11 +26,11 @@ from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, 
 from .data import LabelTensors, build_tensors, side_rows
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
-from .evaluation import collect_outputs, evaluate, format_table, metrics_from_outputs
+from .evaluation import collect_outputs, evaluate, metrics_from_outputs
 from .precision import autocast, resolve_precision
 from . import query_scale as qs
 from .selection import (BOUNDS, CV_NAME, CV_PARTIAL_NAME, SCALE_METRICS, ScaleRule, fold_kappa, has_measured,
-                        read_cv_partial, select, verdict_lines)
+                        read_cv_partial, select)
 from .targets import (DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, estimate_lambda,
                       risk_loss, weighted_kl)
 
@@ -184,32 +181,9 @@ class TrainResult:
     outputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     report_data: LabelTensors | None = None
 
-    @property
-    def table(self) -> str:
-        """The metrics table, followed by the verdict in plain words (when cross-validation ran)."""
-        val = self.metrics.get("val")
-        t = format_table(val, "validation") if val else format_table(self.metrics["train"], "training set")
-        cv = self.metrics.get("cv")
-        return t + ("\n\n" + "\n".join(verdict_lines(cv)) if cv else "")
 
-
-@dataclass
-class EvalResult:
-    """``metrics[name]`` per controller (the evaluated one first, then ``uniform``, ``random``), their raw
-    ``outputs[name]`` (``w, g, tau``), the tensors and the label set."""
-
-    metrics: dict[str, dict[str, Any]]
-    outputs: dict[str, dict[str, torch.Tensor]]
-    data: LabelTensors
-    label_set: LabelSet
-    trained_on: str | None = None  # "trained" / "validated": the controller saw this very file (warned)
-
-    @property
-    def table(self) -> str:
-        return format_table(self.metrics)
-
-
-def _as_label_set(labels: Any, on_error: str, what: str) -> LabelSet:
+def as_label_set(labels: Any, on_error: str, what: str) -> LabelSet:
+    """``labels`` (a label file path, a :class:`LabelSet` or a list of :class:`LabelRecord`) as a LabelSet."""
     if isinstance(labels, LabelSet):
         return labels
     if isinstance(labels, (str, Path)):
@@ -461,8 +435,7 @@ def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: 
     ``epochs`` and a few others); ``overwrite``: train into a directory holding a run; ``kwargs``: :class:`TrainArgs`.
 
     Steps: :func:`prepare`, :func:`select_by_cv` (``cv_folds``, default 5: nested grouped CV, :mod:`.selection`),
-    :func:`fit` and :func:`finalise`. The verdict is in ``metrics["cv"]``, the config's ``cv`` and
-    :attr:`TrainResult.table`."""
+    :func:`fit` and :func:`finalise`. The verdict is in ``metrics["cv"]`` and the config's ``cv``."""
     names = [f.name for f in dataclasses.fields(TrainArgs)]
     unknown = sorted(set(kwargs) - set(names))
     if unknown:
@@ -512,9 +485,9 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
         raise FcpragError(f"{out}: already holds a training run; pass {kw('resume', True)} to continue it or "
                           f"{kw('overwrite', True)} to start over", params=[("resume", True), ("overwrite", True)])
     t_start = time.perf_counter()
-    train_set = _as_label_set(labels, args.on_error, "labels")
+    train_set = as_label_set(labels, args.on_error, "labels")
     records = _drop_test(train_set.records, train_set.path)
-    val_set = _as_label_set(val, args.on_error, "val") if val is not None else None
+    val_set = as_label_set(val, args.on_error, "val") if val is not None else None
     if val_set is not None:
         train_recs, val_recs, how = records, _drop_test(val_set.records, val_set.path), f"file {val_set.path}"
         check_no_leak(train_recs, val_recs)
@@ -662,51 +635,6 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
     write_json(out / METRICS_NAME, metrics)
     result = TrainResult(controller, out, metrics, history, len(run.train), 0 if run.val is None else len(run.val),
                          outputs, report_on)
-    logger.info("wrote %s\n%s", out, result.table)
+    logger.info("wrote %s", out)
     return result
 
-
-def evaluate_controller(controller: FusionController | str | Path, labels: Any, *, encoder: Any = None,
-                        cache_dir: str | Path | None = None, on_error: str = "fail", t_label: float | None = None,
-                        flat_eps: float | None = None, flat_weight: float | None = None, seed: int = 0,
-                        batch_size: int = 512, progress: bool = False) -> "EvalResult":
-    """Metrics of a saved controller on any label file, next to the uniform and random baselines.
-
-    Target settings (``t_label``, ``flat_eps``, ``flat_weight``) default to the controller's
-    ``training_args.json`` when it sits next to it, else to the library defaults.
-    """
-    saved_args: dict[str, Any] = {}
-    if not isinstance(controller, FusionController):
-        cdir = Path(controller)
-        controller = FusionController.from_pretrained(cdir)
-        if (cdir / ARGS_NAME).is_file():
-            saved_args = json.loads((cdir / ARGS_NAME).read_text(encoding="utf-8"))
-    targets = {k: v if v is not None else saved_args.get(k, d) for k, v, d in (
-        ("t_label", t_label, DEFAULT_T_LABEL), ("flat_eps", flat_eps, DEFAULT_FLAT_EPS),
-        ("flat_weight", flat_weight, DEFAULT_FLAT_WEIGHT))}
-    label_set = _as_label_set(labels, on_error, "labels")
-    seen = trained_on(saved_args, label_set.sha256)
-    if seen:
-        logger.warning("fcprag eval: %s is the label file this controller was %s on (same sha256 as in its %s); "
-                       "these numbers are not a held-out evaluation", label_set.path, seen, ARGS_NAME)
-    name, enc = resolve_encoder(controller.config.embedding_model if encoder is None else encoder)
-    if getattr(enc, "dim", None) is not None:
-        controller.check_encoder(enc)
-    cache = open_cache(cache_dir, name, getattr(enc, "dim", None))
-    data = build_tensors(label_set.records, enc, cache, **targets, progress=progress,
-                         side_features=controller.config.side_features)
-    if data.dim != controller.config.embed_dim:
-        raise FcpragError(f"encoder '{name}' gives {data.dim}-d embeddings but the controller expects "
-                          f"{controller.config.embed_dim}-d (trained with '{controller.config.embedding_model}')")
-    metrics, outputs = evaluate(controller, data, seed=seed, batch_size=batch_size)
-    return EvalResult(finite_or_none(metrics), outputs, data, label_set, seen)
-
-
-def trained_on(saved_args: dict[str, Any], sha256: str) -> str | None:
-    """``"trained"`` / ``"validated"`` when ``sha256`` is the training / validation label file recorded in a
-    controller's ``training_args.json``, else None."""
-    if sha256 and sha256 == saved_args.get("train_labels_sha256"):
-        return "trained"
-    if sha256 and sha256 == saved_args.get("val_labels_sha256"):
-        return "validated"
-    return None
