@@ -15,9 +15,8 @@ import pytest
 
 from fcprag_plugin import FusionController
 from fcprag_tools.cli import main
-from fcprag_plugin.training import write_labels
 from fcprag_tools.train_cli import check_line_lengths
-from fcprag_tools.synthetic import synthetic_records
+from fcprag_tools.synthetic import synthetic_records, write_labels
 from helpers import SMALL_TRAIN_ARGS as SMALL, cli_leaves, make_adapter_dir, options
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -4,9 +4,9 @@ is the one it was trained or validated on."""
 import json
 import logging
 
-from fcprag_plugin.training import train_controller, write_labels
+from fcprag_plugin.training import train_controller
 from fcprag_tools.evaluate import evaluate_controller
-from fcprag_tools.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 
 FAST = dict(epochs=1, lr=1e-3, controller={"score_hidden": [64, 32], "calib_hidden": 32}, progress=False,
             precision="fp32", threads=1, cv_folds=0)

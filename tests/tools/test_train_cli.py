@@ -7,9 +7,9 @@ import pytest
 
 from fcprag_tools.cli import main
 from fcprag_plugin.errors import FcpragError
-from fcprag_plugin.training import train_controller, write_labels
+from fcprag_plugin.training import train_controller
 from fcprag_tools.plots import write_training_plots
-from fcprag_tools.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 from helpers import SMALL_TRAIN_ARGS as SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from fcprag_plugin.controller import FusionController
-from fcprag_plugin.training import train_controller, write_labels
+from fcprag_plugin.training import train_controller
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.training.evaluation import collect_outputs
-from fcprag_tools.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 from fcprag_tools.train_report import train_table
 from fcprag_plugin.training.targets import best_kappa, estimate_lambda, first_order_gain, risk_loss
 from fcprag_plugin.training.trainer import TrainArgs, Trainer

@@ -7,9 +7,9 @@ import torch
 
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import FcpragError, LabelFileError
-from fcprag_plugin.training import load_labels, train_controller, write_labels
+from fcprag_plugin.training import load_labels, train_controller
 from fcprag_plugin.training.data import build_tensors
-from fcprag_tools.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 from fcprag_tools.train_report import train_table
 from fcprag_plugin.training.trainer import split_records
 

@@ -3,10 +3,10 @@ the loop; ``fcprag train`` / ``fcprag eval`` are in ``fcprag_tools.train_cli``).
 
 from __future__ import annotations
 
-from .labels import LabelRecord, LabelSet, load_labels, write_labels
+from .labels import LabelRecord, LabelSet, load_labels
 from .evaluation import evaluate
 from .targets import make_targets, weighted_kl
 from .trainer import TrainArgs, Trainer, TrainResult, train_controller
 
 __all__ = ["train_controller", "Trainer", "TrainArgs", "TrainResult", "LabelRecord", "LabelSet", "load_labels",
-           "write_labels", "make_targets", "weighted_kl", "evaluate"]
+           "make_targets", "weighted_kl", "evaluate"]

@@ -12,7 +12,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from ..errors import LabelFileError
 from ..fileio import parse_json_lines, split_lines
@@ -387,29 +387,3 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
         raise LabelFileError(f"{p}: no valid records" + (f" ({len(skipped)} skipped: {ls.skip_counts()})"
                                                          if skipped else ""))
     return ls
-
-
-def record_to_json(rec: LabelRecord) -> dict[str, Any]:
-    """The record as it would be written to a label file (inverse of :func:`validate_record`)."""
-    out: dict[str, Any] = {"id": rec.id, "query": rec.query, "passages": list(rec.passages)}
-    if rec.metric_all is not None:
-        out["metric_all"] = rec.metric_all
-        out["metric_without"] = list(rec.metric_without or [])
-    else:
-        out["deltas"] = list(rec.deltas)
-    for k in OPTIONAL[3:]:  # after deltas / metric_all / metric_without
-        v = getattr(rec, k)
-        if v is not None:
-            out[k] = v
-    out.update(rec.extra)
-    return out
-
-
-def write_labels(records: Sequence[LabelRecord | dict], path: str | Path) -> Path:
-    """Write records as JSON Lines (dicts are written as given)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(record_to_json(r) if isinstance(r, LabelRecord) else r, ensure_ascii=False) + "\n")
-    return path
