@@ -3,7 +3,6 @@ index tensors; a padded batch with a mask is a gather from the table."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -14,8 +13,6 @@ from ..features import ADAPTER_STAT_NAMES, side_feature_columns
 from .embed_cache import EmbeddingCache, embed_texts
 from .labels import LabelRecord
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, make_targets
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -138,4 +138,3 @@ def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0,
                for k, m in models.items()}
     metrics = {k: metrics_from_outputs(o["w"], o["g"], o["tau"], data, o["wt"]) for k, o in outputs.items()}
     return metrics, outputs
-

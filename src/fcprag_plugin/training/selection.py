@@ -383,4 +383,3 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     logger.info("cross-validation: ships %s at kappa %.4g, gain %s, %s", shipped, ship_kappa, out["gain"],
                 out["verdict"])
     return out
-

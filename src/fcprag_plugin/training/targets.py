@@ -89,13 +89,3 @@ def estimate_lambda(deltas: torch.Tensor, mask: torch.Tensor) -> float:
     ss = (((d - mean.unsqueeze(1)) * m) ** 2).sum(1)
     var = float(ss[keep].sum() / (n[keep] - 1).sum())
     return math.sqrt(var) if var > 0 else 1.0
-
-
-def best_kappa(w_tilde: torch.Tensor, deltas: torch.Tensor, mask: torch.Tensor, lam: float) -> float:
-    """The global scale ``kappa`` maximising ``sum_b J_b`` for merge weights ``kappa * w~`` (closed form:
-    ``kappa = (sum w~ delta + 2 lambda sum w~) / (2 lambda sum w~^2)``), floored at 0.05."""
-    m = mask.to(torch.float64)
-    wt, d = w_tilde.to(torch.float64) * m, deltas.to(torch.float64) * m
-    num = float((wt * d).sum() + 2 * lam * wt.sum())
-    den = float(2 * lam * (wt * wt).sum())
-    return max(0.05, num / den) if den > 0 else 1.0
