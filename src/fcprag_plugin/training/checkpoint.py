@@ -34,10 +34,8 @@ def save_checkpoint(out: Path, controller: FusionController, optimizer: torch.op
         shutil.rmtree(tmp)
     controller.save_pretrained(tmp)
     sd = optimizer.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    for idx, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"state.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    tensors = {f"state.{idx}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
+               for idx, st in sd["state"].items() for k, v in st.items()}
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["rng.shuffle"] = shuffle_gen.get_state()
     save_file(tensors, str(tmp / OPTIM_NAME), metadata={"param_groups": json.dumps(sd["param_groups"])})

@@ -104,11 +104,7 @@ def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: Embedding
     :class:`LabelFileError` naming it."""
     if not records:
         raise ValueError("build_tensors: no records")
-    texts: dict[str, int] = {}
-    for r in records:
-        texts.setdefault(r.query, len(texts))
-        for p in r.passages:
-            texts.setdefault(p, len(texts))
+    texts = {t: i for i, t in enumerate(dict.fromkeys(t for r in records for t in (r.query, *r.passages)))}
     table = embed_texts(list(texts), encoder, cache, progress=progress)
     R, N = len(records), max(r.n for r in records)
     q_idx = torch.tensor([texts[r.query] for r in records], dtype=torch.long)
@@ -151,9 +147,8 @@ def scale_tensors(records: Sequence[LabelRecord], attr: str = "scale_gains"
         if r.scales is not None and sorted(r.scales) != grid:
             raise LabelFileError(f"{r.where}: field 'scales' is {sorted(r.scales)} but {measured[0].where} has "
                                  f"{grid}; expected one grid of scales in a label file")
-        if g is None:
-            continue
-        gains[i] = torch.tensor([g[s] for s in grid], dtype=torch.float64)
+        if g is not None:
+            gains[i] = torch.tensor([g[s] for s in grid], dtype=torch.float64)
     return torch.tensor(grid, dtype=torch.float64), gains
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..controller import ControllerConfig, FusionController
+from ..controller import FusionController
 from .data import LabelTensors
 from .precision import autocast
 from .targets import first_order_gain, kl_per_sample
@@ -111,29 +111,19 @@ def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, da
     }
 
 
-def baseline_controllers(config: ControllerConfig, seed: int = 0) -> dict[str, FusionController]:
-    """The uniform (PRAG) and random-controller (same architecture, untrained, seeded) baselines."""
-    return {
-        "uniform": FusionController(dataclasses.replace(config, controller_mode="uniform", kappa=1.0,
-                                                        query_scale=False, cv=None)),
-        "random": FusionController(dataclasses.replace(config, controller_mode="random", seed=seed, kappa=1.0,
-                                                       cv=None)),
-    }
-
-
 def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0, batch_size: int = 512,
              baselines: bool = True, autocast_dtype: torch.dtype | None = None
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]]]:
-    """Metrics of ``controller`` (keyed by its mode, e.g. ``"learned"``; ``"scale_only"`` for uniform weights times
-    a kappa other than 1) and of the baselines.
-
-    Returns ``(metrics, outputs)``: ``metrics[name]`` is a dict of floats, ``outputs[name]`` holds ``w, g, tau``.
-    """
+    """``(metrics, outputs)`` of ``controller`` (keyed by its mode, e.g. ``"learned"``; ``"scale_only"`` for uniform
+    weights times a kappa other than 1) and of the uniform (PRAG) and random (untrained, seeded) baselines:
+    ``metrics[name]`` a dict of floats, ``outputs[name]`` holds ``w, g, tau``."""
     c = controller.config
     name = "scale_only" if c.controller_mode == "uniform" and c.kappa != 1.0 else c.controller_mode
     models = {name: controller}
     if baselines:
-        models.update({k: v for k, v in baseline_controllers(controller.config, seed).items() if k not in models})
+        base = {"uniform": dict(controller_mode="uniform", kappa=1.0, query_scale=False, cv=None),
+                "random": dict(controller_mode="random", seed=seed, kappa=1.0, cv=None)}
+        models.update({k: FusionController(dataclasses.replace(c, **v)) for k, v in base.items() if k not in models})
     outputs = {k: collect_outputs(m, data, batch_size, autocast_dtype if k == name else None)
                for k, m in models.items()}
     metrics = {k: metrics_from_outputs(o["w"], o["g"], o["tau"], data, o["wt"]) for k, o in outputs.items()}

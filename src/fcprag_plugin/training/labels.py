@@ -60,19 +60,13 @@ class LabelRecord:
 
     @property
     def scale_gains(self) -> dict[float, float] | None:
-        """``{s: metric at scale s - metric_all}`` (the measured gain of PRAG's sum times s over the sum), or None
-        without scale measurements or without ``metric_all``."""
-        if self.scales is None or self.metric_at_scales is None or self.metric_all is None:
-            return None
-        return {s: m - self.metric_all for s, m in zip(self.scales, self.metric_at_scales)}
+        """``{s: metric at scale s - metric_all}``: the measured gain of PRAG's sum times s over the sum (or None)."""
+        return _gains(self.scales, self.metric_at_scales, self.metric_all)
 
     @property
     def f1_scale_gains(self) -> dict[float, float] | None:
-        """``{s: F1 at scale s - f1_all}`` (the measured F1 gain of PRAG's sum times s over the sum), or None
-        without ``f1_at_scales``."""
-        if self.scales is None or self.f1_at_scales is None or self.f1_all is None:
-            return None
-        return {s: m - self.f1_all for s, m in zip(self.scales, self.f1_at_scales)}
+        """``{s: F1 at scale s - f1_all}`` (or None)."""
+        return _gains(self.scales, self.f1_at_scales, self.f1_all)
 
     @property
     def n(self) -> int:
@@ -86,6 +80,10 @@ class LabelRecord:
     @property
     def where(self) -> str:
         return f"{self.file}:{self.line}"
+
+
+def _gains(scales: list[float] | None, at: list[float] | None, base: float | None) -> dict[float, float] | None:
+    return None if scales is None or at is None or base is None else {s: m - base for s, m in zip(scales, at)}
 
 
 @dataclass
@@ -130,8 +128,7 @@ class _RecordError(Exception):
 
 
 def _type_name(v: Any) -> str:
-    return "null" if v is None else {bool: "bool", int: "int", float: "float", str: "str", list: "list",
-                                     dict: "object"}.get(type(v), type(v).__name__)
+    return "null" if v is None else "object" if type(v) is dict else type(v).__name__
 
 
 def _number(v: Any, fld: str) -> float:

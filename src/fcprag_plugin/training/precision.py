@@ -14,9 +14,7 @@ import torch
 
 def autocast(precision: str) -> ContextManager:
     """The context the controller's forward runs in for a resolved ``precision`` (``"fp32"`` or ``"bf16"``)."""
-    if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
 
 def native_bf16() -> bool:

@@ -22,12 +22,11 @@ parts evaluated) lies above 0. The risk rule's loss share is a proportion of que
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -111,8 +110,7 @@ def bootstrap_ci(values: torch.Tensor, groups: Sequence[str], seed: int, level: 
     idx = torch.randint(0, G, (n_boot, G), generator=torch.Generator().manual_seed(seed))
     means = sums[idx].sum(1) / counts[idx].sum(1)
     q = (1 - level) / 2
-    lo, hi = torch.quantile(means, torch.tensor([q, 1 - q], dtype=torch.float64)).tolist()
-    return lo, hi
+    return tuple(torch.quantile(means, torch.tensor([q, 1 - q], dtype=torch.float64)).tolist())
 
 
 def group_means(values: torch.Tensor, groups: Sequence[str]) -> torch.Tensor:
@@ -129,28 +127,20 @@ def group_means(values: torch.Tensor, groups: Sequence[str]) -> torch.Tensor:
 
 def choose_scale(scales: torch.Tensor, gains: torch.Tensor, groups: Sequence[str], rule: ScaleRule
                  ) -> tuple[float, dict[str, Any]]:
-    """``kappa`` from measured gains ``[R, S]`` at ``scales [S]`` (NaN: unmeasured) by ``rule`` over the questions
-    (groups) that have measurements; scale 1 (PRAG's sum, gain 0) is always a candidate. Returns ``(kappa,
-    {"grid", "mean_gain", "loss_share", "loss_share_ci95", "bound", "at_grid_edge", "questions"})``; ties go to
-    the smaller scale."""
+    """``kappa`` by ``rule`` from measured gains ``[R, S]`` at ``scales [S]`` (NaN: unmeasured; scale 1 always a
+    candidate, ties to the smaller) and ``{"grid", "mean_gain", "loss_share", "loss_share_ci95", "bound",
+    "at_grid_edge", "questions"}``."""
     per_q = group_means(gains, groups)
-    per_q = per_q[~torch.isnan(per_q).all(1)]
-    grid = scales.tolist()
-    if 1.0 not in grid:
-        grid, per_q = grid + [1.0], torch.cat([per_q, torch.zeros(len(per_q), 1, dtype=per_q.dtype)], 1)
-    mean = per_q.nanmean(0)
-    n = len(per_q)
+    grid, per_q = qs.grid_with_sum(scales, per_q[~torch.isnan(per_q).all(1)])
+    mean, n = per_q.nanmean(0).tolist(), len(per_q)
     lost = (per_q < -rule.loss_margin).sum(0).tolist()
-    ci = [wilson_interval(int(k), n) for k in lost]
+    ci = [list(wilson_interval(int(k), n)) for k in lost]
     tested = [ci[j][1] if rule.bound == "upper" else lost[j] / n for j in range(len(grid))]
     feasible = [j for j in range(len(grid)) if grid[j] == 1.0 or tested[j] <= rule.max_loss_share]
-    best = max(feasible, key=lambda j: (float(mean[j]), -grid[j]))
-    kappa = grid[best]
-    edge = kappa != 1.0 and kappa in (max(grid), min(grid))
-    order = sorted(range(len(grid)), key=grid.__getitem__)
-    return kappa, {"grid": [grid[j] for j in order], "mean_gain": [float(mean[j]) for j in order],
-                   "loss_share": [lost[j] / n for j in order], "loss_share_ci95": [list(ci[j]) for j in order],
-                   "bound": rule.bound, "at_grid_edge": edge, "questions": n}
+    kappa = grid[max(feasible, key=lambda j: (mean[j], -grid[j]))]
+    return kappa, {"grid": grid, "mean_gain": mean, "loss_share": [k / n for k in lost], "loss_share_ci95": ci,
+                   "bound": rule.bound, "at_grid_edge": kappa != 1.0 and kappa in (grid[0], grid[-1]),
+                   "questions": n}
 
 
 def scale_gain(data: LabelTensors, total: torch.Tensor, metric: str = "label") -> tuple[torch.Tensor, bool]:
@@ -260,7 +250,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     per_query = args.kappa == "auto" and getattr(args, "per_query_scale", False) and has_measured(data, metric)
     q_gain, q_global = nan(), nan()  # per-query scale vs the sum, and the fold's global kappa vs the sum
     fold_epochs, fold_kappas, fold_heads, scale_measured = [], [], [], True
-    fold_args = dataclasses.replace(args, cv_folds=0)
+    fold_args = replace(args, cv_folds=0)
     results: list[dict[str, Any]] = []
     with tqdm(total=len(folds) * E, unit="epoch", desc=f"nested {len(folds)}-fold CV", dynamic_ncols=True,
               disable=not progress) as bar:
@@ -302,11 +292,10 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             # w~ sums to N, so the total is kappa exactly (up to rounding); a per-query scale makes it vary
             total = totals(w_held, held_data) if args.controller.get("query_scale") else \
                 torch.full((len(held),), kappa, dtype=torch.float64)
+            measured: dict[str, bool] = {}
             for m in scale:
-                scale[m][held], measured_m = scale_gain(held_data, total, m)
-                if m == metric:
-                    measured = measured_m
-            scale_measured &= measured
+                scale[m][held], measured[m] = scale_gain(held_data, total, m)
+            scale_measured &= measured[metric]
             if per_query and has_measured(rest_data, metric):
                 head, info = qs.fit_query_scale(rest_data, metric, kappa, rule, args.seed + f)
                 chosen = qs.choose(head, held_data)
@@ -319,7 +308,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             fold_epochs.append(e_f)
             fold_kappas.append(kappa)
             results.append({"held": held, "curve": curve[:, held].tolist(), "reweighting": rw[held].tolist(),
-                            "scale": {m: v[held].tolist() for m, v in scale.items()}, "measured": measured,
+                            "scale": {m: v[held].tolist() for m, v in scale.items()}, "measured": measured[metric],
                             "epochs": e_f, "kappa": kappa,
                             **({"q_gain": q_gain[held].tolist(), "q_global": q_global[held].tolist(),
                                 "head": fold_heads[-1] if len(fold_heads) == len(fold_epochs) else None}
@@ -340,7 +329,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
         "scale": {**part_summary(sc, data.groups, args.seed, parts), "kappa": kappa, "chosen_by": how,
                   "metric": metric, "measured": scale_measured and how != "no_scales", "fold_kappas": fold_kappas,
                   "at_grid_edge": bool(grid and grid["at_grid_edge"]), "grid": grid,
-                  "rule": dataclasses.asdict(rule) if how == "measured" else None,
+                  "rule": asdict(rule) if how == "measured" else None,
                   "held_out_loss_share": {**loss_share(sc, data.groups, rule.loss_margin),
                                           "allowed": rule.max_loss_share, "margin": rule.loss_margin},
                   "by_metric": {m: part_summary(scale[m], data.groups, args.seed, parts) for m in metrics}},
@@ -372,10 +361,8 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     else:
         shipped = "scale_only"
     zero = torch.zeros(R, dtype=torch.float64)
-    if shipped == "query_scale":
-        total = q_gain
-    else:
-        total = (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "learned" and metric == "label" else zero)
+    total = q_gain if shipped == "query_scale" else \
+        (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "learned" and metric == "label" else zero)
     summary = part_summary(total, data.groups, args.seed)
     out.update(shipped=shipped, kappa=ship_kappa, gain=summary["gain"], ci95=summary["ci95"],
                verdict="better_than_uniform" if summary["ci95"] and summary["ci95"][0] > 0 else "unproven",
