@@ -1,5 +1,4 @@
-"""Train a :class:`~fcprag_plugin.controller.FusionController` from leave-one-out label files (``trainer`` runs
-the loop; ``fcprag train`` / ``fcprag eval`` are in ``fcprag_tools.train_cli``)."""
+"""Train a :class:`~fcprag_plugin.controller.FusionController` from leave-one-out label files (``trainer``)."""
 
 from __future__ import annotations
 

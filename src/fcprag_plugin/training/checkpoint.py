@@ -1,9 +1,6 @@
-"""Pickle-free training checkpoints: controller + AdamW state + RNG states + history, in safetensors and JSON.
-
-    <out>/checkpoint/config.json, model.safetensors     the controller after the last finished epoch
-    <out>/checkpoint/optimizer.safetensors              optimizer tensors; param groups in the metadata
-    <out>/checkpoint/state.json                         epoch, history, the training arguments, RNG note
-"""
+"""Pickle-free training checkpoints in ``<out>/checkpoint``: the controller after the last finished epoch
+(``config.json``, ``model.safetensors``), AdamW and RNG states (``optimizer.safetensors``, param groups in its
+metadata) and ``state.json`` (epoch, history, the training arguments)."""
 
 from __future__ import annotations
 
@@ -61,8 +58,7 @@ def read_checkpoint_state(out: Path) -> dict[str, Any] | None:
 
 def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,
                     shuffle_gen: torch.Generator) -> None:
-    """Restore controller weights, optimizer state and RNG states in place (the caller has read the state with
-    :func:`read_checkpoint_state`)."""
+    """Restore controller weights, optimizer and RNG states in place (after :func:`read_checkpoint_state`)."""
     from safetensors import safe_open
 
     ckpt = out / CHECKPOINT_DIR

@@ -1,6 +1,4 @@
-"""Validation metrics for a controller on labelled data, next to the uniform and random-controller baselines (the
-metrics are defined in ``docs/label-format.md``, end of "Outputs"; the helpers below state their formulas).
-"""
+"""Validation metrics of a controller next to the uniform and random baselines (``docs/label-format.md``, "Outputs")."""
 
 from __future__ import annotations
 
@@ -88,8 +86,7 @@ def _std(x: torch.Tensor) -> float | None:
 
 def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, data: LabelTensors,
                          wt: torch.Tensor | None = None) -> dict[str, Any]:
-    """All metrics (see the module docstring) from collected outputs; plain floats (None when undefined).
-    ``wt`` (the merge weights ``w~``) adds ``gain``."""
+    """All metrics from collected outputs, plain floats (None when undefined); ``wt`` (``w~``) adds ``gain``."""
     mask, deltas = data.mask, data.deltas
     y, omega, flat = data.y, data.omega.to(torch.float64), data.flat
     kl = kl_per_sample(y.to(torch.float64), w.to(torch.float64), mask)

@@ -237,8 +237,8 @@ def validate_record(obj: Any) -> LabelRecord:
 
 
 def _scale_fields(obj: dict[str, Any], metric_all: float | None) -> tuple[list[float] | None, list[float] | None]:
-    """``scales`` (distinct finite numbers > 0) and ``metric_at_scales`` (one finite number each), given together
-    and with ``metric_all`` (the gain at scale s is measured against it)."""
+    """``scales`` (distinct numbers > 0) and ``metric_at_scales`` (one number each), given together and with
+    ``metric_all``."""
     if ("scales" in obj) != ("metric_at_scales" in obj):
         missing = "metric_at_scales" if "scales" in obj else "scales"
         raise _RecordError(missing, "is missing; 'scales' and 'metric_at_scales' must be given together")
@@ -258,8 +258,7 @@ def _scale_fields(obj: dict[str, Any], metric_all: float | None) -> tuple[list[f
 
 def _f1_scale_fields(obj: dict[str, Any], scales: list[float] | None
                      ) -> tuple[float | None, list[float] | None]:
-    """``f1_all`` (a number in [0, 1]) and ``f1_at_scales`` (one F1 per entry of ``scales``); the second needs the
-    first and ``scales`` (the F1 gain at scale s is measured against ``f1_all``)."""
+    """``f1_all`` (in [0, 1]) and ``f1_at_scales`` (one F1 per entry of ``scales``; needs ``f1_all``)."""
     f1_all = None
     if "f1_all" in obj:
         f1_all = _number(obj["f1_all"], "f1_all")
@@ -298,8 +297,8 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
 
 
 def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield ``(line, value, None)`` per element of a top-level JSON array (the line it starts on); a syntax error
-    always raises (the rest of an array cannot be resynchronised)."""
+    """``(line, value, None)`` per element of a top-level JSON array; a syntax error always raises (the rest of an
+    array cannot be resynchronised)."""
     newlines = [i for i, ch in enumerate(text) if ch == "\n"]
     ws = re.compile(r"[ \t\r\n]*")
     dec = json.JSONDecoder()
@@ -332,9 +331,8 @@ def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | Non
 
 
 def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
-    """Read and validate a label file (JSON Lines, or one JSON array of records). ``on_error``: ``"fail"`` raises
-    :class:`LabelFileError` at the first bad record (a repeated id is one); ``"skip"`` leaves bad records out,
-    lists them in ``LabelSet.skipped`` and logs the counts."""
+    """Read and validate a label file (JSON Lines or a JSON array). ``on_error="fail"`` raises :class:`LabelFileError`
+    at the first bad record (or repeated id); ``"skip"`` leaves them out, listed in ``LabelSet.skipped``."""
     if on_error not in ON_ERROR:
         raise LabelFileError(f"on_error is '{on_error}', expected one of {list(ON_ERROR)}")
     p = Path(path)

@@ -1,19 +1,7 @@
-"""A per-query scale from measured scale labels: which of the grid scales to merge PRAG's sum at, per question.
-
-Each label record with scale measurements carries its question's gain at every grid scale ``g [S]`` (label metric
-or F1). A :class:`~fcprag_plugin.controller.ScaleHead` (one linear layer on the standardised ``[e_q; mean e_p]``)
-gives a softmax policy ``pi [S]`` over the grid (scale 1, PRAG's sum, always among them) and is trained to maximise
-the mean expected utility
-
-    u_s = g_s - rho * 1[g_s < -margin]          (a loss beyond the risk rule's margin costs rho)
-    J   = mean_b sum_s pi_bs u_bs - l2 |W|^2     (the bias is not penalised: W = 0 is one global scale)
-
-``rho`` (:data:`RHO_FACTORS` times :func:`risk_price`, the loss price at which the best global scale is the rule's
-``kappa``) and ``l2`` (:data:`L2_GRID`; infinity: bias only) are chosen by an inner grouped CV on the training
-questions: the largest inner held-out mean gain among the pairs whose held-out loss share passes the global scale's
-risk rule; the rule's own choice, kappa for every query, is always allowed and wins ties. A query's scale is the
-argmax.
-"""
+"""A per-query scale from measured scale labels (``docs/label-format.md``, "The parts"): a
+:class:`~fcprag_plugin.controller.ScaleHead` policy ``pi [S]`` over the grid maximising
+``J = mean_b sum_s pi_bs u_bs - l2 |W|^2`` with ``u_s = g_s - rho * 1[g_s < -margin]`` (g: measured gains [S]);
+``rho`` and ``l2`` are chosen by an inner grouped CV, the risk rule's own kappa for every query winning ties."""
 
 from __future__ import annotations
 
@@ -112,8 +100,7 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
     price = risk_price(g, grid, kappa, rule.loss_margin)
     x = ScaleHead.features(sub.table[sub.q_idx], sub.table[sub.p_idx], sub.mask).double()  # [R, 2d]
     inner = group_kfold(sub.groups, folds, seed)
-    # first the rule's own choice, kappa for every query (always allowed; rho None); with a free rule (price 0)
-    # risk is still priced on the ladder
+    # first the rule's own choice, kappa for every query (rho None); a free rule (price 0) still prices risk
     base = [f * price for f in RHO_FACTORS] if price > 0 else [float(g.abs().mean()) * f for f in RHO_FACTORS]
     pairs = [(None, math.inf)] + list(dict.fromkeys((rho, l2) for rho in base for l2 in L2_GRID))
     fit = lambda rows_, rho_, l2_: _constant(x.shape[1] // 2, grid, kappa) if rho_ is None else _fit(  # noqa: E731

@@ -1,23 +1,7 @@
-"""Model selection and a verdict that selection never saw (``docs/label-format.md``, "Model selection and the
-verdict").
-
-The gain of merge weights ``w~`` over PRAG's sum is split in parts, each estimated per record on held-out
-questions:
-
-    scale        PRAG's sum times the global kappa, against the sum: m(kappa) - m(1), measured from the labels'
-                 ``scales`` / ``metric_at_scales`` (and in F1 from ``f1_at_scales``); without scale measurements
-                 kappa stays 1 (nothing measured, nothing to gain)
-    reweighting  w~ against uniform weights at the same total: sum_i (w~_i - T) delta_i. FIRST ORDER: a contrast of
-                 leave-one-out deltas taken at PRAG's sum (total 1), not a measurement at the operating total; a
-                 network never ships on it (only with ``keep_network``); ``fcprag study --controller DIR`` measures
-                 it by real forwards
-    query_scale  a per-query scale (:mod:`.query_scale`) against the best global scale chosen on the same training
-                 folds, measured on the grid (with ``per_query_scale`` and measured scales)
-
-Nested grouped cross-validation: in each outer fold the epoch count is chosen on an inner split of the outer
-training questions, ``kappa`` and the per-query head on all of them; the held-out questions are scored with those
-choices only. The 95% CIs resample questions (groups); a part is *shown* when its Bonferroni-adjusted CI (over the
-parts evaluated) lies above 0. The risk rule's loss share is a proportion of questions: its CI is Wilson's.
+"""Model selection and a verdict that selection never saw: nested grouped cross-validation of the gain over PRAG's
+sum, split in parts (scale, reweighting, per-query scale) estimated per record on held-out questions, with
+bootstrap CIs over questions and Bonferroni-adjusted "shown" decisions. The method and its rationale:
+``docs/label-format.md``, "Starting point, model selection and the verdict".
 """
 
 from __future__ import annotations
@@ -51,10 +35,9 @@ BOUNDS = ("upper", "observed")
 
 @dataclass(frozen=True)
 class ScaleRule:
-    """How ``kappa`` is chosen from measured scales: the largest mean gain over training questions among the scales
-    whose share of questions losing more than ``loss_margin`` (in the metric chosen on) stays at most
-    ``max_loss_share``: its 95% Wilson upper bound (``bound="upper"``, so that the share holds out of sample) or the
-    observed share (``bound="observed"``, the in-sample rule). Scale 1 (PRAG's sum) is always allowed."""
+    """``kappa`` from measured scales: the largest mean gain among scale 1 and the scales whose share of questions
+    losing more than ``loss_margin`` (``bound``: its 95% Wilson ``"upper"`` bound or ``"observed"``) is at most
+    ``max_loss_share``."""
 
     max_loss_share: float = 0.1
     loss_margin: float = 0.1
@@ -82,11 +65,8 @@ def loss_share(values: torch.Tensor, groups: Sequence[str], margin: float) -> di
 
 
 def group_kfold(groups: Sequence[str], k: int, seed: int) -> list[list[int]]:
-    """Row indices of ``k`` folds such that all rows of a group are in one fold.
-
-    Groups are shuffled (seeded) and dealt to the folds largest-first onto the fold with the fewest rows, so folds
-    are balanced in records. Fewer than ``k`` groups give fewer (non-empty) folds.
-    """
+    """Row indices of ``k`` folds (fewer with fewer groups), all rows of a group in one fold; the seeded shuffled
+    groups are dealt largest-first onto the fold with the fewest rows."""
     by_group: dict[str, list[int]] = {}
     for i, gk in enumerate(groups):
         by_group.setdefault(gk, []).append(i)
@@ -144,10 +124,9 @@ def choose_scale(scales: torch.Tensor, gains: torch.Tensor, groups: Sequence[str
 
 
 def scale_gain(data: LabelTensors, total: torch.Tensor, metric: str = "label") -> tuple[torch.Tensor, bool]:
-    """Per record, the gain in ``metric`` (``"label"`` / ``"f1"``) of PRAG's sum times ``total [R]`` over the sum,
-    and whether it was measured: yes when every total is 1 or on the records' scale grid (a record without
-    measurements: NaN, left out); off the grid the label metric falls back to the first-order
-    ``(total - 1) sum_i delta_i`` (not measured), F1 to NaN."""
+    """``([R], measured)``: the gain in ``metric`` (``"label"`` / ``"f1"``) of PRAG's sum times ``total [R]`` over
+    the sum; measured when every total is 1 or on the scale grid (NaN: no measurement), else the label metric's
+    first-order ``(total - 1) sum_i delta_i`` (F1: NaN)."""
     t = total.double()
     gains = data.gains(metric)
     on_grid = gains is not None and all(v == 1.0 or v in data.scales.tolist() for v in t.unique().tolist())
@@ -186,9 +165,8 @@ def has_measured(data: LabelTensors, metric: str) -> bool:
 
 
 def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, str, dict[str, Any] | None]:
-    """The global scale chosen on ``data``, how, and the grid behind it: ``args.kappa`` when it is a number
-    (``"fixed"``), else by ``rule`` on the gains measured in ``args.scale_metric`` (``"measured"``; the grid:
-    :func:`choose_scale`'s info), else 1, PRAG's sum (``"no_scales"``: nothing was measured)."""
+    """``(kappa, how, grid)`` on ``data``: ``args.kappa`` if a number (``"fixed"``), else :func:`choose_scale` on the
+    gains in ``args.scale_metric`` (``"measured"``), else 1 (``"no_scales"``)."""
     if args.kappa != "auto":
         return float(args.kappa), "fixed", None
     if has_measured(data, args.scale_metric):
@@ -204,8 +182,7 @@ def _from_json(values: Any) -> torch.Tensor:
 
 
 def read_cv_partial(out: Any) -> dict[str, Any] | None:
-    """The folds an interrupted cross-validation in run directory ``out`` finished (``{"key", "n_folds",
-    "folds"}``), or None when there are none or the file is unreadable (cut off mid-write: nothing to go on from)."""
+    """``{"key", "n_folds", "folds"}`` of an interrupted cross-validation in run ``out``; None if none or unreadable."""
     try:
         got = json.loads((Path(out) / CV_PARTIAL_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -214,8 +191,7 @@ def read_cv_partial(out: Any) -> dict[str, Any] | None:
 
 
 def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: int = PARTS) -> dict[str, Any]:
-    """Mean, 95% CI, the Bonferroni-adjusted CI (over ``parts``) and whether that one lies above 0, over the
-    non-NaN records."""
+    """Mean, 95% CI and Bonferroni-adjusted CI (over ``parts``; ``shown``: above 0) of the non-NaN records."""
     ok = ~torch.isnan(values)
     v, g = values[ok], [gr for gr, k in zip(groups, ok.tolist()) if k]
     if not len(v):
@@ -229,13 +205,10 @@ def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: 
 def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
            rule: ScaleRule = ScaleRule(), progress: bool = False, done: Sequence[dict[str, Any]] = (),
            on_fold: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
-    """Nested grouped CV (module docstring) -> a JSON-ready dict: the epoch count and ``kappa`` to ship, the parts
-    with their CIs, what ships and its verdict against PRAG's sum. Ships ``learned`` only with ``args.keep_network``
-    (its reweighting part is first order); else ``query_scale`` when that part is shown and its held-out loss share
-    keeps the risk rule; else ``scale_only`` (kappa 1 when the scale part is not shown). ``args``: the run's
-    ``TrainArgs``; ``trainer(train_data, None, None, args, embedding_model)`` builds one fold's trainer. A fold
-    depends only on its seed: ``on_fold(results)`` gets the finished folds' JSON-ready results after each fold, and
-    ``done`` (such a list, same data and ``args``) skips them."""
+    """Nested grouped CV -> a JSON-ready dict (``cv.json``): epochs and ``kappa`` to ship, the parts with their CIs,
+    what ships (``learned`` with ``keep_network``, else ``query_scale`` if shown within the risk rule, else
+    ``scale_only``) and its verdict. ``trainer(train_data, None, None, args, embedding_model)`` builds a fold's
+    trainer; ``on_fold(results)`` gets the finished folds after each fold, ``done`` (such a list) skips them."""
     t0 = time.perf_counter()
     folds = group_kfold(data.groups, args.cv_folds, args.seed)
     if len(folds) < 2:
