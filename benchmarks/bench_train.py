@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from fcprag_plugin.training import train_controller, write_labels
+from fcprag_plugin.training import train_controller
 from fcprag_plugin.training.precision import resolve_precision
-from fcprag_tools.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 
 
 def main() -> int:

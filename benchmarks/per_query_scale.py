@@ -29,6 +29,7 @@ from fcprag_plugin.training import query_scale as qs
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.training.selection import ScaleRule, bootstrap_ci, choose_scale, loss_share, scale_gain
 from fcprag_plugin.training.trainer import open_cache, resolve_encoder
+from fcprag_tools.train_report import train_table
 
 CACHE = Path(__file__).resolve().parent / "efficacy" / "cache"
 DATASETS = ("hotpotqa", "2wiki")
@@ -109,7 +110,8 @@ def main() -> None:
             cv = json.loads(done.read_text(encoding="utf-8"))["cv"]
         else:
             res = train_controller(files[name], out / f"{name}-{metric}", scale_metric=metric, **common)
-            print(f"\n===== {name}, kappa chosen on {metric} =====\n" + "\n".join(res.table.split("\n\n")[-1:]))
+            verdict = train_table(res.metrics).split("\n\n")[-1]
+            print(f"\n===== {name}, kappa chosen on {metric} =====\n{verdict}")
             cv = res.metrics["cv"]
         summary[f"{name}:{metric}"] = _cv_summary(cv)
         for ds in DATASETS:  # per dataset: the grid's mean gain (descriptive)

@@ -108,8 +108,7 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
     from fcprag_plugin import FusionController
     from fcprag_plugin.fileio import write_json
     from fcprag_plugin.training import train_controller
-    from fcprag_plugin.training.selection import verdict_lines
-    from fcprag_plugin.training.evaluation import format_table
+    from fcprag_tools.train_report import format_table, train_table, verdict_lines
 
     key = demo_key(labels, encoder)
     if not retrain and reusable(out_dir, key):
@@ -133,7 +132,7 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
                                cache_dir=cache_dir, **RECIPE)
         out(f"trained a controller on {labels.name} ({res.n_train} train / {res.n_val} validation queries) "
             f"in {time.perf_counter() - t0:.0f}s -> {out_dir}")
-        for line in res.table.splitlines():
+        for line in train_table(res.metrics).splitlines():
             out(f"  {line}")
         write_json(out_dir / KEY_NAME, key)
         ctrl, metrics = res.controller, res.metrics
@@ -154,10 +153,11 @@ def deciding_objective(ctrl: Any, out_dir: Path, labels: Path, encoder: Any, met
     The table above also shows KL, the paper's objective; with ``objective='risk'`` a learned KL above uniform's
     is expected and says nothing about the verdict.
     """
-    from fcprag_plugin.training import evaluate_controller, load_labels
+    from fcprag_plugin.training import load_labels
     from fcprag_plugin.training.labels import IGNORED_SPLITS
     from fcprag_plugin.training.targets import first_order_gain, risk_objective
     from fcprag_plugin.training.trainer import split_records
+    from fcprag_tools.evaluate import evaluate_controller
 
     saved = json.loads((out_dir / "training_args.json").read_text(encoding="utf-8"))
     records = [r for r in load_labels(labels).records if r.split not in IGNORED_SPLITS]

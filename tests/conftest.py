@@ -18,8 +18,8 @@ def encoder16():
 def labelled(tmp_path):
     """A label file, a validation file, and an embedding cache that already holds every text under the model
     name 'syn8' (so the CLI, given --encoder syn8, never has to load a model)."""
-    from fcprag_plugin.training import train_controller, write_labels
-    from fcprag_tools.synthetic import synthetic_records, table_encoder
+    from fcprag_plugin.training import train_controller
+    from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 
     recs, table = synthetic_records(120, (2, 4), 8, seed=11)
     vrecs, vtable = synthetic_records(30, 3, 8, seed=12, prefix="v")

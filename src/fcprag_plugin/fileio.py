@@ -32,8 +32,7 @@ def split_lines(text: str, keepends: bool = False) -> list[str]:
 
 
 def write_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through a temp file beside it, ``fsync`` and ``os.replace``: a reader,
-    or a run resumed after a crash, never sees a half-written file, and no temp file is left when a step fails."""
+    """Write ``text`` (UTF-8) to ``path`` atomically (temp file beside it, ``fsync``, ``os.replace``; none left)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -67,8 +66,8 @@ def parse_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, str, Any, json
 
 
 def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:
-    """The JSON object in ``path`` (the one reader of JSON config files); a missing file, invalid JSON or a
-    non-object is an ``error`` naming the file (``missing``: what to say when it does not exist)."""
+    """The JSON object in ``path``; a missing file (``missing``: what to say), invalid JSON or a non-object is an
+    ``error`` naming it."""
     if not path.is_file():
         raise error(f"{path}: {missing}")
     try:
@@ -81,8 +80,7 @@ def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[s
 
 
 def read_tensor_file(path: Path, device: Any, error: type[Exception], missing: str) -> dict[str, Any]:
-    """The tensors of safetensors file ``path`` on ``device``; a missing or unreadable file is an ``error`` naming
-    it (``missing``: what to say when it does not exist)."""
+    """The tensors of safetensors file ``path`` on ``device``; a missing or unreadable one is an ``error`` naming it."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

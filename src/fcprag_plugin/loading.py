@@ -29,9 +29,8 @@ _CACHES: "weakref.WeakSet[LoadCache[Any]]" = weakref.WeakSet()  # every live Loa
 
 
 class LoadCache(Generic[T]):
-    """A bounded, thread-safe LRU map ``key -> (signature, value)``. ``get(key, build, signature)``: the cached
-    value when its stored signature equals ``signature()`` (e.g. file stats), else ``build()``'s (under a per-key
-    lock), stored unless the signature changed while it was built."""
+    """A bounded, thread-safe LRU map ``key -> (signature, value)``: ``get`` returns the value cached under the
+    current ``signature()`` (e.g. file stats), else ``build()``'s (per-key lock), kept unless the signature moved."""
 
     def __init__(self, name: str, maxsize: int, on_clear: Callable[[], None] | None = None) -> None:
         self.name, self.maxsize = name, maxsize
@@ -97,8 +96,7 @@ class LoadCache(Generic[T]):
 
 
 def file_signature(*files: Path) -> tuple[tuple[int, int, int] | None, ...]:
-    """``(size, mtime_ns, inode)`` of each file, None where it is missing: changes when a file is rewritten or
-    replaced (a new inode catches ``os.replace`` of a copy that kept its mtime)."""
+    """``(size, mtime_ns, inode)`` per file (None if missing): a rewrite or an ``os.replace`` (new inode) changes it."""
     out = []
     for f in files:
         try:

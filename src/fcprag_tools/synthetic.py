@@ -1,14 +1,17 @@
 """Synthetic label sets with a known answer, for tests, benchmarks and sanity checks of a training setup. Texts are
-opaque ids (``q17``, ``p17_2``); :func:`table_encoder` maps them to the generated vectors.
+opaque ids (``q17``, ``p17_2``); :func:`table_encoder` maps them to the generated vectors; :func:`write_labels`
+writes any records as a label file.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
-from fcprag_plugin.training.labels import LabelRecord
+from fcprag_plugin.training.labels import OPTIONAL, LabelRecord
 
 
 def synthetic_records(n: int, n_passages: int | tuple[int, int] = 3, dim: int = 16, *, kind: str = "planted",
@@ -81,3 +84,29 @@ def table_encoder(table: dict[str, torch.Tensor], name: str = "synthetic", calls
         return torch.stack([table[t] for t in texts])
 
     return TextEncoder.from_function(fn, dim, name=name)
+
+
+def record_to_json(rec: LabelRecord) -> dict[str, Any]:
+    """The record as a label file holds it (the inverse of ``fcprag_plugin.training.labels.validate_record``)."""
+    out: dict[str, Any] = {"id": rec.id, "query": rec.query, "passages": list(rec.passages)}
+    if rec.metric_all is not None:
+        out["metric_all"] = rec.metric_all
+        out["metric_without"] = list(rec.metric_without or [])
+    else:
+        out["deltas"] = list(rec.deltas)
+    for k in OPTIONAL[3:]:  # after deltas / metric_all / metric_without
+        v = getattr(rec, k)
+        if v is not None:
+            out[k] = v
+    out.update(rec.extra)
+    return out
+
+
+def write_labels(records: Sequence[LabelRecord | dict], path: str | Path) -> Path:
+    """Write records as JSON Lines (dicts are written as given)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(record_to_json(r) if isinstance(r, LabelRecord) else r, ensure_ascii=False) + "\n")
+    return path

@@ -14,10 +14,10 @@ from fcprag_plugin.errors import FcpragError, LabelFileError
 from fcprag_plugin.features import SIDE_FEATURES
 from fcprag_plugin.fileio import write_json
 from fcprag_plugin.training.checkpoint import CHECKPOINT_DIR, read_checkpoint_state
-from fcprag_plugin.training.evaluation import format_table
 from fcprag_plugin.training.selection import CV_PARTIAL_NAME, read_cv_partial
 from fcprag_plugin.training.labels import ON_ERROR, SkippedRecord, load_labels
 from .plots import _pyplot, write_eval_plots, write_training_plots
+from .train_report import format_table, train_table
 from fcprag_plugin.training.targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
 from fcprag_plugin.training.selection import BOUNDS, SCALE_METRICS
 from fcprag_plugin.training.trainer import MAX_EPOCHS, MAX_HIDDEN, OBJECTIVES, PRECISIONS, RECIPES, TrainArgs
@@ -290,7 +290,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                               if not (k in _RECIPE_SET and getattr(args, k) is None)})
     if args.plots:
         write_training_plots(res.out / "plots", res.history, res.outputs, res.report_data)
-    print(res.table)
+    print(train_table(res.metrics))
     t = res.metrics["timing_s"]
     print(f"\n{res.n_train} training / {res.n_val} validation records, {res.metrics['epochs']} epochs, "
           f"fit {t['fit']:.1f} s")
@@ -361,7 +361,7 @@ def closing_lines(res, args: argparse.Namespace, train_set) -> list[str]:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from fcprag_plugin.training.trainer import evaluate_controller  # looked up per call (tests replace it)
+    from .evaluate import evaluate_controller  # looked up per call (tests replace it)
 
     inputs = [("controller", args.controller), ("labels", args.labels)]
     if args.json:

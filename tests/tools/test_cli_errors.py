@@ -15,9 +15,8 @@ import pytest
 
 from fcprag_plugin import FusionController
 from fcprag_tools.cli import main
-from fcprag_plugin.training import write_labels
 from fcprag_tools.train_cli import check_line_lengths
-from fcprag_tools.synthetic import synthetic_records
+from fcprag_tools.synthetic import synthetic_records, write_labels
 from helpers import SMALL_TRAIN_ARGS as SMALL, cli_leaves, make_adapter_dir, options
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -431,10 +430,10 @@ def test_labels_build_ctrl_c_says_the_command_resumes(world, tmp_path, capsys, m
 
 
 def test_eval_plots_without_matplotlib_fails_before_evaluating(world, tmp_path, capsys, monkeypatch):
-    from fcprag_plugin.training import trainer
+    from fcprag_tools import evaluate
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    monkeypatch.setattr(trainer, "evaluate_controller", lambda *a, **k: pytest.fail("evaluated before the check"))
+    monkeypatch.setattr(evaluate, "evaluate_controller", lambda *a, **k: pytest.fail("evaluated before the check"))
     argv = ["eval", str(world["ctrl"]), str(world["labels"]), "--plots", str(tmp_path / "p"), "--no-progress"]
     rc, err = run_main(argv, capsys)
     assert_one_line(rc, err, argv, "plots need matplotlib")

@@ -7,9 +7,9 @@ import pytest
 
 from fcprag_tools.cli import main
 from fcprag_plugin.errors import FcpragError
-from fcprag_plugin.training import train_controller, write_labels
+from fcprag_plugin.training import train_controller
 from fcprag_tools.plots import write_training_plots
-from fcprag_tools.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 from helpers import SMALL_TRAIN_ARGS as SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -100,7 +100,7 @@ def test_real_encoder_on_hotpotqa_gold_passages(tmp_path, monkeypatch):
     from pathlib import Path
 
     from fcprag_plugin.encoding import TextEncoder
-    from fcprag_plugin.training import evaluate_controller
+    from fcprag_tools.evaluate import evaluate_controller
 
     data = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "hotpotqa_dev_sample.jsonl"
     if not data.is_file():

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fcprag_plugin.training import write_labels
-from fcprag_tools.synthetic import synthetic_records
+from fcprag_tools.synthetic import synthetic_records, write_labels
 from helpers import make_adapter_dir
 
 REPO = Path(__file__).resolve().parents[2]

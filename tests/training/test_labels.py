@@ -5,7 +5,8 @@ import json
 import pytest
 
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.training.labels import load_labels, validate_record, write_labels
+from fcprag_plugin.training.labels import load_labels, validate_record
+from fcprag_tools.synthetic import write_labels
 
 
 def rec(i=0, **kw):
@@ -50,14 +51,6 @@ def test_blank_lines_are_ignored_and_numbering_is_physical(tmp_path):
     p = write_jsonl(tmp_path / "l.jsonl", None, ["", json.dumps(rec(0)), "   ", json.dumps(rec(1))])
     ls = load_labels(p)
     assert [r.line for r in ls] == [2, 4]
-
-
-def test_write_labels_round_trip(tmp_path):
-    objs = [rec(0, group=7), rec(1, metric_all=1.0, metric_without=[0.0, 1.0], deltas=_DROP)]
-    ls = load_labels(write_jsonl(tmp_path / "a.jsonl", objs))
-    back = load_labels(write_labels(ls.records, tmp_path / "b.jsonl"))
-    assert [(r.id, r.deltas, r.group, r.metric_all) for r in back] == \
-           [(r.id, r.deltas, r.group, r.metric_all) for r in ls]
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -18,6 +18,7 @@ from fcprag_plugin.training.selection import (ScaleRule, bootstrap_ci, choose_sc
                                               scale_gain, select, wilson_interval)
 from fcprag_plugin.training.trainer import TrainArgs, Trainer
 from fcprag_tools.synthetic import synthetic_records, table_encoder
+from fcprag_tools.train_report import train_table
 
 # small and fast, but the nets move enough in 6 epochs to learn a planted signal (and to overfit noise)
 QUICK = dict(epochs=6, lr=3e-3, val_fraction=0.0, controller={"score_hidden": [16], "calib_hidden": 8},
@@ -179,7 +180,7 @@ def test_a_planted_per_query_scale_is_shown_and_shipped(tmp_path):
     lo = [c for c, k in zip(chosen, kinds) if not k]
     assert sum(c >= 3.0 for c in hi) >= 0.7 * len(hi) and sum(c <= 2.0 for c in lo) >= 0.7 * len(lo)
     assert torch.allclose(out.merge_weights, out.scale.unsqueeze(1) * data.mask)  # uniform weights times the scale
-    assert "per-query scale controller" in res.table and saved.config.cv["query_scale"]["shown"]
+    assert "per-query scale controller" in train_table(res.metrics) and saved.config.cv["query_scale"]["shown"]
     # fuse() uses each query's own scale: the merge is PRAG's sum times it (a dense reference from the files)
     ads = [make_adapter_dir(tmp_path / f"a{i}", seed=i) for i in range(3)]
     for b in (kinds.index(True), kinds.index(False)):
@@ -244,10 +245,11 @@ def test_labels_where_only_the_total_scale_helps(tmp_path):
     saved = FusionController.from_pretrained(res.out)
     assert saved.config.controller_mode == "uniform" and saved.config.kappa == 2.0
     assert saved.score_net is None and saved.config.cv["shipped"] == "scale_only"
-    assert "a scale-only controller (PRAG's sum times 2, no network)" in res.table
-    assert "the learned network is not saved, because its reweighting part is first order, not a measurement" in res.table
-    assert "measured" in res.table and "fcprag study" in res.table and "--keep-network" in res.table
-    assert "per-query scale part" in res.table and not cv["query_scale"]["shown"]  # one scale serves every query
+    text = train_table(res.metrics)
+    assert "a scale-only controller (PRAG's sum times 2, no network)" in text
+    assert "the learned network is not saved, because its reweighting part is first order, not a measurement" in text
+    assert "measured" in text and "fcprag study" in text and "--keep-network" in text
+    assert "per-query scale part" in text and not cv["query_scale"]["shown"]  # one scale serves every query
 
 
 def test_planted_passage_specific_labels(tmp_path):
@@ -256,7 +258,8 @@ def test_planted_passage_specific_labels(tmp_path):
     cv = res.metrics["cv"]
     assert cv["reweighting"]["shown"] and cv["reweighting"]["ci95"][0] > 0 and cv["reweighting"]["first_order"]
     assert not cv["reweighting"]["measured"] and cv["shipped"] == "scale_only"
-    assert "FIRST ORDER" in res.table and "fcprag study" in res.table
+    text = train_table(res.metrics)
+    assert "FIRST ORDER" in text and "fcprag study" in text
     assert FusionController.from_pretrained(res.out).config.controller_mode == "uniform"
     res = train(tmp_path, "planted", 1, kappa=1.0, keep_network=True, overwrite=True)
     cv = res.metrics["cv"]
@@ -266,7 +269,7 @@ def test_planted_passage_specific_labels(tmp_path):
     assert len(cv["fold_epochs"]) == cv["folds"] and cv["curve"][0] == 0.0  # epoch 0 is uniform weights
     saved = json.loads((res.out / "config.json").read_text())["cv"]
     assert saved["reweighting"]["ci95"] == cv["reweighting"]["ci95"] and saved["shipped"] == "learned"
-    assert saved["reweighting"]["first_order"] and "because --keep-network asked for it" in res.table
+    assert saved["reweighting"]["first_order"] and "because --keep-network asked for it" in train_table(res.metrics)
 
 
 def test_without_scale_measurements_kappa_stays_1_and_the_grid_edge_is_flagged(tmp_path):
@@ -274,12 +277,13 @@ def test_without_scale_measurements_kappa_stays_1_and_the_grid_edge_is_flagged(t
                                     best_scale=4.0)  # the optimum lies beyond the grid
     res = train_controller(recs, tmp_path / "edge", encoder=table_encoder(table, "syn8"), kappa="auto", **QUICK)
     cv = res.metrics["cv"]
-    assert cv["kappa"] == 2.0 and cv["scale"]["at_grid_edge"] and "edge of the measured grid" in res.table
+    assert cv["kappa"] == 2.0 and cv["scale"]["at_grid_edge"]
+    assert "edge of the measured grid" in train_table(res.metrics)
     plain = [type(r)(id=r.id, query=r.query, passages=r.passages, deltas=r.deltas, group=r.group) for r in recs]
     res = train_controller(plain, tmp_path / "fo", encoder=table_encoder(table, "syn8"), kappa="auto", **QUICK)
     cv = res.metrics["cv"]  # every delta is positive: a first-order extrapolation would ask for a larger total
     assert cv["scale"]["chosen_by"] == "no_scales" and cv["kappa"] == 1.0 and not cv["scale"]["measured"]
-    assert "no scale measurements in the labels" in res.table and "query_scale" not in cv
+    assert "no scale measurements in the labels" in train_table(res.metrics) and "query_scale" not in cv
     assert FusionController.from_pretrained(res.out).config.kappa == 1.0
 
 

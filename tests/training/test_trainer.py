@@ -7,9 +7,10 @@ import torch
 
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import FcpragError, LabelFileError
-from fcprag_plugin.training import load_labels, train_controller, write_labels
+from fcprag_plugin.training import load_labels, train_controller
 from fcprag_plugin.training.data import build_tensors
-from fcprag_tools.synthetic import synthetic_records, table_encoder
+from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
+from fcprag_tools.train_report import train_table
 from fcprag_plugin.training.trainer import split_records
 
 SMALL = {"score_hidden": [64, 32], "calib_hidden": 32}  # the default 2048/1024 net is too slow for unit tests
@@ -230,7 +231,7 @@ def test_without_validation_the_training_set_is_reported(tmp_path):
     res = run(recs, table, tmp_path / "run", epochs=1, val_fraction=0.0, name="syn8")
     assert (res.n_train, res.n_val) == (40, 0) and "val" not in res.metrics
     assert set(res.metrics["train"]) == {"learned", "uniform", "random"} and res.metrics["train"]["learned"]["n"] == 40
-    assert "training set" in res.table
+    assert "training set" in train_table(res.metrics)
     assert "val_loss" not in res.history[0]
     # overwrite=True starts over: the old checkpoint is gone before the new run writes its own
     res2 = run(recs, table, tmp_path / "run", epochs=1, val_fraction=0.0, name="syn8", overwrite=True, seed=1)

@@ -1,9 +1,6 @@
-"""Pickle-free training checkpoints: controller + AdamW state + RNG states + history, in safetensors and JSON.
-
-    <out>/checkpoint/config.json, model.safetensors     the controller after the last finished epoch
-    <out>/checkpoint/optimizer.safetensors              optimizer tensors; param groups in the metadata
-    <out>/checkpoint/state.json                         epoch, history, the training arguments, RNG note
-"""
+"""Pickle-free training checkpoints in ``<out>/checkpoint``: the controller after the last finished epoch
+(``config.json``, ``model.safetensors``), AdamW and RNG states (``optimizer.safetensors``, param groups in its
+metadata) and ``state.json`` (epoch, history, the training arguments)."""
 
 from __future__ import annotations
 
@@ -34,10 +31,8 @@ def save_checkpoint(out: Path, controller: FusionController, optimizer: torch.op
         shutil.rmtree(tmp)
     controller.save_pretrained(tmp)
     sd = optimizer.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    for idx, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"state.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    tensors = {f"state.{idx}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
+               for idx, st in sd["state"].items() for k, v in st.items()}
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["rng.shuffle"] = shuffle_gen.get_state()
     save_file(tensors, str(tmp / OPTIM_NAME), metadata={"param_groups": json.dumps(sd["param_groups"])})
@@ -63,8 +58,7 @@ def read_checkpoint_state(out: Path) -> dict[str, Any] | None:
 
 def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,
                     shuffle_gen: torch.Generator) -> None:
-    """Restore controller weights, optimizer state and RNG states in place (the caller has read the state with
-    :func:`read_checkpoint_state`)."""
+    """Restore controller weights, optimizer and RNG states in place (after :func:`read_checkpoint_state`)."""
     from safetensors import safe_open
 
     ckpt = out / CHECKPOINT_DIR

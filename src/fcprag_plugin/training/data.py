@@ -3,7 +3,6 @@ index tensors; a padded batch with a mask is a gather from the table."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -14,8 +13,6 @@ from ..features import ADAPTER_STAT_NAMES, side_feature_columns
 from .embed_cache import EmbeddingCache, embed_texts
 from .labels import LabelRecord
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, make_targets
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,9 +36,8 @@ class LabelTensors:
     """A whole label set as tensors (R records, at most ``N`` passages, U unique texts): ``table [U, d]``
     embeddings; rows of each query ``q_idx [R]`` and passage ``p_idx [R, N]`` (0 on padding); ``mask [R, N]``;
     ``deltas``/``y [R, N]`` (0 on padding); ``omega``/``flat [R]``; ``ids``/``groups`` per record; raw ``side
-    [R, N, k]`` (columns ``side_columns``) or None; ``scales [S]`` (one grid) and ``scale_gains [R, S]`` float64
-    (gain of PRAG's sum times ``scales[j]`` over the sum; NaN rows without measurements) or None;
-    ``f1_scale_gains [R, S]`` the same in F1 of the greedy answer (``f1_at_scales``) or None."""
+    [R, N, k]`` (columns ``side_columns``) or None; ``scales [S]`` and ``scale_gains`` / ``f1_scale_gains [R, S]``
+    float64 (gain of PRAG's sum times ``scales[j]`` over the sum, label metric / F1; NaN: not measured) or None."""
 
     table: torch.Tensor
     q_idx: torch.Tensor
@@ -100,18 +96,11 @@ def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: Embedding
                   t_label: float = DEFAULT_T_LABEL, flat_eps: float = DEFAULT_FLAT_EPS,
                   flat_weight: float = DEFAULT_FLAT_WEIGHT, progress: bool = False,
                   side_features: Sequence[str] = ()) -> LabelTensors:
-    """Embed every distinct text of ``records`` (via ``cache``) and build :class:`LabelTensors`.
-
-    ``side_features`` (names from ``features.SIDE_FEATURES``) are read from the records' ``retrieval_ranks``,
-    ``retrieval_scores`` and ``adapter_stats`` fields; a record without a requested one is a
-    :class:`LabelFileError` naming it."""
+    """Embed every distinct text of ``records`` (via ``cache``) and build :class:`LabelTensors`; ``side_features``
+    (``features.SIDE_FEATURES``) come from the records' fields, a record without one is a :class:`LabelFileError`."""
     if not records:
         raise ValueError("build_tensors: no records")
-    texts: dict[str, int] = {}
-    for r in records:
-        texts.setdefault(r.query, len(texts))
-        for p in r.passages:
-            texts.setdefault(p, len(texts))
+    texts = {t: i for i, t in enumerate(dict.fromkeys(t for r in records for t in (r.query, *r.passages)))}
     table = embed_texts(list(texts), encoder, cache, progress=progress)
     R, N = len(records), max(r.n for r in records)
     q_idx = torch.tensor([texts[r.query] for r in records], dtype=torch.long)
@@ -139,9 +128,8 @@ def build_tensors(records: Sequence[LabelRecord], encoder: Any, cache: Embedding
 
 def scale_tensors(records: Sequence[LabelRecord], attr: str = "scale_gains"
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(scales [S], gains [R, S])`` from the records' scale measurements (``attr``: ``scale_gains`` in the label
-    metric, ``f1_scale_gains`` in F1; NaN rows where a record has none), or ``(None, None)`` when no record has
-    any. Every record with measurements must share one grid of scales."""
+    """``(scales [S], gains [R, S])`` of the records' ``attr`` (``scale_gains`` / ``f1_scale_gains``; NaN rows where
+    a record has none; one grid of scales per file), or ``(None, None)`` when no record has scales."""
     measured = [r for r in records if r.scales is not None]
     if not measured:
         return None, None
@@ -154,9 +142,8 @@ def scale_tensors(records: Sequence[LabelRecord], attr: str = "scale_gains"
         if r.scales is not None and sorted(r.scales) != grid:
             raise LabelFileError(f"{r.where}: field 'scales' is {sorted(r.scales)} but {measured[0].where} has "
                                  f"{grid}; expected one grid of scales in a label file")
-        if g is None:
-            continue
-        gains[i] = torch.tensor([g[s] for s in grid], dtype=torch.float64)
+        if g is not None:
+            gains[i] = torch.tensor([g[s] for s in grid], dtype=torch.float64)
     return torch.tensor(grid, dtype=torch.float64), gains
 
 

@@ -1,7 +1,6 @@
 """On-disk embedding cache: ``<dir>/<slug>-<model hash>/shard-<n>.safetensors`` with ``keys [M, 32]`` uint8 (the
-sha256 of each text; texts are never stored) and ``emb [M, d]`` float32; the model name and dim are in each shard's
-metadata, checked on load. A run that encodes new texts appends one shard (atomically); old shards are never rewritten.
-"""
+sha256 of each text, never the text) and ``emb [M, d]`` float32, model name and dim in each shard's metadata. A run
+that encodes new texts appends one shard atomically; old shards are never rewritten."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def _model_dir_name(model_name: str) -> str:
 
 
 class EmbeddingCache:
-    """Embeddings of one model (``model_name``: different names never share entries) under the cache directory
-    ``root``. ``dim``, when known, is checked against the stored shards, else taken from them."""
+    """One model's embeddings (names never share entries) under ``root``; ``dim`` checked on the shards (None: read)."""
 
     def __init__(self, root: str | Path, model_name: str, dim: int | None = None) -> None:
         self.root = Path(root)
@@ -135,11 +133,7 @@ class EmbeddingCache:
 
 def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None = None, *,
                 batch_size: int = 256, progress: bool = False) -> torch.Tensor:
-    """Embeddings ``[len(texts), d]`` of ``texts``; only texts missing from ``cache`` are sent to ``encoder``.
-
-    ``encoder`` is a :class:`~fcprag_plugin.encoding.TextEncoder` or a zero-argument callable returning one
-    (so a fully cached run never even loads the model).
-    """
+    """``[len(texts), d]``; only texts missing from ``cache`` go to ``encoder`` (a TextEncoder or a factory)."""
     texts = list(texts)
     missing = cache.missing(texts) if cache is not None else list(dict.fromkeys(texts))
     fresh = torch.empty(0, 0)

@@ -1,23 +1,17 @@
-"""Validation metrics for a controller on labelled data, next to the uniform and random-controller baselines (the
-metrics are defined in ``docs/label-format.md``, end of "Outputs"; the helpers below state their formulas).
-"""
+"""Validation metrics of a controller next to the uniform and random baselines (``docs/label-format.md``, "Outputs")."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
 
-from ..controller import ControllerConfig, FusionController
+from ..controller import FusionController
 from .data import LabelTensors
 from .precision import autocast
 from .targets import first_order_gain, kl_per_sample
 
-METRIC_KEYS = ("kl", "kl_nonflat", "top1", "spearman", "g_mean", "g_std", "tau_mean", "tau_std", "entropy_mean",
-               "entropy_norm_mean", "gain")
-BASELINES = ("uniform", "random")
 _W_TIE = 1e-9
 
 
@@ -92,8 +86,7 @@ def _std(x: torch.Tensor) -> float | None:
 
 def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, data: LabelTensors,
                          wt: torch.Tensor | None = None) -> dict[str, Any]:
-    """All metrics (see the module docstring) from collected outputs; plain floats (None when undefined).
-    ``wt`` (the merge weights ``w~``) adds ``gain``."""
+    """All metrics from collected outputs, plain floats (None when undefined); ``wt`` (``w~``) adds ``gain``."""
     mask, deltas = data.mask, data.deltas
     y, omega, flat = data.y, data.omega.to(torch.float64), data.flat
     kl = kl_per_sample(y.to(torch.float64), w.to(torch.float64), mask)
@@ -115,51 +108,20 @@ def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, da
     }
 
 
-def baseline_controllers(config: ControllerConfig, seed: int = 0) -> dict[str, FusionController]:
-    """The uniform (PRAG) and random-controller (same architecture, untrained, seeded) baselines."""
-    return {
-        "uniform": FusionController(dataclasses.replace(config, controller_mode="uniform", kappa=1.0,
-                                                        query_scale=False, cv=None)),
-        "random": FusionController(dataclasses.replace(config, controller_mode="random", seed=seed, kappa=1.0,
-                                                       cv=None)),
-    }
-
-
 def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0, batch_size: int = 512,
              baselines: bool = True, autocast_dtype: torch.dtype | None = None
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]]]:
-    """Metrics of ``controller`` (keyed by its mode, e.g. ``"learned"``; ``"scale_only"`` for uniform weights times
-    a kappa other than 1) and of the baselines.
-
-    Returns ``(metrics, outputs)``: ``metrics[name]`` is a dict of floats, ``outputs[name]`` holds ``w, g, tau``.
-    """
+    """``(metrics, outputs)`` of ``controller`` (keyed by its mode, e.g. ``"learned"``; ``"scale_only"`` for uniform
+    weights times a kappa other than 1) and of the uniform (PRAG) and random (untrained, seeded) baselines:
+    ``metrics[name]`` a dict of floats, ``outputs[name]`` holds ``w, g, tau``."""
     c = controller.config
     name = "scale_only" if c.controller_mode == "uniform" and c.kappa != 1.0 else c.controller_mode
     models = {name: controller}
     if baselines:
-        models.update({k: v for k, v in baseline_controllers(controller.config, seed).items() if k not in models})
+        base = {"uniform": dict(controller_mode="uniform", kappa=1.0, query_scale=False, cv=None),
+                "random": dict(controller_mode="random", seed=seed, kappa=1.0, cv=None)}
+        models.update({k: FusionController(dataclasses.replace(c, **v)) for k, v in base.items() if k not in models})
     outputs = {k: collect_outputs(m, data, batch_size, autocast_dtype if k == name else None)
                for k, m in models.items()}
     metrics = {k: metrics_from_outputs(o["w"], o["g"], o["tau"], data, o["wt"]) for k, o in outputs.items()}
     return metrics, outputs
-
-
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-
-def format_table(metrics: dict[str, dict[str, Any]], title: str | None = None) -> str:
-    """A plain-text table: one row per metric, one column per controller (learned first)."""
-    names = list(metrics)
-    rows = [("metric", *names)]
-    for key in ("n", "n_nonflat", *METRIC_KEYS, "spearman_n"):
-        rows.append((key, *(_fmt(metrics[n].get(key)) for n in names)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [title] if title else []
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)

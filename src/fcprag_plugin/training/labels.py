@@ -12,7 +12,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from ..errors import LabelFileError
 from ..fileio import parse_json_lines, split_lines
@@ -60,19 +60,13 @@ class LabelRecord:
 
     @property
     def scale_gains(self) -> dict[float, float] | None:
-        """``{s: metric at scale s - metric_all}`` (the measured gain of PRAG's sum times s over the sum), or None
-        without scale measurements or without ``metric_all``."""
-        if self.scales is None or self.metric_at_scales is None or self.metric_all is None:
-            return None
-        return {s: m - self.metric_all for s, m in zip(self.scales, self.metric_at_scales)}
+        """``{s: metric at scale s - metric_all}``: the measured gain of PRAG's sum times s over the sum (or None)."""
+        return _gains(self.scales, self.metric_at_scales, self.metric_all)
 
     @property
     def f1_scale_gains(self) -> dict[float, float] | None:
-        """``{s: F1 at scale s - f1_all}`` (the measured F1 gain of PRAG's sum times s over the sum), or None
-        without ``f1_at_scales``."""
-        if self.scales is None or self.f1_at_scales is None or self.f1_all is None:
-            return None
-        return {s: m - self.f1_all for s, m in zip(self.scales, self.f1_at_scales)}
+        """``{s: F1 at scale s - f1_all}`` (or None)."""
+        return _gains(self.scales, self.f1_at_scales, self.f1_all)
 
     @property
     def n(self) -> int:
@@ -86,6 +80,10 @@ class LabelRecord:
     @property
     def where(self) -> str:
         return f"{self.file}:{self.line}"
+
+
+def _gains(scales: list[float] | None, at: list[float] | None, base: float | None) -> dict[float, float] | None:
+    return None if scales is None or at is None or base is None else {s: m - base for s, m in zip(scales, at)}
 
 
 @dataclass
@@ -130,8 +128,7 @@ class _RecordError(Exception):
 
 
 def _type_name(v: Any) -> str:
-    return "null" if v is None else {bool: "bool", int: "int", float: "float", str: "str", list: "list",
-                                     dict: "object"}.get(type(v), type(v).__name__)
+    return "null" if v is None else "object" if type(v) is dict else type(v).__name__
 
 
 def _number(v: Any, fld: str) -> float:
@@ -240,8 +237,8 @@ def validate_record(obj: Any) -> LabelRecord:
 
 
 def _scale_fields(obj: dict[str, Any], metric_all: float | None) -> tuple[list[float] | None, list[float] | None]:
-    """``scales`` (distinct finite numbers > 0) and ``metric_at_scales`` (one finite number each), given together
-    and with ``metric_all`` (the gain at scale s is measured against it)."""
+    """``scales`` (distinct numbers > 0) and ``metric_at_scales`` (one number each), given together and with
+    ``metric_all``."""
     if ("scales" in obj) != ("metric_at_scales" in obj):
         missing = "metric_at_scales" if "scales" in obj else "scales"
         raise _RecordError(missing, "is missing; 'scales' and 'metric_at_scales' must be given together")
@@ -261,8 +258,7 @@ def _scale_fields(obj: dict[str, Any], metric_all: float | None) -> tuple[list[f
 
 def _f1_scale_fields(obj: dict[str, Any], scales: list[float] | None
                      ) -> tuple[float | None, list[float] | None]:
-    """``f1_all`` (a number in [0, 1]) and ``f1_at_scales`` (one F1 per entry of ``scales``); the second needs the
-    first and ``scales`` (the F1 gain at scale s is measured against ``f1_all``)."""
+    """``f1_all`` (in [0, 1]) and ``f1_at_scales`` (one F1 per entry of ``scales``; needs ``f1_all``)."""
     f1_all = None
     if "f1_all" in obj:
         f1_all = _number(obj["f1_all"], "f1_all")
@@ -301,8 +297,8 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
 
 
 def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield ``(line, value, None)`` per element of a top-level JSON array (the line it starts on); a syntax error
-    always raises (the rest of an array cannot be resynchronised)."""
+    """``(line, value, None)`` per element of a top-level JSON array; a syntax error always raises (the rest of an
+    array cannot be resynchronised)."""
     newlines = [i for i, ch in enumerate(text) if ch == "\n"]
     ws = re.compile(r"[ \t\r\n]*")
     dec = json.JSONDecoder()
@@ -335,9 +331,8 @@ def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | Non
 
 
 def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
-    """Read and validate a label file (JSON Lines, or one JSON array of records). ``on_error``: ``"fail"`` raises
-    :class:`LabelFileError` at the first bad record (a repeated id is one); ``"skip"`` leaves bad records out,
-    lists them in ``LabelSet.skipped`` and logs the counts."""
+    """Read and validate a label file (JSON Lines or a JSON array). ``on_error="fail"`` raises :class:`LabelFileError`
+    at the first bad record (or repeated id); ``"skip"`` leaves them out, listed in ``LabelSet.skipped``."""
     if on_error not in ON_ERROR:
         raise LabelFileError(f"on_error is '{on_error}', expected one of {list(ON_ERROR)}")
     p = Path(path)
@@ -387,29 +382,3 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
         raise LabelFileError(f"{p}: no valid records" + (f" ({len(skipped)} skipped: {ls.skip_counts()})"
                                                          if skipped else ""))
     return ls
-
-
-def record_to_json(rec: LabelRecord) -> dict[str, Any]:
-    """The record as it would be written to a label file (inverse of :func:`validate_record`)."""
-    out: dict[str, Any] = {"id": rec.id, "query": rec.query, "passages": list(rec.passages)}
-    if rec.metric_all is not None:
-        out["metric_all"] = rec.metric_all
-        out["metric_without"] = list(rec.metric_without or [])
-    else:
-        out["deltas"] = list(rec.deltas)
-    for k in OPTIONAL[3:]:  # after deltas / metric_all / metric_without
-        v = getattr(rec, k)
-        if v is not None:
-            out[k] = v
-    out.update(rec.extra)
-    return out
-
-
-def write_labels(records: Sequence[LabelRecord | dict], path: str | Path) -> Path:
-    """Write records as JSON Lines (dicts are written as given)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(record_to_json(r) if isinstance(r, LabelRecord) else r, ensure_ascii=False) + "\n")
-    return path

@@ -1,8 +1,5 @@
-"""Training precision: float32, or bfloat16 matmuls through ``torch.autocast``.
-
-``precision="bf16"``: the controller's Linear layers multiply in bfloat16 under ``torch.autocast``; master
-weights, AdamW, gradients and everything after the two MLPs (which return float32: gate, temperature, softmax,
-weights, loss) stay float32."""
+"""Training precision: float32, or ``"bf16"``: the controller's Linear layers multiply in bfloat16 under
+``torch.autocast``; weights, AdamW, gradients and everything after the two MLPs stay float32."""
 
 from __future__ import annotations
 
@@ -14,14 +11,11 @@ import torch
 
 def autocast(precision: str) -> ContextManager:
     """The context the controller's forward runs in for a resolved ``precision`` (``"fp32"`` or ``"bf16"``)."""
-    if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
 
 def native_bf16() -> bool:
-    """True when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): then bf16 matmuls are several times
-    faster than float32. Elsewhere oneDNN emulates them and float32 is the better choice."""
+    """True when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere float32 is faster."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())

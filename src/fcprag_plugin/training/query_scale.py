@@ -1,23 +1,10 @@
-"""A per-query scale from measured scale labels: which of the grid scales to merge PRAG's sum at, per question.
-
-Each label record with scale measurements carries its question's gain at every grid scale ``g [S]`` (label metric
-or F1). A :class:`~fcprag_plugin.controller.ScaleHead` (one linear layer on the standardised ``[e_q; mean e_p]``)
-gives a softmax policy ``pi [S]`` over the grid (scale 1, PRAG's sum, always among them) and is trained to maximise
-the mean expected utility
-
-    u_s = g_s - rho * 1[g_s < -margin]          (a loss beyond the risk rule's margin costs rho)
-    J   = mean_b sum_s pi_bs u_bs - l2 |W|^2     (the bias is not penalised: W = 0 is one global scale)
-
-``rho`` (:data:`RHO_FACTORS` times :func:`risk_price`, the loss price at which the best global scale is the rule's
-``kappa``) and ``l2`` (:data:`L2_GRID`; infinity: bias only) are chosen by an inner grouped CV on the training
-questions: the largest inner held-out mean gain among the pairs whose held-out loss share passes the global scale's
-risk rule; the rule's own choice, kappa for every query, is always allowed and wins ties. A query's scale is the
-argmax.
-"""
+"""A per-query scale from measured scale labels (``docs/label-format.md``, "The parts"): a
+:class:`~fcprag_plugin.controller.ScaleHead` policy ``pi [S]`` over the grid maximising
+``J = mean_b sum_s pi_bs u_bs - l2 |W|^2`` with ``u_s = g_s - rho * 1[g_s < -margin]`` (g: measured gains [S]);
+``rho`` and ``l2`` are chosen by an inner grouped CV, the risk rule's own kappa for every query winning ties."""
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Sequence
 
@@ -25,8 +12,6 @@ import torch
 
 from ..controller import ScaleHead
 from .data import LabelTensors
-
-logger = logging.getLogger(__name__)
 
 L2_GRID = (math.inf, 1.0, 0.1, 0.01)  # strongest first: ties go to the simpler head
 RHO_FACTORS = (1.0, 0.25, 1 / 16, 0.0)  # times risk_price: the safest first
@@ -89,13 +74,6 @@ def _constant(d: int, grid: Sequence[float], kappa: float) -> ScaleHead:
     return head.requires_grad_(False).eval()
 
 
-def features(data: LabelTensors) -> torch.Tensor:
-    """``[e_q; mean e_p]`` per record ``[R, 2d]`` (float64)."""
-    e_q = data.table[data.q_idx]
-    E_p = data.table[data.p_idx]
-    return ScaleHead.features(e_q, E_p, data.mask).double()
-
-
 def choose(head: ScaleHead, data: LabelTensors) -> torch.Tensor:
     """The head's scale for every record of ``data`` ``[R]`` (float64)."""
     with torch.no_grad():  # the controller's own path (ScaleHead.choose), so the verdict scores what ships
@@ -110,10 +88,8 @@ def gains_at(grid: Sequence[float], gains: torch.Tensor, chosen: torch.Tensor) -
 
 def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, seed: int,
                     folds: int = 3) -> tuple[ScaleHead, dict[str, Any]]:
-    """The head trained on the records of ``data`` with measured gains in ``metric`` (``"label"`` / ``"f1"``),
-    ``rho`` and ``l2`` chosen by an inner grouped ``folds``-fold CV under ``rule`` (a ``selection.ScaleRule``;
-    module docstring) at the rule's global ``kappa``. Returns ``(head, {"grid", "rho", "l2", "inner"})``, ``inner``
-    listing each pair's inner held-out mean gain and loss share."""
+    """``(head, {"grid", "rho", "l2"})``: the head trained on the records of ``data`` with measured gains in
+    ``metric``; ``rho`` and ``l2`` chosen by an inner grouped CV under ``rule`` (a ``ScaleRule``) at ``kappa``."""
     from .selection import group_kfold, loss_share
 
     gains = data.gains(metric)
@@ -122,15 +98,14 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
     sub = data.subset(rows)
     grid, g = grid_with_sum(data.scales, gains[ok])
     price = risk_price(g, grid, kappa, rule.loss_margin)
-    x = features(sub)
+    x = ScaleHead.features(sub.table[sub.q_idx], sub.table[sub.p_idx], sub.mask).double()  # [R, 2d]
     inner = group_kfold(sub.groups, folds, seed)
-    # first the rule's own choice, kappa for every query (always allowed; rho None); with a free rule (price 0)
-    # risk is still priced on the ladder
+    # first the rule's own choice, kappa for every query (rho None); a free rule (price 0) still prices risk
     base = [f * price for f in RHO_FACTORS] if price > 0 else [float(g.abs().mean()) * f for f in RHO_FACTORS]
     pairs = [(None, math.inf)] + list(dict.fromkeys((rho, l2) for rho in base for l2 in L2_GRID))
     fit = lambda rows_, rho_, l2_: _constant(x.shape[1] // 2, grid, kappa) if rho_ is None else _fit(  # noqa: E731
         x[rows_], utility(g[rows_], rho_, rule.loss_margin), grid, l2_)
-    report, best, best_gain = [], pairs[0], -math.inf
+    best, best_gain = pairs[0], -math.inf
     for rho, l2 in pairs:
         got = torch.zeros(len(rows), dtype=torch.float64)
         for held in inner if len(inner) > 1 else []:
@@ -140,10 +115,8 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
         tested = ls["ci95"][1] if rule.bound == "upper" else ls["share"]
         allowed = (rho, l2) == pairs[0] or (len(inner) > 1 and tested <= rule.max_loss_share)
         mean = float(got.mean())
-        report.append({"rho": rho, "l2": None if math.isinf(l2) else l2, "gain": mean, "loss_share": ls["share"],
-                       "allowed": allowed})
         if allowed and mean > best_gain:  # strict: ties keep the safer, simpler pair listed first
             best, best_gain = (rho, l2), mean
     rho, l2 = best
     head = fit(list(range(len(rows))), rho, l2)
-    return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(l2) else l2, "inner": report}
+    return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(l2) else l2}

@@ -1,33 +1,16 @@
-"""Model selection and a verdict that selection never saw (``docs/label-format.md``, "Model selection and the
-verdict").
-
-The gain of merge weights ``w~`` over PRAG's sum is split in parts, each estimated per record on held-out
-questions:
-
-    scale        PRAG's sum times the global kappa, against the sum: m(kappa) - m(1), measured from the labels'
-                 ``scales`` / ``metric_at_scales`` (and in F1 from ``f1_at_scales``); without scale measurements
-                 kappa stays 1 (nothing measured, nothing to gain)
-    reweighting  w~ against uniform weights at the same total: sum_i (w~_i - T) delta_i. FIRST ORDER: a contrast of
-                 leave-one-out deltas taken at PRAG's sum (total 1), not a measurement at the operating total; a
-                 network never ships on it (only with ``keep_network``); ``fcprag study --controller DIR`` measures
-                 it by real forwards
-    query_scale  a per-query scale (:mod:`.query_scale`) against the best global scale chosen on the same training
-                 folds, measured on the grid (with ``per_query_scale`` and measured scales)
-
-Nested grouped cross-validation: in each outer fold the epoch count is chosen on an inner split of the outer
-training questions, ``kappa`` and the per-query head on all of them; the held-out questions are scored with those
-choices only. The 95% CIs resample questions (groups); a part is *shown* when its Bonferroni-adjusted CI (over the
-parts evaluated) lies above 0. The risk rule's loss share is a proportion of questions: its CI is Wilson's.
+"""Model selection and a verdict that selection never saw: nested grouped cross-validation of the gain over PRAG's
+sum, split in parts (scale, reweighting, per-query scale) estimated per record on held-out questions, with
+bootstrap CIs over questions and Bonferroni-adjusted "shown" decisions. The method and its rationale:
+``docs/label-format.md``, "Starting point, model selection and the verdict".
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -52,10 +35,9 @@ BOUNDS = ("upper", "observed")
 
 @dataclass(frozen=True)
 class ScaleRule:
-    """How ``kappa`` is chosen from measured scales: the largest mean gain over training questions among the scales
-    whose share of questions losing more than ``loss_margin`` (in the metric chosen on) stays at most
-    ``max_loss_share``: its 95% Wilson upper bound (``bound="upper"``, so that the share holds out of sample) or the
-    observed share (``bound="observed"``, the in-sample rule). Scale 1 (PRAG's sum) is always allowed."""
+    """``kappa`` from measured scales: the largest mean gain among scale 1 and the scales whose share of questions
+    losing more than ``loss_margin`` (``bound``: its 95% Wilson ``"upper"`` bound or ``"observed"``) is at most
+    ``max_loss_share``."""
 
     max_loss_share: float = 0.1
     loss_margin: float = 0.1
@@ -83,11 +65,8 @@ def loss_share(values: torch.Tensor, groups: Sequence[str], margin: float) -> di
 
 
 def group_kfold(groups: Sequence[str], k: int, seed: int) -> list[list[int]]:
-    """Row indices of ``k`` folds such that all rows of a group are in one fold.
-
-    Groups are shuffled (seeded) and dealt to the folds largest-first onto the fold with the fewest rows, so folds
-    are balanced in records. Fewer than ``k`` groups give fewer (non-empty) folds.
-    """
+    """Row indices of ``k`` folds (fewer with fewer groups), all rows of a group in one fold; the seeded shuffled
+    groups are dealt largest-first onto the fold with the fewest rows."""
     by_group: dict[str, list[int]] = {}
     for i, gk in enumerate(groups):
         by_group.setdefault(gk, []).append(i)
@@ -111,8 +90,7 @@ def bootstrap_ci(values: torch.Tensor, groups: Sequence[str], seed: int, level: 
     idx = torch.randint(0, G, (n_boot, G), generator=torch.Generator().manual_seed(seed))
     means = sums[idx].sum(1) / counts[idx].sum(1)
     q = (1 - level) / 2
-    lo, hi = torch.quantile(means, torch.tensor([q, 1 - q], dtype=torch.float64)).tolist()
-    return lo, hi
+    return tuple(torch.quantile(means, torch.tensor([q, 1 - q], dtype=torch.float64)).tolist())
 
 
 def group_means(values: torch.Tensor, groups: Sequence[str]) -> torch.Tensor:
@@ -129,35 +107,26 @@ def group_means(values: torch.Tensor, groups: Sequence[str]) -> torch.Tensor:
 
 def choose_scale(scales: torch.Tensor, gains: torch.Tensor, groups: Sequence[str], rule: ScaleRule
                  ) -> tuple[float, dict[str, Any]]:
-    """``kappa`` from measured gains ``[R, S]`` at ``scales [S]`` (NaN: unmeasured) by ``rule`` over the questions
-    (groups) that have measurements; scale 1 (PRAG's sum, gain 0) is always a candidate. Returns ``(kappa,
-    {"grid", "mean_gain", "loss_share", "loss_share_ci95", "bound", "at_grid_edge", "questions"})``; ties go to
-    the smaller scale."""
+    """``kappa`` by ``rule`` from measured gains ``[R, S]`` at ``scales [S]`` (NaN: unmeasured; scale 1 always a
+    candidate, ties to the smaller) and ``{"grid", "mean_gain", "loss_share", "loss_share_ci95", "bound",
+    "at_grid_edge", "questions"}``."""
     per_q = group_means(gains, groups)
-    per_q = per_q[~torch.isnan(per_q).all(1)]
-    grid = scales.tolist()
-    if 1.0 not in grid:
-        grid, per_q = grid + [1.0], torch.cat([per_q, torch.zeros(len(per_q), 1, dtype=per_q.dtype)], 1)
-    mean = per_q.nanmean(0)
-    n = len(per_q)
+    grid, per_q = qs.grid_with_sum(scales, per_q[~torch.isnan(per_q).all(1)])
+    mean, n = per_q.nanmean(0).tolist(), len(per_q)
     lost = (per_q < -rule.loss_margin).sum(0).tolist()
-    ci = [wilson_interval(int(k), n) for k in lost]
+    ci = [list(wilson_interval(int(k), n)) for k in lost]
     tested = [ci[j][1] if rule.bound == "upper" else lost[j] / n for j in range(len(grid))]
     feasible = [j for j in range(len(grid)) if grid[j] == 1.0 or tested[j] <= rule.max_loss_share]
-    best = max(feasible, key=lambda j: (float(mean[j]), -grid[j]))
-    kappa = grid[best]
-    edge = kappa != 1.0 and kappa in (max(grid), min(grid))
-    order = sorted(range(len(grid)), key=grid.__getitem__)
-    return kappa, {"grid": [grid[j] for j in order], "mean_gain": [float(mean[j]) for j in order],
-                   "loss_share": [lost[j] / n for j in order], "loss_share_ci95": [list(ci[j]) for j in order],
-                   "bound": rule.bound, "at_grid_edge": edge, "questions": n}
+    kappa = grid[max(feasible, key=lambda j: (mean[j], -grid[j]))]
+    return kappa, {"grid": grid, "mean_gain": mean, "loss_share": [k / n for k in lost], "loss_share_ci95": ci,
+                   "bound": rule.bound, "at_grid_edge": kappa != 1.0 and kappa in (grid[0], grid[-1]),
+                   "questions": n}
 
 
 def scale_gain(data: LabelTensors, total: torch.Tensor, metric: str = "label") -> tuple[torch.Tensor, bool]:
-    """Per record, the gain in ``metric`` (``"label"`` / ``"f1"``) of PRAG's sum times ``total [R]`` over the sum,
-    and whether it was measured: yes when every total is 1 or on the records' scale grid (a record without
-    measurements: NaN, left out); off the grid the label metric falls back to the first-order
-    ``(total - 1) sum_i delta_i`` (not measured), F1 to NaN."""
+    """``([R], measured)``: the gain in ``metric`` (``"label"`` / ``"f1"``) of PRAG's sum times ``total [R]`` over
+    the sum; measured when every total is 1 or on the scale grid (NaN: no measurement), else the label metric's
+    first-order ``(total - 1) sum_i delta_i`` (F1: NaN)."""
     t = total.double()
     gains = data.gains(metric)
     on_grid = gains is not None and all(v == 1.0 or v in data.scales.tolist() for v in t.unique().tolist())
@@ -196,9 +165,8 @@ def has_measured(data: LabelTensors, metric: str) -> bool:
 
 
 def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, str, dict[str, Any] | None]:
-    """The global scale chosen on ``data``, how, and the grid behind it: ``args.kappa`` when it is a number
-    (``"fixed"``), else by ``rule`` on the gains measured in ``args.scale_metric`` (``"measured"``; the grid:
-    :func:`choose_scale`'s info), else 1, PRAG's sum (``"no_scales"``: nothing was measured)."""
+    """``(kappa, how, grid)`` on ``data``: ``args.kappa`` if a number (``"fixed"``), else :func:`choose_scale` on the
+    gains in ``args.scale_metric`` (``"measured"``), else 1 (``"no_scales"``)."""
     if args.kappa != "auto":
         return float(args.kappa), "fixed", None
     if has_measured(data, args.scale_metric):
@@ -214,8 +182,7 @@ def _from_json(values: Any) -> torch.Tensor:
 
 
 def read_cv_partial(out: Any) -> dict[str, Any] | None:
-    """The folds an interrupted cross-validation in run directory ``out`` finished (``{"key", "n_folds",
-    "folds"}``), or None when there are none or the file is unreadable (cut off mid-write: nothing to go on from)."""
+    """``{"key", "n_folds", "folds"}`` of an interrupted cross-validation in run ``out``; None if none or unreadable."""
     try:
         got = json.loads((Path(out) / CV_PARTIAL_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -224,8 +191,7 @@ def read_cv_partial(out: Any) -> dict[str, Any] | None:
 
 
 def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: int = PARTS) -> dict[str, Any]:
-    """Mean, 95% CI, the Bonferroni-adjusted CI (over ``parts``) and whether that one lies above 0, over the
-    non-NaN records."""
+    """Mean, 95% CI and Bonferroni-adjusted CI (over ``parts``; ``shown``: above 0) of the non-NaN records."""
     ok = ~torch.isnan(values)
     v, g = values[ok], [gr for gr, k in zip(groups, ok.tolist()) if k]
     if not len(v):
@@ -239,13 +205,10 @@ def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: 
 def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
            rule: ScaleRule = ScaleRule(), progress: bool = False, done: Sequence[dict[str, Any]] = (),
            on_fold: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
-    """Nested grouped CV (module docstring) -> a JSON-ready dict: the epoch count and ``kappa`` to ship, the parts
-    with their CIs, what ships and its verdict against PRAG's sum. Ships ``learned`` only with ``args.keep_network``
-    (its reweighting part is first order); else ``query_scale`` when that part is shown and its held-out loss share
-    keeps the risk rule; else ``scale_only`` (kappa 1 when the scale part is not shown). ``args``: the run's
-    ``TrainArgs``; ``trainer(train_data, None, None, args, embedding_model)`` builds one fold's trainer. A fold
-    depends only on its seed: ``on_fold(results)`` gets the finished folds' JSON-ready results after each fold, and
-    ``done`` (such a list, same data and ``args``) skips them."""
+    """Nested grouped CV -> a JSON-ready dict (``cv.json``): epochs and ``kappa`` to ship, the parts with their CIs,
+    what ships (``learned`` with ``keep_network``, else ``query_scale`` if shown within the risk rule, else
+    ``scale_only``) and its verdict. ``trainer(train_data, None, None, args, embedding_model)`` builds a fold's
+    trainer; ``on_fold(results)`` gets the finished folds after each fold, ``done`` (such a list) skips them."""
     t0 = time.perf_counter()
     folds = group_kfold(data.groups, args.cv_folds, args.seed)
     if len(folds) < 2:
@@ -260,7 +223,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     per_query = args.kappa == "auto" and getattr(args, "per_query_scale", False) and has_measured(data, metric)
     q_gain, q_global = nan(), nan()  # per-query scale vs the sum, and the fold's global kappa vs the sum
     fold_epochs, fold_kappas, fold_heads, scale_measured = [], [], [], True
-    fold_args = dataclasses.replace(args, cv_folds=0)
+    fold_args = replace(args, cv_folds=0)
     results: list[dict[str, Any]] = []
     with tqdm(total=len(folds) * E, unit="epoch", desc=f"nested {len(folds)}-fold CV", dynamic_ncols=True,
               disable=not progress) as bar:
@@ -302,11 +265,10 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             # w~ sums to N, so the total is kappa exactly (up to rounding); a per-query scale makes it vary
             total = totals(w_held, held_data) if args.controller.get("query_scale") else \
                 torch.full((len(held),), kappa, dtype=torch.float64)
+            measured: dict[str, bool] = {}
             for m in scale:
-                scale[m][held], measured_m = scale_gain(held_data, total, m)
-                if m == metric:
-                    measured = measured_m
-            scale_measured &= measured
+                scale[m][held], measured[m] = scale_gain(held_data, total, m)
+            scale_measured &= measured[metric]
             if per_query and has_measured(rest_data, metric):
                 head, info = qs.fit_query_scale(rest_data, metric, kappa, rule, args.seed + f)
                 chosen = qs.choose(head, held_data)
@@ -319,7 +281,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             fold_epochs.append(e_f)
             fold_kappas.append(kappa)
             results.append({"held": held, "curve": curve[:, held].tolist(), "reweighting": rw[held].tolist(),
-                            "scale": {m: v[held].tolist() for m, v in scale.items()}, "measured": measured,
+                            "scale": {m: v[held].tolist() for m, v in scale.items()}, "measured": measured[metric],
                             "epochs": e_f, "kappa": kappa,
                             **({"q_gain": q_gain[held].tolist(), "q_global": q_global[held].tolist(),
                                 "head": fold_heads[-1] if len(fold_heads) == len(fold_epochs) else None}
@@ -340,7 +302,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
         "scale": {**part_summary(sc, data.groups, args.seed, parts), "kappa": kappa, "chosen_by": how,
                   "metric": metric, "measured": scale_measured and how != "no_scales", "fold_kappas": fold_kappas,
                   "at_grid_edge": bool(grid and grid["at_grid_edge"]), "grid": grid,
-                  "rule": dataclasses.asdict(rule) if how == "measured" else None,
+                  "rule": asdict(rule) if how == "measured" else None,
                   "held_out_loss_share": {**loss_share(sc, data.groups, rule.loss_margin),
                                           "allowed": rule.max_loss_share, "margin": rule.loss_margin},
                   "by_metric": {m: part_summary(scale[m], data.groups, args.seed, parts) for m in metrics}},
@@ -372,78 +334,12 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     else:
         shipped = "scale_only"
     zero = torch.zeros(R, dtype=torch.float64)
-    if shipped == "query_scale":
-        total = q_gain
-    else:
-        total = (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "learned" and metric == "label" else zero)
+    total = q_gain if shipped == "query_scale" else \
+        (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "learned" and metric == "label" else zero)
     summary = part_summary(total, data.groups, args.seed)
     out.update(shipped=shipped, kappa=ship_kappa, gain=summary["gain"], ci95=summary["ci95"],
                verdict="better_than_uniform" if summary["ci95"] and summary["ci95"][0] > 0 else "unproven",
                seconds=round(time.perf_counter() - t0, 3))
-    logger.info("%s", "\n".join(verdict_lines(out)))
+    logger.info("cross-validation: ships %s at kappa %.4g, gain %s, %s", shipped, ship_kappa, out["gain"],
+                out["verdict"])
     return out
-
-
-def _part(p: dict[str, Any]) -> str:
-    if p["gain"] is None:
-        return "not measured"
-    lo, hi = p["ci95"]
-    return f"{p['gain']:+.4g} per record, 95% CI [{lo:+.4g}, {hi:+.4g}]"
-
-
-def _share(ls: dict[str, Any]) -> str:
-    if ls.get("share") is None:
-        return "no question measured"
-    lo, hi = ls["ci95"]
-    return f"{100 * ls['share']:.0f}% of {ls['questions']} questions, 95% CI [{100 * lo:.0f}%, {100 * hi:.0f}%]"
-
-
-MEASURE_HINT = ("to measure it, evaluate the controller by real forwards on held-out questions: "
-                "fcprag study QUESTIONS --model MODEL --controller DIR --out OUT")
-
-
-def verdict_lines(cv: dict[str, Any]) -> list[str]:
-    """The verdict in plain words (the CLI's last lines): the total against PRAG's sum, its parts, what was
-    shipped and why."""
-    s, r, q = cv["scale"], cv["reweighting"], cv.get("query_scale")
-    metric = {"label": "the label metric", "f1": "F1"}.get(s.get("metric", "label"), "the label metric")
-    how = {"measured": f"chosen on measured scales in {metric}",
-           "no_scales": "no scale measurements in the labels, so PRAG's sum (build them with 'fcprag labels build "
-                        "--scales')",
-           "first_order": "chosen by the first-order extrapolation", "fixed": "fixed by the caller"}[s["chosen_by"]]
-    edge = " It sits at the edge of the measured grid: a larger scale may do better." if s["at_grid_edge"] else ""
-    lines = [f"Held-out, selection-unbiased ({cv['folds']}-fold nested CV over {cv['n_groups']} questions):",
-             f"  scale part (PRAG's sum times kappa = {s['kappa']:.4g}, {how}): {_part(s)}; "
-             + ("measured" if s["measured"] else "not measured") + (
-                 " - shown" if s["shown"] else " - NOT shown") + "." + edge]
-    for m, p in (s.get("by_metric") or {}).items():
-        if m != s.get("metric", "label"):
-            lines.append(f"    the same scale in {'F1' if m == 'f1' else 'the label metric'}: {_part(p)}")
-    ls = s.get("held_out_loss_share")
-    if ls and ls.get("share") is not None and s["chosen_by"] == "measured":
-        lines.append(f"    questions losing more than {ls['margin']:g} at each fold's kappa (held out): {_share(ls)}; "
-                     f"the rule allows {100 * ls['allowed']:.0f}%.")
-    lines.append(f"  reweighting part (learned weights vs the same total): {_part(r)} - FIRST ORDER (a contrast of "
-                 "leave-one-out deltas taken at PRAG's sum, total 1), not a measurement at the operating total.")
-    if q is not None:
-        lines.append(f"  per-query scale part (a scale per question from the grid vs the best global scale of the "
-                     f"same training folds, in {metric}): {_part(q)}; measured"
-                     + (" - shown" if q["shown"] else " - NOT shown") + "; questions losing more than the margin "
-                     f"against PRAG's sum: {_share(q['held_out_loss_share'])}.")
-    shipped = cv["shipped"]
-    what = {"learned": f"the learned controller (network, kappa {cv['kappa']:.4g})",
-            "query_scale": "a per-query scale controller (PRAG's sum times a scale chosen per question, no weights "
-                           "network)",
-            "scale_only": f"a scale-only controller (PRAG's sum times {cv['kappa']:.4g}, no network)"}[shipped]
-    why = {"learned": ", because --keep-network asked for it: its reweighting part is first order, not measured; "
-                      + MEASURE_HINT,
-           "query_scale": ", because its measured per-query part was shown",
-           "scale_only": ": the learned network is not saved, because its reweighting part is first order, not a "
-                         "measurement (--keep-network saves it; " + MEASURE_HINT + ")"}[shipped]
-    total = "NOT shown to beat PRAG's sum" if cv["verdict"] == "unproven" else "better than PRAG's sum"
-    gain = "" if cv["gain"] is None else f": {cv['gain']:+.4g} per record, 95% CI [{cv['ci95'][0]:+.4g}, " \
-                                        f"{cv['ci95'][1]:+.4g}]"
-    lines.append(f"Saved {what}{why}; it is {total}{gain}."
-                 + (" (Scale 1 with uniform weights is PRAG's own merge.)" if what.endswith("times 1, no network)")
-                    else ""))
-    return lines

@@ -1,10 +1,5 @@
-"""Training targets and the objectives "kl" and "risk" (math only, no I/O; derived in ``docs/label-format.md``,
-"Targets and objective").
-
-    y_b     = softmax(delta_b / T_label)                  over the real passages of sample b
-    flat_b  = max(delta_b) - min(delta_b) <= eps          nothing to learn about the ranking
-    omega_b = flat_weight if flat_b else 1
-"""
+"""Training targets ``y = softmax(delta / T_label)``, flatness and sample weights, and the objectives "kl" and
+"risk" (math only; defined in ``docs/label-format.md``, "Targets and objective")."""
 
 from __future__ import annotations
 
@@ -34,8 +29,8 @@ def check_target_args(t_label: float, flat_eps: float, flat_weight: float) -> No
 def make_targets(deltas: torch.Tensor, mask: torch.Tensor, t_label: float = DEFAULT_T_LABEL,
                  flat_eps: float = DEFAULT_FLAT_EPS, flat_weight: float = DEFAULT_FLAT_WEIGHT
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``deltas [B, N]``, ``mask [B, N]`` -> ``(y [B, N], omega [B], flat [B])`` as in the module docstring
-    (``y`` zero on padding; N = 1 is always flat)."""
+    """``deltas [B, N]``, ``mask [B, N]`` -> ``(y [B, N], omega [B], flat [B])``: ``y`` zero on padding, ``flat``
+    when ``max - min <= flat_eps`` (N = 1 always), ``omega`` ``flat_weight`` if flat else 1."""
     check_target_args(t_label, flat_eps, flat_weight)
     y = torch.softmax((deltas / t_label).masked_fill(~mask, float("-inf")), dim=1).masked_fill(~mask, 0.0)
     flat = (masked_max(deltas, mask) - masked_min(deltas, mask)) <= flat_eps
@@ -76,9 +71,8 @@ def risk_loss(w_tilde: torch.Tensor, deltas: torch.Tensor, mask: torch.Tensor, l
 
 
 def estimate_lambda(deltas: torch.Tensor, mask: torch.Tensor) -> float:
-    """lambda for the risk objective from the labels: the pooled within-record standard deviation of the deltas,
-    ``sqrt(sum_b sum_i (delta_bi - mean_b)^2 / sum_b (N_b - 1))`` over records with ``N_b >= 2`` (the scale of the
-    differences the controller is asked to act on, noise included). Falls back to 1.0 when every record is flat."""
+    """The risk objective's lambda: the pooled within-record standard deviation of the deltas over records with
+    ``N_b >= 2`` (1.0 when every record is flat)."""
     m = mask.to(torch.float64)
     d = deltas.to(torch.float64) * m
     n = m.sum(1)
@@ -89,13 +83,3 @@ def estimate_lambda(deltas: torch.Tensor, mask: torch.Tensor) -> float:
     ss = (((d - mean.unsqueeze(1)) * m) ** 2).sum(1)
     var = float(ss[keep].sum() / (n[keep] - 1).sum())
     return math.sqrt(var) if var > 0 else 1.0
-
-
-def best_kappa(w_tilde: torch.Tensor, deltas: torch.Tensor, mask: torch.Tensor, lam: float) -> float:
-    """The global scale ``kappa`` maximising ``sum_b J_b`` for merge weights ``kappa * w~`` (closed form:
-    ``kappa = (sum w~ delta + 2 lambda sum w~) / (2 lambda sum w~^2)``), floored at 0.05."""
-    m = mask.to(torch.float64)
-    wt, d = w_tilde.to(torch.float64) * m, deltas.to(torch.float64) * m
-    num = float((wt * d).sum() + 2 * lam * wt.sum())
-    den = float(2 * lam * (wt * wt).sum())
-    return max(0.05, num / den) if den > 0 else 1.0

@@ -1,20 +1,16 @@
 """Train a :class:`FusionController` on leave-one-out label files (orchestration; math in ``targets``, ``evaluation``).
-
-``train_controller("labels.jsonl", "runs/ctrl")`` returns a :class:`TrainResult` (``.table``, ``.controller``); the
-output directory is described in ``docs/label-format.md``.
-"""
+The output directory of ``train_controller(labels, out)`` is described in ``docs/label-format.md``."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,11 +25,11 @@ from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, 
 from .data import LabelTensors, build_tensors, side_rows
 from .embed_cache import EmbeddingCache, default_cache_dir
 from .labels import IGNORED_SPLITS, VAL_SPLITS, LabelRecord, LabelSet, load_labels
-from .evaluation import collect_outputs, evaluate, format_table, metrics_from_outputs
+from .evaluation import collect_outputs, evaluate, metrics_from_outputs
 from .precision import autocast, resolve_precision
 from . import query_scale as qs
 from .selection import (BOUNDS, CV_NAME, CV_PARTIAL_NAME, SCALE_METRICS, ScaleRule, fold_kappa, has_measured,
-                        read_cv_partial, select, verdict_lines)
+                        read_cv_partial, select)
 from .targets import (DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, estimate_lambda,
                       risk_loss, weighted_kl)
 
@@ -44,27 +40,21 @@ ARGS_NAME = "training_args.json"
 METRICS_NAME = "metrics.json"
 PRECISIONS = ("auto", "fp32", "bf16")
 OBJECTIVES = ("kl", "risk")
-# what a recipe sets unless the caller sets it: "measured" (the default: the TrainArgs defaults, which follow the
-# measurements of docs/results/efficacy-fresh.md) and "paper" (the paper's setting: the learned network, shipped,
-# at PRAG's total, kappa 1)
+# what a recipe sets unless the caller does: "measured" (the TrainArgs defaults, after
+# docs/results/efficacy-fresh.md) and "paper" (the learned network, shipped at PRAG's total)
 RECIPES: dict[str, dict[str, Any]] = {
-    "measured": {},
-    "paper": {"kappa": 1.0, "keep_network": True, "per_query_scale": False, "objective": "kl"},
-}
-# arguments that may change between a run and its resume (they do not change what is learned)
-# (precision: "auto" may resolve differently on another machine; the resolved precision is compared instead)
-# more epochs than anyone trains a controller for (the cross-validation keeps a curve of (epochs + 1) x records),
-# and a wider layer than any controller needs (a 16384 x 16384 layer is 1 GiB): sizes refused before allocation
+    "measured": {}, "paper": {"kappa": 1.0, "keep_network": True, "per_query_scale": False, "objective": "kl"}}
+# sizes refused before allocation: more epochs than anyone trains for (the CV keeps (epochs + 1) x records), a
+# wider layer than any controller needs (16384 x 16384 is 1 GiB)
 MAX_EPOCHS, MAX_HIDDEN = 10_000, 16_384
+# arguments a resume may change (not what is learned; "auto" precision is compared resolved)
 _RESUME_FREE = {"epochs", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network", "precision"}
 
 
 @dataclass
 class TrainArgs:
-    """Training hyper-parameters. The network's follow the paper (AdamW 1e-4, wd 0.01, batch 32, 10 epochs); what
-    ships follows the measurements (``recipe="measured"``: kappa chosen on measured scales by a risk rule that
-    holds out of sample, a scale-only controller, a per-query scale only when its measured part is shown);
-    :meth:`for_recipe` with ``"paper"`` gives the paper's setting (learned network shipped, kappa 1)."""
+    """Training hyper-parameters: the network's follow the paper (AdamW 1e-4, wd 0.01, batch 32, 10 epochs), what
+    ships follows :data:`RECIPES` (``docs/label-format.md``, "Recipes")."""
 
     epochs: int = 10
     batch_size: int = 32
@@ -76,9 +66,7 @@ class TrainArgs:
     flat_weight: float = DEFAULT_FLAT_WEIGHT
     val_fraction: float = 0.1
     on_error: str = "fail"
-    # fp32 | bf16 (the MLPs under torch.autocast, see precision.py; the final metrics.json is fp32) | auto: bf16
-    # where the CPU has native bfloat16, else fp32. The resolved choice is in training_args.json.
-    precision: str = "auto"
+    precision: str = "auto"  # fp32 | bf16 (precision.py; metrics.json is fp32) | auto: bf16 where the CPU has it
     grad_clip: float | None = None
     eval_batch_size: int = 512
     cache_dir: str | None = None  # None: default_cache_dir(); "" : no disk cache
@@ -89,9 +77,7 @@ class TrainArgs:
     cv_folds: int = 5  # nested grouped CV: epochs, kappa and the verdict (selection.py); 0: off, train `epochs`
     kappa: float | str = "auto"  # global scale of the merge weights; "auto": chosen on the labels' measured scales
     side_features: list[str] = field(default_factory=list)  # opt-in per-passage inputs (features.SIDE_FEATURES)
-    # kappa "auto" with measured scales: the largest mean gain such that at most this share of the training
-    # questions lose more than scale_loss_margin (in the label metric) against PRAG's sum (selection.ScaleRule)
-    scale_max_loss_share: float = 0.1
+    scale_max_loss_share: float = 0.1  # kappa "auto": the risk rule (selection.ScaleRule)
     scale_loss_margin: float = 0.1
     scale_bound: str = "upper"  # the share's 95% Wilson upper bound ("upper") or the observed share ("observed")
     scale_metric: str = "label"  # kappa chosen on the label metric ("label") or on F1 ("f1": f1_at_scales)
@@ -116,8 +102,7 @@ class TrainArgs:
         need(self.grad_clip is None or self.grad_clip > 0, f"'grad_clip' is {self.grad_clip}, expected > 0 or None")
         need(self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
              f"'threads' is {self.threads!r}, expected an int >= 1 or None")
-        known = {f.name for f in dataclasses.fields(ControllerConfig)} - {"embed_dim", "embedding_model", "seed",
-                                                                          "format_version"}
+        known = {f.name for f in fields(ControllerConfig)} - {"embed_dim", "embedding_model", "seed", "format_version"}
         bad = sorted(set(self.controller) - known)
         need(not bad, f"'controller' has unknown key(s) {bad}; expected among {sorted(known)}")
         sizes = [*self.controller.get("score_hidden", []), self.controller.get("calib_hidden", 1)]
@@ -155,10 +140,8 @@ class TrainArgs:
 
     @classmethod
     def for_recipe(cls, recipe: str = "measured", **kwargs: Any) -> "TrainArgs":
-        """The arguments of ``recipe`` (:data:`RECIPES`), overridden by ``kwargs``."""
-        if recipe not in RECIPES:
-            raise FcpragError(f"training argument 'recipe' is {recipe!r}, expected one of {list(RECIPES)}")
-        return cls(**{**RECIPES[recipe], **kwargs, "recipe": recipe})
+        """The arguments of ``recipe`` (:data:`RECIPES`; unknown: refused by :meth:`validate`) and ``kwargs``."""
+        return cls(**{**RECIPES.get(recipe, {}), **kwargs, "recipe": recipe})
 
     @property
     def scale_rule(self) -> ScaleRule:
@@ -171,9 +154,8 @@ class TrainArgs:
 
 @dataclass
 class TrainResult:
-    """The shipped ``controller`` (saved in ``out``), ``metrics.json``'s content, the per-epoch ``history`` and what
-    the final evaluation saw: ``outputs[name]`` (``w, g, tau`` per controller, the shipped one first) on
-    ``report_data`` (the validation records, the training records without any)."""
+    """The shipped ``controller`` (saved in ``out``), ``metrics.json``'s content, the per-epoch ``history``, and the
+    final evaluation's ``outputs[name]`` (``w, g, tau``, the shipped one first) on ``report_data``."""
 
     controller: FusionController
     out: Path
@@ -184,32 +166,9 @@ class TrainResult:
     outputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     report_data: LabelTensors | None = None
 
-    @property
-    def table(self) -> str:
-        """The metrics table, followed by the verdict in plain words (when cross-validation ran)."""
-        val = self.metrics.get("val")
-        t = format_table(val, "validation") if val else format_table(self.metrics["train"], "training set")
-        cv = self.metrics.get("cv")
-        return t + ("\n\n" + "\n".join(verdict_lines(cv)) if cv else "")
 
-
-@dataclass
-class EvalResult:
-    """``metrics[name]`` per controller (the evaluated one first, then ``uniform``, ``random``), their raw
-    ``outputs[name]`` (``w, g, tau``), the tensors and the label set."""
-
-    metrics: dict[str, dict[str, Any]]
-    outputs: dict[str, dict[str, torch.Tensor]]
-    data: LabelTensors
-    label_set: LabelSet
-    trained_on: str | None = None  # "trained" / "validated": the controller saw this very file (warned)
-
-    @property
-    def table(self) -> str:
-        return format_table(self.metrics)
-
-
-def _as_label_set(labels: Any, on_error: str, what: str) -> LabelSet:
+def as_label_set(labels: Any, on_error: str, what: str) -> LabelSet:
+    """``labels`` (a label file path, a :class:`LabelSet` or a list of :class:`LabelRecord`) as a LabelSet."""
     if isinstance(labels, LabelSet):
         return labels
     if isinstance(labels, (str, Path)):
@@ -244,12 +203,8 @@ def check_no_leak(train: Sequence[LabelRecord], val: Sequence[LabelRecord]) -> N
 
 def split_records(records: Sequence[LabelRecord], val_fraction: float, seed: int
                   ) -> tuple[list[LabelRecord], list[LabelRecord], str]:
-    """Train/validation split that keeps each ``group`` (else each ``id``) on one side.
-
-    Records' own ``split`` fields win when any record has one (records without it train). Otherwise a seeded
-    permutation of the groups puts ``round(val_fraction * groups)`` groups (at least one) in validation.
-    Returns ``(train, val, how)``.
-    """
+    """``(train, val, how)``, each ``group`` (else ``id``) on one side: by the records' ``split`` fields when any
+    has one (records without it train), else ``round(val_fraction * groups)`` seeded groups (at least one) validate."""
     records = list(records)
     if any(r.split is not None for r in records):
         val = [r for r in records if r.split in VAL_SPLITS]
@@ -271,8 +226,7 @@ def split_records(records: Sequence[LabelRecord], val_fraction: float, seed: int
 
 
 def resolve_encoder(encoder: Any) -> tuple[str, Any]:
-    """``(name, encoder_or_factory)``: a TextEncoder passes through; a name or None is loaded lazily (only if
-    some text is not in the embedding cache)."""
+    """``(name, encoder or factory)``: a TextEncoder passes through; a name or None loads on a cache miss only."""
     if encoder is not None and not isinstance(encoder, (str, Path)):
         if not (hasattr(encoder, "encode") and hasattr(encoder, "name")):
             raise FcpragError(f"encoder: expected a TextEncoder, a model name/path or None, got "
@@ -285,9 +239,7 @@ def resolve_encoder(encoder: Any) -> tuple[str, Any]:
 
 
 def trained_for(records: Sequence[LabelRecord]) -> dict[str, Any] | None:
-    """The base model(s) (the records' ``model``) and the distinct adapter recipes (``adapter_recipe``, written by
-    ``fcprag labels build``) of the training records, for the controller's ``config.trained_for``; None when the
-    labels do not say."""
+    """``config.trained_for``: the training records' distinct ``model`` / ``adapter_recipe`` values, or None."""
     recipes: list[Any] = []
     models: list[Any] = []
     for r in records:
@@ -314,8 +266,7 @@ def _versions() -> dict[str, str]:
 
 
 def side_scales(data: LabelTensors) -> list[float] | None:
-    """Per side-feature column, the standard deviation of the within-set centered values over the real passages
-    (1.0 for a column that never varies); None without side features. Stored in the controller's config."""
+    """The config's ``side_scale``: per column, the std of the within-set centered values (1.0 if constant), or None."""
     if data.side is None:
         return None
     x = center_side(data.side, data.mask)[data.mask]  # [P, k]
@@ -332,9 +283,7 @@ def make_optimizer(controller: FusionController, args: TrainArgs) -> torch.optim
 
 
 class Trainer:
-    """Holds the data (``val`` may be None), the controller and the optimizer; :meth:`fit` runs (or resumes) the
-    epochs into ``out``. ``embedding_model`` is recorded in the controller config, ``info`` (provenance) in the
-    checkpoint state."""
+    """Data (``val`` may be None), controller and optimizer; :meth:`fit` trains into ``out`` (``info``: provenance)."""
 
     def __init__(self, train: LabelTensors, val: LabelTensors | None, out: str | Path | None, args: TrainArgs,
                  embedding_model: str, info: dict[str, Any] | None = None) -> None:
@@ -384,8 +333,7 @@ class Trainer:
     def validate(self) -> dict[str, Any]:
         if self.val_data is None or len(self.val_data) == 0:
             return {}
-        # per-epoch monitoring runs in the training precision (bf16 where the CPU has it: cheaper matmuls);
-        # the final metrics.json is always float32: the numbers `fuse` / `fcprag eval` will reproduce
+        # in the training precision (cheaper); the final metrics.json is float32, as `fuse` / `fcprag eval` compute
         o = collect_outputs(self.controller, self.val_data, self.args.eval_batch_size,
                             torch.bfloat16 if self.precision == "bf16" else None)
         m = metrics_from_outputs(o["w"], o["g"], o["tau"], self.val_data, o["wt"])
@@ -422,8 +370,7 @@ class Trainer:
         return True
 
     def fit(self, progress: bool = True, epochs: int | None = None) -> list[dict[str, Any]]:
-        """Train from ``self.epoch`` up to ``epochs`` (default ``args.epochs``; 0 keeps the uniform
-        initialisation), checkpointing and logging after every epoch."""
+        """Train from ``self.epoch`` to ``epochs`` (default ``args.epochs``; 0: uniform), checkpointing every epoch."""
         epochs = self.args.epochs if epochs is None else epochs
         self.out.mkdir(parents=True, exist_ok=True)
         log_path = self.out / LOG_NAME
@@ -454,16 +401,12 @@ class Trainer:
 
 def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: Any = None, resume: bool = False,
                      overwrite: bool = False, progress: bool = True, **kwargs: Any) -> TrainResult:
-    """Train a controller from ``labels`` (a label file, JSON Lines or JSON array, a :class:`LabelSet` or records)
-    and write it (plus args, metrics, log, checkpoint) to ``out``. ``val``: a validation label file / set (else a
-    group-based split); ``encoder``: a ``TextEncoder``, a model name/path or None (the default model, loaded only
-    for texts not in the embedding cache); ``resume``: continue from ``out/checkpoint`` (arguments must match but
-    ``epochs`` and a few others); ``overwrite``: train into a directory holding a run; ``kwargs``: :class:`TrainArgs`.
-
-    Steps: :func:`prepare`, :func:`select_by_cv` (``cv_folds``, default 5: nested grouped CV, :mod:`.selection`),
-    :func:`fit` and :func:`finalise`. The verdict is in ``metrics["cv"]``, the config's ``cv`` and
-    :attr:`TrainResult.table`."""
-    names = [f.name for f in dataclasses.fields(TrainArgs)]
+    """Train a controller from ``labels`` (a label file, a :class:`LabelSet` or records) into ``out`` (plus args,
+    metrics, log, checkpoint; the verdict in ``metrics["cv"]`` and the config's ``cv``). ``val``: validation labels
+    (else a group-based split); ``encoder``: a ``TextEncoder``, a model name/path or None (the default, loaded on a
+    cache miss only); ``resume``: continue from ``out/checkpoint`` (arguments must match but ``epochs`` and a few
+    others); ``overwrite``: replace a run there; ``kwargs``: :class:`TrainArgs`."""
+    names = [f.name for f in fields(TrainArgs)]
     unknown = sorted(set(kwargs) - set(names))
     if unknown:
         raise FcpragError(f"train_controller: unknown argument(s) {unknown}; expected TrainArgs fields {names}")
@@ -506,15 +449,14 @@ class Run:
 
 def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwrite: bool, progress: bool,
             args: TrainArgs) -> Run:
-    """Read and split the labels, embed their texts (through the cache), record provenance and make ``out`` ready
-    (a previous run there is continued with ``resume``, replaced with ``overwrite``, else refused)."""
+    """Read, split and embed the labels, record provenance, ready ``out`` (a run there: ``resume``/``overwrite``)."""
     if not resume and not overwrite and (out / CHECKPOINT_DIR).exists():
         raise FcpragError(f"{out}: already holds a training run; pass {kw('resume', True)} to continue it or "
                           f"{kw('overwrite', True)} to start over", params=[("resume", True), ("overwrite", True)])
     t_start = time.perf_counter()
-    train_set = _as_label_set(labels, args.on_error, "labels")
+    train_set = as_label_set(labels, args.on_error, "labels")
     records = _drop_test(train_set.records, train_set.path)
-    val_set = _as_label_set(val, args.on_error, "val") if val is not None else None
+    val_set = as_label_set(val, args.on_error, "val") if val is not None else None
     if val_set is not None:
         train_recs, val_recs, how = records, _drop_test(val_set.records, val_set.path), f"file {val_set.path}"
         check_no_leak(train_recs, val_recs)
@@ -559,16 +501,14 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
 
 
 def select_by_cv(run: Run) -> dict[str, Any] | None:
-    """The nested cross-validation of :mod:`.selection` (None with ``cv_folds=0``), kept in ``cv.json`` beside the
-    checkpoint so that a resumed run does not redo it (the other arguments and the labels are checked by
-    :meth:`Trainer.resume`; only a changed ``epochs``, the most epochs tried, asks for a new one)."""
+    """The nested cross-validation of :mod:`.selection` (None with ``cv_folds=0``), kept in ``cv.json`` so that a
+    resume does not redo it unless ``epochs`` changed (:meth:`Trainer.resume` checks the rest)."""
     args, path = run.args, run.out / CV_NAME
     if not args.cv_folds:
         return None
     cv = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv:
-        # the folds finished so far are kept (CV_PARTIAL_NAME) and, on resume with the same arguments and labels,
-        # not redone
+        # finished folds are kept (CV_PARTIAL_NAME), not redone on a resume with the same arguments and labels
         key = {"args": {k: v for k, v in asdict(args).items() if k not in _RESUME_FREE or k == "epochs"},
                "label_sha256": run.info.get("label_sha256")}
         partial = read_cv_partial(run.out) if run.resume else None
@@ -585,10 +525,8 @@ def select_by_cv(run: Run) -> dict[str, Any] | None:
 
 
 def fit(run: Run, cv: dict[str, Any] | None) -> tuple[FusionController, list[dict[str, Any]]]:
-    """The controller to ship and its training history: the learned controller trained for the selected epochs
-    (``args.epochs`` without CV; resumed from ``out/checkpoint`` when asked), or, when the verdict ships a
-    scale-only controller, that one (no network to train; the untrained starting point is checkpointed so that
-    ``resume`` with ``keep_network`` can still train it)."""
+    """``(controller, history)``: the learned controller trained for the selected epochs, or the scale-only / per-query
+    scale controller the verdict ships (the untrained network checkpointed for a resume with ``keep_network``)."""
     args = run.args
     trainer = run.trainer()
     if run.resume:
@@ -623,8 +561,8 @@ def query_scale_controller(run: Run, cv: dict[str, Any]) -> FusionController:
 
 def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
              history: list[dict[str, Any]]) -> TrainResult:
-    """Record ``kappa`` and the verdict in the controller's config, save it, evaluate it on the validation records
-    (the training records without any) next to the uniform and random baselines, write ``metrics.json``."""
+    """Put kappa and the verdict in the config, save, evaluate on the validation (else training) records, write
+    ``metrics.json``."""
     args, out = run.args, run.out
     kappa = cv["kappa"] if cv is not None else fold_kappa(run.train, args, args.scale_rule)[0]
     if controller.config.controller_mode == "scale":
@@ -642,7 +580,7 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
     else:  # no cross-validation, no verdict: the controller says it is unproven wherever it is used
         updates["cv"] = {"gain": None, "ci95": None, "verdict": "unproven", "folds": 0, "objective": args.objective,
                          "shipped": "learned", "source": str(out)}
-    controller.config = dataclasses.replace(controller.config, **updates)
+    controller.config = replace(controller.config, **updates)
     controller.save_pretrained(out)
     report_on = run.val if run.val is not None else run.train  # no validation data: report the training set
     report, outputs = evaluate(controller, report_on, seed=args.seed, batch_size=args.eval_batch_size)
@@ -662,51 +600,5 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
     write_json(out / METRICS_NAME, metrics)
     result = TrainResult(controller, out, metrics, history, len(run.train), 0 if run.val is None else len(run.val),
                          outputs, report_on)
-    logger.info("wrote %s\n%s", out, result.table)
+    logger.info("wrote %s", out)
     return result
-
-
-def evaluate_controller(controller: FusionController | str | Path, labels: Any, *, encoder: Any = None,
-                        cache_dir: str | Path | None = None, on_error: str = "fail", t_label: float | None = None,
-                        flat_eps: float | None = None, flat_weight: float | None = None, seed: int = 0,
-                        batch_size: int = 512, progress: bool = False) -> "EvalResult":
-    """Metrics of a saved controller on any label file, next to the uniform and random baselines.
-
-    Target settings (``t_label``, ``flat_eps``, ``flat_weight``) default to the controller's
-    ``training_args.json`` when it sits next to it, else to the library defaults.
-    """
-    saved_args: dict[str, Any] = {}
-    if not isinstance(controller, FusionController):
-        cdir = Path(controller)
-        controller = FusionController.from_pretrained(cdir)
-        if (cdir / ARGS_NAME).is_file():
-            saved_args = json.loads((cdir / ARGS_NAME).read_text(encoding="utf-8"))
-    targets = {k: v if v is not None else saved_args.get(k, d) for k, v, d in (
-        ("t_label", t_label, DEFAULT_T_LABEL), ("flat_eps", flat_eps, DEFAULT_FLAT_EPS),
-        ("flat_weight", flat_weight, DEFAULT_FLAT_WEIGHT))}
-    label_set = _as_label_set(labels, on_error, "labels")
-    seen = trained_on(saved_args, label_set.sha256)
-    if seen:
-        logger.warning("fcprag eval: %s is the label file this controller was %s on (same sha256 as in its %s); "
-                       "these numbers are not a held-out evaluation", label_set.path, seen, ARGS_NAME)
-    name, enc = resolve_encoder(controller.config.embedding_model if encoder is None else encoder)
-    if getattr(enc, "dim", None) is not None:
-        controller.check_encoder(enc)
-    cache = open_cache(cache_dir, name, getattr(enc, "dim", None))
-    data = build_tensors(label_set.records, enc, cache, **targets, progress=progress,
-                         side_features=controller.config.side_features)
-    if data.dim != controller.config.embed_dim:
-        raise FcpragError(f"encoder '{name}' gives {data.dim}-d embeddings but the controller expects "
-                          f"{controller.config.embed_dim}-d (trained with '{controller.config.embedding_model}')")
-    metrics, outputs = evaluate(controller, data, seed=seed, batch_size=batch_size)
-    return EvalResult(finite_or_none(metrics), outputs, data, label_set, seen)
-
-
-def trained_on(saved_args: dict[str, Any], sha256: str) -> str | None:
-    """``"trained"`` / ``"validated"`` when ``sha256`` is the training / validation label file recorded in a
-    controller's ``training_args.json``, else None."""
-    if sha256 and sha256 == saved_args.get("train_labels_sha256"):
-        return "trained"
-    if sha256 and sha256 == saved_args.get("val_labels_sha256"):
-        return "validated"
-    return None

@@ -105,7 +105,7 @@ def test_the_recipe_trains_on_them_and_the_controller_knows_its_adapters(built, 
 
 
 def test_train_checks_the_side_feature_fields_before_embedding(tmp_path, capsys):
-    from fcprag_plugin.training import write_labels
+    from fcprag_tools.synthetic import write_labels
     from fcprag_tools.synthetic import synthetic_records
 
     recs, _ = synthetic_records(6, 2, 8, seed=1)  # no retrieval_ranks, no adapter_stats

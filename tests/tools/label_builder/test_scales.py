@@ -21,6 +21,7 @@ from fcprag_tools.label_builder.manifest import read_manifest
 from fcprag_tools.label_builder.metrics import score_generation
 from fcprag_tools.label_builder.prompts import PromptTemplate, answer_ids, render_prompt
 from fcprag_tools.label_builder.shard import merge_parts
+from fcprag_tools.train_report import train_table
 from helpers import files_reference, make_adapter_dir, read_jsonl, save_tiny_lm
 
 MAX_NEW = 4
@@ -336,4 +337,4 @@ def test_f1_scale_labels_end_to_end_choose_kappa_on_f1(world, tmp_path):
         want = sum(r["f1_at_scales"][r["scales"].index(s)] - r["f1_all"] for r in raw) / len(raw)
         assert grid["mean_gain"][j] == pytest.approx(want, abs=1e-12), s
     assert set(cv["scale"]["by_metric"]) == {"label", "f1"}
-    assert "the same scale in the label metric" in res.table
+    assert "the same scale in the label metric" in train_table(res.metrics)
