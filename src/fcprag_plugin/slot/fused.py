@@ -1,15 +1,12 @@
 """``FusedSlot``: a LoRA slot injected once into a live model; per query only its buffers are rewritten.
 
-Per layout group (:mod:`.layout`) it preallocates ``A [L, K*R, in]`` and ``BT [L, K*R, out]`` (adapter i owns rows
-``i*R .. i*R+R``). A query writes ``w~_i * s_i * A_i`` and ``B_i^T`` into the rows (``cat``: the exact
-``sum_i w~_i s_i B_i A_i``) or DyPRAG's ``separate`` sums into the first R rows, and one forward hook per target
-module adds ``BT^T (A x)``. Shapes never change (``torch.compile`` friendly) and no parameter of the model is
-written: ``remove()`` leaves it exactly as it was.
-
-Routes (``slot.route``): ``hooks``; ``weights`` (:mod:`.fused_weights`: ``W + BT^T A`` swapped in for each weight
-``Parameter`` at :meth:`FusedSlot.write`); ``auto`` (default): hooks, switched to fused weights at the first
-forward without autograd that continues a KV cache under the same merge (a ``generate``'s first decoding step),
-when the copy fits ``slot.weights_budget``, on an accelerator only (``AUTO_ON_CPU``).
+Per layout group (:mod:`.layout`): ``A [L, K*R, in]`` and ``BT [L, K*R, out]``, adapter i in rows ``i*R ..
+i*R+R`` (``cat``: ``w~_i s_i A_i`` and ``B_i^T``, the exact ``sum_i w~_i s_i B_i A_i``; DyPRAG's ``separate``: the
+sums in the first R rows); one forward hook per target module adds ``BT^T (A x)``. Shapes never change and no
+model parameter is written: ``remove()`` leaves the model exactly as it was. Routes (``slot.route``): ``hooks``;
+``weights`` (:mod:`.fused_weights`, swapped in at :meth:`FusedSlot.write`); ``auto`` (default): hooks, switched to
+fused weights at the first no-grad forward that continues a KV cache (a ``generate``'s first decoding step) when
+the copy fits ``slot.weights_budget``, on an accelerator only (``AUTO_ON_CPU``).
 
 >>> with FusedSlot.for_model(model, adapters[0], max_adapters=10).fused(adapters, w_tilde):  # doctest: +SKIP
 ...     out = model.generate(**inputs)
@@ -79,12 +76,12 @@ class _Segment:
 
 
 class _Entry:
-    """What one module's hook reads: its views into the segment buffers (swapped on resize)."""
+    """What one module's hook reads: its views into the segment buffers (set by ``_allocate``, again on resize)."""
 
     __slots__ = ("name", "A", "BT")
 
-    def __init__(self, name: str, A: torch.Tensor, BT: torch.Tensor) -> None:
-        self.name, self.A, self.BT = name, A, BT
+    def __init__(self, name: str) -> None:
+        self.name, self.A, self.BT = name, None, None
 
 
 class _State:
@@ -133,26 +130,21 @@ def _make_pre_hook(state: _State):
     return pre_hook
 
 
-def resolve_module(table: dict[str, nn.Module], name: str) -> nn.Module:
-    """Find a target module by its base-model path in ``dict(model.named_modules())``, also inside a ``PeftModel``."""
+def resolve_module(table: dict[str, nn.Module], name: str, shape: tuple[int, int] | None = None) -> nn.Module:
+    """Find a target module by its base-model path in ``dict(model.named_modules())``, also inside a ``PeftModel``;
+    with ``shape``, its weight must be ``[out, in]`` (a :class:`MergeError` names the module and both shapes)."""
     for cand in (name, PEFT_PREFIX + name, PEFT_PREFIX + PEFT_PREFIX + name):
         mod = table.get(cand)
         if mod is not None:
             base = getattr(mod, "base_layer", None)  # a peft LoRA wrapper: hook its frozen base layer
-            return base if isinstance(base, nn.Module) else mod
+            mod = base if isinstance(base, nn.Module) else mod
+            weight = getattr(mod, "weight", None)
+            if shape is not None and (weight is None or tuple(weight.shape) != shape):
+                raise MergeError(f"module '{name}': model weight is {None if weight is None else list(weight.shape)}, "
+                                 f"the slot's targets expect {list(shape)}")
+            return mod
     sample = [n for n in table if n.endswith(name.split(".")[-1])][:2]
     raise MergeError(f"module '{name}' of the adapter is not in the model (e.g. the model has {sample})")
-
-
-def resolve_target(table: dict[str, nn.Module], name: str, out_features: int, in_features: int) -> nn.Module:
-    """:func:`resolve_module`, then check that its weight is ``[out, in]`` (error names the module and both shapes)."""
-    mod = resolve_module(table, name)
-    weight = getattr(mod, "weight", None)
-    if weight is None or tuple(weight.shape) != (out_features, in_features):
-        shape = None if weight is None else list(weight.shape)
-        raise MergeError(f"module '{name}': model weight is {shape}, the slot's targets expect "
-                         f"[{out_features}, {in_features}]")
-    return mod
 
 
 def _targets_rank(targets: Any, default: int) -> int:
@@ -209,19 +201,17 @@ _SLOTS: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDicti
 
 
 class FusedSlot:
-    """A reusable LoRA slot for up to ``max_adapters`` (K) adapters of rank <= ``max_rank`` (R) on a live model.
+    """A reusable LoRA slot for up to ``max_adapters`` (K) adapters of rank <= ``max_rank`` (R, default the
+    template's, else 8) on a transformers model or a ``PeftModel`` (its frozen base layers are hooked).
 
-    ``model``: a transformers model or a ``PeftModel`` (its frozen base layers are hooked). ``targets``: an adapter
-    (:class:`LoraAdapter` / :class:`PackedAdapter`) whose modules every later adapter must share, or module names
-    (full paths or bare names like ``"gate_proj"``). More than K adapters is a :class:`MergeError` (see
-    :meth:`resize`); ``max_rank`` defaults to the template's, else 8. ``dtype``: buffer dtype (default: each target
-    weight's). ``store``: the :class:`AdapterStore` for adapters given as paths. ``out_major``: keep ``B`` as stored,
-    ``[L, out, K*R]`` (written by plain copies from :class:`LoraAdapter` s; keep the default for a store's adapters,
-    packed ``[L, r, out]``). ``buffers_from``: a packed adapter, used only by the slot, whose stacks become the
-    buffers where they fit (``K*R`` rows, same dtype and device, one device) instead of allocating.
+    ``targets``: an adapter (:class:`LoraAdapter` / :class:`PackedAdapter`) whose modules every later adapter must
+    share, or module names (full paths or bare names like ``"gate_proj"``). ``dtype``: buffer dtype (default: each
+    target weight's). ``store``: the :class:`AdapterStore` for adapters given as paths. ``out_major``: keep ``B`` as
+    stored, ``[L, out, K*R]`` (plain copies from :class:`LoraAdapter` s). ``buffers_from``: a packed adapter, used
+    only by the slot, whose stacks become the buffers where they fit instead of allocating.
     """
 
-    route = "auto"  # how the merge enters the model (see the module docstring); per slot or for all slots
+    route = "auto"  # see the module docstring; per slot or for all slots
 
     def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                  dtype: torch.dtype | None = None, store: Any = None, out_major: bool = False,
@@ -241,9 +231,9 @@ class FusedSlot:
         self._in_context = False
         self._removed = False
         self._handles: list[Any] = []
-        self._entries: list[list[_Entry]] = []  # per group, per layer
+        self._entries = [[_Entry(n) for n in g.names] for g in self.layout.groups]  # per group, per layer
         table = dict(model.named_modules())
-        self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
+        self._modules = [[resolve_module(table, n, (g.out_features, g.in_features)) for n in g.names]
                          for g in self.layout.groups]
         self._allocate(buffers_from)
         self._weights = FusedWeights([self._modules[s.group][l] for s in self._segments for l in range(s.l0, s.l1)])
@@ -265,15 +255,13 @@ class FusedSlot:
     @classmethod
     def for_model(cls, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                   store: Any = None, **kwargs: Any) -> "FusedSlot":
-        """The one slot on ``model``: the existing one if it covers ``targets`` (grown to ``max_adapters`` /
-        ``max_rank`` when needed; given ``store`` when it has none), else a new one replacing it."""
+        """The one slot on ``model``: the existing one if it covers ``targets`` (grown and given ``store`` as
+        needed), else a new one replacing it."""
         slot = cls.of(model)
         if slot is not None:
-            names = targets if isinstance(targets, list) and all("." in n for n in targets) else None
-            if names is not None and set(names) == set(slot.layout.module_names):
-                want = slot.layout  # the same module paths: skip resolving them in the model (per question)
-            else:
-                want = _target_layout(model, targets)
+            same_paths = isinstance(targets, list) and all("." in n for n in targets) \
+                and set(targets) == set(slot.layout.module_names)  # skip resolving them in the model (per question)
+            want = slot.layout if same_paths else _target_layout(model, targets)
             if want is slot.layout or want == slot.layout:
                 max_rank = _targets_rank(targets, slot.max_rank) if max_rank is None else max_rank
                 if max_adapters > slot.max_adapters or max_rank > slot.max_rank:
@@ -296,9 +284,7 @@ class FusedSlot:
     def _allocate(self, buffers_from: PackedAdapter | None = None) -> None:
         KR = self.max_adapters * self.max_rank
         self._segments: list[_Segment] = []
-        new_entries: list[list[_Entry]] = []
         for gi, (g, mods) in enumerate(zip(self.layout.groups, self._modules)):
-            entries: list[_Entry] = []
             # consecutive layers on the same device share one buffer (one segment per group without device_map)
             for _, run in itertools.groupby(range(len(mods)), lambda l: (mods[l].weight.device, mods[l].weight.dtype)):
                 run = list(run)
@@ -316,15 +302,8 @@ class FusedSlot:
                         BT = torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt)
                 seg = _Segment(gi, l0, l1, A, BT, self.max_rank)
                 self._segments.append(seg)
-                for l in range(l0, l1):
-                    entries.append(_Entry(g.names[l], seg.A[l - l0], seg.BT[l - l0]))
-            new_entries.append(entries)
-        if self._entries:  # resize: keep the entry objects the hooks hold, point them at the new buffers
-            for old, new in zip(self._entries, new_entries):
-                for o, n in zip(old, new):
-                    o.A, o.BT = n.A, n.BT
-        else:
-            self._entries = new_entries
+                for l in range(l0, l1):  # the entry objects the hooks hold get the new views
+                    self._entries[gi][l].A, self._entries[gi][l].BT = seg.A[l - l0], seg.BT[l - l0]
 
     def _fits(self, pg: PackedGroup, whole_group: bool, KR: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a packed group's stacks can serve as one segment's buffers as they are."""
@@ -349,8 +328,7 @@ class FusedSlot:
 
     @property
     def weights_budget(self) -> int | None:
-        """The most bytes the fused-weight copies may take (None, the default: half of the memory the device reports
-        free). Over it, the slot keeps the hooks (logged once)."""
+        """The most bytes the fused-weight copies may take (None: half the device's free memory); over it, hooks."""
         return self._weights.budget
 
     @weights_budget.setter
@@ -375,8 +353,8 @@ class FusedSlot:
             self._handles.pop().remove()
 
     def _to_weights(self) -> bool:
-        """Switch the current merge from the hooks to fused weights (see :mod:`.fused_weights`); False (hooks kept)
-        when the copy does not fit or the weights cannot be swapped (logged once)."""
+        """Switch the current merge from the hooks to fused weights; False (hooks kept, logged once) when the copy
+        does not fit or the weights cannot be swapped."""
         self._state.pending = None
         if self._weights.available() is not None:
             return False
@@ -500,9 +478,8 @@ class FusedSlot:
 
     # ------------------------------------------------------------------ activation
     def write(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat") -> "FusedSlot":
-        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) in place of what the
-        slot held and switch it on; ``cat`` is the exact ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's
-        ``(sum u_i B_i)(sum u_i s_i A_i)`` with ``u = w~/N``. Returns the slot."""
+        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``) and switch it on: ``cat`` is the exact
+        ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's ``(sum u_i B_i)(sum u_i s_i A_i)``, ``u = w~/N``."""
         self._check_usable()
         if mode not in SLOT_MODES:
             raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "
@@ -528,11 +505,9 @@ class FusedSlot:
     @torch.no_grad()
     def write_mixed(self, adapters: Sequence[Any], merge_weights: Any, mode: str = "cat", mask: Any = None
                     ) -> "FusedSlot":
-        """Switch on one mixture per sample of a batch: ``adapters`` (K' <= K, the batch's union) with
-        ``merge_weights [B, K']`` (``w~`` per sample; ``mask [B, K']``: which adapters each sample uses, default the
-        non-zero weights; ``separate`` divides by the per-sample count). The weights act in rank space between A and
-        B, equal to running each sample alone with its own merge up to rounding; every target module's input must
-        have batch size ``B`` first."""
+        """One mixture per sample of a batch: ``adapters`` (K' <= K, the batch's union), ``merge_weights [B, K']``
+        (``w~`` per sample), ``mask [B, K']`` (default: the non-zero weights; ``separate`` divides by its row count).
+        Applied in rank space (each sample as if alone, up to rounding); target inputs must be batch-first."""
         self._check_usable()
         if mode not in SLOT_MODES:
             raise MergeError(f"mixed-batch mode '{mode}' is not supported; expected one of {list(SLOT_MODES)}")
@@ -565,8 +540,7 @@ class FusedSlot:
                            "FusedSlot.mixed() cannot run inside another block of the same slot")
 
     def deactivate(self) -> None:
-        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept; fused weights
-        are swapped back for the original ``Parameter`` objects)."""
+        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept)."""
         self._state.active = False
         self._state.transform = None
         self._state.pending = None
@@ -581,8 +555,7 @@ class FusedSlot:
 
     @contextmanager
     def _block(self, switch_on: Callable[[], Any], nested_error: str) -> Iterator["FusedSlot"]:
-        """``switch_on()`` for the block only (:meth:`fused`, :meth:`mixed`); a block inside another block of the
-        slot is a :class:`MergeError` saying ``nested_error``."""
+        """``switch_on()`` for the block only; a nested block raises :class:`MergeError` (``nested_error``)."""
         if self._in_context:
             raise MergeError(nested_error)
         switch_on()
@@ -693,8 +666,8 @@ class _Mixture:
 
 
 def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:
-    """Apply ``adapter`` to ``model`` until the returned handle is removed (``handle.remove()``, or use it as a
-    context manager): a one-adapter :class:`FusedSlot` (buffers in ``dtype``, default each weight's) holding it."""
+    """Apply ``adapter`` to ``model`` until the returned one-adapter :class:`FusedSlot` is removed (``remove()`` or
+    ``with``); buffers in ``dtype`` (default each weight's)."""
     packed = pack_adapter(adapter, out_major=True)
     slot = FusedSlot(model, packed, max_adapters=1, dtype=dtype, out_major=True, buffers_from=packed)
     try:
