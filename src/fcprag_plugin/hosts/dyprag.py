@@ -1,10 +1,8 @@
 """DyPRAG shim: DyPRAG's per-question average of translator-generated LoRA factors becomes a controller-weighted
-aggregation (``u = w~/N``, :mod:`._dyprag_math`), without changing DyPRAG's code.
-
-Captures every ``ParameterTranslator.forward`` output (class-level patch) and wraps ``utils.delta_inject``: the
-capture must be the N passages whose plain mean DyPRAG passes (else :class:`HookError`); it is emptied at every
-``delta_inject`` and on every error. ``use_slot=True`` writes the update into a fused slot instead (the patched
-``delta_remove`` switches it off). Install before ``from utils import ...``; see ``examples/dyprag/README.md``."""
+aggregation (``u = w~/N``, :mod:`._dyprag_math`), without changing DyPRAG's code. Every ``ParameterTranslator``
+output is captured and must be the N passages whose plain mean ``utils.delta_inject`` gets (else
+:class:`HookError`); the capture is emptied at every ``delta_inject`` and on every error. ``use_slot=True``: a fused
+slot carries the update (the patched ``delta_remove`` switches it off). See ``examples/dyprag/README.md``."""
 
 from __future__ import annotations
 
@@ -87,9 +85,8 @@ class DyPragShim(Shim):
         return new
 
     def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
-        """``use_slot``: the same checks and weights as :meth:`reaggregate`, but the update is written into the
-        model's fused slot (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with
-        ``u = w~/N``) and switched on, instead of a dict for DyPRAG's dense ``delta_inject``."""
+        """``use_slot``: :meth:`reaggregate`'s checks and weights, the update written into the model's fused slot
+        (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with ``u``) and switched on."""
         outs, ctx, fw, u, times = self._weigh(merged)
         factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
@@ -102,8 +99,8 @@ class DyPragShim(Shim):
 
     def _weigh(self, merged: Mapping[str, Any]
                ) -> tuple[list[Any], dict[str, Any], FusionWeights, list[float], tuple[float, float]]:
-        """Take the capture, resolve the question, check the alignment and compute ``w~`` and ``u = w~/N``; also
-        returns when the weights' computation started and ended."""
+        """Take the capture, resolve the question, check the alignment; ``(outputs, context, w~, u = w~/N, (start,
+        end) of the weights' computation)``."""
         outs = self._take()
         ctx = self._context()
         q_text, p_texts = ctx["question"], ctx["passages"]
@@ -247,14 +244,13 @@ def _check_host(utils: ModuleType, projector: ModuleType) -> None:
 def install(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
             utils: ModuleType | str | None = None, projector: ModuleType | str | None = None,
             use_slot: bool = False, max_adapters: int | None = None) -> DyPragShim:
-    """Patch DyPRAG's ``utils.delta_inject`` and ``projector.ParameterTranslator.forward`` (before the script runs
-    ``from utils import delta_inject``; installing again replaces the shim). Returns the shim (a context manager).
-
-    ``controller``: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (uniform:
-    DyPRAG's own average); ``encoder``: a text encoder or model name/path (default: the controller's); ``mode``:
-    ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i B_i``) or ``delta`` (exact ``sum u_i B_i A_i``); ``log``:
-    JSON Lines, one record per question; ``utils``, ``projector``: the host modules or import names; ``use_slot``:
-    a fused slot instead of DyPRAG's dense ``delta``; ``max_adapters``: its fixed capacity (``None``: grows)."""
+    """Patch DyPRAG's ``utils.delta_inject`` and ``projector.ParameterTranslator.forward`` (before the script's
+    ``from utils import delta_inject``; installing again replaces the shim); returns the shim (a context manager).
+    ``controller``: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (DyPRAG's own
+    average); ``encoder``: default the controller's; ``mode``: ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i
+    B_i``) or ``delta`` (exact ``sum u_i B_i A_i``); ``log``: JSON Lines, one record per question; ``utils``,
+    ``projector``: the host modules or import names; ``use_slot``: a fused slot instead of DyPRAG's dense ``delta``
+    (``max_adapters``: its fixed capacity, ``None``: grows)."""
     return _LIFE.install(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
 
 

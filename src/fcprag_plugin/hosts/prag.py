@@ -1,9 +1,7 @@
 """PRAG shim: PRAG's uniform ``add_weighted_adapter`` merge gets controller weights; PRAG's code stays as it is.
-
-``prag.install(controller=DIR, log=...)`` before PRAG's question loop patches peft at class level (reversible,
-idempotent): ``add_weighted_adapter`` (checks, context, ``w~``, log), ``PeftModel.from_pretrained`` /
-``load_adapter`` (remember adapter paths) and, on peft < 0.19, ``unload`` / ``merge_and_unload`` (clear the stale
-``peft_config``). ``use_slot=True``: ``from_pretrained`` returns a ``SlotPeftModel``. See ``examples/prag/``."""
+:func:`install` patches peft at class level (reversible, idempotent): ``add_weighted_adapter`` (checks, context,
+``w~``, log), ``PeftModel.from_pretrained`` / ``load_adapter`` (remember adapter paths) and, on peft < 0.19,
+``unload`` / ``merge_and_unload`` (clear the stale ``peft_config``). See ``examples/prag/``."""
 
 from __future__ import annotations
 
@@ -84,8 +82,7 @@ class PragShim(Shim):
         super().close()
 
     def merge(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
-        """``LoraModel.add_weighted_adapter`` (its arguments in ``bound``) with controller weights: take the adapters
-        PRAG loaded, compute the question's ``w~``, write the merge, log the question."""
+        """``LoraModel.add_weighted_adapter`` (arguments ``bound``) with the question's ``w~``, logged."""
         args = bound.arguments
         tuner, merge_name = args["self"], args["adapter_name"]
         if merge_name in tuner.peft_config:  # peft returns without doing anything: keep that
@@ -111,8 +108,8 @@ class PragShim(Shim):
 
     def question_weights(self, merge_name: str, names: list[str], paths: list[str | None],
                          adapters: list[LoraAdapter] | None) -> tuple[dict[str, Any], FusionWeights]:
-        """The question of merge ``merge_name`` of adapters ``names`` (loaded from ``paths``) and its weights
-        (``adapters``: their factors, for a controller with adapter statistics)."""
+        """The context and weights of merge ``merge_name`` of adapters ``names`` loaded from ``paths``
+        (``adapters``: their factors, for adapter statistics)."""
         if not names:
             raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); load at least one "
                             "passage adapter first")
@@ -175,10 +172,7 @@ class PragShim(Shim):
     def read_adapter(self, model_id: Any, base: Any) -> Any:
         """The packed adapter of directory ``model_id`` on ``base``'s device, through the shim's store."""
         device = next(base.parameters()).device
-        store = self._stores.get(device)
-        if store is None:
-            store = self._stores[device] = AdapterStore(device=device)
-        return store.get(model_id)
+        return self._stores.setdefault(device, AdapterStore(device=device)).get(model_id)
 
     def repair_stale_config(self, model: Any, where: str) -> None:
         if self.repair and peft_has_stale_config_bug() and has_stale_peft_config(model):
@@ -206,8 +200,7 @@ def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[Prag
 
 
 def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None]) -> None:
-    """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` somewhere (a failure
-    names the adapter and its path)."""
+    """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` (else a HookError)."""
     hint = ("; peft %s < 0.19 leaves a stale peft_config after unload(), so load_adapter() creates no layers: "
             "install the shim before the first question" % peft_version()) if peft_has_stale_config_bug() else ""
     configured = set(getattr(tuner, "peft_config", {}) or {})
@@ -230,9 +223,8 @@ def live_adapters(tuner: Any, names: Sequence[str]) -> list[LoraAdapter]:
 
 
 def add_merged_adapter(tuner: Any, name: str, merged: LoraAdapter, like: str) -> None:
-    """Add ``merged`` (scaling 1) to the live model as adapter ``name``, configured like adapter ``like`` with
-    ``r = lora_alpha =`` its largest module rank, as PEFT's own ``add_weighted_adapter`` does for ``cat``. A module
-    of smaller rank is zero-padded, which leaves its ``B A`` unchanged."""
+    """Add ``merged`` (scaling 1) to the live model as adapter ``name``, configured like ``like`` with ``r =
+    lora_alpha =`` its largest module rank (as PEFT's ``cat``); smaller ranks are zero-padded (``B A`` unchanged)."""
     r = max(m.rank for m in merged.modules.values())
     tuner.peft_config[name] = dataclasses.replace(tuner.peft_config[like], r=r, lora_alpha=r, rank_pattern={},
                                                   alpha_pattern={}, use_rslora=False)
@@ -325,14 +317,12 @@ def _wrap_unload(original: Callable[..., Any]) -> Callable[..., Any]:
 def install(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
             log: str | Path | None = None, data_file: str | Path | None = None, *, repair: bool = True,
             use_slot: bool = False, max_adapters: int | None = None) -> PragShim:
-    """Install the PRAG shim (idempotent: installing again keeps one set of patches and the new options).
-
-    ``controller``: a :class:`FusionController` or its directory (None: uniform, PRAG's own merge); ``encoder``: a
-    text encoder or model name/path (default: the controller's); ``mode``: ``cat`` (exact, peft's own cat with
-    ``w~``), ``separate`` or ``svd``; ``log``: JSON Lines, one record per question; ``data_file``: PRAG's augmented
-    data file or directory, to map adapter paths to questions; ``repair``: clear the stale ``peft_config`` after
-    ``unload()`` on peft < 0.19; ``use_slot``: merge into a fused slot, no merged PEFT modules; ``max_adapters``:
-    the slot's fixed capacity (``None``: grows)."""
+    """Install the PRAG shim before PRAG's question loop (installing again keeps one set of patches, new options).
+    ``controller``: a :class:`FusionController` or its directory (None: PRAG's own merge); ``encoder``: default the
+    controller's; ``mode``: ``cat`` (exact, peft's own cat with ``w~``), ``separate`` or ``svd``; ``log``: JSON
+    Lines, one record per question; ``data_file``: PRAG's augmented data file or directory (maps adapter paths to
+    questions); ``repair``: clear the stale ``peft_config`` after ``unload()`` on peft < 0.19; ``use_slot``:
+    ``from_pretrained`` returns a ``SlotPeftModel`` on a fused slot (``max_adapters``: its fixed capacity)."""
     return _LIFE.install(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
 
