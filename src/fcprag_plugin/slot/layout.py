@@ -1,10 +1,8 @@
-"""Packed adapters: each adapter held as a few contiguous per-layer stacks, so a merge is a handful of big ops.
-
-Target modules are grouped by *pattern* (the path with layer numbers as ``*``) and shape: ``model.layers.{0..29}.
-mlp.gate_proj`` form one group of ``L = 30`` modules, stored per adapter as ``A [L, r, in]`` (``lora_A`` stacked),
-``BT [L, r, out]`` (``lora_B`` transposed; ``out_major`` packs keep ``B [L, out, r]`` and BT is its view) and
-``scales [L]`` (float64). ``r`` is the group's largest rank; smaller ranks are zero-padded (``B @ A`` unchanged).
-The layout depends only on module names and shapes, so adapters of one model share the *same* layout object."""
+"""Packed adapters: per-layer stacks, so a merge is a handful of big ops. Target modules are grouped by pattern
+(the path with layer numbers as ``*``) and shape: ``model.layers.{0..29}.mlp.gate_proj`` is one group of ``L = 30``
+modules, per adapter ``A [L, r, in]``, ``BT [L, r, out]`` (``out_major``: a view of ``B [L, out, r]``) and ``scales
+[L]`` (float64); ``r`` is the group's largest rank, smaller ones zero-padded. Layouts are interned by module names
+and shapes, so adapters of one model share the same layout object."""
 
 from __future__ import annotations
 
@@ -154,9 +152,8 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
                  dtype: torch.dtype | None = None, error: type[Exception] = MergeError,
                  out_major: bool = False) -> PackedAdapter:
     """Pack one adapter given per module by ``factors(name) -> (A [r, in], B [out, r], scaling)`` into ``layout``
-    on ``device`` in ``dtype`` (defaults: the factors' own); the one packer. A factor of the wrong shape is an
-    ``error`` naming the module, ``source`` and both shapes. ``out_major`` stacks ``B`` as stored (``BT`` is its
-    view) for an ``out_major`` :class:`~fcprag_plugin.slot.fused.FusedSlot` (plain-copy writes)."""
+    on ``device`` in ``dtype`` (defaults: the factors' own); a factor of the wrong shape is an ``error`` naming the
+    module, ``source`` and both shapes. ``out_major``: stack ``B`` as stored (``BT`` is its view)."""
     dev = torch.device(device) if device is not None else None
     groups = []
     for g in layout.groups:

@@ -1,6 +1,5 @@
-"""``AdapterStore``: a bounded LRU cache of packed adapters, keyed by directory and file signatures. It reads an
-adapter directory once (memory-mapped), validates and packs it on the chosen device and keeps it while the byte
-budget allows; rewritten files are noticed on the next ``get`` and reloaded."""
+"""``AdapterStore``: a bounded LRU cache of packed adapters read once (memory-mapped), validated and packed on the
+chosen device, keyed by directory and file signatures (rewritten files are reloaded on the next ``get``)."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ class _NotFastPath(Exception):
 def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file (8-byte little-endian header length, JSON header ``{key: {dtype, shape,
     data_offsets}}``, raw data) as a zero-copy view into one private memory map; anything unusual raises
-    :class:`_NotFastPath` (the store then uses ``load_file``). ``benchmarks/bench_safetensors.py`` measures it."""
+    :class:`_NotFastPath` (the store then uses ``load_file``)."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -83,10 +82,7 @@ def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
             flat = typed.get(dt)
             if flat is None:  # the whole data region as one typed view (needs an aligned start: else fall back)
                 flat = typed[dt] = buf[base:base + (size - base) // isz * isz].view(dt)
-            strides = [1] * len(shape)
-            for i in range(len(shape) - 2, -1, -1):
-                strides[i] = strides[i + 1] * shape[i + 1]
-            out[key] = flat.as_strided(shape, strides, flat.storage_offset() + start // isz)
+            out[key] = flat[start // isz:start // isz + math.prod(shape)].view(shape)
     except (KeyError, TypeError, ValueError, RuntimeError):
         raise _NotFastPath from None
     return out
