@@ -75,11 +75,8 @@ def calibration_summary(e_q: torch.Tensor, xp: torch.Tensor, s: torch.Tensor, ma
 CALIB_STATS = 10  # columns of calibration_summary after the 4d mean pair feature
 
 
-#: optional per-passage inputs (opt-in, recorded in the controller's config as ``side_features``)
-SIDE_FEATURES = ("retrieval_rank", "retrieval_score", "adapter_stats")
-#: the LoRA target groups whose update norms :func:`adapter_stats` reports (matched on the module name's last part)
-ADAPTER_GROUPS = ("gate_proj", "up_proj", "down_proj")
-#: the columns of :func:`adapter_stats`, in order
+SIDE_FEATURES = ("retrieval_rank", "retrieval_score", "adapter_stats")  # opt-in: config.side_features
+ADAPTER_GROUPS = ("gate_proj", "up_proj", "down_proj")  # adapter_stats' norm groups (module name's last part)
 ADAPTER_STAT_NAMES = (*(f"log_norm_{g}" for g in ADAPTER_GROUPS), "log_norm_all", "rank", "scaling")
 _NORM_FLOOR = 1e-8  # log of a missing group / an all-zero adapter stays finite
 
@@ -106,11 +103,9 @@ def adapter_stats(adapter: Any) -> dict[str, float]:
 
 
 def adapter_recipe(adapter: Any) -> dict[str, Any]:
-    """What a controller's scale and adapter statistics depend on besides the passage, read from one
-    :class:`~fcprag_plugin.adapter.LoraAdapter` without any tensor math: its ``rank`` s, ``scaling`` s (alpha / r),
-    ``targets`` (module name's last part), number of ``modules`` and their ``shapes`` (``"out x in"``), each as a
-    sorted list, and the ``base_model`` its config names (None when it names none; never compared: one model has
-    several names, its shapes are compared instead)."""
+    """What a controller's scale and adapter statistics depend on besides the passage, without tensor math: sorted
+    ``rank`` s, ``scaling`` s, ``targets`` (module name's last part) and ``shapes`` (``"out x in"``), the number of
+    ``modules`` and the config's ``base_model`` (or None; shown, never compared: one model has several names)."""
     mods = adapter.modules.values()
     return {"rank": sorted({m.rank for m in mods}), "scaling": sorted({round(float(m.scaling), 6) for m in mods}),
             "targets": sorted({n.rsplit(".", 1)[-1] for n in adapter.modules}), "modules": len(adapter.modules),

@@ -1,8 +1,6 @@
-"""The weights of one fusion (:class:`FusionWeights`), from the controller to the merge and the logs.
-
-``merge_weights`` is always ``w~`` (N float32-rounded floats each passage update is multiplied by; all ones is
-PRAG's sum); ``probabilities`` is ``w`` (N numbers summing to 1). :func:`is_uniform` decides whether a controller
-gives uniform weights; :func:`check_weights` is the one check every merge applies."""
+"""The weights of one fusion (:class:`FusionWeights`), from the controller to the merge and the logs:
+``merge_weights`` is always ``w~`` (N float32-rounded floats, all ones is PRAG's sum), ``probabilities`` ``w`` (N,
+summing to 1); :func:`check_weights` is the one check every merge applies."""
 
 from __future__ import annotations
 
@@ -61,8 +59,7 @@ class FusionWeights:
                    tuple(out.scores[b][m].tolist()), float(out.g[b]), float(out.tau[b]), controller_mode)
 
     def to_json(self) -> dict[str, Any]:
-        """Strict JSON: ``merge_weights``, ``probabilities``, ``scores``, ``g``, ``tau`` (null when uniform),
-        ``controller_mode``."""
+        """Strict JSON of every field (``tau`` null when uniform)."""
         return finite_or_none({"merge_weights": list(self.merge_weights), "probabilities": list(self.probabilities),
                                "scores": list(self.scores), "g": self.g, "tau": self.tau,
                                "controller_mode": self.controller_mode})
@@ -70,10 +67,9 @@ class FusionWeights:
 
 def side_inputs(controller: Any, *, adapters: Any = None, retrieval_ranks: Sequence[float] | None = None,
                 retrieval_scores: Sequence[float] | None = None) -> dict[str, Any]:
-    """The side-feature keyword arguments of ``controller.predict``: only those the controller was trained with
-    (``config.side_features``). ``adapters``, a sequence of :class:`~fcprag_plugin.adapter.LoraAdapter` or a
-    zero-argument callable returning one, is read only when ``adapter_stats`` is needed. A value that is None
-    reaches ``predict``, which falls back for a side input the host may lack (see ``FusionController.predict``)."""
+    """The side-feature keyword arguments of ``controller.predict`` the controller was trained with (None values
+    included: ``predict`` decides). ``adapters`` (:class:`~fcprag_plugin.adapter.LoraAdapter` s, or a callable
+    returning them) are read only for ``adapter_stats``."""
     names = () if is_uniform(controller) else tuple(getattr(controller.config, "side_features", None) or ())
     stats = lambda: list(adapters() if callable(adapters) else adapters) if adapters is not None else None  # noqa
     return {key: value() for name, key, value in (("retrieval_rank", "retrieval_ranks", lambda: retrieval_ranks),
@@ -83,8 +79,7 @@ def side_inputs(controller: Any, *, adapters: Any = None, retrieval_ranks: Seque
 
 def check_weights(weights: Any, n: int) -> tuple[float, ...]:
     """Validated merge weights ``w~``: finite, 1-D, one per adapter (``n >= 1``), as a tuple of float32-rounded
-    Python floats (the values a float32 merge computes with). ``None`` is ``[1] * n`` (PRAG's uniform merge). Lists
-    and tuples skip tensor ops (the per-query hot path); tensors and arrays are accepted too."""
+    Python floats; ``None`` is ``[1] * n``. Lists and tuples skip tensor ops (the hot path); tensors work too."""
     if n == 0:
         raise MergeError("no adapters to merge (N == 0)")
     if weights is None:
