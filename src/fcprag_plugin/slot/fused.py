@@ -55,17 +55,9 @@ class _Segment:
     l1: int
     A: torch.Tensor  # [l1-l0, K*R, in]
     BT: torch.Tensor  # [l1-l0, K*R, out] (out_major: a transposed view)
-    R: int = 1  # rank rows per adapter position
     dirty: int = 0  # rows [dirty:] of A are known to be zero
     views: dict = field(default_factory=dict)  # (kind, start, stop) -> cached row views
     scratch: dict = field(default_factory=dict)  # for 'separate': f32 accumulators / products
-    a_chunks: list = field(default_factory=list)  # position i -> A[:, i*R:(i+1)*R]
-    bt_chunks: list = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        K = self.A.shape[1] // self.R
-        self.a_chunks = [self.A[:, i * self.R:(i + 1) * self.R] for i in range(K)]
-        self.bt_chunks = [self.BT[:, i * self.R:(i + 1) * self.R] for i in range(K)]
 
     def rows(self, kind: str, start: int, stop: int) -> torch.Tensor:
         key = (kind, start, stop)
@@ -300,7 +292,7 @@ class FusedSlot:
                         BT = torch.zeros(l1 - l0, g.out_features, KR, device=w.device, dtype=dt).transpose(1, 2)
                     else:
                         BT = torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt)
-                seg = _Segment(gi, l0, l1, A, BT, self.max_rank)
+                seg = _Segment(gi, l0, l1, A, BT)
                 self._segments.append(seg)
                 for l in range(l0, l1):  # the entry objects the hooks hold get the new views
                     self._entries[gi][l].A, self._entries[gi][l].BT = seg.A[l - l0], seg.BT[l - l0]
@@ -437,18 +429,12 @@ class FusedSlot:
         """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T`` (:func:`factors.write_cat`)."""
         R = self.max_rank
         for seg in self._segments:
-            A_rows, BT_rows, As, BTs, cs = [], [], [], [], []
-            for i, p in enumerate(packed):
-                src_A, src_B, c = self._sources(seg, p, coefs[i])
-                r = src_A.shape[1]
-                A_rows.append(seg.a_chunks[i] if r == R else seg.rows("A", i * R, i * R + r))
-                BT_rows.append(seg.bt_chunks[i] if r == R else seg.rows("BT", i * R, i * R + r))
-                As.append(src_A)
-                BTs.append(src_B)
-                cs.append(c)
-                if r < R and seg.dirty > i * R + r:
-                    seg.rows("A", i * R + r, i * R + R).zero_()  # leftovers of a larger adapter
-            factors.write_cat(A_rows, BT_rows, As, BTs, cs)
+            srcs = [self._sources(seg, p, coefs[i]) for i, p in enumerate(packed)]  # (A, BT, coef) each
+            spans = [(i * R, i * R + src_A.shape[1]) for i, (src_A, _, _) in enumerate(srcs)]
+            for lo, hi in spans:
+                if hi < lo + R and seg.dirty > hi:
+                    seg.rows("A", hi, lo + R).zero_()  # leftovers of a larger adapter
+            factors.write_cat([seg.rows("A", *sp) for sp in spans], [seg.rows("BT", *sp) for sp in spans], *zip(*srcs))
             self._zero_tail(seg, len(packed) * R)
 
     def _check_equal_ranks(self, packed: Sequence[PackedAdapter], what: str = "mode 'separate'") -> None:
