@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from .compat import layer_has_lora_bias, layer_use_dora, live_lora_layers, torch_load_weights_only
+from .compat import layer_has_lora_bias, layer_use_dora, live_lora_layers
 from .errors import AdapterError, UnsupportedAdapterError
 from .fileio import read_json_object, read_tensor_file
 
@@ -332,7 +332,7 @@ def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu", ch
         sd = (read_safetensors or load_safetensors)(st, device)
     elif legacy.is_file():
         try:
-            sd = torch_load_weights_only(str(legacy))
+            sd = torch.load(str(legacy), map_location="cpu", weights_only=True)
         except Exception as e:  # the safe unpickler refuses anything but tensors
             raise AdapterError(f"{legacy}: cannot be read with torch.load(weights_only=True) ({e})") from e
         if not isinstance(sd, dict):

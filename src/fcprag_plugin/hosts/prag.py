@@ -17,7 +17,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 from ..compat import (clear_stale_peft_config, has_stale_peft_config, live_lora_layers, lora_b_weight,
-                      peft_has_stale_config_bug, peft_version)
+                      package_version, peft_has_stale_config_bug)
 from ..adapter import LoraAdapter
 from ..controller import FusionController
 from ..errors import HookError, kw
@@ -179,7 +179,7 @@ class PragShim(Shim):
             if clear_stale_peft_config(model):
                 self.warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() "
                                 "(fixed in peft 0.19); cleared it (seen at %s). Without this, later questions would "
-                                "merge only some of their passages.", peft_version(), where)
+                                "merge only some of their passages.", package_version("peft"), where)
 
 
 def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[PragAdapterPath | None],
@@ -201,8 +201,8 @@ def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[Prag
 
 def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None]) -> None:
     """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` (else a HookError)."""
-    hint = ("; peft %s < 0.19 leaves a stale peft_config after unload(), so load_adapter() creates no layers: "
-            "install the shim before the first question" % peft_version()) if peft_has_stale_config_bug() else ""
+    hint = (f"; peft {package_version('peft')} < 0.19 leaves a stale peft_config after unload(), so load_adapter() "
+            "creates no layers: install the shim before the first question") if peft_has_stale_config_bug() else ""
     configured = set(getattr(tuner, "peft_config", {}) or {})
     for name, path in zip(names, paths):
         label = f"adapter '{name}'" + (f" loaded from {path}" if path else "")
