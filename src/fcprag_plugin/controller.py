@@ -50,9 +50,7 @@ FORMAT_VERSION = 1
 GATE_INIT = 0.5  # g at initialisation; irrelevant to w~ there (all scores are equal), the point of most gradient
 INFERENCE_DTYPES = (torch.bfloat16, torch.float32)
 CHECKPOINT_MARKERS = ("state.json", "optimizer.safetensors")  # training/checkpoint.py's files beside a controller
-# side inputs a caller or host may not have (PRAG and DyPRAG keep no retrieval scores); adapter statistics are always
-# computable from the adapters themselves
-HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")
+HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")  # side inputs hosts lack (adapter statistics: computable)
 
 
 @dataclass
@@ -323,7 +321,6 @@ class FusionController(nn.Module):
         self.calib_net[-1].bias[0] = math.log(GATE_INIT / (1 - GATE_INIT))
         return self
 
-    # ------------------------------------------------------------------ constructors for the baselines
     @classmethod
     def uniform(cls, embed_dim: int = 768, embedding_model: str | None = None, kappa: float = 1.0
                 ) -> "FusionController":
@@ -347,7 +344,6 @@ class FusionController(nn.Module):
         return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="fixed",
                                     scorer=scorer, fixed_g=g, fixed_tau=tau))
 
-    # ------------------------------------------------------------------ forward
     def score(self, e_q: torch.Tensor, E_p: torch.Tensor, xp: torch.Tensor, side: torch.Tensor | None
               ) -> torch.Tensor:
         """``s [B, N]`` in (0, 1): the score net on ``[e_q; xp_i; side_i]``, or ``(1 + cos)/2`` for the cosine
@@ -426,7 +422,6 @@ class FusionController(nn.Module):
             w_tilde = w_tilde * scale.unsqueeze(1)
         return ControllerOutput(s, g, tau, w, w_tilde, full_mask, scale)
 
-    # ------------------------------------------------------------------ inference
     def for_inference(self, dtype: torch.dtype = torch.bfloat16) -> "FusionController":
         """A copy for fast inference: eval mode, frozen, the two MLPs' weights in ``dtype`` (bfloat16 halves the
         bytes batch-1 inference streams; features, statistics, sigmoid/softmax and the weights stay float32). Its
@@ -545,7 +540,6 @@ class FusionController(nn.Module):
         """The shared :class:`~fcprag_plugin.encoding.TextEncoder` of ``config.embedding_model`` on this device."""
         return get_encoder(self.config.embedding_model, device=self._side_scale.device)
 
-    # ------------------------------------------------------------------ persistence
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` + ``model.safetensors`` (never a pickle)."""
         from safetensors.torch import save_file

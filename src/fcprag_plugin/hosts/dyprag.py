@@ -153,41 +153,32 @@ class DyPragShim(Shim):
                 raise HookError(f"fcprag dyprag: {where} has no function 'delta_remove'; use_slot needs it to "
                                 "switch the fused slot off after each question")
 
-        def make_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
-                try:
-                    out = orig(module, *args, **kwargs)
-                except BaseException:
-                    self.clear()  # this question's capture is incomplete: never let it reach the next one
-                    raise
-                self._capture(out)
-                return out
+        def forward(orig: Callable[..., Any], module: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                out = orig(module, *args, **kwargs)
+            except BaseException:
+                self.clear()  # this question's capture is incomplete: never let it reach the next one
+                raise
+            self._capture(out)
+            return out
 
-            return _wrapping(orig, forward)
+        def delta_inject(orig: Callable[..., Any], model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.use_slot:
+                self.inject_on_slot(model, adapter_weights)  # no dense delta: the slot carries the update
+                return None
+            return orig(model, self.reaggregate(adapter_weights), *args, **kwargs)
 
-        def make_inject(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def delta_inject(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
-                if self.use_slot:
-                    self.inject_on_slot(model, adapter_weights)  # no dense delta: the slot carries the update
-                    return None
-                return orig(model, self.reaggregate(adapter_weights), *args, **kwargs)
+        def delta_remove(orig: Callable[..., Any], model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
+            slot = self.slots.slot_of(model)
+            if slot is not None and slot.active:
+                slot.deactivate()  # this question's update lived in the slot; DyPRAG set no delta to delete
+                return None
+            return orig(model, adapter_weights, *args, **kwargs)
 
-            return _wrapping(orig, delta_inject)
-
-        def make_remove(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def delta_remove(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
-                slot = self.slots.slot_of(model)
-                if slot is not None and slot.active:
-                    slot.deactivate()  # this question's update lived in the slot; DyPRAG set no delta to delete
-                    return None
-                return orig(model, adapter_weights, *args, **kwargs)
-
-            return _wrapping(orig, delta_remove)
-
-        self.patches.patch(cls, "forward", make_forward)
-        self.patches.patch(self.utils, "delta_inject", make_inject)
+        self.patches.patch(cls, "forward", _wrapping(forward))
+        self.patches.patch(self.utils, "delta_inject", _wrapping(delta_inject))
         if self.use_slot:
-            self.patches.patch(self.utils, "delta_remove", make_remove)
+            self.patches.patch(self.utils, "delta_remove", _wrapping(delta_remove))
         main = sys.modules.get("__main__")
         for name, orig_fn in originals.items():
             patched = getattr(self.utils, name)
@@ -202,11 +193,18 @@ class DyPragShim(Shim):
         super().close()
 
 
-def _wrapping(orig: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` dressed as ``orig`` (``functools.wraps``), with ``orig`` kept as ``fn.__fcprag_original__``."""
-    fn = functools.wraps(orig)(fn)
-    fn.__fcprag_original__ = orig  # type: ignore[attr-defined]
-    return fn
+def _wrapping(fn: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``make(orig)`` for :meth:`PatchSet.patch`: ``fn(orig, *args, **kwargs)`` dressed as ``orig``
+    (``functools.wraps``), with ``orig`` kept as ``__fcprag_original__``."""
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(orig)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(orig, *args, **kwargs)
+
+        wrapper.__fcprag_original__ = orig  # type: ignore[attr-defined]
+        return wrapper
+
+    return make
 
 
 def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:

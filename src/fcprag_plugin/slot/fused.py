@@ -243,7 +243,6 @@ class FusedSlot:
         logger.debug("FusedSlot: %d modules in %d groups, K=%d, R=%d, %d bytes", self.layout.num_modules,
                      len(self.layout.groups), max_adapters, max_rank, self.nbytes)
 
-    # ------------------------------------------------------------------ construction helpers
     @classmethod
     def for_model(cls, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                   store: Any = None, **kwargs: Any) -> "FusedSlot":
@@ -303,7 +302,6 @@ class FusedSlot:
         return whole_group and pg.rank == KR and (pg.A.dtype, pg.A.device) == (dtype, device) \
             and pg.A.is_contiguous() and BT.is_contiguous()
 
-    # ------------------------------------------------------------------ properties
     @property
     def model(self) -> nn.Module | None:
         return self._model_ref()
@@ -334,7 +332,6 @@ class FusedSlot:
         """Bytes of the fused-weight route: one copy of the target weights (allocated at its first use)."""
         return self._weights.nbytes
 
-    # ------------------------------------------------------------------ the two routes
     def _attach_hooks(self) -> None:
         if not self._handles and not self._removed:
             for mod, fn in self._hooks:
@@ -372,7 +369,6 @@ class FusedSlot:
                 f"max_rank={self.max_rank}, active={self.active}, n_active={self.n_active}, "
                 f"merge_mode={self.merge_mode})")
 
-    # ------------------------------------------------------------------ inputs
     def _check_usable(self) -> None:
         if self._removed:
             raise MergeError("this FusedSlot was removed from its model; create a new one")
@@ -408,7 +404,6 @@ class FusedSlot:
                                  f"slot.resize(max_rank={p.max_rank})")
         return packed
 
-    # ------------------------------------------------------------------ writing
     def _zero_tail(self, seg: _Segment, used: int) -> None:
         if seg.dirty > used:
             seg.rows("A", used, seg.dirty).zero_()
@@ -462,7 +457,6 @@ class FusedSlot:
             t = seg.scratch[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
         return t
 
-    # ------------------------------------------------------------------ activation
     def write(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat") -> "FusedSlot":
         """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``) and switch it on: ``cat`` is the exact
         ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's ``(sum u_i B_i)(sum u_i s_i A_i)``, ``u = w~/N``."""
