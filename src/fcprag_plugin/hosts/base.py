@@ -5,6 +5,7 @@ the install lifecycle (``prag.py`` / ``dyprag.py`` add their patches; which ques
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import weakref
@@ -49,6 +50,20 @@ class PatchSet:
                 with contextlib.suppress(AttributeError):
                     delattr(owner, attr)
         self._patches.clear()
+
+
+def wrapping(fn: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``make(orig)`` for :meth:`PatchSet.patch`: ``fn(orig, *args, **kwargs)`` dressed as ``orig``
+    (``functools.wraps``), with ``orig`` kept as ``__fcprag_original__``."""
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(orig)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(orig, *args, **kwargs)
+
+        wrapper.__fcprag_original__ = orig  # type: ignore[attr-defined]
+        return wrapper
+
+    return make
 
 
 class WeightProvider:

@@ -6,7 +6,6 @@ slot carries the update (the patched ``delta_remove`` switches it off). See ``ex
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import sys
@@ -20,7 +19,7 @@ from ..adapter import LoraAdapter, LoraModule
 from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
-from .base import Lifecycle, Shim, WeightProvider, check_max_adapters
+from .base import Lifecycle, Shim, WeightProvider, check_max_adapters, wrapping
 from .context import caller_test_id, clear_context, find_in_callers, get_context
 from .context import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
@@ -175,10 +174,10 @@ class DyPragShim(Shim):
                 return None
             return orig(model, adapter_weights, *args, **kwargs)
 
-        self.patches.patch(cls, "forward", _wrapping(forward))
-        self.patches.patch(self.utils, "delta_inject", _wrapping(delta_inject))
+        self.patches.patch(cls, "forward", wrapping(forward))
+        self.patches.patch(self.utils, "delta_inject", wrapping(delta_inject))
         if self.use_slot:
-            self.patches.patch(self.utils, "delta_remove", _wrapping(delta_remove))
+            self.patches.patch(self.utils, "delta_remove", wrapping(delta_remove))
         main = sys.modules.get("__main__")
         for name, orig_fn in originals.items():
             patched = getattr(self.utils, name)
@@ -191,20 +190,6 @@ class DyPragShim(Shim):
         """Drop the capture and remove the fused slots (the model is exactly as before)."""
         self.clear()
         super().close()
-
-
-def _wrapping(fn: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``make(orig)`` for :meth:`PatchSet.patch`: ``fn(orig, *args, **kwargs)`` dressed as ``orig``
-    (``functools.wraps``), with ``orig`` kept as ``__fcprag_original__``."""
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(orig)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return fn(orig, *args, **kwargs)
-
-        wrapper.__fcprag_original__ = orig  # type: ignore[attr-defined]
-        return wrapper
-
-    return make
 
 
 def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:

@@ -27,7 +27,7 @@ from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
 from ..weights import FusionWeights
-from .base import Lifecycle, Shim, WeightProvider
+from .base import Lifecycle, Shim, WeightProvider, wrapping
 from .context import caller_test_id, clear_context, get_context
 from .context import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
 
@@ -67,12 +67,13 @@ class PragShim(Shim):
         from peft import PeftModel
         from peft.tuners.lora import LoraModel
 
-        self.patches.patch(LoraModel, "add_weighted_adapter", _wrap_add_weighted_adapter)
-        self.patches.patch(PeftModel, "from_pretrained", _wrap_from_pretrained)
-        self.patches.patch(PeftModel, "load_adapter", _wrap_load_adapter)
+        self.patches.patch(LoraModel, "add_weighted_adapter", wrapping(_add_weighted_adapter))
+        self.patches.patch(PeftModel, "from_pretrained", lambda orig: classmethod(
+            wrapping(_from_pretrained)(orig.__func__)))  # the function under the classmethod
+        self.patches.patch(PeftModel, "load_adapter", wrapping(_load_adapter))
         if peft_has_stale_config_bug():
-            self.patches.patch(LoraModel, "unload", _wrap_unload)
-            self.patches.patch(LoraModel, "merge_and_unload", _wrap_unload)
+            self.patches.patch(LoraModel, "unload", wrapping(_unload))
+            self.patches.patch(LoraModel, "merge_and_unload", wrapping(_unload))
 
     def close(self) -> None:
         for sm in list(self._slot_models.values()):
@@ -239,27 +240,25 @@ def add_merged_adapter(tuner: Any, name: str, merged: LoraAdapter, like: str) ->
             b.zero_()[:, : m.rank].copy_(m.B)
 
 
-def _bind(sig: inspect.Signature, *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
-    """The call's arguments (defaults applied) while a shim is installed; else, or for a bad call, None."""
+_signature = functools.lru_cache(maxsize=None)(inspect.signature)
+
+
+def _bind(original: Callable[..., Any], *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
+    """The arguments (defaults applied) of a call of ``original`` while a shim is installed; else, or for a bad
+    call, None."""
     if _LIFE.current is None:
         return None
     try:
-        bound = sig.bind(*args, **kwargs)
+        bound = _signature(original).bind(*args, **kwargs)
     except TypeError:
         return None  # let peft report the bad call itself
     bound.apply_defaults()
     return bound
 
 
-def _wrap_add_weighted_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def add_weighted_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
-        bound = _bind(sig, self, *args, **kwargs)
-        return original(self, *args, **kwargs) if bound is None else _LIFE.current.merge(original, bound)
-
-    return add_weighted_adapter
+def _add_weighted_adapter(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    bound = _bind(original, self, *args, **kwargs)
+    return original(self, *args, **kwargs) if bound is None else _LIFE.current.merge(original, bound)
 
 
 def _remember(peft_model: Any, bound: inspect.BoundArguments | None) -> None:
@@ -270,48 +269,31 @@ def _remember(peft_model: Any, bound: inspect.BoundArguments | None) -> None:
         _paths.setdefault(tuner, {})[str(name)] = str(path)
 
 
-def _wrap_from_pretrained(original: Any) -> Any:
-    func = original.__func__  # the function under the classmethod
-    sig = inspect.signature(func)
-
-    @functools.wraps(func)
-    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        shim = _LIFE.current
-        bound = _bind(sig, cls, *args, **kwargs)
-        if bound is not None:
-            a = bound.arguments
-            if shim.use_slot and not a.get("is_trainable") and a.get("config") is None:
-                return shim.slot_model(a["model"], a["model_id"], a.get("adapter_name", "default"))
-            shim.repair_stale_config(a["model"], "PeftModel.from_pretrained")
-        result = func(cls, *args, **kwargs)
-        _remember(result, bound)
-        return result
-
-    return classmethod(from_pretrained)
+def _from_pretrained(func: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
+    shim = _LIFE.current
+    bound = _bind(func, cls, *args, **kwargs)
+    if bound is not None:
+        a = bound.arguments
+        if shim.use_slot and not a.get("is_trainable") and a.get("config") is None:
+            return shim.slot_model(a["model"], a["model_id"], a.get("adapter_name", "default"))
+        shim.repair_stale_config(a["model"], "PeftModel.from_pretrained")
+    result = func(cls, *args, **kwargs)
+    _remember(result, bound)
+    return result
 
 
-def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def load_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        _remember(self, _bind(sig, self, *args, **kwargs))
-        return result
-
-    return load_adapter
+def _load_adapter(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, *args, **kwargs)
+    _remember(self, _bind(original, self, *args, **kwargs))
+    return result
 
 
-def _wrap_unload(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def unload(self: Any, *args: Any, **kwargs: Any) -> Any:
-        shim = _LIFE.current
-        model = original(self, *args, **kwargs)
-        if shim is not None:
-            shim.repair_stale_config(model, f"{original.__name__}()")
-        return model
-
-    return unload
+def _unload(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    shim = _LIFE.current
+    model = original(self, *args, **kwargs)
+    if shim is not None:
+        shim.repair_stale_config(model, f"{original.__name__}()")
+    return model
 
 
 def install(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
