@@ -54,16 +54,6 @@ def hub_cache_dir() -> str:
     return str(constants.HF_HUB_CACHE)
 
 
-def _is_repo_id(name: str) -> bool:
-    try:
-        from huggingface_hub.utils import validate_repo_id
-
-        validate_repo_id(name)
-        return True
-    except Exception:
-        return False
-
-
 def downloads_allowed(allow: bool | None = None) -> bool:
     """``allow`` when given, else whether ``$FCPRAG_ALLOW_DOWNLOAD`` is set to 1/true/yes."""
     return bool(allow) if allow is not None else os.environ.get(ALLOW_DOWNLOAD_ENV, "").strip().lower() in (
@@ -72,7 +62,11 @@ def downloads_allowed(allow: bool | None = None) -> bool:
 
 def not_local_message(name: str) -> str:
     """One line for a model that is neither a directory nor cached: what was looked for, where, and the fixes."""
-    if not _is_repo_id(name):
+    try:
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(name)
+    except Exception:  # not a hub name either
         return (f"cannot load embedding model '{name}': no such directory; expected a sentence-transformers model "
                 f"directory or a hub name such as '{DEFAULT_MODEL}'")
     head = (f"cannot load embedding model '{name}': it is neither a directory nor in the local Hugging Face cache "

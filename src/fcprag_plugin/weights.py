@@ -84,12 +84,10 @@ def check_weights(weights: Any, n: int) -> tuple[float, ...]:
         raise MergeError("no adapters to merge (N == 0)")
     if weights is None:
         return (1.0,) * n
-    vals: list[float] | None = None
-    if isinstance(weights, (list, tuple)):
-        try:
-            vals = array("f", [float(v) for v in weights]).tolist()  # rounds to float32 like torch does
-        except (TypeError, ValueError, OverflowError):
-            vals = None
+    try:  # rounds to float32 like torch does
+        vals = array("f", [float(v) for v in weights]).tolist() if isinstance(weights, (list, tuple)) else None
+    except (TypeError, ValueError, OverflowError):
+        vals = None
     if vals is None or len(vals) != n:
         w = torch.as_tensor(weights, dtype=torch.float32).detach().cpu()
         if w.ndim != 1 or w.shape[0] != n:

@@ -89,10 +89,8 @@ class SlotPeftModel:
 
     def delete_adapter(self, adapter_name: str) -> None:
         name = self._existing("delete_adapter", adapter_name)
-        self._adapters.pop(name, None)
-        self._merges.pop(name, None)
-        self._paths.pop(name, None)
-        self._configs.pop(name, None)
+        for table in (self._adapters, self._merges, self._paths, self._configs):
+            table.pop(name, None)
         if self._active == name:  # like PEFT: the first remaining adapter becomes active
             rest = self._names()
             self._active = rest[0] if rest else None
