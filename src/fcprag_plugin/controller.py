@@ -127,11 +127,10 @@ class ControllerConfig:
 
 @dataclass
 class ControllerOutput:
-    """Controller outputs for a batch (padded entries, ``mask [B, N]`` False, have zero weight): ``scores``
-    ``s [B, N]`` in (0, 1), gate ``g [B]`` in [0, 1], temperature ``tau [B]`` in [tau_min, tau_max],
-    ``probabilities`` ``w [B, N]`` (sums to 1 over the real passages), ``merge_weights`` ``kappa * c * w~ [B, N]``
-    with ``w~ = N*w/sum w`` (all ones: PRAG's merge), ``scale`` ``kappa * c [B]`` (``sum merge_weights = scale * N``;
-    None when it is 1)."""
+    """Controller outputs for a batch (padding, ``mask [B, N]`` False, has zero weight): ``scores`` ``s [B, N]`` in
+    (0, 1), gate ``g [B]`` in [0, 1], temperature ``tau [B]``, ``probabilities`` ``w [B, N]`` (sum 1 over the real
+    passages), ``merge_weights`` ``kappa * c * w~ [B, N]`` (``w~ = N*w/sum w``), ``scale`` ``kappa * c [B]`` (None
+    when 1)."""
 
     scores: torch.Tensor
     g: torch.Tensor
@@ -170,9 +169,8 @@ def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torc
 
 def split_first_linear(weight: torch.Tensor, bias: torch.Tensor | None, e_q: torch.Tensor, xp: torch.Tensor
                        ) -> torch.Tensor:
-    """``Linear(W, b)(x_i)`` for ``x_i = [e_q; xp_i]`` without building ``x_i``: ``W[:, :d] e_q + b`` (once per
-    query) ``+ W[:, d:] xp_i``: ``weight [H, d + p]``, ``bias [H]``, ``e_q [B, d]``, ``xp [B, N, p]`` -> ``[B, N, H]``.
-    """
+    """``Linear(W, b)([e_q; xp_i])`` as ``W[:, :d] e_q + b`` (once per query) ``+ W[:, d:] xp_i``: ``weight [H, d +
+    p]``, ``bias [H]``, ``e_q [B, d]``, ``xp [B, N, p]`` -> ``[B, N, H]``."""
     d = e_q.shape[-1]
     w_q, w_p = weight.split([d, weight.shape[1] - d], dim=1)
     return nn.functional.linear(xp, w_p) + nn.functional.linear(e_q, w_q, bias).unsqueeze(1)
@@ -346,8 +344,7 @@ class FusionController(nn.Module):
 
     def score(self, e_q: torch.Tensor, E_p: torch.Tensor, xp: torch.Tensor, side: torch.Tensor | None
               ) -> torch.Tensor:
-        """``s [B, N]`` in (0, 1): the score net on ``[e_q; xp_i; side_i]``, or ``(1 + cos)/2`` for the cosine
-        scorer."""
+        """``s [B, N]`` in (0, 1): the score net on ``[e_q; xp_i; side_i]`` (cosine scorer: ``(1 + cos)/2``)."""
         if self.config.scorer == "cosine":
             cos = torch.einsum("bd,bnd->bn", nn.functional.normalize(e_q, dim=-1), nn.functional.normalize(E_p, dim=-1))
             return (1 + cos) / 2
@@ -423,9 +420,8 @@ class FusionController(nn.Module):
         return ControllerOutput(s, g, tau, w, w_tilde, full_mask, scale)
 
     def for_inference(self, dtype: torch.dtype = torch.bfloat16) -> "FusionController":
-        """A copy for fast inference: eval mode, frozen, the two MLPs' weights in ``dtype`` (bfloat16 halves the
-        bytes batch-1 inference streams; features, statistics, sigmoid/softmax and the weights stay float32). Its
-        ``save_pretrained`` writes the rounded weights as float32; calling it in train mode is an error."""
+        """A frozen eval copy with the two MLPs' weights in ``dtype`` (everything else stays float32); it saves the
+        rounded weights as float32, and calling it in train mode is an error."""
         if dtype not in INFERENCE_DTYPES:
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
                                   f"{[str(t) for t in INFERENCE_DTYPES]}")
@@ -620,8 +616,7 @@ def query_weights(controller: "FusionController | None", query: str, passages: S
 
 
 def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":
-    """Accept a controller object, a directory (loaded once per process, see :mod:`fcprag_plugin.loading`), or
-    None (None stays None: uniform)."""
+    """A controller object, a directory (loaded once per process) or None (uniform) -> the controller or None."""
     if controller is None or isinstance(controller, FusionController):
         return controller
     if isinstance(controller, (str, Path)):
@@ -633,8 +628,7 @@ CONTROLLERS: LoadCache[FusionController] = LoadCache("controller cache", maxsize
 
 
 def cached_controller(path: str | Path, map_location: str = "cpu") -> FusionController:
-    """The controller in directory ``path``, read once per process (again when its files change). Shared: do not
-    modify it."""
+    """The controller in directory ``path``, read once per process (again when its files change); shared."""
     resolved = Path(os.path.realpath(path))
     files = (resolved / CONFIG_NAME, resolved / WEIGHTS_NAME)
     return CONTROLLERS.get((str(resolved), str(map_location)),

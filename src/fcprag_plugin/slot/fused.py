@@ -9,8 +9,7 @@ fused weights at the first no-grad forward that continues a KV cache (a ``genera
 the copy fits ``slot.weights_budget``, on an accelerator only (``AUTO_ON_CPU``).
 
 >>> with FusedSlot.for_model(model, adapters[0], max_adapters=10).fused(adapters, w_tilde):  # doctest: +SKIP
-...     out = model.generate(**inputs)
-"""
+...     out = model.generate(**inputs)"""
 
 from __future__ import annotations
 
@@ -194,14 +193,11 @@ _SLOTS: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDicti
 
 class FusedSlot:
     """A reusable LoRA slot for up to ``max_adapters`` (K) adapters of rank <= ``max_rank`` (R, default the
-    template's, else 8) on a transformers model or a ``PeftModel`` (its frozen base layers are hooked).
-
-    ``targets``: an adapter (:class:`LoraAdapter` / :class:`PackedAdapter`) whose modules every later adapter must
-    share, or module names (full paths or bare names like ``"gate_proj"``). ``dtype``: buffer dtype (default: each
-    target weight's). ``store``: the :class:`AdapterStore` for adapters given as paths. ``out_major``: keep ``B`` as
-    stored, ``[L, out, K*R]`` (plain copies from :class:`LoraAdapter` s). ``buffers_from``: a packed adapter, used
-    only by the slot, whose stacks become the buffers where they fit instead of allocating.
-    """
+    template's, else 8) on a transformers model or a ``PeftModel`` (its frozen base layers are hooked). ``targets``:
+    an adapter whose modules every later adapter must share, or module names (full paths or bare names like
+    ``"gate_proj"``). ``dtype``: buffer dtype (default: each target weight's). ``store``: the :class:`AdapterStore`
+    for adapters given as paths. ``out_major``: keep ``B`` as stored, ``[L, out, K*R]``. ``buffers_from``: a packed
+    adapter, used only by the slot, whose stacks become the buffers where they fit."""
 
     route = "auto"  # see the module docstring; per slot or for all slots
 

@@ -103,8 +103,7 @@ class PackedGroup:
 
 @dataclass
 class PackedAdapter:
-    """An adapter as per-group contiguous stacks (:class:`PackedGroup`), ready to be written into a slot (read-only:
-    slots copy from it). Build with :func:`pack_adapter` or :class:`~fcprag_plugin.slot.store.AdapterStore`."""
+    """An adapter as per-group contiguous stacks (:class:`PackedGroup`), read-only (slots copy from it)."""
 
     layout: Layout
     groups: tuple[PackedGroup, ...]
@@ -187,8 +186,7 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
 
 def pack_adapter(adapter: LoraAdapter, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, out_major: bool = False) -> PackedAdapter:
-    """Copy ``adapter`` into per-group stacks on ``device`` (default: where it is) in ``dtype`` (default: its own);
-    ``out_major``: see :func:`pack_factors`."""
+    """Copy ``adapter`` into per-group stacks (:func:`pack_factors`'s options)."""
     if not adapter.modules:
         raise AdapterError(f"{adapter.source}: the adapter has no LoRA modules to pack")
     mods = adapter.modules

@@ -119,9 +119,8 @@ def pack_checked(adapter: LoraAdapter, *, device: str | torch.device | None = No
 
 
 class AdapterStore:
-    """LRU cache ``adapter directory -> PackedAdapter`` bounded by ``budget_bytes`` of packed tensors (default
-    1 GiB; a larger adapter is returned, not kept), packed on ``device`` in ``dtype`` (default: as stored);
-    ``check_mtime``: re-stat the two files on every ``get`` to notice rewritten adapters."""
+    """LRU cache ``adapter directory -> PackedAdapter`` of at most ``budget_bytes`` (a larger adapter is returned,
+    not kept), packed on ``device`` in ``dtype`` (default: as stored); ``check_mtime``: re-stat on every ``get``."""
 
     def __init__(self, budget_bytes: int = 1 << 30, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, check_mtime: bool = True) -> None:
