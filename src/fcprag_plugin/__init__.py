@@ -1,8 +1,6 @@
-"""fcprag-plugin: learned, per-query, calibrated fusion of per-passage LoRA adapters for Parametric RAG.
-
-Data path: texts -> ``encoding`` -> ``features`` -> ``controller`` -> weights -> ``merge`` -> adapter -> generate
-(:func:`fuse`), or -> ``slot`` on a live model (:func:`fuse_into`).
-"""
+"""fcprag-plugin: learned, per-query, calibrated fusion of per-passage LoRA adapters for Parametric RAG. Data path:
+texts -> ``encoding`` -> ``features`` -> ``controller`` -> weights -> ``merge`` -> adapter -> generate (:func:`fuse`),
+or -> ``slot`` on a live model (:func:`fuse_into`)."""
 
 from __future__ import annotations
 

@@ -56,8 +56,7 @@ def _is_peft_model(model: Any) -> bool:
 
 
 def has_stale_peft_config(model: Any) -> bool:
-    """True when a plain (non-PeftModel) model carries a ``peft_config`` but no PEFT tuner layer (what peft < 0.19
-    leaves after ``unload()``)."""
+    """A plain model with a ``peft_config`` but no PEFT tuner layer (what peft < 0.19 leaves after ``unload()``)."""
     if not hasattr(model, "peft_config") or _is_peft_model(model) or "peft_config" not in vars(model):
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer

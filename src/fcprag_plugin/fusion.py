@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from .adapter import LoraAdapter
 from .controller import FusionController, load_controller, query_weights
+from .encoding import is_blank
 from .errors import FusionInputError
 from .slot import AdapterStore, FusedSlot, PackedAdapter, pack_adapter
 from .merge import MergeResult, merge_adapters
@@ -22,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class _WeightsView:
-    """Read access to a fusion's :class:`FusionWeights` (``merge_weights`` is ``w~``, length N; ``probabilities``
-    is ``w``, summing to 1; ``tau`` is None for uniform weights)."""
+    """Read access to a fusion's :class:`FusionWeights` (``merge_weights`` ``w~``, ``probabilities`` ``w``)."""
 
     fusion_weights: FusionWeights
 
@@ -37,8 +37,7 @@ class _WeightsView:
 
 @dataclass
 class FusionResult(_WeightsView):
-    """What :func:`fuse` produced: the merged ``adapter``, its :class:`FusionWeights` and the merge ``mode``;
-    ``info`` holds the merge mode's facts (e.g. svd errors)."""
+    """What :func:`fuse` produced: the merged ``adapter``, its weights, the merge ``mode`` and its ``info``."""
 
     adapter: LoraAdapter
     fusion_weights: FusionWeights
@@ -91,8 +90,6 @@ def _read_live(adapters: Sequence[Any], model: Any) -> list[Any]:
 def check_texts(query: str, passages: Sequence[str], n_adapters: int | None = None) -> None:
     """The query and passages are non-blank strings (blank: also only zero-width / control characters,
     :func:`~fcprag_plugin.encoding.is_blank`), one passage per adapter."""
-    from .encoding import is_blank
-
     if not isinstance(query, str) or is_blank(query):
         raise FusionInputError(f"query must be a non-empty string, got {query!r}")
     if isinstance(passages, str):

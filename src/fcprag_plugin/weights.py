@@ -16,8 +16,7 @@ from .fileio import finite_or_none
 
 
 def is_uniform(controller: Any) -> bool:
-    """True when ``controller`` gives uniform weights ``w~ = [kappa]*N`` (no controller: kappa 1, PRAG's merge; a
-    ``uniform`` or scale-only controller: its ``kappa``): no text is ever encoded."""
+    """Whether ``controller`` gives ``w~ = [kappa]*N`` (None: PRAG's merge; mode ``uniform``): no text is encoded."""
     return controller is None or controller.config.controller_mode == "uniform"
 
 
@@ -45,8 +44,7 @@ class FusionWeights:
 
     @classmethod
     def uniform(cls, n: int, scale: float = 1.0) -> "FusionWeights":
-        """Uniform weights for ``n`` passages: ``w~ = [scale]*n`` (1: PRAG's merge; a scale-only controller's
-        ``kappa`` otherwise), ``w = [1/n]*n``."""
+        """Uniform weights for ``n`` passages: ``w~ = [scale]*n`` (1: PRAG's merge), ``w = [1/n]*n``."""
         return cls(check_weights([scale] * n, n), (1.0 / n,) * n, (0.5,) * n, 0.0, None, "uniform")
 
     @classmethod

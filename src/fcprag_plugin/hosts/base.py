@@ -1,6 +1,5 @@
-"""What the host shims share: reversible patches, the weights and the log, the fused slots of ``use_slot`` and
-the install lifecycle (``prag.py`` / ``dyprag.py`` add their patches; which question a merge is for:
-:mod:`.context`; running a host's script: ``fcprag_tools.launch``)."""
+"""What the host shims share: reversible patches, the weights, the log, ``use_slot``'s fused slots and the install
+lifecycle (which question a merge is for: :mod:`.context`; running a host's script: ``fcprag_tools.launch``)."""
 
 from __future__ import annotations
 

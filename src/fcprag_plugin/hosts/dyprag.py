@@ -193,16 +193,14 @@ class DyPragShim(Shim):
 
 
 def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:
-    """One passage's translator output as a :class:`LoraAdapter` (DyPRAG injects ``B @ A``: scaling 1), for a
-    controller trained with ``adapter_stats``."""
+    """One translator output as a :class:`LoraAdapter` (scaling 1: DyPRAG injects ``B @ A``), for adapter_stats."""
     mods = {m: LoraModule(A, B, 1.0) for m, (A, B) in dm.module_factors(output, index).items()}
     return LoraAdapter(mods, {}, f"ParameterTranslator output {index}")
 
 
 def host_modules(utils: ModuleType | str | None = None,
                  projector: ModuleType | str | None = None) -> tuple[ModuleType, ModuleType]:
-    """DyPRAG's ``utils`` and ``projector`` modules: given ones as they are, names (default ``utils`` /
-    ``projector``) imported."""
+    """DyPRAG's ``utils`` and ``projector`` modules: given ones as they are, names (default: those) imported."""
     mods = []
     for mod, what in ((utils or UTILS_MODULE, "delta_inject"), (projector or PROJECTOR_MODULE, TRANSLATOR_CLASS)):
         try:

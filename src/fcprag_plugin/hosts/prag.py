@@ -244,8 +244,7 @@ _signature = functools.lru_cache(maxsize=None)(inspect.signature)
 
 
 def _bind(original: Callable[..., Any], *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
-    """The arguments (defaults applied) of a call of ``original`` while a shim is installed; else, or for a bad
-    call, None."""
+    """``original``'s call arguments (defaults applied) while a shim is installed; else, or for a bad call, None."""
     if _LIFE.current is None:
         return None
     try:
@@ -313,6 +312,5 @@ is_installed = _LIFE.is_installed
 
 
 def installed(*args: Any, **kwargs: Any) -> ContextManager[PragShim]:
-    """``with prag.installed(controller=DIR): ...`` (:func:`install`'s arguments); restores the previous state
-    (installed or not) on exit."""
+    """``with prag.installed(controller=DIR): ...`` (:func:`install`'s arguments); restores the previous state."""
     return _LIFE.installed(PragShim(*args, **kwargs))

@@ -65,8 +65,7 @@ def weighted_sum(srcs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Ten
 
 def write_cat(A_rows: Sequence[torch.Tensor], BT_rows: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
               BTs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor]) -> None:
-    """Adapter i into its own rank rows: ``A_rows[i] = coefs[i] * As[i]``, ``BT_rows[i] = BTs[i]``
-    (``[..., r_i, in]`` / ``[..., r_i, out]``)."""
+    """Adapter i into its own rank rows: ``A_rows[i] = coefs[i] * As[i]``, ``BT_rows[i] = BTs[i]``."""
     for dA, dB, a, bt, c in zip(A_rows, BT_rows, As, BTs, coefs):
         scaled_copy(dA, a, c)
         dB.copy_(bt)

@@ -242,8 +242,7 @@ class FusedSlot:
     @classmethod
     def for_model(cls, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                   store: Any = None, **kwargs: Any) -> "FusedSlot":
-        """The one slot on ``model``: the existing one if it covers ``targets`` (grown and given ``store`` as
-        needed), else a new one replacing it."""
+        """The one slot on ``model``: the existing one covering ``targets`` (grown, given ``store``), else a new one."""
         slot = cls.of(model)
         if slot is not None:
             same_paths = isinstance(targets, list) and all("." in n for n in targets) \
