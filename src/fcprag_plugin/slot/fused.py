@@ -66,22 +66,20 @@ class _Segment:
         return v
 
 
+@dataclass(slots=True, eq=False)
 class _Entry:
     """What one module's hook reads: its views into the segment buffers (set by ``_allocate``, again on resize)."""
 
-    __slots__ = ("name", "A", "BT")
+    name: str
+    A: torch.Tensor | None = None
+    BT: torch.Tensor | None = None
 
-    def __init__(self, name: str) -> None:
-        self.name, self.A, self.BT = name, None, None
 
-
+@dataclass(slots=True, eq=False)
 class _State:
-    __slots__ = ("active", "transform", "pending")
-
-    def __init__(self) -> None:
-        self.active = False  # the hooks add the update
-        self.transform: RankTransform | None = None
-        self.pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
+    active: bool = False  # the hooks add the update
+    transform: RankTransform | None = None
+    pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
 
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
