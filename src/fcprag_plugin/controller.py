@@ -66,7 +66,7 @@ class ControllerConfig:
     dropout: float = 0.1
     tau_min: float = 0.05
     tau_max: float = 2.0
-    eps: float = 1e-8
+    eps: float = 1e-8  # unused (combine needs no epsilon); kept so saved configs load
     controller_mode: str = "learned"  # learned | uniform | random | fixed
     scorer: str = "mlp"  # mlp | cosine (parameter-free (1+cos)/2, for fixed baselines)
     fixed_g: float = 0.5
@@ -149,11 +149,11 @@ def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:
     return layers
 
 
-def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torch.Tensor | None, eps: float = 1e-8
+def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pi = softmax(s/tau)``, ``w = g*pi + (1-g)/N``, ``w~ = N*w/(sum w + eps)``, masked (``mask`` None: all real).
-    Returns (w, w~), each ``[B, N]``; ``w~`` is computed as ``1 + g*N*(pi - 1/N)`` (equal up to rounding, as
-    ``sum w = 1``), so that equal scores give exactly ``w~ = 1``."""
+    """``pi = softmax(s/tau)``, ``w = g*pi + (1-g)/N``, ``w~ = N*w/sum w``, masked (``mask`` None: all real) ->
+    (w, w~), each ``[B, N]``; ``w~`` is computed as ``1 + g*N*(pi - 1/N)`` (``sum w = 1``), so that equal scores give
+    exactly ``w~ = 1``."""
     g1, logits = g.unsqueeze(1), scores / tau.unsqueeze(1)
     if mask is None:
         n: torch.Tensor | int = scores.shape[1]
@@ -412,7 +412,7 @@ class FusionController(nn.Module):
             g, tau, q_scale = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau), None
         else:
             g, tau, q_scale = self.calib_net(calibration_summary(e_q, xp, s, mask))
-        w, w_tilde = combine(s, g, tau, mask, c.eps)
+        w, w_tilde = combine(s, g, tau, mask)
         if q_scale is not None:
             scale = q_scale if scale is None else scale * q_scale
         if scale is not None:
@@ -489,12 +489,10 @@ class FusionController(nn.Module):
     def _name(self) -> str:
         return str(self.source or (self.config.cv or {}).get("source") or "(in memory)")
 
-    def _warn_once(self, key: str, message: str, log_only: bool = False) -> None:
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        logger.warning("%s", message)
-        if not log_only:
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("%s", message)
             warnings.warn(message, UserWarning, stacklevel=_caller_level())
 
     def check_adapters(self, adapters: Any) -> bool:
