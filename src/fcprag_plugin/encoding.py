@@ -40,10 +40,8 @@ def _local_hub_snapshot(repo_id: str) -> str | None:
     from huggingface_hub import snapshot_download
 
     for rid in (repo_id, f"sentence-transformers/{repo_id}") if "/" not in repo_id else (repo_id,):
-        try:
+        with contextlib.suppress(Exception):
             return snapshot_download(rid, local_files_only=True)
-        except Exception:
-            continue
     return None
 
 
@@ -171,7 +169,6 @@ class TextEncoder:
     def _init_cache(self, size: int) -> None:
         self.cache_size = size
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.hits = self.misses = 0
         self._lock = threading.RLock()
         self.truncation_logged = False
 
@@ -209,8 +206,6 @@ class TextEncoder:
                 raise EncoderError(f"text {i} is a {type(t).__name__}, expected str")
         with self._lock:
             todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
-            self.hits += len(texts) - sum(1 for t in texts if t in todo)
-            self.misses += len(todo)
             fresh: dict[str, torch.Tensor] = {}
             if todo:
                 emb = self._fn(todo)

@@ -539,16 +539,6 @@ class FusedSlot:
             self._in_context = False
             self.deactivate()
 
-    @torch.no_grad()
-    def clear(self) -> None:
-        """Deactivate and zero every buffer."""
-        self.deactivate()
-        for seg in self._segments:
-            seg.A.zero_()
-            seg.BT.zero_()
-            seg.dirty = 0
-        self.n_active, self.merge_mode = 0, None
-
     def resize(self, max_adapters: int | None = None, max_rank: int | None = None) -> None:
         """Reallocate for a new K and/or R (content is cleared; the hooks stay, pointed at the new buffers)."""
         self._check_usable()
