@@ -381,9 +381,8 @@ class FusionController(nn.Module):
 
     def forward(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None,
                 side: torch.Tensor | None = None) -> ControllerOutput:
-        """``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]`` (True = real passage; None: all real), ``side
-        [B, N, k]`` raw side features in ``config.side_columns`` order (required when the controller has any,
-        ignored otherwise) -> :class:`ControllerOutput`. Features -> score -> calibrate -> combine."""
+        """``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]`` (True = real; None: all), ``side [B, N, k]`` (raw, in
+        ``config.side_columns`` order; required when the controller has any) -> :class:`ControllerOutput`."""
         c = self.config
         if self.training and self._inference_copy:
             raise ControllerError("this controller is an inference copy (for_inference): call .eval(), or train "

@@ -88,9 +88,8 @@ def side_feature_columns(names: Sequence[str]) -> list[str]:
 
 
 def adapter_stats(adapter: Any) -> dict[str, float]:
-    """:data:`ADAPTER_STAT_NAMES` of one :class:`~fcprag_plugin.adapter.LoraAdapter`, without forming any dW:
-    ``log_norm_g = log(sum over group g's modules of ||s B A||_F + 1e-8)`` per :data:`ADAPTER_GROUPS`,
-    ``log_norm_all`` over every module, ``rank`` and ``scaling`` the means over the modules."""
+    """:data:`ADAPTER_STAT_NAMES` of one ``LoraAdapter`` without forming dW: ``log(sum of ||s B A||_F + 1e-8)`` over
+    each of :data:`ADAPTER_GROUPS` and over all modules, then the mean ``rank`` and ``scaling``."""
     mods = getattr(adapter, "modules", None)
     if not isinstance(mods, dict) or not mods:
         raise ValueError(f"adapter_stats expects a LoraAdapter with at least one module, got {type(adapter).__name__}")
@@ -114,9 +113,8 @@ def adapter_recipe(adapter: Any) -> dict[str, Any]:
 
 
 def center_side(side: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Side features as the controller sees them: ``(f_i - mean over the set's real passages) / scale``, exactly 0
-    for a feature equal across the set. ``side [B, N, k]``, ``mask [B, N]`` (None: all real), ``scale [k]``
-    (None: 1) -> ``[B, N, k]``, 0 on padding."""
+    """``(f_i - mean over the set's real passages) / scale``, exactly 0 for a feature equal across the set: ``side
+    [B, N, k]``, ``mask [B, N]`` (None: all real), ``scale [k]`` (None: 1) -> ``[B, N, k]``, 0 on padding."""
     centered = side - masked_mean(side, mask, 1).unsqueeze(1)
     # the mean of equal values can round away from them: a set whose feature does not vary is exactly 0
     m3 = None if mask is None else mask.unsqueeze(-1)

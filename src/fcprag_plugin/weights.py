@@ -1,6 +1,5 @@
-"""The weights of one fusion (:class:`FusionWeights`), from the controller to the merge and the logs:
-``merge_weights`` is always ``w~`` (N float32-rounded floats, all ones is PRAG's sum), ``probabilities`` ``w`` (N,
-summing to 1); :func:`check_weights` is the one check every merge applies."""
+"""The weights of one fusion (:class:`FusionWeights`), from the controller to the merge and the logs, and
+:func:`check_weights`, the one check every merge applies."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ def is_uniform(controller: Any) -> bool:
 
 @dataclass(frozen=True)
 class FusionWeights:
-    """The controller's outputs for one query (N passages), immutable: ``merge_weights`` ``w~`` (N),
-    ``probabilities`` ``w`` (N, sums to 1), ``scores`` ``s`` (N) in (0, 1) (0.5 when uniform), the gate ``g`` in
-    [0, 1] (0 when uniform), ``tau`` (None when uniform) and the ``controller_mode`` that produced them."""
+    """One query's weights (N passages): ``merge_weights`` ``w~`` (float32-rounded; all ones: PRAG's sum),
+    ``probabilities`` ``w`` (sum 1), ``scores``, gate ``g``, ``tau`` (uniform: 0.5, 0, None), ``controller_mode``."""
 
     merge_weights: tuple[float, ...]
     probabilities: tuple[float, ...]

@@ -96,8 +96,7 @@ def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
 
 def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{module path without the PEFT prefix: (A [r, in], B [out, r])}`` of one translator output, for the fused
-    slot. Leading dimensions of size 1 (``[1, r, in]``) are dropped; a real batch of factors is a
-    :class:`HookError` (one slot holds one update per module)."""
+    slot (leading size-1 dimensions dropped; a real batch of factors is a :class:`HookError`)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     hint = f"run without {kw('use_slot', True)} for other keys"
     for mod, (ka, kb) in lora_pairs(list(output), need="use_slot", hint=hint, params=[("use_slot", True)]).items():

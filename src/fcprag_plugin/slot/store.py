@@ -46,8 +46,7 @@ class _NotFastPath(Exception):
 
 
 def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file (8-byte little-endian header length, JSON header ``{key: {dtype, shape,
-    data_offsets}}``, raw data) as a zero-copy view into one private memory map; anything unusual raises
+    """Every tensor of a safetensors file as a zero-copy view into one private memory map; anything unusual raises
     :class:`_NotFastPath` (the store then uses ``load_file``)."""
     size = file.stat().st_size
     with open(file, "rb") as f:
