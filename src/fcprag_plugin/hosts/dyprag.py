@@ -55,8 +55,7 @@ class DyPragShim(Shim):
 
     def clear(self) -> None:
         """Drop the captured translator outputs (done automatically per question and on errors)."""
-        with self._lock:
-            self._captured.clear()
+        self._take()
 
     def _capture(self, output: Any) -> None:
         with self._lock:

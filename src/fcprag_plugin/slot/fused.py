@@ -41,9 +41,6 @@ ROUTES = ("auto", "hooks", "weights")
 AUTO_ON_CPU = False  # route 'auto' on CPU weights: keep the hooks (measured: benchmarks/bench_generate.py)
 DEFAULT_MAX_RANK = 8
 
-# A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (per-sample mixtures).
-RankTransform = Callable[[torch.Tensor, str], torch.Tensor]
-
 
 @dataclass
 class _Segment:
@@ -78,7 +75,7 @@ class _Entry:
 @dataclass(slots=True, eq=False)
 class _State:
     active: bool = False  # the hooks add the update
-    transform: RankTransform | None = None
+    transform: Callable[[torch.Tensor, str], torch.Tensor] | None = None  # h [..., K*R] -> h (per-sample mixtures)
     pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
 
 
