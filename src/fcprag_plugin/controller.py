@@ -516,17 +516,14 @@ class FusionController(nn.Module):
     def check_encoder(self, encoder: Any) -> None:
         """Raise :class:`ControllerError` naming both models when ``encoder`` is not the recorded embedding model
         (another dimension, or another model: :func:`~fcprag_plugin.encoding.check_recorded_model`)."""
-        dim = getattr(encoder, "dim", None)
+        dim, name = getattr(encoder, "dim", None), getattr(encoder, "name", encoder)
         if dim is not None and dim != self.config.embed_dim:
-            raise ControllerError(
-                f"encoder '{getattr(encoder, 'name', encoder)}' gives {dim}-d embeddings but the controller expects "
-                f"{self.config.embed_dim}-d (trained with '{self.config.embedding_model}')"
-            )
+            raise ControllerError(f"encoder '{name}' gives {dim}-d embeddings but the controller expects "
+                                  f"{self.config.embed_dim}-d (trained with '{self.config.embedding_model}')")
         if not check_recorded_model(self.config.embedding_model, encoder):
-            raise ControllerError(
-                f"encoder '{getattr(encoder, 'name', encoder)}' is not the embedding model this controller was "
-                f"trained with ('{self.config.embedding_model}'); leave {kw('encoder')} out to use the controller's "
-                "own, or pass that model", params=[("encoder", BARE)])
+            raise ControllerError(f"encoder '{name}' is not the embedding model this controller was trained with "
+                                  f"('{self.config.embedding_model}'); leave {kw('encoder')} out to use the "
+                                  "controller's own, or pass that model", params=[("encoder", BARE)])
 
     @property
     def encoder(self) -> Any:
