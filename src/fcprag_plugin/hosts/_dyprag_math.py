@@ -51,10 +51,9 @@ def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passage
                             "expected a dict of LoRA factors")
         if set(out) != keys:
             missing, extra = sorted(keys - set(out)), sorted(set(out) - keys)
-            raise HookError(
-                f"fcprag dyprag: ParameterTranslator output {i} does not have the keys of the dict given to "
-                f"delta_inject{q}: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected "
-                f"{extra[:3]}{'...' if len(extra) > 3 else ''}")
+            raise HookError(f"fcprag dyprag: ParameterTranslator output {i} does not have the keys of the dict "
+                            f"given to delta_inject{q}: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
     for key, m in merged.items():
         if not isinstance(m, torch.Tensor):
             raise HookError(f"fcprag dyprag: key '{key}' given to delta_inject is a {type(m).__name__}, "
@@ -69,10 +68,9 @@ def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passage
         scale = float(stacked.abs().nan_to_num(nan=0.0).max()) if stacked.numel() else 0.0
         ok, diff = _close(stacked.mean(dim=0).to(m.dtype), m, scale)
         if not ok:
-            raise HookError(
-                f"fcprag dyprag: key '{key}': the dict given to delta_inject is not the plain mean of the "
-                f"{len(outputs)} captured ParameterTranslator outputs (max abs difference {diff:.3g}){q}. The "
-                f"capture is out of step with DyPRAG's merge; refusing to merge")
+            raise HookError(f"fcprag dyprag: key '{key}': the dict given to delta_inject is not the plain mean of the "
+                            f"{len(outputs)} captured ParameterTranslator outputs (max abs difference {diff:.3g}){q}. "
+                            f"The capture is out of step with DyPRAG's merge; refusing to merge")
 
 
 def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",

@@ -132,11 +132,10 @@ class DyPragShim(Shim):
         try:
             ctx = get_context(passages_list, what="DyPRAG delta_inject merge")
         except HookError:
-            raise HookError(
-                "fcprag dyprag: cannot tell which question and passages this delta_inject call is for: call "
-                "fcprag_plugin.hosts.set_context(question, passages) before delta_inject, or call delta_inject from "
-                "a function with local variables 'question' (a str) and 'passages' (a list of str), as DyPRAG's "
-                "inference_dyprag.py main() does") from None
+            raise HookError("fcprag dyprag: cannot tell which question and passages this delta_inject call is for: "
+                            "call fcprag_plugin.hosts.set_context(question, passages) before delta_inject, or call "
+                            "delta_inject from a function with local variables 'question' (a str) and 'passages' (a "
+                            "list of str), as DyPRAG's inference_dyprag.py main() does") from None
         if ctx["source"] == "set_context":
             clear_context()  # one question per set_context: a stale context must not weight the next question
         return ctx
