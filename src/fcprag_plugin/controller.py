@@ -7,13 +7,10 @@
     merge weights = kappa * c * w~                             kappa = 1, c = 1 unless configured
 
 Modes (``config.controller_mode``): ``learned`` (the nets above), ``uniform`` (no nets, no encoder: ``w~ =
-[kappa]*N``, :meth:`FusionController.scale_only`), ``scale`` (uniform times a per-query scale that
-:class:`ScaleHead` picks from ``config.scale_grid``), ``random`` (untrained nets, seeded) and ``fixed`` (one global g
-and tau). ``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates); ``init="uniform"``
-(:meth:`FusionController.reset_to_uniform_`) starts exactly there. Side features (retrieval rank and score,
-:func:`features.adapter_stats`) feed the score net only, centered within the set (:func:`features.center_side`);
-``c = 2*sigmoid(o_3)`` (``query_scale``) is 1 at initialisation.
-"""
+[kappa]*N``), ``scale`` (uniform times a per-query scale :class:`ScaleHead` picks from ``config.scale_grid``),
+``random`` (untrained nets, seeded) and ``fixed`` (one global g and tau). ``w~ = [1]*N`` is PRAG's merge (a plain
+sum of the passage updates), where ``init="uniform"`` starts. Side features (retrieval rank and score,
+:func:`features.adapter_stats`) feed the score net only, centered within the set; ``c = 2*sigmoid(o_3)``."""
 
 from __future__ import annotations
 
@@ -127,10 +124,9 @@ class ControllerConfig:
 
 @dataclass
 class ControllerOutput:
-    """Controller outputs for a batch (padding, ``mask [B, N]`` False, has zero weight): ``scores`` ``s [B, N]`` in
-    (0, 1), gate ``g [B]`` in [0, 1], temperature ``tau [B]``, ``probabilities`` ``w [B, N]`` (sum 1 over the real
-    passages), ``merge_weights`` ``kappa * c * w~ [B, N]`` (``w~ = N*w/sum w``), ``scale`` ``kappa * c [B]`` (None
-    when 1)."""
+    """Controller outputs for a batch (padding, ``mask [B, N]`` False, has zero weight): ``scores`` ``s [B, N]``,
+    gate ``g [B]``, temperature ``tau [B]``, ``probabilities`` ``w [B, N]`` (sum 1 over the real passages),
+    ``merge_weights`` ``kappa * c * w~ [B, N]`` (``w~ = N*w/sum w``), ``scale`` ``kappa * c [B]`` (None when 1)."""
 
     scores: torch.Tensor
     g: torch.Tensor

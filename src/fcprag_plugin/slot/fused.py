@@ -2,14 +2,10 @@
 
 Per layout group (:mod:`.layout`): ``A [L, K*R, in]`` and ``BT [L, K*R, out]``, adapter i in rows ``i*R ..
 i*R+R`` (``cat``: ``w~_i s_i A_i`` and ``B_i^T``, the exact ``sum_i w~_i s_i B_i A_i``; DyPRAG's ``separate``: the
-sums in the first R rows); one forward hook per target module adds ``BT^T (A x)``. Shapes never change and no
-model parameter is written: ``remove()`` leaves the model exactly as it was. Routes (``slot.route``): ``hooks``;
-``weights`` (:mod:`.fused_weights`, swapped in at :meth:`FusedSlot.write`); ``auto`` (default): hooks, switched to
-fused weights at the first no-grad forward that continues a KV cache (a ``generate``'s first decoding step) when
-the copy fits ``slot.weights_budget``, on an accelerator only (``AUTO_ON_CPU``).
-
->>> with FusedSlot.for_model(model, adapters[0], max_adapters=10).fused(adapters, w_tilde):  # doctest: +SKIP
-...     out = model.generate(**inputs)"""
+sums in the first R rows); one forward hook per target module adds ``BT^T (A x)``. No model parameter is written.
+Routes (``slot.route``): ``hooks``; ``weights`` (:mod:`.fused_weights`, swapped in at :meth:`FusedSlot.write`);
+``auto`` (default): hooks, switched to fused weights at the first no-grad forward that continues a KV cache (a
+``generate``'s first decoding step) when the copy fits ``slot.weights_budget``, on an accelerator only."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Fused weights for a :class:`~fcprag_plugin.slot.FusedSlot`: each target module computes with ``W' = W + BT^T A``,
-one buffer per module swapped in for its ``weight`` parameter (switching off puts the original ``Parameter`` objects
-back; the base weights are never written). The copy must fit ``budget`` bytes (None: half the device's free memory)
-and every target weight must be a plain floating-point ``nn.Parameter``; otherwise the slot keeps its hooks (logged
-once)."""
+one buffer per module swapped in for its ``weight`` parameter (and the original put back). The copy must fit
+``budget`` bytes (None: half the device's free memory) and every target weight must be a plain floating-point
+``nn.Parameter``; otherwise the slot keeps its hooks (logged once)."""
 
 from __future__ import annotations
 
