@@ -17,8 +17,7 @@ def check_equal_ranks(ranks: Sequence[Any], module: str, sources: Sequence[Any],
     layer) in ``module``; else a :class:`MergeError` naming the module, the ranks (``shown``) and the adapters."""
     if any(r != ranks[0] for r in ranks):
         raise MergeError(f"{what} needs equal ranks per module; module '{module}' has ranks "
-                         f"{list(shown if shown is not None else ranks)} "
-                         f"(adapters {list(sources)}); use mode 'cat'")
+                         f"{list(shown if shown is not None else ranks)} (adapters {list(sources)}); use mode 'cat'")
 
 
 def scaled_copy(dst: torch.Tensor, src: torch.Tensor, coef: float | torch.Tensor) -> None:
