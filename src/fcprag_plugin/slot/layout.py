@@ -24,10 +24,6 @@ class LayoutGroup:
     out_features: int
     names: tuple[str, ...]
 
-    @property
-    def size(self) -> int:
-        return len(self.names)
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -41,7 +37,7 @@ class Layout:
 
     @property
     def num_modules(self) -> int:
-        return sum(g.size for g in self.groups)
+        return sum(len(g.names) for g in self.groups)
 
     def describe_difference(self, other: "Layout") -> str:
         """A short human-readable reason why ``other`` does not match this layout."""
@@ -50,12 +46,10 @@ class Layout:
         if missing or extra:
             return (f"missing modules {missing[:3]}{'...' if len(missing) > 3 else ''}, "
                     f"extra modules {extra[:3]}{'...' if len(extra) > 3 else ''}")
-        shapes = {n: (g.out_features, g.in_features) for g in self.groups for n in g.names}
-        for g in other.groups:
-            for n in g.names:
-                if shapes[n] != (g.out_features, g.in_features):
-                    return (f"module '{n}' is [out, in] = {list(shapes[n])} here but "
-                            f"{[g.out_features, g.in_features]} there")
+        shapes = {n: [g.out_features, g.in_features] for g in self.groups for n in g.names}
+        for n, shape in ((n, [g.out_features, g.in_features]) for g in other.groups for n in g.names):
+            if shapes[n] != shape:
+                return f"module '{n}' is [out, in] = {shapes[n]} here but {shape} there"
         return "same modules in a different grouping"
 
 
