@@ -126,8 +126,7 @@ class ShimSlots:
     ``max_adapters``: fixed capacity K (more is a :class:`HookError`); ``None``: the slot grows as needed."""
 
     def __init__(self, max_adapters: int | None, who: str) -> None:
-        self.max_adapters = max_adapters
-        self.who = who
+        self.max_adapters, self.who = max_adapters, who
         self._models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self.resizes = 0
 
@@ -171,10 +170,8 @@ class ShimSlots:
 
     def close(self) -> None:
         """Remove the slots of every model this shim used: the models are exactly as before the first question."""
-        for model in list(self._models):
-            slot = FusedSlot.of(model)
-            if slot is not None:
-                slot.remove()
+        for slot in self.slots():
+            slot.remove()
         self._models = weakref.WeakSet()
 
 
