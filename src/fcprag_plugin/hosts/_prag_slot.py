@@ -130,14 +130,11 @@ class SlotPeftModel:
         if name not in self._configs:
             from peft import LoraConfig
 
-            if name in self._merges:
-                packed, first, _, mode = self._merges[name]
-                cfg = LoraConfig.from_pretrained(first)
+            packed, first, _, mode = self._merges.get(name) or ([], self._paths[name], None, None)
+            cfg = self._configs[name] = LoraConfig.from_pretrained(first)
+            if packed:  # a merge: its first adapter's config, scaling folded in
                 ranks = [p.max_rank for p in packed]
-                cfg.r = cfg.lora_alpha = sum(ranks) if mode == "cat" else max(ranks)  # scaling folded in
-            else:
-                cfg = LoraConfig.from_pretrained(self._paths[name])
-            self._configs[name] = cfg
+                cfg.r = cfg.lora_alpha = sum(ranks) if mode == "cat" else max(ranks)
         return self._configs[name]
 
     @property
