@@ -263,11 +263,8 @@ def check_recorded_model(recorded: str | None, encoder: Any) -> bool:
         return True
     source = getattr(encoder, "source", None)
     pair = (str(recorded), str(name), source)
-    if pair in _MODEL_CHECKS:
-        return True
-    if source is not None:
+    if pair not in _MODEL_CHECKS and source is not None:
         rec_path = resolve_model(recorded)[1]  # an explicit name never raises
         if os.path.exists(rec_path) and os.path.exists(source) and os.path.samefile(rec_path, source):
             _MODEL_CHECKS.add(pair)
-            return True
-    return False
+    return pair in _MODEL_CHECKS
