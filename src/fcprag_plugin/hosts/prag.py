@@ -137,16 +137,14 @@ class PragShim(Shim):
     def _context(self, names: list[str], paths: list[str | None],
                  parsed: list[PragAdapterPath | None]) -> dict[str, Any]:
         """Question and one passage per adapter (in adapter order), plus ``test_id`` and ``source``."""
-        data = self.data
-
         def from_data_file() -> dict[str, Any] | None:
-            if data is None:
+            if self.data is None:
                 return None
             bad = [p or f"adapter '{n}' (path unknown)" for n, p, q in zip(names, paths, parsed) if q is None]
             if bad:
-                raise HookError(f"cannot map {bad[0]} to the PRAG data file {data.path}: expected an adapter "
+                raise HookError(f"cannot map {bad[0]} to the PRAG data file {self.data.path}: expected an adapter "
                                 "loaded from '.../data_{test_id}/passage_{pid}'")
-            return {**data.context(parsed), "source": "data_file", "aligned": True}  # type: ignore[arg-type]
+            return {**self.data.context(parsed), "source": "data_file", "aligned": True}  # type: ignore[arg-type]
 
         shown = [p or n for n, p in zip(names, paths)]
         ctx = get_context(from_data_file, what=f"merge of adapters {shown}")
