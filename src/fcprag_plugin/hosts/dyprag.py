@@ -34,16 +34,26 @@ _LIFE = Lifecycle("fcprag dyprag")
 
 
 class DyPragShim(Shim):
-    """The installed shim (:class:`~fcprag_plugin.hosts.base.Shim`) with the capture buffer; made by :func:`install`."""
+    """The shim (:class:`~fcprag_plugin.hosts.base.Shim`) with the capture buffer; :func:`install`'s arguments."""
 
     who = "fcprag dyprag"
     lifecycle = _LIFE
 
-    def __init__(self, weigher: WeightProvider, mode: str, utils: ModuleType, projector: ModuleType, *,
-                 log: str | Path | None = None, use_slot: bool = False, max_adapters: int | None = None) -> None:
+    def __init__(self, controller: Any = None, encoder: Any = None, mode: str = "separate",
+                 log: str | Path | None = None, *, utils: ModuleType | str | None = None,
+                 projector: ModuleType | str | None = None, use_slot: bool = False,
+                 max_adapters: int | None = None) -> None:
+        if mode not in MODES:
+            raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
+        check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
+        self.utils, self.projector = host_modules(utils, projector)
+        _check_host(self.utils, self.projector)
+        weigher = WeightProvider(controller, encoder)
+        _ = weigher.encoder  # load it and check its dimension now, before the host script runs
+        logger.info("fcprag dyprag: installing (mode=%s, controller=%s, use_slot=%s)", mode,
+                    "uniform" if weigher.controller is None else weigher.controller.config.controller_mode,
+                    bool(use_slot))
         super().__init__(weigher, mode, log=log, use_slot=use_slot, max_adapters=max_adapters)
-        self.utils = utils
-        self.projector = projector
         self._captured: list[Any] = []
         self._lock = threading.Lock()
 
@@ -230,32 +240,17 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
     B_i``) or ``delta`` (exact ``sum u_i B_i A_i``); ``log``: JSON Lines, one record per question; ``utils``,
     ``projector``: the host modules or import names; ``use_slot``: a fused slot instead of DyPRAG's dense ``delta``
     (``max_adapters``: its fixed capacity, ``None``: grows)."""
-    return _LIFE.install(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
-
-
-def _make(controller: Any, encoder: Any, mode: str, log: str | Path | None, utils: ModuleType | str | None,
-          projector: ModuleType | str | None, use_slot: bool, max_adapters: int | None) -> DyPragShim:
-    if mode not in MODES:
-        raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
-    check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
-    utils_mod, projector_mod = host_modules(utils, projector)
-    _check_host(utils_mod, projector_mod)
-    weigher = WeightProvider(controller, encoder)
-    _ = weigher.encoder  # load it and check its dimension now, before the host script runs
-    logger.info("fcprag dyprag: installing (mode=%s, controller=%s, use_slot=%s)", mode,
-                "uniform" if weigher.controller is None else weigher.controller.config.controller_mode, bool(use_slot))
-    return DyPragShim(weigher, mode, utils_mod, projector_mod, log=log, use_slot=use_slot, max_adapters=max_adapters)
+    return _LIFE.install(DyPragShim(controller, encoder, mode, log, utils=utils, projector=projector,
+                                    use_slot=use_slot, max_adapters=max_adapters))
 
 
 uninstall = _LIFE.uninstall  # undo install() (no-op when not installed)
 is_installed = _LIFE.is_installed
 
 
-def installed(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
-              utils: ModuleType | str | None = None, projector: ModuleType | str | None = None,
-              use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[DyPragShim]:
-    """``with dyprag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
-    return _LIFE.installed(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
+def installed(*args: Any, **kwargs: Any) -> ContextManager[DyPragShim]:
+    """``with dyprag.installed(controller=DIR): ...`` (:func:`install`'s arguments); restores the previous state."""
+    return _LIFE.installed(DyPragShim(*args, **kwargs))
 
 
 def current() -> DyPragShim | None:
