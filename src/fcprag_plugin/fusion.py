@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from .adapter import LoraAdapter
 from .controller import FusionController, load_controller, query_weights
+from .encoding import is_blank
 from .errors import FusionInputError
 from .slot import AdapterStore, FusedSlot, PackedAdapter, pack_adapter
 from .merge import MergeResult, merge_adapters
@@ -22,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class _WeightsView:
-    """Read access to a fusion's :class:`FusionWeights` (``merge_weights`` is ``w~``, length N; ``probabilities``
-    is ``w``, summing to 1; ``tau`` is None for uniform weights)."""
+    """Read access to a fusion's :class:`FusionWeights` (``merge_weights`` ``w~``, ``probabilities`` ``w``)."""
 
     fusion_weights: FusionWeights
 
@@ -37,8 +37,7 @@ class _WeightsView:
 
 @dataclass
 class FusionResult(_WeightsView):
-    """What :func:`fuse` produced: the merged ``adapter``, its :class:`FusionWeights` and the merge ``mode``;
-    ``info`` holds the merge mode's facts (e.g. svd errors)."""
+    """What :func:`fuse` produced: the merged ``adapter``, its weights, the merge ``mode`` and its ``info``."""
 
     adapter: LoraAdapter
     fusion_weights: FusionWeights
@@ -55,9 +54,8 @@ class FusionResult(_WeightsView):
 
 @dataclass
 class LiveFusion(_WeightsView):
-    """A fusion switched on in a live model (:func:`fuse_into`): the model computes with the merged update until
-    :meth:`close` or the end of a ``with`` block, then exactly its base outputs again. ``slot`` is the model's
-    :class:`~fcprag_plugin.slot.FusedSlot` holding the update."""
+    """A fusion switched on in a live model (:func:`fuse_into`) until :meth:`close` or the end of a ``with`` block;
+    ``slot``: the model's :class:`~fcprag_plugin.slot.FusedSlot` holding the update."""
 
     fusion_weights: FusionWeights
     mode: str
@@ -79,8 +77,7 @@ class LiveFusion(_WeightsView):
 
 
 def _read_live(adapters: Sequence[Any], model: Any) -> list[Any]:
-    """Names of the live ``model``'s adapters -> read from it; paths, ``LoraAdapter`` s and packed adapters pass
-    through."""
+    """Names of the live ``model``'s adapters -> read from it; paths and (packed) adapters pass through."""
     live = set(getattr(model, "peft_config", {}) or {}) if model is not None else set()
     out = [LoraAdapter.from_peft_model(model, a) if isinstance(a, str) and a in live else a for a in adapters]
     for i, a in enumerate(out):
@@ -90,28 +87,9 @@ def _read_live(adapters: Sequence[Any], model: Any) -> list[Any]:
     return out
 
 
-def resolve_adapters(adapters: Sequence[Any], model: Any = None) -> list[LoraAdapter]:
-    """Paths -> loaded; ``LoraAdapter`` s pass through; names of a live model's adapters are read from it."""
-    return [a if isinstance(a, LoraAdapter) else a.to_lora() if isinstance(a, PackedAdapter)
-            else LoraAdapter.from_pretrained(a) for a in _read_live(adapters, model)]
-
-
-def warn_duplicates(adapters: Sequence[Any]) -> list[str]:
-    """Warn (one warning per fusion) when adapter paths repeat: each copy counts as its own passage update, so the
-    same update is added twice (PRAG does the same, silently). Returns the repeated paths."""
-    seen = Counter(os.path.realpath(a) for a in adapters if isinstance(a, (str, Path)))
-    dups = [k for k, c in seen.items() if c > 1]
-    if dups:
-        logger.warning("fuse: adapter path(s) %s are given more than once; each copy counts as its own passage "
-                       "update, so the same update is added several times", dups)
-    return dups
-
-
 def check_texts(query: str, passages: Sequence[str], n_adapters: int | None = None) -> None:
     """The query and passages are non-blank strings (blank: also only zero-width / control characters,
     :func:`~fcprag_plugin.encoding.is_blank`), one passage per adapter."""
-    from .encoding import is_blank
-
     if not isinstance(query, str) or is_blank(query):
         raise FusionInputError(f"query must be a non-empty string, got {query!r}")
     if isinstance(passages, str):
@@ -126,12 +104,17 @@ def check_texts(query: str, passages: Sequence[str], n_adapters: int | None = No
 
 
 def _check_inputs(adapters: Sequence[Any], query: str, passages: Sequence[str]) -> None:
+    """One adapter per passage (:func:`check_texts`); repeated paths are warned about (each copy adds its update)."""
     if isinstance(adapters, (str, Path, LoraAdapter, PackedAdapter)):
         raise FusionInputError("adapters must be a list (one per passage)")
     if len(adapters) == 0:
         raise FusionInputError("adapters is empty: need one adapter per passage")
     check_texts(query, passages, len(adapters))
-    warn_duplicates(adapters)
+    seen = Counter(os.path.realpath(a) for a in adapters if isinstance(a, (str, Path)))
+    dups = [k for k, c in seen.items() if c > 1]
+    if dups:
+        logger.warning("fuse: adapter path(s) %s are given more than once; each copy counts as its own passage "
+                       "update, so the same update is added several times", dups)
 
 
 def _weights(query: str, passages: Sequence[str], controller: Any, encoder: Any, loaded: Any,
@@ -149,14 +132,14 @@ def fuse(adapters: Sequence[Any], query: str, passages: Sequence[str], *,
          model: Any = None, retrieval_ranks: Sequence[float] | None = None,
          retrieval_scores: Sequence[float] | None = None, **merge_options: Any) -> FusionResult:
     """The merged adapter of the N passage ``adapters`` (directories, :class:`LoraAdapter` s, or names of adapters
-    loaded in the ``PeftModel`` ``model``) with per-query weights from ``controller`` (a :class:`FusionController`
-    or its directory; None: uniform, PRAG's merge); live model: :func:`fuse_into`. ``passages``: their N texts, in
-    order. ``encoder``: default the controller's embedding model (another: an error). ``mode``: ``cat``,
-    ``separate`` or ``svd``, ``merge_options`` that mode's (another is a :class:`TypeError` naming it).
+    in the ``PeftModel`` ``model``) and their N ``passages``, weighted by ``controller`` (a :class:`FusionController`
+    or its directory; None: PRAG's uniform merge). ``encoder``: default the controller's (another model raises).
+    ``mode``: ``cat``, ``separate`` or ``svd``, with that mode's ``merge_options`` (another is a ``TypeError``).
     ``retrieval_ranks``, ``retrieval_scores``: one number per passage, for a controller trained with them (missing:
-    equal for every passage, a ``UserWarning`` once per controller); adapter statistics come from ``adapters``."""
+    equal, a ``UserWarning`` once per controller)."""
     _check_inputs(adapters, query, passages)
-    loaded = resolve_adapters(adapters, model)
+    loaded = [a if isinstance(a, LoraAdapter) else a.to_lora() if isinstance(a, PackedAdapter)
+              else LoraAdapter.from_pretrained(a) for a in _read_live(adapters, model)]
     fw = _weights(query, passages, controller, encoder, loaded, retrieval_ranks, retrieval_scores)
     result: MergeResult = merge_adapters(loaded, fw.merge_weights, mode, **merge_options)
     logger.debug("fused %d adapters: w~=%s g=%.3f tau=%s", len(loaded), fw.merge_weights, fw.g, fw.tau)
@@ -167,12 +150,10 @@ def fuse_into(model: Any, adapters: Sequence[Any], query: str, passages: Sequenc
               controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
               store: AdapterStore | None = None, retrieval_ranks: Sequence[float] | None = None,
               retrieval_scores: Sequence[float] | None = None, **options: Any) -> LiveFusion:
-    """Put the fusion of the passage adapters (weights as in :func:`fuse`) into the live ``model`` (a transformers
-    model or a ``PeftModel``) and switch it on; the returned :class:`LiveFusion` switches it off (``with`` or
-    ``.close()``). No merged adapter is built and no weight of ``model`` is written. ``adapters`` may also be packed
-    adapters; ``mode``: ``cat`` (exact ``sum_i w~_i s_i B_i A_i``) or ``separate`` (DyPRAG's merge); ``store``: the
-    :class:`AdapterStore` caching adapter directories (default: the model's slot keeps one). Any other keyword (a
-    merge option of :func:`fuse`) is a :class:`FusionInputError` naming it."""
+    """Switch the fusion of the passage adapters (as in :func:`fuse`, packed adapters too) on in the live ``model``
+    (a transformers model or a ``PeftModel``; no weight is written) until the returned :class:`LiveFusion` closes.
+    ``mode``: ``cat`` (exact) or ``separate`` (DyPRAG's); ``store``: the :class:`AdapterStore` for adapter
+    directories (default: the model's slot keeps one). A merge option of :func:`fuse` is a :class:`FusionInputError`."""
     if options:
         raise FusionInputError(f"fuse_into: unexpected option(s) {sorted(options)}: a live fusion takes no merge "
                                "options (they belong to fuse(), which builds the merged adapter)")
@@ -189,9 +170,8 @@ def fuse_into(model: Any, adapters: Sequence[Any], query: str, passages: Sequenc
 
 def switch_on(model: Any, packed: Sequence[PackedAdapter], merge_weights: Sequence[float], mode: str = "cat", *,
               store: AdapterStore | None = None, max_adapters: int | None = None) -> FusedSlot:
-    """The one place a fusion enters a live model (:func:`fuse_into` and the host shims): the weighted ``mode``
-    merge of ``packed`` (``w~ = merge_weights``) is written into the model's fused slot, sized for at least
-    ``max_adapters`` (default: this fusion's N) adapters of this fusion's largest rank, and switched on."""
+    """The one place a fusion enters a live model: the ``mode`` merge of ``packed`` with ``w~ = merge_weights``,
+    written into the model's fused slot (room for at least ``max_adapters``, default N) and switched on."""
     slot = FusedSlot.for_model(model, packed[0], max_adapters=max(max_adapters or 0, len(packed)),
                                max_rank=max(p.max_rank for p in packed), store=store)
     return slot.write(list(packed), merge_weights, mode)

@@ -1,8 +1,5 @@
-"""The weights of one fusion (:class:`FusionWeights`), from the controller to the merge and the logs.
-
-``merge_weights`` is always ``w~`` (N float32-rounded floats each passage update is multiplied by; all ones is
-PRAG's sum); ``probabilities`` is ``w`` (N numbers summing to 1). :func:`is_uniform` decides whether a controller
-gives uniform weights; :func:`check_weights` is the one check every merge applies."""
+"""The weights of one fusion (:class:`FusionWeights`), from the controller to the merge and the logs, and
+:func:`check_weights`, the one check every merge applies."""
 
 from __future__ import annotations
 
@@ -18,16 +15,14 @@ from .fileio import finite_or_none
 
 
 def is_uniform(controller: Any) -> bool:
-    """True when ``controller`` gives uniform weights ``w~ = [kappa]*N`` (no controller: kappa 1, PRAG's merge; a
-    ``uniform`` or scale-only controller: its ``kappa``): no text is ever encoded."""
+    """Whether ``controller`` gives ``w~ = [kappa]*N`` (None: PRAG's merge; mode ``uniform``): no text is encoded."""
     return controller is None or controller.config.controller_mode == "uniform"
 
 
 @dataclass(frozen=True)
 class FusionWeights:
-    """The controller's outputs for one query (N passages), immutable: ``merge_weights`` ``w~`` (N),
-    ``probabilities`` ``w`` (N, sums to 1), ``scores`` ``s`` (N) in (0, 1) (0.5 when uniform), the gate ``g`` in
-    [0, 1] (0 when uniform), ``tau`` (None when uniform) and the ``controller_mode`` that produced them."""
+    """One query's weights (N passages): ``merge_weights`` ``w~`` (float32-rounded; all ones: PRAG's sum),
+    ``probabilities`` ``w`` (sum 1), ``scores``, gate ``g``, ``tau`` (uniform: 0.5, 0, None), ``controller_mode``."""
 
     merge_weights: tuple[float, ...]
     probabilities: tuple[float, ...]
@@ -47,8 +42,7 @@ class FusionWeights:
 
     @classmethod
     def uniform(cls, n: int, scale: float = 1.0) -> "FusionWeights":
-        """Uniform weights for ``n`` passages: ``w~ = [scale]*n`` (1: PRAG's merge; a scale-only controller's
-        ``kappa`` otherwise), ``w = [1/n]*n``."""
+        """Uniform weights for ``n`` passages: ``w~ = [scale]*n`` (1: PRAG's merge), ``w = [1/n]*n``."""
         return cls(check_weights([scale] * n, n), (1.0 / n,) * n, (0.5,) * n, 0.0, None, "uniform")
 
     @classmethod
@@ -61,8 +55,7 @@ class FusionWeights:
                    tuple(out.scores[b][m].tolist()), float(out.g[b]), float(out.tau[b]), controller_mode)
 
     def to_json(self) -> dict[str, Any]:
-        """Strict JSON: ``merge_weights``, ``probabilities``, ``scores``, ``g``, ``tau`` (null when uniform),
-        ``controller_mode``."""
+        """Strict JSON of every field (``tau`` null when uniform)."""
         return finite_or_none({"merge_weights": list(self.merge_weights), "probabilities": list(self.probabilities),
                                "scores": list(self.scores), "g": self.g, "tau": self.tau,
                                "controller_mode": self.controller_mode})
@@ -70,10 +63,9 @@ class FusionWeights:
 
 def side_inputs(controller: Any, *, adapters: Any = None, retrieval_ranks: Sequence[float] | None = None,
                 retrieval_scores: Sequence[float] | None = None) -> dict[str, Any]:
-    """The side-feature keyword arguments of ``controller.predict``: only those the controller was trained with
-    (``config.side_features``). ``adapters``, a sequence of :class:`~fcprag_plugin.adapter.LoraAdapter` or a
-    zero-argument callable returning one, is read only when ``adapter_stats`` is needed. A value that is None
-    reaches ``predict``, which falls back for a side input the host may lack (see ``FusionController.predict``)."""
+    """The side-feature keyword arguments of ``controller.predict`` the controller was trained with (None values
+    included: ``predict`` decides). ``adapters`` (:class:`~fcprag_plugin.adapter.LoraAdapter` s, or a callable
+    returning them) are read only for ``adapter_stats``."""
     names = () if is_uniform(controller) else tuple(getattr(controller.config, "side_features", None) or ())
     stats = lambda: list(adapters() if callable(adapters) else adapters) if adapters is not None else None  # noqa
     return {key: value() for name, key, value in (("retrieval_rank", "retrieval_ranks", lambda: retrieval_ranks),
@@ -83,18 +75,15 @@ def side_inputs(controller: Any, *, adapters: Any = None, retrieval_ranks: Seque
 
 def check_weights(weights: Any, n: int) -> tuple[float, ...]:
     """Validated merge weights ``w~``: finite, 1-D, one per adapter (``n >= 1``), as a tuple of float32-rounded
-    Python floats (the values a float32 merge computes with). ``None`` is ``[1] * n`` (PRAG's uniform merge). Lists
-    and tuples skip tensor ops (the per-query hot path); tensors and arrays are accepted too."""
+    Python floats; ``None`` is ``[1] * n``. Lists and tuples skip tensor ops (the hot path); tensors work too."""
     if n == 0:
         raise MergeError("no adapters to merge (N == 0)")
     if weights is None:
         return (1.0,) * n
-    vals: list[float] | None = None
-    if isinstance(weights, (list, tuple)):
-        try:
-            vals = array("f", [float(v) for v in weights]).tolist()  # rounds to float32 like torch does
-        except (TypeError, ValueError, OverflowError):
-            vals = None
+    try:  # rounds to float32 like torch does
+        vals = array("f", [float(v) for v in weights]).tolist() if isinstance(weights, (list, tuple)) else None
+    except (TypeError, ValueError, OverflowError):
+        vals = None
     if vals is None or len(vals) != n:
         w = torch.as_tensor(weights, dtype=torch.float32).detach().cpu()
         if w.ndim != 1 or w.shape[0] != n:

@@ -1,11 +1,8 @@
-"""The math of the DyPRAG shim: check that captured translator outputs line up with DyPRAG's average, then
-re-aggregate them with per-passage weights ``u`` (``[N]``, summing to 1).
-
-A translator output is a dict of PEFT-style keys ``...{module}.lora_A.weight`` ``[..., r, in]`` and
-``...{module}.lora_B.weight`` ``[..., out, r]``; DyPRAG sets ``delta = lora_B @ lora_A`` per module (no scaling).
-``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i`` (DyPRAG's own aggregation); ``delta``: ``A =
-cat_i(u_i A_i)``, ``B = cat_i(B_i)`` along rank, so ``B A = sum_i u_i B_i A_i`` exactly. The result has the dtypes,
-devices and keys of DyPRAG's dict (sums accumulate in float32 / float64)."""
+"""The math of the DyPRAG shim: check that captured translator outputs (dicts of ``...{module}.lora_A.weight``
+``[..., r, in]`` / ``...lora_B.weight`` ``[..., out, r]``; DyPRAG's ``delta = lora_B @ lora_A``, no scaling) line up
+with DyPRAG's average, then re-aggregate them with per-passage weights ``u`` ``[N]``: ``separate``: ``A* = sum_i u_i
+A_i``, ``B* = sum_i u_i B_i``; ``delta``: ``A = cat_i(u_i A_i)``, ``B = cat_i(B_i)``, so ``B A = sum_i u_i B_i A_i``
+exactly. Results keep the dtypes, devices and keys of DyPRAG's dict."""
 
 from __future__ import annotations
 
@@ -20,10 +17,6 @@ from ..merge import factors
 A_SUFFIX = ".lora_A.weight"
 B_SUFFIX = ".lora_B.weight"
 DYPRAG_MODES = ("separate", "delta")
-
-
-def _shape(t: Any) -> list[int] | str:
-    return list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, scale: float) -> tuple[bool, float]:
@@ -58,10 +51,9 @@ def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passage
                             "expected a dict of LoRA factors")
         if set(out) != keys:
             missing, extra = sorted(keys - set(out)), sorted(set(out) - keys)
-            raise HookError(
-                f"fcprag dyprag: ParameterTranslator output {i} does not have the keys of the dict given to "
-                f"delta_inject{q}: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected "
-                f"{extra[:3]}{'...' if len(extra) > 3 else ''}")
+            raise HookError(f"fcprag dyprag: ParameterTranslator output {i} does not have the keys of the dict "
+                            f"given to delta_inject{q}: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
     for key, m in merged.items():
         if not isinstance(m, torch.Tensor):
             raise HookError(f"fcprag dyprag: key '{key}' given to delta_inject is a {type(m).__name__}, "
@@ -69,23 +61,16 @@ def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passage
         for i, out in enumerate(outputs):
             t = out[key]
             if not isinstance(t, torch.Tensor) or t.shape != m.shape:
-                raise HookError(f"fcprag dyprag: key '{key}': ParameterTranslator output {i} has shape {_shape(t)} "
+                shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise HookError(f"fcprag dyprag: key '{key}': ParameterTranslator output {i} has shape {shape} "
                                 f"but delta_inject got {list(m.shape)}{q}")
         stacked = torch.stack([out[key].detach().to(m.device) for out in outputs])
         scale = float(stacked.abs().nan_to_num(nan=0.0).max()) if stacked.numel() else 0.0
         ok, diff = _close(stacked.mean(dim=0).to(m.dtype), m, scale)
         if not ok:
-            raise HookError(
-                f"fcprag dyprag: key '{key}': the dict given to delta_inject is not the plain mean of the "
-                f"{len(outputs)} captured ParameterTranslator outputs (max abs difference {diff:.3g}){q}. The "
-                f"capture is out of step with DyPRAG's merge; refusing to merge")
-
-
-def _weights_for(u: torch.Tensor | Sequence[float], n: int) -> list[float]:
-    u = [float(x) for x in (u.tolist() if isinstance(u, torch.Tensor) else u)]
-    if len(u) != n:
-        raise HookError(f"fcprag dyprag: got {len(u)} weights for {n} passages")
-    return u
+            raise HookError(f"fcprag dyprag: key '{key}': the dict given to delta_inject is not the plain mean of the "
+                            f"{len(outputs)} captured ParameterTranslator outputs (max abs difference {diff:.3g}){q}. "
+                            f"The capture is out of step with DyPRAG's merge; refusing to merge")
 
 
 def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
@@ -109,8 +94,7 @@ def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
 
 def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{module path without the PEFT prefix: (A [r, in], B [out, r])}`` of one translator output, for the fused
-    slot. Leading dimensions of size 1 (``[1, r, in]``) are dropped; a real batch of factors is a
-    :class:`HookError` (one slot holds one update per module)."""
+    slot (leading size-1 dimensions dropped; a real batch of factors is a :class:`HookError`)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     hint = f"run without {kw('use_slot', True)} for other keys"
     for mod, (ka, kb) in lora_pairs(list(output), need="use_slot", hint=hint, params=[("use_slot", True)]).items():
@@ -138,13 +122,15 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
 
 def aggregate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float], mode: str
               ) -> dict[str, torch.Tensor]:
-    """The ``outputs`` re-aggregated with weights ``u`` ``[N]`` as in the module docstring, keys in DyPRAG's order
-    (``delta``: ``A`` ``[..., N r, in]``, ``B`` ``[..., out, N r]``, so ``delta_inject``'s ``B @ A`` is exact)."""
-    if mode == "separate":
-        w = _weights_for(u, len(outputs))
-        return {key: factors.weighted_sum([o[key] for o in outputs], w) for key in outputs[0]}
-    if mode != "delta":
+    """The ``outputs`` re-aggregated with weights ``u`` ``[N]`` (module docstring), keys in DyPRAG's order
+    (``delta``: ``A`` ``[..., N r, in]``, ``B`` ``[..., out, N r]``)."""
+    if mode not in DYPRAG_MODES:
         raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(DYPRAG_MODES)}")
+    w = [float(x) for x in (u.tolist() if isinstance(u, torch.Tensor) else u)]
+    if len(w) != len(outputs):
+        raise HookError(f"fcprag dyprag: got {len(w)} weights for {len(outputs)} passages")
+    if mode == "separate":
+        return {key: factors.weighted_sum([o[key] for o in outputs], w) for key in outputs[0]}
     first = outputs[0]
     out: dict[str, torch.Tensor] = {}
     for mod, (ka, kb) in lora_pairs(list(first)).items():
@@ -152,6 +138,5 @@ def aggregate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | S
         if a0.ndim < 2 or b0.ndim < 2 or a0.shape[-2] != b0.shape[-1]:
             raise HookError(f"fcprag dyprag: module '{mod}': lora_A {list(a0.shape)} and lora_B {list(b0.shape)} "
                             "do not form B @ A (expected A [r, in], B [out, r])")
-        out[ka], out[kb] = factors.cat([o[ka] for o in outputs], [o[kb] for o in outputs],
-                                       _weights_for(u, len(outputs)))
+        out[ka], out[kb] = factors.cat([o[ka] for o in outputs], [o[kb] for o in outputs], w)
     return {k: out[k] for k in first}

@@ -1,6 +1,5 @@
-"""Map PRAG adapter paths back to the question and passages in PRAG's augmented data file: the adapter of passage
-``pid`` of record ``test_id`` of ``{group}.json`` (a JSON list, or JSON Lines, of objects with ``question`` and
-``passages``) is saved at ``.../{group}/data_{test_id}/passage_{pid}``."""
+"""Map PRAG adapter paths ``.../{group}/data_{test_id}/passage_{pid}`` back to record ``test_id`` (``question``,
+``passages[pid]``) of PRAG's augmented data file ``{group}.json`` (a JSON list, or JSON Lines)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What ``PeftModel.from_pretrained`` returns under PRAG's ``use_slot``: PRAG's adapter verbs over an adapter store
-and a fused slot, no LoRA modules. The active adapter's update is written by ``set_adapter`` or, when it changed
-otherwise, by a forward pre-hook before the next forward: one write per question."""
+and a fused slot, no LoRA modules; the active adapter is written by ``set_adapter`` or a forward pre-hook."""
 
 from __future__ import annotations
 
@@ -11,23 +10,20 @@ from typing import Any, Iterator, Sequence
 from ..errors import HookError
 from ..slot import PackedAdapter
 
-# PeftModel attributes a base model also has but whose PEFT meaning the slot cannot give (they would act on the
-# bare base model). Other PeftModel-only attributes are refused by ``__getattr__``.
+# PeftModel attributes a base model also has, whose PEFT meaning the slot cannot give (others: ``__getattr__``)
 _REFUSED = frozenset({"save_pretrained", "push_to_hub", "merge_adapter", "unmerge_adapter", "add_adapter",
                       "print_trainable_parameters", "get_nb_trainable_parameters", "set_additional_trainable_modules"})
 
 
 class SlotPeftModel:
     """A ``PeftModel`` stand-in for PRAG's inference loop: PEFT's adapter verbs keep their meaning (the merge is the
-    shim's; ``merge_and_unload`` refuses while an adapter is active), everything else is the base model's own;
-    training and saving adapters are refused."""
+    shim's), everything else is the base model's; training, saving and merging an active adapter are refused."""
 
     def __init__(self, shim: Any, base: Any, model_id: Any, adapter_name: str) -> None:
         self._shim, self._base = shim, base
         self._adapters: dict[str, PackedAdapter] = {}
         self._paths: dict[str, str] = {}
-        # merge name -> (its adapters, the first one's path, w~, mode): a merge keeps its own copy of the recipe, so
-        # deleting a passage adapter later does not change it (as with PEFT's materialised merge)
+        # merge name -> (its adapters, the first one's path, w~, mode): its own recipe, as PEFT's materialised merge
         self._merges: dict[str, tuple[list[PackedAdapter], str, list[float], str]] = {}
         self._configs: dict[str, Any] = {}
         self._active: str | None = None
@@ -93,10 +89,8 @@ class SlotPeftModel:
 
     def delete_adapter(self, adapter_name: str) -> None:
         name = self._existing("delete_adapter", adapter_name)
-        self._adapters.pop(name, None)
-        self._merges.pop(name, None)
-        self._paths.pop(name, None)
-        self._configs.pop(name, None)
+        for table in (self._adapters, self._merges, self._paths, self._configs):
+            table.pop(name, None)
         if self._active == name:  # like PEFT: the first remaining adapter becomes active
             rest = self._names()
             self._active = rest[0] if rest else None
@@ -136,14 +130,11 @@ class SlotPeftModel:
         if name not in self._configs:
             from peft import LoraConfig
 
-            if name in self._merges:
-                packed, first, _, mode = self._merges[name]
-                cfg = LoraConfig.from_pretrained(first)
+            packed, first, _, mode = self._merges.get(name) or ([], self._paths[name], None, None)
+            cfg = self._configs[name] = LoraConfig.from_pretrained(first)
+            if packed:  # a merge: its first adapter's config, scaling folded in
                 ranks = [p.max_rank for p in packed]
-                cfg.r = cfg.lora_alpha = sum(ranks) if mode == "cat" else max(ranks)  # scaling folded in
-            else:
-                cfg = LoraConfig.from_pretrained(self._paths[name])
-            self._configs[name] = cfg
+                cfg.r = cfg.lora_alpha = sum(ranks) if mode == "cat" else max(ranks)
         return self._configs[name]
 
     @property

@@ -1,10 +1,10 @@
-"""What the host shims share: reversible patches, the weights and the log, the fused slots of ``use_slot`` and
-the install lifecycle (``prag.py`` / ``dyprag.py`` add their patches; which question a merge is for:
-:mod:`.context`; running a host's script: ``fcprag_tools.launch``)."""
+"""What the host shims share: reversible patches, the weights, the log, ``use_slot``'s fused slots and the install
+lifecycle (which question a merge is for: :mod:`.context`; running a host's script: ``fcprag_tools.launch``)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import weakref
@@ -33,10 +33,6 @@ class PatchSet:
         self.name = name
         self._patches: list[tuple[Any, str, Any]] = []  # (owner, attr, original in owner.__dict__ or _MISSING)
 
-    @property
-    def active(self) -> bool:
-        return bool(self._patches)
-
     def patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
         """Replace ``owner.attr`` with ``make(current)``; patching the same (owner, attr) twice is a no-op."""
         if any(o is owner and a == attr for o, a, _ in self._patches):
@@ -53,6 +49,20 @@ class PatchSet:
                 with contextlib.suppress(AttributeError):
                     delattr(owner, attr)
         self._patches.clear()
+
+
+def wrapping(fn: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``make(orig)`` for :meth:`PatchSet.patch`: ``fn(orig, *args, **kwargs)`` dressed as ``orig``
+    (``functools.wraps``), with ``orig`` kept as ``__fcprag_original__``."""
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(orig)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(orig, *args, **kwargs)
+
+        wrapper.__fcprag_original__ = orig  # type: ignore[attr-defined]
+        return wrapper
+
+    return make
 
 
 class WeightProvider:
@@ -84,10 +94,9 @@ class WeightProvider:
             self.controller is not None and bool(self.controller.config.trained_for) and not self._recipe_checked)
 
     def weights(self, question: str, passages: Sequence[str], adapters: Any = None) -> FusionWeights:
-        """The :class:`~fcprag_plugin.weights.FusionWeights` for one question. ``retrieval_rank`` is the position
-        (hosts pass passages in retrieval order); ``adapter_stats`` come from ``adapters`` (read only when
-        :attr:`needs_adapters`); hosts keep no retrieval scores (``predict`` takes them as equal, with a warning).
-        The first call's adapters are checked against the controller's recipe (``check_adapters``)."""
+        """The :class:`~fcprag_plugin.weights.FusionWeights` of one question: ``retrieval_rank`` is the position
+        (passages come in retrieval order), no retrieval scores; ``adapters`` (read only when :attr:`needs_adapters`)
+        give ``adapter_stats`` and, on the first call, are checked against the controller's recipe."""
         check_texts(question, passages)
         trained_for = self.controller is not None and self.controller.config.trained_for
         if adapters is not None and trained_for and not self._recipe_checked:
@@ -113,19 +122,16 @@ def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | Non
 
 
 class ShimSlots:
-    """The models whose slot (owned by the model, :meth:`FusedSlot.for_model`) one shim used, held weakly so
-    :meth:`close` can remove them. ``max_adapters``: fixed capacity K (more is a :class:`HookError`); ``None`` sizes
-    the slot for the first question and grows it when a later one needs more adapters or rank."""
+    """The models whose slot (:meth:`FusedSlot.for_model`) one shim used, held weakly for :meth:`close`.
+    ``max_adapters``: fixed capacity K (more is a :class:`HookError`); ``None``: the slot grows as needed."""
 
     def __init__(self, max_adapters: int | None, who: str) -> None:
-        self.max_adapters = max_adapters
-        self.who = who
+        self.max_adapters, self.who = max_adapters, who
         self._models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self.resizes = 0
 
     def get(self, model: nn.Module, targets: Any, n: int, rank: int) -> FusedSlot:
-        """The slot on ``model`` covering ``targets`` (module paths or a packed adapter), with room for ``n``
-        adapters of rank ``rank``."""
+        """The slot on ``model`` for ``targets`` (module paths or a packed adapter), ``n`` adapters of ``rank``."""
         if self.max_adapters is not None and n > self.max_adapters:
             raise HookError(f"{self.who}: this question merges {n} adapters but the fused slot holds "
                             f"{kw('max_adapters', self.max_adapters)}; raise {kw('max_adapters')} or leave it "
@@ -144,8 +150,8 @@ class ShimSlots:
 
     def write(self, model: nn.Module, modules: Sequence[str], rank: int, factors: Sequence[FactorGetter],
               sources: Sequence[str], merge_weights: Sequence[float], mode: str) -> FusedSlot:
-        """Pack each adapter's factors (``factors[i](module) -> (A, B, s)``, named ``sources[i]`` in errors) into
-        the slot of ``model`` and write their ``mode`` merge with ``merge_weights`` (``w~``, switched on)."""
+        """Pack ``factors[i](module) -> (A, B, s)`` (``sources[i]`` in errors) and write their ``mode`` merge with
+        ``w~ = merge_weights`` into the slot of ``model``, switched on."""
         slot = self.get(model, list(modules), len(factors), rank)
         packed = [pack_factors(slot.layout, f, src, error=HookError) for f, src in zip(factors, sources)]
         return switch_on(model, packed, merge_weights, mode, max_adapters=slot.max_adapters)
@@ -164,17 +170,14 @@ class ShimSlots:
 
     def close(self) -> None:
         """Remove the slots of every model this shim used: the models are exactly as before the first question."""
-        for model in list(self._models):
-            slot = FusedSlot.of(model)
-            if slot is not None:
-                slot.remove()
+        for slot in self.slots():
+            slot.remove()
         self._models = weakref.WeakSet()
 
 
 class Shim:
-    """What every host shim holds: ``weigher``, the merge ``mode``, the ``slots`` of ``use_slot``, its patches and
-    the JSON Lines log (``log_path``, ``merges``, ``last_record``). Subclasses set ``who``, ``lifecycle`` and
-    :meth:`apply`."""
+    """What every host shim holds: ``weigher``, ``mode``, the ``slots`` of ``use_slot``, its patches and the JSON
+    Lines log (``log_path``, ``merges``, ``last_record``); subclasses set ``who``, ``lifecycle``, :meth:`apply`."""
 
     who = "fcprag"
     lifecycle: "Lifecycle"

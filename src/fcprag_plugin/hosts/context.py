@@ -1,6 +1,5 @@
-"""Which question and passages a host's merge is for: what :func:`set_context` said (thread-local), else the
-locals ``question`` and ``passages`` of a calling function (PRAG's and DyPRAG's loops have them), else the shim's
-fallback (e.g. PRAG's data file)."""
+"""Which question and passages a host's merge is for: :func:`set_context` (thread-local), else the locals
+``question`` and ``passages`` of a calling function (as in PRAG's and DyPRAG's loops), else the shim's fallback."""
 
 from __future__ import annotations
 

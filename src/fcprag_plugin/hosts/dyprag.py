@@ -1,14 +1,11 @@
 """DyPRAG shim: DyPRAG's per-question average of translator-generated LoRA factors becomes a controller-weighted
-aggregation (``u = w~/N``, :mod:`._dyprag_math`), without changing DyPRAG's code.
-
-Captures every ``ParameterTranslator.forward`` output (class-level patch) and wraps ``utils.delta_inject``: the
-capture must be the N passages whose plain mean DyPRAG passes (else :class:`HookError`); it is emptied at every
-``delta_inject`` and on every error. ``use_slot=True`` writes the update into a fused slot instead (the patched
-``delta_remove`` switches it off). Install before ``from utils import ...``; see ``examples/dyprag/README.md``."""
+aggregation (``u = w~/N``, :mod:`._dyprag_math`), without changing DyPRAG's code. Every ``ParameterTranslator``
+output is captured and must be the N passages whose plain mean ``utils.delta_inject`` gets (else
+:class:`HookError`); the capture is emptied at every ``delta_inject`` and on every error. ``use_slot=True``: a fused
+slot carries the update (the patched ``delta_remove`` switches it off). See ``examples/dyprag/README.md``."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import sys
@@ -22,7 +19,7 @@ from ..adapter import LoraAdapter, LoraModule
 from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
-from .base import Lifecycle, Shim, WeightProvider, check_max_adapters
+from .base import Lifecycle, Shim, WeightProvider, check_max_adapters, wrapping
 from .context import caller_test_id, clear_context, find_in_callers, get_context
 from .context import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
@@ -37,16 +34,26 @@ _LIFE = Lifecycle("fcprag dyprag")
 
 
 class DyPragShim(Shim):
-    """The installed shim (:class:`~fcprag_plugin.hosts.base.Shim`) with the capture buffer; made by :func:`install`."""
+    """The shim (:class:`~fcprag_plugin.hosts.base.Shim`) with the capture buffer; :func:`install`'s arguments."""
 
     who = "fcprag dyprag"
     lifecycle = _LIFE
 
-    def __init__(self, weigher: WeightProvider, mode: str, utils: ModuleType, projector: ModuleType, *,
-                 log: str | Path | None = None, use_slot: bool = False, max_adapters: int | None = None) -> None:
+    def __init__(self, controller: Any = None, encoder: Any = None, mode: str = "separate",
+                 log: str | Path | None = None, *, utils: ModuleType | str | None = None,
+                 projector: ModuleType | str | None = None, use_slot: bool = False,
+                 max_adapters: int | None = None) -> None:
+        if mode not in MODES:
+            raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
+        check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
+        self.utils, self.projector = host_modules(utils, projector)
+        _check_host(self.utils, self.projector)
+        weigher = WeightProvider(controller, encoder)
+        _ = weigher.encoder  # load it and check its dimension now, before the host script runs
+        logger.info("fcprag dyprag: installing (mode=%s, controller=%s, use_slot=%s)", mode,
+                    "uniform" if weigher.controller is None else weigher.controller.config.controller_mode,
+                    bool(use_slot))
         super().__init__(weigher, mode, log=log, use_slot=use_slot, max_adapters=max_adapters)
-        self.utils = utils
-        self.projector = projector
         self._captured: list[Any] = []
         self._lock = threading.Lock()
 
@@ -58,8 +65,7 @@ class DyPragShim(Shim):
 
     def clear(self) -> None:
         """Drop the captured translator outputs (done automatically per question and on errors)."""
-        with self._lock:
-            self._captured.clear()
+        self._take()
 
     def _capture(self, output: Any) -> None:
         with self._lock:
@@ -87,9 +93,8 @@ class DyPragShim(Shim):
         return new
 
     def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
-        """``use_slot``: the same checks and weights as :meth:`reaggregate`, but the update is written into the
-        model's fused slot (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with
-        ``u = w~/N``) and switched on, instead of a dict for DyPRAG's dense ``delta_inject``."""
+        """``use_slot``: :meth:`reaggregate`'s checks and weights, the update written into the model's fused slot
+        (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with ``u``) and switched on."""
         outs, ctx, fw, u, times = self._weigh(merged)
         factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
@@ -102,8 +107,8 @@ class DyPragShim(Shim):
 
     def _weigh(self, merged: Mapping[str, Any]
                ) -> tuple[list[Any], dict[str, Any], FusionWeights, list[float], tuple[float, float]]:
-        """Take the capture, resolve the question, check the alignment and compute ``w~`` and ``u = w~/N``; also
-        returns when the weights' computation started and ended."""
+        """Take the capture, resolve the question, check the alignment; ``(outputs, context, w~, u = w~/N, (start,
+        end) of the weights' computation)``."""
         outs = self._take()
         ctx = self._context()
         q_text, p_texts = ctx["question"], ctx["passages"]
@@ -137,11 +142,10 @@ class DyPragShim(Shim):
         try:
             ctx = get_context(passages_list, what="DyPRAG delta_inject merge")
         except HookError:
-            raise HookError(
-                "fcprag dyprag: cannot tell which question and passages this delta_inject call is for: call "
-                "fcprag_plugin.hosts.set_context(question, passages) before delta_inject, or call delta_inject from "
-                "a function with local variables 'question' (a str) and 'passages' (a list of str), as DyPRAG's "
-                "inference_dyprag.py main() does") from None
+            raise HookError("fcprag dyprag: cannot tell which question and passages this delta_inject call is for: "
+                            "call fcprag_plugin.hosts.set_context(question, passages) before delta_inject, or call "
+                            "delta_inject from a function with local variables 'question' (a str) and 'passages' (a "
+                            "list of str), as DyPRAG's inference_dyprag.py main() does") from None
         if ctx["source"] == "set_context":
             clear_context()  # one question per set_context: a stale context must not weight the next question
         return ctx
@@ -156,41 +160,32 @@ class DyPragShim(Shim):
                 raise HookError(f"fcprag dyprag: {where} has no function 'delta_remove'; use_slot needs it to "
                                 "switch the fused slot off after each question")
 
-        def make_forward(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
-                try:
-                    out = orig(module, *args, **kwargs)
-                except BaseException:
-                    self.clear()  # this question's capture is incomplete: never let it reach the next one
-                    raise
-                self._capture(out)
-                return out
+        def forward(orig: Callable[..., Any], module: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                out = orig(module, *args, **kwargs)
+            except BaseException:
+                self.clear()  # this question's capture is incomplete: never let it reach the next one
+                raise
+            self._capture(out)
+            return out
 
-            return _wrapping(orig, forward)
+        def delta_inject(orig: Callable[..., Any], model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.use_slot:
+                self.inject_on_slot(model, adapter_weights)  # no dense delta: the slot carries the update
+                return None
+            return orig(model, self.reaggregate(adapter_weights), *args, **kwargs)
 
-        def make_inject(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def delta_inject(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
-                if self.use_slot:
-                    self.inject_on_slot(model, adapter_weights)  # no dense delta: the slot carries the update
-                    return None
-                return orig(model, self.reaggregate(adapter_weights), *args, **kwargs)
+        def delta_remove(orig: Callable[..., Any], model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
+            slot = self.slots.slot_of(model)
+            if slot is not None and slot.active:
+                slot.deactivate()  # this question's update lived in the slot; DyPRAG set no delta to delete
+                return None
+            return orig(model, adapter_weights, *args, **kwargs)
 
-            return _wrapping(orig, delta_inject)
-
-        def make_remove(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def delta_remove(model: Any, adapter_weights: Any, *args: Any, **kwargs: Any) -> Any:
-                slot = self.slots.slot_of(model)
-                if slot is not None and slot.active:
-                    slot.deactivate()  # this question's update lived in the slot; DyPRAG set no delta to delete
-                    return None
-                return orig(model, adapter_weights, *args, **kwargs)
-
-            return _wrapping(orig, delta_remove)
-
-        self.patches.patch(cls, "forward", make_forward)
-        self.patches.patch(self.utils, "delta_inject", make_inject)
+        self.patches.patch(cls, "forward", wrapping(forward))
+        self.patches.patch(self.utils, "delta_inject", wrapping(delta_inject))
         if self.use_slot:
-            self.patches.patch(self.utils, "delta_remove", make_remove)
+            self.patches.patch(self.utils, "delta_remove", wrapping(delta_remove))
         main = sys.modules.get("__main__")
         for name, orig_fn in originals.items():
             patched = getattr(self.utils, name)
@@ -205,24 +200,15 @@ class DyPragShim(Shim):
         super().close()
 
 
-def _wrapping(orig: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` dressed as ``orig`` (``functools.wraps``), with ``orig`` kept as ``fn.__fcprag_original__``."""
-    fn = functools.wraps(orig)(fn)
-    fn.__fcprag_original__ = orig  # type: ignore[attr-defined]
-    return fn
-
-
 def _translator_adapter(output: Mapping[str, Any], index: int) -> LoraAdapter:
-    """One passage's translator output as a :class:`LoraAdapter` (DyPRAG injects ``B @ A``: scaling 1), for a
-    controller trained with ``adapter_stats``."""
+    """One translator output as a :class:`LoraAdapter` (scaling 1: DyPRAG injects ``B @ A``), for adapter_stats."""
     mods = {m: LoraModule(A, B, 1.0) for m, (A, B) in dm.module_factors(output, index).items()}
     return LoraAdapter(mods, {}, f"ParameterTranslator output {index}")
 
 
 def host_modules(utils: ModuleType | str | None = None,
                  projector: ModuleType | str | None = None) -> tuple[ModuleType, ModuleType]:
-    """DyPRAG's ``utils`` and ``projector`` modules: given ones as they are, names (default ``utils`` /
-    ``projector``) imported."""
+    """DyPRAG's ``utils`` and ``projector`` modules: given ones as they are, names (default: those) imported."""
     mods = []
     for mod, what in ((utils or UTILS_MODULE, "delta_inject"), (projector or PROJECTOR_MODULE, TRANSLATOR_CLASS)):
         try:
@@ -247,40 +233,24 @@ def _check_host(utils: ModuleType, projector: ModuleType) -> None:
 def install(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
             utils: ModuleType | str | None = None, projector: ModuleType | str | None = None,
             use_slot: bool = False, max_adapters: int | None = None) -> DyPragShim:
-    """Patch DyPRAG's ``utils.delta_inject`` and ``projector.ParameterTranslator.forward`` (before the script runs
-    ``from utils import delta_inject``; installing again replaces the shim). Returns the shim (a context manager).
-
-    ``controller``: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (uniform:
-    DyPRAG's own average); ``encoder``: a text encoder or model name/path (default: the controller's); ``mode``:
-    ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i B_i``) or ``delta`` (exact ``sum u_i B_i A_i``); ``log``:
-    JSON Lines, one record per question; ``utils``, ``projector``: the host modules or import names; ``use_slot``:
-    a fused slot instead of DyPRAG's dense ``delta``; ``max_adapters``: its fixed capacity (``None``: grows)."""
-    return _LIFE.install(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
-
-
-def _make(controller: Any, encoder: Any, mode: str, log: str | Path | None, utils: ModuleType | str | None,
-          projector: ModuleType | str | None, use_slot: bool, max_adapters: int | None) -> DyPragShim:
-    if mode not in MODES:
-        raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
-    check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
-    utils_mod, projector_mod = host_modules(utils, projector)
-    _check_host(utils_mod, projector_mod)
-    weigher = WeightProvider(controller, encoder)
-    _ = weigher.encoder  # load it and check its dimension now, before the host script runs
-    logger.info("fcprag dyprag: installing (mode=%s, controller=%s, use_slot=%s)", mode,
-                "uniform" if weigher.controller is None else weigher.controller.config.controller_mode, bool(use_slot))
-    return DyPragShim(weigher, mode, utils_mod, projector_mod, log=log, use_slot=use_slot, max_adapters=max_adapters)
+    """Patch DyPRAG's ``utils.delta_inject`` and ``projector.ParameterTranslator.forward`` (before the script's
+    ``from utils import delta_inject``; installing again replaces the shim); returns the shim (a context manager).
+    ``controller``: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (DyPRAG's own
+    average); ``encoder``: default the controller's; ``mode``: ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i
+    B_i``) or ``delta`` (exact ``sum u_i B_i A_i``); ``log``: JSON Lines, one record per question; ``utils``,
+    ``projector``: the host modules or import names; ``use_slot``: a fused slot instead of DyPRAG's dense ``delta``
+    (``max_adapters``: its fixed capacity, ``None``: grows)."""
+    return _LIFE.install(DyPragShim(controller, encoder, mode, log, utils=utils, projector=projector,
+                                    use_slot=use_slot, max_adapters=max_adapters))
 
 
 uninstall = _LIFE.uninstall  # undo install() (no-op when not installed)
 is_installed = _LIFE.is_installed
 
 
-def installed(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,
-              utils: ModuleType | str | None = None, projector: ModuleType | str | None = None,
-              use_slot: bool = False, max_adapters: int | None = None) -> ContextManager[DyPragShim]:
-    """``with dyprag.installed(controller=DIR): ...``; restores the previous state (installed or not) on exit."""
-    return _LIFE.installed(_make(controller, encoder, mode, log, utils, projector, use_slot, max_adapters))
+def installed(*args: Any, **kwargs: Any) -> ContextManager[DyPragShim]:
+    """``with dyprag.installed(controller=DIR): ...`` (:func:`install`'s arguments); restores the previous state."""
+    return _LIFE.installed(DyPragShim(*args, **kwargs))
 
 
 def current() -> DyPragShim | None:

@@ -1,9 +1,7 @@
 """PRAG shim: PRAG's uniform ``add_weighted_adapter`` merge gets controller weights; PRAG's code stays as it is.
-
-``prag.install(controller=DIR, log=...)`` before PRAG's question loop patches peft at class level (reversible,
-idempotent): ``add_weighted_adapter`` (checks, context, ``w~``, log), ``PeftModel.from_pretrained`` /
-``load_adapter`` (remember adapter paths) and, on peft < 0.19, ``unload`` / ``merge_and_unload`` (clear the stale
-``peft_config``). ``use_slot=True``: ``from_pretrained`` returns a ``SlotPeftModel``. See ``examples/prag/``."""
+:func:`install` patches peft at class level (reversible, idempotent): ``add_weighted_adapter`` (checks, context,
+``w~``, log), ``PeftModel.from_pretrained`` / ``load_adapter`` (remember adapter paths) and, on peft < 0.19,
+``unload`` / ``merge_and_unload`` (clear the stale ``peft_config``). See ``examples/prag/``."""
 
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 from ..compat import (clear_stale_peft_config, has_stale_peft_config, live_lora_layers, lora_b_weight,
-                      peft_has_stale_config_bug, peft_version)
+                      package_version, peft_has_stale_config_bug)
 from ..adapter import LoraAdapter
 from ..controller import FusionController
 from ..errors import HookError, kw
@@ -29,7 +27,7 @@ from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
 from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
 from ..weights import FusionWeights
-from .base import Lifecycle, Shim, WeightProvider
+from .base import Lifecycle, Shim, WeightProvider, wrapping
 from .context import caller_test_id, clear_context, get_context
 from .context import set_context  # noqa: F401  (re-exported: prag.set_context(question, passages))
 
@@ -69,12 +67,13 @@ class PragShim(Shim):
         from peft import PeftModel
         from peft.tuners.lora import LoraModel
 
-        self.patches.patch(LoraModel, "add_weighted_adapter", _wrap_add_weighted_adapter)
-        self.patches.patch(PeftModel, "from_pretrained", _wrap_from_pretrained)
-        self.patches.patch(PeftModel, "load_adapter", _wrap_load_adapter)
+        self.patches.patch(LoraModel, "add_weighted_adapter", wrapping(_add_weighted_adapter))
+        self.patches.patch(PeftModel, "from_pretrained", lambda orig: classmethod(
+            wrapping(_from_pretrained)(orig.__func__)))  # the function under the classmethod
+        self.patches.patch(PeftModel, "load_adapter", wrapping(_load_adapter))
         if peft_has_stale_config_bug():
-            self.patches.patch(LoraModel, "unload", _wrap_unload)
-            self.patches.patch(LoraModel, "merge_and_unload", _wrap_unload)
+            self.patches.patch(LoraModel, "unload", wrapping(_unload))
+            self.patches.patch(LoraModel, "merge_and_unload", wrapping(_unload))
 
     def close(self) -> None:
         for sm in list(self._slot_models.values()):
@@ -84,8 +83,7 @@ class PragShim(Shim):
         super().close()
 
     def merge(self, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
-        """``LoraModel.add_weighted_adapter`` (its arguments in ``bound``) with controller weights: take the adapters
-        PRAG loaded, compute the question's ``w~``, write the merge, log the question."""
+        """``LoraModel.add_weighted_adapter`` (arguments ``bound``) with the question's ``w~``, logged."""
         args = bound.arguments
         tuner, merge_name = args["self"], args["adapter_name"]
         if merge_name in tuner.peft_config:  # peft returns without doing anything: keep that
@@ -111,8 +109,8 @@ class PragShim(Shim):
 
     def question_weights(self, merge_name: str, names: list[str], paths: list[str | None],
                          adapters: list[LoraAdapter] | None) -> tuple[dict[str, Any], FusionWeights]:
-        """The question of merge ``merge_name`` of adapters ``names`` (loaded from ``paths``) and its weights
-        (``adapters``: their factors, for a controller with adapter statistics)."""
+        """The context and weights of merge ``merge_name`` of adapters ``names`` loaded from ``paths``
+        (``adapters``: their factors, for adapter statistics)."""
         if not names:
             raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); load at least one "
                             "passage adapter first")
@@ -139,16 +137,14 @@ class PragShim(Shim):
     def _context(self, names: list[str], paths: list[str | None],
                  parsed: list[PragAdapterPath | None]) -> dict[str, Any]:
         """Question and one passage per adapter (in adapter order), plus ``test_id`` and ``source``."""
-        data = self.data
-
         def from_data_file() -> dict[str, Any] | None:
-            if data is None:
+            if self.data is None:
                 return None
             bad = [p or f"adapter '{n}' (path unknown)" for n, p, q in zip(names, paths, parsed) if q is None]
             if bad:
-                raise HookError(f"cannot map {bad[0]} to the PRAG data file {data.path}: expected an adapter "
+                raise HookError(f"cannot map {bad[0]} to the PRAG data file {self.data.path}: expected an adapter "
                                 "loaded from '.../data_{test_id}/passage_{pid}'")
-            return {**data.context(parsed), "source": "data_file", "aligned": True}  # type: ignore[arg-type]
+            return {**self.data.context(parsed), "source": "data_file", "aligned": True}  # type: ignore[arg-type]
 
         shown = [p or n for n, p in zip(names, paths)]
         ctx = get_context(from_data_file, what=f"merge of adapters {shown}")
@@ -175,17 +171,14 @@ class PragShim(Shim):
     def read_adapter(self, model_id: Any, base: Any) -> Any:
         """The packed adapter of directory ``model_id`` on ``base``'s device, through the shim's store."""
         device = next(base.parameters()).device
-        store = self._stores.get(device)
-        if store is None:
-            store = self._stores[device] = AdapterStore(device=device)
-        return store.get(model_id)
+        return self._stores.setdefault(device, AdapterStore(device=device)).get(model_id)
 
     def repair_stale_config(self, model: Any, where: str) -> None:
         if self.repair and peft_has_stale_config_bug() and has_stale_peft_config(model):
             if clear_stale_peft_config(model):
                 self.warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() "
                                 "(fixed in peft 0.19); cleared it (seen at %s). Without this, later questions would "
-                                "merge only some of their passages.", peft_version(), where)
+                                "merge only some of their passages.", package_version("peft"), where)
 
 
 def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[PragAdapterPath | None],
@@ -206,10 +199,9 @@ def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[Prag
 
 
 def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None]) -> None:
-    """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` somewhere (a failure
-    names the adapter and its path)."""
-    hint = ("; peft %s < 0.19 leaves a stale peft_config after unload(), so load_adapter() creates no layers: "
-            "install the shim before the first question" % peft_version()) if peft_has_stale_config_bug() else ""
+    """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` (else a HookError)."""
+    hint = (f"; peft {package_version('peft')} < 0.19 leaves a stale peft_config after unload(), so load_adapter() "
+            "creates no layers: install the shim before the first question") if peft_has_stale_config_bug() else ""
     configured = set(getattr(tuner, "peft_config", {}) or {})
     for name, path in zip(names, paths):
         label = f"adapter '{name}'" + (f" loaded from {path}" if path else "")
@@ -230,9 +222,8 @@ def live_adapters(tuner: Any, names: Sequence[str]) -> list[LoraAdapter]:
 
 
 def add_merged_adapter(tuner: Any, name: str, merged: LoraAdapter, like: str) -> None:
-    """Add ``merged`` (scaling 1) to the live model as adapter ``name``, configured like adapter ``like`` with
-    ``r = lora_alpha =`` its largest module rank, as PEFT's own ``add_weighted_adapter`` does for ``cat``. A module
-    of smaller rank is zero-padded, which leaves its ``B A`` unchanged."""
+    """Add ``merged`` (scaling 1) to the live model as adapter ``name``, configured like ``like`` with ``r =
+    lora_alpha =`` its largest module rank (as PEFT's ``cat``); smaller ranks are zero-padded (``B A`` unchanged)."""
     r = max(m.rank for m in merged.modules.values())
     tuner.peft_config[name] = dataclasses.replace(tuner.peft_config[like], r=r, lora_alpha=r, rank_pattern={},
                                                   alpha_pattern={}, use_rslora=False)
@@ -247,27 +238,24 @@ def add_merged_adapter(tuner: Any, name: str, merged: LoraAdapter, like: str) ->
             b.zero_()[:, : m.rank].copy_(m.B)
 
 
-def _bind(sig: inspect.Signature, *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
-    """The call's arguments (defaults applied) while a shim is installed; else, or for a bad call, None."""
+_signature = functools.lru_cache(maxsize=None)(inspect.signature)
+
+
+def _bind(original: Callable[..., Any], *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
+    """``original``'s call arguments (defaults applied) while a shim is installed; else, or for a bad call, None."""
     if _LIFE.current is None:
         return None
     try:
-        bound = sig.bind(*args, **kwargs)
+        bound = _signature(original).bind(*args, **kwargs)
     except TypeError:
         return None  # let peft report the bad call itself
     bound.apply_defaults()
     return bound
 
 
-def _wrap_add_weighted_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def add_weighted_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
-        bound = _bind(sig, self, *args, **kwargs)
-        return original(self, *args, **kwargs) if bound is None else _LIFE.current.merge(original, bound)
-
-    return add_weighted_adapter
+def _add_weighted_adapter(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    bound = _bind(original, self, *args, **kwargs)
+    return original(self, *args, **kwargs) if bound is None else _LIFE.current.merge(original, bound)
 
 
 def _remember(peft_model: Any, bound: inspect.BoundArguments | None) -> None:
@@ -278,61 +266,42 @@ def _remember(peft_model: Any, bound: inspect.BoundArguments | None) -> None:
         _paths.setdefault(tuner, {})[str(name)] = str(path)
 
 
-def _wrap_from_pretrained(original: Any) -> Any:
-    func = original.__func__  # the function under the classmethod
-    sig = inspect.signature(func)
-
-    @functools.wraps(func)
-    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        shim = _LIFE.current
-        bound = _bind(sig, cls, *args, **kwargs)
-        if bound is not None:
-            a = bound.arguments
-            if shim.use_slot and not a.get("is_trainable") and a.get("config") is None:
-                return shim.slot_model(a["model"], a["model_id"], a.get("adapter_name", "default"))
-            shim.repair_stale_config(a["model"], "PeftModel.from_pretrained")
-        result = func(cls, *args, **kwargs)
-        _remember(result, bound)
-        return result
-
-    return classmethod(from_pretrained)
+def _from_pretrained(func: Callable[..., Any], cls: type, *args: Any, **kwargs: Any) -> Any:
+    shim = _LIFE.current
+    bound = _bind(func, cls, *args, **kwargs)
+    if bound is not None:
+        a = bound.arguments
+        if shim.use_slot and not a.get("is_trainable") and a.get("config") is None:
+            return shim.slot_model(a["model"], a["model_id"], a.get("adapter_name", "default"))
+        shim.repair_stale_config(a["model"], "PeftModel.from_pretrained")
+    result = func(cls, *args, **kwargs)
+    _remember(result, bound)
+    return result
 
 
-def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def load_adapter(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        _remember(self, _bind(sig, self, *args, **kwargs))
-        return result
-
-    return load_adapter
+def _load_adapter(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, *args, **kwargs)
+    _remember(self, _bind(original, self, *args, **kwargs))
+    return result
 
 
-def _wrap_unload(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def unload(self: Any, *args: Any, **kwargs: Any) -> Any:
-        shim = _LIFE.current
-        model = original(self, *args, **kwargs)
-        if shim is not None:
-            shim.repair_stale_config(model, f"{original.__name__}()")
-        return model
-
-    return unload
+def _unload(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    shim = _LIFE.current
+    model = original(self, *args, **kwargs)
+    if shim is not None:
+        shim.repair_stale_config(model, f"{original.__name__}()")
+    return model
 
 
 def install(controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
             log: str | Path | None = None, data_file: str | Path | None = None, *, repair: bool = True,
             use_slot: bool = False, max_adapters: int | None = None) -> PragShim:
-    """Install the PRAG shim (idempotent: installing again keeps one set of patches and the new options).
-
-    ``controller``: a :class:`FusionController` or its directory (None: uniform, PRAG's own merge); ``encoder``: a
-    text encoder or model name/path (default: the controller's); ``mode``: ``cat`` (exact, peft's own cat with
-    ``w~``), ``separate`` or ``svd``; ``log``: JSON Lines, one record per question; ``data_file``: PRAG's augmented
-    data file or directory, to map adapter paths to questions; ``repair``: clear the stale ``peft_config`` after
-    ``unload()`` on peft < 0.19; ``use_slot``: merge into a fused slot, no merged PEFT modules; ``max_adapters``:
-    the slot's fixed capacity (``None``: grows)."""
+    """Install the PRAG shim before PRAG's question loop (installing again keeps one set of patches, new options).
+    ``controller``: a :class:`FusionController` or its directory (None: PRAG's own merge); ``encoder``: default the
+    controller's; ``mode``: ``cat`` (exact, peft's own cat with ``w~``), ``separate`` or ``svd``; ``log``: JSON
+    Lines, one record per question; ``data_file``: PRAG's augmented data file or directory (maps adapter paths to
+    questions); ``repair``: clear the stale ``peft_config`` after ``unload()`` on peft < 0.19; ``use_slot``:
+    ``from_pretrained`` returns a ``SlotPeftModel`` on a fused slot (``max_adapters``: its fixed capacity)."""
     return _LIFE.install(PragShim(controller, encoder, mode, log, data_file, repair, use_slot, max_adapters))
 
 
@@ -341,6 +310,5 @@ is_installed = _LIFE.is_installed
 
 
 def installed(*args: Any, **kwargs: Any) -> ContextManager[PragShim]:
-    """``with prag.installed(controller=DIR): ...`` (:func:`install`'s arguments); restores the previous state
-    (installed or not) on exit."""
+    """``with prag.installed(controller=DIR): ...`` (:func:`install`'s arguments); restores the previous state."""
     return _LIFE.installed(PragShim(*args, **kwargs))

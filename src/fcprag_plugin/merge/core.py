@@ -15,8 +15,7 @@ MERGE_MODES: dict[str, MergeFn] = {}
 
 @dataclass
 class MergeResult:
-    """The merged adapter plus what produced it: ``merge_weights`` (``w~``, N float32-rounded floats) and the
-    ``mode``. ``info`` holds mode-specific facts (e.g. svd errors)."""
+    """The merged adapter, its ``merge_weights`` (``w~``), ``mode`` and ``info`` (mode-specific, e.g. svd errors)."""
 
     adapter: LoraAdapter
     merge_weights: tuple[float, ...]
@@ -25,8 +24,7 @@ class MergeResult:
 
 
 def register_merge_mode(name: str) -> Callable[[MergeFn], MergeFn]:
-    """Register ``fn(adapters, merge_weights, **options) -> MergeResult`` under ``name`` (``merge_weights``: the
-    validated ``w~``, a tuple of N floats)."""
+    """Register ``fn(adapters, merge_weights, **options) -> MergeResult`` (validated ``w~``) under ``name``."""
 
     def deco(fn: MergeFn) -> MergeFn:
         MERGE_MODES[name] = fn

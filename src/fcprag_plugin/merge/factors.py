@@ -1,7 +1,6 @@
-"""The merge math, once (merge modes, fused slot writes, DyPRAG aggregation): pure functions over LoRA factors
-``A_i [..., r_i, in]``, ``B_i [..., out, r_i]`` (in-place writers take ``B^T`` rows ``[..., r_i, out]``). A scaled
-factor is computed in float32 (float64 for float64 inputs) and rounded once to the destination dtype; sums
-accumulate in that precision in adapter order and are rounded once."""
+"""The merge math, once (merge modes, slot writes, DyPRAG aggregation), over LoRA factors ``A_i [..., r_i, in]``,
+``B_i [..., out, r_i]`` (in-place writers take ``B^T`` rows ``[..., r_i, out]``): scaled factors and sums are
+computed in float32 (float64 for float64 inputs), in adapter order, and rounded once to the destination dtype."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ def check_equal_ranks(ranks: Sequence[Any], module: str, sources: Sequence[Any],
     layer) in ``module``; else a :class:`MergeError` naming the module, the ranks (``shown``) and the adapters."""
     if any(r != ranks[0] for r in ranks):
         raise MergeError(f"{what} needs equal ranks per module; module '{module}' has ranks "
-                         f"{list(shown if shown is not None else ranks)} "
-                         f"(adapters {list(sources)}); use mode 'cat'")
+                         f"{list(shown if shown is not None else ranks)} (adapters {list(sources)}); use mode 'cat'")
 
 
 def scaled_copy(dst: torch.Tensor, src: torch.Tensor, coef: float | torch.Tensor) -> None:
@@ -66,8 +64,7 @@ def weighted_sum(srcs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Ten
 
 def write_cat(A_rows: Sequence[torch.Tensor], BT_rows: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
               BTs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor]) -> None:
-    """Adapter i into its own rank rows: ``A_rows[i] = coefs[i] * As[i]``, ``BT_rows[i] = BTs[i]``
-    (``[..., r_i, in]`` / ``[..., r_i, out]``)."""
+    """Adapter i into its own rank rows: ``A_rows[i] = coefs[i] * As[i]``, ``BT_rows[i] = BTs[i]``."""
     for dA, dB, a, bt, c in zip(A_rows, BT_rows, As, BTs, coefs):
         scaled_copy(dA, a, c)
         dB.copy_(bt)
@@ -75,9 +72,8 @@ def write_cat(A_rows: Sequence[torch.Tensor], BT_rows: Sequence[torch.Tensor], A
 
 def cat(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor],
         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``A = cat_i(coefs_i A_i)`` ``[..., sum r_i, in]``, ``B = cat_i(B_i)`` ``[..., out, sum r_i]``:
-    ``B A = sum_i coefs_i B_i A_i`` exactly. Ranks may differ. ``dtype`` defaults to each factor's own (the first
-    A's for ``A``, the first B's for ``B``); each result lives on its first factor's device."""
+    """``A = cat_i(coefs_i A_i)`` ``[..., sum r_i, in]``, ``B = cat_i(B_i)`` ``[..., out, sum r_i]`` (``B A = sum_i
+    coefs_i B_i A_i`` exactly; ranks may differ), in ``dtype`` (default: the first A's / B's) on its device."""
     dt, dev = dtype or As[0].dtype, As[0].device
     acc = torch.float64 if torch.float64 in (dt, *(a.dtype for a in As)) else torch.float32
     # one torch.cat per factor (not a copy per adapter): the scaled copies are computed in ``acc`` and rounded once

@@ -1,5 +1,4 @@
-"""The built-in merge modes. Each is ``fn(adapters, w, **options) -> MergeResult`` on validated inputs (``w``: the
-merge weights ``w~``, a tuple of N float32-rounded floats)."""
+"""The built-in merge modes: ``fn(adapters, w, **options) -> MergeResult`` on validated inputs (``w``: ``w~``)."""
 
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ def merge_cat(adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, dtype: t
 @register_merge_mode("separate")
 def merge_separate(adapters: Sequence[LoraAdapter], w: tuple[float, ...], *, dtype: torch.dtype | None = None
                    ) -> MergeResult:
-    """DyPRAG-compatible: ``A* = sum_i u_i s_i A_i``, ``B* = sum_i u_i B_i``, ``u = w~/N``; uniform weights give
-    DyPRAG's ``mean(B) @ mean(A)`` (not the mean of the updates: cross terms ``i != j``). Scalings are folded into
-    A; all adapters need equal rank per module."""
+    """DyPRAG's: ``A* = sum_i u_i s_i A_i``, ``B* = sum_i u_i B_i``, ``u = w~/N`` (uniform: ``mean(B) @ mean(A)``,
+    not the mean of the updates); all adapters need equal rank per module."""
     u = array("f", [wi / len(adapters) for wi in w]).tolist()  # float32 w~ / N
 
     def merge(name: str, parts: list[LoraModule]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,19 +1,11 @@
 """``FusedSlot``: a LoRA slot injected once into a live model; per query only its buffers are rewritten.
 
-Per layout group (:mod:`.layout`) it preallocates ``A [L, K*R, in]`` and ``BT [L, K*R, out]`` (adapter i owns rows
-``i*R .. i*R+R``). A query writes ``w~_i * s_i * A_i`` and ``B_i^T`` into the rows (``cat``: the exact
-``sum_i w~_i s_i B_i A_i``) or DyPRAG's ``separate`` sums into the first R rows, and one forward hook per target
-module adds ``BT^T (A x)``. Shapes never change (``torch.compile`` friendly) and no parameter of the model is
-written: ``remove()`` leaves it exactly as it was.
-
-Routes (``slot.route``): ``hooks``; ``weights`` (:mod:`.fused_weights`: ``W + BT^T A`` swapped in for each weight
-``Parameter`` at :meth:`FusedSlot.write`); ``auto`` (default): hooks, switched to fused weights at the first
-forward without autograd that continues a KV cache under the same merge (a ``generate``'s first decoding step),
-when the copy fits ``slot.weights_budget``, on an accelerator only (``AUTO_ON_CPU``).
-
->>> with FusedSlot.for_model(model, adapters[0], max_adapters=10).fused(adapters, w_tilde):  # doctest: +SKIP
-...     out = model.generate(**inputs)
-"""
+Per layout group (:mod:`.layout`): ``A [L, K*R, in]`` and ``BT [L, K*R, out]``, adapter i in rows ``i*R ..
+i*R+R`` (``cat``: ``w~_i s_i A_i`` and ``B_i^T``, the exact ``sum_i w~_i s_i B_i A_i``; DyPRAG's ``separate``: the
+sums in the first R rows); one forward hook per target module adds ``BT^T (A x)``. No model parameter is written.
+Routes (``slot.route``): ``hooks``; ``weights`` (:mod:`.fused_weights`, swapped in at :meth:`FusedSlot.write`);
+``auto`` (default): hooks, switched to fused weights at the first no-grad forward that continues a KV cache (a
+``generate``'s first decoding step) when the copy fits ``slot.weights_budget``, on an accelerator only."""
 
 from __future__ import annotations
 
@@ -45,9 +37,6 @@ ROUTES = ("auto", "hooks", "weights")
 AUTO_ON_CPU = False  # route 'auto' on CPU weights: keep the hooks (measured: benchmarks/bench_generate.py)
 DEFAULT_MAX_RANK = 8
 
-# A rank-space transform applied between A and B: h [..., K*R] -> h [..., K*R] (per-sample mixtures).
-RankTransform = Callable[[torch.Tensor, str], torch.Tensor]
-
 
 @dataclass
 class _Segment:
@@ -58,17 +47,9 @@ class _Segment:
     l1: int
     A: torch.Tensor  # [l1-l0, K*R, in]
     BT: torch.Tensor  # [l1-l0, K*R, out] (out_major: a transposed view)
-    R: int = 1  # rank rows per adapter position
     dirty: int = 0  # rows [dirty:] of A are known to be zero
     views: dict = field(default_factory=dict)  # (kind, start, stop) -> cached row views
     scratch: dict = field(default_factory=dict)  # for 'separate': f32 accumulators / products
-    a_chunks: list = field(default_factory=list)  # position i -> A[:, i*R:(i+1)*R]
-    bt_chunks: list = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        K = self.A.shape[1] // self.R
-        self.a_chunks = [self.A[:, i * self.R:(i + 1) * self.R] for i in range(K)]
-        self.bt_chunks = [self.BT[:, i * self.R:(i + 1) * self.R] for i in range(K)]
 
     def rows(self, kind: str, start: int, stop: int) -> torch.Tensor:
         key = (kind, start, stop)
@@ -78,22 +59,20 @@ class _Segment:
         return v
 
 
+@dataclass(slots=True, eq=False)
 class _Entry:
-    """What one module's hook reads: its views into the segment buffers (swapped on resize)."""
+    """What one module's hook reads: its views into the segment buffers (set by ``_allocate``, again on resize)."""
 
-    __slots__ = ("name", "A", "BT")
+    name: str
+    A: torch.Tensor | None = None
+    BT: torch.Tensor | None = None
 
-    def __init__(self, name: str, A: torch.Tensor, BT: torch.Tensor) -> None:
-        self.name, self.A, self.BT = name, A, BT
 
-
+@dataclass(slots=True, eq=False)
 class _State:
-    __slots__ = ("active", "transform", "pending")
-
-    def __init__(self) -> None:
-        self.active = False  # the hooks add the update
-        self.transform: RankTransform | None = None
-        self.pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
+    active: bool = False  # the hooks add the update
+    transform: Callable[[torch.Tensor, str], torch.Tensor] | None = None  # h [..., K*R] -> h (per-sample mixtures)
+    pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
 
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -133,26 +112,21 @@ def _make_pre_hook(state: _State):
     return pre_hook
 
 
-def resolve_module(table: dict[str, nn.Module], name: str) -> nn.Module:
-    """Find a target module by its base-model path in ``dict(model.named_modules())``, also inside a ``PeftModel``."""
+def resolve_module(table: dict[str, nn.Module], name: str, shape: tuple[int, int] | None = None) -> nn.Module:
+    """Find a target module by its base-model path in ``dict(model.named_modules())``, also inside a ``PeftModel``;
+    with ``shape``, its weight must be ``[out, in]`` (a :class:`MergeError` names the module and both shapes)."""
     for cand in (name, PEFT_PREFIX + name, PEFT_PREFIX + PEFT_PREFIX + name):
         mod = table.get(cand)
         if mod is not None:
             base = getattr(mod, "base_layer", None)  # a peft LoRA wrapper: hook its frozen base layer
-            return base if isinstance(base, nn.Module) else mod
+            mod = base if isinstance(base, nn.Module) else mod
+            weight = getattr(mod, "weight", None)
+            if shape is not None and (weight is None or tuple(weight.shape) != shape):
+                raise MergeError(f"module '{name}': model weight is {None if weight is None else list(weight.shape)}, "
+                                 f"the slot's targets expect {list(shape)}")
+            return mod
     sample = [n for n in table if n.endswith(name.split(".")[-1])][:2]
     raise MergeError(f"module '{name}' of the adapter is not in the model (e.g. the model has {sample})")
-
-
-def resolve_target(table: dict[str, nn.Module], name: str, out_features: int, in_features: int) -> nn.Module:
-    """:func:`resolve_module`, then check that its weight is ``[out, in]`` (error names the module and both shapes)."""
-    mod = resolve_module(table, name)
-    weight = getattr(mod, "weight", None)
-    if weight is None or tuple(weight.shape) != (out_features, in_features):
-        shape = None if weight is None else list(weight.shape)
-        raise MergeError(f"module '{name}': model weight is {shape}, the slot's targets expect "
-                         f"[{out_features}, {in_features}]")
-    return mod
 
 
 def _targets_rank(targets: Any, default: int) -> int:
@@ -209,19 +183,14 @@ _SLOTS: "weakref.WeakKeyDictionary[nn.Module, FusedSlot]" = weakref.WeakKeyDicti
 
 
 class FusedSlot:
-    """A reusable LoRA slot for up to ``max_adapters`` (K) adapters of rank <= ``max_rank`` (R) on a live model.
+    """A reusable LoRA slot for up to ``max_adapters`` (K) adapters of rank <= ``max_rank`` (R, default the
+    template's, else 8) on a transformers model or a ``PeftModel`` (its frozen base layers are hooked). ``targets``:
+    an adapter whose modules every later adapter must share, or module names (full paths or bare names like
+    ``"gate_proj"``). ``dtype``: buffer dtype (default: each target weight's). ``store``: the :class:`AdapterStore`
+    for adapters given as paths. ``out_major``: keep ``B`` as stored, ``[L, out, K*R]``. ``buffers_from``: a packed
+    adapter, used only by the slot, whose stacks become the buffers where they fit."""
 
-    ``model``: a transformers model or a ``PeftModel`` (its frozen base layers are hooked). ``targets``: an adapter
-    (:class:`LoraAdapter` / :class:`PackedAdapter`) whose modules every later adapter must share, or module names
-    (full paths or bare names like ``"gate_proj"``). More than K adapters is a :class:`MergeError` (see
-    :meth:`resize`); ``max_rank`` defaults to the template's, else 8. ``dtype``: buffer dtype (default: each target
-    weight's). ``store``: the :class:`AdapterStore` for adapters given as paths. ``out_major``: keep ``B`` as stored,
-    ``[L, out, K*R]`` (written by plain copies from :class:`LoraAdapter` s; keep the default for a store's adapters,
-    packed ``[L, r, out]``). ``buffers_from``: a packed adapter, used only by the slot, whose stacks become the
-    buffers where they fit (``K*R`` rows, same dtype and device, one device) instead of allocating.
-    """
-
-    route = "auto"  # how the merge enters the model (see the module docstring); per slot or for all slots
+    route = "auto"  # see the module docstring; per slot or for all slots
 
     def __init__(self, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                  dtype: torch.dtype | None = None, store: Any = None, out_major: bool = False,
@@ -241,9 +210,9 @@ class FusedSlot:
         self._in_context = False
         self._removed = False
         self._handles: list[Any] = []
-        self._entries: list[list[_Entry]] = []  # per group, per layer
+        self._entries = [[_Entry(n) for n in g.names] for g in self.layout.groups]  # per group, per layer
         table = dict(model.named_modules())
-        self._modules = [[resolve_target(table, n, g.out_features, g.in_features) for n in g.names]
+        self._modules = [[resolve_module(table, n, (g.out_features, g.in_features)) for n in g.names]
                          for g in self.layout.groups]
         self._allocate(buffers_from)
         self._weights = FusedWeights([self._modules[s.group][l] for s in self._segments for l in range(s.l0, s.l1)])
@@ -261,19 +230,15 @@ class FusedSlot:
         logger.debug("FusedSlot: %d modules in %d groups, K=%d, R=%d, %d bytes", self.layout.num_modules,
                      len(self.layout.groups), max_adapters, max_rank, self.nbytes)
 
-    # ------------------------------------------------------------------ construction helpers
     @classmethod
     def for_model(cls, model: nn.Module, targets: Any, *, max_adapters: int, max_rank: int | None = None,
                   store: Any = None, **kwargs: Any) -> "FusedSlot":
-        """The one slot on ``model``: the existing one if it covers ``targets`` (grown to ``max_adapters`` /
-        ``max_rank`` when needed; given ``store`` when it has none), else a new one replacing it."""
+        """The one slot on ``model``: the existing one covering ``targets`` (grown, given ``store``), else a new one."""
         slot = cls.of(model)
         if slot is not None:
-            names = targets if isinstance(targets, list) and all("." in n for n in targets) else None
-            if names is not None and set(names) == set(slot.layout.module_names):
-                want = slot.layout  # the same module paths: skip resolving them in the model (per question)
-            else:
-                want = _target_layout(model, targets)
+            same_paths = isinstance(targets, list) and all("." in n for n in targets) \
+                and set(targets) == set(slot.layout.module_names)  # skip resolving them in the model (per question)
+            want = slot.layout if same_paths else _target_layout(model, targets)
             if want is slot.layout or want == slot.layout:
                 max_rank = _targets_rank(targets, slot.max_rank) if max_rank is None else max_rank
                 if max_adapters > slot.max_adapters or max_rank > slot.max_rank:
@@ -296,9 +261,7 @@ class FusedSlot:
     def _allocate(self, buffers_from: PackedAdapter | None = None) -> None:
         KR = self.max_adapters * self.max_rank
         self._segments: list[_Segment] = []
-        new_entries: list[list[_Entry]] = []
         for gi, (g, mods) in enumerate(zip(self.layout.groups, self._modules)):
-            entries: list[_Entry] = []
             # consecutive layers on the same device share one buffer (one segment per group without device_map)
             for _, run in itertools.groupby(range(len(mods)), lambda l: (mods[l].weight.device, mods[l].weight.dtype)):
                 run = list(run)
@@ -314,17 +277,10 @@ class FusedSlot:
                         BT = torch.zeros(l1 - l0, g.out_features, KR, device=w.device, dtype=dt).transpose(1, 2)
                     else:
                         BT = torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt)
-                seg = _Segment(gi, l0, l1, A, BT, self.max_rank)
+                seg = _Segment(gi, l0, l1, A, BT)
                 self._segments.append(seg)
-                for l in range(l0, l1):
-                    entries.append(_Entry(g.names[l], seg.A[l - l0], seg.BT[l - l0]))
-            new_entries.append(entries)
-        if self._entries:  # resize: keep the entry objects the hooks hold, point them at the new buffers
-            for old, new in zip(self._entries, new_entries):
-                for o, n in zip(old, new):
-                    o.A, o.BT = n.A, n.BT
-        else:
-            self._entries = new_entries
+                for l in range(l0, l1):  # the entry objects the hooks hold get the new views
+                    self._entries[gi][l].A, self._entries[gi][l].BT = seg.A[l - l0], seg.BT[l - l0]
 
     def _fits(self, pg: PackedGroup, whole_group: bool, KR: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a packed group's stacks can serve as one segment's buffers as they are."""
@@ -332,7 +288,6 @@ class FusedSlot:
         return whole_group and pg.rank == KR and (pg.A.dtype, pg.A.device) == (dtype, device) \
             and pg.A.is_contiguous() and BT.is_contiguous()
 
-    # ------------------------------------------------------------------ properties
     @property
     def model(self) -> nn.Module | None:
         return self._model_ref()
@@ -349,8 +304,7 @@ class FusedSlot:
 
     @property
     def weights_budget(self) -> int | None:
-        """The most bytes the fused-weight copies may take (None, the default: half of the memory the device reports
-        free). Over it, the slot keeps the hooks (logged once)."""
+        """The most bytes the fused-weight copies may take (None: half the device's free memory); over it, hooks."""
         return self._weights.budget
 
     @weights_budget.setter
@@ -364,7 +318,6 @@ class FusedSlot:
         """Bytes of the fused-weight route: one copy of the target weights (allocated at its first use)."""
         return self._weights.nbytes
 
-    # ------------------------------------------------------------------ the two routes
     def _attach_hooks(self) -> None:
         if not self._handles and not self._removed:
             for mod, fn in self._hooks:
@@ -375,8 +328,8 @@ class FusedSlot:
             self._handles.pop().remove()
 
     def _to_weights(self) -> bool:
-        """Switch the current merge from the hooks to fused weights (see :mod:`.fused_weights`); False (hooks kept)
-        when the copy does not fit or the weights cannot be swapped (logged once)."""
+        """Switch the current merge from the hooks to fused weights; False (hooks kept, logged once) when the copy
+        does not fit or the weights cannot be swapped."""
         self._state.pending = None
         if self._weights.available() is not None:
             return False
@@ -402,7 +355,6 @@ class FusedSlot:
                 f"max_rank={self.max_rank}, active={self.active}, n_active={self.n_active}, "
                 f"merge_mode={self.merge_mode})")
 
-    # ------------------------------------------------------------------ inputs
     def _check_usable(self) -> None:
         if self._removed:
             raise MergeError("this FusedSlot was removed from its model; create a new one")
@@ -438,7 +390,6 @@ class FusedSlot:
                                  f"slot.resize(max_rank={p.max_rank})")
         return packed
 
-    # ------------------------------------------------------------------ writing
     def _zero_tail(self, seg: _Segment, used: int) -> None:
         if seg.dirty > used:
             seg.rows("A", used, seg.dirty).zero_()
@@ -459,18 +410,12 @@ class FusedSlot:
         """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T`` (:func:`factors.write_cat`)."""
         R = self.max_rank
         for seg in self._segments:
-            A_rows, BT_rows, As, BTs, cs = [], [], [], [], []
-            for i, p in enumerate(packed):
-                src_A, src_B, c = self._sources(seg, p, coefs[i])
-                r = src_A.shape[1]
-                A_rows.append(seg.a_chunks[i] if r == R else seg.rows("A", i * R, i * R + r))
-                BT_rows.append(seg.bt_chunks[i] if r == R else seg.rows("BT", i * R, i * R + r))
-                As.append(src_A)
-                BTs.append(src_B)
-                cs.append(c)
-                if r < R and seg.dirty > i * R + r:
-                    seg.rows("A", i * R + r, i * R + R).zero_()  # leftovers of a larger adapter
-            factors.write_cat(A_rows, BT_rows, As, BTs, cs)
+            srcs = [self._sources(seg, p, coefs[i]) for i, p in enumerate(packed)]  # (A, BT, coef) each
+            spans = [(i * R, i * R + src_A.shape[1]) for i, (src_A, _, _) in enumerate(srcs)]
+            for lo, hi in spans:
+                if hi < lo + R and seg.dirty > hi:
+                    seg.rows("A", hi, lo + R).zero_()  # leftovers of a larger adapter
+            factors.write_cat([seg.rows("A", *sp) for sp in spans], [seg.rows("BT", *sp) for sp in spans], *zip(*srcs))
             self._zero_tail(seg, len(packed) * R)
 
     def _check_equal_ranks(self, packed: Sequence[PackedAdapter], what: str = "mode 'separate'") -> None:
@@ -498,11 +443,9 @@ class FusedSlot:
             t = seg.scratch[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
         return t
 
-    # ------------------------------------------------------------------ activation
     def write(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat") -> "FusedSlot":
-        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``: PRAG's merge) in place of what the
-        slot held and switch it on; ``cat`` is the exact ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's
-        ``(sum u_i B_i)(sum u_i s_i A_i)`` with ``u = w~/N``. Returns the slot."""
+        """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``) and switch it on: ``cat`` is the exact
+        ``sum_i w~_i s_i B_i A_i``, ``separate`` DyPRAG's ``(sum u_i B_i)(sum u_i s_i A_i)``, ``u = w~/N``."""
         self._check_usable()
         if mode not in SLOT_MODES:
             raise MergeError(f"FusedSlot mode '{mode}' is not supported; expected one of {list(SLOT_MODES)} "
@@ -528,11 +471,9 @@ class FusedSlot:
     @torch.no_grad()
     def write_mixed(self, adapters: Sequence[Any], merge_weights: Any, mode: str = "cat", mask: Any = None
                     ) -> "FusedSlot":
-        """Switch on one mixture per sample of a batch: ``adapters`` (K' <= K, the batch's union) with
-        ``merge_weights [B, K']`` (``w~`` per sample; ``mask [B, K']``: which adapters each sample uses, default the
-        non-zero weights; ``separate`` divides by the per-sample count). The weights act in rank space between A and
-        B, equal to running each sample alone with its own merge up to rounding; every target module's input must
-        have batch size ``B`` first."""
+        """One mixture per sample of a batch: ``adapters`` (K' <= K, the batch's union), ``merge_weights [B, K']``
+        (``w~`` per sample), ``mask [B, K']`` (default: the non-zero weights; ``separate`` divides by its row count).
+        Applied in rank space (each sample as if alone, up to rounding); target inputs must be batch-first."""
         self._check_usable()
         if mode not in SLOT_MODES:
             raise MergeError(f"mixed-batch mode '{mode}' is not supported; expected one of {list(SLOT_MODES)}")
@@ -565,8 +506,7 @@ class FusedSlot:
                            "FusedSlot.mixed() cannot run inside another block of the same slot")
 
     def deactivate(self) -> None:
-        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept; fused weights
-        are swapped back for the original ``Parameter`` objects)."""
+        """Switch the slot off: the model computes exactly its base outputs again (buffers are kept)."""
         self._state.active = False
         self._state.transform = None
         self._state.pending = None
@@ -581,8 +521,7 @@ class FusedSlot:
 
     @contextmanager
     def _block(self, switch_on: Callable[[], Any], nested_error: str) -> Iterator["FusedSlot"]:
-        """``switch_on()`` for the block only (:meth:`fused`, :meth:`mixed`); a block inside another block of the
-        slot is a :class:`MergeError` saying ``nested_error``."""
+        """``switch_on()`` for the block only; a nested block raises :class:`MergeError` (``nested_error``)."""
         if self._in_context:
             raise MergeError(nested_error)
         switch_on()
@@ -592,16 +531,6 @@ class FusedSlot:
         finally:
             self._in_context = False
             self.deactivate()
-
-    @torch.no_grad()
-    def clear(self) -> None:
-        """Deactivate and zero every buffer."""
-        self.deactivate()
-        for seg in self._segments:
-            seg.A.zero_()
-            seg.BT.zero_()
-            seg.dirty = 0
-        self.n_active, self.merge_mode = 0, None
 
     def resize(self, max_adapters: int | None = None, max_rank: int | None = None) -> None:
         """Reallocate for a new K and/or R (content is cleared; the hooks stay, pointed at the new buffers)."""
@@ -693,8 +622,8 @@ class _Mixture:
 
 
 def activate(model: nn.Module, adapter: LoraAdapter, *, dtype: torch.dtype | None = None) -> FusedSlot:
-    """Apply ``adapter`` to ``model`` until the returned handle is removed (``handle.remove()``, or use it as a
-    context manager): a one-adapter :class:`FusedSlot` (buffers in ``dtype``, default each weight's) holding it."""
+    """Apply ``adapter`` to ``model`` until the returned one-adapter :class:`FusedSlot` is removed (``remove()`` or
+    ``with``); buffers in ``dtype`` (default each weight's)."""
     packed = pack_adapter(adapter, out_major=True)
     slot = FusedSlot(model, packed, max_adapters=1, dtype=dtype, out_major=True, buffers_from=packed)
     try:

@@ -1,11 +1,7 @@
-"""Fused weights for a :class:`~fcprag_plugin.slot.FusedSlot`: each target module computes with ``W' = W + BT^T A``.
-
-One preallocated buffer per target module (``torch.addmm`` over the slot's rows) is swapped in for its ``weight``
-parameter with ``setattr``; switching off puts the original ``Parameter`` objects back (bit-exact, free). The base
-weights are never written. The copy (``nbytes``) must fit ``budget`` bytes (None: half of what the device reports
-free), and every target weight must be a plain floating-point ``nn.Parameter``; otherwise the slot keeps its hooks
-and logs why, once.
-"""
+"""Fused weights for a :class:`~fcprag_plugin.slot.FusedSlot`: each target module computes with ``W' = W + BT^T A``,
+one buffer per module swapped in for its ``weight`` parameter (and the original put back). The copy must fit
+``budget`` bytes (None: half the device's free memory) and every target weight must be a plain floating-point
+``nn.Parameter``; otherwise the slot keeps its hooks (logged once)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Packed adapters: each adapter held as a few contiguous per-layer stacks, so a merge is a handful of big ops.
-
-Target modules are grouped by *pattern* (the path with layer numbers as ``*``) and shape: ``model.layers.{0..29}.
-mlp.gate_proj`` form one group of ``L = 30`` modules, stored per adapter as ``A [L, r, in]`` (``lora_A`` stacked),
-``BT [L, r, out]`` (``lora_B`` transposed; ``out_major`` packs keep ``B [L, out, r]`` and BT is its view) and
-``scales [L]`` (float64). ``r`` is the group's largest rank; smaller ranks are zero-padded (``B @ A`` unchanged).
-The layout depends only on module names and shapes, so adapters of one model share the *same* layout object."""
+"""Packed adapters: per-layer stacks, so a merge is a handful of big ops. Target modules are grouped by pattern
+(the path with layer numbers as ``*``) and shape: ``model.layers.{0..29}.mlp.gate_proj`` is one group of ``L = 30``
+modules, per adapter ``A [L, r, in]``, ``BT [L, r, out]`` (``out_major``: a view of ``B [L, out, r]``) and ``scales
+[L]`` (float64); ``r`` is the group's largest rank, smaller ones zero-padded. Layouts are interned by module names
+and shapes, so adapters of one model share the same layout object."""
 
 from __future__ import annotations
 
@@ -26,10 +24,6 @@ class LayoutGroup:
     out_features: int
     names: tuple[str, ...]
 
-    @property
-    def size(self) -> int:
-        return len(self.names)
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -43,7 +37,7 @@ class Layout:
 
     @property
     def num_modules(self) -> int:
-        return sum(g.size for g in self.groups)
+        return sum(len(g.names) for g in self.groups)
 
     def describe_difference(self, other: "Layout") -> str:
         """A short human-readable reason why ``other`` does not match this layout."""
@@ -52,12 +46,10 @@ class Layout:
         if missing or extra:
             return (f"missing modules {missing[:3]}{'...' if len(missing) > 3 else ''}, "
                     f"extra modules {extra[:3]}{'...' if len(extra) > 3 else ''}")
-        shapes = {n: (g.out_features, g.in_features) for g in self.groups for n in g.names}
-        for g in other.groups:
-            for n in g.names:
-                if shapes[n] != (g.out_features, g.in_features):
-                    return (f"module '{n}' is [out, in] = {list(shapes[n])} here but "
-                            f"{[g.out_features, g.in_features]} there")
+        shapes = {n: [g.out_features, g.in_features] for g in self.groups for n in g.names}
+        for n, shape in ((n, [g.out_features, g.in_features]) for g in other.groups for n in g.names):
+            if shapes[n] != shape:
+                return f"module '{n}' is [out, in] = {shapes[n]} here but {shape} there"
         return "same modules in a different grouping"
 
 
@@ -105,8 +97,7 @@ class PackedGroup:
 
 @dataclass
 class PackedAdapter:
-    """An adapter as per-group contiguous stacks (:class:`PackedGroup`), ready to be written into a slot (read-only:
-    slots copy from it). Build with :func:`pack_adapter` or :class:`~fcprag_plugin.slot.store.AdapterStore`."""
+    """An adapter as per-group contiguous stacks (:class:`PackedGroup`), read-only (slots copy from it)."""
 
     layout: Layout
     groups: tuple[PackedGroup, ...]
@@ -154,9 +145,8 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
                  dtype: torch.dtype | None = None, error: type[Exception] = MergeError,
                  out_major: bool = False) -> PackedAdapter:
     """Pack one adapter given per module by ``factors(name) -> (A [r, in], B [out, r], scaling)`` into ``layout``
-    on ``device`` in ``dtype`` (defaults: the factors' own); the one packer. A factor of the wrong shape is an
-    ``error`` naming the module, ``source`` and both shapes. ``out_major`` stacks ``B`` as stored (``BT`` is its
-    view) for an ``out_major`` :class:`~fcprag_plugin.slot.fused.FusedSlot` (plain-copy writes)."""
+    on ``device`` in ``dtype`` (defaults: the factors' own); a factor of the wrong shape is an ``error`` naming the
+    module, ``source`` and both shapes. ``out_major``: stack ``B`` as stored (``BT`` is its view)."""
     dev = torch.device(device) if device is not None else None
     groups = []
     for g in layout.groups:
@@ -190,8 +180,7 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
 
 def pack_adapter(adapter: LoraAdapter, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, out_major: bool = False) -> PackedAdapter:
-    """Copy ``adapter`` into per-group stacks on ``device`` (default: where it is) in ``dtype`` (default: its own);
-    ``out_major``: see :func:`pack_factors`."""
+    """Copy ``adapter`` into per-group stacks (:func:`pack_factors`'s options)."""
     if not adapter.modules:
         raise AdapterError(f"{adapter.source}: the adapter has no LoRA modules to pack")
     mods = adapter.modules

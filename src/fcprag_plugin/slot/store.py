@@ -1,6 +1,5 @@
-"""``AdapterStore``: a bounded LRU cache of packed adapters, keyed by directory and file signatures. It reads an
-adapter directory once (memory-mapped), validates and packs it on the chosen device and keeps it while the byte
-budget allows; rewritten files are noticed on the next ``get`` and reloaded."""
+"""``AdapterStore``: a bounded LRU cache of packed adapters read once (memory-mapped), validated and packed on the
+chosen device, keyed by directory and file signatures (rewritten files are reloaded on the next ``get``)."""
 
 from __future__ import annotations
 
@@ -47,9 +46,8 @@ class _NotFastPath(Exception):
 
 
 def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file (8-byte little-endian header length, JSON header ``{key: {dtype, shape,
-    data_offsets}}``, raw data) as a zero-copy view into one private memory map; anything unusual raises
-    :class:`_NotFastPath` (the store then uses ``load_file``). ``benchmarks/bench_safetensors.py`` measures it."""
+    """Every tensor of a safetensors file as a zero-copy view into one private memory map; anything unusual raises
+    :class:`_NotFastPath` (the store then uses ``load_file``)."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -83,10 +81,7 @@ def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
             flat = typed.get(dt)
             if flat is None:  # the whole data region as one typed view (needs an aligned start: else fall back)
                 flat = typed[dt] = buf[base:base + (size - base) // isz * isz].view(dt)
-            strides = [1] * len(shape)
-            for i in range(len(shape) - 2, -1, -1):
-                strides[i] = strides[i + 1] * shape[i + 1]
-            out[key] = flat.as_strided(shape, strides, flat.storage_offset() + start // isz)
+            out[key] = flat[start // isz:start // isz + math.prod(shape)].view(shape)
     except (KeyError, TypeError, ValueError, RuntimeError):
         raise _NotFastPath from None
     return out
@@ -123,9 +118,8 @@ def pack_checked(adapter: LoraAdapter, *, device: str | torch.device | None = No
 
 
 class AdapterStore:
-    """LRU cache ``adapter directory -> PackedAdapter`` bounded by ``budget_bytes`` of packed tensors (default
-    1 GiB; a larger adapter is returned, not kept), packed on ``device`` in ``dtype`` (default: as stored);
-    ``check_mtime``: re-stat the two files on every ``get`` to notice rewritten adapters."""
+    """LRU cache ``adapter directory -> PackedAdapter`` of at most ``budget_bytes`` (a larger adapter is returned,
+    not kept), packed on ``device`` in ``dtype`` (default: as stored); ``check_mtime``: re-stat on every ``get``."""
 
     def __init__(self, budget_bytes: int = 1 << 30, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, check_mtime: bool = True) -> None:
