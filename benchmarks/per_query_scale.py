@@ -27,7 +27,8 @@ import torch
 from fcprag_plugin.training import load_labels, train_controller
 from fcprag_plugin.training import query_scale as qs
 from fcprag_plugin.training.data import build_tensors
-from fcprag_plugin.training.selection import ScaleRule, bootstrap_ci, choose_scale, loss_share, scale_gain
+from fcprag_plugin.training.selection import ScaleRule, choose_scale, scale_gain
+from fcprag_plugin.training.stats import bootstrap_ci, loss_share
 from fcprag_plugin.training.trainer import open_cache, resolve_encoder
 from fcprag_tools.train_report import train_table
 

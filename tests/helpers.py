@@ -267,3 +267,19 @@ def save_tiny_sentence_encoder(path) -> Path:
     st = SentenceTransformer(modules=[word, models.Pooling(word.get_word_embedding_dimension(), "mean")], device="cpu")
     st.save(str(Path(path) / "st"))
     return Path(path) / "st"
+
+
+def wilson_by_bisection(k, n, upper):
+    """The Wilson bound as the root of (k/n - p)^2 = z^2 p (1 - p) / n on the upper / lower side of k/n."""
+    z, ph = 1.959963984540054, k / n
+    f = lambda p: (ph - p) ** 2 - z * z * p * (1 - p) / n  # noqa: E731
+    lo, hi = (ph, 1.0) if upper else (0.0, ph)
+    if upper and f(1.0) < 0 or not upper and f(0.0) < 0:
+        return hi if upper else lo
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if (f(mid) < 0) == upper:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from fcprag_plugin import FusionController, fuse
-from helpers import files_reference, make_adapter_dir
+from helpers import files_reference, make_adapter_dir, wilson_by_bisection
 from fcprag_plugin.training import train_controller
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.controller import ControllerOutput
-from fcprag_plugin.training.selection import (ScaleRule, bootstrap_ci, choose_scale, group_kfold, reweighting_gain,
-                                              scale_gain, select, wilson_interval)
+from fcprag_plugin.training.selection import ScaleRule, choose_scale, reweighting_gain, scale_gain, select
 from fcprag_plugin.training.trainer import TrainArgs, Trainer
 from fcprag_tools.synthetic import synthetic_records, table_encoder
 from fcprag_tools.train_report import train_table
@@ -31,53 +30,6 @@ def train(tmp_path, kind, seed, **kw):
                                     scales=GRID if kind in ("scale", "noise") else None)
     return train_controller(recs, tmp_path / f"{kind}{seed}", encoder=table_encoder(table, "syn8"),
                             **{**QUICK, "kappa": "auto", **kw})
-
-
-def test_cv_folds_never_share_a_question():
-    groups = [f"q{i // 3}" for i in range(90)] + [f"r{i}" for i in range(7)]
-    for k in (2, 3, 5):
-        folds = group_kfold(groups, k, seed=k)
-        assert sorted(i for f in folds for i in f) == list(range(len(groups)))
-        owner = {}
-        for f, rows in enumerate(folds):
-            for i in rows:
-                assert owner.setdefault(groups[i], f) == f
-    assert len(group_kfold(["a", "a", "b"], 5, 0)) == 2  # fewer questions than folds: fewer folds
-
-
-def test_bootstrap_ci_resamples_questions():
-    values = torch.tensor([1.0, 1.0, 1.0, -1.0])  # question a: three records, question b: one
-    assert bootstrap_ci(values, ["a", "a", "a", "b"], 0) == (pytest.approx(-1.0), pytest.approx(1.0))
-    lo, hi = bootstrap_ci(torch.full((50,), 0.3), [str(i) for i in range(50)], 0)
-    assert lo == pytest.approx(0.3) and hi == pytest.approx(0.3)
-    v = torch.randn(200, generator=torch.Generator().manual_seed(0))
-    wide, narrow = bootstrap_ci(v, [str(i) for i in range(200)], 1, level=0.975), bootstrap_ci(v, [str(i) for i in
-                                                                                                   range(200)], 1)
-    assert wide[0] < narrow[0] and wide[1] > narrow[1]  # the Bonferroni-adjusted interval is wider
-
-
-def _wilson_by_bisection(k, n, upper):
-    """The Wilson bound as the root of (k/n - p)^2 = z^2 p (1 - p) / n on the upper / lower side of k/n."""
-    z, ph = 1.959963984540054, k / n
-    f = lambda p: (ph - p) ** 2 - z * z * p * (1 - p) / n  # noqa: E731
-    lo, hi = (ph, 1.0) if upper else (0.0, ph)
-    if upper and f(1.0) < 0 or not upper and f(0.0) < 0:
-        return hi if upper else lo
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if (f(mid) < 0) == upper:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def test_wilson_interval_is_the_root_of_its_defining_equation():
-    for k, n in ((0, 10), (1, 10), (5, 10), (10, 10), (3, 126), (14, 196)):
-        lo, hi = wilson_interval(k, n)
-        assert hi == pytest.approx(_wilson_by_bisection(k, n, True), abs=1e-9)
-        assert lo == pytest.approx(_wilson_by_bisection(k, n, False), abs=1e-9)
-    assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
 def test_choose_scale_against_a_hand_written_rule():
@@ -98,7 +50,7 @@ def test_choose_scale_against_a_hand_written_rule():
                     per_q.setdefault(g, []).append(float(gains[i, j]))
             means = [sum(v) / len(v) for v in per_q.values()]
             lost = sum(m < -rule.loss_margin for m in means)
-            share = lost / len(means) if rule.bound == "observed" else _wilson_by_bisection(lost, len(means), True)
+            share = lost / len(means) if rule.bound == "observed" else wilson_by_bisection(lost, len(means), True)
             if share <= rule.max_loss_share and (sum(means) / len(means), -s) > best:
                 best = (sum(means) / len(means), -s)
         kappa, info = choose_scale(scales, gains, groups, rule)

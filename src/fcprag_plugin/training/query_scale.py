@@ -12,6 +12,7 @@ import torch
 
 from ..controller import ScaleHead
 from .data import LabelTensors
+from .stats import group_kfold, loss_share
 
 L2_GRID = (math.inf, 1.0, 0.1, 0.01)  # strongest first: ties go to the simpler head
 RHO_FACTORS = (1.0, 0.25, 1 / 16, 0.0)  # times risk_price: the safest first
@@ -90,8 +91,6 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
                     folds: int = 3) -> tuple[ScaleHead, dict[str, Any]]:
     """``(head, {"grid", "rho", "l2"})``: the head trained on the records of ``data`` with measured gains in
     ``metric``; ``rho`` and ``l2`` chosen by an inner grouped CV under ``rule`` (a ``ScaleRule``) at ``kappa``."""
-    from .selection import group_kfold, loss_share
-
     gains = data.gains(metric)
     ok = ~torch.isnan(gains).any(1)
     rows = torch.nonzero(ok).squeeze(1).tolist()

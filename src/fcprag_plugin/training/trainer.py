@@ -40,8 +40,7 @@ ARGS_NAME = "training_args.json"
 METRICS_NAME = "metrics.json"
 PRECISIONS = ("auto", "fp32", "bf16")
 OBJECTIVES = ("kl", "risk")
-# what a recipe sets unless the caller does: "measured" (the TrainArgs defaults, after
-# docs/results/efficacy-fresh.md) and "paper" (the learned network, shipped at PRAG's total)
+# what a recipe sets unless the caller does: "measured" (the TrainArgs defaults) and "paper" (the network at total 1)
 RECIPES: dict[str, dict[str, Any]] = {
     "measured": {}, "paper": {"kappa": 1.0, "keep_network": True, "per_query_scale": False, "objective": "kl"}}
 # sizes refused before allocation: more epochs than anyone trains for (the CV keeps (epochs + 1) x records), a

@@ -1,5 +1,5 @@
 """The study's one statistic: a paired difference over questions with its percentile-bootstrap 95% CI (the
-library's :func:`fcprag_plugin.training.selection.bootstrap_ci`, each question its own group)."""
+library's :func:`fcprag_plugin.training.stats.bootstrap_ci`, each question its own group)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ from typing import Sequence
 
 import torch
 
-BOOTSTRAP = 2000
+from fcprag_plugin.training.stats import BOOTSTRAP, bootstrap_ci
 
 
 def paired(diffs: Sequence[float], seed: str) -> tuple[float, list[float]]:
     """``(mean, [lo, hi])`` of the per-question differences ``diffs``; the resampling is seeded by ``seed``."""
-    from fcprag_plugin.training.selection import bootstrap_ci
-
     v = torch.tensor([float(d) for d in diffs], dtype=torch.float64)
     if len(v) == 0:
         return float("nan"), [float("nan"), float("nan")]
