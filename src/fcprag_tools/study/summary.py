@@ -95,6 +95,8 @@ def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[st
                "scale_only": lambda: FusionController.scale_only(kappa, embed_dim=cfg.embed_dim,
                                                                  embedding_model=cfg.embedding_model),
                "prag_sum": lambda: FusionController.uniform(cfg.embed_dim, cfg.embedding_model)}[ship]()
+    if ship != "network":  # the best scale belongs to the adapter recipe too: its check warns on other adapters
+        shipped.config.trained_for = cfg.trained_for
     train_ids = sorted(q for q, r in qs.items() if r["split"] == "train")
 
     def save(tmp: Path) -> None:

@@ -42,6 +42,7 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
     assert not test_ids & {r["id"] for r in labels}  # no held-out question is labelled or trained on
     ctrl = FusionController.from_pretrained(out / "controller")  # what it recommends, a normal controller folder
     assert (ctrl.config.controller_mode == "uniform") == (s["verdict"]["ship"] != "network")
+    assert ctrl.config.trained_for["adapter_recipes"][0]["rank"] == [2]  # what it was measured on, whatever ships
     assert f"Ship: {s['verdict']['ship']}" in (out / "report.md").read_text()
     # the recommended row is the row of what ships, measured on the same questions
     row = {"network": "learned", "prag_sum": "prag_sum"}.get(s["verdict"]["ship"], f"scale:{s['verdict']['kappa']:g}")
