@@ -57,7 +57,7 @@ LABELS = Path(__file__).resolve().parent / "data" / "efficacy_train_labels.jsonl
 
 # ======================================================================================= THE DEMO'S TRAINING RECIPE
 # The one place that says how the demo trains its controller: every train_controller argument but the paths and
-# the encoder. The recommended recipe (docs/results/efficacy-fresh-plan.md, benchmarks/efficacy/controller): the
+# the encoder. The recommended recipe (docs/results/efficacy-fresh-plan.md, docs/training.md): the
 # risk objective, kappa chosen on the labels' measured scales, the side features the hosts can supply (retrieval
 # rank, adapter statistics); nested CV trains at most 3 epochs. The demo keeps the learned network
 # (keep_network) to show what it does: `fcprag train`'s default saves scale-only, since the network's reweighting

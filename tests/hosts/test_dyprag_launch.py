@@ -219,16 +219,17 @@ def test_cli_subprocess_with_real_encoder(double, tmp_path):
 
 
 @pytest.mark.integration
-def test_the_shipped_controller_runs_with_what_dyprag_has(double, tmp_path):
-    """benchmarks/efficacy/controller under DyPRAG (mode delta): no retrieval scores needed, ranks = the passage
-    order, adapter statistics from the translator outputs; the injected updates equal the dense reference."""
+def test_a_side_feature_network_runs_with_what_dyprag_has(double, tmp_path):
+    """benchmarks/efficacy/controller-kappa4-network (a network on retrieval rank + adapter statistics) under DyPRAG
+    (mode delta): no retrieval scores needed, ranks = the passage order, adapter statistics from the translator
+    outputs; the injected updates equal the dense reference."""
     from pathlib import Path
 
     from fcprag_plugin import LoraAdapter, LoraModule
     from fcprag_plugin.encoding import TextEncoder
 
     script, data, questions = double
-    shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller"
+    shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller-kappa4-network"
     rec = tmp_path / "rec.pt"
     assert launch_dyprag(script, ["--data", str(data), "--record", str(rec)], controller=str(shipped),
                          mode="delta") == 0

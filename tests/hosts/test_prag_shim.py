@@ -446,14 +446,14 @@ def test_launch_returns_the_scripts_exit_status(tmp_path):
 
 
 @pytest.mark.integration
-def test_the_shipped_controller_runs_with_what_prag_has(world, tmp_path, caplog):
-    """benchmarks/efficacy/controller (retrieval rank + adapter statistics, the real MiniLM encoder) under PRAG:
-    PRAG keeps no retrieval scores and needs none; the ranks are the passage order, the statistics come from the
-    adapters PRAG loaded. Weights = the controller's own prediction with those inputs; merges = dense reference."""
+def test_a_side_feature_network_runs_with_what_prag_has(world, tmp_path, caplog):
+    """benchmarks/efficacy/controller-kappa4-network (a network on retrieval rank + adapter statistics, the real
+    MiniLM encoder) under PRAG: PRAG keeps no retrieval scores and needs none; the ranks are the passage order, the
+    statistics come from the adapters PRAG loaded. Weights = the controller's own prediction with those inputs; merges = dense reference."""
     from fcprag_plugin import LoraAdapter
     from fcprag_plugin.encoding import TextEncoder
 
-    shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller"
+    shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller-kappa4-network"
     cap, records = launch_double(world, tmp_path, controller=str(shipped))
     ctrl, enc = FusionController.from_pretrained(shipped), TextEncoder()
     assert ctrl.config.side_features == ["retrieval_rank", "adapter_stats"] and ctrl.config.kappa == 4.0

@@ -18,7 +18,7 @@ from fcprag_tools.synthetic import synthetic_records, write_labels
 from helpers import make_adapter_dir
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "benchmarks" / "efficacy" / "controller"  # trained with retrieval ranks and adapter statistics
+SHIPPED = REPO / "benchmarks" / "efficacy" / "controller-kappa4-network"  # a network on ranks and adapter statistics
 
 
 def _env(**extra: str) -> dict[str, str]:
