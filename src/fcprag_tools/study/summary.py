@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fcprag_plugin.fileio import write_atomic, write_json
+from fcprag_plugin.training.stats import Z95
 from .stats import paired
 
 METRICS = ("logprob", "f1", "em", "acc")
@@ -90,6 +91,12 @@ def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[st
         {"delta": None, "ci95": None, "measured": False, "rows": []}
     learned_delta = part(results, keys, "learned", "prag_sum")["delta"] if learned else None
     ship, why = decide(scale, reweighting, learned_delta)
+    n_train = sum(r["split"] == "train" for r in qs.values())
+    share = float(study.o.train_args.get("scale_max_loss_share", 0.1))
+    n_min = math.ceil(Z95 ** 2 * (1 - share) / share) if 0 < share < 1 else 0  # Wilson bound at 0 losses <= share
+    if not given and kappa == 1.0 and n_train < n_min:
+        why += (f"; with {n_train} training questions the risk rule cannot allow any scale (the 95% upper bound of "
+                f"the loss share stays above {share:g} even if no question loses): it needs about {n_min}")
     cfg = ctrl.config
     shipped = {"network": lambda: ctrl,
                "scale_only": lambda: FusionController.scale_only(kappa, embed_dim=cfg.embed_dim,
@@ -119,7 +126,6 @@ def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[st
     names.insert(1, "recommended")
     keys, methods, pairs = table(results, test, names)
     study.load_model()  # (a resumed run with nothing left to score has not loaded it) for its device and dtype
-    n_train = sum(r["split"] == "train" for r in qs.values())
     out = {
         "n_train": n_train, "n_test": len(keys),
         "settings": {**settings, "device": study.device,

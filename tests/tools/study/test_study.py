@@ -44,6 +44,8 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
     assert (ctrl.config.controller_mode == "uniform") == (s["verdict"]["ship"] != "network")
     assert ctrl.config.trained_for["adapter_recipes"][0]["rank"] == [2]  # what it was measured on, whatever ships
     assert f"Ship: {s['verdict']['ship']}" in (out / "report.md").read_text()
+    assert s["verdict"]["kappa_learned"] == 1.0  # 3 training questions: the risk rule cannot allow a scale
+    assert "with 3 training questions the risk rule cannot allow any scale" in s["verdict"]["why"]
     # the recommended row is the row of what ships, measured on the same questions
     row = {"network": "learned", "prag_sum": "prag_sum"}.get(s["verdict"]["ship"], f"scale:{s['verdict']['kappa']:g}")
     assert s["methods"]["recommended"] == s["methods"][row]
