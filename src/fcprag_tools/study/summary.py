@@ -13,6 +13,7 @@ average), else ``scale_only`` when the scale part's CI lies above 0, else ``prag
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -92,12 +93,16 @@ def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[st
     learned_delta = part(results, keys, "learned", "prag_sum")["delta"] if learned else None
     ship, why = decide(scale, reweighting, learned_delta)
     n_train = sum(r["split"] == "train" for r in qs.values())
-    share = float(study.o.train_args.get("scale_max_loss_share", 0.1))
-    n_min = math.ceil(Z95 ** 2 * (1 - share) / share) if 0 < share < 1 else 0  # Wilson bound at 0 losses <= share
-    if not given and kappa == 1.0 and n_train < n_min:
-        why += (f"; with {n_train} training questions the risk rule cannot allow any scale (the 95% upper bound of "
-                f"the loss share stays above {share:g} even if no question loses): it needs about {n_min}")
     cfg = ctrl.config
+    args_file = Path(learned_dir) / "training_args.json"  # the risk rule the trainer applied, as it recorded it
+    targs = {} if given or not args_file.is_file() else json.loads(args_file.read_text(encoding="utf-8"))
+    share = targs.get("scale_max_loss_share")
+    rule_applied = targs.get("kappa") == "auto" and targs.get("scale_bound") == "upper"
+    if rule_applied and kappa == 1.0 and share and 0 < share < 1:
+        n_min = math.ceil(Z95 ** 2 * (1 - share) / share)  # below it, the Wilson bound at 0 losses exceeds share
+        if n_train < n_min:
+            why += (f"; with {n_train} training questions the risk rule cannot allow any scale (the 95% upper bound "
+                    f"of the loss share stays above {share:g} even if no question loses): it needs about {n_min}")
     shipped = {"network": lambda: ctrl,
                "scale_only": lambda: FusionController.scale_only(kappa, embed_dim=cfg.embed_dim,
                                                                  embedding_model=cfg.embedding_model),
