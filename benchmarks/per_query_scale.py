@@ -18,8 +18,8 @@ global kappa chosen on train126, scored on fresh196. Prints each verdict and wri
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -96,7 +96,11 @@ def _cv_summary(cv: dict) -> dict:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="folder for the label files, trainings and summary.json")
+    p.add_argument("--reuse", action="store_true", help="keep finished trainings (their verdicts as they were)")
+    args = p.parse_args()
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     files = {"train126": train126(out), "fresh196": fresh196(out)}
     common = dict(progress=False, threads=1, overwrite=True, cache_dir=str(out / "emb"), val_fraction=0.0,
@@ -107,7 +111,7 @@ def main() -> None:
     cache = open_cache(str(out / "emb"), name_, enc.dim)
     for name, metric in (("train126", "label"), ("fresh196", "label"), ("fresh196", "f1")):
         done = out / f"{name}-{metric}" / "metrics.json"
-        if done.is_file() and "--reuse" in sys.argv:  # a finished run of this script: its verdict as it was
+        if done.is_file() and args.reuse:  # a finished run of this script: its verdict as it was
             cv = json.loads(done.read_text(encoding="utf-8"))["cv"]
         else:
             res = train_controller(files[name], out / f"{name}-{metric}", scale_metric=metric, **common)
