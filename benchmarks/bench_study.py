@@ -11,7 +11,11 @@ CUDA-synchronised around every timer. Per stage it prints both rates and their r
   label builder's batched scorer (``score_rows``, mixed batches) vs one subset at a time (slot write + forward +
   generate), in records/s;
 - evaluation: questions, each with its own 3 adapters and ``--new-tokens`` greedy tokens, in one mixed batch vs one
-  at a time, in questions/s, with the largest log-prob difference between the two.
+  at a time, in questions/s, with the largest log-prob difference between the two;
+- augmentation: PRAG's two prompts per passage (rewrite, QA; ``--aug-prompt-tokens`` tokens each) answered by greedy
+  generation of ``--aug-new-tokens`` tokens, ``--aug-batch`` passages per ``generate`` (the study's
+  ``batched_greedy``) vs one prompt at a time (PRAG's way), in passages/s. Random weights never stop early, so both
+  generate every token; a real model's batch waits for its longest answer.
 
 Usage::
 
@@ -146,6 +150,24 @@ def bench_scoring(model: Any, rows: list, per_unit: int, a: argparse.Namespace, 
     return n / t_mix, n / t_one, max(abs(x.logprob - y.logprob) for x, y in zip(mixed, alone))
 
 
+def bench_augment(model: Any, a: argparse.Namespace, per_call: int, n: int, dev: torch.device) -> tuple[float, float]:
+    """``(passages/s batched, passages/s one prompt at a time)`` over ``n`` passages (2 prompts each),
+    ``per_call`` passages per ``generate``."""
+    from fcprag_tools.label_builder.batched import batched_greedy
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, model.config.vocab_size, (a.aug_prompt_tokens,), generator=g).tolist()
+               for _ in range(2 * n)]
+    tok, new = Tok(), a.aug_new_tokens
+    batched_greedy(model, tok, prompts[:2], 2)  # warm-up
+    step = 2 * per_call
+    t_mix, _ = timed(dev, lambda: [batched_greedy(model, tok, prompts[i:i + step], new)
+                                   for i in range(0, len(prompts), step)])
+    n_one = max(1, min(4, n // 8))
+    t_one, _ = timed(dev, lambda: [batched_greedy(model, tok, [q], new) for q in prompts[:2 * n_one]])
+    return n / t_mix, n_one / t_one
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -157,6 +179,10 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per evaluation row")
     p.add_argument("--batch", type=int, default=64, help="sequences per scoring forward")
+    p.add_argument("--aug-batch", default="8", help="passages per augmentation generate (8: the study's), a list")
+    p.add_argument("--aug-prompt-tokens", type=int, default=220, help="tokens of one augmentation prompt")
+    p.add_argument("--aug-new-tokens", type=int, default=128, help="greedy tokens per augmentation prompt")
+    p.add_argument("--stages", default="adapters,labels,evaluation,augment", help="a subset, comma-separated")
     a = p.parse_args()
     a.stack, a.peft = (16, 4) if a.quick else (64, 16)
     n_eval, n_label = (8, 4) if a.quick else (32, 16)
@@ -169,17 +195,26 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{name}; random Llama ({a.shape}: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab "
           f"{cfg.vocab_size}), {a.dtype}")
-    stacked, peft = bench_adapters(model, a, dev)
-    print(f"adapters    stacked x{a.stack}: {stacked:8.2f} adapters/s   PEFT one at a time: {peft:8.2f} adapters/s"
-          f"   ratio {stacked / peft:6.1f}x")
+    stages = set(a.stages.split(","))
+    if "adapters" in stages:
+        stacked, peft = bench_adapters(model, a, dev)
+        print(f"adapters    stacked x{a.stack}: {stacked:8.2f} adapters/s   PEFT one at a time: {peft:8.2f} "
+              f"adapters/s   ratio {stacked / peft:6.1f}x", flush=True)
     with torch.no_grad():
-        loo = [[1, 1, 1], [0, 1, 1], [1, 0, 1], [1, 1, 0], [2, 2, 2], [4, 4, 4]]
-        mix, one, diff = bench_scoring(model, _rows(model, n_label, loo, a, dev), len(loo), a, dev)
-        print(f"labels      batched: {mix:8.2f} records/s   one subset at a time: {one:8.2f} records/s   "
-              f"ratio {mix / one:6.1f}x   max |d logprob| {diff:.2e}")
-        mix, one, diff = bench_scoring(model, _rows(model, n_eval, [[1, 1, 1]], a, dev), 1, a, dev)
-        print(f"evaluation  mixed batch: {mix:8.2f} questions/s   one at a time: {one:8.2f} questions/s   "
-              f"ratio {mix / one:6.1f}x   max |d logprob| {diff:.2e}")
+        if "labels" in stages:
+            loo = [[1, 1, 1], [0, 1, 1], [1, 0, 1], [1, 1, 0], [2, 2, 2], [4, 4, 4]]
+            mix, one, diff = bench_scoring(model, _rows(model, n_label, loo, a, dev), len(loo), a, dev)
+            print(f"labels      batched: {mix:8.2f} records/s   one subset at a time: {one:8.2f} records/s   "
+                  f"ratio {mix / one:6.1f}x   max |d logprob| {diff:.2e}", flush=True)
+        if "evaluation" in stages:
+            mix, one, diff = bench_scoring(model, _rows(model, n_eval, [[1, 1, 1]], a, dev), 1, a, dev)
+            print(f"evaluation  mixed batch: {mix:8.2f} questions/s   one at a time: {one:8.2f} questions/s   "
+                  f"ratio {mix / one:6.1f}x   max |d logprob| {diff:.2e}", flush=True)
+        for per_call in (int(x) for x in a.aug_batch.split(",")) if "augment" in stages else ():
+            n_aug = (2 if a.quick else 4) * per_call
+            mix, one = bench_augment(model, a, per_call, n_aug, dev)
+            print(f"augment     x{per_call} passages per generate: {mix:8.2f} passages/s   one prompt at a time: "
+                  f"{one:8.2f} passages/s   ratio {mix / one:6.1f}x", flush=True)
 
 
 if __name__ == "__main__":
