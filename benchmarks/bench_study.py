@@ -1,7 +1,8 @@
 """``fcprag study``'s stages, throughput side by side with the one-at-a-time way, on random weights.
 
 A random Llama of Llama-3.2-1B's shape (hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads, vocab
-128256; ``--layers`` fewer for a quick look, ``--shape tiny`` for a CPU smoke run), on ``--device`` in ``--dtype``,
+128256; ``--shape smollm2``: SmolLM2-135M's, the CPU study's model; ``--layers`` fewer for a quick look, ``--shape
+tiny`` for a CPU smoke run), on ``--device`` in ``--dtype``,
 CUDA-synchronised around every timer. Per stage it prints both rates and their ratio:
 
 - adapters: PRAG's recipe (r 2, alpha 32, gate/up/down_proj, AdamW 3e-4, 4 samples of ``--tokens`` tokens each)
@@ -33,6 +34,8 @@ import torch
 
 SHAPES = {"1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096),
+          "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048),
           "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)}
 TARGETS = ["gate_proj", "up_proj", "down_proj"]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from fcprag_plugin.errors import FcpragError
 from fcprag_tools.cli import main
 from fcprag_tools.study import StudyOptions, check_summary, run_study
 from fcprag_tools.study import adapters as ad
@@ -154,3 +155,15 @@ def test_train_ids_decide_the_split(tiny_study, tmp_path):
 def test_a_missing_question_file_is_named(tmp_path, capsys):
     assert main(["study", str(tmp_path / "q.jsonl"), "--model", "m", "--out", str(tmp_path / "o")]) == 2
     assert "QUESTIONS" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_batch_sizes_default_by_device_and_a_given_size_wins(tiny_study):
+    from fcprag_tools.study.pipeline import Study
+
+    cpu, gpu = Study(_opts(tiny_study, device="cpu")), Study(_opts(tiny_study, device="cuda:1"))
+    assert (cpu.per_device(None, 8, 64), cpu.batch_size) == (8, 16)
+    assert (gpu.per_device(None, 8, 64), gpu.batch_size) == (64, 64)  # decided before any model is loaded
+    assert Study(_opts(tiny_study, device="cuda", batch_size=5)).batch_size == 5
+    with pytest.raises(FcpragError, match="--aug-batch 0"):
+        Study(_opts(tiny_study, aug_batch=0))
+
