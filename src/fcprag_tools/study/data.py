@@ -100,10 +100,13 @@ def split(ids: list[str], test_fraction: float, seed: int) -> set[str]:
     return set(order[:k])
 
 
-def read_ids(path: str | Path) -> list[str]:
+def read_ids(path: str | Path, where: str | None = None) -> list[str]:
     """Question ids from a file: JSON ``{"ids": [...]}`` (a controller's ``train_question_ids.json``), a JSON list,
-    or one id per line."""
-    text = Path(path).read_text(encoding="utf-8")
+    or one id per line; ``where`` names the file in the error (default ``--train-ids PATH``)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        text = ""  # not text: refused below
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -111,8 +114,8 @@ def read_ids(path: str | Path) -> list[str]:
     if isinstance(value, dict):
         value = value.get("ids")
     if not isinstance(value, list) or not value or not all(isinstance(i, str) and i for i in value):
-        raise FcpragError(f"--train-ids {path}: expected JSON {{\"ids\": [...]}}, a JSON list, or one id per line, "
-                          "with at least one id")
+        raise FcpragError(f"{where or f'--train-ids {path}'}: expected JSON {{\"ids\": [...]}}, a JSON list, or one "
+                          "id per line, with at least one id")
     return value
 
 

@@ -227,8 +227,9 @@ class Study:
         t0 = time.perf_counter()
         qs = data.read_questions(self.o.questions)
         trained = set()
-        if self.o.controller and (Path(self.o.controller) / "train_question_ids.json").is_file():
-            trained = set(json.loads((Path(self.o.controller) / "train_question_ids.json").read_text())["ids"])
+        listed = Path(self.o.controller or "") / "train_question_ids.json"
+        if self.o.controller and listed.is_file():
+            trained = set(data.read_ids(listed, f"--controller {self.o.controller}: {listed.name}"))
             left = sum(q["id"] in trained for q in qs)
             if left:
                 logger.warning("leaving out %d question(s) that %s was trained on (its train_question_ids.json)",

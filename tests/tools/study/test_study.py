@@ -167,3 +167,17 @@ def test_batch_sizes_default_by_device_and_a_given_size_wins(tiny_study):
     with pytest.raises(FcpragError, match="--aug-batch 0"):
         Study(_opts(tiny_study, aug_batch=0))
 
+
+@pytest.mark.parametrize("content", [b'{"ids": 3}', b'{"ids": []}', b"\xff\xfe\x00bad"])
+def test_a_controllers_unreadable_train_ids_are_one_line_naming_the_file(tiny_study, tmp_path, capsys, content):
+    ctrl = tmp_path / "ctrl"
+    ctrl.mkdir()
+    (ctrl / "config.json").write_text("{}")
+    (ctrl / "train_question_ids.json").write_bytes(content)
+    out = tmp_path / "never"
+    rc = main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--no-progress",
+               "--controller", str(ctrl)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"--controller {ctrl}: train_question_ids.json: expected JSON" in err
+    assert not (out / "questions.jsonl").exists()
