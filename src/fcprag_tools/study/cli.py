@@ -52,7 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "real forwards. Writes OUT/summary.json, OUT/report.md and OUT/controller/ (what it "
                     "recommends). Every stage is cached under OUT: after Ctrl-C or a killed process, run the same "
                     "command again and nothing finished is redone. Under torchrun the heavy stages shard over "
-                    "the processes.")
+                    "the processes. How many questions: the risk rule that chooses the scale needs about 35 "
+                    "training questions (53 in all at the default --test-fraction) before it can allow any "
+                    "scale; with fewer the study keeps PRAG's sum and says so at the start. The held-out CIs narrow "
+                    "with more (docs/cli.md).")
     s.add_argument("questions", metavar="QUESTIONS",
                    help="question file: JSON Lines in the ../shared/data schema, or PRAG's HotpotQA/2Wiki JSON")
     s.add_argument("--model", required=True, help="causal LM name or folder (with --gguf-file: the GGUF's folder)")
@@ -63,11 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--test-fraction", type=finite_float, default=0.33, help="held-out share of the questions")
     s.add_argument("--seed", type=int, default=0, help="split and training seed")
     s.add_argument("--controller", metavar="DIR",
-                   help="train nothing: evaluate this saved controller on all the questions (row 'recommended'), but those "
-                        "listed in its train_question_ids.json")
+                   help="train nothing: evaluate this saved controller on all the questions (row 'recommended'), "
+                        "but those listed in its train_question_ids.json")
     s.add_argument("--train-ids", metavar="FILE",
                    help="train on the questions with these ids and hold out the rest, instead of a seeded split "
-                        "(JSON {\"ids\": [...]} such as a controller's train_question_ids.json, a list, or a line each)")
+                        "(JSON {\"ids\": [...]} such as a controller's train_question_ids.json, a list, or a line "
+                        "each)")
     s.add_argument("--retrieval", metavar="FILE",
                    help="JSON Lines {\"id\", \"passages\": [...]} in rank order instead of BM25")
     s.add_argument("--top-k", type=positive_int, default=3, help="passages (adapters) per question")

@@ -203,8 +203,6 @@ class Study:
         are bound by kernel launches (augmentation: 2 passages/s at 8 per call, 16 at 64 on one H200)."""
         if given is not None:
             return given
-        import torch
-
         dev = self.o.device
         on_gpu = torch.cuda.is_available() if dev == "auto" else not dev.startswith("cpu")
         return gpu if on_gpu else cpu
@@ -344,6 +342,25 @@ class Study:
         self.timed("labels", t0, records=len(mine), device=self.device)
         return path
 
+    def warn_if_too_few(self, qs: dict[str, dict[str, Any]]) -> None:
+        """Before any work: say so when too few training questions leave the risk rule no scale to allow."""
+        from fcprag_plugin.training import TrainArgs
+
+        args = {**vars(TrainArgs()), "kappa": "auto", **self.o.train_args}
+        share = float(args["scale_max_loss_share"])
+        if self.o.controller or self.shard.rank or args["kappa"] != "auto" or args["scale_bound"] != "upper" \
+                or not 0 < share < 1:
+            return
+        n_train, need = sum(q["split"] == "train" for q in qs.values()), summary.rule_minimum(share)
+        if n_train < need:
+            tf = self.o.test_fraction
+            more = f"at least {need} ids in --train-ids" if self.o.train_ids else \
+                f"about {math.ceil(need / (1 - tf))} questions at --test-fraction {tf:g}, or a smaller fraction"
+            logger.warning("%d training questions: too few for the risk rule to allow any scale (the 95%% upper bound "
+                           "of a %g loss share stays above it even at zero losses below about %d), so this study "
+                           "will keep PRAG's sum whatever its held-out rows show; for a scale, give it more (%s)",
+                           n_train, share, need, more)
+
     def train(self, labels: Path) -> Path:
         """The learned controller (``train/learned/``): nested CV choosing epochs and kappa (on measured scales),
         the network always kept so that the evaluation can measure its reweighting."""
@@ -470,6 +487,7 @@ class Study:
         self.out.mkdir(parents=True, exist_ok=True)
         settings = self.check_settings()
         qs = self.retrieval()
+        self.warn_if_too_few(qs)
         augs = self.augment(qs)
         self.adapters(qs, augs)
         if self.o.controller is None:

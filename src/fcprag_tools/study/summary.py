@@ -73,6 +73,12 @@ def decide(scale: dict[str, Any], reweighting: dict[str, Any], learned_delta: fl
     return "prag_sum", f"{rw}; the scale part's CI {ci(scale)} does not lie above 0"
 
 
+def rule_minimum(share: float) -> int:
+    """Training questions below which the risk rule allows no scale: at zero losses the 95% Wilson upper bound of
+    the loss share, ``z^2 / (n + z^2)``, still exceeds ``share`` (35 at 0.1)."""
+    return math.ceil(Z95 ** 2 * (1 - share) / share)
+
+
 def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]], ctrl: Any,
            learned_dir: Path, kappa: float, settings: dict[str, Any]) -> dict[str, Any]:
     """Compare, decide, write ``controller/``, the ``recommended`` rows, ``summary.json`` and ``report.md``."""
@@ -99,7 +105,7 @@ def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[st
     share = targs.get("scale_max_loss_share")
     rule_applied = targs.get("kappa") == "auto" and targs.get("scale_bound") == "upper"
     if rule_applied and kappa == 1.0 and share and 0 < share < 1:
-        n_min = math.ceil(Z95 ** 2 * (1 - share) / share)  # below it, the Wilson bound at 0 losses exceeds share
+        n_min = rule_minimum(share)
         if n_train < n_min:
             why += (f"; with {n_train} training questions the risk rule cannot allow any scale (the 95% upper bound "
                     f"of the loss share stays above {share:g} even if no question loses): it needs about {n_min}")

@@ -181,3 +181,21 @@ def test_a_controllers_unreadable_train_ids_are_one_line_naming_the_file(tiny_st
     assert rc == 2 and err.count("\n") == 1, err
     assert f"--controller {ctrl}: train_question_ids.json: expected JSON" in err
     assert not (out / "questions.jsonl").exists()
+
+
+def test_too_few_training_questions_are_announced_before_any_work(tiny_study, caplog):
+    from fcprag_tools.study.pipeline import Study
+
+    runs = iter(range(3))
+
+    def warned(**kw):
+        study = Study(_opts(tiny_study, out=f"few{next(runs)}", **kw))
+        caplog.clear()
+        study.warn_if_too_few(study.retrieval())
+        return [r.getMessage() for r in caplog.records if "too few for the risk rule" in r.getMessage()]
+
+    msg = warned()  # 6 questions, half held out: 3 training questions
+    assert len(msg) == 1 and msg[0].startswith("3 training questions") and "below about 35" in msg[0]
+    assert "about 70 questions at --test-fraction 0.5" in msg[0]
+    assert warned(train_args={"epochs": 2, "scale_max_loss_share": 0.6}) == []  # at 0.6, 3 questions suffice
+    assert warned(train_args={"epochs": 2, "kappa": 2.0}) == []  # a fixed kappa: no rule to starve
