@@ -5,17 +5,20 @@ questions (30 HotpotQA, 30 2Wiki; `test_ids.json`).
     python benchmarks/efficacy/remake/make_questions.py ../shared/data OUT.jsonl [IDS.json ...]
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 here = Path(__file__).parent
-data, out = Path(sys.argv[1]), Path(sys.argv[2])
-files = [Path(f) for f in sys.argv[3:]] or [here / "train_ids.json", here / "test_ids.json"]
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+p.add_argument("data", type=Path, help="the folder of hotpotqa_dev_sample.jsonl and 2wiki_dev_sample.jsonl")
+p.add_argument("out", type=Path, help="question file to write")
+p.add_argument("ids", type=Path, nargs="*", default=[here / "train_ids.json", here / "test_ids.json"])
+a = p.parse_args()
 rows = {}
 for name in ("hotpotqa_dev_sample", "2wiki_dev_sample"):
-    for line in (data / f"{name}.jsonl").read_text(encoding="utf-8").splitlines():
+    for line in (a.data / f"{name}.jsonl").read_text(encoding="utf-8").splitlines():
         rows[json.loads(line)["id"]] = line
-ids = [i for f in files for i in json.loads(f.read_text())["ids"]]
-out.write_text("".join(rows[i] + "\n" for i in ids), encoding="utf-8")
-print(f"{out}: {len(ids)} questions")
+ids = [i for f in a.ids for i in json.loads(f.read_text())["ids"]]
+a.out.write_text("".join(rows[i] + "\n" for i in ids), encoding="utf-8")
+print(f"{a.out}: {len(ids)} questions")
