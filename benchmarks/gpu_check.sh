@@ -7,7 +7,8 @@
 #
 # Steps, in order of importance; each has its own time limit and the whole stays within BUDGET seconds (default
 # 300): a step that no longer fits is skipped and says so.
-#   1. tests:    tests/test_cuda.py (skips without a GPU), tests/slot, tests/test_fuse.py
+#   1. tests:    tests/test_cuda.py and tests/tools/study/test_cuda.py (skip without a GPU), tests/slot,
+#                tests/test_fuse.py
 #   2. generate: bench_generate.py -- base / hooks / fused weights / auto (the default) / PEFT LoRA on, batch 1 and 8,
 #                1B shape (16 layers), bf16, 256-token prompt, 64 new tokens; logits vs a float64 dense reference;
 #                base weights bit-identical afterwards
@@ -70,7 +71,8 @@ step() {
   $PY -c "import fcprag_plugin; print('fcprag_plugin from', fcprag_plugin.__file__)"
 } 2>&1 | tee "$LOG"
 
-step tests 100 $PY -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/slot tests/test_fuse.py
+step tests 120 $PY -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/tools/study/test_cuda.py tests/slot \
+  tests/test_fuse.py
 step generate 110 $PY benchmarks/bench_generate.py --device "$DEV" --dtype "$DT" "${GEN[@]}" \
   --out "$OUTDIR/bench_generate.json"
 step fusion 100 $PY benchmarks/bench_fusion.py --device "$DEV" --dtype "$DT" "${FUS[@]}" \

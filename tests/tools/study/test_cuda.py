@@ -19,7 +19,11 @@ def test_study_runs_end_to_end_on_cuda_in_bf16(tiny_study):
 
     out = tiny_study["root"] / "cuda"
     encoder = save_tiny_sentence_encoder(tiny_study["root"] / "encoder")  # the GPU machine has no offline MiniLM
+    retrieval = tiny_study["root"] / "retrieval.jsonl"  # passages in file order: the GPU check needs no bm25s
+    qs = [json.loads(x) for x in open(tiny_study["questions"], encoding="utf-8").read().splitlines()]
+    retrieval.write_text("".join(json.dumps({"id": q["id"], "passages": q["passages"]}) + "\n" for q in qs))
     assert main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--top-k", "2",
+                 "--retrieval", str(retrieval),
                  "--scales", "2,4", "--max-new-tokens", "3", "--test-fraction", "0.5", "--epochs", "2",
                  "--no-progress", "--device", "cuda", "--dtype", "bfloat16", "--encoder", str(encoder)]) == 0
     s = json.loads((out / "summary.json").read_text())
