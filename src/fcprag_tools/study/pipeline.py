@@ -203,9 +203,9 @@ class Study:
         are bound by kernel launches (augmentation: 2 passages/s at 8 per call, 16 at 64 on one H200)."""
         if given is not None:
             return given
-        dev = self.o.device
-        on_gpu = torch.cuda.is_available() if dev == "auto" else not dev.startswith("cpu")
-        return gpu if on_gpu else cpu
+        from ..label_builder.model_io import resolve_device
+
+        return cpu if resolve_device(self.o.device, self.shard.local_rank).type == "cpu" else gpu
 
     @property
     def batch_size(self) -> int:
@@ -342,18 +342,22 @@ class Study:
         self.timed("labels", t0, records=len(mine), device=self.device)
         return path
 
+    def trainer_kwargs(self, n_labels: int) -> dict[str, Any]:
+        """What the study passes to ``train_controller`` for ``n_labels`` label records (the user's train args win)."""
+        return {"kappa": "auto", "objective": "risk", "keep_network": True, "seed": self.o.seed,
+                "cv_folds": min(self.o.cv_folds, n_labels) if n_labels >= 4 else 0, **self.o.train_args}
+
     def warn_if_too_few(self, qs: dict[str, dict[str, Any]]) -> None:
         """Before any work: say so when too few training questions leave the risk rule no scale to allow."""
         from fcprag_plugin.training import TrainArgs
 
-        args = {**vars(TrainArgs()), "kappa": "auto", **self.o.train_args}
-        share = float(args["scale_max_loss_share"])
-        if self.o.controller or self.shard.rank or args["kappa"] != "auto" or args["scale_bound"] != "upper" \
-                or not 0 < share < 1:
+        if self.o.controller or self.shard.rank:
             return
-        n_train, need = sum(q["split"] == "train" for q in qs.values()), summary.rule_minimum(share)
-        if n_train < need:
-            tf = self.o.test_fraction
+        n_train = sum(q["split"] == "train" for q in qs.values())
+        args = {**vars(TrainArgs()), **self.trainer_kwargs(n_train)}
+        need = summary.rule_starved(args, n_train)
+        if need:
+            share, tf = args["scale_max_loss_share"], self.o.test_fraction
             more = f"at least {need} ids in --train-ids" if self.o.train_ids else \
                 f"about {math.ceil(need / (1 - tf))} questions at --test-fraction {tf:g}, or a smaller fraction"
             logger.warning("%d training questions: too few for the risk rule to allow any scale (the 95%% upper bound "
@@ -371,8 +375,7 @@ class Study:
         marker = self.out / "train" / "done.json"
         if self.shard.rank == 0 and not marker.is_file():
             n = len(self.store("labels").done())
-            kwargs = {"kappa": "auto", "objective": "risk", "keep_network": True, "seed": self.o.seed,
-                      "cv_folds": min(self.o.cv_folds, n) if n >= 4 else 0, **self.o.train_args}
+            kwargs = self.trainer_kwargs(n)
             train_controller(labels, where, encoder=self.o.encoder, overwrite=True, progress=self.o.progress,
                              **kwargs)
             write_json(marker, {"labels": n, "args": kwargs})

@@ -73,10 +73,15 @@ def decide(scale: dict[str, Any], reweighting: dict[str, Any], learned_delta: fl
     return "prag_sum", f"{rw}; the scale part's CI {ci(scale)} does not lie above 0"
 
 
-def rule_minimum(share: float) -> int:
-    """Training questions below which the risk rule allows no scale: at zero losses the 95% Wilson upper bound of
-    the loss share, ``z^2 / (n + z^2)``, still exceeds ``share`` (35 at 0.1)."""
-    return math.ceil(Z95 ** 2 * (1 - share) / share)
+def rule_starved(args: dict[str, Any], n_train: int) -> int | None:
+    """The training questions the risk rule in trainer ``args`` needs before it can allow any scale, when
+    ``n_train`` is fewer (else None). The rule applies with kappa "auto" and the share's upper bound; at zero losses
+    the 95% Wilson upper bound of the loss share, ``z^2 / (n + z^2)``, exceeds the share below the need (35 at 0.1)."""
+    share = args.get("scale_max_loss_share")
+    if args.get("kappa") != "auto" or args.get("scale_bound") != "upper" or not share or not 0 < share < 1:
+        return None
+    need = math.ceil(Z95 ** 2 * (1 - share) / share)
+    return need if n_train < need else None
 
 
 def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]], ctrl: Any,
@@ -102,13 +107,11 @@ def finish(study: Any, qs: dict[str, dict[str, Any]], results: dict[str, dict[st
     cfg = ctrl.config
     args_file = Path(learned_dir) / "training_args.json"  # the risk rule the trainer applied, as it recorded it
     targs = {} if given or not args_file.is_file() else json.loads(args_file.read_text(encoding="utf-8"))
-    share = targs.get("scale_max_loss_share")
-    rule_applied = targs.get("kappa") == "auto" and targs.get("scale_bound") == "upper"
-    if rule_applied and kappa == 1.0 and share and 0 < share < 1:
-        n_min = rule_minimum(share)
-        if n_train < n_min:
-            why += (f"; with {n_train} training questions the risk rule cannot allow any scale (the 95% upper bound "
-                    f"of the loss share stays above {share:g} even if no question loses): it needs about {n_min}")
+    need = rule_starved(targs, n_train) if kappa == 1.0 else None
+    if need:
+        why += (f"; with {n_train} training questions the risk rule cannot allow any scale (the 95% upper bound of "
+                f"the loss share stays above {targs['scale_max_loss_share']:g} even if no question loses): it needs "
+                f"about {need}")
     shipped = {"network": lambda: ctrl,
                "scale_only": lambda: FusionController.scale_only(kappa, embed_dim=cfg.embed_dim,
                                                                  embedding_model=cfg.embedding_model),
