@@ -182,7 +182,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per evaluation row")
     p.add_argument("--batch", type=int, default=64, help="sequences per scoring forward")
-    p.add_argument("--aug-batch", default="8", help="passages per augmentation generate, a list (the study's default: 8 on a CPU, 64 on a GPU)")
+    p.add_argument("--aug-batch", default="8",
+                   help="passages per augmentation generate, a list (the study's default: 8 on a CPU, 64 on a GPU)")
     p.add_argument("--aug-prompt-tokens", type=int, default=220, help="tokens of one augmentation prompt")
     p.add_argument("--aug-new-tokens", type=int, default=128, help="greedy tokens per augmentation prompt")
     p.add_argument("--stages", default="adapters,labels,evaluation,augment", help="a subset, comma-separated")
