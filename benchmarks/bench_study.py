@@ -109,7 +109,7 @@ def bench_adapters(model: Any, a: argparse.Namespace, dev: torch.device) -> tupl
 
 def _rows(model: Any, n_q: int, per_q: list[list[float]], a: argparse.Namespace, dev: torch.device) -> tuple:
     from fcprag_plugin.adapter import LoraAdapter, LoraModule
-    from fcprag_tools.label_builder.batched import ScoreRow
+    from fcprag_tools.lm.batched import ScoreRow
     from fcprag_tools.study.adapters import target_linears
 
     g = torch.Generator().manual_seed(2)
@@ -136,7 +136,7 @@ def _rows(model: Any, n_q: int, per_q: list[list[float]], a: argparse.Namespace,
 def bench_scoring(model: Any, rows: list, per_unit: int, a: argparse.Namespace, dev: torch.device) -> tuple:
     """``(units/s mixed, units/s one at a time, max |logprob difference|)``; a unit is ``per_unit`` rows."""
     from fcprag_plugin.slot import FusedSlot
-    from fcprag_tools.label_builder.batched import score_rows
+    from fcprag_tools.lm.batched import score_rows
 
     tok = Tok()
     union = {id(x): x for r in rows for x in r.adapters}
@@ -156,7 +156,7 @@ def bench_scoring(model: Any, rows: list, per_unit: int, a: argparse.Namespace, 
 def bench_augment(model: Any, a: argparse.Namespace, per_call: int, n: int, dev: torch.device) -> tuple[float, float]:
     """``(passages/s batched, passages/s one prompt at a time)`` over ``n`` passages (2 prompts each),
     ``per_call`` passages per ``generate``."""
-    from fcprag_tools.label_builder.batched import batched_greedy
+    from fcprag_tools.lm.batched import batched_greedy
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, model.config.vocab_size, (a.aug_prompt_tokens,), generator=g).tolist()

@@ -50,7 +50,7 @@ class DemoModelError(RuntimeError):
 def load_model() -> tuple[torch.nn.Module, Any]:
     """SmolLM2-135M-Instruct from the packaged GGUF (dequantized to fp32 weights) and its tokenizer, in eval mode."""
     from fcprag_plugin.compat import package_version
-    from fcprag_tools.label_builder.model_io import load_gguf_causal_lm
+    from fcprag_tools.lm.model_io import load_gguf_causal_lm
 
     pkg_dir = smollm2_dir()
     try:

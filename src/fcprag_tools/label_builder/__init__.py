@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from .errors import LabelBuildError
 from .manifest import ManifestRecord, from_prag, read_manifest
-from .metrics import exact_match, extract_answer, f1_score, normalize_answer
-from .prompts import PromptTemplate
+from ..lm.metrics import exact_match, extract_answer, f1_score, normalize_answer
+from ..lm.prompts import PromptTemplate
 
 __all__ = ["LabelBuildError", "ManifestRecord", "PromptTemplate", "exact_match", "extract_answer", "f1_score",
            "from_prag", "normalize_answer", "read_manifest"]

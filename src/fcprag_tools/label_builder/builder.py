@@ -28,9 +28,9 @@ from fcprag_plugin.fusion import fuse_into
 from fcprag_plugin.merge import merge_adapters
 from .errors import LabelBuildError
 from .manifest import ManifestRecord
-from .metrics import SCORINGS, answer_logprob, greedy_generate, score_generation
-from .prompts import PROMPT_MODES, EncodedPrompt, PromptTemplate, answer_ids, render_prompt
-from .store import JsonlAppender, done_ids, read_label_lines
+from ..lm.metrics import SCORINGS, answer_logprob, greedy_generate, score_generation
+from ..lm.prompts import PROMPT_MODES, EncodedPrompt, PromptTemplate, answer_ids, render_prompt
+from ..lm.store import JsonlAppender, done_ids, read_label_lines
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class LabelBuilder:
         by one instead, so that an error names its record and subset as on the sequential path.
         """
         from fcprag_plugin.slot import pack_adapter
-        from .batched import ScoreRow, score_rows
+        from ..lm.batched import ScoreRow, score_rows
 
         o = self.options
         outs: list[dict[str, Any] | LabelBuildError | None] = [None] * len(records)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..options import check_out_file, positive_int
 from fcprag_plugin.errors import FcpragError, LabelFileError
-from .metrics import SCORINGS
+from ..lm.metrics import SCORINGS
 
 
 def scale_list(text: str) -> list[float]:
@@ -34,10 +34,11 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     from .builder import BuildOptions, LabelBuilder, build_labels, check_scale_grid
     from .manifest import read_manifest
-    from .model_io import check_model_path, load_model
-    from .prompts import PromptTemplate
-    from .shard import init_process_group, merge_parts, output_path, part_path, shard_from_env, shard_records
-    from .store import done_ids
+    from ..lm.model_io import check_model_path, load_model
+    from ..lm.prompts import PromptTemplate
+    from ..lm.shard import init_process_group, output_path, part_path, shard_from_env
+    from .parts import merge_parts, shard_records
+    from ..lm.store import done_ids
 
     check_out_file("--out", args.out, [("manifest", args.manifest), ("--prompt-template", args.prompt_template)])
     model_path = check_model_path("--model", args.model)
@@ -123,7 +124,7 @@ def _cmd_from_prag(args: argparse.Namespace) -> int:
 
 def _cmd_merge(args: argparse.Namespace) -> int:
     from .manifest import read_manifest
-    from .shard import merge_parts
+    from .parts import merge_parts
 
     check_out_file("--out", args.out, [("--manifest", args.manifest), *(("part", p) for p in args.parts)])
     records = read_manifest(args.manifest)

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 from fcprag_plugin.adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.fileio import split_lines, write_atomic
-from .store import json_lines
+from ..lm.store import json_lines
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
 PASS_THROUGH_FIELDS = ("group", "split")

@@ -146,7 +146,7 @@ def lm_losses(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
 
 def samples_for(tok: Any, aug: dict[str, Any], max_tokens: int) -> dict[str, tuple[list[int], list[int]]]:
     """``{kind: (input ids, labels)}`` of one passage's training samples (absent kinds left out)."""
-    from ..label_builder.prompts import PromptTemplate, answer_ids, render_prompt
+    from ..lm.prompts import PromptTemplate, answer_ids, render_prompt
 
     out: dict[str, tuple[list[int], list[int]]] = {}
     for kind, text in (("passage", aug["passage"]), ("rewrite", aug.get("rewrite"))):

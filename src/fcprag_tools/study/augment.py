@@ -103,7 +103,7 @@ def augment_batch(model: Any, tok: Any, items: Sequence[tuple[str, str]], max_ne
                   max_passage_words: int = 150) -> list[dict[str, Any]]:
     """``[(pid, passage text)]`` -> one augmentation row per passage: ``{"id": pid, "passage", "rewrite",
     "qa_pairs", "qa_parsed", "raw"}``; every prompt of the batch in one left-padded ``generate``."""
-    from ..label_builder.batched import batched_greedy
+    from ..lm.batched import batched_greedy
 
     texts = [" ".join(t.split()[:max_passage_words]) for _, t in items]
     prompts = [_prompt_ids(tok, REWRITE_PROMPT.format(passage=t)) for t in texts] + \

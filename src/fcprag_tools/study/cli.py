@@ -56,8 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "training questions (53 in all at the default --test-fraction) before it can allow any "
                     "scale; with fewer the study keeps PRAG's sum and says so at the start. The held-out CIs narrow "
                     "with more (docs/cli.md).")
-    s.add_argument("questions", metavar="QUESTIONS",
-                   help="question file: JSON Lines in the ../shared/data schema, or PRAG's HotpotQA/2Wiki JSON")
+    s.add_argument("questions", metavar="QUESTIONS", nargs="+",
+                   help="question files (one dataset each, named by the file, unless a record has a 'dataset' "
+                        "field): JSON Lines in the ../shared/data schema, or PRAG's HotpotQA / 2Wiki / PopQA / "
+                        "ComplexWebQuestions JSON (the last two need --retrieval)")
     s.add_argument("--model", required=True, help="causal LM name or folder (with --gguf-file: the GGUF's folder)")
     s.add_argument("--gguf-file", help="GGUF file inside --model")
     s.add_argument("--out", required=True, metavar="DIR", help="study folder (created; the same DIR resumes)")

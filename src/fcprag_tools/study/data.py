@@ -1,9 +1,12 @@
 """Questions in, retrieved passages out.
 
-Input files: JSON Lines in the ``../shared/data`` schema (``id``, ``question``, ``answer``, ``passages`` as
-``"<title>: <text>"``, optional ``titles`` / ``supporting_titles``), or PRAG's own data files (a JSON array, or
-JSON Lines, of HotpotQA / 2WikiMultihopQA records: ``_id``, ``question``, ``answer``, ``context`` as
-``[[title, [sentence, ...]], ...]``, ``supporting_facts`` as ``[[title, index], ...]``).
+Input files (a JSON array or JSON Lines each): the ``../shared/data`` schema (``id``, ``question``, ``answer``,
+``passages`` as ``"<title>: <text>"``, optional ``titles`` / ``supporting_titles`` / ``type``), or the data files of
+PRAG's four datasets: HotpotQA / 2WikiMultihopQA (``_id``, ``question``, ``answer``, ``context`` as
+``[[title, [sentence, ...]], ...]``, ``supporting_facts`` as ``[[title, index], ...]``, ``type``), PopQA
+(``question``, ``possible_answers``) and ComplexWebQuestions (``ID``, ``question``, ``answers`` as
+``[{"answer", "aliases"}]``); the last two carry no passages and need a retrieval file. A question's dataset is its
+``dataset`` field, else its file's name without extension; its subtask is its ``type``, else ``all``.
 
 Retrieval: BM25 (``bm25s``, Lucene, k1 1.5, b 0.75, English stop words) of the question over its own passages, the
 top ``k`` kept in rank order; or a user's retrieval file, JSON Lines ``{"id": ..., "passages": [text, ...]}`` in
@@ -17,12 +20,15 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from fcprag_plugin.errors import FcpragError
 
 logger = logging.getLogger(__name__)
 
+QUESTION_FORMATS = ("JSON Lines or a JSON array of the ../shared/data schema (id, question, answer, passages), "
+                    "PRAG's HotpotQA / 2WikiMultihopQA JSON (_id, question, answer, context), PopQA (question, "
+                    "possible_answers) or ComplexWebQuestions (question, answers)")
 BM25 = {"library": "bm25s", "method": "lucene", "k1": 1.5, "b": 0.75, "stopwords": "en"}
 
 
@@ -48,12 +54,37 @@ def _records(path: Path) -> list[tuple[int, Any]]:
     return out
 
 
+def _answers(r: dict[str, Any]) -> Any:
+    """The gold answers of a record in any of the read layouts (None when it has none)."""
+    if "answer" in r:
+        return [r["answer"]] if isinstance(r["answer"], str) else r["answer"]
+    if "possible_answers" in r:  # PopQA: a JSON-encoded list (the released file) or a list
+        pa = r["possible_answers"]
+        if isinstance(pa, str):
+            try:
+                pa = json.loads(pa)
+            except json.JSONDecodeError:
+                return None
+        return pa
+    if "answers" in r:  # ComplexWebQuestions: [{"answer", "aliases"}], or plain strings
+        out: list[Any] = []
+        for a in r["answers"] if isinstance(r["answers"], list) else [None]:
+            if isinstance(a, dict):
+                out += [a.get("answer"), *(a.get("aliases") or [])]
+            else:
+                out.append(a)
+        return list(dict.fromkeys(out))
+    return None
+
+
 def read_questions(path: str | Path) -> list[dict[str, Any]]:
-    """``[{"id", "question", "answers": [...], "passages": [...], "titles": [...], "supporting": [...]}]``."""
+    """``[{"id", "question", "answers": [...], "passages": [...] | None, "titles", "supporting", "dataset",
+    "subtask"}]``. ``dataset``: the record's ``dataset`` field, else the file's name without extension;
+    ``subtask``: its ``type`` field, else ``all``. ``passages`` is None for a file without them (PopQA,
+    ComplexWebQuestions): such questions need ``--retrieval``."""
     path = Path(path)
     if not path.is_file():
-        raise FcpragError(f"{path}: question file not found; expected JSON Lines in the ../shared/data schema or "
-                          "PRAG's HotpotQA / 2WikiMultihopQA JSON")
+        raise FcpragError(f"{path}: question file not found; expected {QUESTION_FORMATS}")
     out, seen = [], set()
     for n, r in _records(path):
         where = f"{path}:{n}"
@@ -64,29 +95,47 @@ def read_questions(path: str | Path) -> list[dict[str, Any]]:
             titles = [c[0] for c in ctx]
             passages = [f"{c[0]}: {' '.join(s.strip() for s in c[1])}" for c in ctx]
             support = list(dict.fromkeys(f[0] for f in r.get("supporting_facts", [])))
-            qid = r.get("_id", r.get("id"))
         else:
-            passages, qid = r.get("passages"), r.get("id")
-            titles = r.get("titles") or [p.partition(": ")[0] for p in passages or []]
+            passages = r.get("passages")
+            titles = r.get("titles") or [p.partition(": ")[0] for p in passages or [] if isinstance(p, str)]
             support = r.get("supporting_titles", [])
+        qid = next((r[k] for k in ("id", "_id", "ID") if k in r), f"{path.stem}:{n}")
+        qid = str(qid) if isinstance(qid, int) and not isinstance(qid, bool) else qid
         for key, val, ok in (("id", qid, isinstance(qid, str) and qid),
-                             ("question", r.get("question"), isinstance(r.get("question"), str)),
-                             ("passages", passages, isinstance(passages, list) and passages
-                              and all(isinstance(p, str) and p.strip() for p in passages))):
+                             ("question", r.get("question"), isinstance(r.get("question"), str)
+                              and r["question"].strip()),
+                             ("passages", passages, passages is None or (isinstance(passages, list) and passages
+                              and all(isinstance(p, str) and p.strip() for p in passages)))):
             if not ok:
-                raise FcpragError(f"{where}: field '{key}': missing or invalid ({str(val)[:60]!r}); expected the "
-                                  "../shared/data record schema (id, question, answer, passages)")
-        ans = r.get("answer")
-        answers = [ans] if isinstance(ans, str) else ans
+                raise FcpragError(f"{where}: field '{key}': missing or invalid ({str(val)[:60]!r}); expected "
+                                  f"{QUESTION_FORMATS}")
+        answers = _answers(r)
         if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
-            raise FcpragError(f"{where}: field 'answer': expected a non-empty string or list of strings")
+            raise FcpragError(f"{where}: field 'answer' (or 'possible_answers' / 'answers'): expected a non-empty "
+                              "string or list of strings")
         if qid in seen:
             raise FcpragError(f"{where}: field 'id': duplicate id '{qid}'")
         seen.add(qid)
+        dataset = r.get("dataset") if isinstance(r.get("dataset"), str) and r["dataset"].strip() else path.stem
+        subtask = r.get("type") if isinstance(r.get("type"), str) and r["type"].strip() else "all"
         out.append({"id": qid, "question": r["question"], "answers": answers, "passages": passages,
-                    "titles": titles, "supporting": support})
+                    "titles": titles, "supporting": support, "dataset": dataset, "subtask": subtask})
     if not out:
         raise FcpragError(f"{path}: no questions in it")
+    return out
+
+
+def read_question_files(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """:func:`read_questions` of every file, in order; an id in two files is an error naming both."""
+    out: list[dict[str, Any]] = []
+    first: dict[str, str] = {}
+    for path in paths:
+        for q in read_questions(path):
+            if q["id"] in first:
+                raise FcpragError(f"{path}: field 'id': question id '{q['id']}' is also in {first[q['id']]}; "
+                                  "ids must be unique across the question files")
+            first[q["id"]] = str(path)
+            out.append(q)
     return out
 
 

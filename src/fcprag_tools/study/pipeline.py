@@ -34,11 +34,11 @@ from tqdm.auto import tqdm
 
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.fileio import write_json
-from ..label_builder.shard import ShardInfo, init_process_group, shard_from_env
+from ..lm.shard import ShardInfo, init_process_group, shard_from_env
 from . import adapters as ad
 from . import data, scoring, summary
 from .augment import augment_batch
-from .store import UnitStore, log_timing
+from ..lm.units import UnitStore, log_timing
 
 logger = logging.getLogger(__name__)
 W_TOL = 1e-5
@@ -52,7 +52,7 @@ FIXED = ("questions_sha256", "model", "gguf_file", "dtype", "top_k", "retrieval"
 class StudyOptions:
     """``fcprag study``'s options (the CLI's flags, same names)."""
 
-    questions: str
+    questions: Sequence[str]  # question files (one path: a file)
     model: str
     out: str
     gguf_file: str | None = None
@@ -80,7 +80,14 @@ class StudyOptions:
     progress: bool = True
     train_args: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.questions, (str, Path)):
+            self.questions = [str(self.questions)]
+        self.questions = [str(q) for q in self.questions]
+
     def validate(self) -> None:
+        if not self.questions:
+            raise FcpragError("QUESTIONS: no question file given")
         if not 0 < self.test_fraction < 1:
             raise FcpragError(f"--test-fraction {self.test_fraction}: expected a fraction between 0 and 1")
         for name in ("top_k", "group", "batch_size", "chunk", "max_new_tokens", "aug_batch", "max_tokens"):
@@ -94,7 +101,7 @@ class StudyOptions:
         if self.train_ids is not None and self.controller is not None:
             raise FcpragError("--train-ids with --controller: a given controller trains nothing and is evaluated on "
                               "every question; drop one of them")
-        for what, path in (("QUESTIONS", self.questions), ("--retrieval", self.retrieval),
+        for what, path in (*(("QUESTIONS", q) for q in self.questions), ("--retrieval", self.retrieval),
                            ("--train-ids", self.train_ids)):
             if path is not None and not Path(path).is_file():
                 expected = {"QUESTIONS": "JSON Lines (the ../shared/data schema)",
@@ -159,7 +166,10 @@ class Study:
     def check_settings(self) -> dict[str, Any]:
         """Write ``OUT/settings.json`` on a fresh folder; on a resumed one, refuse another value of :data:`FIXED`."""
         o = self.o
-        now = {"questions": str(Path(o.questions).resolve()), "questions_sha256": _sha256(Path(o.questions)),
+        shas = [_sha256(Path(q)) for q in o.questions]  # one file: its own sha256 (as before several were read)
+        now = {"questions": [str(Path(q).resolve()) for q in o.questions] if len(o.questions) > 1
+               else str(Path(o.questions[0]).resolve()),
+               "questions_sha256": shas[0] if len(shas) == 1 else hashlib.sha256(" ".join(shas).encode()).hexdigest(),
                "model": o.model, "gguf_file": o.gguf_file, "dtype": o.dtype, "top_k": o.top_k,
                "retrieval": None if o.retrieval is None else _sha256(Path(o.retrieval)),
                "train_ids": None if o.train_ids is None else _sha256(Path(o.train_ids)),
@@ -183,7 +193,7 @@ class Study:
     def load_model(self) -> None:
         if self.model is not None:
             return
-        from ..label_builder.model_io import load_model
+        from ..lm.model_io import load_model
 
         self.model, self.tok = load_model(self.o.model, gguf_file=self.o.gguf_file, dtype=self.o.dtype,
                                           device=self.o.device, local_rank=self.shard.local_rank, progress=False)
@@ -203,7 +213,7 @@ class Study:
         are bound by kernel launches (augmentation: 2 passages/s at 8 per call, 16 at 64 on one H200)."""
         if given is not None:
             return given
-        from ..label_builder.model_io import resolve_device
+        from ..lm.model_io import resolve_device
 
         return cpu if resolve_device(self.o.device, self.shard.local_rank).type == "cpu" else gpu
 
@@ -223,7 +233,7 @@ class Study:
     # ------------------------------------------------------------------ stages
     def retrieval(self) -> dict[str, dict[str, Any]]:
         t0 = time.perf_counter()
-        qs = data.read_questions(self.o.questions)
+        qs = data.read_question_files(self.o.questions)
         trained = set()
         listed = Path(self.o.controller or "") / "train_question_ids.json"
         if self.o.controller and listed.is_file():
@@ -236,8 +246,12 @@ class Study:
         if self.o.limit is not None:
             qs = qs[:self.o.limit]
         if len(qs) < 2:
-            raise FcpragError(f"{self.o.questions}: {len(qs)} question(s); a study needs at least 2")
+            raise FcpragError(f"{' '.join(self.o.questions)}: {len(qs)} question(s); a study needs at least 2")
         given = data.read_retrieval(self.o.retrieval) if self.o.retrieval else None
+        bare = [q for q in qs if q["passages"] is None and (given is None or q["id"] not in given)]
+        if bare and given is None:
+            raise FcpragError(f"QUESTIONS: {len(bare)} question(s) have no passages (first: '{bare[0]['id']}', a "
+                              "PopQA or ComplexWebQuestions file?); give their passages with --retrieval FILE")
         if given is not None:
             missing = [q["id"] for q in qs if q["id"] not in given]
             if missing:
@@ -257,13 +271,15 @@ class Study:
             with self.bar("retrieval", len(qs), len(qs) - len(todo), "q") as bar:
                 for q in todo:
                     st.append([{"id": q["id"], "question": q["question"], "answers": q["answers"],
-                                "split": "test" if q["id"] in test else "train",
+                                "split": "test" if q["id"] in test else "train", "dataset": q["dataset"],
+                                "subtask": q["subtask"],
                                 "passages": data.retrieve(q, self.o.top_k, given and given[q["id"]])}])
                     bar.update(1)
         self.barrier("questions")
         rows = st.done()
         self.timed("retrieval", t0, questions=len(todo))
-        return {q["id"]: rows[q["id"]] for q in qs}
+        # rows cached before datasets were recorded take them from the question files
+        return {q["id"]: {"dataset": q["dataset"], "subtask": q["subtask"], **rows[q["id"]]} for q in qs}
 
     def augment(self, qs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Held-out scoring by real forwards: named weight rows of many questions in mixed batches, each row its own
-per-sample fusion (:func:`fcprag_tools.label_builder.batched.score_rows`), and PEFT's Arrow router on its own path.
+per-sample fusion (:func:`fcprag_tools.lm.batched.score_rows`), and PEFT's Arrow router on its own path.
 
 A row's result: ``logprob`` (the gold answer's mean token log-likelihood under teacher forcing, best over the
 aliases), and the greedy answer from the same ``param`` prompt scored by PRAG's rules: the short answer is the
@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..label_builder.batched import ScoreRow, batched_answer_logprobs, batched_greedy, score_rows
-from ..label_builder.metrics import answer_in_text, exact_match, extract_answer, f1_score
-from ..label_builder.prompts import PromptTemplate, answer_ids, render_prompt
+from ..lm.batched import ScoreRow, batched_answer_logprobs, batched_greedy, score_rows
+from ..lm.metrics import answer_in_text, exact_match, extract_answer, f1_score
+from ..lm.prompts import PromptTemplate, answer_ids, render_prompt
 
 ARROW = {"top_k": 3, "router_temperature": 1.0, "rng_seed": 0}
 

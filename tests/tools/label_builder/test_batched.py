@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fcprag_tools.cli import main
-from fcprag_tools.label_builder.batched import batched_answer_logprobs, batched_greedy
+from fcprag_tools.lm.batched import batched_answer_logprobs, batched_greedy
 from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels
 from fcprag_tools.label_builder.manifest import read_manifest
-from fcprag_tools.label_builder.metrics import answer_logprob, greedy_generate
+from fcprag_tools.lm.metrics import answer_logprob, greedy_generate
 from helpers import assert_bit_identical, make_adapter_dir, read_jsonl, save_tiny_lm, state_snapshot
 
 QUESTIONS = ["What is the capital of France?", "Who wrote the book?", "Which river is in Paris?",
@@ -188,7 +188,8 @@ def test_batched_resume_after_interruption(world, tmp_path):
 
 def test_batched_shards_merge_to_the_sequential_labels(world, tmp_path):
     """Round-robin shards labelled batched, merged in manifest order: the single-process sequential labels."""
-    from fcprag_tools.label_builder.shard import merge_parts, part_path, shard_records
+    from fcprag_tools.label_builder.parts import merge_parts, shard_records
+    from fcprag_tools.lm.shard import part_path
 
     model, tok = _load(world)
     records = read_manifest(world["manifest"])

@@ -14,9 +14,9 @@ from fcprag_plugin.errors import FcpragError, LabelFileError
 from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels
 from fcprag_tools.label_builder.errors import LabelBuildError
 from fcprag_tools.label_builder.manifest import read_manifest
-from fcprag_tools.label_builder.metrics import exact_match, extract_answer, f1_score
-from fcprag_tools.label_builder.prompts import PromptTemplate, answer_ids, render_prompt
-from fcprag_tools.label_builder.shard import merge_parts
+from fcprag_tools.lm.metrics import exact_match, extract_answer, f1_score
+from fcprag_tools.lm.prompts import PromptTemplate, answer_ids, render_prompt
+from fcprag_tools.label_builder.parts import merge_parts
 from helpers import assert_bit_identical, make_adapter_dir, read_jsonl, save_tiny_lm, state_snapshot
 
 MAX_NEW = 4

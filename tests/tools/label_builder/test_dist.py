@@ -16,7 +16,8 @@ from fcprag_tools.cli import main
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.training import load_labels
 from fcprag_tools.label_builder.manifest import read_manifest
-from fcprag_tools.label_builder.shard import ShardInfo, output_path, part_path, shard_from_env, shard_records
+from fcprag_tools.label_builder.parts import shard_records
+from fcprag_tools.lm.shard import ShardInfo, output_path, part_path, shard_from_env
 from helpers import make_adapter_dir, save_tiny_lm
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fcprag_tools.cli import main
-from fcprag_tools.label_builder.metrics import SCORINGS, extract_answer, score_generation
+from fcprag_tools.lm.metrics import SCORINGS, extract_answer, score_generation
 from helpers import make_adapter_dir, save_tiny_lm
 
 # (generation, gold aliases, cot, expected prediction, f1, em) under scoring="prag"

@@ -18,9 +18,9 @@ from fcprag_tools.cli import main
 from fcprag_tools.label_builder.builder import BuildOptions, LabelBuilder, build_labels, format_scales
 from fcprag_tools.label_builder.cli import scale_list
 from fcprag_tools.label_builder.manifest import read_manifest
-from fcprag_tools.label_builder.metrics import score_generation
-from fcprag_tools.label_builder.prompts import PromptTemplate, answer_ids, render_prompt
-from fcprag_tools.label_builder.shard import merge_parts
+from fcprag_tools.lm.metrics import score_generation
+from fcprag_tools.lm.prompts import PromptTemplate, answer_ids, render_prompt
+from fcprag_tools.label_builder.parts import merge_parts
 from fcprag_tools.train_report import train_table
 from helpers import files_reference, make_adapter_dir, read_jsonl, save_tiny_lm
 

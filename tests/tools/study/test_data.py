@@ -8,9 +8,9 @@ import json
 import pytest
 
 from fcprag_plugin.errors import FcpragError
-from fcprag_tools.label_builder.shard import ShardInfo
+from fcprag_tools.lm.shard import ShardInfo
 from fcprag_tools.study import augment, data
-from fcprag_tools.study.store import UnitStore
+from fcprag_tools.lm.units import UnitStore
 
 
 def test_shared_schema_and_prag_layout_read_alike(tmp_path):
@@ -19,13 +19,38 @@ def test_shared_schema_and_prag_layout_read_alike(tmp_path):
     (tmp_path / "s.jsonl").write_text(json.dumps(shared) + "\n")
     prag = [{"_id": "a", "question": "Who?", "answer": "Bo", "context": [["T1", ["x ", "y."]], ["T2", ["z."]]],
              "supporting_facts": [["T2", 0]]}]
-    (tmp_path / "p.json").write_text(json.dumps(prag))
-    a, b = data.read_questions(tmp_path / "s.jsonl"), data.read_questions(tmp_path / "p.json")
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "s.json").write_text(json.dumps(prag))
+    a, b = data.read_questions(tmp_path / "s.jsonl"), data.read_questions(tmp_path / "p" / "s.json")
     assert a == b and a[0]["passages"] == ["T1: x y.", "T2: z."] and a[0]["answers"] == ["Bo"]
+    assert a[0]["dataset"] == "s" and a[0]["subtask"] == "all"
+
+
+def test_popqa_and_complexwebquestions_files_read_without_passages(tmp_path):
+    popqa = [{"id": 7, "question": "What is Bo's occupation?", "possible_answers": '["singer", "vocalist"]'}]
+    cwq = [{"ID": "WebQTrn-1", "question": "Who?", "answers": [{"answer": "Ann", "aliases": ["A.", "Ann"]}]}]
+    (tmp_path / "popqa.json").write_text(json.dumps(popqa))
+    (tmp_path / "cwq.json").write_text(json.dumps(cwq))
+    p, c = data.read_questions(tmp_path / "popqa.json")[0], data.read_questions(tmp_path / "cwq.json")[0]
+    assert (p["id"], p["answers"], p["passages"], p["dataset"]) == ("7", ["singer", "vocalist"], None, "popqa")
+    assert (c["id"], c["answers"], c["passages"], c["dataset"]) == ("WebQTrn-1", ["Ann", "A."], None, "cwq")
+
+
+def test_several_files_keep_their_datasets_and_subtasks_and_refuse_a_shared_id(tmp_path):
+    rec = lambda i, **kw: json.dumps({"id": i, "question": "q", "answer": "a", "passages": ["T: p"], **kw})  # noqa
+    (tmp_path / "hot.jsonl").write_text(rec("a", type="bridge") + "\n" + rec("b", dataset="other") + "\n")
+    (tmp_path / "wiki.jsonl").write_text(rec("c", type="inference") + "\n")
+    qs = data.read_question_files([tmp_path / "hot.jsonl", tmp_path / "wiki.jsonl"])
+    assert [(q["id"], q["dataset"], q["subtask"]) for q in qs] == [("a", "hot", "bridge"), ("b", "other", "all"),
+                                                                  ("c", "wiki", "inference")]
+    (tmp_path / "dup.jsonl").write_text(rec("a") + "\n")
+    with pytest.raises(FcpragError, match="dup.jsonl: field 'id': question id 'a' is also in .*hot.jsonl"):
+        data.read_question_files([tmp_path / "hot.jsonl", tmp_path / "dup.jsonl"])
 
 
 @pytest.mark.parametrize("line,culprit", [({"id": "a", "question": "q", "passages": ["p"]}, "'answer'"),
-                                          ({"id": "a", "question": "q", "answer": "x"}, "'passages'")])
+                                          ({"id": "a", "question": "q", "answer": "x", "passages": "p"},
+                                           "'passages'")])
 def test_a_bad_question_names_the_file_line_and_field(tmp_path, line, culprit):
     (tmp_path / "q.jsonl").write_text(json.dumps(line) + "\n")
     with pytest.raises(FcpragError, match=f"q.jsonl:1: field {culprit}"):

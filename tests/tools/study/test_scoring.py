@@ -9,7 +9,7 @@ import torch
 from fcprag_plugin import LoraAdapter, activate
 from fcprag_plugin.merge import merge_adapters
 from fcprag_plugin.slot import FusedSlot
-from fcprag_tools.label_builder.metrics import answer_logprob, extract_answer, f1_score, greedy_generate
+from fcprag_tools.lm.metrics import answer_logprob, extract_answer, f1_score, greedy_generate
 from fcprag_tools.study import scoring, stats
 from fcprag_tools.study.pipeline import Study
 from helpers import make_adapter_dir, tiny_model, tiny_tokenizer

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from fcprag_plugin.fileio import write_atomic
-from ..label_builder.shard import ShardInfo, part_path
-from ..label_builder.store import JsonlAppender, read_label_lines
+from .shard import ShardInfo, part_path
+from .store import JsonlAppender, read_label_lines
 
 
 class UnitStore:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fcprag_tools.cli import main
-from fcprag_tools.label_builder.model_io import check_model_path, load_model, looks_like_path
+from fcprag_tools.lm.model_io import check_model_path, load_model, looks_like_path
 from helpers import make_adapter_dir, save_tiny_lm
 
 SRC = str(Path(__file__).resolve().parents[3] / "src")

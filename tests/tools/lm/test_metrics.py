@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fcprag_plugin.errors import FcpragError
-from fcprag_tools.label_builder.metrics import (
+from fcprag_tools.lm.metrics import (
     answer_in_text,
     answer_logprob,
     exact_match,
@@ -16,7 +16,7 @@ from fcprag_tools.label_builder.metrics import (
     f1_score,
     normalize_answer,
 )
-from fcprag_tools.label_builder.prompts import PromptTemplate, answer_ids, render_prompt
+from fcprag_tools.lm.prompts import PromptTemplate, answer_ids, render_prompt
 from helpers import tiny_model, tiny_tokenizer
 
 

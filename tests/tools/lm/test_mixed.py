@@ -5,7 +5,7 @@ import torch
 
 from fcprag_plugin import MergeError, WeightedAdapterMerger, activate
 from fcprag_plugin.slot import FusedSlot
-from fcprag_tools.mixed import union_weights
+from fcprag_tools.lm.mixed import union_weights
 from helpers import logits, make_adapter_dir, random_adapter, tiny_model
 
 B, T = 3, 8

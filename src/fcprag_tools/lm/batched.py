@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fcprag_plugin.errors import FcpragError, MergeError
-from ..mixed import adapter_key
+from .mixed import adapter_key
 from .metrics import model_device
 
 _KEEP_ARG: dict[type, str | None] = {}
@@ -151,7 +151,7 @@ def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size:
 @contextlib.contextmanager
 def _mixture(slot: Any, rows: Sequence[ScoreRow], seq_rows: Sequence[int], mode: str) -> Iterator[None]:
     """Per-sequence mixtures for one forward: sequence ``s`` runs under row ``seq_rows[s]``'s adapters and weights."""
-    from ..mixed import union_weights
+    from .mixed import union_weights
 
     used = [s for s, r in enumerate(seq_rows) if len(rows[r].adapters)]
     if not used:  # base model for every sequence of this forward

@@ -8,8 +8,8 @@ import torch
 from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.errors import FcpragError, MergeError
 from fcprag_plugin.slot import FusedSlot
-from fcprag_tools.label_builder.batched import ScoreRow, score_rows
-from fcprag_tools.label_builder.metrics import answer_logprob, greedy_generate
+from fcprag_tools.lm.batched import ScoreRow, score_rows
+from fcprag_tools.lm.metrics import answer_logprob, greedy_generate
 from fcprag_plugin import activate
 from fcprag_plugin.merge import merge_adapters
 from helpers import assert_bit_identical, make_adapter_dir, save_tiny_lm, state_snapshot
@@ -66,7 +66,7 @@ def _alone(model, tok, row, mode="cat", max_new=5):
 @pytest.mark.parametrize("batch_size,max_tokens,k", [(64, None, 8), (3, None, 8), (64, 40, 8), (64, None, 4)])
 def test_rows_equal_each_row_alone(world, monkeypatch, batch_size, max_tokens, k):
     """All rows in one forward, a few per forward, a token budget, and a slot too small for the whole union (5)."""
-    from fcprag_tools.label_builder import batched
+    from fcprag_tools.lm import batched
 
     model, tok = world["model"], world["tok"]
     rows = _rows(world)

@@ -1,63 +1,21 @@
-"""Sharding over processes (torchrun / accelerate launch): rank ``r`` of ``W`` takes records ``i % W == r`` and
-writes ``OUT.part{r}-of{W}.jsonl``; ``merge_parts`` validates the parts and concatenates them in manifest order."""
+"""Label part files of a sharded build: rank ``r`` of ``W`` labels records ``i % W == r``
+(:func:`shard_records`); :func:`merge_parts` validates the parts and concatenates them in manifest order."""
 
 from __future__ import annotations
 
-import datetime
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.fileio import write_atomic
+from ..lm.store import read_label_lines
 from .manifest import ManifestRecord
-from .store import read_label_lines
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-
-def shard_from_env(env: Mapping[str, str] | None = None) -> ShardInfo:
-    """Rank, world size and local rank from the launcher's environment (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``)."""
-    env = os.environ if env is None else env
-
-    def read(key: str, default: str) -> int:
-        try:
-            return int(env.get(key, default))
-        except ValueError:
-            raise LabelFileError(f"environment variable {key}={env[key]!r}: expected an integer (set by torchrun / "
-                                 "accelerate launch)") from None
-
-    rank, world = read("RANK", "0"), read("WORLD_SIZE", "1")
-    local_rank = read("LOCAL_RANK", str(rank))
-    if world < 1 or not 0 <= rank < world:
-        raise LabelFileError(f"environment: RANK={rank}, WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
-    return ShardInfo(rank, world, local_rank)
 
 
 def shard_records(records: Sequence[ManifestRecord], rank: int, world: int) -> list[ManifestRecord]:
     """Records ``i % world == rank`` (round robin keeps shards balanced when record sizes drift along the file)."""
     return [r for i, r in enumerate(records) if i % world == rank]
-
-
-def part_path(out: str | Path, rank: int, world: int) -> Path:
-    """``labels.jsonl`` -> ``labels.part{rank}-of{world}.jsonl`` (the ``.jsonl`` suffix is kept last)."""
-    out = Path(out)
-    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
-    return out.with_name(f"{stem}.part{rank}-of{world}.jsonl")
-
-
-def output_path(out: str | Path, shard: ShardInfo) -> Path:
-    return part_path(out, shard.rank, shard.world) if shard.distributed else Path(out)
 
 
 @dataclass
@@ -133,20 +91,3 @@ def _check_scales(record: dict[str, Any], where: str, grid: tuple[Any, str] | No
         raise LabelFileError(f"{where}: field 'metric_at_scales': expected a list of {len(scales)} numbers (one per "
                              f"entry of 'scales'), got {got}")
     return grid or (scales, where)
-
-
-# ----------------------------------------------------------------------------- process group
-def init_process_group(shard: ShardInfo, env: Mapping[str, str] | None = None) -> bool:
-    """Join the launcher's process group (gloo: it only carries barriers) so rank 0 can merge at the end; False
-    (no group) in a plain process or without ``MASTER_ADDR``. Long timeout: ranks wait at the final barrier."""
-    env = os.environ if env is None else env
-    if not shard.distributed or "MASTER_ADDR" not in env:
-        return False
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=shard.rank, world_size=shard.world,
-                                timeout=datetime.timedelta(days=7))
-    return True
