@@ -42,7 +42,7 @@ from ..lm.units import UnitStore, log_timing
 
 logger = logging.getLogger(__name__)
 W_TOL = 1e-5
-ORACLE_T = 0.1  # the trainer's default label temperature: the oracle's w~ = N softmax(delta / 0.1)
+SETTINGS = ("param", "combine")  # PRAG's prompt (question only) and the paper's Combine (passages in it too)
 # what decides the cached results: a resumed run must use the same values (checked against OUT/settings.json)
 FIXED = ("questions_sha256", "model", "gguf_file", "dtype", "top_k", "retrieval", "test_fraction", "seed",
          "train_ids", "scales", "controller", "generate", "max_new_tokens", "limit", "max_tokens")
@@ -329,13 +329,17 @@ class Study:
         self.barrier("adapters")
         self.timed("adapters", t0, adapters=sum(map(len, groups)), group=self.o.group, device=self.device)
 
-    def labels(self, qs: dict[str, dict[str, Any]]) -> Path:
+    def labels(self, qs: dict[str, dict[str, Any]], setting: str = "param") -> Path:
+        """Leave-one-out and scale labels of the training questions in ``setting``'s prompt (``labels.jsonl``,
+        ``labels_combine.jsonl``). The Combine labels skip the greedy answers: the trainer learns from the gold
+        log-lik., and answers under the long Combine prompt would cost as much as the labels themselves."""
         from ..label_builder.builder import BuildOptions, LabelBuilder, build_labels
         from ..label_builder.manifest import ManifestRecord
 
         t0 = time.perf_counter()
-        path = self.out / "labels.jsonl"
-        st = self.store("labels")
+        name = "labels" + suffix(setting)
+        path = self.out / f"{name}.jsonl"
+        st = self.store(name)
         done = st.done()
         recs = [ManifestRecord(qid, q["question"], q["answers"], [p["text"] for p in q["passages"]],
                                [self.out / "adapters" / p["pid"] for p in q["passages"]], source=str(path),
@@ -345,17 +349,18 @@ class Study:
         self.barrier()
         if mine:
             self.load_model()
-            opts = BuildOptions(generate=self.o.generate, max_new_tokens=self.o.max_new_tokens, scoring="prag",
-                                empty_generation="zero", batch_size=self.batch_size, metric="answer_logprob",
+            opts = BuildOptions(prompt_mode=setting, generate=self.o.generate and setting == "param",
+                                max_new_tokens=self.o.max_new_tokens, scoring="prag", empty_generation="zero",
+                                batch_size=self.batch_size, metric="answer_logprob",
                                 scales=(1.0, *sorted(self.o.scales)), model_name=self.o.model)
             builder = LabelBuilder(self.model, self.tok, opts)
             try:
-                build_labels(mine, builder, st.target, progress=self.o.progress, desc="labels",
+                build_labels(mine, builder, st.target, progress=self.o.progress, desc=name,
                              position=self.shard.rank)
             finally:
                 builder.close()
-        self.barrier("labels")
-        self.timed("labels", t0, records=len(mine), device=self.device)
+        self.barrier(name)
+        self.timed(name, t0, records=len(mine), device=self.device)
         return path
 
     def trainer_kwargs(self, n_labels: int) -> dict[str, Any]:
@@ -381,45 +386,60 @@ class Study:
                            "will keep PRAG's sum whatever its held-out rows show; for a scale, give it more (%s)",
                            n_train, share, need, more)
 
-    def train(self, labels: Path) -> Path:
-        """The learned controller (``train/learned/``): nested CV choosing epochs and kappa (on measured scales),
-        the network always kept so that the evaluation can measure its reweighting."""
+    def train(self, labels: Path, setting: str = "param") -> Path:
+        """The learned controller of ``setting`` (``train/learned{,_combine}/``): nested CV choosing epochs and kappa
+        (on measured scales), the network always kept so that the evaluation can measure its reweighting."""
         from fcprag_plugin.training import train_controller
 
         t0 = time.perf_counter()
-        where = self.out / "train" / "learned"
-        marker = self.out / "train" / "done.json"
+        where = self.out / "train" / ("learned" + suffix(setting))
+        marker = self.out / "train" / f"done{suffix(setting)}.json"
         if self.shard.rank == 0 and not marker.is_file():
-            n = len(self.store("labels").done())
+            n = len(self.store(labels.stem).done())
             kwargs = self.trainer_kwargs(n)
             train_controller(labels, where, encoder=self.o.encoder, overwrite=True, progress=self.o.progress,
                              **kwargs)
             write_json(marker, {"labels": n, "args": kwargs})
         self.barrier()
-        self.timed("controller", t0)
+        self.timed("controller" + suffix(setting), t0)
         return where
 
     # ------------------------------------------------------------------ evaluation
-    def methods(self, q: dict[str, Any], ctrl: Any, kappa: float) -> dict[str, list[float]]:
-        """``{row name: w~ per passage}`` for one question (all but the oracle and arrow)."""
+    def weights(self, q: dict[str, Any], ctrl: Any) -> list[float]:
+        """``ctrl``'s ``w~`` for question ``q`` (its retrieval ranks and scores, its adapters when it reads them)."""
         from fcprag_plugin.controller import query_weights
         from fcprag_plugin.weights import is_uniform, side_inputs
 
+        ps = q["passages"]
+        if is_uniform(ctrl):
+            return [float(ctrl.config.kappa if ctrl is not None else 1.0)] * len(ps)
+        side = side_inputs(ctrl, adapters=lambda: [self.adapter(p["pid"]) for p in ps],
+                           retrieval_ranks=[float(p["rank"]) for p in ps],
+                           retrieval_scores=[float(p["score"]) for p in ps])
+        with torch.no_grad():
+            return [float(x) for x in query_weights(ctrl, q["question"], [p["text"] for p in ps],
+                                                    self.query_encoder(), side).merge_weights]
+
+    def methods(self, q: dict[str, Any], ctrls: dict[str, Any]) -> dict[str, tuple[str, list[float]]]:
+        """``{row name: (prompt, w~ per passage)}`` of one held-out question before any verdict (all but the oracle,
+        Arrow and the rows that depend on what ships). ``ctrls``: each setting's controller."""
         n = len(q["passages"])
-        rows = {"prag_sum": [1.0] * n, "average": [1.0 / n] * n}
-        for s in sorted({*self.o.scales, kappa} - {1.0}):
-            rows[f"scale:{s:g}"] = [float(s)] * n
-        for i in range(n):
-            rows[f"loo:{i}"] = [0.0 if j == i else 1.0 for j in range(n)]
-        if ctrl is not None and not is_uniform(ctrl):
-            ps = q["passages"]
-            side = side_inputs(ctrl, adapters=lambda: [self.adapter(p["pid"]) for p in ps],
-                               retrieval_ranks=[float(p["rank"]) for p in ps],
-                               retrieval_scores=[float(p["score"]) for p in ps])
-            with torch.no_grad():
-                w = [float(x) for x in query_weights(ctrl, q["question"], [p["text"] for p in ps],
-                                                     self.query_encoder(), side).merge_weights]
-            rows["learned"], rows["learned_same_total"] = w, [sum(w) / n] * n
+        rows: dict[str, tuple[str, list[float]]] = {"vanilla": ("param", [0.0] * n),
+                                                    "standard_rag": ("combine", [0.0] * n)}
+        for setting, ctrl in ctrls.items():
+            sfx, kappa = suffix(setting), float(ctrl.config.kappa)
+            rows["prag_sum" + sfx] = (setting, [1.0] * n)
+            if setting == "param":  # the parametric setting's descriptive rows
+                rows["average"] = (setting, [1.0 / n] * n)
+                for s in sorted({*self.o.scales, kappa} - {1.0}):
+                    rows[f"scale:{s:g}"] = (setting, [float(s)] * n)
+                for i in range(n):
+                    rows[f"loo:{i}"] = (setting, [0.0 if j == i else 1.0 for j in range(n)])
+            elif kappa != 1.0:  # the Combine setting's scale part
+                rows[f"scale:{kappa:g}{sfx}"] = (setting, [kappa] * n)
+            if not is_uniform_ctrl(ctrl):
+                w = self.weights(q, ctrl)
+                rows["learned" + sfx], rows["learned_same_total" + sfx] = (setting, w), (setting, [sum(w) / n] * n)
         return rows
 
     def query_encoder(self) -> Any:
@@ -430,50 +450,56 @@ class Study:
             return get_encoder(self.o.encoder)  # cached by the library: loaded once per process
         return self.o.encoder
 
-    def evaluate(self, qs: dict[str, dict[str, Any]], ctrl: Any, kappa: float) -> dict[str, dict[str, Any]]:
+    def evaluate(self, qs: dict[str, dict[str, Any]], want: dict[str, dict[str, tuple[str, list[float]]]], *,
+                 oracle: bool = False, arrow: bool = False, desc: str = "evaluate") -> dict[str, dict[str, Any]]:
+        """Score the rows ``want`` (``{qid: {name: (prompt, w~)}}``) that ``eval.jsonl`` does not hold yet, by
+        real forwards in mixed batches; with ``oracle``, each question's oracle row after its leave-one-out rows;
+        with ``arrow``, PEFT's Arrow router row. Returns every scored row of the store."""
         from fcprag_plugin.slot import FusedSlot
 
         t0 = time.perf_counter()
         st = self.store("eval")
-        test = [qid for qid, q in qs.items() if q["split"] == "test"]
-        want = {qid: self.methods(qs[qid], ctrl, kappa) for qid in test}
 
-        def valid(done: dict[str, dict[str, Any]], qid: str, name: str, w: list[float] | None) -> bool:
+        def valid(done: dict[str, dict[str, Any]], qid: str, name: str, spec: tuple[str, list[float]] | None) -> bool:
             r = done.get(f"{qid}|{name}")
             if r is None or r.get("pids") != [p["pid"] for p in qs[qid]["passages"]]:
                 return False
-            return w is None or (r.get("w") is not None and len(r["w"]) == len(w)
-                                 and all(abs(a - b) <= W_TOL for a, b in zip(r["w"], w)))
+            if spec is None:
+                return True
+            prompt, w = spec
+            return (r.get("prompt", "param") == prompt and r.get("w") is not None and len(r["w"]) == len(w)
+                    and all(abs(a - b) <= W_TOL for a, b in zip(r["w"], w)))
 
         done = st.done()
-        todo = [qid for qid in test if not all(valid(done, qid, n, w) for n, w in want[qid].items())
-                or f"{qid}|oracle" not in done]
+        qids = list(want)
+        todo = [qid for qid in qids if not all(valid(done, qid, n, s) for n, s in want[qid].items())
+                or (oracle and f"{qid}|oracle" not in done)]
         chunks = self.mine([todo[i:i + self.o.chunk] for i in range(0, len(todo), self.o.chunk)])
         use_arrow, why = scoring.arrow_status()
-        use_arrow = use_arrow and self.o.arrow
-        arrow_todo = self.mine([q for q in test if use_arrow and not valid(done, q, "arrow", None)])
+        use_arrow = use_arrow and self.o.arrow and arrow
+        arrow_todo = self.mine([q for q in qids if use_arrow and not valid(done, q, "arrow", None)])
         self.barrier()  # every rank has read the same state before any writes
         if chunks or arrow_todo:
             self.load_model()
-        with self.bar("evaluate", len(test), len(test) - len(todo), "q", sum(map(len, chunks))) as bar:
+        with self.bar(desc, len(qids), len(qids) - len(todo), "q", sum(map(len, chunks))) as bar:
             for chunk in chunks:
                 pids = [p["pid"] for qid in chunk for p in qs[qid]["passages"]]
                 slot = FusedSlot.for_model(self.model, self.adapter(pids[0]), max_adapters=len(pids),
                                            max_rank=ad.LORA["r"])
                 try:
-                    rows = [scoring.Row(qid, n, [p["pid"] for p in qs[qid]["passages"]], w)
-                            for qid in chunk for n, w in want[qid].items() if not valid(done, qid, n, w)]
-                    res = scoring.score(self.model, self.tok, slot, rows, qs, self.adapter,
-                                        generate=self.o.generate, max_new_tokens=self.o.max_new_tokens,
-                                        batch_size=self.batch_size) if rows else []
-                    st.append(res)
-                    done.update({r["id"]: r for r in res})
-                    orows = [scoring.Row(qid, "oracle", [p["pid"] for p in qs[qid]["passages"]],
-                                         self.oracle(done, qid, len(qs[qid]["passages"]))) for qid in chunk]
-                    res = scoring.score(self.model, self.tok, slot, orows, qs, self.adapter,
-                                        generate=self.o.generate, max_new_tokens=self.o.max_new_tokens,
-                                        batch_size=self.batch_size)
-                    st.append(res)
+                    def run(rows: list[scoring.Row]) -> None:
+                        res = scoring.score(self.model, self.tok, slot, rows, qs, self.adapter,
+                                            generate=self.o.generate, max_new_tokens=self.o.max_new_tokens,
+                                            batch_size=self.batch_size) if rows else []
+                        st.append(res)
+                        done.update({r["id"]: r for r in res})
+
+                    run([scoring.Row(qid, n, [p["pid"] for p in qs[qid]["passages"]], w, prompt)
+                         for qid in chunk for n, (prompt, w) in want[qid].items()
+                         if not valid(done, qid, n, (prompt, w))])
+                    if oracle:
+                        run([scoring.Row(qid, "oracle", [p["pid"] for p in qs[qid]["passages"]],
+                                         self.oracle(done, qid, len(qs[qid]["passages"]))) for qid in chunk])
                 finally:
                     slot.remove()
                 bar.update(len(chunk))
@@ -486,22 +512,31 @@ class Study:
                                                    max_new_tokens=self.o.max_new_tokens)])
                     bar.update(1)
         self.barrier("eval")
-        self.timed("evaluate", t0, questions=sum(map(len, chunks)), arrow=use_arrow, device=self.device)
-        self.arrow_why = why if not use_arrow else None
+        self.timed(desc, t0, questions=sum(map(len, chunks)), arrow=use_arrow, device=self.device)
+        if arrow:
+            self.arrow_why = why if not use_arrow else None
         return self.store("eval").done()
 
     @staticmethod
     def oracle(done: dict[str, dict[str, Any]], qid: str, n: int) -> list[float]:
-        """``w~ = N softmax(delta / 0.1)`` from this question's own ``prag_sum`` and ``loo:i`` log-liks. (it reads
-        the answer: a reference, not a method)."""
+        """``w~ = N softmax(delta / T)`` (``T``: the trainer's label temperature) from this question's own
+        ``prag_sum`` and ``loo:i`` log-liks. (it reads the answer: a reference, not a method)."""
+        from fcprag_plugin.training import TrainArgs
+
         full = done[f"{qid}|prag_sum"]["logprob"]
         deltas = torch.tensor([full - done[f"{qid}|loo:{i}"]["logprob"] for i in range(n)])
-        return [round(float(x), 6) for x in n * torch.softmax(deltas / ORACLE_T, 0)]
+        return [round(float(x), 6) for x in n * torch.softmax(deltas / TrainArgs().t_label, 0)]
 
     # ------------------------------------------------------------------ the whole run
-    def run(self) -> dict[str, Any] | None:
+    def controllers(self, qs: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Path]]:
+        """Each setting's controller and its folder: trained on that setting's labels, or the given one in both."""
         from fcprag_plugin import FusionController
 
+        dirs = {s: Path(self.o.controller) for s in SETTINGS} if self.o.controller else \
+            {s: self.train(self.labels(qs, s), s) for s in SETTINGS}
+        return {s: FusionController.from_pretrained(d).eval() for s, d in dirs.items()}, dirs
+
+    def run(self) -> dict[str, Any] | None:
         t_all = time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
         settings = self.check_settings()
@@ -509,20 +544,100 @@ class Study:
         self.warn_if_too_few(qs)
         augs = self.augment(qs)
         self.adapters(qs, augs)
-        if self.o.controller is None:
-            learned_dir = self.train(self.labels(qs))
-        else:
-            learned_dir = Path(self.o.controller)
-        ctrl = FusionController.from_pretrained(learned_dir).eval()
-        kappa = float(ctrl.config.kappa)
-        results = self.evaluate(qs, ctrl, kappa)
+        ctrls, dirs = self.controllers(qs)
+        test = [qid for qid, q in qs.items() if q["split"] == "test"]
+        results = self.evaluate(qs, {qid: self.methods(qs[qid], ctrls) for qid in test}, oracle=True, arrow=True)
+        given = self.o.controller is not None
+        verdicts = {s: summary.setting_verdict(results, test, s, ctrls[s], given=given,
+                                               trainer_args=self.trainer_args(dirs[s]), n_train=len(qs) - len(test))
+                    for s in SETTINGS}
+        # the rows that depend on what ships: the random controller at the recommended kappa (held out), and the
+        # candidates of "what to run" on the training questions (where the choice is made)
+        shipped = {s: summary.shipped_controller(verdicts[s], ctrls[s]) for s in SETTINGS}
+        recommended = ctrls if given else shipped
+        extra = {qid: self.random_rows(qs[qid], recommended) for qid in test}
+        for qid in (q for q in qs if qs[q]["split"] == "train"):
+            extra[qid] = self.candidate_rows(qs[qid], recommended, verdicts)
+        results = self.evaluate(qs, extra, desc="evaluate (after the verdict)")
         if self.shard.rank != 0:
             return None
         t0 = time.perf_counter()
-        out = summary.finish(self, qs, results, ctrl, learned_dir, kappa, settings)
+        for s in SETTINGS:
+            self.save_controller(s, shipped[s], qs)
+        out = summary.finish(qs, results, verdicts, given=given, settings={
+            **settings, "out": str(self.out), "device": self.device, "dtype": self.dtype,
+            "controller_trained": not given,
+            "arrow": "scored" if all(f"{q}|arrow" in results for q in test) else getattr(self, "arrow_why", None)
+            or "off", "learned_dir": {s: str(d) for s, d in dirs.items()}}, cv={s: c.config.cv for s, c in
+                                                                                 ctrls.items()},
+            stage_seconds={k: round(v, 1) for k, v in self.times.items()}, out=self.out)
         self.timed("summary", t0)
         log_timing(self.out, "total (this invocation)", time.perf_counter() - t_all)
         return out
+
+    def trainer_args(self, learned_dir: Path) -> dict[str, Any] | None:
+        """The arguments the trainer recorded for a controller it trained here (the risk rule it applied)."""
+        from fcprag_plugin.training.trainer import ARGS_NAME
+
+        path = Path(learned_dir) / ARGS_NAME
+        return None if self.o.controller or not path.is_file() else json.loads(path.read_text(encoding="utf-8"))
+
+    @property
+    def dtype(self) -> str:
+        """The model's dtype; read from the settings when nothing was left to score (the model not loaded)."""
+        if self.model is not None:
+            return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        from ..lm.model_io import resolve_device
+
+        auto = "float32" if resolve_device(self.o.device, self.shard.local_rank).type == "cpu" else "bfloat16"
+        return self.o.dtype if self.o.dtype != "auto" else auto
+
+    def random_rows(self, q: dict[str, Any], ships: dict[str, Any]) -> dict[str, tuple[str, list[float]]]:
+        """The paper's ablation: an untrained controller (seed 0) at each setting's recommended kappa."""
+        from fcprag_plugin import FusionController
+
+        out = {}
+        for s, ship in ships.items():
+            cfg = ship.config
+            rnd = FusionController(embed_dim=cfg.embed_dim, embedding_model=cfg.embedding_model,
+                                   controller_mode="random", seed=0, kappa=float(cfg.kappa)).eval()
+            out["random_controller" + suffix(s)] = (s, self.weights(q, rnd))
+        return out
+
+    def candidate_rows(self, q: dict[str, Any], ships: dict[str, Any], verdicts: dict[str, Any]
+                       ) -> dict[str, tuple[str, list[float]]]:
+        """The candidates of "what to run" on one training question: no adapter (two prompts), PRAG's sum and what
+        ships in each setting (under the name of the held-out row it equals)."""
+        n = len(q["passages"])
+        rows = {"vanilla": ("param", [0.0] * n), "standard_rag": ("combine", [0.0] * n)}
+        for s, ship in ships.items():
+            rows["prag_sum" + suffix(s)] = (s, [1.0] * n)
+            rows[verdicts[s]["recommended_row"]] = (s, self.weights(q, ship))
+        return rows
+
+    def save_controller(self, setting: str, shipped: Any, qs: dict[str, dict[str, Any]]) -> None:
+        """``controller/`` (``controller_combine/``): what ships in ``setting``, with the training question ids."""
+        from fcprag_tools.options import write_dir_atomically
+
+        train_ids = sorted(q for q, r in qs.items() if r["split"] == "train")
+
+        def save(tmp: Path) -> None:
+            shipped.save_pretrained(tmp)
+            if train_ids:  # `fcprag study --controller` leaves these out of what it evaluates
+                write_json(tmp / "train_question_ids.json", {"ids": train_ids})
+
+        write_dir_atomically(self.out / ("controller" + suffix(setting)), save)
+
+
+def suffix(setting: str) -> str:
+    """A row's or file's name suffix for ``setting``: none for ``param`` (PRAG's), ``_combine``."""
+    return "" if setting == "param" else f"_{setting}"
+
+
+def is_uniform_ctrl(ctrl: Any) -> bool:
+    from fcprag_plugin.weights import is_uniform
+
+    return is_uniform(ctrl)
 
 
 def run_study(opts: StudyOptions) -> dict[str, Any] | None:

@@ -1,8 +1,11 @@
 """Held-out scoring by real forwards: named weight rows of many questions in mixed batches, each row its own
 per-sample fusion (:func:`fcprag_tools.lm.batched.score_rows`), and PEFT's Arrow router on its own path.
 
-A row's result: ``logprob`` (the gold answer's mean token log-likelihood under teacher forcing, best over the
-aliases), and the greedy answer from the same ``param`` prompt scored by PRAG's rules: the short answer is the
+A row is data: a question, a name, its prompt (``param``: the question only, PRAG's; ``combine``: the retrieved
+passages in the prompt too, the paper's "Combine") and one ``w~`` per passage adapter (0: that adapter is off; all
+0: the base model, e.g. ``vanilla`` and ``standard_rag``). A row's result: ``logprob`` (the gold answer's mean token
+log-likelihood under teacher forcing, best over the aliases), and the greedy answer from the same prompt scored by
+PRAG's rules: the short answer is the
 generation cut at its first ``.``, newline or ``,``, SQuAD normalisation, ``f1`` (HotpotQA's yes/no rule) and
 ``em`` best over the aliases; ``acc`` is answer presence (a normalised alias as whole words anywhere in the
 normalised generation).
@@ -24,17 +27,20 @@ ARROW = {"top_k": 3, "router_temperature": 1.0, "rng_seed": 0}
 
 @dataclass
 class Row:
-    """One question under one method: its adapters (pids) and their ``w~``."""
+    """One question under one method: its prompt (``param`` / ``combine``), its adapters (pids) and their ``w~``."""
 
     qid: str
     name: str
     pids: list[str]
     weights: list[float]
+    prompt: str = "param"
 
 
-def encode(tok: Any, question: str, answers: Sequence[str]) -> tuple[list[int], list[list[int]]]:
-    prompt = render_prompt(tok, PromptTemplate(), question, None, "param")
-    return list(prompt.ids), [answer_ids(tok, prompt, a) for a in answers]
+def encode(tok: Any, question: str, answers: Sequence[str], passages: Sequence[str] | None = None,
+           prompt: str = "param") -> tuple[list[int], list[list[int]]]:
+    """The prompt's ids and each gold alias's ids after it (the label builder's prompt for that mode)."""
+    rendered = render_prompt(tok, PromptTemplate(), question, passages if prompt == "combine" else None, prompt)
+    return list(rendered.ids), [answer_ids(tok, rendered, a) for a in answers]
 
 
 def stop_ids(model: Any, tok: Any) -> list[int]:
@@ -60,18 +66,21 @@ def result(row_id: str, logprob: float, generation: str | None, answers: Sequenc
 def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[str, dict[str, Any]],
           adapters: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16,
           batch_size: int = 16) -> list[dict[str, Any]]:
-    """One result per row (``id`` = ``"<qid>|<name>"``, with its pids and weights), in row order."""
-    enc = {q: encode(tok, questions[q]["question"], questions[q]["answers"]) for q in {r.qid for r in rows}}
+    """One result per row (``id`` = ``"<qid>|<name>"``, with its prompt, pids and weights), in row order."""
+    enc = {(q, m): encode(tok, questions[q]["question"], questions[q]["answers"],
+                          [p["text"] for p in questions[q]["passages"]] if m == "combine" else None, m)
+           for q, m in {(r.qid, r.prompt) for r in rows}}
     srows = []
     for r in rows:
         keep = [(adapters(p), float(w)) for p, w in zip(r.pids, r.weights) if float(w) != 0.0]
-        p_ids, gold = enc[r.qid]
+        p_ids, gold = enc[(r.qid, r.prompt)]
         srows.append(ScoreRow(p_ids, gold, [a for a, _ in keep], [w for _, w in keep],
                               gen_prompt_ids=p_ids if generate else None))
     out = score_rows(model, tok, slot, srows, mode="cat", batch_size=batch_size, max_new_tokens=max_new_tokens,
                      stop_ids=stop_ids(model, tok))
     return [result(f"{r.qid}|{r.name}", s.logprob, s.generation, questions[r.qid]["answers"],
-                   {"pids": r.pids, "w": [round(float(w), 6) for w in r.weights]}) for r, s in zip(rows, out)]
+                   {"prompt": r.prompt, "pids": r.pids, "w": [round(float(w), 6) for w in r.weights]})
+            for r, s in zip(rows, out)]
 
 
 def arrow_status() -> tuple[bool, str]:

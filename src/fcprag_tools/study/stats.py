@@ -1,5 +1,5 @@
-"""The study's one statistic: a paired difference over questions with its percentile-bootstrap 95% CI (the
-library's :func:`fcprag_plugin.training.stats.bootstrap_ci`, each question its own group)."""
+"""The study's statistics over questions, each question its own group (the library's
+:func:`fcprag_plugin.training.stats.bootstrap_ci`): a paired difference, or a mean, with its percentile-bootstrap CI."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import torch
 from fcprag_plugin.training.stats import BOOTSTRAP, bootstrap_ci
 
 
-def paired(diffs: Sequence[float], seed: str) -> tuple[float, list[float]]:
-    """``(mean, [lo, hi])`` of the per-question differences ``diffs``; the resampling is seeded by ``seed``."""
+def paired(diffs: Sequence[float], seed: str, level: float = 0.95, n_boot: int = BOOTSTRAP
+           ) -> tuple[float, list[float]]:
+    """``(mean, [lo, hi])`` of the per-question values ``diffs`` (differences, or values for a plain mean) with the
+    ``level`` percentile-bootstrap interval of ``n_boot`` resamples, seeded by ``seed``."""
     v = torch.tensor([float(d) for d in diffs], dtype=torch.float64)
     if len(v) == 0:
         return float("nan"), [float("nan"), float("nan")]
-    lo, hi = bootstrap_ci(v, [str(i) for i in range(len(v))], zlib.crc32(seed.encode()), 0.95, BOOTSTRAP)
+    lo, hi = bootstrap_ci(v, [str(i) for i in range(len(v))], zlib.crc32(seed.encode()), level, n_boot)
     return float(v.mean()), [float(lo), float(hi)]

@@ -12,7 +12,7 @@ from fcprag_plugin.slot import FusedSlot
 from fcprag_tools.lm.metrics import answer_logprob, extract_answer, f1_score, greedy_generate
 from fcprag_tools.study import scoring, stats
 from fcprag_tools.study.pipeline import Study
-from helpers import make_adapter_dir, tiny_model, tiny_tokenizer
+from helpers import assert_bit_identical, make_adapter_dir, tiny_model, tiny_tokenizer
 
 
 def test_mixed_batch_rows_equal_each_row_alone(tmp_path):
@@ -56,3 +56,72 @@ def test_paired_bootstrap_brackets_the_mean_and_is_seeded():
     assert (m, ci) == stats.paired(d, "x")
     se = float(torch.tensor(d).std()) / len(d) ** 0.5  # the normal interval, an independent reference
     assert ci[0] == pytest.approx(m - 1.96 * se, abs=0.4 * se) and ci[1] == pytest.approx(m + 1.96 * se, abs=0.4 * se)
+
+
+def _dense_copy(model, adapters, weights):
+    """A float64 copy of ``model`` with ``sum_i w_i s_i B_i @ A_i`` written into its weights (independent of the
+    library's merge and slot)."""
+    import copy
+
+    from helpers import dense_reference
+
+    ref = copy.deepcopy(model).double()
+    table = dict(ref.named_modules())
+    keep = [(a, w) for a, w in zip(adapters, weights) if w]
+    with torch.no_grad():
+        for name in (adapters[0].modules if keep else ()):
+            table[name].weight += dense_reference([a for a, _ in keep], [w for _, w in keep], name)
+    return ref
+
+
+def _gold_logprob(model, prompt, gold):
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + gold])).logits[0].double(), -1)
+    return float(torch.stack([logp[len(prompt) - 1 + j, t] for j, t in enumerate(gold)]).mean())
+
+
+def test_combine_and_no_adapter_rows_equal_a_hand_built_reference(tmp_path):
+    """The Combine prompt holds every retrieved passage; a Combine row's gold log-lik. equals a dense float64 copy
+    with the merged update under a prompt written by hand; vanilla / standard_rag run the base model (no slot
+    write, base weights bit-identical)."""
+    from helpers import state_snapshot
+
+    model = tiny_model("llama", bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    tok = tiny_tokenizer()
+    ads = {f"p{i}": LoraAdapter.from_pretrained(make_adapter_dir(tmp_path / f"p{i}", seed=i)) for i in range(3)}
+    texts = ["paris : paris is the capital of france .", "berlin : the river of berlin .", "rome : a city in italy ."]
+    qs = {"a": {"question": "what is the capital of france ?", "answers": ["paris"],
+                "passages": [{"pid": f"p{i}", "text": t} for i, t in enumerate(texts)]}}
+    pids = ["p0", "p1", "p2"]
+    rows = [scoring.Row("a", "recommended_combine", pids, [2.0, 0.5, 1.0], "combine"),
+            scoring.Row("a", "standard_rag", pids, [0.0, 0.0, 0.0], "combine"),
+            scoring.Row("a", "vanilla", pids, [0.0, 0.0, 0.0], "param")]
+    by_hand = {"combine": "Answer the question with a short answer, using the passages below and your own knowledge."
+                          "\n" + "\n".join(f"Passage {i + 1}: {t}" for i, t in enumerate(texts)) +
+                          "\nQuestion: what is the capital of france ?\nThe answer is",
+               "param": "Answer the question with a short answer.\nQuestion: what is the capital of france ?\n"
+                        "The answer is"}
+    prompts = {m: tok(text)["input_ids"] for m, text in by_hand.items()}
+    for m, ids in prompts.items():
+        got, _ = scoring.encode(tok, qs["a"]["question"], ["paris"], texts, m)
+        assert got == ids
+    decoded = tok.decode(prompts["combine"])
+    assert all(tok.decode(tok(t, add_special_tokens=False)["input_ids"]) in decoded for t in texts)
+    snap = state_snapshot(model)
+    slot = FusedSlot.for_model(model, ads["p0"], max_adapters=3, max_rank=2)
+    active_during = []
+    hook = model.register_forward_pre_hook(lambda mod, args: active_during.append(slot.active))
+    try:
+        base = scoring.score(model, tok, slot, rows[1:], qs, ads.__getitem__, generate=False, batch_size=4)
+        assert active_during and not any(active_during)  # no adapter was on for the base-model rows
+        got = scoring.score(model, tok, slot, rows, qs, ads.__getitem__, generate=False, batch_size=4)
+    finally:
+        hook.remove()
+        slot.remove()
+    assert_bit_identical(model, snap)
+    gold = tok(" paris", add_special_tokens=False)["input_ids"]
+    for r, g in zip(rows, got):
+        ref = _dense_copy(model, [ads[p] for p in r.pids], r.weights)
+        assert g["logprob"] == pytest.approx(_gold_logprob(ref, prompts[r.prompt], gold), abs=1e-4), r.name
+        assert g["prompt"] == r.prompt and g["w"] == r.weights
+    assert [b["logprob"] for b in base] == pytest.approx([g["logprob"] for g in got[1:]], abs=1e-6)

@@ -10,7 +10,7 @@ from fcprag_plugin.errors import FcpragError
 from fcprag_tools.cli import main
 from fcprag_tools.study import StudyOptions, check_summary, run_study
 from fcprag_tools.study import adapters as ad
-from fcprag_tools.study import pipeline, scoring
+from fcprag_tools.study import pipeline, scoring, summary
 from helpers import hash_encoder
 
 FAST = dict(top_k=2, scales=(2.0, 4.0), max_new_tokens=3, aug_max_new_tokens=6, progress=False, test_fraction=0.5,
@@ -33,7 +33,8 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
     s = json.loads((out / "summary.json").read_text())
     assert check_summary(s) == [] and s["n_train"] == 3 and s["n_test"] == 3
     assert {"prag_sum", "recommended", "average", "scale:2", "scale:4", "learned", "learned_same_total",
-            "oracle"} <= set(s["methods"])
+            "oracle", "vanilla", "standard_rag", "prag_sum_combine", "recommended_combine", "random_controller",
+            "random_controller_combine", "learned_combine", "learned_same_total_combine"} <= set(s["methods"])
     assert s["settings"]["device"] == "cpu" and s["settings"]["dtype"] == "float32"
     labels = [json.loads(x) for x in (out / "labels.jsonl").read_text().splitlines()]  # the training questions'
     assert len(labels) == 3 and all(r["scales"] == [1.0, 2.0, 4.0] and len(r["metric_without"]) == 2
@@ -44,12 +45,37 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
     ctrl = FusionController.from_pretrained(out / "controller")  # what it recommends, a normal controller folder
     assert (ctrl.config.controller_mode == "uniform") == (s["verdict"]["ship"] != "network")
     assert ctrl.config.trained_for["adapter_recipes"][0]["rank"] == [2]  # what it was measured on, whatever ships
-    assert f"Ship: {s['verdict']['ship']}" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| param | " + s["verdict"]["ship"] in report and "| combine | " in report
+    assert s["verdict"]["settings"]["param"]["ship"] == s["verdict"]["ship"]
     assert s["verdict"]["kappa_learned"] == 1.0  # 3 training questions: the risk rule cannot allow a scale
     assert "with 3 training questions the risk rule cannot allow any scale" in s["verdict"]["why"]
     # the recommended row is the row of what ships, measured on the same questions
     row = {"network": "learned", "prag_sum": "prag_sum"}.get(s["verdict"]["ship"], f"scale:{s['verdict']['kappa']:g}")
     assert s["methods"]["recommended"] == s["methods"][row]
+    # every row's subtask F1 is the mean of its per-question F1 in eval.jsonl; the rows run as data says
+    qs = {json.loads(x)["id"]: json.loads(x) for x in (out / "questions.jsonl").read_text().splitlines()}
+    ev = {json.loads(x)["id"]: json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()}
+    for name in ("vanilla", "standard_rag", "prag_sum_combine", "random_controller", "recommended_combine"):
+        rows = [ev[f"{q}|{s['verdict']['settings']['combine']['recommended_row']}" if name == "recommended_combine"
+                   else f"{q}|{name}"] for q in qs if qs[q]["split"] == "test"]
+        f1, em = [r["f1"] for r in rows], [r["em"] for r in rows]
+        assert s["methods"][name]["by_subtask"]["q/all"] == {"f1": pytest.approx(sum(f1) / 3),
+                                                             "em": pytest.approx(sum(em) / 3), "n": 3}
+        assert s["methods"][name]["f1"] == pytest.approx(sum(f1) / 3)
+    for q in (q for q in qs if qs[q]["split"] == "test"):
+        assert ev[f"{q}|vanilla"]["w"] == [0.0, 0.0] and ev[f"{q}|vanilla"]["prompt"] == "param"
+        assert ev[f"{q}|standard_rag"]["w"] == [0.0, 0.0] and ev[f"{q}|standard_rag"]["prompt"] == "combine"
+        assert ev[f"{q}|prag_sum_combine"]["w"] == [1.0, 1.0] and ev[f"{q}|prag_sum_combine"]["prompt"] == "combine"
+    # "what to run": chosen on the training questions (their candidate rows are scored), measured held out
+    w = s["verdict"]["what_to_run"]
+    train = [q for q in qs if qs[q]["split"] == "train"]
+    means = {c: sum(ev[f"{q}|{c}"]["f1"] for q in train) / len(train) for c in ("vanilla", "standard_rag",
+                                                                                "prag_sum", "prag_sum_combine")}
+    assert w["chosen_on"] == "training" and w["n_choice"] == 3 and w["row"] in summary.CANDIDATES
+    assert all(w["choice_f1"][c] == pytest.approx(m) for c, m in means.items())
+    assert w["choice_f1"][w["row"]] == max(w["choice_f1"].values())
+    assert set(s["verdict"]["what_to_run_by_dataset"]) == {"q"} and (out / "report.png").is_file()
     # --controller: trains nothing, evaluates it on every question it was not trained on
     out2 = tiny_study["root"] / "given"
     assert main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out2), "--top-k", "2",

@@ -1,56 +1,187 @@
-"""summary.json's checker (no JSON schema) and the verdict rule: what ships agrees with the measured parts."""
+"""The study's summary from scored rows: the checker, the verdict rule (what ships agrees with the measured parts),
+"what to run" against an independent recomputation, the paper's table and every report figure read from
+summary.json."""
 
 from __future__ import annotations
 
 import copy
+import json
+import random
+import re
+import types
 
 import pytest
 
+from fcprag_tools.study import stats, summary
 from fcprag_tools.study.summary import check_summary, decide
 
-
-def _part(delta, lo, hi, measured=True):
-    return {"delta": delta, "ci95": [lo, hi], "measured": measured, "rows": []}
-
-
-def good():
-    m = {"logprob": -1.0, "f1": 0.2, "em": 0.1, "acc": 0.3}
-    p = {"delta_logprob": 0.1, "ci95_logprob": [0.0, 0.2], "delta_f1": 0.0, "ci95_f1": [-0.1, 0.1]}
-    names = ["prag_sum", "recommended", "learned", "learned_same_total", "scale:2"]
-    return {"n_train": 10, "n_test": 5, "settings": {"model": "m", "device": "cpu", "dtype": "float32"},
-            "methods": {n: dict(m) for n in names}, "paired": {n: dict(p) for n in names[1:]},
-            "verdict": {"ship": "scale_only", "kappa": 2.0, "scale": _part(0.1, 0.02, 0.2),
-                        "reweighting": _part(0.0, -0.1, 0.1)}}
+ROWS = {"vanilla": "param", "standard_rag": "combine", "prag_sum": "param", "prag_sum_combine": "combine",
+        "scale:2": "param", "random_controller": "param", "random_controller_combine": "combine",
+        "learned": "param", "learned_same_total": "param"}
 
 
-def test_a_complete_summary_passes():
-    assert check_summary(good()) == []
+def _ctrl(kappa):
+    return types.SimpleNamespace(config=types.SimpleNamespace(kappa=kappa))
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda s: s.pop("n_test"), "n_test"),
-    (lambda s: s["settings"].pop("dtype"), "settings"),
-    (lambda s: s["methods"].pop("recommended"), "'recommended' missing"),
-    (lambda s: s["methods"].pop("learned"), "'learned' missing"),
-    (lambda s: [s["methods"].pop(k) for k in list(s["methods"]) if k.startswith("scale:")], "scale:<s>"),
-    (lambda s: s["methods"]["prag_sum"].pop("em"), "methods['prag_sum']"),
-    (lambda s: s["paired"]["learned"].pop("ci95_logprob"), "paired['learned']"),
-    (lambda s: s["paired"]["learned"].update(ci95_logprob=[0.2, 0.1]), "paired['learned']"),
-    (lambda s: s["verdict"].update(ship="both"), "verdict.ship"),
-    (lambda s: s["verdict"]["scale"].pop("measured"), "verdict.scale"),
-    (lambda s: s["verdict"].update(ship="network"), "reweighting's CI does not lie above 0"),
-    (lambda s: s["verdict"]["scale"].update(ci95=[-0.1, 0.2]), "scale part's CI does not lie above 0"),
-])
-def test_each_missing_or_contradicting_field_is_named(edit, needle):
-    s = copy.deepcopy(good())
-    edit(s)
-    assert any(needle in p for p in check_summary(s)), check_summary(s)
+def synthetic(seed=0, n_test=40, n_train=24):
+    """Questions of two datasets and subtasks, every row scored with made-up metrics (the combine rows better on
+    'hot', the parametric ones on 'wiki')."""
+    r = random.Random(seed)
+    qs, results = {}, {}
+    for i in range(n_test + n_train):
+        d = "hot" if i % 2 else "wiki"
+        qs[f"q{i}"] = {"split": "test" if i < n_test else "train", "dataset": d,
+                       "subtask": ("bridge", "comparison")[i % 4 // 2] if d == "hot" else "inference"}
+        for name, setting in ROWS.items():
+            good = (setting == "combine") == (d == "hot")
+            f1 = min(1.0, max(0.0, r.random() * 0.6 + (0.3 if good else 0.0)))
+            results[f"q{i}|{name}"] = {"id": f"q{i}|{name}", "logprob": -3 + r.random() + (0.2 if good else 0),
+                                       "f1": f1, "em": float(f1 > 0.8), "acc": float(f1 > 0.5), "prompt": setting}
+    return qs, results
+
+
+def build(tmp_path, given=False, **kw):
+    qs, results = synthetic(**kw)
+    test = [q for q, x in qs.items() if x["split"] == "test"]
+    verdicts = {"param": summary.setting_verdict(results, test, "param", _ctrl(2.0), given=given, trainer_args={},
+                                                 n_train=24),
+                "combine": summary.setting_verdict(results, test, "combine", _ctrl(1.0), given=given,
+                                                   trainer_args={}, n_train=24)}
+    s = summary.finish(qs, results, verdicts, given=given, cv={}, stage_seconds={"evaluate": 1.5}, out=tmp_path,
+                       settings={"model": "/m/SmolLM2", "gguf_file": None, "device": "cpu", "dtype": "float32",
+                                 "out": str(tmp_path), "controller_trained": not given})
+    return s, qs, results
+
+
+def test_a_complete_summary_passes_and_each_missing_or_contradicting_field_is_named(tmp_path):
+    good, _, _ = build(tmp_path)
+    assert check_summary(good) == [] and json.loads((tmp_path / "summary.json").read_text()) == \
+        json.loads(json.dumps(good))
+    edits = [
+        (lambda s: s.pop("n_test"), "n_test"),
+        (lambda s: s["settings"].pop("dtype"), "settings"),
+        (lambda s: s["methods"].pop("recommended"), "'recommended' missing"),
+        (lambda s: s["methods"].pop("standard_rag"), "'standard_rag' missing"),
+        (lambda s: s["methods"]["vanilla"].pop("by_subtask"), "methods['vanilla'].by_subtask"),
+        (lambda s: s["methods"]["prag_sum"].pop("em"), "methods['prag_sum']"),
+        (lambda s: s["paired"]["scale:2"].pop("ci95_logprob"), "paired['scale:2']"),
+        (lambda s: s["paired"]["scale:2"].update(ci95_logprob=[0.2, 0.1]), "paired['scale:2']"),
+        (lambda s: s["verdict"].update(ship="both"), "verdict.ship"),
+        (lambda s: s["verdict"]["settings"].pop("combine"), "verdict.settings"),
+        (lambda s: s["verdict"]["settings"]["param"]["scale"].pop("measured"), "verdict.settings.param.scale"),
+        (lambda s: s["verdict"]["settings"]["param"].update(ship="network"), "reweighting's CI does not lie"),
+        (lambda s: s["verdict"]["settings"]["combine"].update(ship="scale_only"), "scale part's CI does not lie"),
+        (lambda s: s["verdict"]["what_to_run"].update(row="arrow"), "verdict.what_to_run"),
+        (lambda s: s["verdict"]["what_to_run_by_dataset"].pop("hot"), "what_to_run_by_dataset"),
+    ]
+    for edit, needle in edits:
+        s = copy.deepcopy(good)
+        edit(s)
+        assert any(needle in p for p in check_summary(s)), (needle, check_summary(s))
 
 
 def test_the_verdict_ships_only_what_its_measured_parts_show():
-    up, flat = _part(0.1, 0.02, 0.2), _part(0.01, -0.02, 0.04)
+    up, flat = {"delta": 0.1, "ci95": [0.02, 0.2], "measured": True}, {"delta": 0.01, "ci95": [-0.02, 0.04],
+                                                                          "measured": True}
     assert decide(up, up, 0.3)[0] == "network"
     assert decide(up, up, -0.1)[0] == "scale_only"  # reweighting shown but the network loses to the sum
     assert decide(up, flat, 0.3)[0] == "scale_only"
     assert decide(flat, flat, 0.3)[0] == "prag_sum"
-    assert decide(flat, {"delta": None, "ci95": None, "measured": False, "rows": []}, None)[0] == "prag_sum"
+    none = summary.not_measured("no network")
+    assert decide(flat, none, None)[0] == "prag_sum"
+    assert decide(summary.not_measured("kappa is 1"), none, None) == ("prag_sum", "the reweighting is not measured "
+                                                                                  "(no network); kappa is 1")
+
+
+def test_kappa_one_measures_no_scale_part(tmp_path):
+    s, _, _ = build(tmp_path)
+    c = s["verdict"]["settings"]["combine"]
+    assert c["scale"]["measured"] is False and c["scale"]["delta"] is None and c["ship"] == "prag_sum"
+    assert "prag_sum_combine vs prag_sum_combine" not in (tmp_path / "report.md").read_text()
+
+
+def test_what_to_run_is_chosen_on_training_f1_and_measured_held_out(tmp_path):
+    s, qs, res = build(tmp_path)
+    train = [q for q in qs if qs[q]["split"] == "train"]
+    test = [q for q in qs if qs[q]["split"] == "test"]
+    rec = {"recommended": s["verdict"]["settings"]["param"]["recommended_row"],
+           "recommended_combine": s["verdict"]["settings"]["combine"]["recommended_row"]}
+    for scope, choice in [(None, s["verdict"]["what_to_run"])] + list(s["verdict"]["what_to_run_by_dataset"].items()):
+        inside = [q for q in train if scope is None or qs[q]["dataset"] == scope]
+        means = {c: sum(res[f"{q}|{rec.get(c, c)}"]["f1"] for q in inside) / len(inside) for c in summary.CANDIDATES}
+        best = max(summary.CANDIDATES, key=lambda c: (means[c], -summary.CANDIDATES.index(c)))
+        assert choice["row"] == best and choice["n_choice"] == len(inside)
+        held = [q for q in test if scope is None or qs[q]["dataset"] == scope]
+        diffs = [res[f"{q}|{rec.get(best, best)}"]["f1"] - res[f"{q}|standard_rag"]["f1"] for q in held]
+        assert choice["vs_standard_rag"]["delta_f1"] == pytest.approx(sum(diffs) / len(diffs))
+        assert choice["level"] == pytest.approx(1 - 0.05 / 6)  # 3 choices x 2 comparisons
+        d, ci = stats.paired(diffs, f"what_to_run:{scope}:standard_rag", 1 - 0.05 / 6, summary.WHAT_TO_RUN_BOOT)
+        assert choice["vs_standard_rag"]["ci_f1"] == pytest.approx(ci) or best == "standard_rag"
+    # the made-up data: Combine rows answer 'hot', the parametric rows 'wiki'
+    assert s["verdict"]["what_to_run_by_dataset"]["hot"]["row"].endswith(("_combine", "standard_rag"))
+    assert not s["verdict"]["what_to_run_by_dataset"]["wiki"]["row"].endswith(("_combine", "standard_rag"))
+
+
+def test_with_a_given_controller_the_choice_is_descriptive(tmp_path):
+    s, _, _ = build(tmp_path, given=True)
+    assert s["verdict"]["what_to_run"]["chosen_on"] == "held-out (descriptive)"
+    assert "descriptive, not a test" in (tmp_path / "report.md").read_text()
+
+
+def test_subtasks_and_datasets_recomputed(tmp_path):
+    s, qs, res = build(tmp_path)
+    test = [q for q in qs if qs[q]["split"] == "test"]
+    for name in ("vanilla", "prag_sum_combine", "recommended"):
+        row = s["verdict"]["recommended_row"] if name == "recommended" else name
+        for key, b in s["methods"][name]["by_subtask"].items():
+            d, sub = key.split("/")
+            f1 = [res[f"{q}|{row}"]["f1"] for q in test if qs[q]["dataset"] == d and qs[q]["subtask"] == sub]
+            assert b["n"] == len(f1) and b["f1"] == pytest.approx(sum(f1) / len(f1))
+        hot = s["methods"][name]["by_dataset"]["hot"]
+        assert hot["f1_macro"] == pytest.approx((s["methods"][name]["by_subtask"]["hot/bridge"]["f1"]
+                                                 + s["methods"][name]["by_subtask"]["hot/comparison"]["f1"]) / 2)
+    assert set(s["methods"]["vanilla"]["by_subtask"]) == {"hot/bridge", "hot/comparison", "wiki/inference"}
+
+
+def test_every_figure_of_the_report_comes_from_the_summary(tmp_path):
+    s, _, _ = build(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`]*`|\(report\.png\)", "", text)
+    allowed = set()
+
+    def walk(x):
+        if isinstance(x, bool) or x is None:
+            return
+        if isinstance(x, (int, float)):
+            for v in (x, 100 * x):
+                allowed.update({f"{v:+.4f}", f"{v:.4f}", f"{v:.3f}", f"{v:.1f}", f"{v:+.1f}", f"{v:g}", f"{v:.2f}"})
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(k) if isinstance(k, (int, float)) else None
+                walk(v)
+                allowed.update(re.findall(r"[+-]?\d+(?:\.\d+)?", str(k)))
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+        elif isinstance(x, str):
+            allowed.update(re.findall(r"[+-]?\d+(?:\.\d+)?", x))
+
+    walk(s)
+    allowed.update({"95", "2,000", "2", "000", "1"})  # the stated CI level and resample count, "kappa 1"
+    numbers = re.findall(r"(?<![\w.])[+-]?\d+(?:\.\d+)?", text)
+    missing = [n for n in numbers if n not in allowed and n.lstrip("+") not in allowed]
+    assert numbers and not missing, missing
+
+
+def test_the_paper_table_bolds_the_best_row_per_column(tmp_path):
+    s, _, _ = build(tmp_path)
+    lines = summary.paper_table(s)
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head == ["method", "wiki total", "hot bridge", "hot comparison", "hot total"]  # datasets as first seen
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")[1:]] for ln in lines[3:]}
+    for j, col in enumerate(head[1:]):
+        vals = {n: float(rows[n][j].strip("*")) for n in rows}
+        best = max(vals.values())  # as printed: rows showing the same figure are bold alike
+        assert all((rows[n][j].startswith("**")) == (vals[n] == best) for n in rows), col
