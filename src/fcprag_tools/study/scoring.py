@@ -1,7 +1,5 @@
 """Held-out scoring by real forwards: named weight rows of many questions in mixed batches, each row its own
-per-sample fusion (:func:`fcprag_tools.lm.batched.score_rows`), and the Arrow row of many questions in the same
-batches, each question routed over its own passage adapters (:func:`score_arrow_rows`, PEFT's Arrow arithmetic in
-:mod:`fcprag_tools.lm.arrow`; :func:`score_arrow` is PEFT's own ``create_arrow_model``, one question at a time).
+per-sample fusion (:func:`fcprag_tools.lm.batched.score_rows`), and PEFT's Arrow router on its own path.
 
 A row's result: ``logprob`` (the gold answer's mean token log-likelihood under teacher forcing, best over the
 aliases), and the greedy answer from the same ``param`` prompt scored by PRAG's rules: the short answer is the
@@ -22,7 +20,7 @@ from ..lm.batched import ScoreRow, batched_answer_logprobs, batched_greedy, scor
 from ..lm.metrics import answer_in_text, exact_match, extract_answer, f1_score
 from ..lm.prompts import PromptTemplate, answer_ids, render_prompt
 
-ARROW = {"top_k": 3, "router_temperature": 1.0, "rng_seed": 0}  # PEFT's ArrowConfig as the Arrow row uses it
+ARROW = {"top_k": 3, "router_temperature": 1.0, "rng_seed": 0}
 
 
 @dataclass
@@ -84,7 +82,9 @@ def score_arrow_rows(model: Any, tok: Any, items: Sequence[tuple[str, dict[str, 
     question routed per token over its own passage adapters (``adapters_of(pid)``: a ``LoraAdapter``, or a
     directory) with PEFT's Arrow arithmetic and :data:`ARROW`'s settings (top ``min(3, N)`` adapters by
     ``|x . prototype|``, softmax at temperature 1), in mixed batches of ``batch_size`` sequences like the other
-    rows. One result per item, in order, as :func:`score_arrow` gives it (``id`` ``"<qid>|arrow"``, ``w`` None).
+    rows (:mod:`fcprag_tools.lm.arrow`; tested equal to PEFT's own ``create_arrow_model``, which
+    :func:`score_arrow` runs one question at a time). One result per item, in order, as :func:`score_arrow` gives
+    it (``id`` ``"<qid>|arrow"``, ``w`` None).
     ``model`` must carry no active adapter; nothing stays installed after the call."""
     from fcprag_plugin.adapter import LoraAdapter
 
