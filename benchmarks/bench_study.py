@@ -370,8 +370,8 @@ def bench_arrow(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) ->
     if has_peft:
         diff = max(abs(x["logprob"] - y["logprob"]) for x, y in zip(r_ours, r_peft))
         same = sum(x.get("generation") == y.get("generation") for x, y in zip(r_ours, r_peft))
-        print(f"Arrow row, PEFT per question (score_arrow):   {t_peft:8.2f} s   = {t_peft / t_other:.3f}x the other rows"
-              f"   (batched {t_peft / t_ours:.1f}x faster; max |d logprob| {diff:.1e}, same answers {same}/{len(ids)})")
+        print(f"Arrow row, PEFT per question (score_arrow):   {t_peft:8.2f} s   = {t_peft / t_other:.3f}x the other "
+              f"rows   (batched {t_peft / t_ours:.1f}x faster; max |d logprob| {diff:.1e}, same answers {same}/{len(ids)})")
     else:
         print(f"PEFT's Arrow: not here ({scoring.arrow_status()[1]})")
 

@@ -97,7 +97,8 @@ def pack(part_bytes: int | None) -> None:
     for i, p in enumerate(parts):
         (HERE / f"part{i:02d}").write_bytes(p)
     manifest = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob),
-                "parts": [{"name": f"part{i:02d}", "sha256": hashlib.sha256(p).hexdigest()} for i, p in enumerate(parts)]}
+                "parts": [{"name": f"part{i:02d}", "sha256": hashlib.sha256(p).hexdigest()}
+                          for i, p in enumerate(parts)]}
     (HERE / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"{len(parts)} parts of at most {size / 2**20:.1f} MiB ({len(blob) / 2**20:.1f} MiB in all) in {HERE}; "
           f"the working tree travels {tree_bytes() / 2**20:.1f} MiB a call")

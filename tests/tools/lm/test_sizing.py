@@ -3,7 +3,6 @@ whose estimated memory fits half the free memory, so less free memory never give
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from fcprag_tools.lm import sizing
