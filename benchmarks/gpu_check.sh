@@ -16,8 +16,14 @@
 #                (1B shape, N = 3 and 10), and a mixed batch vs one question at a time
 #   4. labels:   bench_labels.py -- the label builder's records/s against its forward floor
 #   5. shims:    bench_shim_slot.py -- PRAG's shim (use_slot, generating 64 tokens) and DyPRAG's, per question
+#   6. study:    fcprag study with the real SmolLM2-135M (GGUF, float32) on the paper-table's 200 questions
+#                (100 HotpotQA + 100 2Wiki), --controller benchmarks/efficacy/controller, on DEVICE; needs the payload
+#                benchmarks/device_carry.py carries (CARRY, default /tmp/fcprag_carry/payload, and the questions in
+#                .cache/device/data); skipped, saying so, without it. Its own budget is large: run it alone,
+#                STEPS=study BUDGET=560 (not in the default STEPS; docs/results/gpu.md gives the calls).
 # Files in OUTDIR: check.log (everything), gpu_table.md (the issue-33 table from this run, gpu_report.py),
-# bench_generate.{json,md}, bench_fusion.{json,md}, labels.json, shims.json.
+# bench_generate.{json,md}, bench_fusion.{json,md}, labels.json, shims.json; study_timings.jsonl and
+# study_report.md (the study's own folder stays outside OUTDIR, in STUDY_OUT, default /tmp/fcprag_study).
 set -u -o pipefail
 OUTDIR=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR}
 mkdir -p "$OUTDIR"
@@ -27,7 +33,7 @@ PY=${PYTHON:-python3}
 DEV=${DEVICE:-cuda}
 DT=${DTYPE:-bfloat16}
 BUDGET=${BUDGET:-300}
-STEPS=${STEPS:-tests,generate,fusion,labels,shims}  # a subset, e.g. STEPS=fusion,labels
+STEPS=${STEPS:-tests,generate,fusion,labels,shims}  # a subset, e.g. STEPS=fusion,labels; the study step: STEPS=study
 SCALE=${LIMIT_SCALE:-1}  # multiplies every step's time limit (a slow CPU)
 LOG="$OUTDIR/check.log"
 FAILED=()
@@ -38,13 +44,18 @@ if [ "${QUICK:-0}" = 1 ]; then
        --mixed-repeats 1)
   LAB=(--records 2 --repeat 1 --generate --max-new-tokens 2)
   SHIM=(--layers 1 --questions 1 --rounds 1 --new-tokens 2)
+  STUDY=(--limit 4 --max-new-tokens 2)
 else
   GEN=(--layers 16 --batches 1,8 --prompt 256 --new-tokens 64 --rounds 3)
   FUS=(--shapes llama-3.2-1b --ns 3,10 --repeats 50 --peft-repeats 3 --mem-queries 300 --mixed-batch 8
        --mixed-tokens 32 --mixed-repeats 3 --threads 4)
   LAB=(--records 8 --repeat 2 --generate --max-new-tokens 8)
   SHIM=(--layers 16 --questions 3 --rounds 1 --new-tokens 64 --vocab 32000)
+  STUDY=()
 fi
+CARRY=${CARRY:-/tmp/fcprag_carry/payload}
+STUDY_OUT=${STUDY_OUT:-/tmp/fcprag_study}
+QDIR=.cache/device/data
 
 # step NAME LIMIT_S CMD...: run with a time limit (cut to what is left of BUDGET), output into check.log
 step() {
@@ -79,6 +90,22 @@ step fusion 100 $PY benchmarks/bench_fusion.py --device "$DEV" --dtype "$DT" "${
   --out "$OUTDIR/bench_fusion.json"
 step labels 60 $PY benchmarks/bench_labels.py --device "$DEV" --dtype "$DT" "${LAB[@]}" --out "$OUTDIR/labels.json"
 step shims 60 $PY benchmarks/bench_shim_slot.py --device "$DEV" --dtype "$DT" "${SHIM[@]}" --out "$OUTDIR/shims.json"
+
+if [ -f "$CARRY/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ -f "$QDIR/hotpotqa.jsonl" ]; then
+  export PYTHONPATH=$PYTHONPATH:$CARRY/site
+  step study 540 $PY -m fcprag_tools.cli study "$QDIR/hotpotqa.jsonl" "$QDIR/2wiki.jsonl" --model "$CARRY/smollm2" \
+    --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --controller benchmarks/efficacy/controller --device "$DEV" \
+    --out "$STUDY_OUT" --no-progress "${STUDY[@]}"
+  if [ -f "$STUDY_OUT/timings.jsonl" ]; then
+    cp "$STUDY_OUT/timings.jsonl" "$OUTDIR/study_timings.jsonl"
+    [ -f "$STUDY_OUT/report.md" ] && cp "$STUDY_OUT/report.md" "$OUTDIR/study_report.md"
+    { echo "== study timings ($STUDY_OUT/timings.jsonl)"; cat "$STUDY_OUT/timings.jsonl"
+      echo "eval rows: $(wc -l < "$STUDY_OUT/eval.jsonl" 2>/dev/null || echo 0)"; } | tee -a "$LOG"
+  fi
+elif case ",$STEPS," in *",study,"*) true ;; *) false ;; esac; then
+  echo "== study: SKIPPED (no payload at $CARRY or no $QDIR: benchmarks/device_carry.py)" | tee -a "$LOG"
+  FAILED+=("study(skipped)")
+fi
 
 $PY benchmarks/gpu_report.py "$OUTDIR" >> "$LOG" 2>&1 || echo "(gpu_report.py failed)" | tee -a "$LOG"
 echo "== done in ${SECONDS}s; not passed: ${FAILED[*]:-none}" | tee -a "$LOG"

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -17,6 +18,7 @@ from tqdm.auto import tqdm
 from fcprag_plugin.errors import FcpragError, MergeError
 from .mixed import adapter_key
 from .metrics import model_device
+from .oom import halving
 
 _KEEP_ARG: dict[type, str | None] = {}
 
@@ -174,7 +176,8 @@ def _mixture(slot: Any, rows: Sequence[ScoreRow], seq_rows: Sequence[int], mode:
 @torch.no_grad()
 def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], *, mode: str = "cat",
                batch_size: int = 16, max_tokens: int | None = None, max_new_tokens: int = 32,
-               stop_ids: Iterable[int] | None = None, progress: bool = False) -> list[RowScore]:
+               stop_ids: Iterable[int] | None = None, progress: bool = False,
+               mixture: Callable[[Sequence[Sequence[Any]]], ContextManager[Any]] | None = None) -> list[RowScore]:
     """Score ``rows`` in batched forwards, each row under its own adapter mixture; one :class:`RowScore` per row.
 
     Rows are packed in order into forwards of at most ``batch_size`` sequences (teacher forcing: one per gold
@@ -182,36 +185,53 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
     ``slot.max_adapters`` distinct adapters; a row is never split. Per forward the union of its rows' adapters is
     written once into ``slot`` (:meth:`FusedSlot.mixed` in ``mode``), so a row only ever sees its
     own adapters; ``slot`` may be None when no row has adapters, and is inactive again on return.
+
+    ``mixture``: another way to put each sequence under its row's adapters: ``mixture(per-sequence adapter lists)``
+    is the context of one forward (e.g. :func:`fcprag_tools.lm.arrow.arrow_routing`); ``slot`` and ``weights`` are
+    then unused and a forward's adapters are not limited. A forward that runs out of device memory is run again in
+    halves (:func:`fcprag_tools.lm.oom.halving`, one log line), down to one row.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise FcpragError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if max_tokens is not None and max_tokens < 1:
         raise FcpragError(f"max_tokens must be >= 1, got {max_tokens!r}")
     _check_rows(rows)
-    k_max = slot.max_adapters if slot is not None else 0
+    k_max = (slot.max_adapters if slot is not None else 0) if mixture is None else sys.maxsize
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    alias_lps: list[list[float]] = [[] for _ in rows]
     gen_order = [i for i in range(len(rows)) if rows[i].gen_prompt_ids is not None]
     tf_cost = lambda r: (len(r.gold_ids), len(r.prompt_ids) + max(len(g) for g in r.gold_ids))  # noqa: E731
     gen_cost = lambda r: (1, len(r.gen_prompt_ids) + max_new_tokens)  # noqa: E731
-    tf_chunks = list(_pack(rows, range(len(rows)), tf_cost, batch_size, max_tokens, k_max))
-    gen_chunks = list(_pack(rows, gen_order, gen_cost, batch_size, max_tokens, k_max))
-    with tqdm(total=len(tf_chunks) + len(gen_chunks), unit="fwd", desc="scoring", disable=not progress,
+
+    def context(seq_rows: Sequence[int]) -> ContextManager[Any]:
+        if mixture is None:
+            return _mixture(slot, rows, seq_rows, mode)
+        return mixture([rows[i].adapters for i in seq_rows])
+
+    def take(cost: Any) -> Callable[[Sequence[int], int], int]:
+        return lambda rest, size: len(next(_pack(rows, rest, cost, size, max_tokens, k_max)))
+
+    def teacher_forced(chunk: list[int]) -> list[tuple[int, float]]:
+        seq_rows = [i for i in chunk for _ in rows[i].gold_ids]
+        with context(seq_rows):
+            vals = batched_answer_logprobs(model, [(rows[i].prompt_ids, g) for i in chunk for g in rows[i].gold_ids],
+                                           pad)
+        return list(zip(seq_rows, vals))
+
+    def generated(chunk: list[int]) -> list[str]:
+        with context(chunk):
+            return batched_greedy(model, tokenizer, [rows[i].gen_prompt_ids for i in chunk], max_new_tokens, stop_ids)
+
+    alias_lps: list[list[float]] = [[] for _ in rows]
+    gens: list[str | None] = [None] * len(rows)
+    with tqdm(total=len(rows) + len(gen_order), unit="row", desc="scoring", disable=not progress,
               dynamic_ncols=True) as bar:
-        for chunk in tf_chunks:
-            seq_rows = [i for i in chunk for _ in rows[i].gold_ids]
-            with _mixture(slot, rows, seq_rows, mode):
-                vals = batched_answer_logprobs(model, [(rows[i].prompt_ids, g) for i in chunk
-                                                       for g in rows[i].gold_ids], pad)
-            for i, v in zip(seq_rows, vals):
+        for chunk, vals in halving(list(range(len(rows))), batch_size, teacher_forced, what="scoring forwards",
+                                   take=take(tf_cost), measure=lambda c: sum(len(rows[i].gold_ids) for i in c)):
+            for i, v in vals:
                 alias_lps[i].append(v)
-            bar.update(1)
-        gens: list[str | None] = [None] * len(rows)
-        for chunk in gen_chunks:
-            with _mixture(slot, rows, chunk, mode):
-                texts = batched_greedy(model, tokenizer, [rows[i].gen_prompt_ids for i in chunk], max_new_tokens,
-                                       stop_ids)
+            bar.update(len(chunk))
+        for chunk, texts in halving(gen_order, batch_size, generated, what="scoring generation", take=take(gen_cost)):
             for i, t in zip(chunk, texts):
                 gens[i] = t
-            bar.update(1)
+            bar.update(len(chunk))
     return [RowScore(max(lps), lps, g) for lps, g in zip(alias_lps, gens)]

@@ -83,6 +83,18 @@ class MultiLora:
             h.remove()
         self.handles = []
 
+    @classmethod
+    def joined(cls, parts: Sequence["MultiLora"]) -> "MultiLora":
+        """The trained adapters of ``parts`` (removed, same model) as one set, in order (no hooks)."""
+        out = cls.__new__(cls)
+        first = parts[0]
+        out.model, out.r, out.scaling, out.modules, out.device = first.model, first.r, first.scaling, first.modules, \
+            first.device
+        out.n, out.idx, out.handles = sum(p.n for p in parts), None, []
+        out.A = {n: torch.cat([p.A[n].detach() for p in parts]) for n in first.modules}
+        out.B = {n: torch.cat([p.B[n].detach() for p in parts]) for n in first.modules}
+        return out
+
     def adapter(self, b: int, config: dict[str, Any]) -> LoraAdapter:
         """Adapter ``b`` as a :class:`LoraAdapter` (float32 copies on the CPU)."""
         mods = {name: LoraModule(self.A[name][b].detach().float().cpu().clone(),
@@ -177,7 +189,22 @@ def _pad(seqs: list[tuple[list[int], list[int]]], pad_id: int, device: torch.dev
 def train_stacked(model: Any, tok: Any, data: list[dict[str, tuple[list[int], list[int]]]], seeds: list[int],
                   epochs: int = 1) -> tuple[MultiLora, list[dict[str, Any]]]:
     """Train one adapter per entry of ``data`` (its samples by kind) together; returns the adapters and per
-    adapter ``{"steps", "loss"}`` (the loss of each sample before its first update)."""
+    adapter ``{"steps", "loss"}`` (the loss of each sample before its first update). On a device out-of-memory
+    error the group is trained again in halves (:func:`fcprag_tools.lm.oom.halving`, one log line): each adapter
+    trains exactly as alone either way, so the result is the same."""
+    from ..lm.oom import halving
+
+    def train(idx: list[int]) -> tuple[MultiLora, list[dict[str, Any]]]:
+        return _train_group(model, tok, [data[i] for i in idx], [seeds[i] for i in idx], epochs)
+
+    parts = [out for _, out in halving(list(range(len(data))), max(1, len(data)), train, what="adapter training")]
+    if len(parts) == 1:
+        return parts[0]
+    return MultiLora.joined([ml for ml, _ in parts]), [st for _, stats in parts for st in stats]
+
+
+def _train_group(model: Any, tok: Any, data: list[dict[str, tuple[list[int], list[int]]]], seeds: list[int],
+                 epochs: int) -> tuple[MultiLora, list[dict[str, Any]]]:
     ml = MultiLora(model, len(data), r=LORA["r"], alpha=LORA["lora_alpha"], targets=LORA["target_modules"],
                    seeds=seeds)
     opt = StackedAdamW(ml.parameters(), len(data), lr=LEARNING_RATE)

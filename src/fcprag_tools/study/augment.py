@@ -102,16 +102,25 @@ def _prompt_ids(tok: Any, text: str) -> list[int]:
 def augment_batch(model: Any, tok: Any, items: Sequence[tuple[str, str]], max_new_tokens: int = 128,
                   max_passage_words: int = 150) -> list[dict[str, Any]]:
     """``[(pid, passage text)]`` -> one augmentation row per passage: ``{"id": pid, "passage", "rewrite",
-    "qa_pairs", "qa_parsed", "raw"}``; every prompt of the batch in one left-padded ``generate``."""
+    "qa_pairs", "qa_parsed", "raw"}``; every prompt of the batch in one left-padded ``generate`` (on a device
+    out-of-memory error, in halves: :func:`fcprag_tools.lm.oom.halving`)."""
     from ..lm.batched import batched_greedy
+    from ..lm.oom import halving
 
     texts = [" ".join(t.split()[:max_passage_words]) for _, t in items]
-    prompts = [_prompt_ids(tok, REWRITE_PROMPT.format(passage=t)) for t in texts] + \
-              [_prompt_ids(tok, QA_PROMPT.format(passage=t)) for t in texts]
-    gen = batched_greedy(model, tok, prompts, max_new_tokens)
+    rewrite = [_prompt_ids(tok, REWRITE_PROMPT.format(passage=t)) for t in texts]
+    qa = [_prompt_ids(tok, QA_PROMPT.format(passage=t)) for t in texts]
+
+    def generate(batch: list[int]) -> list[tuple[str, str]]:
+        gen = batched_greedy(model, tok, [rewrite[j] for j in batch] + [qa[j] for j in batch], max_new_tokens)
+        return list(zip(gen[:len(batch)], gen[len(batch):]))  # (rewrite, QA) per passage
+
+    raw: dict[int, tuple[str, str]] = {}
+    for batch, outs in halving(list(range(len(items))), max(1, len(items)), generate, what="augmentation"):
+        raw.update(zip(batch, outs))
     out = []
     for j, (pid, text) in enumerate(items):
-        rewrite_raw, qa_raw = gen[j], gen[len(items) + j]
+        rewrite_raw, qa_raw = raw[j]
         model_pairs = parse_qa(qa_raw)
         out.append({"id": pid, "passage": text, "rewrite": clean_rewrite(rewrite_raw),
                     "qa_pairs": complete_pairs(model_pairs, text), "qa_parsed": len(model_pairs),

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fcprag_plugin.errors import FcpragError
 from ..lm.batched import ScoreRow, batched_answer_logprobs, batched_greedy, score_rows
 from ..lm.metrics import answer_in_text, exact_match, extract_answer, f1_score
 from ..lm.prompts import PromptTemplate, answer_ids, render_prompt
@@ -81,6 +82,43 @@ def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[
     return [result(f"{r.qid}|{r.name}", s.logprob, s.generation, questions[r.qid]["answers"],
                    {"prompt": r.prompt, "pids": r.pids, "w": [round(float(w), 6) for w in r.weights]})
             for r, s in zip(rows, out)]
+
+
+def score_arrow_rows(model: Any, tok: Any, items: Sequence[tuple[str, dict[str, Any], Sequence[str]]],
+                     adapters_of: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16,
+                     batch_size: int = 16) -> list[dict[str, Any]]:
+    """The Arrow row of many questions at once: ``items`` = ``[(qid, question record, its passage ids)]``, each
+    question routed per token over its own passage adapters (``adapters_of(pid)``: a ``LoraAdapter``, or a
+    directory) with PEFT's Arrow arithmetic and :data:`ARROW`'s settings (top ``min(3, N)`` adapters by
+    ``|x . prototype|``, softmax at temperature 1), in mixed batches of ``batch_size`` sequences like the other
+    rows (:mod:`fcprag_tools.lm.arrow`; tested equal to PEFT's own ``create_arrow_model``, which
+    :func:`score_arrow` runs one question at a time). One result per item, in order, as :func:`score_arrow` gives
+    it (``id`` ``"<qid>|arrow"``, ``w`` None).
+    ``model`` must carry no active adapter; nothing stays installed after the call."""
+    from fcprag_plugin.adapter import LoraAdapter
+
+    from ..lm.arrow import ArrowSettings, arrow_routing
+
+    settings = ArrowSettings(top_k=ARROW["top_k"], temperature=ARROW["router_temperature"], seed=ARROW["rng_seed"])
+    device = next(model.parameters()).device
+    loaded: dict[str, Any] = {}
+
+    def adapter(pid: str) -> Any:
+        if pid not in loaded:
+            a = adapters_of(pid)
+            loaded[pid] = a if isinstance(a, LoraAdapter) else LoraAdapter.from_pretrained(a, device=device)
+        return loaded[pid]
+
+    srows = []
+    for qid, q, pids in items:
+        if not pids:
+            raise FcpragError(f"question '{qid}': the Arrow row needs at least one passage adapter")
+        p_ids, gold = encode(tok, q["question"], q["answers"])
+        srows.append(ScoreRow(p_ids, gold, [adapter(p) for p in pids], gen_prompt_ids=p_ids if generate else None))
+    out = score_rows(model, tok, None, srows, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                     stop_ids=stop_ids(model, tok), mixture=lambda per_seq: arrow_routing(model, per_seq, settings))
+    return [result(f"{qid}|arrow", s.logprob, s.generation, q["answers"], {"pids": list(pids), "w": None})
+            for (qid, q, pids), s in zip(items, out)]
 
 
 def arrow_status() -> tuple[bool, str]:

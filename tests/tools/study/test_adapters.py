@@ -135,3 +135,42 @@ def test_train_stacked_trains_every_adapter_and_never_the_base():
     assert all(float(ml.B[n][b].abs().max()) > 0 for n in ml.modules for b in range(2))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not any(m._forward_hooks for m in ml.modules.values())
+
+
+def test_a_group_out_of_device_memory_trains_in_halves_to_the_same_adapters(monkeypatch, caplog):
+    """A simulated out-of-memory error for steps of more than one sample: the group of 3 is trained one adapter at
+    a time instead, with one log line, and gives the same adapters and stats as the whole group at once."""
+    import logging
+
+    model = tiny_model("llama", bos_token_id=2, eos_token_id=3, pad_token_id=0).float().eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tok = tiny_tokenizer()
+    augs = [{"passage": f"{w} is a city in {c} .", "rewrite": f"the city {w} lies in {c} .",
+             "qa_pairs": [{"question": f"where is {w} ?", "answer": c}]}
+            for w, c in (("paris", "france"), ("berlin", "germany"), ("rome", "italy"))]
+    data = [ad.samples_for(tok, a, 32) for a in augs]
+    whole, whole_stats = ad.train_stacked(model, tok, data, [5, 6, 7])
+    real, sizes = ad.lm_losses, []
+
+    def losses(m, ids, mask, labels):
+        sizes.append(ids.shape[0])
+        if ids.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(m, ids, mask, labels)
+
+    monkeypatch.setattr(ad, "lm_losses", losses)
+    with caplog.at_level(logging.WARNING):
+        ml, stats = ad.train_stacked(model, tok, data, [5, 6, 7])
+    assert sizes[0] == 3 and set(sizes[1:]) == {1}
+    assert [r.getMessage() for r in caplog.records if "out of device memory" in r.getMessage()] == [
+        "adapter training: out of device memory at a batch of 3; going on with batches of 1"]
+    assert stats == whole_stats and ml.n == 3
+    cfg = dict(ad.LORA, task_type="CAUSAL_LM")
+    for b in range(3):
+        got, want = ml.adapter(b, cfg), whole.adapter(b, cfg)
+        for name in want.modules:
+            torch.testing.assert_close(got.modules[name].A, want.modules[name].A, rtol=0, atol=1e-6)
+            torch.testing.assert_close(got.modules[name].B, want.modules[name].B, rtol=0, atol=1e-6)
+        assert float(got.modules[name].B.abs().max()) > 0
+    assert not any(m._forward_hooks for m in model.modules())

@@ -117,3 +117,34 @@ def test_unit_store_drops_a_partial_line_and_merges_parts(tmp_path):
     assert set(st.done()) == {"a", "p0", "p1"}
     st.merge()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.jsonl"] and set(st.done()) == {"a", "p0", "p1"}
+
+
+def test_augmentation_out_of_device_memory_goes_on_in_halves(monkeypatch, caplog):
+    """A simulated out-of-memory error for generate calls of more than 2 prompts: the batch of 3 passages (6 prompts)
+    is generated one passage at a time, one log line, the same rows as without the error."""
+    import logging
+
+    import torch
+
+    from fcprag_tools.lm import batched
+    from helpers import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("llama", bos_token_id=2, eos_token_id=3, pad_token_id=0), tiny_tokenizer()
+    items = [("p1", "paris : the city of france is paris ."), ("p2", "berlin : a city in germany ."),
+             ("p3", "rome : the king of italy was born in rome .")]
+    want = augment.augment_batch(model, tok, items, max_new_tokens=6)
+    real, sizes = batched.batched_greedy, []
+
+    def greedy(m, t, prompts, *a, **k):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(m, t, prompts, *a, **k)
+
+    monkeypatch.setattr(batched, "batched_greedy", greedy)
+    with caplog.at_level(logging.WARNING):
+        got = augment.augment_batch(model, tok, items, max_new_tokens=6)
+    assert sizes == [6, 2, 2, 2]
+    assert [r.getMessage() for r in caplog.records if "out of device memory" in r.getMessage()] == [
+        "augmentation: out of device memory at a batch of 3; going on with batches of 1"]
+    assert got == want
