@@ -81,11 +81,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--scales", default="0.5,2,3,4,6", help="PRAG's sum times each scale, in labels and evaluation")
     s.add_argument("--no-generate", action="store_true", help="gold log-lik. only (no greedy answers, no F1/EM)")
     s.add_argument("--max-new-tokens", type=positive_int, default=16, help="greedy answer length")
-    s.add_argument("--group", type=positive_int, default=16, help="adapters trained together per step")
-    s.add_argument("--aug-batch", type=positive_int, help="passages augmented per generate call (default 8 on a CPU, "
-                   "64 on a GPU)")
-    s.add_argument("--batch-size", type=positive_int, help="sequences per scoring forward (default 16 on a CPU, 64 on "
-                   "a GPU)")
+    s.add_argument("--group", type=positive_int, help="adapters trained together per step (default from the device: "
+                   "16 on a CPU, up to 64 on a GPU by its free memory)")
+    s.add_argument("--aug-batch", type=positive_int, help="passages augmented per generate call (default from the "
+                   "device: 8 on a CPU, up to 64 on a GPU by its free memory)")
+    s.add_argument("--batch-size", type=positive_int, help="sequences per scoring forward (default from the device: "
+                   "16 on a CPU, up to 64 on a GPU by its free memory)")
     s.add_argument("--chunk", type=positive_int, default=8, help="questions per evaluation call")
     s.add_argument("--cv-folds", type=int, default=5, help="the trainer's nested CV folds")
     s.add_argument("--epochs", type=positive_int, help="the trainer's most epochs (its default otherwise)")

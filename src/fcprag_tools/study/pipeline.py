@@ -69,10 +69,10 @@ class StudyOptions:
     generate: bool = True
     max_new_tokens: int = 16
     aug_max_new_tokens: int = 128
-    aug_batch: int | None = None  # None: 8 on a CPU, 64 on a GPU (measured: docs/results/gpu.md)
-    group: int = 16
+    aug_batch: int | None = None  # None: from the device (8 on a CPU; lm.sizing)
+    group: int | None = None  # None: from the device (16 on a CPU; lm.sizing)
     max_tokens: int = 128
-    batch_size: int | None = None  # None: 16 on a CPU, 64 on a GPU
+    batch_size: int | None = None  # None: from the device (16 on a CPU; lm.sizing)
     chunk: int = 8
     cv_folds: int = 5
     encoder: Any = None  # None: the controller's / the library's default sentence encoder
@@ -128,6 +128,7 @@ class Study:
         self.model: Any = None
         self.tok: Any = None
         self._adapters: dict[str, Any] = {}
+        self._sizes: Any = None
         self.times: dict[str, float] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -208,19 +209,25 @@ class Study:
     def device(self) -> str:
         return str(next(self.model.parameters()).device) if self.model is not None else self.o.device
 
-    def per_device(self, given: int | None, cpu: int, gpu: int) -> int:
-        """``given``, else the default for where the model runs: batching pays more on a GPU, whose small batches
-        are bound by kernel launches (augmentation: 2 passages/s at 8 per call, 16 at 64 on one H200)."""
-        if given is not None:
-            return given
-        from ..lm.model_io import resolve_device
+    @property
+    def sizes(self) -> Any:
+        """The batch sizes the user did not give, from the device and its free memory after the model is loaded
+        (:func:`fcprag_tools.lm.sizing.default_batches`; asked for only by a stage that has work)."""
+        if self._sizes is None:
+            from ..lm.model_io import resolve_device
+            from ..lm.sizing import default_batches
 
-        return cpu if resolve_device(self.o.device, self.shard.local_rank).type == "cpu" else gpu
+            dev = resolve_device(self.o.device, self.shard.local_rank)
+            if dev.type == "cuda":
+                self.load_model()
+            self._sizes = default_batches(dev, self.model if dev.type == "cuda" else None)
+            logger.info("batch sizes: %s", self._sizes.why)
+        return self._sizes
 
     @property
     def batch_size(self) -> int:
         """Sequences per scoring forward (labels and evaluation)."""
-        return self.per_device(self.o.batch_size, 16, 64)
+        return self.o.batch_size or self.sizes.batch_size
 
     def adapter(self, pid: str) -> Any:
         from fcprag_plugin.adapter import LoraAdapter
@@ -287,8 +294,9 @@ class Study:
         done = st.done()
         texts = {p["pid"]: p["text"] for q in qs.values() for p in q["passages"]}
         todo = sorted((pid for pid in texts if pid not in done), key=lambda p: (len(texts[p]), p))
-        per = self.per_device(self.o.aug_batch, 8, 64)
-        batches = self.mine([todo[i:i + per] for i in range(0, len(todo), per)])
+        mine = self.mine(todo)  # shard units first: each rank sizes its batches for its own device
+        per = (self.o.aug_batch or self.sizes.aug_batch) if mine else 1
+        batches = [mine[i:i + per] for i in range(0, len(mine), per)]
         self.barrier()
         if batches:
             self.load_model()
@@ -312,7 +320,9 @@ class Study:
             self.load_model()
         samples = {p: ad.samples_for(self.tok, augs[p], self.o.max_tokens) for p in todo}
         todo.sort(key=lambda p: (max(len(s[0]) for s in samples[p].values()), p))  # similar lengths per step
-        groups = self.mine([todo[i:i + self.o.group] for i in range(0, len(todo), self.o.group)])
+        mine = self.mine(todo)
+        group = (self.o.group or self.sizes.group) if mine else 1
+        groups = [mine[i:i + group] for i in range(0, len(mine), group)]
         self.barrier()
         config = dict(ad.LORA, task_type="CAUSAL_LM", base_model_name_or_path=self.o.model)
         with self.bar("adapters", len(pids), len(pids) - len(todo), "adapter", sum(map(len, groups))) as bar:
@@ -327,7 +337,7 @@ class Study:
                            for b, p in enumerate(g)])
                 bar.update(len(g))
         self.barrier("adapters")
-        self.timed("adapters", t0, adapters=sum(map(len, groups)), group=self.o.group, device=self.device)
+        self.timed("adapters", t0, adapters=sum(map(len, groups)), group=group, device=self.device)
 
     def labels(self, qs: dict[str, dict[str, Any]], setting: str = "param") -> Path:
         """Leave-one-out and scale labels of the training questions in ``setting``'s prompt (``labels.jsonl``,
@@ -475,8 +485,7 @@ class Study:
         todo = [qid for qid in qids if not all(valid(done, qid, n, s) for n, s in want[qid].items())
                 or (oracle and f"{qid}|oracle" not in done)]
         chunks = self.mine([todo[i:i + self.o.chunk] for i in range(0, len(todo), self.o.chunk)])
-        use_arrow, why = scoring.arrow_status()
-        use_arrow = use_arrow and self.o.arrow and arrow
+        use_arrow = self.o.arrow and arrow
         arrow_todo = self.mine([q for q in qids if use_arrow and not valid(done, q, "arrow", None)])
         self.barrier()  # every rank has read the same state before any writes
         if chunks or arrow_todo:
@@ -504,17 +513,19 @@ class Study:
                     slot.remove()
                 bar.update(len(chunk))
         if arrow_todo:
+            per = max(self.o.chunk, self.batch_size)  # many questions per call, batched like the other rows
             with self.bar("arrow", len(arrow_todo), 0, "q") as bar:
-                for qid in arrow_todo:
-                    st.append([scoring.score_arrow(self.model, self.tok, qid, qs[qid],
-                                                   [p["pid"] for p in qs[qid]["passages"]],
-                                                   lambda p: self.out / "adapters" / p, generate=self.o.generate,
-                                                   max_new_tokens=self.o.max_new_tokens)])
-                    bar.update(1)
+                for i in range(0, len(arrow_todo), per):
+                    part = arrow_todo[i:i + per]
+                    st.append(scoring.score_arrow_rows(
+                        self.model, self.tok, [(q, qs[q], [p["pid"] for p in qs[q]["passages"]]) for q in part],
+                        self.adapter, generate=self.o.generate, max_new_tokens=self.o.max_new_tokens,
+                        batch_size=self.batch_size))
+                    bar.update(len(part))
         self.barrier("eval")
         self.timed(desc, t0, questions=sum(map(len, chunks)), arrow=use_arrow, device=self.device)
         if arrow:
-            self.arrow_why = why if not use_arrow else None
+            self.arrow_why = None if use_arrow else "--no-arrow"
         return self.store("eval").done()
 
     @staticmethod

@@ -117,8 +117,8 @@ def score_arrow_rows(model: Any, tok: Any, items: Sequence[tuple[str, dict[str, 
         srows.append(ScoreRow(p_ids, gold, [adapter(p) for p in pids], gen_prompt_ids=p_ids if generate else None))
     out = score_rows(model, tok, None, srows, batch_size=batch_size, max_new_tokens=max_new_tokens,
                      stop_ids=stop_ids(model, tok), mixture=lambda per_seq: arrow_routing(model, per_seq, settings))
-    return [result(f"{qid}|arrow", s.logprob, s.generation, q["answers"], {"pids": list(pids), "w": None})
-            for (qid, q, pids), s in zip(items, out)]
+    return [result(f"{qid}|arrow", s.logprob, s.generation, q["answers"],
+                   {"prompt": "param", "pids": list(pids), "w": None}) for (qid, q, pids), s in zip(items, out)]
 
 
 def arrow_status() -> tuple[bool, str]:
@@ -158,4 +158,4 @@ def score_arrow(model: Any, tok: Any, qid: str, q: dict[str, Any], pids: Sequenc
         gen = batched_greedy(model, tok, [p_ids], max_new_tokens, stop_ids(model, tok))[0] if generate else None
     finally:
         wrapped.unload()
-    return result(f"{qid}|arrow", lp, gen, q["answers"], {"pids": list(pids), "w": None})
+    return result(f"{qid}|arrow", lp, gen, q["answers"], {"prompt": "param", "pids": list(pids), "w": None})

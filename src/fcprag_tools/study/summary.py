@@ -410,7 +410,8 @@ def report(s: dict[str, Any], plot: str | None = None) -> str:
              "bootstrap, 2,000 resamples)."]
     notes += [text for row, text in (("oracle", "`oracle` reads the answer (a reference, not a method)."),
                                      ("average", "`average` is 1/N."),
-                                     ("arrow", "`arrow` is PEFT's Arrow router over the same adapters."))
+                                     ("arrow", "`arrow` is PEFT's Arrow routing over the same adapters (per token and layer the top 3 adapters by "
+                                               "|x . prototype|; tested equal to PEFT's create_arrow_model)."))
               if row in s["methods"]]
     if st.get("arrow") not in ("scored", "off", None):
         notes.append(f"No Arrow row: {st['arrow']}.")

@@ -37,7 +37,7 @@ def test_arrow_rows_in_one_batch_equal_each_question_alone(tmp_path):
     assert not any(m._forward_hooks for m in model.modules())
     for (qid, q, pids), g, a in zip(items, together, alone):
         assert g["id"] == f"{qid}|arrow" and g["pids"] == pids and g["w"] is None
-        assert set(g) == {"id", "logprob", "generation", "prediction", "f1", "em", "acc", "pids", "w"}
+        assert set(g) == {"id", "logprob", "generation", "prediction", "f1", "em", "acc", "prompt", "pids", "w"}
         assert g["logprob"] == pytest.approx(a["logprob"], abs=1e-5) and g["generation"] == a["generation"]
 
 

@@ -186,10 +186,10 @@ def test_a_missing_question_file_is_named(tmp_path, capsys):
 def test_batch_sizes_default_by_device_and_a_given_size_wins(tiny_study):
     from fcprag_tools.study.pipeline import Study
 
-    cpu, gpu = Study(_opts(tiny_study, device="cpu")), Study(_opts(tiny_study, device="cuda:1"))
-    assert (cpu.per_device(None, 8, 64), cpu.batch_size) == (8, 16)
-    assert (gpu.per_device(None, 8, 64), gpu.batch_size) == (64, 64)  # decided before any model is loaded
-    assert Study(_opts(tiny_study, device="cuda", batch_size=5)).batch_size == 5
+    cpu = Study(_opts(tiny_study, device="cpu", group=None, batch_size=None))
+    assert (cpu.sizes.group, cpu.sizes.aug_batch, cpu.batch_size) == (16, 8, 16) and cpu.model is None
+    given = Study(_opts(tiny_study, device="cuda", batch_size=5))
+    assert given.batch_size == 5 and given._sizes is None  # a given size asks nothing of the device
     with pytest.raises(FcpragError, match="--aug-batch 0"):
         Study(_opts(tiny_study, aug_batch=0))
 
