@@ -1,11 +1,14 @@
-"""File I/O of the library: strict JSON values (:func:`finite_or_none`), the JSON / JSON Lines readers, the one
-atomic file writer and the safetensors reader. Errors name the file."""
+"""File I/O of the library: strict JSON values (:func:`finite_or_none`), the one record reader (a JSON array or JSON
+Lines: :func:`iter_records`, :func:`read_records`), the JSON reader, the one atomic file writer and the safetensors
+reader. Errors name the file (and the line)."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -63,6 +66,60 @@ def parse_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, str, Any, json
             except json.JSONDecodeError as e:
                 value, error = None, e
             yield lineno, raw, value, error
+
+
+def decode_utf8(raw: bytes, path: Any, error: type[Exception]) -> str:
+    """``raw`` as UTF-8 text; invalid bytes are an ``error`` naming the file and the line."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise error(f"{path}:{line}: not valid UTF-8 (byte {e.start})") from e
+
+
+def iter_records(text: str, path: Any, error: type[Exception]) -> Iterator[tuple[int, Any, str | None]]:
+    """``(line, value, problem)`` per record of ``text`` (a leading BOM is dropped): a JSON array when its first
+    non-blank character is ``[`` (an element's line is the one it starts on; invalid JSON raises ``error``: the rest
+    of an array cannot be resynchronised), else JSON Lines (a line that is not JSON: value None and its
+    ``problem``, for a reader that skips it)."""
+    text = text.lstrip("\ufeff")
+    if not text.lstrip(" \t\r\n").startswith("["):
+        for n, _, value, e in parse_json_lines(split_lines(text)):
+            yield n, value, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})"
+        return
+    newlines = [i for i, ch in enumerate(text) if ch == "\n"]
+    line_of = lambda pos: bisect.bisect_left(newlines, pos) + 1  # noqa: E731
+    ws, dec = re.compile(r"[ \t\r\n]*"), json.JSONDecoder()
+    i = ws.match(text, text.index("[") + 1).end()
+    while not text.startswith("]", i):
+        start = i
+        try:
+            value, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise error(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        yield line_of(start), value, None
+        i = ws.match(text, i).end()
+        if text.startswith(",", i):  # another element must follow
+            i = ws.match(text, i + 1).end()
+            if text.startswith("]", i):
+                raise error(f"{path}:{line_of(i)}: not valid JSON (a ',' before the closing ']')")
+        elif not text.startswith("]", i):
+            raise error(f"{path}:{line_of(min(i, len(text) - 1))}: not valid JSON (expected ',' or ']' after the "
+                        f"array element that starts on line {line_of(start)})")
+    tail = ws.match(text, i + 1).end()
+    if tail != len(text):
+        raise error(f"{path}:{line_of(tail)}: unexpected text after the closing ']' of the array")
+
+
+def read_records(path: str | Path, error: type[Exception]) -> list[tuple[int, Any]]:
+    """``(line, record)`` of a JSON array or JSON Lines file (:func:`iter_records`); the first invalid JSON is an
+    ``error`` naming ``file:line``."""
+    out = []
+    for line, value, problem in iter_records(decode_utf8(Path(path).read_bytes(), path, error), path, error):
+        if problem is not None:
+            raise error(f"{path}:{line}: {problem}")
+        out.append((line, value))
+    return out
 
 
 def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:
