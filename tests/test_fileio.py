@@ -28,9 +28,9 @@ def test_an_array_and_json_lines_give_the_same_records_with_their_lines(tmp_path
 @pytest.mark.parametrize("text, where", [
     ('{"a": 1}\n{oops\n', ":2: not valid JSON"),
     ('[\n{"a": 1},\n{oops}\n]', ":3: not valid JSON"),
-    ('[\n{"a": 1},\n]', ":3: not valid JSON (a ',' before the closing ']')"),
-    ('[\n{"a": 1}\n{"b": 2}]', ":3: not valid JSON (expected ',' or ']'"),
-    ('[{"a": 1}]\nmore', ":2: unexpected text after the closing ']'"),
+    ('[\n{"a": 1},\n]', ":3: not valid JSON"),  # a ',' before the closing ']'
+    ('[\n{"a": 1}\n{"b": 2}]', ":3: not valid JSON"),  # no ',' between elements
+    ('[{"a": 1}]\nmore', ":2: unexpected text after the closing ']' of the array"),
     ('[{"a": 1}', ":1: not valid JSON"),
 ])
 def test_errors_name_the_file_and_line(tmp_path, text, where):

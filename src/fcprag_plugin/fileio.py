@@ -4,7 +4,6 @@ reader. Errors name the file (and the line)."""
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
@@ -78,42 +77,29 @@ def decode_utf8(raw: bytes, path: Any, error: type[Exception]) -> str:
 
 
 def iter_records(text: str, path: Any, error: type[Exception]) -> Iterator[tuple[int, Any, str | None]]:
-    """``(line, value, problem)`` per record of ``text`` (a leading BOM is dropped): a JSON array when its first
-    non-blank character is ``[`` (an element's line is the one it starts on; invalid JSON raises ``error``: the rest
-    of an array cannot be resynchronised), else JSON Lines (a line that is not JSON: value None and its
-    ``problem``, for a reader that skips it)."""
+    """``(line, value, problem)`` per record of ``text``: a JSON array when ``[`` comes first (a leading BOM dropped; an
+    element's line is the one it starts on; invalid JSON raises ``error``), else JSON Lines (a line that is not JSON:
+    value None and its ``problem``, for a reader that skips it)."""
     text = text.lstrip("\ufeff")
     if not text.lstrip(" \t\r\n").startswith("["):
         for n, _, value, e in parse_json_lines(split_lines(text)):
             yield n, value, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})"
         return
-    newlines = [i for i, ch in enumerate(text) if ch == "\n"]
-    line_of = lambda pos: bisect.bisect_left(newlines, pos) + 1  # noqa: E731
-    ws, dec = re.compile(r"[ \t\r\n]*"), json.JSONDecoder()
-    i = ws.match(text, text.index("[") + 1).end()
-    while not text.startswith("]", i):
-        start = i
-        try:
-            value, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            raise error(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-        yield line_of(start), value, None
-        i = ws.match(text, i).end()
-        if text.startswith(",", i):  # another element must follow
-            i = ws.match(text, i + 1).end()
-            if text.startswith("]", i):
-                raise error(f"{path}:{line_of(i)}: not valid JSON (a ',' before the closing ']')")
-        elif not text.startswith("]", i):
-            raise error(f"{path}:{line_of(min(i, len(text) - 1))}: not valid JSON (expected ',' or ']' after the "
-                        f"array element that starts on line {line_of(start)})")
-    tail = ws.match(text, i + 1).end()
-    if tail != len(text):
-        raise error(f"{path}:{line_of(tail)}: unexpected text after the closing ']' of the array")
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        said = "unexpected text after the closing ']' of the array" if e.msg == "Extra data" else "not valid JSON"
+        raise error(f"{path}:{e.lineno}: {said} ({e.msg} at column {e.colno})") from None
+    skip, dec = re.compile(r"[\s,]*"), json.JSONDecoder()  # valid JSON: an element starts after blanks and a comma
+    line = text.count("\n", 0, start := skip.match(text, text.index("[") + 1).end()) + 1
+    for value in values:
+        yield line, value, None
+        end = skip.match(text, dec.raw_decode(text, start)[1]).end()
+        line, start = line + text.count("\n", start, end), end
 
 
 def read_records(path: str | Path, error: type[Exception]) -> list[tuple[int, Any]]:
-    """``(line, record)`` of a JSON array or JSON Lines file (:func:`iter_records`); the first invalid JSON is an
-    ``error`` naming ``file:line``."""
+    """``(line, record)`` of a JSON array or JSON Lines file (:func:`iter_records`); errors name file:line."""
     out = []
     for line, value, problem in iter_records(decode_utf8(Path(path).read_bytes(), path, error), path, error):
         if problem is not None:

@@ -37,6 +37,14 @@ def parse_adapter_path(path: str | Path | None) -> PragAdapterPath | None:
     return None if p is None or d is None else PragAdapterPath(str(path), parts[-3], int(d.group(1)), int(p.group(1)))
 
 
+def pick_passages(parsed: Sequence[PragAdapterPath], passages: Sequence[str], where: str) -> list[str]:
+    """One passage per adapter, by the ``passage_{pid}`` of its path (``where``: what holds ``passages``)."""
+    for p in parsed:
+        if p.pid >= len(passages):
+            raise HookError(f"adapter {p.path}: passage {p.pid} does not exist, {where} has {len(passages)} passages")
+    return [passages[p.pid] for p in parsed]
+
+
 def common_test_id(paths: Sequence[PragAdapterPath | None]) -> int | None:
     """The ``test_id`` all parsed paths agree on, else None."""
     ids = {p.test_id for p in paths if p is not None}
@@ -88,9 +96,5 @@ class PragDataFile:
             raise HookError(f"{where}: key 'question' must be a string, got {question!r:.80}")
         if not isinstance(passages, list) or not all(isinstance(t, str) for t in passages):
             raise HookError(f"{where}: key 'passages' must be a list of strings")
-        for p in parsed:
-            if p.pid >= len(passages):
-                raise HookError(f"adapter {p.path}: passage {p.pid} does not exist, {where} has "
-                                f"{len(passages)} passages")
-        return {"question": question, "passages": [passages[p.pid] for p in parsed], "test_id": first.test_id,
+        return {"question": question, "passages": pick_passages(parsed, passages, where), "test_id": first.test_id,
                 "data_file": str(file)}
