@@ -128,7 +128,7 @@ def _check_pass_through(extra: dict[str, Any], where: str) -> None:
     if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
         raise _fail(where, "group", "a string or an integer", group)
     if "split" in extra:
-        from fcprag_plugin.training.labels import KNOWN_SPLITS  # the trainer's list
+        from fcprag_plugin.training import KNOWN_SPLITS  # the trainer's list
 
         if extra["split"] not in KNOWN_SPLITS:
             raise _fail(where, "split", f"one of {list(KNOWN_SPLITS)}", extra["split"])
