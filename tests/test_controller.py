@@ -318,3 +318,21 @@ def test_a_controller_saved_before_issue_15_still_loads(tmp_path):
     assert again.config.side_features == [] and again.config.kappa == 1.0 and again.config.cv is None
     e_q, E_p = torch.randn(2, 8), torch.randn(2, 3, 8)
     assert torch.equal(again(e_q, E_p).merge_weights, c(e_q, E_p).merge_weights)
+
+
+def test_a_config_of_the_previous_version_reads_under_todays_names(tmp_path):
+    """Before issue 41: an unused 'eps', the calibration net's scale flag named 'query_scale', and the trainer's
+    verdict saying 'learned' (today 'network', SHIPS) or a scale-only result at kappa 1 (today 'prag_sum')."""
+    c = FusionController(embed_dim=8, seed=3, init="random", calib_scale=True).eval()
+    d = c.save_pretrained(tmp_path / "old")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["query_scale"], cfg["eps"], cfg["cv"] = cfg.pop("calib_scale"), 1e-8, {"shipped": "learned", "verdict": "x"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    again = FusionController.from_pretrained(d)
+    assert again.config.calib_scale and again.config.cv == {"shipped": "network", "verdict": "x"}
+    e_q, E_p = torch.randn(2, 8), torch.randn(2, 3, 8)
+    assert torch.equal(again(e_q, E_p).merge_weights, c(e_q, E_p).merge_weights)
+    assert again(e_q, E_p).scale is not None  # the third head's scale c is there
+    cfg.update(kappa=1.0, cv={"shipped": "scale_only"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert FusionController.from_pretrained(d).config.cv == {"shipped": "prag_sum"}

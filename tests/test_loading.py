@@ -198,7 +198,7 @@ def test_split_lines_breaks_at_newlines_only():
 
 
 def test_json_lines_readers_keep_odd_line_separators_inside_strings(tmp_path):
-    from fcprag_plugin.hosts._prag_data import _read_records
+    from fcprag_plugin.fileio import read_records
     from fcprag_tools.label_builder.manifest import read_data_aug
     from fcprag_tools.lm.store import JsonlAppender, done_ids, read_label_lines
     from fcprag_plugin.training import load_labels
@@ -216,7 +216,7 @@ def test_json_lines_readers_keep_odd_line_separators_inside_strings(tmp_path):
     data.write_text("\n".join(json.dumps({"question": ODD, "i": i}, ensure_ascii=False) for i in range(2)) + "\n",
                     encoding="utf-8")
     assert [r["question"] for _, r in read_data_aug(data)] == [ODD, ODD]
-    assert [r["i"] for r in _read_records(data)] == [0, 1]
+    assert [r["i"] for _, r in read_records(data, ValueError)] == [0, 1]
 
     recs, _ = synthetic_records(2, 3, 8, seed=1)
     recs[0].query = ODD

@@ -15,111 +15,30 @@ sum of the passage updates), where ``init="uniform"`` starts. Side features (ret
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import os
 import sys
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from .controller_config import (CHECKPOINT_MARKERS, CONFIG_NAME, WEIGHTS_NAME, ControllerConfig, read_config,
+                                read_weights, write_files)
 from .encoding import check_recorded_model, get_encoder
 from .errors import BARE, ControllerError, kw
-from .weights import FusionWeights
 from .loading import LoadCache, file_signature
-from .fileio import read_json_object, read_tensor_file
-from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, SIDE_FEATURES, adapter_recipe, adapter_stats,
-                       calibration_summary, center_side, masked_mean, passage_features, side_feature_columns)
+from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, adapter_recipe, adapter_stats, calibration_summary,
+                       center_side, masked_mean, passage_features)
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-CONTROLLER_MODES = ("learned", "uniform", "random", "fixed", "scale")
-SCORERS = ("mlp", "cosine")
-INITS = ("uniform", "random")
-FORMAT_VERSION = 1
 GATE_INIT = 0.5  # g at initialisation; irrelevant to w~ there (all scores are equal), the point of most gradient
 INFERENCE_DTYPES = (torch.bfloat16, torch.float32)
-CHECKPOINT_MARKERS = ("state.json", "optimizer.safetensors")  # training/checkpoint.py's files beside a controller
-HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")  # side inputs hosts lack (adapter statistics: computable)
-
-
-@dataclass
-class ControllerConfig:
-    """Everything needed to rebuild a controller; saved as ``config.json``. ``cv``: the trainer's selection-unbiased
-    evidence against PRAG's sum (``training/selection.py``), or None. ``side_optional``: side features a host may
-    lack, then taken as equal per passage (None: retrieval rank and score). ``trained_for``: see ``check_adapters``."""
-
-    embed_dim: int = 768
-    embedding_model: str | None = None
-    score_hidden: list[int] = field(default_factory=lambda: [2048, 1024])
-    calib_hidden: int = 256
-    dropout: float = 0.1
-    tau_min: float = 0.05
-    tau_max: float = 2.0
-    eps: float = 1e-8  # unused (combine needs no epsilon); kept so saved configs load
-    controller_mode: str = "learned"  # learned | uniform | random | fixed
-    scorer: str = "mlp"  # mlp | cosine (parameter-free (1+cos)/2, for fixed baselines)
-    fixed_g: float = 0.5
-    fixed_tau: float = 0.1
-    seed: int | None = None
-    format_version: int = FORMAT_VERSION
-    init: str = "random"
-    side_features: list[str] = field(default_factory=list)
-    side_scale: list[float] | None = None  # one per side_feature_columns(side_features); None: 1
-    side_optional: list[str] | None = None
-    kappa: float = 1.0
-    query_scale: bool = False
-    scale_grid: list[float] | None = None  # controller_mode "scale": the scales its ScaleHead chooses among
-    cv: dict[str, Any] | None = None
-    trained_for: dict[str, Any] | None = None  # {"base_model": [...], "adapter_recipes": [features.adapter_recipe]}
-
-    def validate(self, where: str = "controller config") -> "ControllerConfig":
-        for key, allowed in (("controller_mode", CONTROLLER_MODES), ("scorer", SCORERS), ("init", INITS)):
-            value = getattr(self, key)
-            if value not in allowed:
-                raise ControllerError(f"{where}: key '{key}' is '{value}', expected one of {list(allowed)}")
-        if not (isinstance(self.embed_dim, int) and self.embed_dim > 0):
-            raise ControllerError(f"{where}: key 'embed_dim' must be a positive integer, got {self.embed_dim!r}")
-        if not (0 < self.tau_min <= self.tau_max):
-            raise ControllerError(f"{where}: keys 'tau_min'/'tau_max' must satisfy 0 < tau_min <= tau_max, "
-                                  f"got {self.tau_min}, {self.tau_max}")
-        if not (0.0 <= self.fixed_g <= 1.0) or self.fixed_tau <= 0:
-            raise ControllerError(f"{where}: keys 'fixed_g' in [0, 1] and 'fixed_tau' > 0 expected, "
-                                  f"got {self.fixed_g}, {self.fixed_tau}")
-        bad = [n for n in self.side_features if n not in SIDE_FEATURES]
-        if bad or len(set(self.side_features)) != len(self.side_features):
-            raise ControllerError(f"{where}: key 'side_features' is {self.side_features}, expected distinct names "
-                                  f"among {list(SIDE_FEATURES)}")
-        k = len(side_feature_columns(self.side_features))
-        if self.side_scale is not None and (len(self.side_scale) != k or not all(
-                isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in self.side_scale)):
-            raise ControllerError(f"{where}: key 'side_scale' is {self.side_scale}, expected {k} positive numbers "
-                                  f"(one per side-feature column)")
-        if not (isinstance(self.kappa, (int, float)) and math.isfinite(self.kappa) and self.kappa > 0):
-            raise ControllerError(f"{where}: key 'kappa' is {self.kappa!r}, expected a positive number")
-        grid = self.scale_grid
-        if (self.controller_mode == "scale" or grid is not None) and not (
-                isinstance(grid, list) and grid and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                        and math.isfinite(v) and v > 0 for v in grid)):
-            raise ControllerError(f"{where}: key 'scale_grid' is {grid!r}, expected a non-empty list of numbers > 0 "
-                                  "(controller_mode 'scale' chooses its per-query scale among them)")
-        return self
-
-    @property
-    def side_columns(self) -> list[str]:
-        return side_feature_columns(self.side_features)
-
-    @property
-    def optional_side(self) -> tuple[str, ...]:
-        """The side features this controller falls back on when a call lacks them."""
-        return tuple(HOST_OPTIONAL_SIDE if self.side_optional is None else self.side_optional)
 
 
 @dataclass
@@ -193,8 +112,8 @@ class CalibNet(nn.Sequential):
     -> (g [B] in (0, 1), tau [B] in (tau_min, tau_max), c [B] in (0, 2) or None)``, float32."""
 
     def __init__(self, d_in: int, hidden: int, dropout: float, tau_min: float, tau_max: float,
-                 query_scale: bool = False) -> None:
-        super().__init__(*_layers([d_in, hidden, 3 if query_scale else 2], dropout))
+                 calib_scale: bool = False) -> None:
+        super().__init__(*_layers([d_in, hidden, 3 if calib_scale else 2], dropout))
         self.tau_min, self.tau_max = tau_min, tau_max
 
     def forward(self, summary: torch.Tensor  # type: ignore[override]
@@ -296,7 +215,7 @@ class FusionController(nn.Module):
                     torch.manual_seed(config.seed)
                 self.score_net = ScoreNet(d, 3 * d + k, config.score_hidden, config.dropout)
                 self.calib_net = CalibNet(4 * d + CALIB_STATS, config.calib_hidden, config.dropout, config.tau_min,
-                                          config.tau_max, config.query_scale)
+                                          config.tau_max, config.calib_scale)
         if config.init == "uniform" and config.controller_mode == "learned":  # baselines keep their own (random) nets
             self.reset_to_uniform_()
         scale = config.side_scale if config.side_scale is not None else [1.0] * k
@@ -435,7 +354,7 @@ class FusionController(nn.Module):
         of a controller trained with them, one entry per passage: ``retrieval_ranks``, ``retrieval_scores``,
         ``adapter_stats`` (a ``LoraAdapter``, a dict from :func:`features.adapter_stats` or its values). A missing one
         of ``config.optional_side`` is taken as equal (a ``UserWarning`` once); a missing required one raises."""
-        self.warn_if_unproven()  # fuse() and both shims come through here: one warning per controller
+        self.warn_if_unproven()  # weigh() comes through here: one warning per controller
         if encoder is None:
             encoder = self.encoder  # the shared, lazily loaded encoder of config.embedding_model
         self.check_encoder(encoder)
@@ -457,14 +376,6 @@ class FusionController(nn.Module):
             return self(e_q, E_p, side=side)
         finally:
             self.train(was_training)
-
-    def weights_for(self, query: str, passages: Sequence[str], encoder: Any = None, **side: Any) -> FusionWeights:
-        """The :class:`~fcprag_plugin.weights.FusionWeights` of one query: ``w~ = [kappa]*N`` for a uniform
-        controller (no text is encoded), else :meth:`predict` (``side``: its side-feature arguments)."""
-        if self.config.controller_mode == "uniform":
-            self.warn_if_unproven()
-            return FusionWeights.uniform(len(passages), self.config.kappa)
-        return FusionWeights.from_output(self.predict(query, passages, encoder, **side), self.config.controller_mode)
 
     def warn_if_unproven(self) -> bool:
         """Warn once per controller (``UserWarning`` and the log) when its selection-unbiased gain over PRAG's sum
@@ -490,14 +401,21 @@ class FusionController(nn.Module):
             logger.warning("%s", message)
             warnings.warn(message, UserWarning, stacklevel=_caller_level())
 
-    def check_adapters(self, adapters: Any) -> bool:
-        """Warn once per controller (``UserWarning`` and the log) when ``adapters`` (or a callable returning them,
-        read on the first call only) are of another recipe than ``config.trained_for``; returns whether they match."""
+    @property
+    def needs_adapters(self) -> bool:
+        """Whether ``weigh`` reads adapters given as a callable: for adapter statistics, or a recipe not checked yet."""
+        c = self.config
+        return ("adapter_stats" in c.side_features and c.controller_mode not in ("uniform", "scale")) or bool(
+            (c.trained_for or {}).get("adapter_recipes")) and not {"recipe", "recipe-read"} & self._warned
+
+    def check_adapters(self, adapters: Sequence[Any]) -> bool:
+        """Warn once per controller (``UserWarning`` and the log) when ``adapters`` are of another recipe than
+        ``config.trained_for``; returns whether they match (:func:`~fcprag_plugin.weights.weigh` calls it)."""
         known, keys = (self.config.trained_for or {}).get("adapter_recipes") or [], ("rank", "scaling", "targets")
-        if not known or "recipe" in self._warned or (callable(adapters) and "recipe-read" in self._warned):
+        if not known or "recipe" in self._warned:
             return True
         self._warned.add("recipe-read")
-        for a in adapters() if callable(adapters) else adapters:
+        for a in adapters:
             got = adapter_recipe(a)
             if not any(all(got[k] == r.get(k) for k in (*keys, "modules", "shapes")) for r in known):
                 self._warn_once("recipe", f"fcprag: controller '{self._name}' was trained for adapters of base model "
@@ -527,18 +445,8 @@ class FusionController(nn.Module):
         return get_encoder(self.config.embedding_model, device=self._side_scale.device)
 
     def save_pretrained(self, path: str | Path) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` (never a pickle)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        cfg = asdict(self.config)
-        cfg["library"] = "fcprag_plugin"
-        (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-        # float32 on disk whatever the in-memory dtype (a bfloat16 inference copy saves its values as float32)
-        state = {k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "library": "fcprag_plugin"})
-        return path
+        """Write ``config.json`` + ``model.safetensors`` (:func:`~fcprag_plugin.controller_config.write_files`)."""
+        return write_files(Path(path), self.config, self.state_dict())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, map_location: str | torch.device = "cpu") -> "FusionController":
@@ -548,37 +456,8 @@ class FusionController(nn.Module):
         if all((path / n).is_file() for n in CHECKPOINT_MARKERS):
             raise ControllerError(f"{path} is a training checkpoint ({', '.join(CHECKPOINT_MARKERS)}), not a "
                                   f"controller: use the directory fcprag train wrote, {path.parent}")
-        return cls._from_dir(path, map_location)
-
-    @classmethod
-    def _from_dir(cls, path: Path, map_location: str | torch.device = "cpu") -> "FusionController":
-        cfg_path, w_path = path / CONFIG_NAME, path / WEIGHTS_NAME
-        if not path.is_dir():
-            raise ControllerError(f"{path}: controller directory not found (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
-        raw = read_json_object(cfg_path, ControllerError, "controller config not found")
-        raw.pop("library", None)
-        known = {f.name for f in fields(ControllerConfig)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ControllerError(f"{cfg_path}: unknown key(s) {unknown}; expected keys among {sorted(known)}")
-        if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
-            raise ControllerError(f"{cfg_path}: key 'format_version' is {raw['format_version']}, newer than this "
-                                  f"library supports ({FORMAT_VERSION}); upgrade fcprag-plugin")
-        config = ControllerConfig(**raw).validate(str(cfg_path))  # every key is a field (checked above)
-        model = cls(config)
-        state = read_tensor_file(w_path, map_location, ControllerError, "controller weights not found")
-        own = model.state_dict()
-        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if missing or extra:
-            raise ControllerError(f"{w_path}: weights do not match the config: missing {missing[:4]}, "
-                                  f"unexpected {extra[:4]}")
-        for k, v in state.items():
-            if tuple(v.shape) != tuple(own[k].shape):
-                raise ControllerError(f"{w_path}: key '{k}' has shape {list(v.shape)}, the config implies "
-                                      f"{list(own[k].shape)} (embed_dim {config.embed_dim})")
-            if not bool(torch.isfinite(v).all()):
-                raise ControllerError(f"{w_path}: key '{k}' has non-finite values")
-        model.load_state_dict(state)
+        model = cls(read_config(path))
+        model.load_state_dict(read_weights(path, model.state_dict(), map_location, model.config.embed_dim))
         model.source = str(path)
         return model.to(map_location).eval()
 
@@ -595,14 +474,6 @@ def _caller_level() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def query_weights(controller: "FusionController | None", query: str, passages: Sequence[str], encoder: Any = None,
-                  side: dict[str, Any] | None = None) -> FusionWeights:
-    """:meth:`FusionController.weights_for`; no controller: ``w~ = [1]*N``, PRAG's merge."""
-    if controller is None:
-        return FusionWeights.uniform(len(passages))
-    return controller.weights_for(query, passages, encoder, **(side or {}))
 
 
 def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":

@@ -1,11 +1,13 @@
-"""File I/O of the library: strict JSON values (:func:`finite_or_none`), the JSON / JSON Lines readers, the one
-atomic file writer and the safetensors reader. Errors name the file."""
+"""File I/O of the library: strict JSON values (:func:`finite_or_none`), the one record reader (a JSON array or JSON
+Lines: :func:`iter_records`, :func:`read_records`), the JSON reader, the one atomic file writer and the safetensors
+reader. Errors name the file (and the line)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -63,6 +65,47 @@ def parse_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, str, Any, json
             except json.JSONDecodeError as e:
                 value, error = None, e
             yield lineno, raw, value, error
+
+
+def decode_utf8(raw: bytes, path: Any, error: type[Exception]) -> str:
+    """``raw`` as UTF-8 text; invalid bytes are an ``error`` naming the file and the line."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise error(f"{path}:{line}: not valid UTF-8 (byte {e.start})") from e
+
+
+def iter_records(text: str, path: Any, error: type[Exception]) -> Iterator[tuple[int, Any, str | None]]:
+    """``(line, value, problem)`` per record of ``text``: a JSON array when ``[`` comes first (a leading BOM dropped; an
+    element's line is the one it starts on; invalid JSON raises ``error``), else JSON Lines (a line that is not JSON:
+    value None and its ``problem``, for a reader that skips it)."""
+    text = text.lstrip("\ufeff")
+    if not text.lstrip(" \t\r\n").startswith("["):
+        for n, _, value, e in parse_json_lines(split_lines(text)):
+            yield n, value, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})"
+        return
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        said = "unexpected text after the closing ']' of the array" if e.msg == "Extra data" else "not valid JSON"
+        raise error(f"{path}:{e.lineno}: {said} ({e.msg} at column {e.colno})") from None
+    skip, dec = re.compile(r"[\s,]*"), json.JSONDecoder()  # valid JSON: an element starts after blanks and a comma
+    line = text.count("\n", 0, start := skip.match(text, text.index("[") + 1).end()) + 1
+    for value in values:
+        yield line, value, None
+        end = skip.match(text, dec.raw_decode(text, start)[1]).end()
+        line, start = line + text.count("\n", start, end), end
+
+
+def read_records(path: str | Path, error: type[Exception]) -> list[tuple[int, Any]]:
+    """``(line, record)`` of a JSON array or JSON Lines file (:func:`iter_records`); errors name file:line."""
+    out = []
+    for line, value, problem in iter_records(decode_utf8(Path(path).read_bytes(), path, error), path, error):
+        if problem is not None:
+            raise error(f"{path}:{line}: {problem}")
+        out.append((line, value))
+    return out
 
 
 def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:

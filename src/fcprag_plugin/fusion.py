@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .adapter import LoraAdapter
-from .controller import FusionController, load_controller, query_weights
+from .controller import FusionController
 from .encoding import is_blank
 from .errors import FusionInputError
 from .slot import AdapterStore, FusedSlot, PackedAdapter, pack_adapter
 from .merge import MergeResult, merge_adapters
 from .fileio import finite_or_none
-from .weights import FusionWeights, side_inputs
+from .weights import FusionWeights, weigh
 
 logger = logging.getLogger(__name__)
 
@@ -117,30 +117,19 @@ def _check_inputs(adapters: Sequence[Any], query: str, passages: Sequence[str]) 
                        "update, so the same update is added several times", dups)
 
 
-def _weights(query: str, passages: Sequence[str], controller: Any, encoder: Any, loaded: Any,
-             retrieval_ranks: Any, retrieval_scores: Any) -> FusionWeights:
-    """The query's weights (``loaded``: the adapters, or a callable returning them, for adapter statistics)."""
-    ctrl = load_controller(controller)
-    if ctrl is not None:
-        ctrl.check_adapters(loaded)  # another adapter recipe than the controller's: a warning, once
-    side = side_inputs(ctrl, adapters=loaded, retrieval_ranks=retrieval_ranks, retrieval_scores=retrieval_scores)
-    return query_weights(ctrl, query, passages, encoder, side)
-
-
 def fuse(adapters: Sequence[Any], query: str, passages: Sequence[str], *,
          controller: FusionController | str | Path | None = None, encoder: Any = None, mode: str = "cat",
          model: Any = None, retrieval_ranks: Sequence[float] | None = None,
          retrieval_scores: Sequence[float] | None = None, **merge_options: Any) -> FusionResult:
     """The merged adapter of the N passage ``adapters`` (directories, :class:`LoraAdapter` s, or names of adapters
-    in the ``PeftModel`` ``model``) and their N ``passages``, weighted by ``controller`` (a :class:`FusionController`
-    or its directory; None: PRAG's uniform merge). ``encoder``: default the controller's (another model raises).
-    ``mode``: ``cat``, ``separate`` or ``svd``, with that mode's ``merge_options`` (another is a ``TypeError``).
-    ``retrieval_ranks``, ``retrieval_scores``: one number per passage, for a controller trained with them (missing:
-    equal, a ``UserWarning`` once per controller)."""
+    in the ``PeftModel`` ``model``) and their N ``passages``, weighted by :func:`~fcprag_plugin.weights.weigh`
+    (``controller``: None is PRAG's sum; ``encoder``, ``retrieval_ranks``, ``retrieval_scores``). ``mode``: ``cat``,
+    ``separate`` or ``svd``, with that mode's ``merge_options`` (another is a ``TypeError``)."""
     _check_inputs(adapters, query, passages)
     loaded = [a if isinstance(a, LoraAdapter) else a.to_lora() if isinstance(a, PackedAdapter)
               else LoraAdapter.from_pretrained(a) for a in _read_live(adapters, model)]
-    fw = _weights(query, passages, controller, encoder, loaded, retrieval_ranks, retrieval_scores)
+    fw = weigh(controller, query, passages, encoder=encoder, adapters=loaded, retrieval_ranks=retrieval_ranks,
+               retrieval_scores=retrieval_scores)
     result: MergeResult = merge_adapters(loaded, fw.merge_weights, mode, **merge_options)
     logger.debug("fused %d adapters: w~=%s g=%.3f tau=%s", len(loaded), fw.merge_weights, fw.g, fw.tau)
     return FusionResult(result.adapter, fw, mode, result.info)
@@ -163,8 +152,8 @@ def fuse_into(model: Any, adapters: Sequence[Any], query: str, passages: Sequenc
         store = existing.store if existing is not None and existing.store is not None else AdapterStore()
     packed = [a if isinstance(a, PackedAdapter) else store.get(a) if isinstance(a, (str, Path)) else pack_adapter(a)
               for a in _read_live(adapters, model)]
-    fw = _weights(query, passages, controller, encoder, lambda: [p.to_lora() for p in packed], retrieval_ranks,
-                  retrieval_scores)
+    fw = weigh(controller, query, passages, encoder=encoder, adapters=lambda: [p.to_lora() for p in packed],
+               retrieval_ranks=retrieval_ranks, retrieval_scores=retrieval_scores)
     return LiveFusion(fw, mode, switch_on(model, packed, fw.merge_weights, mode, store=store))
 
 

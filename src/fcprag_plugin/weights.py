@@ -1,17 +1,15 @@
-"""The weights of one fusion (:class:`FusionWeights`), from the controller to the merge and the logs, and
-:func:`check_weights`, the one check every merge applies."""
+"""The weights of one fusion: :func:`weigh` (the one call of ``fuse``, ``fuse_into``, both host shims and ``fcprag
+study``) turns a controller, a query and its passages into :class:`FusionWeights`, for the merge and the logs."""
 
 from __future__ import annotations
 
-import math
-from array import array
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
-import torch
-
-from .errors import MergeError
+from .controller import FusionController, load_controller
 from .fileio import finite_or_none
+from .merge.core import check_weights  # noqa: F401  (the one check of w~, importable from here as before)
 
 
 def is_uniform(controller: Any) -> bool:
@@ -61,34 +59,24 @@ class FusionWeights:
                                "controller_mode": self.controller_mode})
 
 
-def side_inputs(controller: Any, *, adapters: Any = None, retrieval_ranks: Sequence[float] | None = None,
-                retrieval_scores: Sequence[float] | None = None) -> dict[str, Any]:
-    """The side-feature keyword arguments of ``controller.predict`` the controller was trained with (None values
-    included: ``predict`` decides). ``adapters`` (:class:`~fcprag_plugin.adapter.LoraAdapter` s, or a callable
-    returning them) are read only for ``adapter_stats``."""
-    names = () if is_uniform(controller) else tuple(getattr(controller.config, "side_features", None) or ())
-    stats = lambda: list(adapters() if callable(adapters) else adapters) if adapters is not None else None  # noqa
-    return {key: value() for name, key, value in (("retrieval_rank", "retrieval_ranks", lambda: retrieval_ranks),
-                                                  ("retrieval_score", "retrieval_scores", lambda: retrieval_scores),
-                                                  ("adapter_stats", "adapter_stats", stats)) if name in names}
-
-
-def check_weights(weights: Any, n: int) -> tuple[float, ...]:
-    """Validated merge weights ``w~``: finite, 1-D, one per adapter (``n >= 1``), as a tuple of float32-rounded
-    Python floats; ``None`` is ``[1] * n``. Lists and tuples skip tensor ops (the hot path); tensors work too."""
-    if n == 0:
-        raise MergeError("no adapters to merge (N == 0)")
-    if weights is None:
-        return (1.0,) * n
-    try:  # rounds to float32 like torch does
-        vals = array("f", [float(v) for v in weights]).tolist() if isinstance(weights, (list, tuple)) else None
-    except (TypeError, ValueError, OverflowError):
-        vals = None
-    if vals is None or len(vals) != n:
-        w = torch.as_tensor(weights, dtype=torch.float32).detach().cpu()
-        if w.ndim != 1 or w.shape[0] != n:
-            raise MergeError(f"merge weights have shape {list(w.shape)}, expected [{n}] (one per adapter)")
-        vals = w.tolist()
-    if not all(map(math.isfinite, vals)):
-        raise MergeError(f"merge weights must be finite, got {vals}")
-    return tuple(vals)
+def weigh(controller: FusionController | str | Path | None, query: str, passages: Sequence[str], *,
+          encoder: Any = None, adapters: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
+          retrieval_ranks: Sequence[float] | None = None, retrieval_scores: Sequence[float] | None = None
+          ) -> FusionWeights:
+    """The weights of ``query`` and its N ``passages`` under ``controller`` (a ``FusionController``, its directory,
+    read once per process, or None: PRAG's sum, ``w~ = [1]*N``); a ``uniform`` one encodes no text, the others embed
+    with ``encoder`` (default: the controller's). ``adapters`` (``LoraAdapter`` s, or a callable returning them, read
+    when the controller ``needs_adapters``) give ``adapter_stats`` and meet its recipe check (a warning, once).
+    ``retrieval_ranks``, ``retrieval_scores``: one number per passage (missing: equal, a ``UserWarning`` once)."""
+    ctrl = load_controller(controller)
+    if ctrl is None:
+        return FusionWeights.uniform(len(passages))
+    if adapters is not None and (not callable(adapters) or ctrl.needs_adapters):
+        adapters = list(adapters() if callable(adapters) else adapters)  # read once: the recipe and the statistics
+        ctrl.check_adapters(adapters)  # another recipe than the controller's: a warning, once
+    if is_uniform(ctrl):
+        ctrl.warn_if_unproven()
+        return FusionWeights.uniform(len(passages), ctrl.config.kappa)
+    out = ctrl.predict(query, passages, encoder, retrieval_ranks=retrieval_ranks, retrieval_scores=retrieval_scores,
+                       adapter_stats=None if callable(adapters) else adapters)
+    return FusionWeights.from_output(out, ctrl.config.controller_mode)

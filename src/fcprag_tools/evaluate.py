@@ -13,11 +13,8 @@ import torch
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.fileio import finite_or_none
-from fcprag_plugin.training.data import LabelTensors, build_tensors
-from fcprag_plugin.training.evaluation import evaluate
-from fcprag_plugin.training.labels import LabelSet
-from fcprag_plugin.training.targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
-from fcprag_plugin.training.trainer import ARGS_NAME, as_label_set, open_cache, resolve_encoder
+from fcprag_plugin.training import (ARGS_NAME, DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, LabelSet,
+                                    LabelTensors, as_label_set, build_tensors, evaluate, open_cache, resolve_encoder)
 
 logger = logging.getLogger(__name__)
 

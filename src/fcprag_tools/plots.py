@@ -12,8 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from fcprag_plugin.errors import FcpragError
-from fcprag_plugin.training.data import LabelTensors
-from fcprag_plugin.training.evaluation import collect_outputs, entropy, metrics_from_outputs
+from fcprag_plugin.training import LabelTensors, collect_outputs, entropy, metrics_from_outputs
 
 logger = logging.getLogger(__name__)
 

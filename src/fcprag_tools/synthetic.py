@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fcprag_plugin.training.labels import OPTIONAL, LabelRecord
+from fcprag_plugin.training import OPTIONAL, LabelRecord
 
 
 def synthetic_records(n: int, n_passages: int | tuple[int, int] = 3, dim: int = 16, *, kind: str = "planted",

@@ -7,20 +7,18 @@ import logging
 import os
 import shlex
 import shutil
+from dataclasses import fields
 from pathlib import Path
 
 from .options import check_out_file, finite_float, int_at_least, positive_int, refuse_inputs
 from fcprag_plugin.errors import FcpragError, LabelFileError
 from fcprag_plugin.features import SIDE_FEATURES
 from fcprag_plugin.fileio import write_json
-from fcprag_plugin.training.checkpoint import CHECKPOINT_DIR, read_checkpoint_state
-from fcprag_plugin.training.selection import CV_PARTIAL_NAME, read_cv_partial
-from fcprag_plugin.training.labels import ON_ERROR, SkippedRecord, load_labels
+from fcprag_plugin.training import (CHECKPOINT_DIR, CHOICES, CV_PARTIAL_NAME, DEFAULT_T_LABEL, MAX_EPOCHS, MAX_HIDDEN,
+                                    ON_ERROR, RECIPES, SkippedRecord, TrainArgs, load_labels, read_checkpoint_state,
+                                    read_cv_partial)
 from .plots import _pyplot, write_eval_plots, write_training_plots
 from .train_report import format_table, train_table
-from fcprag_plugin.training.targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL
-from fcprag_plugin.training.selection import BOUNDS, SCALE_METRICS
-from fcprag_plugin.training.trainer import MAX_EPOCHS, MAX_HIDDEN, OBJECTIVES, PRECISIONS, RECIPES, TrainArgs
 
 
 # A label record is one line of a JSON Lines file: a longer line is refused before it is parsed (parsing a huge
@@ -28,51 +26,28 @@ from fcprag_plugin.training.trainer import MAX_EPOCHS, MAX_HIDDEN, OBJECTIVES, P
 MAX_LINE_BYTES = 16 * 2**20
 # |delta| / t_label above this overflows float32 in softmax(delta / T) or in max - min of a record.
 MAX_SCALED_DELTA = 1e37
-# the parsed options that go to train_controller under their own names
-_TRAIN_ARGS = ("epochs", "batch_size", "lr", "weight_decay", "seed", "t_label", "flat_eps", "flat_weight",
-               "val_fraction", "on_error", "precision", "cache_dir", "threads", "objective", "risk_lambda",
-               "cv_folds", "kappa", "side_features", "scale_max_loss_share", "scale_loss_margin", "keep_network",
-               "allow_retrieval_score", "recipe", "scale_metric", "scale_bound", "per_query_scale")
-# the options a --recipe sets when they are not given (None: not given)
-_RECIPE_SET = ("kappa", "keep_network", "objective", "per_query_scale")
+# fcprag train has one flag per TrainArgs field (--name-with-dashes; a bool one a switch to the other value) but these,
+# which only Python sets (controller: --score-hidden and --calib-hidden); the fields a --recipe sets are None when not
+# given (the recipe decides)
+_NOT_FLAGS = ("grad_clip", "eval_batch_size", "controller")
+_TRAIN_ARGS = tuple(f.name for f in fields(TrainArgs) if f.name not in _NOT_FLAGS)
+_RECIPE_SET = frozenset().union(*RECIPES.values())
+
+
+def _switch(name: str) -> tuple[str, str]:
+    """``(keyword, flag)`` of a TrainArgs field: ``name`` / ``--name``; a bool: ``name=True`` / ``--name`` when it
+    is False by default, else ``name=False`` / ``--no-name``."""
+    default, flag = getattr(TrainArgs(), name), name.replace("_", "-")
+    if isinstance(default, bool):
+        return f"{name}={not default}", f"--{'no-' if default else ''}{flag}"
+    return name, f"--{flag}"
 
 
 # train_controller()'s / evaluate_controller()'s keyword arguments -> the commands' flags, for the library's
 # messages (options.keywords_to_flags): "pass resume=True" reads "pass --resume" on the command line
-TRAIN_FLAGS = {
-    "resume=True": "--resume",
-    "overwrite=True": "--overwrite",
-    "progress=False": "--no-progress",
-    "out": "--out",
-    "val": "--val",
-    "encoder": "--encoder",
-    "cache_dir": "--cache-dir",
-    "on_error": "--on-error",
-    "epochs": "--epochs",
-    "batch_size": "--batch-size",
-    "lr": "--lr",
-    "weight_decay": "--weight-decay",
-    "seed": "--seed",
-    "t_label": "--t-label",
-    "flat_eps": "--flat-eps",
-    "flat_weight": "--flat-weight",
-    "val_fraction": "--val-fraction",
-    "precision": "--precision",
-    "score_hidden": "--score-hidden",
-    "calib_hidden": "--calib-hidden",
-    "objective": "--objective",
-    "risk_lambda": "--risk-lambda",
-    "cv_folds": "--cv-folds",
-    "kappa": "--kappa",
-    "side_features": "--side-features",
-    "allow_retrieval_score=True": "--allow-retrieval-score",
-    "threads": "--threads",
-    "recipe": "--recipe",
-    "scale_metric": "--scale-metric",
-    "scale_bound": "--scale-bound",
-    "keep_network=True": "--keep-network",
-    "per_query_scale=False": "--no-per-query-scale",
-}
+TRAIN_FLAGS = {"resume=True": "--resume", "overwrite=True": "--overwrite", "progress=False": "--no-progress",
+               "out": "--out", "val": "--val", "encoder": "--encoder", "score_hidden": "--score-hidden",
+               "calib_hidden": "--calib-hidden", **dict(map(_switch, _TRAIN_ARGS))}
 EVAL_FLAGS = {
     "encoder": "--encoder",
     "cache_dir": "--cache-dir",
@@ -339,7 +314,7 @@ def closing_lines(res, args: argparse.Namespace, train_set) -> list[str]:
         scale = "kappa 1: PRAG's own scale, +0" if s["kappa"] == 1.0 else \
             f"PRAG's sum times kappa {s['kappa']:.4g}: {part(s, cv['kappa'] != 1.0)}"
         lines += [f"  gain {gain} on held-out questions; its parts: scale ({scale}), reweighting "
-                  f"{part(r, cv['shipped'] == 'learned')}",
+                  f"{part(r, cv['shipped'] == 'network')}",
                   "  first order: estimated from the leave-one-out deltas as if the passages' effects added up, "
                   "without running the fused model (the reweighting part always; the scale part unless the labels "
                   "measured scales). The table's 'gain' row is that estimate on the validation records alone."]
@@ -416,6 +391,70 @@ def _label_options(p: argparse.ArgumentParser, encoder_help: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _train_options(d: TrainArgs) -> dict[str, dict]:
+    """The exceptions to the flags ``register`` derives from TrainArgs' fields (type from the default, finite for a
+    float): each field's help text, and the types, choices and metavars that differ."""
+    return {
+        "epochs": dict(type=int_at_least(1, MAX_EPOCHS), help=f"total epochs (default {d.epochs}, at most "
+                       f"{MAX_EPOCHS}); with --resume, the total including the finished ones"),
+        "batch_size": dict(type=positive_int, help=f"records per optimizer step (default {d.batch_size})"),
+        "lr": dict(help=f"AdamW learning rate (default {d.lr:g})"),
+        "weight_decay": dict(help=f"AdamW weight decay (default {d.weight_decay:g})"),
+        "seed": dict(help=f"seed of the split, init and shuffling ({d.seed})"),
+        "t_label": dict(help="temperature of the targets y = softmax(delta / T)"),
+        "flat_eps": dict(help="a sample is flat when max(delta) - min(delta) <= this"),
+        "flat_weight": dict(help="sample weight of flat samples (informative samples weigh 1)"),
+        "val_fraction": dict(help="fraction of groups (else ids) held out for validation when --val is not given"),
+        "precision": dict(help="auto (default): bf16 on CPUs with native bfloat16 "
+                          "(AVX512-BF16/AMX), else fp32; bf16: the controller's MLPs in bfloat16 with fp32 master "
+                          "weights"),
+        "threads": dict(type=positive_int, help="torch CPU threads (default: torch's choice; 1 is faster for small "
+                        "nets on a busy machine)"),
+        "objective": dict(help="kl (default, the paper's): KL to softmax(delta / T_label); "
+                          "risk: maximise sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record "
+                          "(docs/label-format.md)"),
+        "risk_lambda": dict(type=finite_float, metavar="X", help="lambda of the risk objective (default: the "
+                            "pooled within-record std of the deltas)"),
+        "cv_folds": dict(type=int_at_least(0), metavar="K", help="nested grouped k-fold cross-validation: chooses "
+                         "the epoch count (up to --epochs; 0 = stay uniform) and kappa without seeing the questions "
+                         "it scores, and states the gain over PRAG's sum split into a scale part and a reweighting "
+                         f"part, each with a 95%% CI (default {d.cv_folds}; 0: off, train exactly --epochs)"),
+        "kappa": dict(type=kappa_value, metavar="X|auto", help="global scale of the merge weights, w~ * kappa "
+                      "(default: auto; --recipe paper: 1); 'auto': chosen on the labels' measured scales ('fcprag "
+                      "labels build --scales') by the rule of --scale-max-loss-share / --scale-loss-margin / "
+                      "--scale-bound; labels without scale measurements keep 1 (PRAG's sum)"),
+        "side_features": dict(nargs="+", metavar="NAME", choices=SIDE_FEATURES, type=str, help="opt-in "
+                              "per-passage inputs read from the label records: " + ", ".join(SIDE_FEATURES)
+                              + " (retrieval_score only with --allow-retrieval-score: PRAG and DyPRAG keep none)"),
+        "scale_max_loss_share": dict(metavar="X", help="--kappa auto: the largest mean gain among the scales whose "
+                                     "share of questions losing more than --scale-loss-margin stays at most this "
+                                     f"(default {d.scale_max_loss_share})"),
+        "scale_loss_margin": dict(metavar="M", help="the loss that counts against a scale, in the --scale-metric's "
+                                  f"units (default {d.scale_loss_margin})"),
+        "scale_bound": dict(help="upper (default): the loss share's 95%% Wilson upper bound must "
+                            "stay under the allowed share, so the rule holds on new questions; observed: the share "
+                            "on the training questions itself"),
+        "scale_metric": dict(help="what kappa is chosen on: label (default): the label "
+                             "metric (e.g. gold answer log-lik.); f1: the F1 of the greedy answers (the labels' "
+                             "f1_at_scales, written by 'fcprag labels build --scales' with generation). The verdict "
+                             "shows the scale part in both when both are there"),
+        "per_query_scale": dict(help="do not try a per-query scale (by default, with --kappa auto and measured "
+                                "scales, a small head choosing each question's scale from the grid is measured on "
+                                "held-out folds against the best global scale, and ships only when that part is "
+                                "shown)"),
+        "keep_network": dict(help="save the learned network (default: not; its reweighting part is a first-order "
+                             "estimate from leave-one-out deltas at PRAG's sum, not a measurement: measure it with "
+                             "'fcprag study ... --controller DIR'); --recipe paper sets it"),
+        "recipe": dict(help="measured (default): what the measurements support "
+                       "(docs/results/efficacy-fresh.md): kappa chosen on the labels' measured scales by the risk "
+                       "rule, a scale-only controller (or a per-query scale when its measured part is shown), the "
+                       "network only with --keep-network; paper: the paper's setting, the learned network shipped "
+                       "at PRAG's total (kappa 1, KL objective). Options given explicitly override the recipe"),
+        "allow_retrieval_score": dict(help="allow --side-features retrieval_score (for a host that supplies "
+                                      "retrieval scores)"),
+    }
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     d = TrainArgs()
     t = sub.add_parser("train", help="train a fusion controller from a leave-one-out label file",
@@ -425,82 +464,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "all-MiniLM-L6-v2)")
     t.add_argument("--out", required=True, help="output directory (controller + training_args/metrics/log)")
     t.add_argument("--val", help="explicit validation label file (default: a group/id-based split of LABELS)")
-    t.add_argument("--epochs", type=int_at_least(1, MAX_EPOCHS), default=d.epochs,
-                   help=f"total epochs (default {d.epochs}, at most {MAX_EPOCHS}); with --resume, the total including "
-                        "the finished ones")
-    t.add_argument("--batch-size", type=positive_int, default=d.batch_size,
-                   help=f"records per optimizer step (default {d.batch_size})")
-    t.add_argument("--lr", type=finite_float, default=d.lr, help=f"AdamW learning rate (default {d.lr:g})")
-    t.add_argument("--weight-decay", type=finite_float, default=d.weight_decay,
-                   help=f"AdamW weight decay (default {d.weight_decay:g})")
-    t.add_argument("--seed", type=int, default=d.seed, help=f"seed of the split, init and shuffling ({d.seed})")
-    t.add_argument("--t-label", type=finite_float, default=DEFAULT_T_LABEL,
-                   help="temperature of the targets y = softmax(delta / T)")
-    t.add_argument("--flat-eps", type=finite_float, default=DEFAULT_FLAT_EPS,
-                   help="a sample is flat when max(delta) - min(delta) <= this")
-    t.add_argument("--flat-weight", type=finite_float, default=DEFAULT_FLAT_WEIGHT,
-                   help="sample weight of flat samples (informative samples weigh 1)")
-    t.add_argument("--val-fraction", type=finite_float, default=d.val_fraction,
-                   help="fraction of groups (else ids) held out for validation when --val is not given")
-    t.add_argument("--precision", choices=PRECISIONS, default=d.precision,
-                   help="auto (default): bf16 on CPUs with native bfloat16 (AVX512-BF16/AMX), else fp32; bf16: the "
-                        "controller's MLPs in bfloat16 with fp32 master weights")
+    for name in _TRAIN_ARGS:
+        if name in ("on_error", "cache_dir"):  # _label_options (fcprag eval has them too)
+            continue
+        default = getattr(d, name)
+        options = {"help": f"TrainArgs.{name} (default {default!r})", **({"choices": CHOICES[name]} if name in CHOICES
+                                                                          else {}), **_train_options(d).get(name, {})}
+        if isinstance(default, bool):
+            options["action"] = "store_false" if default else "store_true"
+        else:
+            options.setdefault("type", finite_float if isinstance(default, float) else type(default))
+        t.add_argument(_switch(name)[1], dest=name, default=None if name in _RECIPE_SET else default, **options)
     t.add_argument("--score-hidden", type=hidden_sizes, metavar="N[,N...]",
                    help="score net hidden sizes, e.g. 2048,1024 (default)")
     t.add_argument("--calib-hidden", type=int_at_least(1, MAX_HIDDEN), metavar="N",
                    help="calibration net hidden size (default 256)")
-    t.add_argument("--recipe", choices=list(RECIPES), default=d.recipe,
-                   help="measured (default): what the measurements support (docs/results/efficacy-fresh.md): kappa "
-                        "chosen on the labels' measured scales by the risk rule, a scale-only controller (or a "
-                        "per-query scale when its measured part is shown), the network only with --keep-network; "
-                        "paper: the paper's setting, the learned network shipped at PRAG's total (kappa 1, KL "
-                        "objective). Options given explicitly override the recipe")
-    t.add_argument("--objective", choices=OBJECTIVES, default=None,
-                   help="kl (default, the paper's): KL to softmax(delta / T_label); risk: maximise "
-                        "sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record (docs/label-format.md)")
-    t.add_argument("--risk-lambda", type=finite_float, default=None, metavar="X",
-                   help="lambda of the risk objective (default: the pooled within-record std of the deltas)")
-    t.add_argument("--cv-folds", type=int_at_least(0), default=d.cv_folds, metavar="K",
-                   help="nested grouped k-fold cross-validation: chooses the epoch count (up to --epochs; 0 = stay "
-                        "uniform) and kappa without seeing the questions it scores, and states the gain over PRAG's "
-                        "sum split into a scale part and a reweighting part, each with a 95%% CI (default "
-                        f"{d.cv_folds}; 0: off, train exactly --epochs)")
-    t.add_argument("--kappa", type=kappa_value, default=None, metavar="X|auto",
-                   help="global scale of the merge weights, w~ * kappa (default: auto; --recipe paper: 1); 'auto': "
-                        "chosen on the labels' measured scales ('fcprag labels build --scales') by the rule of "
-                        "--scale-max-loss-share / --scale-loss-margin / --scale-bound; labels without scale "
-                        "measurements keep 1 (PRAG's sum)")
-    t.add_argument("--scale-metric", choices=SCALE_METRICS, default=d.scale_metric,
-                   help="what kappa is chosen on: label (default): the label metric (e.g. gold answer log-lik.); f1: "
-                        "the F1 of the greedy answers (the labels' f1_at_scales, written by 'fcprag labels build "
-                        "--scales' with generation). The verdict shows the scale part in both when both are there")
-    t.add_argument("--scale-max-loss-share", type=finite_float, default=d.scale_max_loss_share, metavar="X",
-                   help="--kappa auto: the largest mean gain among the scales whose share of questions losing more "
-                        "than --scale-loss-margin stays at most this (default "
-                        f"{d.scale_max_loss_share})")
-    t.add_argument("--scale-loss-margin", type=finite_float, default=d.scale_loss_margin, metavar="M",
-                   help="the loss that counts against a scale, in the --scale-metric's units (default "
-                        f"{d.scale_loss_margin})")
-    t.add_argument("--scale-bound", choices=BOUNDS, default=d.scale_bound,
-                   help="upper (default): the loss share's 95%% Wilson upper bound must stay under the allowed share, "
-                        "so the rule holds on new questions; observed: the share on the training questions itself")
-    t.add_argument("--no-per-query-scale", dest="per_query_scale", action="store_false", default=None,
-                   help="do not try a per-query scale (by default, with --kappa auto and measured scales, a small head "
-                        "choosing each question's scale from the grid is measured on held-out folds against the best "
-                        "global scale, and ships only when that part is shown)")
-    t.add_argument("--keep-network", action="store_true", default=None,
-                   help="save the learned network (default: not; its reweighting part is a first-order estimate from "
-                        "leave-one-out deltas at PRAG's sum, not a measurement: measure it with 'fcprag study ... "
-                        "--controller DIR'); --recipe paper sets it")
-    t.add_argument("--side-features", nargs="+", default=[], metavar="NAME", choices=SIDE_FEATURES,
-                   help="opt-in per-passage inputs read from the label records: " + ", ".join(SIDE_FEATURES)
-                        + " (retrieval_score only with --allow-retrieval-score: PRAG and DyPRAG keep none)")
-    t.add_argument("--allow-retrieval-score", action="store_true",
-                   help="allow --side-features retrieval_score (for a host that supplies retrieval scores)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint (the last finished epoch)")
     t.add_argument("--overwrite", action="store_true", help="start over in a directory that holds a run")
-    t.add_argument("--threads", type=positive_int,
-                   help="torch CPU threads (default: torch's choice; 1 is faster for small nets on a busy machine)")
     t.add_argument("--plots", action="store_true", help="write DIR/plots/*.png (needs matplotlib)")
     t.set_defaults(func=_cmd_train, flag_names=TRAIN_FLAGS)
 

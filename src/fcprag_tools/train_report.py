@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fcprag_plugin.training import ship_name
+
 METRIC_KEYS = ("kl", "kl_nonflat", "top1", "spearman", "g_mean", "g_std", "tau_mean", "tau_std", "entropy_mean",
                "entropy_norm_mean", "gain")
 
@@ -85,12 +87,13 @@ def verdict_lines(cv: dict[str, Any]) -> list[str]:
                      f"same training folds, in {metric}): {_part(q)}; measured"
                      + (" - shown" if q["shown"] else " - NOT shown") + "; questions losing more than the margin "
                      f"against PRAG's sum: {_share(q['held_out_loss_share'])}.")
-    shipped = cv["shipped"]
-    what = {"learned": f"the learned controller (network, kappa {cv['kappa']:.4g})",
+    shipped = ship_name(cv["shipped"], cv["kappa"])  # SHIPS' words, also for a file of an older version
+    shipped = "scale_only" if shipped == "prag_sum" else shipped  # said as a scale-only controller at kappa 1
+    what = {"network": f"the learned controller (network, kappa {cv['kappa']:.4g})",
             "query_scale": "a per-query scale controller (PRAG's sum times a scale chosen per question, no weights "
                            "network)",
             "scale_only": f"a scale-only controller (PRAG's sum times {cv['kappa']:.4g}, no network)"}[shipped]
-    why = {"learned": ", because --keep-network asked for it: its reweighting part is first order, not measured; "
+    why = {"network": ", because --keep-network asked for it: its reweighting part is first order, not measured; "
                       + MEASURE_HINT,
            "query_scale": ", because its measured per-query part was shown",
            "scale_only": ": the learned network is not saved, because its reweighting part is first order, not a "

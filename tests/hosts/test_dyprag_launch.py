@@ -53,7 +53,7 @@ def _check_against(record: dict, questions: list[dict], refs: list[dict[str, tor
                                        msg=lambda s: f"question {qi} module {m}: {s}")
 
 
-@pytest.mark.parametrize("mode", ["separate", "delta"])
+@pytest.mark.parametrize("mode", ["separate", "cat"])
 @pytest.mark.parametrize("make_ctrl", [peaked_controller, mlp_controller], ids=["cosine", "mlp"])
 def test_weighted_run_matches_reference(double, tmp_path, encoder16, mode, make_ctrl):
     script, data, questions = double
@@ -112,7 +112,7 @@ def test_uniform_separate_is_dyprag_bit_for_bit(double, tmp_path):
 def test_uniform_delta_is_mean_of_updates(double, tmp_path):
     script, data, questions = double
     rec = tmp_path / "rec.pt"
-    launch_dyprag(script, ["--data", str(data), "--record", str(rec)], mode="delta")
+    launch_dyprag(script, ["--data", str(data), "--record", str(rec)], mode="cat")
     record = H.load_record(rec)
     groups = H.group_outputs(record)
     refs = [H.reference_delta(outs, [1.0 / len(outs)] * len(outs)) for outs in groups]
@@ -160,7 +160,7 @@ def test_cli_in_process(double, tmp_path):
     script, data, questions = double
     ctrl_dir = FusionController.uniform(16).save_pretrained(tmp_path / "ctrl")
     rec, log = tmp_path / "rec.pt", tmp_path / "log.jsonl"
-    rc = main(["run", "dyprag", "--controller", str(ctrl_dir), "--mode", "delta", "--log", str(log), "--",
+    rc = main(["run", "dyprag", "--controller", str(ctrl_dir), "--mode", "cat", "--log", str(log), "--",
                str(script), "--data", str(data), "--record", str(rec)])
     assert rc == 0
     record = H.load_record(rec)
@@ -176,7 +176,7 @@ def test_cli_use_slot(double, tmp_path, capsys):
 
     script, data, questions = double
     rec, log = tmp_path / "rec.pt", tmp_path / "log.jsonl"
-    rc = main(["run", "dyprag", "--use-slot", "--mode", "delta", "--log", str(log), "--", str(script),
+    rc = main(["run", "dyprag", "--use-slot", "--mode", "cat", "--log", str(log), "--", str(script),
                "--data", str(data), "--record", str(rec)])
     assert rc == 0
     record = H.load_record(rec)
@@ -221,7 +221,7 @@ def test_cli_subprocess_with_real_encoder(double, tmp_path):
 @pytest.mark.integration
 def test_a_side_feature_network_runs_with_what_dyprag_has(double, tmp_path):
     """benchmarks/efficacy/controller-kappa4-network (a network on retrieval rank + adapter statistics) under DyPRAG
-    (mode delta): no retrieval scores needed, ranks = the passage order, adapter statistics from the translator
+    (mode cat): no retrieval scores needed, ranks = the passage order, adapter statistics from the translator
     outputs; the injected updates equal the dense reference."""
     from pathlib import Path
 
@@ -232,7 +232,7 @@ def test_a_side_feature_network_runs_with_what_dyprag_has(double, tmp_path):
     shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller-kappa4-network"
     rec = tmp_path / "rec.pt"
     assert launch_dyprag(script, ["--data", str(data), "--record", str(rec)], controller=str(shipped),
-                         mode="delta") == 0
+                         mode="cat") == 0
     record = H.load_record(rec)
     groups = H.group_outputs(record)
     ctrl, enc = FusionController.from_pretrained(shipped), TextEncoder()

@@ -57,7 +57,7 @@ def test_separate_is_weighted_sum_of_factors(n, batch):
 @pytest.mark.parametrize("batch", [(), (1,)])
 def test_delta_is_exact_weighted_mean_of_updates(n, batch):
     outs, u = make_outputs(n, r=3, batch=batch), weights(n, seed=n)
-    got = dm.aggregate(outs, u, "delta")
+    got = dm.aggregate(outs, u, "cat")
     assert list(got) == list(outs[0])
     for m in modules(outs):
         a, b = got[m + ".lora_A.weight"], got[m + ".lora_B.weight"]
@@ -67,7 +67,7 @@ def test_delta_is_exact_weighted_mean_of_updates(n, batch):
     if n > 1:  # differs from DyPRAG's (mean B)(mean A): the cross terms
         mean = dyprag_mean(outs)
         m = modules(outs)[0]
-        uni = dm.aggregate(outs, [1 / n] * n, "delta")
+        uni = dm.aggregate(outs, [1 / n] * n, "cat")
         assert not torch.allclose(uni[m + ".lora_B.weight"] @ uni[m + ".lora_A.weight"],
                                   mean[m + ".lora_B.weight"] @ mean[m + ".lora_A.weight"], atol=1e-3)
 
@@ -93,18 +93,18 @@ def test_delta_needs_lora_pairs():
     outs = make_outputs(2)
     odd = [{**o, "some.bias": torch.full((3,), float(i + 1))} for i, o in enumerate(outs)]
     with pytest.raises(HookError, match="key 'some.bias'"):
-        dm.aggregate(odd, weights(2), "delta")
+        dm.aggregate(odd, weights(2), "cat")
     sep = dm.aggregate(odd, weights(2), "separate")  # separate weights any key, the bias included
     torch.testing.assert_close(sep["some.bias"], torch.full((3,), weights(2)[0] * 1 + weights(2)[1] * 2))
     half = [{k: v for k, v in o.items() if not k.endswith("layers.0.mlp.gate_proj.lora_B.weight")} for o in outs]
     with pytest.raises(HookError, match=r"module '.*layers\.0\.mlp\.gate_proj' has only"):
-        dm.aggregate(half, weights(2), "delta")
+        dm.aggregate(half, weights(2), "cat")
     bad = [dict(o) for o in outs]
     k = PFX.format(i=1, p="down_proj") + ".lora_B.weight"
     for o in bad:
         o[k] = torch.zeros(7, 4)
     with pytest.raises(HookError, match=r"layers\.1\.mlp\.down_proj.*do not form B @ A"):
-        dm.aggregate(bad, weights(2), "delta")
+        dm.aggregate(bad, weights(2), "cat")
 
 
 # ----------------------------------------------------------------------------- alignment

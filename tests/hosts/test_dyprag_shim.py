@@ -64,12 +64,14 @@ def test_uninstall_restores_exactly(host):
     assert dyprag.current() is None and not shim.active
     dyprag.uninstall()  # no-op
 
+    with dyprag.installed(mode="cat", utils=host.utils, projector=host.projector) as s:
+        assert s.mode == "cat" and host.utils.delta_inject is not orig_inject
     with dyprag.installed(mode="delta", utils=host.utils, projector=host.projector) as s:
-        assert s.mode == "delta" and host.utils.delta_inject is not orig_inject
+        assert s.mode == "cat"  # the older name of mode cat
     assert host.utils.delta_inject is orig_inject and vars(cls)["forward"] is orig_fwd
 
     dyprag.install(utils=host.utils, projector=host.projector)
-    outer = dyprag.install(mode="delta", utils=host.utils, projector=host.projector)  # replaces, never stacks
+    outer = dyprag.install(mode="cat", utils=host.utils, projector=host.projector)  # replaces, never stacks
     assert host.utils.delta_inject.__fcprag_original__ is orig_inject
     with dyprag.installed(utils=host.utils, projector=host.projector) as inner:  # restores the outer one after
         assert dyprag.current() is inner and host.utils.delta_inject.__fcprag_original__ is orig_inject
@@ -100,7 +102,7 @@ def test_name_imported_before_install_is_patched_too(host, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the merge on a live model
-@pytest.mark.parametrize("mode", ["separate", "delta"])
+@pytest.mark.parametrize("mode", ["separate", "cat"])
 def test_reweights_a_live_model(host, encoder16, tmp_path, mode):
     ctrl = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16)
     log = tmp_path / "log.jsonl"
@@ -129,7 +131,7 @@ def test_adapter_stats_come_from_the_translator_outputs(host, encoder16):
 
     ctrl = FusionController(ControllerConfig(embed_dim=16, score_hidden=[8], calib_hidden=8, init="random", seed=4,
                                              side_features=["retrieval_rank", "adapter_stats"])).eval()
-    with dyprag.install(ctrl, encoder16, "delta", utils=host.utils, projector=host.projector) as shim:
+    with dyprag.install(ctrl, encoder16, "cat", utils=host.utils, projector=host.projector) as shim:
         outs, _ = dyprag_question(host, QUESTION, TEXTS)
         got = list(shim.last_record["merge_weights"])
     prefix = "base_model.model."
@@ -203,7 +205,7 @@ def test_missing_context_is_an_error_and_clears_the_capture(host, encoder16):
 def test_explicit_context_wins_and_is_used_once(host, encoder16, tmp_path):
     ctrl = FusionController.fixed(g=0.9, tau=0.05, embed_dim=16)
     log = tmp_path / "log.jsonl"
-    with dyprag.install(ctrl, encoder16, "delta", log, utils=host.utils, projector=host.projector):
+    with dyprag.install(ctrl, encoder16, "cat", log, utils=host.utils, projector=host.projector):
         set_context(QUESTION, TEXTS[:2])
         outs = anonymous_question(host, 2)
         assert explicit_context() is None
@@ -254,7 +256,7 @@ def test_translator_error_clears_the_capture(host):
 
 # ----------------------------------------------------------------------------- bad inputs
 def test_bad_mode(host):
-    with pytest.raises(HookError, match=r"mode 'svd' is not one of \['separate', 'delta'\]"):
+    with pytest.raises(HookError, match=r"mode 'svd' is not one of \['separate', 'cat'\]"):
         dyprag.install(mode="svd", utils=host.utils, projector=host.projector)
     assert dyprag.current() is None
 

@@ -87,19 +87,23 @@ def test_bad_record_names_file_record_and_key(tmp_path, record, key):
 
 
 def test_bad_json_names_file_and_line(tmp_path):
+    """One reader (fileio.read_records) whatever the suffix: '[' first is a JSON array, else JSON Lines."""
     f = tmp_path / "dev.json"
     f.write_text("{not json")
-    with pytest.raises(HookError, match="dev.json: not valid JSON"):
+    with pytest.raises(HookError, match="dev.json:1: not valid JSON"):
         PragDataFile(f).context([parse_adapter_path(_path(tmp_path, 0, 0))])
     g = tmp_path / "d2" / "dev.jsonl"
     g.parent.mkdir()
     g.write_text(json.dumps(RECORDS[0]) + "\n{oops\n")
-    with pytest.raises(HookError, match="dev.jsonl: line 2 is not valid JSON"):
+    with pytest.raises(HookError, match="dev.jsonl:2: not valid JSON"):
         PragDataFile(g).context([parse_adapter_path(_path(tmp_path, 0, 0))])
     h = tmp_path / "d3" / "dev.json"
     h.parent.mkdir()
-    h.write_text(json.dumps({"question": "q"}))
-    with pytest.raises(HookError, match="expected a JSON list of records"):
+    h.write_text("[\n" + json.dumps(RECORDS[0]) + ",\n{oops}\n]")
+    with pytest.raises(HookError, match="dev.json:3: not valid JSON"):
+        PragDataFile(h).context([parse_adapter_path(_path(tmp_path, 0, 0))])
+    h.write_text(json.dumps({"question": "q"}))  # one object: a JSON Lines file of one record, which lacks passages
+    with pytest.raises(HookError, match=r"dev.json: record 0: key 'passages' must be a list of strings"):
         PragDataFile(h).context([parse_adapter_path(_path(tmp_path, 0, 0))])
 
 

@@ -276,7 +276,7 @@ def test_prag_slot_bad_options():
 
 
 # ============================================================================= DyPRAG
-@pytest.mark.parametrize("mode", ["separate", "delta"])
+@pytest.mark.parametrize("mode", ["separate", "cat"])
 @pytest.mark.parametrize("ctrl", ["fixed", "none"])
 @pytest.mark.parametrize("on_weights", [False, True], ids=["hooks", "fused_weights"])
 def test_dyprag_slot_equals_default_path_and_reference(double, tmp_path, encoder16, mode, ctrl, monkeypatch,
@@ -340,7 +340,7 @@ def _strict_delta_remove(model, adapter_weights):
         delattr(obj, "delta")
 
 
-@pytest.mark.parametrize("mode", ["separate", "delta"])
+@pytest.mark.parametrize("mode", ["separate", "cat"])
 def test_dyprag_slot_on_a_live_model(host, encoder16, mode, monkeypatch):
     monkeypatch.setattr(host.utils, "delta_remove", _strict_delta_remove)
     ids = host.tokenizer(QUESTION).input_ids

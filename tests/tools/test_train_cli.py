@@ -149,7 +149,7 @@ def test_recipe_paper_is_the_papers_setting_one_flag_away(labelled, capsys):
     capsys.readouterr()
     cfg = json.loads((tmp / "paper" / "config.json").read_text())
     args = json.loads((tmp / "paper" / "training_args.json").read_text())
-    assert cfg["controller_mode"] == "learned" and cfg["kappa"] == 1.0 and cfg["cv"]["shipped"] == "learned"
+    assert cfg["controller_mode"] == "learned" and cfg["kappa"] == 1.0 and cfg["cv"]["shipped"] == "network"
     assert (args["recipe"], args["kappa"], args["keep_network"], args["objective"]) == ("paper", 1.0, True, "kl")
     a, b = _weights(tmp / "paper"), _weights(tmp / "spelled")
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)

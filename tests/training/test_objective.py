@@ -41,7 +41,7 @@ def test_a_new_learned_controller_is_exactly_prags_merge():
             ref = torch.ones(6, 5) if m is None else m.float()
             assert torch.equal(out.merge_weights, ref)  # exactly, not approximately
     # with a per-query scale head too (c = 2 sigmoid(0) = 1 exactly)
-    qs = FusionController(embed_dim=16, score_hidden=[8], calib_hidden=8, seed=4, init="uniform", query_scale=True)
+    qs = FusionController(embed_dim=16, score_hidden=[8], calib_hidden=8, seed=4, init="uniform", calib_scale=True)
     out = qs(e_q, E_p, mask)
     assert torch.equal(out.merge_weights, mask.float()) and torch.equal(out.scale, torch.ones(6))
     # the constructor's default keeps PyTorch's initialisation, as before
@@ -136,7 +136,7 @@ def test_planted_signal_is_proven_and_the_verdict_is_everywhere(tmp_path, object
     cv = res.metrics["cv"]
     assert cv["folds"] == 3 and cv["n_groups"] == 80 and cv["objective"] == objective  # 20 groups validate
     assert cv["verdict"] == "better_than_uniform" and cv["ci95"][0] > 0 and cv["selected_epochs"] >= 1
-    assert cv["reweighting"]["shown"] and cv["shipped"] == "learned" and cv["gain"] == cv["reweighting"]["gain"]
+    assert cv["reweighting"]["shown"] and cv["shipped"] == "network" and cv["gain"] == cv["reweighting"]["gain"]
     assert cv["curve"][0] == 0.0 and len(cv["curve"]) == 7 and cv["selected_epochs"] == max(
         range(7), key=lambda e: (cv["curve"][e], -e))
     assert res.metrics["epochs"] == cv["selected_epochs"]
@@ -159,7 +159,7 @@ def test_pure_noise_is_unproven_and_warns_once(tmp_path, caplog):
     recs, table = synthetic_records(240, 3, 16, kind="noise", noise=0.05, seed=3, groups=80)
     res = run(recs, table, tmp_path / "run", objective="risk")
     cv = res.metrics["cv"]
-    assert cv["verdict"] == "unproven" and cv["ci95"][0] <= 0 and cv["shipped"] == "scale_only"
+    assert cv["verdict"] == "unproven" and cv["ci95"][0] <= 0 and cv["shipped"] == "prag_sum"
     assert "NOT shown" in train_table(res.metrics)
     c = FusionController.from_pretrained(tmp_path / "run")
     assert c.config.cv["verdict"] == "unproven" and c.config.controller_mode == "uniform"
@@ -180,7 +180,7 @@ def test_selected_zero_epochs_keeps_uniform_weights(tmp_path, monkeypatch):
     real = trainer_mod.select
 
     def nothing_helps(*a, **k):  # the real CV, its selection forced to "no epoch beat uniform"
-        return {**real(*a, **k), "selected_epochs": 0, "shipped": "learned", "kappa": 1.0}
+        return {**real(*a, **k), "selected_epochs": 0, "shipped": "network", "kappa": 1.0}
 
     monkeypatch.setattr(trainer_mod, "select", nothing_helps)
     recs, table = synthetic_records(60, 3, 16, seed=4, groups=20)
@@ -197,7 +197,7 @@ def test_the_final_controller_is_the_plain_run_of_the_selected_length(tmp_path):
     kw = dict(name="syn8", epochs=3, controller={"score_hidden": [16], "calib_hidden": 8}, keep_network=True)
     cv = run(recs, table, tmp_path / "cv", **kw)
     e = cv.metrics["cv"]["selected_epochs"]
-    assert e >= 1 and cv.metrics["cv"]["shipped"] == "learned"  # the planted signal is found
+    assert e >= 1 and cv.metrics["cv"]["shipped"] == "network"  # the planted signal is found
     plain = run(recs, table, tmp_path / "plain", **{**kw, "epochs": e, "cv_folds": 0})
     a, b = cv.controller.state_dict(), plain.controller.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -221,7 +221,7 @@ def test_argument_errors(tmp_path):
 
     for kw, msg in ((dict(objective="mse"), "'objective' is 'mse'"), (dict(cv_folds=1), "'cv_folds' is 1"),
                     (dict(risk_lambda=-1.0), "'risk_lambda' is -1.0"), (dict(kappa=0), "'kappa' is 0"),
-                    (dict(controller={"query_scale": True}), "needs objective 'risk'")):
+                    (dict(controller={"calib_scale": True}), "needs objective 'risk'")):
         with pytest.raises(FcpragError, match=msg):
             run(recs, table, tmp_path / "r", name="syn8", **kw)
 

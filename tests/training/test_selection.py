@@ -99,7 +99,7 @@ def test_noise_labels_are_not_shown_at_more_than_the_nominal_rate(tmp_path):
                       cv["query_scale"]["shown"], cv["shipped"]))
     assert sum(v[0] for v in shown) <= 1, shown
     assert all(sum(v[k] for v in shown) <= 1 for k in (1, 2, 3)), shown
-    assert sum(v[4] != "scale_only" for v in shown) <= 1, shown
+    assert sum(v[4] not in ("prag_sum", "scale_only") for v in shown) <= 1, shown
 
 
 def _two_kinds_of_questions(recs, table, grid, seed):
@@ -209,18 +209,18 @@ def test_planted_passage_specific_labels(tmp_path):
     res = train(tmp_path, "planted", 1, kappa=1.0)
     cv = res.metrics["cv"]
     assert cv["reweighting"]["shown"] and cv["reweighting"]["ci95"][0] > 0 and cv["reweighting"]["first_order"]
-    assert not cv["reweighting"]["measured"] and cv["shipped"] == "scale_only"
+    assert not cv["reweighting"]["measured"] and cv["shipped"] == "prag_sum"  # scale-only at kappa 1
     text = train_table(res.metrics)
     assert "FIRST ORDER" in text and "fcprag study" in text
     assert FusionController.from_pretrained(res.out).config.controller_mode == "uniform"
     res = train(tmp_path, "planted", 1, kappa=1.0, keep_network=True, overwrite=True)
     cv = res.metrics["cv"]
-    assert cv["reweighting"]["shown"] and cv["shipped"] == "learned"
+    assert cv["reweighting"]["shown"] and cv["shipped"] == "network"
     assert cv["scale"]["gain"] == 0.0 and not cv["scale"]["shown"]  # kappa 1: no scale part at all
     assert cv["verdict"] == "better_than_uniform" and cv["gain"] == pytest.approx(cv["reweighting"]["gain"])
     assert len(cv["fold_epochs"]) == cv["folds"] and cv["curve"][0] == 0.0  # epoch 0 is uniform weights
     saved = json.loads((res.out / "config.json").read_text())["cv"]
-    assert saved["reweighting"]["ci95"] == cv["reweighting"]["ci95"] and saved["shipped"] == "learned"
+    assert saved["reweighting"]["ci95"] == cv["reweighting"]["ci95"] and saved["shipped"] == "network"
     assert saved["reweighting"]["first_order"] and "because --keep-network asked for it" in train_table(res.metrics)
 
 
@@ -242,7 +242,7 @@ def test_without_scale_measurements_kappa_stays_1_and_the_grid_edge_is_flagged(t
 def test_keep_network_ships_the_learned_controller_and_warns(tmp_path):
     res = train(tmp_path, "noise", 3, keep_network=True, kappa=1.0)
     cv = res.metrics["cv"]
-    assert cv["shipped"] == "learned" and not cv["reweighting"]["shown"] and cv["verdict"] == "unproven"
+    assert cv["shipped"] == "network" and not cv["reweighting"]["shown"] and cv["verdict"] == "unproven"
     saved = FusionController.from_pretrained(res.out)
     assert saved.config.controller_mode == "learned"
     with pytest.warns(UserWarning, match="NOT shown to beat PRAG's sum"):

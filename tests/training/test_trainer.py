@@ -59,7 +59,7 @@ def test_planted_signal_beats_uniform_and_random_and_finds_the_best_passage(plan
 
 
 def test_pure_noise_gives_no_confident_weights(planted, noise):
-    assert not noise.metrics["cv"]["reweighting"]["shown"] and noise.metrics["cv"]["shipped"] == "learned"
+    assert not noise.metrics["cv"]["reweighting"]["shown"] and noise.metrics["cv"]["shipped"] == "network"
     p, n = planted[0].metrics["val"]["learned"], noise.metrics["val"]
     assert n["learned"]["g_mean"] < p["g_mean"] - 0.1, (n["learned"]["g_mean"], p["g_mean"])
     assert n["learned"]["entropy_norm_mean"] > 0.95  # close to uniform weights

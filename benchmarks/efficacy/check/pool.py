@@ -6,7 +6,8 @@ questions, the remake's 60 and this check's 140, each question's deltas from the
 
 ``extract`` keeps, per held-out question, the ``prag_sum`` row and the row the controller's weights equal
 (``scale:2``: its ``w~`` is ``[2.0] * N``, checked), and checks that their means reproduce each run's
-``summary.json`` (``prag_sum`` and ``recommended``).
+``summary.json`` (``prag_sum`` and ``recommended``). The rows of one run are resampled as ``fcprag study`` resamples
+them (seeded by the metric), so their CIs are the ones in that run's ``summary.json``.
 """
 
 from __future__ import annotations
@@ -53,13 +54,14 @@ def report() -> dict:
     parts = {"pooled": lambda r: True, "remake (60)": lambda r: r["run"] == "remake",
              "check (140)": lambda r: r["run"] == "check", "hotpotqa": lambda r: r["dataset"] == "hotpotqa",
              "2wiki": lambda r: r["dataset"] == "2wiki"}
+    runs = ("remake (60)", "check (140)")  # seeded as fcprag study seeds them: the CIs of each run's summary.json
     for name, keep in parts.items():
         sel = [r for r in rows if keep(r)]
         if not sel:
             continue
         res[name] = {"n": len(sel)}
         for m in METRICS:
-            d, ci = paired([r[f"{m}_rec"] - r[f"{m}_sum"] for r in sel], f"check:{name}:{m}")
+            d, ci = paired([r[f"{m}_rec"] - r[f"{m}_sum"] for r in sel], m if name in runs else f"check:{name}:{m}")
             res[name][m] = {"delta": d, "ci95": ci}
         res[name]["share_losing_0.1_logprob"] = sum(r["logprob_rec"] - r["logprob_sum"] < -0.1 for r in sel) / len(sel)
     p = res["pooled"]

@@ -1,8 +1,8 @@
 """The math of the DyPRAG shim: check that captured translator outputs (dicts of ``...{module}.lora_A.weight``
 ``[..., r, in]`` / ``...lora_B.weight`` ``[..., out, r]``; DyPRAG's ``delta = lora_B @ lora_A``, no scaling) line up
-with DyPRAG's average, then re-aggregate them with per-passage weights ``u`` ``[N]``: ``separate``: ``A* = sum_i u_i
-A_i``, ``B* = sum_i u_i B_i``; ``delta``: ``A = cat_i(u_i A_i)``, ``B = cat_i(B_i)``, so ``B A = sum_i u_i B_i A_i``
-exactly. Results keep the dtypes, devices and keys of DyPRAG's dict."""
+with DyPRAG's average, then re-aggregate them with per-passage weights ``u`` ``[N]`` by the merge modes' math:
+``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i``; ``cat`` (formerly ``delta``): ``A = cat_i(u_i A_i)``,
+``B = cat_i(B_i)``, so ``B A = sum_i u_i B_i A_i`` exactly. Results keep DyPRAG's dtypes, devices and keys."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..merge import factors
 
 A_SUFFIX = ".lora_A.weight"
 B_SUFFIX = ".lora_B.weight"
-DYPRAG_MODES = ("separate", "delta")
+DYPRAG_MODES = ("separate", "cat")  # merge modes, on DyPRAG's weights u = w~/N
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, scale: float) -> tuple[bool, float]:
@@ -73,7 +73,7 @@ def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passage
                             f"The capture is out of step with DyPRAG's merge; refusing to merge")
 
 
-def lora_pairs(keys: Sequence[str], need: str = "mode 'delta'",
+def lora_pairs(keys: Sequence[str], need: str = "mode 'cat'",
                hint: str = "use mode 'separate' for other keys", params: Sequence[tuple[str, Any]] = ()
                ) -> dict[str, tuple[str, str]]:
     """``{module: (A key, B key)}``; every key must be one half of a complete pair (``need`` / ``hint`` word the
@@ -123,7 +123,7 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
 def aggregate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | Sequence[float], mode: str
               ) -> dict[str, torch.Tensor]:
     """The ``outputs`` re-aggregated with weights ``u`` ``[N]`` (module docstring), keys in DyPRAG's order
-    (``delta``: ``A`` ``[..., N r, in]``, ``B`` ``[..., out, N r]``)."""
+    (``cat``: ``A`` ``[..., N r, in]``, ``B`` ``[..., out, N r]``)."""
     if mode not in DYPRAG_MODES:
         raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(DYPRAG_MODES)}")
     w = [float(x) for x in (u.tolist() if isinstance(u, torch.Tensor) else u)]

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import HookError
-from ..fileio import parse_json_lines, split_lines
+from ..fileio import read_records
 
 _DATA_RE = re.compile(r"^data_(\d+)$")
 _PASSAGE_RE = re.compile(r"^passage_(\d+)$")
@@ -26,11 +25,24 @@ class PragAdapterPath:
     pid: int
 
 
+def adapter_dir(root: str | Path, test_id: int, pid: int) -> Path:
+    """PRAG's adapter directory of passage ``pid`` of record ``test_id``: ``{root}/data_{test_id}/passage_{pid}``."""
+    return Path(root) / f"data_{test_id}" / f"passage_{pid}"
+
+
 def parse_adapter_path(path: str | Path | None) -> PragAdapterPath | None:
-    """``PragAdapterPath`` when ``path`` follows PRAG's layout, else None."""
+    """``PragAdapterPath`` when ``path`` follows PRAG's layout (:func:`adapter_dir` under a group folder), else None."""
     parts = Path(str(path).rstrip("/\\")).parts if path is not None else ()
     p, d = (_PASSAGE_RE.match(parts[-1]), _DATA_RE.match(parts[-2])) if len(parts) >= 3 else (None, None)
     return None if p is None or d is None else PragAdapterPath(str(path), parts[-3], int(d.group(1)), int(p.group(1)))
+
+
+def pick_passages(parsed: Sequence[PragAdapterPath], passages: Sequence[str], where: str) -> list[str]:
+    """One passage per adapter, by the ``passage_{pid}`` of its path (``where``: what holds ``passages``)."""
+    for p in parsed:
+        if p.pid >= len(passages):
+            raise HookError(f"adapter {p.path}: passage {p.pid} does not exist, {where} has {len(passages)} passages")
+    return [passages[p.pid] for p in parsed]
 
 
 def common_test_id(paths: Sequence[PragAdapterPath | None]) -> int | None:
@@ -70,7 +82,7 @@ class PragDataFile:
                 raise HookError(f"the adapters being merged come from different questions: {first.path} and {p.path}")
         file = self.file_for(first.group, first.path)
         if file not in self._cache:
-            self._cache[file] = _read_records(file)
+            self._cache[file] = [r for _, r in read_records(file, HookError)]
         recs = self._cache[file]
         if first.test_id >= len(recs):
             raise HookError(f"adapter {first.path}: test_id {first.test_id} is out of range for {file} "
@@ -84,27 +96,5 @@ class PragDataFile:
             raise HookError(f"{where}: key 'question' must be a string, got {question!r:.80}")
         if not isinstance(passages, list) or not all(isinstance(t, str) for t in passages):
             raise HookError(f"{where}: key 'passages' must be a list of strings")
-        for p in parsed:
-            if p.pid >= len(passages):
-                raise HookError(f"adapter {p.path}: passage {p.pid} does not exist, {where} has "
-                                f"{len(passages)} passages")
-        return {"question": question, "passages": [passages[p.pid] for p in parsed], "test_id": first.test_id,
+        return {"question": question, "passages": pick_passages(parsed, passages, where), "test_id": first.test_id,
                 "data_file": str(file)}
-
-
-def _read_records(file: Path) -> list[Any]:
-    text = file.read_text(encoding="utf-8")
-    if file.suffix == ".jsonl":
-        out = []
-        for i, _, value, e in parse_json_lines(split_lines(text)):
-            if e is not None:
-                raise HookError(f"{file}: line {i} is not valid JSON ({e})") from e
-            out.append(value)
-        return out
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise HookError(f"{file}: not valid JSON ({e})") from e
-    if not isinstance(data, list):
-        raise HookError(f"{file}: expected a JSON list of records (PRAG's augmented data), got {type(data).__name__}")
-    return data

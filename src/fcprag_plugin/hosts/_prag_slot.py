@@ -68,8 +68,7 @@ class SlotPeftModel:
                 raise HookError(f"adapter '{n}' loaded from {self._paths[n]}: every lora_B weight is zero, so it "
                                 "would change nothing (weights not loaded, or the adapter was saved before training)")
         shim = self._shim
-        ctx, fw = shim.question_weights(merge_name, names, paths,
-                                        [p.to_lora() for p in packed] if shim.weigher.needs_adapters else None)
+        ctx, fw = shim.question_weights(merge_name, names, paths, lambda: [p.to_lora() for p in packed])
         self._merges[merge_name] = (packed, paths[0], fw.merge_weights, shim.mode)  # written at set_adapter
         shim.log_merge(ctx, fw, names, paths, merge_name, {"weights": weights, "combination_type": combination_type},
                        t0, slot_info=f"FusedSlot merge of {len(names)} adapters ({shim.mode}), written at set_adapter")

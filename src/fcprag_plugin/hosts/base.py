@@ -13,13 +13,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 from torch import nn
 
-from ..controller import FusionController, load_controller, query_weights
+from ..controller import FusionController, load_controller
+from ..encoding import get_encoder
 from ..errors import BARE, HookError, kw
 from ..fusion import check_texts, switch_on
 from ..slot.layout import FactorGetter, PackedAdapter, pack_factors
 from ..slot.fused import FusedSlot
 from ..fileio import finite_or_none
-from ..weights import FusionWeights, is_uniform, side_inputs
+from ..weights import FusionWeights, is_uniform, weigh
 
 logger = logging.getLogger(__name__)
 
@@ -66,46 +67,29 @@ def wrapping(fn: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[
 
 
 class WeightProvider:
-    """Controller + encoder -> the merge weights of one question (:meth:`weights`); no controller or a ``uniform``
-    one: ``w~ = [kappa]*N``. ``encoder``: a :class:`TextEncoder`, a model name/path, or None (the controller's)."""
+    """Controller + encoder -> one question's merge weights (:meth:`weights`; no controller or a ``uniform`` one: ``w~ =
+    [kappa]*N``). ``encoder``: a TextEncoder, a model name/path (loaded on first need) or None (the controller's)."""
 
     def __init__(self, controller: FusionController | str | Path | None = None, encoder: Any = None) -> None:
         self.controller = load_controller(controller)
-        # A name/path is loaded lazily, and only when the weights need an encoder (not for uniform merges).
         self._encoder_name = str(encoder) if isinstance(encoder, (str, Path)) else None
         self._encoder = None if self._encoder_name is not None else encoder
-        self._recipe_checked = False
 
     @property
     def encoder(self) -> Any:
         if self._encoder is None and not is_uniform(self.controller):
-            from ..encoding import get_encoder
-
             # shared per process: the controller's own encoder unless a model was named
             self._encoder = get_encoder(self._encoder_name) if self._encoder_name else self.controller.encoder
         if self._encoder is not None and self.controller is not None:
             self.controller.check_encoder(self._encoder)
         return self._encoder
 
-    @property
-    def needs_adapters(self) -> bool:
-        """Whether :meth:`weights` reads the adapters (a controller trained with adapter statistics)."""
-        return "adapter_stats" in side_inputs(self.controller) or (
-            self.controller is not None and bool(self.controller.config.trained_for) and not self._recipe_checked)
-
     def weights(self, question: str, passages: Sequence[str], adapters: Any = None) -> FusionWeights:
-        """The :class:`~fcprag_plugin.weights.FusionWeights` of one question: ``retrieval_rank`` is the position
-        (passages come in retrieval order), no retrieval scores; ``adapters`` (read only when :attr:`needs_adapters`)
-        give ``adapter_stats`` and, on the first call, are checked against the controller's recipe."""
+        """The weights of one question (:func:`~fcprag_plugin.weights.weigh`): ``retrieval_rank`` is the position
+        (passages come in retrieval order), no retrieval scores; ``adapters``: a callable, read when needed."""
         check_texts(question, passages)
-        trained_for = self.controller is not None and self.controller.config.trained_for
-        if adapters is not None and trained_for and not self._recipe_checked:
-            self._recipe_checked = True  # the first merge's adapters: the recipe of a host's run
-            adapters = list(adapters() if callable(adapters) else adapters)  # read once, also for the statistics
-            self.controller.check_adapters(adapters)
-        side = side_inputs(self.controller, adapters=adapters,
-                           retrieval_ranks=[float(i + 1) for i in range(len(passages))])
-        return query_weights(self.controller, question, passages, self.encoder, side)
+        return weigh(self.controller, question, passages, encoder=self.encoder, adapters=adapters,
+                     retrieval_ranks=[float(i + 1) for i in range(len(passages))])
 
 
 def check_max_adapters(max_adapters: Any, use_slot: bool, who: str) -> int | None:

@@ -43,6 +43,7 @@ class DyPragShim(Shim):
                  log: str | Path | None = None, *, utils: ModuleType | str | None = None,
                  projector: ModuleType | str | None = None, use_slot: bool = False,
                  max_adapters: int | None = None) -> None:
+        mode = "cat" if mode == "delta" else mode  # its older name
         if mode not in MODES:
             raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
         check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
@@ -94,13 +95,13 @@ class DyPragShim(Shim):
 
     def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
         """``use_slot``: :meth:`reaggregate`'s checks and weights, the update written into the model's fused slot
-        (``separate``: slot mode ``separate`` with ``w~``; ``delta``: mode ``cat`` with ``u``) and switched on."""
+        (``separate``: slot mode ``separate`` with ``w~``, which divides by N; ``cat``: with ``u``), switched on."""
         outs, ctx, fw, u, times = self._weigh(merged)
         factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
         getters = [lambda m, f=f: (*f[m], 1.0) for f in factors]  # DyPRAG's delta is B @ A: scaling 1
         sources = [f"ParameterTranslator output {i}" for i in range(len(outs))]
-        # separate: A = sum u_i A_i, B = sum u_i B_i (the slot divides w~ by N); delta: sum u_i B_i A_i
+        # separate: A = sum u_i A_i, B = sum u_i B_i (the slot divides w~ by N); cat: sum u_i B_i A_i
         weights, mode = (fw.merge_weights, "separate") if self.mode == "separate" else (u, "cat")
         slot = self.slots.write(model, list(factors[0]), rank, getters, sources, weights, mode)
         self._record(merged, ctx, fw, u, times, slot=repr(slot))
@@ -114,8 +115,7 @@ class DyPragShim(Shim):
         q_text, p_texts = ctx["question"], ctx["passages"]
         dm.check_alignment(outs, merged, len(p_texts), q_text)
         t0 = time.perf_counter()
-        adapters = [_translator_adapter(o, i) for i, o in enumerate(outs)] if self.weigher.needs_adapters else None
-        fw = self.weigher.weights(q_text, p_texts, adapters=adapters)
+        fw = self.weigher.weights(q_text, p_texts, lambda: [_translator_adapter(o, i) for i, o in enumerate(outs)])
         t1 = time.perf_counter()
         return outs, ctx, fw, [w / fw.n for w in fw.merge_weights], (t0, t1)
 
@@ -237,7 +237,8 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
     ``from utils import delta_inject``; installing again replaces the shim); returns the shim (a context manager).
     ``controller``: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (DyPRAG's own
     average); ``encoder``: default the controller's; ``mode``: ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i
-    B_i``) or ``delta`` (exact ``sum u_i B_i A_i``); ``log``: JSON Lines, one record per question; ``utils``,
+    B_i``) or ``cat`` (exact ``sum u_i B_i A_i``; formerly ``delta``): the merge modes on DyPRAG's weights ``u =
+    w~/N`` (DyPRAG averages where PRAG sums); ``log``: JSON Lines, one record per question; ``utils``,
     ``projector``: the host modules or import names; ``use_slot``: a fused slot instead of DyPRAG's dense ``delta``
     (``max_adapters``: its fixed capacity, ``None``: grows)."""
     return _LIFE.install(DyPragShim(controller, encoder, mode, log, utils=utils, projector=projector,

@@ -25,7 +25,7 @@ from ..slot import AdapterStore
 from ..slot.fused import SLOT_MODES
 from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
-from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path
+from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path, pick_passages
 from ..weights import FusionWeights
 from .base import Lifecycle, Shim, WeightProvider, wrapping
 from .context import caller_test_id, clear_context, get_context
@@ -96,8 +96,7 @@ class PragShim(Shim):
         if self.use_slot:
             self.warn_once("peft_layers", "fcprag prag (use_slot): adapters %s are PEFT modules (loaded before the "
                            "shim was installed, or trainable): PEFT merges them, not the fused slot", names)
-        ctx, fw = self.question_weights(merge_name, names, paths,
-                                        live_adapters(tuner, names) if self.weigher.needs_adapters else None)
+        ctx, fw = self.question_weights(merge_name, names, paths, lambda: live_adapters(tuner, names))
         if self.mode == "cat":  # PEFT's own cat merge with w~: exactly PRAG's merge when w~ = 1
             args["weights"], args["combination_type"] = list(fw.merge_weights), "cat"
             result = original(*bound.args, **bound.kwargs)
@@ -108,9 +107,9 @@ class PragShim(Shim):
         return result
 
     def question_weights(self, merge_name: str, names: list[str], paths: list[str | None],
-                         adapters: list[LoraAdapter] | None) -> tuple[dict[str, Any], FusionWeights]:
+                         adapters: Callable[[], list[LoraAdapter]]) -> tuple[dict[str, Any], FusionWeights]:
         """The context and weights of merge ``merge_name`` of adapters ``names`` loaded from ``paths``
-        (``adapters``: their factors, for adapter statistics)."""
+        (``adapters``: their factors, read when the controller needs them)."""
         if not names:
             raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); load at least one "
                             "passage adapter first")
@@ -187,11 +186,7 @@ def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[Prag
     paths have one, else by position."""
     passages = list(passages)
     if parsed and all(p is not None for p in parsed):
-        for p in parsed:
-            if p.pid >= len(passages):
-                raise HookError(f"adapter {p.path} is passage {p.pid} but the {source} context has only "
-                                f"{len(passages)} passages")
-        return [passages[p.pid] for p in parsed]
+        return pick_passages(parsed, passages, f"the {source} context")  # type: ignore[arg-type]
     if len(passages) != len(shown):
         raise HookError(f"merging {len(shown)} adapters {shown} but the {source} context has {len(passages)} "
                         "passages; they must pair up in order")

@@ -1,13 +1,39 @@
-"""Merge registry, input validation and the ``WeightedAdapterMerger`` front end."""
+"""Merge registry, input validation (:func:`check_weights`, the one check of ``w~`` every merge applies) and the
+``WeightedAdapterMerger`` front end."""
 
 from __future__ import annotations
 
+import math
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
 from ..adapter import LoraAdapter
 from ..errors import MergeError
-from ..weights import check_weights
+
+
+def check_weights(weights: Any, n: int) -> tuple[float, ...]:
+    """Validated merge weights ``w~``: finite, 1-D, one per adapter (``n >= 1``), as a tuple of float32-rounded
+    Python floats; ``None`` is ``[1] * n``. Lists and tuples skip tensor ops (the hot path); tensors work too."""
+    if n == 0:
+        raise MergeError("no adapters to merge (N == 0)")
+    if weights is None:
+        return (1.0,) * n
+    try:  # rounds to float32 like torch does
+        vals = array("f", [float(v) for v in weights]).tolist() if isinstance(weights, (list, tuple)) else None
+    except (TypeError, ValueError, OverflowError):
+        vals = None
+    if vals is None or len(vals) != n:
+        w = torch.as_tensor(weights, dtype=torch.float32).detach().cpu()
+        if w.ndim != 1 or w.shape[0] != n:
+            raise MergeError(f"merge weights have shape {list(w.shape)}, expected [{n}] (one per adapter)")
+        vals = w.tolist()
+    if not all(map(math.isfinite, vals)):
+        raise MergeError(f"merge weights must be finite, got {vals}")
+    return tuple(vals)
+
 
 MergeFn = Callable[..., "MergeResult"]
 MERGE_MODES: dict[str, MergeFn] = {}

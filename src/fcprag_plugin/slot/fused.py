@@ -25,8 +25,8 @@ from torch import nn
 from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
 from ..errors import MergeError
 from ..merge import factors
-from ..weights import check_weights
-from .fused_weights import FusedWeights
+from ..merge.core import check_weights
+from .fused_weights import WeightSwap
 from .store import AdapterStore
 from .layout import Layout, PackedAdapter, PackedGroup, check_layouts, layout_from_shapes, layout_of, pack_adapter
 
@@ -215,7 +215,7 @@ class FusedSlot:
         self._modules = [[resolve_module(table, n, (g.out_features, g.in_features)) for n in g.names]
                          for g in self.layout.groups]
         self._allocate(buffers_from)
-        self._weights = FusedWeights([self._modules[s.group][l] for s in self._segments for l in range(s.l0, s.l1)])
+        self._weights = WeightSwap([self._modules[s.group][l] for s in self._segments for l in range(s.l0, s.l1)])
         self._hooks = [(mod, _make_hook(entry, self._state))
                        for gi, mods in enumerate(self._modules) for entry, mod in zip(self._entries[gi], mods)]
         self._pre_handle: Any = None

@@ -41,8 +41,8 @@ def ineligible(modules: Sequence[nn.Module]) -> str | None:
     return None
 
 
-class FusedWeights:
-    """The fused-weight buffers of a slot's target ``modules`` and the swap."""
+class WeightSwap:
+    """The swap of a slot's target ``modules``' ``weight`` parameters for fused copies (base weight plus update)."""
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self.modules = list(modules)

@@ -1,11 +1,14 @@
-"""Train a :class:`~fcprag_plugin.controller.FusionController` from leave-one-out label files (``trainer``)."""
+"""Train a ``FusionController`` from leave-one-out label files (``trainer``); what the tooling uses is exported here."""
 
 from __future__ import annotations
 
-from .labels import LabelRecord, LabelSet, load_labels
-from .evaluation import evaluate
-from .targets import make_targets, weighted_kl
-from .trainer import TrainArgs, Trainer, TrainResult, train_controller
-
-__all__ = ["train_controller", "Trainer", "TrainArgs", "TrainResult", "LabelRecord", "LabelSet", "load_labels",
-           "make_targets", "weighted_kl", "evaluate"]
+from ..controller_config import SHIPS, ship_name  # noqa: F401
+from .checkpoint import CHECKPOINT_DIR, read_checkpoint_state  # noqa: F401
+from .data import LabelTensors, build_tensors  # noqa: F401
+from .evaluation import collect_outputs, entropy, evaluate, metrics_from_outputs  # noqa: F401
+from .labels import KNOWN_SPLITS, ON_ERROR, OPTIONAL, LabelRecord, LabelSet, SkippedRecord, load_labels  # noqa: F401
+from .selection import CV_PARTIAL_NAME, read_cv_partial  # noqa: F401
+from .stats import BOOTSTRAP, Z95, bootstrap_ci  # noqa: F401
+from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, make_targets, weighted_kl  # noqa: F401
+from .trainer import (ARGS_NAME, CHOICES, MAX_EPOCHS, MAX_HIDDEN, RECIPES, TrainArgs, Trainer,  # noqa: F401
+                      TrainResult, as_label_set, open_cache, resolve_encoder, train_controller)

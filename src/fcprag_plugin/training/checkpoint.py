@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..controller import FusionController
+from ..controller_config import read_config, read_weights
 from ..errors import FcpragError
 
 CHECKPOINT_DIR = "checkpoint"
@@ -62,11 +63,11 @@ def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.op
     from safetensors import safe_open
 
     ckpt = out / CHECKPOINT_DIR
-    saved = FusionController._from_dir(ckpt)  # from_pretrained refuses checkpoints: they are not controllers
-    if saved.config != controller.config:
+    saved = read_config(ckpt)  # (not from_pretrained, which refuses checkpoints: they are not controllers)
+    if saved != controller.config:
         raise FcpragError(f"{ckpt / 'config.json'}: the checkpoint's controller config differs from this run's "
-                          f"({saved.config} vs {controller.config})")
-    controller.load_state_dict(saved.state_dict())
+                          f"({saved} vs {controller.config})")
+    controller.load_state_dict(read_weights(ckpt, controller.state_dict(), "cpu", saved.embed_dim))
     with safe_open(str(ckpt / OPTIM_NAME), framework="pt") as f:
         groups = json.loads(f.metadata()["param_groups"])
         opt_state: dict[int, dict[str, torch.Tensor]] = {}

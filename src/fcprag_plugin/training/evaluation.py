@@ -118,7 +118,7 @@ def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0,
     name = "scale_only" if c.controller_mode == "uniform" and c.kappa != 1.0 else c.controller_mode
     models = {name: controller}
     if baselines:
-        base = {"uniform": dict(controller_mode="uniform", kappa=1.0, query_scale=False, cv=None),
+        base = {"uniform": dict(controller_mode="uniform", kappa=1.0, calib_scale=False, cv=None),
                 "random": dict(controller_mode="random", seed=seed, kappa=1.0, cv=None)}
         models.update({k: FusionController(dataclasses.replace(c, **v)) for k, v in base.items() if k not in models})
     outputs = {k: collect_outputs(m, data, batch_size, autocast_dtype if k == name else None)

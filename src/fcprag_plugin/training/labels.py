@@ -3,19 +3,16 @@
 
 from __future__ import annotations
 
-import bisect
 import hashlib
-import json
 import logging
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import LabelFileError
-from ..fileio import parse_json_lines, split_lines
+from ..fileio import decode_utf8, iter_records
 
 logger = logging.getLogger(__name__)
 
@@ -296,40 +293,6 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
     return out
 
 
-def _iter_json_array(text: str, path: str) -> Iterator[tuple[int, Any, str | None]]:
-    """``(line, value, None)`` per element of a top-level JSON array; a syntax error always raises (the rest of an
-    array cannot be resynchronised)."""
-    newlines = [i for i, ch in enumerate(text) if ch == "\n"]
-    ws = re.compile(r"[ \t\r\n]*")
-    dec = json.JSONDecoder()
-
-    def line_of(pos: int) -> int:
-        return bisect.bisect_left(newlines, pos) + 1
-
-    i = ws.match(text, text.index("[") + 1).end()
-    if text.startswith("]", i):
-        return
-    while True:
-        start = i
-        try:
-            value, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}); a JSON-array "
-                                 f"file cannot skip a broken element, fix it or use JSON Lines") from e
-        yield line_of(start), value, None
-        i = ws.match(text, i).end()
-        if text.startswith(",", i):
-            i = ws.match(text, i + 1).end()
-            continue
-        if text.startswith("]", i):
-            tail = ws.match(text, i + 1).end()
-            if tail != len(text):
-                raise LabelFileError(f"{path}:{line_of(tail)}: unexpected text after the closing ']' of the array")
-            return
-        raise LabelFileError(f"{path}:{line_of(min(i, len(text) - 1))}: not valid JSON (expected ',' or ']' after "
-                             f"the array element that starts on line {line_of(start)})")
-
-
 def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
     """Read and validate a label file (JSON Lines or a JSON array). ``on_error="fail"`` raises :class:`LabelFileError`
     at the first bad record (or repeated id); ``"skip"`` leaves them out, listed in ``LabelSet.skipped``."""
@@ -339,19 +302,10 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
     if not p.is_file():
         raise LabelFileError(f"{p}: label file not found")
     raw = p.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise LabelFileError(f"{p}:{line}: not valid UTF-8 (byte {e.start})") from e
-    spath = str(p)
-    stripped = text.lstrip("\ufeff \t\r\n")
-    if not stripped:
+    text, spath = decode_utf8(raw, p, LabelFileError), str(p)
+    if not text.lstrip("\ufeff \t\r\n"):
         raise LabelFileError(f"{p}: label file is empty; expected JSON Lines or a JSON array of records")
-    text = text.lstrip("\ufeff")
-    items = _iter_json_array(text, spath) if stripped.startswith("[") else (
-        (n, v, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})")
-        for n, _, v, e in parse_json_lines(split_lines(text)))
+    items = iter_records(text, spath, LabelFileError)
 
     records: list[LabelRecord] = []
     skipped: list[SkippedRecord] = []

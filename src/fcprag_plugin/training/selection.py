@@ -142,9 +142,9 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
            rule: ScaleRule = ScaleRule(), progress: bool = False, done: Sequence[dict[str, Any]] = (),
            on_fold: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Nested grouped CV -> a JSON-ready dict (``cv.json``): epochs and ``kappa`` to ship, the parts with their CIs,
-    what ships (``learned`` with ``keep_network``, else ``query_scale`` if shown within the risk rule, else
-    ``scale_only``) and its verdict. ``trainer(train_data, None, None, args, embedding_model)`` builds a fold's
-    trainer; ``on_fold(results)`` gets the finished folds after each fold, ``done`` (such a list) skips them."""
+    what ships (``network`` with ``keep_network``, else ``query_scale`` if shown within the risk rule, else
+    ``scale_only``; ``prag_sum`` at kappa 1) and its verdict. ``trainer(train_data, None, None, args, embedding_model)``
+    builds a fold's trainer; ``on_fold(results)`` gets the finished folds after each fold, ``done`` skips them."""
     t0 = time.perf_counter()
     folds = group_kfold(data.groups, args.cv_folds, args.seed)
     if len(folds) < 2:
@@ -199,7 +199,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
             w_held = held_w[e_f] * kappa
             rw[held] = reweighting_gain(w_held, held_data)
             # w~ sums to N, so the total is kappa exactly (up to rounding); a per-query scale makes it vary
-            total = totals(w_held, held_data) if args.controller.get("query_scale") else \
+            total = totals(w_held, held_data) if args.controller.get("calib_scale") else \
                 torch.full((len(held),), kappa, dtype=torch.float64)
             measured: dict[str, bool] = {}
             for m in scale:
@@ -264,14 +264,14 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
         out["query_scale"] = q_part
     ship_kappa = kappa if out["scale"]["shown"] or args.kappa != "auto" else 1.0
     if args.keep_network:
-        shipped = "learned"
+        shipped = "network"
     elif q_part is not None and q_part["shown"] and q_part["keeps_rule"]:
         shipped = "query_scale"
     else:
-        shipped = "scale_only"
+        shipped = "scale_only" if ship_kappa != 1.0 else "prag_sum"
     zero = torch.zeros(R, dtype=torch.float64)
     total = q_gain if shipped == "query_scale" else \
-        (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "learned" and metric == "label" else zero)
+        (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "network" and metric == "label" else zero)
     summary = part_summary(total, data.groups, args.seed)
     out.update(shipped=shipped, kappa=ship_kappa, gain=summary["gain"], ci95=summary["ci95"],
                verdict="better_than_uniform" if summary["ci95"] and summary["ci95"][0] > 0 else "unproven",

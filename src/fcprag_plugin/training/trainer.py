@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..controller import ControllerConfig, FusionController
+from ..controller_config import ship_name
 from ..errors import FcpragError, LabelFileError, kw
 from ..features import SIDE_FEATURES, center_side
 from ..fileio import finite_or_none, write_json
@@ -43,6 +44,9 @@ OBJECTIVES = ("kl", "risk")
 # what a recipe sets unless the caller does: "measured" (the TrainArgs defaults) and "paper" (the network at total 1)
 RECIPES: dict[str, dict[str, Any]] = {
     "measured": {}, "paper": {"kappa": 1.0, "keep_network": True, "per_query_scale": False, "objective": "kl"}}
+# the fields that take one of a few words: TrainArgs.validate checks them, fcprag train offers them as choices
+CHOICES = {"precision": PRECISIONS, "objective": OBJECTIVES, "scale_bound": BOUNDS, "scale_metric": SCALE_METRICS,
+           "recipe": tuple(RECIPES)}
 # sizes refused before allocation: more epochs than anyone trains for (the CV keeps (epochs + 1) x records), a
 # wider layer than any controller needs (16384 x 16384 is 1 GiB)
 MAX_EPOCHS, MAX_HIDDEN = 10_000, 16_384
@@ -97,7 +101,8 @@ class TrainArgs:
         need(self.lr > 0, f"'lr' is {self.lr}, expected > 0")
         need(self.weight_decay >= 0, f"'weight_decay' is {self.weight_decay}, expected >= 0")
         need(0 <= self.val_fraction < 1, f"'val_fraction' is {self.val_fraction}, expected 0 <= f < 1")
-        need(self.precision in PRECISIONS, f"'precision' is {self.precision!r}, expected one of {list(PRECISIONS)}")
+        for name, allowed in CHOICES.items():
+            need(getattr(self, name) in allowed, f"'{name}' is {getattr(self, name)!r}, expected one of {[*allowed]}")
         need(self.grad_clip is None or self.grad_clip > 0, f"'grad_clip' is {self.grad_clip}, expected > 0 or None")
         need(self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
              f"'threads' is {self.threads!r}, expected an int >= 1 or None")
@@ -107,7 +112,6 @@ class TrainArgs:
         sizes = [*self.controller.get("score_hidden", []), self.controller.get("calib_hidden", 1)]
         need(all(isinstance(h, int) and 1 <= h <= MAX_HIDDEN for h in sizes),
              f"'controller' hidden sizes are {sizes}, expected ints from 1 to {MAX_HIDDEN}")
-        need(self.objective in OBJECTIVES, f"'objective' is {self.objective!r}, expected one of {list(OBJECTIVES)}")
         need(self.risk_lambda is None or (isinstance(self.risk_lambda, (int, float)) and self.risk_lambda > 0),
              f"'risk_lambda' is {self.risk_lambda!r}, expected a number > 0 or None (estimated from the labels)")
         need(isinstance(self.cv_folds, int) and (self.cv_folds == 0 or self.cv_folds >= 2),
@@ -118,8 +122,8 @@ class TrainArgs:
         badf = [n for n in self.side_features if n not in SIDE_FEATURES]
         need(not badf and len(set(self.side_features)) == len(self.side_features),
              f"'side_features' is {self.side_features!r}, expected distinct names among {list(SIDE_FEATURES)}")
-        need(not (self.controller.get("query_scale") and self.objective != "risk"),
-             "'controller.query_scale' needs objective 'risk' (the KL objective does not see the total scale)")
+        need(not (self.controller.get("calib_scale") and self.objective != "risk"),
+             "'controller.calib_scale' needs objective 'risk' (the KL objective does not see the total scale)")
         need(not ({"side_features", "side_scale", "kappa", "cv", "init"} & set(self.controller)),
              "'controller' may not set side_features/side_scale/kappa/cv/init; use the TrainArgs fields")
         need(0 <= self.scale_max_loss_share <= 1 and self.scale_loss_margin >= 0,
@@ -130,10 +134,6 @@ class TrainArgs:
              "run the controller with it taken as equal for every passage, which its verdict did not measure; leave "
              f"it out, or pass {kw('allow_retrieval_score', True)} for a host that supplies scores",
              [("side_features", ["retrieval_score"]), ("allow_retrieval_score", True)])
-        need(self.scale_bound in BOUNDS, f"'scale_bound' is {self.scale_bound!r}, expected one of {list(BOUNDS)}")
-        need(self.scale_metric in SCALE_METRICS,
-             f"'scale_metric' is {self.scale_metric!r}, expected one of {list(SCALE_METRICS)}")
-        need(self.recipe in RECIPES, f"'recipe' is {self.recipe!r}, expected one of {list(RECIPES)}")
         check_target_args(self.t_label, self.flat_eps, self.flat_weight)
         return self
 
@@ -506,6 +506,8 @@ def select_by_cv(run: Run) -> dict[str, Any] | None:
     if not args.cv_folds:
         return None
     cv = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if cv is not None and "shipped" in cv:  # an older version's words
+        cv["shipped"] = ship_name(cv["shipped"], cv.get("kappa", 1.0))
     if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv:
         # finished folds are kept (CV_PARTIAL_NAME), not redone on a resume with the same arguments and labels
         key = {"args": {k: v for k, v in asdict(args).items() if k not in _RESUME_FREE or k == "epochs"},
@@ -518,8 +520,8 @@ def select_by_cv(run: Run) -> dict[str, Any] | None:
                         "key": key, "n_folds": args.cv_folds, "folds": folds}))
         write_json(path, cv)
         (run.out / CV_PARTIAL_NAME).unlink(missing_ok=True)
-    if args.keep_network and cv["shipped"] != "learned":  # keep_network may change on a resume
-        cv = {**cv, "shipped": "learned"}
+    if args.keep_network and cv["shipped"] != "network":  # keep_network may change on a resume
+        cv = {**cv, "shipped": "network"}
     return cv
 
 
@@ -531,7 +533,7 @@ def fit(run: Run, cv: dict[str, Any] | None) -> tuple[FusionController, list[dic
     if run.resume:
         trainer.resume()
     epochs = args.epochs if cv is None else cv["selected_epochs"]
-    if cv is not None and cv["shipped"] in ("scale_only", "query_scale"):
+    if cv is not None and cv["shipped"] != "network":
         epochs = 0
     if trainer.epoch > epochs:
         logger.warning("%s: the checkpoint has %d epochs but %d are to be trained; training again from the start",
@@ -540,7 +542,7 @@ def fit(run: Run, cv: dict[str, Any] | None) -> tuple[FusionController, list[dic
     if trainer.epoch == 0 or trainer.epoch > epochs:
         trainer = run.trainer()  # a fresh start after the CV (which drew from the global RNG)
     history = trainer.fit(run.progress, epochs)
-    if cv is not None and cv["shipped"] == "scale_only":
+    if cv is not None and cv["shipped"] in ("prag_sum", "scale_only"):
         return FusionController.scale_only(cv["kappa"], embed_dim=run.train.dim,
                                            embedding_model=run.embedding_model), history
     if cv is not None and cv["shipped"] == "query_scale":
@@ -578,7 +580,7 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
             "source": str(out)}
     else:  # no cross-validation, no verdict: the controller says it is unproven wherever it is used
         updates["cv"] = {"gain": None, "ci95": None, "verdict": "unproven", "folds": 0, "objective": args.objective,
-                         "shipped": "learned", "source": str(out)}
+                         "shipped": "network", "source": str(out)}
     controller.config = replace(controller.config, **updates)
     controller.save_pretrained(out)
     report_on = run.val if run.val is not None else run.train  # no validation data: report the training set

@@ -292,14 +292,15 @@ class LabelBuilder:
         """Consecutive records grouped while their evaluations (N + 1 each, plus the extra scales) fit
         ``batch_size`` (at least one record per group)."""
         groups: list[list[ManifestRecord]] = []
-        rows = 0
-        extra = len(self.options.extra_scales)
+        rows = 0  # the rows of the last group
         for rec in records:
-            if not groups or rows + rec.n + 1 + extra > self.options.batch_size:
-                groups.append([])
-                rows = 0
-            groups[-1].append(rec)
-            rows += rec.n + 1 + extra
+            size = rec.n + 1 + len(self.options.extra_scales)
+            if groups and rows + size <= self.options.batch_size:
+                groups[-1].append(rec)
+                rows += size
+            else:
+                groups.append([rec])
+                rows = size
         return groups
 
     def label_many(self, records: Sequence[ManifestRecord]) -> list[dict[str, Any] | LabelBuildError]:

@@ -189,10 +189,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="no progress bars (neither ours nor transformers' while the model loads)")
     b.set_defaults(func=_cmd_build)
 
-    p = gs.add_parser("from-prag", help="write a manifest from PRAG's augmented data and adapter tree",
-                      description="Write a labels-build manifest (one record per question: id, question, answer, "
-                                  "passages, adapters) from PRAG's augmented data file and its "
-                                  "data_{test_id}/passage_{pid} adapter tree. Missing adapters are listed.")
+    p = gs.add_parser("from-prag", help="write a manifest from PRAG's augmented data and adapter tree", description=(
+        "Write a labels-build manifest (one record per question: id, question, answer, passages, adapters) from PRAG's "
+        "augmented data file (a JSON array or JSON Lines) and its data_{test_id}/passage_{pid} adapter tree. Missing "
+        "adapters are listed."))
     p.add_argument("--data-aug", dest="data_aug", required=True, help="PRAG augmented data file (JSON array or JSONL)")
     p.add_argument("--adapters-root", dest="adapters_root", required=True,
                    help="folder holding data_{test_id}/passage_{pid} adapter directories")

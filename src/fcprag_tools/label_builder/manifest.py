@@ -11,7 +11,8 @@ from typing import Any, Iterable
 
 from fcprag_plugin.adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.fileio import split_lines, write_atomic
+from fcprag_plugin.fileio import read_records, write_atomic
+from fcprag_plugin.hosts._prag_data import adapter_dir
 from ..lm.store import json_lines
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
@@ -127,7 +128,7 @@ def _check_pass_through(extra: dict[str, Any], where: str) -> None:
     if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
         raise _fail(where, "group", "a string or an integer", group)
     if "split" in extra:
-        from fcprag_plugin.training.labels import KNOWN_SPLITS  # the trainer's list
+        from fcprag_plugin.training import KNOWN_SPLITS  # the trainer's list
 
         if extra["split"] not in KNOWN_SPLITS:
             raise _fail(where, "split", f"one of {list(KNOWN_SPLITS)}", extra["split"])
@@ -168,14 +169,7 @@ def read_data_aug(path: str | Path) -> list[tuple[int, Any]]:
     path = Path(path)
     if not path.is_file():
         raise LabelFileError(f"{path}: augmented data file not found")
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
-        return [(0, r) for r in data]
-    return [(lineno, obj) for lineno, _, obj in json_lines(path, split_lines(text))]
+    return read_records(path, LabelFileError)
 
 
 @dataclass
@@ -206,7 +200,7 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
     items = read_data_aug(data_aug)[:limit]
     records, missing, incomplete = [], [], []
     for test_id, (lineno, obj) in enumerate(items):
-        where = f"{data_aug}:{lineno}" if lineno else f"{data_aug}: record {test_id}"
+        where = f"{data_aug}:{lineno}"
         if not isinstance(obj, dict):
             raise LabelFileError(f"{where}: expected a JSON object with 'question', 'answer', 'passages', "
                                  f"got {type(obj).__name__}")
@@ -221,7 +215,7 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
             raise LabelFileError(f"{where}: field 'augment' has {len(augment)} entries but 'passages' has "
                                  f"{len(passages)}; PRAG trains one adapter per augmented passage")
         rid = f"{prefix}{test_id}"
-        dirs = [root / f"data_{test_id}" / f"passage_{pid}" for pid in range(len(passages))]
+        dirs = [adapter_dir(root, test_id, pid) for pid in range(len(passages))]
         absent = [(rid, pid, d) for pid, d in enumerate(dirs) if not adapter_present(d)]
         if absent:
             missing.extend(absent)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.fileio import read_records
 
 logger = logging.getLogger(__name__)
 
@@ -38,20 +39,7 @@ def passage_id(text: str) -> str:
 
 
 def _records(path: Path) -> list[tuple[int, Any]]:
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        try:
-            return list(enumerate(json.loads(text), 1))
-        except json.JSONDecodeError as e:
-            raise FcpragError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                out.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise FcpragError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-    return out
+    return read_records(path, FcpragError)
 
 
 def _answers(r: dict[str, Any]) -> Any:

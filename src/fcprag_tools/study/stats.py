@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from fcprag_plugin.training.stats import BOOTSTRAP, bootstrap_ci
+from fcprag_plugin.training import BOOTSTRAP, bootstrap_ci
 
 
 def paired(diffs: Sequence[float], seed: str, level: float = 0.95, n_boot: int = BOOTSTRAP

@@ -131,8 +131,8 @@ def test_from_prag_errors_name_the_culprit(tmp_path):
     f, root = _prag_tree(tmp_path)
     data = json.loads(f.read_text())
     data[1]["augment"] = [{"passage": "d"}]
-    f.write_text(json.dumps(data))
-    with pytest.raises(LabelFileError, match=r"bridge\.json: record 1: field 'augment' has 1 entries but "
+    f.write_text("[\n" + ",\n".join(json.dumps(r) for r in data) + "\n]\n")  # one record a line: line 3 is record 1
+    with pytest.raises(LabelFileError, match=r"bridge\.json:3: field 'augment' has 1 entries but "
                                              r"'passages' has 2"):
         from_prag(f, root)
     jl = tmp_path / "aug.jsonl"

@@ -143,10 +143,10 @@ def test_adapters_of_another_recipe_warn_once(tmp_path):
         warnings.simplefilter("error")
         fuse(other, Q, PASSAGES, controller=ctrl, encoder=enc)  # once per controller
     shim = WeightProvider(_controller_for(LoraAdapter.from_pretrained(same[0])), enc)
-    assert shim.needs_adapters  # the first merge reads its adapters for the check
+    assert shim.controller.needs_adapters  # the first merge reads its adapters for the check
     with pytest.warns(UserWarning, match="trained for adapters of base model tiny-llama"):
         shim.weights(Q, PASSAGES, adapters=lambda: [LoraAdapter.from_pretrained(d) for d in other])
-    assert not shim.needs_adapters  # later merges do not
+    assert not shim.controller.needs_adapters  # later merges do not
 
 
 # ----------------------------------------------------------------------------- README's recipe on the demo set

@@ -1,0 +1,50 @@
+"""fileio.read_records: the one reader of JSON-array-or-JSON-Lines files (labels, PRAG's data, manifests' PRAG
+input, the study's questions), against json.loads of each record; errors name file:line."""
+
+import json
+
+import pytest
+
+from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.fileio import read_records
+
+RECS = [{"id": "a", "q": "x\u2028y"}, [1, 2], {"id": "c", "nested": {"k": [3]}}]
+
+
+def test_an_array_and_json_lines_give_the_same_records_with_their_lines(tmp_path):
+    lines = tmp_path / "r.jsonl"
+    lines.write_text("\n" + "\n\n".join(json.dumps(r, ensure_ascii=False) for r in RECS) + "\n", encoding="utf-8")
+    arr = tmp_path / "r.json"  # '[' first: an array, whatever the suffix; elements start on lines 2, 3 and 6
+    arr.write_text("\ufeff [\n" + json.dumps(RECS[0]) + ",\n" + json.dumps(RECS[1], indent=1) + "  ,\n"
+                   + json.dumps(RECS[2]) + "\n]\n", encoding="utf-8")
+    assert read_records(lines, FcpragError) == [(2, RECS[0]), (4, RECS[1]), (6, RECS[2])]
+    assert read_records(arr, FcpragError) == [(2, RECS[0]), (3, RECS[1]), (7, RECS[2])]
+    assert [r for _, r in read_records(arr, FcpragError)] == json.loads(arr.read_text(encoding="utf-8-sig"))
+    empty = tmp_path / "e.json"
+    empty.write_text("[ ]")
+    assert read_records(empty, FcpragError) == []
+
+
+@pytest.mark.parametrize("text, where", [
+    ('{"a": 1}\n{oops\n', ":2: not valid JSON"),
+    ('[\n{"a": 1},\n{oops}\n]', ":3: not valid JSON"),
+    ('[\n{"a": 1},\n]', ":3: not valid JSON"),  # a ',' before the closing ']'
+    ('[\n{"a": 1}\n{"b": 2}]', ":3: not valid JSON"),  # no ',' between elements
+    ('[{"a": 1}]\nmore', ":2: unexpected text after the closing ']' of the array"),
+    ('[{"a": 1}', ":1: not valid JSON"),
+])
+def test_errors_name_the_file_and_line(tmp_path, text, where):
+    f = tmp_path / "bad.json"
+    f.write_text(text)
+    with pytest.raises(FcpragError) as e:
+        read_records(f, FcpragError)
+    assert str(e.value).startswith(f"{f}{where}"), str(e.value)
+    with pytest.raises(json.JSONDecodeError):  # the reference agrees the file is not JSON (Lines)
+        [json.loads(ln) for ln in text.splitlines() if ln.strip()] if text[0] != "[" else json.loads(text)
+
+
+def test_invalid_utf8_names_the_line(tmp_path):
+    f = tmp_path / "latin.jsonl"
+    f.write_bytes(b'{"a": 1}\n{"b": "caf\xe9"}\n')
+    with pytest.raises(FcpragError, match=r"latin\.jsonl:2: not valid UTF-8"):
+        read_records(f, FcpragError)
