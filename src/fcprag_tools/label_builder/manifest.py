@@ -12,7 +12,7 @@ from typing import Any, Iterable
 from fcprag_plugin.adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.fileio import split_lines, write_atomic
-from ..lm.store import json_lines
+from ..lm.store import json_error, json_lines
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
 PASS_THROUGH_FIELDS = ("group", "split")
@@ -173,7 +173,7 @@ def read_data_aug(path: str | Path) -> list[tuple[int, Any]]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+            raise LabelFileError(f"{path}:{e.lineno}: not valid JSON ({json_error(e)})") from e
         return [(0, r) for r in data]
     return [(lineno, obj) for lineno, _, obj in json_lines(path, split_lines(text))]
 

@@ -16,11 +16,17 @@ from fcprag_plugin.fileio import parse_json_lines, split_lines
 logger = logging.getLogger(__name__)
 
 
+def json_error(e: json.JSONDecodeError) -> str:
+    """Why ``e``, and where on its line: ``Expecting value at column 3``; json's ``Unterminated string starting at``
+    already ends in "at"."""
+    return f"{e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno}"
+
+
 def json_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, str, Any]]:
     """``(line number, raw line, parsed object)`` per non-blank line; invalid JSON is an error naming file and line."""
     for lineno, raw, obj, e in parse_json_lines(lines):
         if e is not None:
-            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({json_error(e)})") from e
         yield lineno, raw, obj
 
 

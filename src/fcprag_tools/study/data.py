@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fcprag_plugin.errors import FcpragError
+from ..lm.store import json_error
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,10 @@ def passage_id(text: str) -> str:
 
 
 def _records(path: Path) -> list[tuple[int, Any]]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise FcpragError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); expected UTF-8 JSON") from None
     if text.lstrip().startswith("["):
         try:
             return list(enumerate(json.loads(text), 1))
@@ -50,7 +54,7 @@ def _records(path: Path) -> list[tuple[int, Any]]:
             try:
                 out.append((n, json.loads(line)))
             except json.JSONDecodeError as e:
-                raise FcpragError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise FcpragError(f"{path}:{n}: not valid JSON ({json_error(e)})") from None
     return out
 
 
