@@ -37,7 +37,6 @@ from ..lm.shard import ShardInfo, init_process_group, shard_from_env
 from . import adapters as ad
 from . import data, preflight, scoring, summary
 from .augment import augment_batch, forward_steps
-from .preflight import FIXED  # noqa: F401  (what a resumed run must keep; checked against OUT/settings.json)
 from ..lm.units import UnitStore, log_timing
 
 logger = logging.getLogger(__name__)
@@ -184,7 +183,8 @@ class Study:
             log_timing(self.out, stage, secs, **info)
 
     def check_settings(self) -> dict[str, Any]:
-        """Write ``OUT/settings.json`` on a fresh folder; on a resumed one, refuse another value of :data:`FIXED`."""
+        """Write ``OUT/settings.json`` on a fresh folder; on a resumed one, refuse another value of
+        :data:`.preflight.FIXED`."""
         now = preflight.settings_of(self.o)
         path = self.out / preflight.SETTINGS
         if path.is_file():
