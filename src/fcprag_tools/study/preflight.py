@@ -56,7 +56,8 @@ def settings_of(o: Any) -> dict[str, Any]:
     return {"questions": [str(Path(q).resolve()) for q in o.questions] if len(o.questions) > 1
             else str(Path(o.questions[0]).resolve()),
             "questions_sha256": shas[0] if len(shas) == 1 else hashlib.sha256(" ".join(shas).encode()).hexdigest(),
-            "model": o.model, "gguf_file": o.gguf_file, "dtype": o.dtype, "top_k": o.top_k,
+            "model": o.model, "model_name": o.model_name or o.model, "gguf_file": o.gguf_file, "dtype": o.dtype,
+            "top_k": o.top_k,
             "retrieval": None if o.retrieval is None else _sha256(Path(o.retrieval)),
             "train_ids": None if o.train_ids is None else _sha256(Path(o.train_ids)),
             "test_fraction": o.test_fraction, "seed": o.seed, "scales": [float(s) for s in o.scales],
@@ -236,8 +237,10 @@ def check_model(o: Any) -> None:
 def resolve(o: Any) -> None:
     """``--model`` (``smollm2`` or none: the packaged offline SmolLM2, said in one line) and ``--gguf-file`` as what
     is loaded, in place."""
-    from ..lm.model_io import resolve_model
+    from ..lm.model_io import SMOLLM2, resolve_model
 
+    if o.model_name is None:  # what the user called it (a report's title), before it becomes a folder
+        o.model_name = o.model or SMOLLM2
     o.model, o.gguf_file, note = resolve_model(o.model, o.gguf_file)
     if note:
         logger.info("%s", note)

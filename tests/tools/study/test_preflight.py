@@ -323,4 +323,5 @@ def test_a_study_without_model_runs_offline_on_the_packaged_smollm2(tmp_path, ca
     assert "fcprag study: no --model given: using the offline SmolLM2-135M-Instruct" in res.err
     s = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     assert s["n_train"] == 1 and s["n_test"] == 1 and s["settings"]["gguf_file"] == model_io.SMOLLM2_GGUF
-    assert json.loads((out / "settings.json").read_text())["model"] == model_io.smollm2_dir()
+    settings = json.loads((out / "settings.json").read_text())
+    assert (settings["model"], settings["model_name"]) == (model_io.smollm2_dir(), "smollm2")
