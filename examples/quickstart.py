@@ -372,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--no-train and --retrain contradict each other; pass one")
     configure_stdout()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from fcprag_tools.lm.model_io import choose_threads
+
+    threads, why = choose_threads(option="OMP_NUM_THREADS=N")  # under load 1 thread is several times faster than 2
+    torch.set_num_threads(threads)
+    print(f"torch threads: {threads} ({why})")
     try:  # quieter model loading (transformers' own bars and deprecation notes; the trainer's bars stay on)
         from transformers.utils import logging as hf_logging
 

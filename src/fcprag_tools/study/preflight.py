@@ -293,31 +293,13 @@ def check(o: Any, *, rank: int = 0, local_rank: int = 0, distributed: bool = Fal
     return Checked(resume, None, sel)
 
 
-def auto_threads(local_world: int = 1) -> tuple[int, str]:
-    """``(threads, why)``: the CPU cores this process may run on that other jobs leave free (the last minute's load
-    average, rounded), shared among a launch's local processes; at least 1. Under load a second thread slows a
-    study down instead of helping it (docs/cli.md, "Threads")."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    free = max(1, min(cores, round(cores - busy)))
-    n = max(1, free // max(local_world, 1))
-    return n, (f"{cores} cores, load average {busy:.1f} from other jobs"
-               + (f", {local_world} processes here" if local_world > 1 else ""))
-
-
 def set_threads(o: Any, shard: Any) -> int:
-    """Set torch's CPU threads: ``--threads``, else ``$OMP_NUM_THREADS`` when set, else :func:`auto_threads`; on a
-    CPU, one line says how many and why."""
-    if o.threads is not None:
-        n, why = o.threads, "--threads"
-    elif os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        n, why = int(os.environ["OMP_NUM_THREADS"]), "$OMP_NUM_THREADS"
-    else:
-        n, why = auto_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        why += "; --threads N sets it"
-    torch.set_num_threads(n)
-    from ..lm.model_io import resolve_device
+    """Set torch's CPU threads (:func:`fcprag_tools.lm.model_io.choose_threads`: ``--threads``, else
+    ``$OMP_NUM_THREADS``, else the free cores); on a CPU, one line says how many and why."""
+    from ..lm.model_io import choose_threads, resolve_device
 
+    n, why = choose_threads(o.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    torch.set_num_threads(n)
     if resolve_device(o.device, shard.local_rank).type == "cpu" and shard.rank == 0:
         logger.info("torch threads: %d (%s)", n, why)
     return n

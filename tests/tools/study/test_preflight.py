@@ -274,16 +274,18 @@ def test_threads_follow_the_option_the_environment_or_the_free_cores(tiny_study,
     was = torch.get_num_threads()
     try:
         assert preflight.set_threads(opts, pipeline.ShardInfo()) == 1 and torch.get_num_threads() == 1
-        opts.threads = None
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        assert preflight.set_threads(opts, pipeline.ShardInfo()) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert model_io.choose_threads(2) == (2, "--threads")  # the option wins
+        assert model_io.choose_threads() == (3, "$OMP_NUM_THREADS")
         monkeypatch.delenv("OMP_NUM_THREADS")
         monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 0.0, 0.0))
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-        assert preflight.auto_threads() == (3, "4 cores, load average 1.2 from other jobs")
-        assert preflight.auto_threads(local_world=2)[0] == 1
+        assert model_io.choose_threads()[0] == 3  # 4 cores, about 1 busy
+        assert model_io.choose_threads(local_world=2)[0] == 1  # 3 free cores for 2 processes
         monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
-        assert preflight.auto_threads()[0] == 1  # never 0
+        assert model_io.choose_threads()[0] == 1  # never 0
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.0, 0.0))
+        assert model_io.choose_threads() == (4, "4 cores, load average 0.1 from other jobs; --threads N sets it")
     finally:
         torch.set_num_threads(was)
 
