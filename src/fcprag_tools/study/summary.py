@@ -28,13 +28,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fcprag_plugin.fileio import write_atomic, write_json
+from fcprag_plugin.training import SHIPS
 from fcprag_plugin.training.stats import Z95
 from .stats import paired
 
 logger = logging.getLogger(__name__)
 
 METRICS = ("logprob", "f1", "em", "acc")
-SHIPS = ("prag_sum", "scale_only", "network")
+STUDY_SHIPS = tuple(s for s in SHIPS if s != "query_scale")  # what a study ships (no per-query scale is measured)
 SETTINGS = ("param", "combine")
 # the rows a PRAG user compares (the paper's table), in this order; the candidates of "what to run" first
 CANDIDATES = ("vanilla", "standard_rag", "prag_sum", "prag_sum_combine", "recommended", "recommended_combine")
@@ -511,8 +512,8 @@ def check_summary(s: Any) -> list[str]:
     if not isinstance(settings, dict) or set(settings) != set(SETTINGS):
         return bad + [f"verdict.settings: expected one verdict per setting {list(SETTINGS)}"]
     for sname, sv in [("verdict", v)] + [(f"verdict.settings.{k}", x) for k, x in settings.items()]:
-        if not isinstance(sv, dict) or sv.get("ship") not in SHIPS:
-            bad.append(f"{sname}.ship: expected one of {list(SHIPS)}")
+        if not isinstance(sv, dict) or sv.get("ship") not in STUDY_SHIPS:
+            bad.append(f"{sname}.ship: expected one of {list(STUDY_SHIPS)}")
             continue
         if not num(sv.get("kappa")) or sv["kappa"] <= 0:
             bad.append(f"{sname}.kappa: expected a number > 0")

