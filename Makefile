@@ -2,7 +2,7 @@
 # under .venv/ and installs everything (torch from the local CPU wheel first, via the constraints files).
 PYTHON ?= python3
 STACKS := latest prag-pinned dyprag-pinned
-PYTEST_ARGS ?= -q
+PYTEST_ARGS ?= -q --durations=30
 PIP_QUIET := -q --disable-pip-version-check
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c

@@ -342,7 +342,7 @@ class Study:
                                [self.out / "adapters" / p["pid"] for p in q["passages"]], source=str(path),
                                extra={"group": qid, "retrieval_ranks": [p["rank"] for p in q["passages"]]})
                 for qid, q in qs.items() if q["split"] == "train"]
-        self.kept("labels", len(recs), sum(r.id in done for r in recs), "training questions")
+        self.kept(name, len(recs), sum(r.id in done for r in recs), "training questions")
         mine = self.mine([r for r in recs if r.id not in done])
         self.barrier()
         if mine:
@@ -595,7 +595,7 @@ class Study:
 
     def trainer_args(self, learned_dir: Path) -> dict[str, Any] | None:
         """The arguments the trainer recorded for a controller it trained here (the risk rule it applied)."""
-        from fcprag_plugin.training.trainer import ARGS_NAME
+        from fcprag_plugin.training import ARGS_NAME
 
         path = Path(learned_dir) / ARGS_NAME
         return None if self.o.controller or not path.is_file() else json.loads(path.read_text(encoding="utf-8"))

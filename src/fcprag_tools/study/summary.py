@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from fcprag_plugin.fileio import write_atomic, write_json
 from fcprag_plugin.training import SHIPS
-from fcprag_plugin.training.stats import Z95
+from fcprag_plugin.training import Z95
 from .stats import paired
 
 logger = logging.getLogger(__name__)
