@@ -476,28 +476,33 @@ class Study:
         self.barrier()  # every rank has read the same state before any writes
         if chunks or arrow_todo:
             self.load_model()
-        with self.bar(desc, len(qids), len(qids) - len(todo), "q", sum(map(len, chunks))) as bar:
+        with self.bar(desc, len(qids), len(qids) - len(todo), "q", sum(map(len, chunks)), fraction=True) as bar:
             for chunk in chunks:
                 pids = [p["pid"] for qid in chunk for p in qs[qid]["passages"]]
                 slot = FusedSlot.for_model(self.model, self.adapter(pids[0]), max_adapters=len(pids),
                                            max_rank=ad.LORA["r"])
-                try:
-                    def run(rows: list[scoring.Row]) -> None:
-                        res = scoring.score(self.model, self.tok, slot, rows, qs, self.adapter,
+                rows = [scoring.Row(qid, n, [p["pid"] for p in qs[qid]["passages"]], w, prompt)
+                        for qid in chunk for n, (prompt, w) in want[qid].items()
+                        if not valid(done, qid, n, (prompt, w))]
+                per_row = len(chunk) / max(1, len(rows) + (len(chunk) if oracle else 0))  # the bar moves per batch
+
+                def run(part: list[scoring.Row]) -> None:
+                    for i in range(0, len(part), self.batch_size):  # score_rows' own batches, in the same order
+                        res = scoring.score(self.model, self.tok, slot, part[i:i + self.batch_size], qs, self.adapter,
                                             generate=self.o.generate, max_new_tokens=self.o.max_new_tokens,
-                                            batch_size=self.batch_size) if rows else []
+                                            batch_size=self.batch_size)
                         st.append(res)
                         done.update({r["id"]: r for r in res})
+                        bar.update(per_row * len(res))
 
-                    run([scoring.Row(qid, n, [p["pid"] for p in qs[qid]["passages"]], w, prompt)
-                         for qid in chunk for n, (prompt, w) in want[qid].items()
-                         if not valid(done, qid, n, (prompt, w))])
+                try:
+                    run(rows)
                     if oracle:
                         run([scoring.Row(qid, "oracle", [p["pid"] for p in qs[qid]["passages"]],
                                          self.oracle(done, qid, len(qs[qid]["passages"]))) for qid in chunk])
                 finally:
                     slot.remove()
-                bar.update(len(chunk))
+                bar.n = round(bar.n, 6)
         if arrow_todo:
             per = max(self.o.chunk, self.batch_size)  # many questions per call, batched like the other rows
             with self.bar("arrow", len(arrow_todo), 0, "q") as bar:

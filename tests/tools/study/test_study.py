@@ -22,9 +22,19 @@ def _opts(t, out="out", **kw):
                         **{**FAST, **kw})
 
 
-def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controller(tiny_study, capsys):
+def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controller(tiny_study, capsys, monkeypatch):
     from fcprag_plugin import FusionController
 
+    moves: dict[str, list[float]] = {}  # every move of every bar, by stage
+    bar = pipeline.Study.bar
+
+    def recording(self, stage, *a, **k):
+        b = bar(self, stage, *a, **k)
+        update = b.update
+        b.update = lambda n=1: (moves.setdefault(stage, []).append(n), update(n))[1]
+        return b
+
+    monkeypatch.setattr(pipeline.Study, "bar", recording)
     out = tiny_study["root"] / "cli"
     rc = main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--top-k", "2",
                "--scales", "2,4", "--max-new-tokens", "3", "--test-fraction", "0.5", "--epochs", "2",
@@ -36,6 +46,9 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
             "oracle", "vanilla", "standard_rag", "prag_sum_combine", "recommended_combine", "random_controller",
             "random_controller_combine", "learned_combine", "learned_same_total_combine"} <= set(s["methods"])
     assert s["settings"]["device"] == "cpu" and s["settings"]["dtype"] == "float32"
+    # 3 held-out questions in one chunk of rows scored 16 at a time: the bar moves per batch and ends at 3
+    assert len(moves["evaluate"]) > 1 and all(0 < m < 3 for m in moves["evaluate"])
+    assert sum(moves["evaluate"]) == pytest.approx(3)
     labels = [json.loads(x) for x in (out / "labels.jsonl").read_text().splitlines()]  # the training questions'
     assert len(labels) == 3 and all(r["scales"] == [1.0, 2.0, 4.0] and len(r["metric_without"]) == 2
                                     and len(r["f1_at_scales"]) == 3 for r in labels)
