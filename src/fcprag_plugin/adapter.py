@@ -102,7 +102,8 @@ class LoraAdapter:
         cfg_dict.setdefault("r", next(iter(modules.values())).rank)
         cfg_dict.setdefault("lora_alpha", cfg_dict["r"])
         adapter = cls(modules, cfg_dict, where).validate()
-        adapter.warn_if_zero()
+        if adapter.is_zero():
+            warn_zero(where)
         return adapter
 
     def save_pretrained(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
@@ -191,10 +192,6 @@ class LoraAdapter:
             if not math.isfinite(m.scaling):
                 raise AdapterError(f"{self.source}: module '{name}' has a non-finite scaling {m.scaling}")
         return self
-
-    def warn_if_zero(self) -> None:
-        if self.is_zero():
-            warn_zero(self.source)
 
     def __repr__(self) -> str:
         ranks = sorted(set(self.ranks.values()))
@@ -304,8 +301,8 @@ def adapter_from_state_dict(state_dict: Mapping[str, torch.Tensor], config: Mapp
         rank = int(A.shape[0]) if A.ndim == 2 else -1
         modules[name] = LoraModule(A, B, module_scaling(cfg, name, rank, source) if rank > 0 else 1.0)
     adapter = LoraAdapter(modules, cfg, source).validate(values=check_values)
-    if check_values:
-        adapter.warn_if_zero()
+    if check_values and adapter.is_zero():
+        warn_zero(source)
     return adapter
 
 

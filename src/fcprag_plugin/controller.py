@@ -476,23 +476,18 @@ def _caller_level() -> int:
     return level
 
 
-def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":
-    """A controller object, a directory (loaded once per process) or None (uniform) -> the controller or None."""
-    if controller is None or isinstance(controller, FusionController):
-        return controller
-    if isinstance(controller, (str, Path)):
-        return cached_controller(controller)  # read once per process; shared, do not modify
-    raise ControllerError(f"expected a FusionController or a directory, got {type(controller).__name__}")
-
-
 CONTROLLERS: LoadCache[FusionController] = LoadCache("controller cache", maxsize=4)  # ~14 MB each at d=384
 
 
-def cached_controller(path: str | Path, map_location: str = "cpu") -> FusionController:
-    """The controller in directory ``path``, read once per process (again when its files change); shared."""
-    resolved = Path(os.path.realpath(path))
+def load_controller(controller: "FusionController | str | Path | None") -> "FusionController | None":
+    """A controller object, a directory (read once per process, again when its files change; shared, do not
+    modify) or None (uniform) -> the controller or None."""
+    if controller is None or isinstance(controller, FusionController):
+        return controller
+    if not isinstance(controller, (str, Path)):
+        raise ControllerError(f"expected a FusionController or a directory, got {type(controller).__name__}")
+    resolved = Path(os.path.realpath(controller))
     files = (resolved / CONFIG_NAME, resolved / WEIGHTS_NAME)
-    return CONTROLLERS.get((str(resolved), str(map_location)),
-                           lambda: FusionController.from_pretrained(path, map_location=map_location),
+    return CONTROLLERS.get(str(resolved), lambda: FusionController.from_pretrained(controller),
                            lambda: file_signature(*files))
 

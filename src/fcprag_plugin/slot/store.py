@@ -95,11 +95,10 @@ def _read_mapped(file: Path, device: str | torch.device) -> dict[str, torch.Tens
     return state if torch.device(device).type == "cpu" else {k: v.to(device) for k, v in state.items()}
 
 
-def read_adapter_dir(path: str | Path, *, device: str | torch.device | None = None,
-                     check_values: bool = True) -> LoraAdapter:
+def read_adapter_dir(path: str | Path, *, check_values: bool = True) -> LoraAdapter:
     """Load a PEFT adapter directory, reading ``adapter_model.safetensors`` memory-mapped (``check_values=False``:
     the caller checks values; the tensors may be views of the file's map, copy them before it is rewritten)."""
-    return load_adapter_dir(path, device=device or "cpu", check_values=check_values, read_safetensors=_read_mapped)
+    return load_adapter_dir(path, check_values=check_values, read_safetensors=_read_mapped)
 
 
 def pack_checked(adapter: LoraAdapter, *, device: str | torch.device | None = None,

@@ -108,8 +108,7 @@ def metrics_from_outputs(w: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, da
     }
 
 
-def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0, batch_size: int = 512,
-             baselines: bool = True, autocast_dtype: torch.dtype | None = None
+def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0, batch_size: int = 512
              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]]]:
     """``(metrics, outputs)`` of ``controller`` (keyed by its mode, e.g. ``"learned"``; ``"scale_only"`` for uniform
     weights times a kappa other than 1) and of the uniform (PRAG) and random (untrained, seeded) baselines:
@@ -117,11 +116,9 @@ def evaluate(controller: FusionController, data: LabelTensors, *, seed: int = 0,
     c = controller.config
     name = "scale_only" if c.controller_mode == "uniform" and c.kappa != 1.0 else c.controller_mode
     models = {name: controller}
-    if baselines:
-        base = {"uniform": dict(controller_mode="uniform", kappa=1.0, calib_scale=False, cv=None),
-                "random": dict(controller_mode="random", seed=seed, kappa=1.0, cv=None)}
-        models.update({k: FusionController(dataclasses.replace(c, **v)) for k, v in base.items() if k not in models})
-    outputs = {k: collect_outputs(m, data, batch_size, autocast_dtype if k == name else None)
-               for k, m in models.items()}
+    base = {"uniform": dict(controller_mode="uniform", kappa=1.0, calib_scale=False, cv=None),
+            "random": dict(controller_mode="random", seed=seed, kappa=1.0, cv=None)}
+    models.update({k: FusionController(dataclasses.replace(c, **v)) for k, v in base.items() if k not in models})
+    outputs = {k: collect_outputs(m, data, batch_size) for k, m in models.items()}
     metrics = {k: metrics_from_outputs(o["w"], o["g"], o["tau"], data, o["wt"]) for k, o in outputs.items()}
     return metrics, outputs

@@ -305,12 +305,11 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
     text, spath = decode_utf8(raw, p, LabelFileError), str(p)
     if not text.lstrip("\ufeff \t\r\n"):
         raise LabelFileError(f"{p}: label file is empty; expected JSON Lines or a JSON array of records")
-    items = iter_records(text, spath, LabelFileError)
 
     records: list[LabelRecord] = []
     skipped: list[SkippedRecord] = []
     seen: dict[str, int] = {}
-    for lineno, value, parse_error in items:
+    for lineno, value, parse_error in iter_records(text, spath, LabelFileError):
         try:
             if parse_error is not None:
                 raise _RecordError(None, parse_error)

@@ -79,19 +79,17 @@ def scale_gain(data: LabelTensors, total: torch.Tensor, metric: str = "label") -
     return out, True
 
 
-def reweighting_gain(w_tilde: torch.Tensor, data: LabelTensors) -> torch.Tensor:
-    """Per record, ``sum_i (w~_i - T) delta_i`` with ``T`` the mean of ``w~ [R, N]`` over the real passages: the
-    first-order gain of the weights over uniform weights at the same total."""
-    m = data.mask.double()
-    wt = w_tilde.double() * m
-    total = wt.sum(1, keepdim=True) / m.sum(1, keepdim=True)
-    return ((wt - total) * m * data.deltas.double()).sum(1)
-
-
 def totals(w_tilde: torch.Tensor, data: LabelTensors) -> torch.Tensor:
     """The total scale ``T = mean_i w~_i`` of each record (``[R]``)."""
     m = data.mask.double()
     return (w_tilde.double() * m).sum(1) / m.sum(1)
+
+
+def reweighting_gain(w_tilde: torch.Tensor, data: LabelTensors) -> torch.Tensor:
+    """Per record, ``sum_i (w~_i - T) delta_i`` with ``T`` the mean of ``w~ [R, N]`` over the real passages
+    (:func:`totals`): the first-order gain of the weights over uniform weights at the same total."""
+    m = data.mask.double()
+    return ((w_tilde.double() * m - totals(w_tilde, data).unsqueeze(1)) * m * data.deltas.double()).sum(1)
 
 
 def has_measured(data: LabelTensors, metric: str) -> bool:

@@ -436,7 +436,6 @@ class Run:
     val_set: LabelSet | None
     train: LabelTensors
     val: LabelTensors | None
-    split: str
     embedding_model: str
     info: dict[str, Any]
     t_start: float
@@ -485,7 +484,7 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
             "cache_dir": str(cache.dir) if cache is not None else None,
             "skipped": {"labels": len(train_set.skipped), **({"val": len(val_set.skipped)} if val_set else {})},
             "versions": _versions(), "trained_for": trained_for(train_recs)}
-    run = Run(args, out, resume, progress, train_set, val_set, train_t, val_t, how, name, info, t_start,
+    run = Run(args, out, resume, progress, train_set, val_set, train_t, val_t, name, info, t_start,
               time.perf_counter() - t_start)
     if not resume and (out / CHECKPOINT_DIR).exists():
         logger.warning("%s: overwriting the previous run", out)
@@ -588,7 +587,7 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
     metrics: dict[str, Any] = finite_or_none({
         "val" if run.val is not None else "train": report,
         "epochs": len(history), "n_train": len(run.train), "n_val": 0 if run.val is None else len(run.val),
-        "split": run.split, "objective": args.objective,
+        "split": run.info["split"], "objective": args.objective,
         "risk_lambda": args.risk_lambda_for(run.train),
         "kappa": kappa, **({"cv": cv} if cv is not None else {}),
         "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
@@ -599,7 +598,5 @@ def finalise(run: Run, cv: dict[str, Any] | None, controller: FusionController,
                      "total": round(time.perf_counter() - run.t_start, 3)},
     })
     write_json(out / METRICS_NAME, metrics)
-    result = TrainResult(controller, out, metrics, history, len(run.train), 0 if run.val is None else len(run.val),
-                         outputs, report_on)
     logger.info("wrote %s", out)
-    return result
+    return TrainResult(controller, out, metrics, history, metrics["n_train"], metrics["n_val"], outputs, report_on)
