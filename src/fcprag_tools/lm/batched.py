@@ -177,7 +177,8 @@ def _mixture(slot: Any, rows: Sequence[ScoreRow], seq_rows: Sequence[int], mode:
 def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], *, mode: str = "cat",
                batch_size: int = 16, max_tokens: int | None = None, max_new_tokens: int = 32,
                stop_ids: Iterable[int] | None = None, progress: bool = False,
-               mixture: Callable[[Sequence[Sequence[Any]]], ContextManager[Any]] | None = None) -> list[RowScore]:
+               mixture: Callable[[Sequence[Sequence[Any]]], ContextManager[Any]] | None = None,
+               on_progress: Callable[[float], None] | None = None) -> list[RowScore]:
     """Score ``rows`` in batched forwards, each row under its own adapter mixture; one :class:`RowScore` per row.
 
     Rows are packed in order into forwards of at most ``batch_size`` sequences (teacher forcing: one per gold
@@ -189,7 +190,8 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
     ``mixture``: another way to put each sequence under its row's adapters: ``mixture(per-sequence adapter lists)``
     is the context of one forward (e.g. :func:`fcprag_tools.lm.arrow.arrow_routing`); ``slot`` and ``weights`` are
     then unused and a forward's adapters are not limited. A forward that runs out of device memory is run again in
-    halves (:func:`fcprag_tools.lm.oom.halving`, one log line), down to one row.
+    halves (:func:`fcprag_tools.lm.oom.halving`, one log line), down to one row. ``on_progress(share)``: after
+    every forward, the share of this call's work it did (the shares sum to 1).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise FcpragError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -223,15 +225,21 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
 
     alias_lps: list[list[float]] = [[] for _ in rows]
     gens: list[str | None] = [None] * len(rows)
-    with tqdm(total=len(rows) + len(gen_order), unit="row", desc="scoring", disable=not progress,
-              dynamic_ncols=True) as bar:
+    units = len(rows) + len(gen_order)  # a row's teacher-forced pass, and its generation
+
+    def moved(bar: Any, n: int) -> None:
+        bar.update(n)
+        if on_progress is not None:
+            on_progress(n / units)
+
+    with tqdm(total=units, unit="row", desc="scoring", disable=not progress, dynamic_ncols=True) as bar:
         for chunk, vals in halving(list(range(len(rows))), batch_size, teacher_forced, what="scoring forwards",
                                    take=take(tf_cost), measure=lambda c: sum(len(rows[i].gold_ids) for i in c)):
             for i, v in vals:
                 alias_lps[i].append(v)
-            bar.update(len(chunk))
+            moved(bar, len(chunk))
         for chunk, texts in halving(gen_order, batch_size, generated, what="scoring generation", take=take(gen_cost)):
             for i, t in zip(chunk, texts):
                 gens[i] = t
-            bar.update(len(chunk))
+            moved(bar, len(chunk))
     return [RowScore(max(lps), lps, g) for lps, g in zip(alias_lps, gens)]

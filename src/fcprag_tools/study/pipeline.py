@@ -484,16 +484,19 @@ class Study:
                 rows = [scoring.Row(qid, n, [p["pid"] for p in qs[qid]["passages"]], w, prompt)
                         for qid in chunk for n, (prompt, w) in want[qid].items()
                         if not valid(done, qid, n, (prompt, w))]
-                per_row = len(chunk) / max(1, len(rows) + (len(chunk) if oracle else 0))  # the bar moves per batch
+                per_row = len(chunk) / max(1, len(rows) + (len(chunk) if oracle else 0))
+                moved = [0.0]
+
+                def advance(share: float, n_rows: int) -> None:  # after every forward, not once per chunk
+                    bar.update(per_row * n_rows * share)
+                    moved[0] += per_row * n_rows * share
 
                 def run(part: list[scoring.Row]) -> None:
-                    for i in range(0, len(part), self.batch_size):  # score_rows' own batches, in the same order
-                        res = scoring.score(self.model, self.tok, slot, part[i:i + self.batch_size], qs, self.adapter,
-                                            generate=self.o.generate, max_new_tokens=self.o.max_new_tokens,
-                                            batch_size=self.batch_size)
-                        st.append(res)
-                        done.update({r["id"]: r for r in res})
-                        bar.update(per_row * len(res))
+                    res = scoring.score(self.model, self.tok, slot, part, qs, self.adapter, generate=self.o.generate,
+                                        max_new_tokens=self.o.max_new_tokens, batch_size=self.batch_size,
+                                        on_progress=lambda share: advance(share, len(part))) if part else []
+                    st.append(res)
+                    done.update({r["id"]: r for r in res})
 
                 try:
                     run(rows)
@@ -502,6 +505,8 @@ class Study:
                                          self.oracle(done, qid, len(qs[qid]["passages"]))) for qid in chunk])
                 finally:
                     slot.remove()
+                if len(chunk) - moved[0] > 1e-6:
+                    bar.update(len(chunk) - moved[0])
                 bar.n = round(bar.n, 6)
         if arrow_todo:
             per = max(self.o.chunk, self.batch_size)  # many questions per call, batched like the other rows

@@ -66,8 +66,9 @@ def result(row_id: str, logprob: float, generation: str | None, answers: Sequenc
 
 def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[str, dict[str, Any]],
           adapters: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16,
-          batch_size: int = 16) -> list[dict[str, Any]]:
-    """One result per row (``id`` = ``"<qid>|<name>"``, with its prompt, pids and weights), in row order."""
+          batch_size: int = 16, on_progress: Callable[[float], None] | None = None) -> list[dict[str, Any]]:
+    """One result per row (``id`` = ``"<qid>|<name>"``, with its prompt, pids and weights), in row order;
+    ``on_progress``: :func:`~fcprag_tools.lm.batched.score_rows`'."""
     enc = {(q, m): encode(tok, questions[q]["question"], questions[q]["answers"],
                           [p["text"] for p in questions[q]["passages"]] if m == "combine" else None, m)
            for q, m in {(r.qid, r.prompt) for r in rows}}
@@ -78,7 +79,7 @@ def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[
         srows.append(ScoreRow(p_ids, gold, [a for a, _ in keep], [w for _, w in keep],
                               gen_prompt_ids=p_ids if generate else None))
     out = score_rows(model, tok, slot, srows, mode="cat", batch_size=batch_size, max_new_tokens=max_new_tokens,
-                     stop_ids=stop_ids(model, tok))
+                     stop_ids=stop_ids(model, tok), on_progress=on_progress)
     return [result(f"{r.qid}|{r.name}", s.logprob, s.generation, questions[r.qid]["answers"],
                    {"prompt": r.prompt, "pids": r.pids, "w": [round(float(w), 6) for w in r.weights]})
             for r, s in zip(rows, out)]
