@@ -243,8 +243,11 @@ def plain(c: dict[str, Any], dataset: str | None) -> str:
     lead = {"vanilla": "no retrieval at all (the question alone) answers best",
             "standard_rag": "standard RAG (the passages in the prompt, no adapter) answers best"}.get(
         c["row"], f"`{c['row']}` answers best")
-    return f"{where}: {lead}" + (f"; held out: {'; '.join(vs)}" if vs else "") + \
-        f" ({c['n']} held-out questions, {100 * c['level']:.2f}% intervals)"
+    if c["chosen_on"] == "training":
+        return f"{where}: {lead}" + (f"; held out: {'; '.join(vs)}" if vs else "") + \
+            f" ({c['n']} held-out questions, {100 * c['level']:.2f}% intervals)"
+    return f"{where}: {lead}" + (f"; on the same questions: {'; '.join(vs)}" if vs else "") + \
+        f" ({c['n']} questions, {100 * c['level']:.2f}% intervals; chosen on them: descriptive, not a test)"
 
 
 # ----------------------------------------------------------------------------- the whole summary

@@ -127,6 +127,9 @@ def test_with_a_given_controller_the_choice_is_descriptive(tmp_path):
     s, _, _ = build(tmp_path, given=True)
     assert s["verdict"]["what_to_run"]["chosen_on"] == "held-out (descriptive)"
     assert "descriptive, not a test" in (tmp_path / "report.md").read_text()
+    for w in [s["verdict"]["what_to_run"], *s["verdict"]["what_to_run_by_dataset"].values()]:
+        assert "held out" not in w["plain"] and "held-out" not in w["plain"]  # chosen and measured on the same ones
+        assert "chosen on them: descriptive" in w["plain"]
 
 
 def test_subtasks_and_datasets_recomputed(tmp_path):
