@@ -377,9 +377,10 @@ class FusionController(nn.Module):
         finally:
             self.train(was_training)
 
-    def warn_if_unproven(self) -> bool:
+    def warn_if_unproven(self, *, quiet: bool = False) -> bool:
         """Warn once per controller (``UserWarning`` and the log) when its selection-unbiased gain over PRAG's sum
-        (``config.cv``) has a 95% CI not above 0, or was never measured (``cv_folds=0``); returns whether it is."""
+        (``config.cv``) has a 95% CI not above 0, or was never measured (``cv_folds=0``); returns whether it is.
+        ``quiet``: count it as said without saying it (a caller that measures the controller and reports that)."""
         cv = self.config.cv
         unproven = bool(cv) and cv.get("verdict") == "unproven"
         if unproven:
@@ -387,8 +388,11 @@ class FusionController(nn.Module):
             said = "was never compared with PRAG's sum (it was trained without cross-validation, --cv-folds 0)" if \
                 cv.get("gain") is None else (f"was NOT shown to beat PRAG's sum: gain {cv['gain']:+.4g} per record, "
                                              f"95% CI [{lo:+.4g}, {hi:+.4g}] (held-out, selection-unbiased)")
-            self._warn_once("unproven", f"fcprag: controller '{self._name}' {said}; its weights may be no better "
-                            "than uniform")
+            if quiet:
+                self._warned.add("unproven")
+            else:
+                self._warn_once("unproven", f"fcprag: controller '{self._name}' {said}; its weights may be no better "
+                                "than uniform")
         return unproven
 
     @property

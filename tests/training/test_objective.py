@@ -291,3 +291,23 @@ def test_fuse_logs_one_warning_for_an_unproven_controller(tmp_path, adapter_dirs
         fcprag_plugin.clear_caches()
     warned = [r.getMessage() for r in caplog.records if "NOT shown to beat PRAG's sum" in r.getMessage()]
     assert len(warned) == 1 and "95% CI [-0.02, +0.011]" in warned[0]
+
+
+def test_quiet_counts_the_unproven_warning_as_said(caplog):
+    """A caller that measures the controller itself (fcprag study) marks the first-order verdict as said: no
+    warning then or later; the same controller without ``quiet`` warns."""
+    import dataclasses
+    import warnings
+
+    def unproven():
+        c = FusionController(embed_dim=16, score_hidden=[8], calib_hidden=8)
+        c.config = dataclasses.replace(c.config, cv={"gain": -0.004, "ci95": [-0.02, 0.011], "verdict": "unproven"})
+        return c
+
+    quiet, loud = unproven(), unproven()
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert quiet.warn_if_unproven(quiet=True) and quiet.warn_if_unproven()
+        assert not seen and not any("NOT shown" in r.getMessage() for r in caplog.records)
+        assert loud.warn_if_unproven()
+    assert len(seen) == 1 and "NOT shown to beat PRAG's sum" in str(seen[0].message)

@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -38,12 +37,12 @@ from fcprag_plugin.fileio import write_json
 from ..lm.shard import ShardInfo, init_process_group, shard_from_env
 from . import adapters as ad
 from . import data, preflight, scoring, summary
+from .summary import SETTINGS, suffix
 from .augment import augment_batch, forward_steps
 from ..lm.units import UnitStore, log_timing
 
 logger = logging.getLogger(__name__)
 W_TOL = 1e-5
-SETTINGS = ("param", "combine")  # PRAG's prompt (question only) and the paper's Combine (passages in it too)
 
 
 @dataclass
@@ -158,15 +157,16 @@ class Study:
                                                          "{rate_fmt}{postfix}]")
 
     @staticmethod
-    def inside(bar: Any, units: int, steps: int) -> tuple[Any, Any]:
-        """``(step, finish)``: ``step()`` moves ``bar`` by ``units / steps`` (one of about ``steps`` model forwards
-        of a batch of ``units``), never to the batch's end; ``finish()`` at the batch's end moves it the rest."""
+    def inside(bar: Any, units: int, steps: float) -> tuple[Any, Any]:
+        """``(step, finish)``: ``step(k=1)`` moves ``bar`` by ``k * units / steps`` (``k`` of about ``steps`` model
+        forwards, or rows, of a batch of ``units``), never to the batch's end; ``finish()`` at the batch's end moves
+        it the rest."""
         per, moved = units / max(steps, 1), [0.0]
 
-        def step() -> None:
-            if moved[0] + per < units:
-                bar.update(per)
-                moved[0] += per
+        def step(k: float = 1.0) -> None:
+            if moved[0] + per * k < units:
+                bar.update(per * k)
+                moved[0] += per * k
 
         def finish() -> None:
             bar.update(units - moved[0])
@@ -484,17 +484,13 @@ class Study:
                 rows = [scoring.Row(qid, n, [p["pid"] for p in qs[qid]["passages"]], w, prompt)
                         for qid in chunk for n, (prompt, w) in want[qid].items()
                         if not valid(done, qid, n, (prompt, w))]
-                per_row = len(chunk) / max(1, len(rows) + (len(chunk) if oracle else 0))
-                moved = [0.0]
-
-                def advance(share: float, n_rows: int) -> None:  # after every forward, not once per chunk
-                    bar.update(per_row * n_rows * share)
-                    moved[0] += per_row * n_rows * share
+                # the bar moves after every forward: a share of a call is that share of its rows
+                step, finish = self.inside(bar, len(chunk), len(rows) + (len(chunk) if oracle else 0))
 
                 def run(part: list[scoring.Row]) -> None:
                     res = scoring.score(self.model, self.tok, slot, part, qs, self.adapter, generate=self.o.generate,
                                         max_new_tokens=self.o.max_new_tokens, batch_size=self.batch_size,
-                                        on_progress=lambda share: advance(share, len(part))) if part else []
+                                        on_progress=lambda share: step(share * len(part))) if part else []
                     st.append(res)
                     done.update({r["id"]: r for r in res})
 
@@ -505,9 +501,7 @@ class Study:
                                          self.oracle(done, qid, len(qs[qid]["passages"]))) for qid in chunk])
                 finally:
                     slot.remove()
-                if len(chunk) - moved[0] > 1e-6:
-                    bar.update(len(chunk) - moved[0])
-                bar.n = round(bar.n, 6)
+                finish()
         if arrow_todo:
             per = max(self.o.chunk, self.batch_size)  # many questions per call, batched like the other rows
             with self.bar("arrow", len(arrow_todo), 0, "q") as bar:
@@ -543,15 +537,8 @@ class Study:
             {s: self.train(self.labels(qs, s), s) for s in SETTINGS}
         ctrls = {s: FusionController.from_pretrained(d).eval() for s, d in dirs.items()}
         if not self.o.controller:  # its first-order training verdict is not news: the study measures it held out
-            controller_log = logging.getLogger("fcprag_plugin.controller")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                controller_log.disabled = True
-                try:
-                    for c in ctrls.values():
-                        c.warn_if_unproven()  # said once per controller: now, to nobody
-                finally:
-                    controller_log.disabled = False
+            for c in ctrls.values():
+                c.warn_if_unproven(quiet=True)
         return ctrls, dirs
 
     def run(self) -> dict[str, Any] | None:
@@ -655,11 +642,6 @@ class Study:
                 write_json(tmp / "train_question_ids.json", {"ids": train_ids})
 
         write_dir_atomically(self.out / ("controller" + suffix(setting)), save)
-
-
-def suffix(setting: str) -> str:
-    """A row's or file's name suffix for ``setting``: none for ``param`` (PRAG's), ``_combine``."""
-    return "" if setting == "param" else f"_{setting}"
 
 
 def run_study(opts: StudyOptions) -> dict[str, Any] | None:

@@ -176,9 +176,7 @@ def check_device(device: str, dtype: str, local_rank: int = 0) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise FcpragError(f"--device {device}: CUDA is not available on this machine; use --device cpu (or auto)")
     dev = resolve_device(device, local_rank)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise FcpragError(f"--device {device}: CUDA is not available on this machine; use --device cpu (or auto)")
+    if dev.type == "cuda":  # available: "cuda..." was checked above, and auto picks CUDA only when it is there
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
             raise FcpragError(f"--device {device}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
@@ -262,7 +260,7 @@ def finished(o: Any) -> dict[str, Any] | None:
     if check_summary(s) or any(out.glob("*.part*-of*.jsonl")):
         return None
     inputs = [p for p in out.glob("*.jsonl") if p.name != "timings.jsonl"]
-    inputs += [out / SETTINGS, out / "train" / "done.json"]
+    inputs += [out / SETTINGS, *out.glob("train/done*.json")]  # each setting's trained-controller marker
     inputs += [p for p in Path(o.controller).rglob("*") if p.is_file()] if o.controller else []
     return None if any(p.is_file() and p.stat().st_mtime > made for p in inputs) else s
 

@@ -28,15 +28,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fcprag_plugin.fileio import write_atomic, write_json
-from fcprag_plugin.training import SHIPS
-from fcprag_plugin.training import Z95
+from fcprag_plugin.training import SHIPS, Z95
 from .stats import paired
 
 logger = logging.getLogger(__name__)
 
 METRICS = ("logprob", "f1", "em", "acc")
 STUDY_SHIPS = tuple(s for s in SHIPS if s != "query_scale")  # what a study ships (no per-query scale is measured)
-SETTINGS = ("param", "combine")
+SETTINGS = ("param", "combine")  # PRAG's prompt (the question only) and the paper's Combine (passages in it too)
 # the rows a PRAG user compares (the paper's table), in this order; the candidates of "what to run" first
 CANDIDATES = ("vanilla", "standard_rag", "prag_sum", "prag_sum_combine", "recommended", "recommended_combine")
 TABLE_ROWS = (*CANDIDATES, "random_controller", "random_controller_combine")
@@ -47,6 +46,7 @@ SMALL_TEST = 30  # fewer held-out questions: the report warns that its intervals
 
 
 def suffix(setting: str) -> str:
+    """A row's or file's name suffix for ``setting``: none for ``param`` (PRAG's), ``_combine``."""
     return "" if setting == "param" else f"_{setting}"
 
 
@@ -243,11 +243,11 @@ def plain(c: dict[str, Any], dataset: str | None) -> str:
     lead = {"vanilla": "no retrieval at all (the question alone) answers best",
             "standard_rag": "standard RAG (the passages in the prompt, no adapter) answers best"}.get(
         c["row"], f"`{c['row']}` answers best")
-    if c["chosen_on"] == "training":
-        return f"{where}: {lead}" + (f"; held out: {'; '.join(vs)}" if vs else "") + \
-            f" ({c['n']} held-out questions, {100 * c['level']:.2f}% intervals)"
-    return f"{where}: {lead}" + (f"; on the same questions: {'; '.join(vs)}" if vs else "") + \
-        f" ({c['n']} questions, {100 * c['level']:.2f}% intervals; chosen on them: descriptive, not a test)"
+    held = c["chosen_on"] == "training"  # else chosen and measured on the same questions: descriptive
+    measured = "held out" if held else "on the same questions"
+    n = f"{c['n']} held-out questions" if held else f"{c['n']} questions"
+    return f"{where}: {lead}" + (f"; {measured}: {'; '.join(vs)}" if vs else "") + \
+        f" ({n}, {100 * c['level']:.2f}% intervals{'' if held else '; chosen on them: descriptive, not a test'})"
 
 
 # ----------------------------------------------------------------------------- the whole summary
