@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import logging
-import sys
 from typing import Any, Iterator
 
 from fcprag_plugin.errors import FcpragError

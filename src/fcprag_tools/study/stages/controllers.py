@@ -25,7 +25,7 @@ def build_labels(run: StudyRun, opts: StudyOptions, qs: Questions, setting: str 
     """Leave-one-out and scale labels of the training questions in ``setting``'s prompt (``labels.jsonl``,
     ``labels_combine.jsonl``). The Combine labels skip the greedy answers: the trainer learns from the gold
     log-lik., and answers under the long Combine prompt would cost as much as the labels themselves."""
-    from ...label_builder.builder import BuildOptions, LabelBuilder, build_labels as label
+    from ...label_builder.builder import BuildOptions, LabelBuilder, build_labels as build_label_file
     from ...label_builder.manifest import ManifestRecord
 
     t0 = time.perf_counter()
@@ -48,7 +48,7 @@ def build_labels(run: StudyRun, opts: StudyOptions, qs: Questions, setting: str 
                              scales=(1.0, *sorted(opts.scales)), model_name=opts.model)
         builder = LabelBuilder(run.model, run.tok, build)
         try:
-            label(mine, builder, st.target, progress=run.progress, desc=name, position=run.shard.rank)
+            build_label_file(mine, builder, st.target, progress=run.progress, desc=name, position=run.shard.rank)
         finally:
             builder.close()
     run.barrier(name)

@@ -31,6 +31,6 @@ def retrieve_questions(run: StudyRun, sel: Selection, top_k: int) -> Questions:
     run.barrier("questions")
     rows = st.done()
     run.timed("retrieval", t0, questions=len(todo))
-    # rows cached before datasets were recorded take them from the question files
+    # a cached row without a dataset or subtask takes them from the question files
     return {q["id"]: {"dataset": q["dataset"], "subtask": q["subtask"], **rows[q["id"]]} for q in qs}
 
