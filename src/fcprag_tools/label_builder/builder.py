@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.controller import FusionController
@@ -30,6 +29,7 @@ from .errors import LabelBuildError
 from .manifest import ManifestRecord
 from ..lm.metrics import SCORINGS, answer_logprob, greedy_generate, score_generation
 from ..lm.prompts import PROMPT_MODES, EncodedPrompt, PromptTemplate, answer_ids, render_prompt
+from ..progress import progress_bar
 from ..lm.store import JsonlAppender, done_ids, read_label_lines
 
 logger = logging.getLogger(__name__)
@@ -462,8 +462,8 @@ def build_labels(records: Iterable[ManifestRecord], builder: LabelBuilder, out: 
     failed: list[tuple[str, str]] = []
     written = 0
     t0 = time.perf_counter()
-    with JsonlAppender(out) as app, tqdm(total=len(records), initial=done_before, unit="rec", desc=desc,
-                                         disable=not progress, dynamic_ncols=True, position=position) as bar:
+    with JsonlAppender(out) as app, progress_bar(desc, len(records), unit="rec", initial=done_before,
+                                                 enabled=progress, position=position) as bar:
         for group in groups:
             for rec, label in zip(group, _outcomes(builder, group, batched)):
                 if rec.id in present:  # evaluated again only for its group's sake (batched resume)

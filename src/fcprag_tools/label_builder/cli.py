@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..options import check_out_file, positive_int
+from ..options import add_model_flags, check_out_file, positive_int
 from fcprag_plugin.errors import FcpragError, LabelFileError
 from ..lm.metrics import SCORINGS
 
@@ -144,11 +144,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "'accelerate launch' to shard the records over processes.")
     b.add_argument("manifest", help="JSON Lines manifest (id, question, answer, passages, adapters)")
     b.add_argument("--out", required=True, help="label file (JSON Lines); resumed if it exists")
-    b.add_argument("--model", required=True, help="transformers model name or path (the GGUF folder with --gguf-file)")
-    b.add_argument("--gguf-file", dest="gguf_file", help="GGUF file name inside --model")
+    add_model_flags(b, required=True)
     b.add_argument("--tokenizer", help="tokenizer name or path (default: the model's)")
-    b.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    b.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto/cuda: the local rank's GPU)")
     b.add_argument("--prompt-mode", dest="prompt_mode", default="param", choices=["param", "combine"],
                    help="param: question only; combine: passages also in the context")
     b.add_argument("--prompt-template", dest="prompt_template", help="JSON file overriding prompt texts")

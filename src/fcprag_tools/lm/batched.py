@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from fcprag_plugin.errors import FcpragError, MergeError
 from .mixed import adapter_key
 from .metrics import model_device
 from .oom import halving
+from ..progress import progress_bar
 
 _KEEP_ARG: dict[type, str | None] = {}
 
@@ -232,7 +232,7 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
         if on_progress is not None:
             on_progress(n / units)
 
-    with tqdm(total=units, unit="row", desc="scoring", disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar("scoring", units, unit="row", enabled=progress) as bar:
         for chunk, vals in halving(list(range(len(rows))), batch_size, teacher_forced, what="scoring forwards",
                                    take=take(tf_cost), measure=lambda c: sum(len(rows[i].gold_ids) for i in c)):
             for i, v in vals:

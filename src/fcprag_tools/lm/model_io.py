@@ -34,14 +34,27 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
         raise FcpragError(f"--device {device!r}: not a torch device ({e})") from None
 
 
-def resolve_dtype(dtype: str) -> torch.dtype | None:
-    """``auto`` keeps what the checkpoint loads as (None)."""
+def auto_dtype(device: torch.device | str) -> torch.dtype:
+    """``--dtype auto``'s one rule, the same on every transformers (whose own default is float32 on 4.x and the
+    checkpoint's dtype on 5.x): bfloat16 on CUDA (half the memory of float32, the type GPUs run fast), float32
+    anywhere else (a CPU computes bfloat16 slowly and with rounded log-likelihoods)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
+    """``--dtype`` as the dtype the model is loaded in on ``device``: ``auto`` by :func:`auto_dtype`; an unknown
+    name is a one-line :class:`FcpragError`."""
     if dtype == "auto":
-        return None
+        return auto_dtype(device)
     try:
         return DTYPES[dtype]
     except KeyError:
         raise FcpragError(f"--dtype {dtype!r}: expected one of {['auto', *DTYPES]}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (as a settings file records it)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def looks_like_path(name: str) -> bool:
@@ -298,8 +311,8 @@ def quiet_loading(quiet: bool = True, gguf: bool = False) -> Iterator[None]:
 def load_model(name_or_path: str, *, gguf_file: str | None = None, tokenizer: str | None = None,
                dtype: str = "auto", device: str = "auto", local_rank: int = 0, progress: bool = True
                ) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` in eval mode on the chosen device (``smollm2``: the offline SmolLM2,
-    :func:`resolve_model`). A tokenizer without a pad token gets EOS. ``progress=False``: no loading progress bars
+    """Load ``(model, tokenizer)`` in eval mode on the chosen device, in ``dtype`` (:func:`resolve_dtype`; ``auto``:
+    float32 on a CPU, bfloat16 on CUDA) (``smollm2``: the offline SmolLM2, :func:`resolve_model`). A tokenizer without a pad token gets EOS. ``progress=False``: no loading progress bars
     (:func:`quiet_loading`)."""
     if is_smollm2(name_or_path):
         name_or_path, gguf_file, _ = resolve_model(name_or_path, gguf_file)
@@ -313,10 +326,10 @@ def _load_model(name_or_path: str, *, gguf_file: str | None, tokenizer: str | No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device, local_rank)
-    td = resolve_dtype(dtype)
+    td = resolve_dtype(dtype, dev)
     # transformers >= 4.56 names it `dtype` (and warns at `torch_dtype`); the pins (4.44, 4.49) know only `torch_dtype`
     key = "dtype" if package_version("transformers") >= Version("4.56") else "torch_dtype"
-    kwargs: dict[str, Any] = {} if td is None else {key: td}
+    kwargs: dict[str, Any] = {key: td}
     try:
         if gguf_file:
             model, tok = load_gguf_causal_lm(name_or_path, gguf_file, **kwargs)

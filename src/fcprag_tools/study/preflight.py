@@ -1,12 +1,12 @@
 """``fcprag study``'s checks before any work: every input is read or probed once, here, before the study folder is
 created, so that a mistake ends in one line naming the option (exit 2) with nothing written.
 
-What is checked, in order (:func:`check`): the model's name (``smollm2`` or none: the packaged offline SmolLM2,
-:func:`fcprag_tools.lm.model_io.resolve_model`), ``--out`` (:func:`check_out`: new, empty, or a study folder whose
-recorded settings match; never a folder of other files, never a file), the question files (readable UTF-8, parsed
-by :func:`.data.read_question_files`), the questions the study takes (:func:`select_questions`: a controller's
-training ids left out, ``--limit``, passages or ``--retrieval``, ``--train-ids``), ``--device`` / ``--dtype``,
-``--controller`` (a saved controller), the embedding model (``--encoder``, the controller's, or the library's
+What is checked, in order (:func:`check`): each option on its own (:meth:`.options.StudyOptions.validate`), the
+model's name (``smollm2`` or none: the packaged offline SmolLM2, :func:`fcprag_tools.lm.model_io.resolve_model`),
+``--device`` / ``--dtype``, ``--out`` (:func:`check_out`: new, empty, or a study folder whose recorded settings
+match; never a folder of other files, never a file), the question files (readable UTF-8, parsed by
+:func:`.data.read_question_files`), the questions the study takes (:func:`select_questions`: a controller's
+training ids left out, ``--limit``, passages or ``--retrieval``, ``--train-ids``), ``--controller`` (a saved controller), the embedding model (``--encoder``, the controller's, or the library's
 default: available offline), and the model (config and tokenizer, or a GGUF file's header, without the weights; it
 has the Linear layers PRAG's LoRA recipe targets).
 """
@@ -23,7 +23,9 @@ from typing import Any
 import torch
 
 from fcprag_plugin.errors import FcpragError
+from ..lm.shard import ShardInfo
 from . import data
+from .options import StudyOptions
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +50,25 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def settings_of(o: Any) -> dict[str, Any]:
-    """What ``OUT/settings.json`` records for options ``o`` (a :class:`.pipeline.StudyOptions`)."""
+def resolved_dtype(o: StudyOptions, local_rank: int = 0) -> str:
+    """The dtype the model is loaded in (``--dtype auto``: :func:`fcprag_tools.lm.model_io.auto_dtype` on the
+    device this process uses), as ``settings.json`` records it."""
+    from ..lm.model_io import dtype_name, resolve_device, resolve_dtype
+
+    return dtype_name(resolve_dtype(o.dtype, resolve_device(o.device, local_rank)))
+
+
+def settings_of(o: StudyOptions, local_rank: int = 0) -> dict[str, Any]:
+    """What ``OUT/settings.json`` records for options ``o`` on the process of ``local_rank`` (its dtype resolved:
+    the same numbers whether ``auto`` or the dtype it means was given)."""
     import hashlib
 
-    shas = [_sha256(Path(q)) for q in o.questions]  # one file: its own sha256 (as before several were read)
+    shas = [_sha256(Path(q)) for q in o.questions]  # one file: its own sha256 (what `sha256sum FILE` prints)
     return {"questions": [str(Path(q).resolve()) for q in o.questions] if len(o.questions) > 1
             else str(Path(o.questions[0]).resolve()),
             "questions_sha256": shas[0] if len(shas) == 1 else hashlib.sha256(" ".join(shas).encode()).hexdigest(),
-            "model": o.model, "model_name": o.model_name or o.model, "gguf_file": o.gguf_file, "dtype": o.dtype,
+            "model": o.model, "model_name": o.model_name or o.model, "gguf_file": o.gguf_file,
+            "dtype": resolved_dtype(o, local_rank),
             "top_k": o.top_k,
             "retrieval": None if o.retrieval is None else _sha256(Path(o.retrieval)),
             "train_ids": None if o.train_ids is None else _sha256(Path(o.train_ids)),
@@ -92,7 +104,7 @@ def _inside(path: Path, folder: Path) -> bool:
         return False
 
 
-def check_out(o: Any, *, contents: bool = True) -> bool:
+def check_out(o: StudyOptions, *, contents: bool = True, local_rank: int = 0) -> bool:
     """``--out`` is the study's own folder: new (its parent writable), empty, or an earlier study's whose recorded
     settings match (returns True: a resume). A file, a folder of other files, or an input inside it is refused.
     ``contents=False`` (ranks other than 0 under a launcher, while rank 0 may be creating it): only the inputs."""
@@ -124,11 +136,11 @@ def check_out(o: Any, *, contents: bool = True) -> bool:
         raise FcpragError(f"--out {out}: the folder is not writable")
     if not names:
         return False
-    compare_settings(out, recorded_settings(out), settings_of(o))
+    compare_settings(out, recorded_settings(out), settings_of(o, local_rank))
     return True
 
 
-def select_questions(o: Any) -> Selection:
+def select_questions(o: StudyOptions) -> Selection:
     """The questions the study takes: every file's (:func:`.data.read_question_files`), less those a given
     controller was trained on (its ``train_question_ids.json``), the first ``--limit``; with their passages (or
     ``--retrieval``'s) and the held-out ids (all with ``--controller``, ``--train-ids``' complement, or the seeded
@@ -172,10 +184,10 @@ def check_device(device: str, dtype: str, local_rank: int = 0) -> None:
     """``--device`` names a device this machine has, ``--dtype`` a known dtype."""
     from ..lm.model_io import resolve_device, resolve_dtype
 
-    resolve_dtype(dtype)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise FcpragError(f"--device {device}: CUDA is not available on this machine; use --device cpu (or auto)")
     dev = resolve_device(device, local_rank)
+    resolve_dtype(dtype, dev)
     if dev.type == "cuda":  # available: "cuda..." was checked above, and auto picks CUDA only when it is there
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
@@ -199,7 +211,7 @@ def _encoder_available(name: str | None, what: str) -> None:
         raise FcpragError(f"{what}: {not_local_message(resolved)}")
 
 
-def check_controller_and_encoder(o: Any) -> None:
+def check_controller_and_encoder(o: StudyOptions) -> None:
     """``--controller`` is a saved controller; the embedding model the study will use is available offline."""
     ctrl = None
     if o.controller:
@@ -220,7 +232,7 @@ def check_controller_and_encoder(o: Any) -> None:
         _encoder_available(None, "the default embedding model (--encoder)")
 
 
-def check_model(o: Any) -> None:
+def check_model(o: StudyOptions) -> None:
     """The model loads here (config and tokenizer, or the GGUF header) and has PRAG's LoRA target layers."""
     from ..lm.model_io import check_model_offline
     from .adapters import LORA
@@ -232,7 +244,7 @@ def check_model(o: Any) -> None:
                           "recipe targets; choose a model with a gated MLP (Llama, Qwen2, Mistral, ...)")
 
 
-def resolve(o: Any) -> None:
+def resolve(o: StudyOptions) -> None:
     """``--model`` (``smollm2`` or none: the packaged offline SmolLM2, said in one line) and ``--gguf-file`` as what
     is loaded, in place."""
     from ..lm.model_io import SMOLLM2, resolve_model
@@ -244,7 +256,7 @@ def resolve(o: Any) -> None:
         logger.info("%s", note)
 
 
-def finished(o: Any) -> dict[str, Any] | None:
+def finished(o: StudyOptions) -> dict[str, Any] | None:
     """A finished study's ``summary.json`` when nothing it was built from changed since (a complete summary newer
     than every stage cache and the recorded settings, no unmerged part file, a given controller's files older too),
     else None. Options outside :data:`FIXED` (``--encoder``, ``--no-arrow``) are not compared: deleting
@@ -275,23 +287,23 @@ class Checked:
     selection: Selection | None
 
 
-def check(o: Any, *, rank: int = 0, local_rank: int = 0, distributed: bool = False) -> Checked:
+def check(o: StudyOptions, *, rank: int = 0, local_rank: int = 0, distributed: bool = False) -> Checked:
     """Every check before the study folder is created (see the module), at the first mistake a one-line
     :class:`FcpragError`. A finished study (:func:`finished`) is not checked further: nothing will run."""
     o.validate()
     resolve(o)
-    resume = check_out(o, contents=rank == 0 or not distributed)
+    check_device(o.device, o.dtype, local_rank)  # before --out: a resume compares the dtype it resolves
+    resume = check_out(o, contents=rank == 0 or not distributed, local_rank=local_rank)
     done = finished(o)
     if done is not None:
         return Checked(True, done, None)
     sel = select_questions(o)
-    check_device(o.device, o.dtype, local_rank)
     check_controller_and_encoder(o)
     check_model(o)
     return Checked(resume, None, sel)
 
 
-def set_threads(o: Any, shard: Any) -> int:
+def set_threads(o: StudyOptions, shard: ShardInfo) -> int:
     """Set torch's CPU threads (:func:`fcprag_tools.lm.model_io.choose_threads`: ``--threads``, else
     ``$OMP_NUM_THREADS``, else the free cores); on a CPU, one line says how many and why."""
     from ..lm.model_io import choose_threads, resolve_device

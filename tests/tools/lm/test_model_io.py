@@ -100,3 +100,44 @@ def test_build_no_progress_writes_nothing_to_stderr(world, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert "1 written" in proc.stdout and out.exists()
+
+
+def test_dtype_auto_is_float32_on_a_cpu_and_bfloat16_on_cuda():
+    import torch
+
+    from fcprag_plugin.errors import FcpragError
+    from fcprag_tools.lm.model_io import dtype_name, resolve_dtype
+
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype("auto", torch.device("cuda:1")) is torch.bfloat16  # no GPU needed: the rule alone
+    assert resolve_dtype("auto", "meta") is torch.float32  # any other device: float32
+    assert resolve_dtype("fp16", "cpu") is torch.float16 and resolve_dtype("bfloat16", "cuda") is torch.bfloat16
+    assert dtype_name(resolve_dtype("bf16", "cpu")) == "bfloat16"
+    with pytest.raises(FcpragError, match="--dtype 'half': expected one of"):
+        resolve_dtype("half", "cpu")
+
+
+def test_dtype_auto_loads_a_bfloat16_checkpoint_in_float32_on_a_cpu(tmp_path):
+    """The rule, not the stack's default (transformers 5 would keep the checkpoint's bfloat16)."""
+    import torch
+
+    from helpers import tiny_model, tiny_tokenizer
+
+    tiny_model().to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tiny_tokenizer().save_pretrained(tmp_path / "bf16")
+    model, _ = load_model(str(tmp_path / "bf16"), device="cpu", progress=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    model, _ = load_model(str(tmp_path / "bf16"), device="cpu", dtype="bfloat16", progress=False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_labels_and_study_share_the_model_flags():
+    from helpers import cli_leaves, options
+
+    flags = ("--model", "--gguf-file", "--dtype", "--device")
+    seen = {words: {a.option_strings[0]: (a.help, a.default) for a in options(p) if a.option_strings and a.option_strings[0] in flags}
+            for words, p in cli_leaves() if words in (("labels", "build"), ("study",))}
+    build, study = seen[("labels", "build")], seen[("study",)]
+    assert set(build) == set(study) == set(flags)
+    assert all(build[f] == study[f] for f in flags[1:])  # --model differs only in being optional for the study
+    assert "float32 on a CPU, bfloat16 on CUDA" in study["--dtype"][0]

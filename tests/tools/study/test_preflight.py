@@ -13,8 +13,11 @@ import torch
 
 from fcprag_tools.cli import main
 from fcprag_tools.lm import model_io
-from fcprag_tools.study import data, pipeline, preflight
-from fcprag_tools.study.pipeline import Study
+from fcprag_tools.lm.shard import ShardInfo
+from fcprag_tools.progress import moves_inside
+from fcprag_tools.study import StudyOptions, data, preflight, summary
+from fcprag_tools.study.run import StudyRun
+from fcprag_tools.study.stages import augmentation
 
 FAST = ["--top-k", "2", "--scales", "2", "--max-new-tokens", "2", "--test-fraction", "0.5", "--epochs", "1",
         "--no-progress", "--device", "cpu"]
@@ -37,7 +40,7 @@ def no_work(monkeypatch):
     def never(*a, **k):
         raise AssertionError("a stage started before the mistake was reported")
 
-    monkeypatch.setattr(Study, "load_model", never)
+    monkeypatch.setattr(StudyRun, "load_model", never)
     monkeypatch.setattr(data, "retrieve", never)
 
 
@@ -210,7 +213,7 @@ def test_a_killed_study_resumes_saying_what_it_kept_and_a_finished_one_answers_a
     argv = ["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--aug-batch", "2",
             *FAST]
     with monkeypatch.context() as m:
-        _interrupt_second(m, pipeline, "augment_batch")
+        _interrupt_second(m, augmentation, "augment_batch")
         assert main(argv) == 130
     err = capsys.readouterr().err
     assert "fcprag study: interrupted; everything finished is kept under --out" in err
@@ -224,7 +227,7 @@ def test_a_killed_study_resumes_saying_what_it_kept_and_a_finished_one_answers_a
     # finished: the same command again neither loads the model nor rebuilds the summary, and changes nothing
     before = snapshot(out)
     with monkeypatch.context() as m:
-        for obj, name in ((Study, "load_model"), (pipeline.summary, "finish"), (model_io, "load_model"),
+        for obj, name in ((StudyRun, "load_model"), (summary, "finish"), (model_io, "load_model"),
                           (preflight, "check_model")):
             m.setattr(obj, name, lambda *a, **k: pytest.fail("a finished study loaded or rebuilt something"))
         assert main(argv) == 0
@@ -235,8 +238,7 @@ def test_a_killed_study_resumes_saying_what_it_kept_and_a_finished_one_answers_a
     assert snapshot(out) == before
     # a cache newer than the summary (more work was appended): not complete any more
     os.utime(out / "eval.jsonl", ns=((out / "summary.json").stat().st_mtime_ns + 10**9,) * 2)
-    assert preflight.finished(pipeline.StudyOptions(questions=[tiny_study["questions"]], model=None,
-                                                    out=str(out))) is None
+    assert preflight.finished(StudyOptions(questions=[tiny_study["questions"]], model=None, out=str(out))) is None
 
 
 def test_progress_moves_inside_a_batch(tiny_study):
@@ -244,11 +246,10 @@ def test_progress_moves_inside_a_batch(tiny_study):
     before it ends; a forward hook only counts."""
     from fcprag_tools.study.augment import augment_batch
 
-    from fcprag_tools.study.pipeline import StudyOptions
-
-    study = Study(StudyOptions(questions=tiny_study["questions"], model=tiny_study["model"],
-                               out=str(tiny_study["root"] / "p"), progress=False))
-    study.load_model()
+    opts = StudyOptions(questions=tiny_study["questions"], model=tiny_study["model"], out=str(tiny_study["root"] / "p"),
+                        progress=False)
+    study = StudyRun(tiny_study["root"] / "p", progress=False)
+    study.load_model(opts)
     seen = []
 
     class Bar:
@@ -259,7 +260,7 @@ def test_progress_moves_inside_a_batch(tiny_study):
             seen.append(self.n)
 
     bar = Bar()
-    step, finish = study.inside(bar, 2, 6)
+    step, finish = moves_inside(bar, 2, 6)
     items = [("a", "paris: the city on the seine ."), ("b", "rome: the city in italy .")]
     rows = augment_batch(study.model, study.tok, items, 6, on_step=step)
     assert len(seen) >= 2 and all(0 < x < 2 for x in seen)  # moved inside the batch, never to its end
@@ -269,11 +270,10 @@ def test_progress_moves_inside_a_batch(tiny_study):
 
 
 def test_threads_follow_the_option_the_environment_or_the_free_cores(tiny_study, monkeypatch):
-    opts = pipeline.StudyOptions(questions=tiny_study["questions"], model=tiny_study["model"], out="x", threads=1,
-                                 device="cpu")
+    opts = StudyOptions(questions=tiny_study["questions"], model=tiny_study["model"], out="x", threads=1, device="cpu")
     was = torch.get_num_threads()
     try:
-        assert preflight.set_threads(opts, pipeline.ShardInfo()) == 1 and torch.get_num_threads() == 1
+        assert preflight.set_threads(opts, ShardInfo()) == 1 and torch.get_num_threads() == 1
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         assert model_io.choose_threads(2) == (2, "--threads")  # the option wins
         assert model_io.choose_threads() == (3, "$OMP_NUM_THREADS")
@@ -313,8 +313,8 @@ def test_a_study_without_model_runs_offline_on_the_packaged_smollm2(tmp_path, ca
     rows = [json.loads(x) for x in shared.read_text(encoding="utf-8").splitlines()[:2]]
     q = tmp_path / "two.jsonl"
     q.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    real = pipeline.augment_batch
-    monkeypatch.setattr(pipeline, "augment_batch", lambda m, t, items, n, **k: real(m, t, items, min(n, 8), **k))
+    real = augmentation.augment_batch
+    monkeypatch.setattr(augmentation, "augment_batch", lambda m, t, items, n, **k: real(m, t, items, min(n, 8), **k))
     out = tmp_path / "study"
     rc = main(["study", str(q), "--out", str(out), "--top-k", "1", "--scales", "2", "--max-new-tokens", "2",
                "--test-fraction", "0.5", "--epochs", "1", "--no-arrow", "--no-progress", "--threads", "1"])

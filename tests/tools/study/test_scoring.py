@@ -11,7 +11,7 @@ from fcprag_plugin.merge import merge_adapters
 from fcprag_plugin.slot import FusedSlot
 from fcprag_tools.lm.metrics import answer_logprob, extract_answer, f1_score, greedy_generate
 from fcprag_tools.study import scoring, stats
-from fcprag_tools.study.pipeline import Study
+from fcprag_tools.study.stages.rows import oracle
 from helpers import assert_bit_identical, make_adapter_dir, tiny_model, tiny_tokenizer
 
 
@@ -43,7 +43,7 @@ def test_mixed_batch_rows_equal_each_row_alone(tmp_path):
 
 def test_oracle_weights_follow_the_leave_one_out_deltas():
     done = {"q|prag_sum": {"logprob": -1.0}, "q|loo:0": {"logprob": -1.5}, "q|loo:1": {"logprob": -0.9}}
-    w = Study.oracle(done, "q", 2)
+    w = oracle(done, "q", 2)
     ref = 2 * torch.softmax(torch.tensor([0.5, -0.1]) / 0.1, 0)
     assert w == pytest.approx(ref.tolist(), abs=1e-6) and sum(w) == pytest.approx(2)
 

@@ -10,7 +10,11 @@ from fcprag_plugin.errors import FcpragError
 from fcprag_tools.cli import main
 from fcprag_tools.study import StudyOptions, check_summary, run_study
 from fcprag_tools.study import adapters as ad
-from fcprag_tools.study import pipeline, scoring, summary
+from fcprag_tools.study import preflight, scoring, summary
+from fcprag_tools.study.run import StudyRun
+from fcprag_tools.study.stages import augmentation
+from fcprag_tools.study.stages.controllers import warn_if_too_few
+from fcprag_tools.study.stages.retrieval import retrieve_questions
 from helpers import hash_encoder
 
 FAST = dict(top_k=2, scales=(2.0, 4.0), max_new_tokens=3, aug_max_new_tokens=6, progress=False, test_fraction=0.5,
@@ -26,7 +30,7 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
     from fcprag_plugin import FusionController
 
     moves: dict[str, list[float]] = {}  # every move of every bar, by stage
-    bar = pipeline.Study.bar
+    bar = StudyRun.bar
 
     def recording(self, stage, *a, **k):
         b = bar(self, stage, *a, **k)
@@ -34,7 +38,7 @@ def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controlle
         b.update = lambda n=1: (moves.setdefault(stage, []).append(n), update(n))[1]
         return b
 
-    monkeypatch.setattr(pipeline.Study, "bar", recording)
+    monkeypatch.setattr(StudyRun, "bar", recording)
     out = tiny_study["root"] / "cli"
     rc = main(["study", tiny_study["questions"], "--model", tiny_study["model"], "--out", str(out), "--top-k", "2",
                "--scales", "2,4", "--max-new-tokens", "3", "--test-fraction", "0.5", "--epochs", "2",
@@ -114,7 +118,7 @@ def _interrupt_at(monkeypatch, module, name, call):
     return calls
 
 
-@pytest.mark.parametrize("module,name,call", [(pipeline, "augment_batch", 2), (ad, "train_stacked", 3),
+@pytest.mark.parametrize("module,name,call", [(augmentation, "augment_batch", 2), (ad, "train_stacked", 3),
                                               (scoring, "score", 3)])
 def test_an_interrupt_in_a_stage_loses_nothing_finished(tiny_study, monkeypatch, module, name, call):
     opts = _opts(tiny_study, aug_batch=2)
@@ -154,6 +158,13 @@ def test_a_resume_with_other_settings_is_refused_and_changes_nothing(tiny_study,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "test_fraction=0.5" in err and "--test-fraction" in err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == snap
+    # --dtype auto is recorded as what it means here; naming that dtype is the same study, answered as complete
+    import torch
+
+    meant = "bfloat16" if torch.cuda.is_available() else "float32"
+    assert json.loads((out / "settings.json").read_text())["dtype"] == meant
+    assert main(args + ["--dtype", meant]) == 0 and "complete" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == snap
 
 
 def test_a_model_without_prags_target_modules_is_one_line(tiny_study, tmp_path, capsys):
@@ -187,7 +198,8 @@ def test_bad_inputs_are_one_line_and_write_nothing(tiny_study, capsys, extra, ne
 def test_train_ids_decide_the_split(tiny_study, tmp_path):
     ids = [json.loads(x)["id"] for x in open(tiny_study["questions"], encoding="utf-8").read().splitlines()]
     (tmp_path / "train.json").write_text(json.dumps({"ids": ids[:2]}))
-    qs = pipeline.Study(_opts(tiny_study, out=str(tmp_path / "s"), train_ids=str(tmp_path / "train.json"))).retrieval()
+    opts = _opts(tiny_study, out=str(tmp_path / "s"), train_ids=str(tmp_path / "train.json"))
+    qs = retrieve_questions(StudyRun(tmp_path / "s"), preflight.select_questions(opts), opts.top_k)
     assert {q for q, r in qs.items() if r["split"] == "train"} == set(ids[:2]) and len(qs) == len(ids)
 
 
@@ -197,14 +209,14 @@ def test_a_missing_question_file_is_named(tmp_path, capsys):
 
 
 def test_batch_sizes_default_by_device_and_a_given_size_wins(tiny_study):
-    from fcprag_tools.study.pipeline import Study
-
-    cpu = Study(_opts(tiny_study, device="cpu", group=None, batch_size=None))
-    assert (cpu.sizes.group, cpu.sizes.aug_batch, cpu.batch_size) == (16, 8, 16) and cpu.model is None
-    given = Study(_opts(tiny_study, device="cuda", batch_size=5))
-    assert given.batch_size == 5 and given._sizes is None  # a given size asks nothing of the device
+    cpu, opts = StudyRun(tiny_study["root"] / "out"), _opts(tiny_study, device="cpu", group=None, batch_size=None)
+    sizes = cpu.sizes(opts)
+    assert (sizes.group, sizes.aug_batch, cpu.batch_size(opts)) == (16, 8, 16) and cpu.model is None
+    given = StudyRun(tiny_study["root"] / "out")
+    assert given.batch_size(_opts(tiny_study, device="cuda", batch_size=5)) == 5
+    assert given.batches is None  # a given size asks nothing of the device
     with pytest.raises(FcpragError, match="--aug-batch 0"):
-        Study(_opts(tiny_study, aug_batch=0))
+        _opts(tiny_study, aug_batch=0).validate()
 
 
 @pytest.mark.parametrize("content", [b'{"ids": 3}', b'{"ids": []}', b"\xff\xfe\x00bad"])
@@ -223,14 +235,14 @@ def test_a_controllers_unreadable_train_ids_are_one_line_naming_the_file(tiny_st
 
 
 def test_too_few_training_questions_are_announced_before_any_work(tiny_study, caplog):
-    from fcprag_tools.study.pipeline import Study
-
     runs = iter(range(3))
 
     def warned(**kw):
-        study = Study(_opts(tiny_study, out=f"few{next(runs)}", **kw))
+        opts = _opts(tiny_study, out=f"few{next(runs)}", **kw)
+        run = StudyRun(tiny_study["root"] / opts.out)
+        qs = retrieve_questions(run, preflight.select_questions(opts), opts.top_k)
         caplog.clear()
-        study.warn_if_too_few(study.retrieval())
+        warn_if_too_few(run, opts, qs)
         return [r.getMessage() for r in caplog.records if "too few for the risk rule" in r.getMessage()]
 
     msg = warned()  # 6 questions, half held out: 3 training questions

@@ -1,0 +1,123 @@
+"""The labels and controller stages: leave-one-out and scale labels of the training questions in each setting's
+prompt (``labels{,_combine}.jsonl``, a row a question), and the learned controller trained on them
+(``train/learned{,_combine}/``); or, with ``--controller``, the given controller in both settings."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from fcprag_plugin.fileio import write_json
+from .. import summary
+from ..options import StudyOptions
+from ..run import StudyRun
+from ..summary import SETTINGS, suffix
+from .retrieval import Questions
+
+logger = logging.getLogger(__name__)
+
+
+def build_labels(run: StudyRun, opts: StudyOptions, qs: Questions, setting: str = "param") -> Path:
+    """Leave-one-out and scale labels of the training questions in ``setting``'s prompt (``labels.jsonl``,
+    ``labels_combine.jsonl``). The Combine labels skip the greedy answers: the trainer learns from the gold
+    log-lik., and answers under the long Combine prompt would cost as much as the labels themselves."""
+    from ...label_builder.builder import BuildOptions, LabelBuilder, build_labels as build_label_file
+    from ...label_builder.manifest import ManifestRecord
+
+    t0 = time.perf_counter()
+    name = "labels" + suffix(setting)
+    path = run.out / f"{name}.jsonl"
+    st = run.store(name)
+    done = st.done()
+    recs = [ManifestRecord(qid, q["question"], q["answers"], [p["text"] for p in q["passages"]],
+                           [run.out / "adapters" / p["pid"] for p in q["passages"]], source=str(path),
+                           extra={"group": qid, "retrieval_ranks": [p["rank"] for p in q["passages"]]})
+            for qid, q in qs.items() if q["split"] == "train"]
+    run.kept(name, len(recs), sum(r.id in done for r in recs), "training questions")
+    mine = run.mine([r for r in recs if r.id not in done])
+    run.barrier()
+    if mine:
+        run.load_model(opts)
+        build = BuildOptions(prompt_mode=setting, generate=opts.generate and setting == "param",
+                             max_new_tokens=opts.max_new_tokens, scoring="prag", empty_generation="zero",
+                             batch_size=run.batch_size(opts), metric="answer_logprob",
+                             scales=(1.0, *sorted(opts.scales)), model_name=opts.model)
+        builder = LabelBuilder(run.model, run.tok, build)
+        try:
+            build_label_file(mine, builder, st.target, progress=run.progress, desc=name, position=run.shard.rank)
+        finally:
+            builder.close()
+    run.barrier(name)
+    run.timed(name, t0, records=len(mine), device=run.device(opts))
+    return path
+
+
+def trainer_kwargs(opts: StudyOptions, n_labels: int) -> dict[str, Any]:
+    """What the study passes to ``train_controller`` for ``n_labels`` label records (the user's train args win)."""
+    return {"kappa": "auto", "objective": "risk", "keep_network": True, "seed": opts.seed,
+            "cv_folds": min(opts.cv_folds, n_labels) if n_labels >= 4 else 0, **opts.train_args}
+
+
+def warn_if_too_few(run: StudyRun, opts: StudyOptions, qs: Questions) -> None:
+    """Before any work: say so when too few training questions leave the risk rule no scale to allow."""
+    from fcprag_plugin.training import TrainArgs
+
+    if opts.controller or run.shard.rank:
+        return
+    n_train = sum(q["split"] == "train" for q in qs.values())
+    args = {**vars(TrainArgs()), **trainer_kwargs(opts, n_train)}
+    need = summary.rule_starved(args, n_train)
+    if need:
+        share, tf = args["scale_max_loss_share"], opts.test_fraction
+        more = f"at least {need} ids in --train-ids" if opts.train_ids else \
+            f"about {math.ceil(need / (1 - tf))} questions at --test-fraction {tf:g}, or a smaller fraction"
+        logger.warning("%d training questions: too few for the risk rule to allow any scale (the 95%% upper bound "
+                       "of a %g loss share stays above it even at zero losses below about %d), so this study "
+                       "will keep PRAG's sum whatever its held-out rows show; for a scale, give it more (%s)",
+                       n_train, share, need, more)
+
+
+def train(run: StudyRun, opts: StudyOptions, labels: Path, setting: str = "param") -> Path:
+    """The learned controller of ``setting`` (``train/learned{,_combine}/``): nested CV choosing epochs and kappa
+    (on measured scales), the network always kept so that the evaluation can measure its reweighting. Trained once,
+    on rank 0; ``train/done{,_combine}.json`` marks it done."""
+    from fcprag_plugin.training import train_controller
+
+    t0 = time.perf_counter()
+    where = run.out / "train" / ("learned" + suffix(setting))
+    marker = run.out / "train" / f"done{suffix(setting)}.json"
+    run.kept("controller" + suffix(setting), 1, int(marker.is_file()), "trained controller")
+    if run.shard.rank == 0 and not marker.is_file():
+        n = len(run.store(labels.stem).done())
+        kwargs = trainer_kwargs(opts, n)
+        train_controller(labels, where, encoder=opts.encoder, overwrite=True, progress=run.progress, **kwargs)
+        write_json(marker, {"labels": n, "args": kwargs})
+    run.barrier()
+    run.timed("controller" + suffix(setting), t0)
+    return where
+
+
+def controllers(run: StudyRun, opts: StudyOptions, qs: Questions) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Each setting's controller and its folder: trained on that setting's labels, or the given one in both."""
+    from fcprag_plugin import FusionController
+
+    dirs = {s: Path(opts.controller) for s in SETTINGS} if opts.controller else \
+        {s: train(run, opts, build_labels(run, opts, qs, s), s) for s in SETTINGS}
+    ctrls = {s: FusionController.from_pretrained(d).eval() for s, d in dirs.items()}
+    if not opts.controller:  # its first-order training verdict is not news: the study measures it held out
+        for c in ctrls.values():
+            c.warn_if_unproven(quiet=True)
+    return ctrls, dirs
+
+
+def trainer_args(learned_dir: Path, given: bool) -> dict[str, Any] | None:
+    """The arguments the trainer recorded for a controller it trained here (the risk rule it applied); None for a
+    ``given`` controller."""
+    from fcprag_plugin.training import ARGS_NAME
+
+    path = Path(learned_dir) / ARGS_NAME
+    return None if given or not path.is_file() else json.loads(path.read_text(encoding="utf-8"))

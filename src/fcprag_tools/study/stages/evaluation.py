@@ -1,0 +1,104 @@
+"""The evaluation stage: the rows of each question by real forwards in mixed batches (``eval.jsonl``, a row a
+question and row name); a row already there with the same passages, prompt and ``w~`` is not scored again."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ...progress import moves_inside
+from .. import adapters as ad
+from .. import scoring
+from ..options import StudyOptions
+from ..run import StudyRun
+from .retrieval import Questions
+from .rows import Rows, oracle as oracle_weights
+
+W_TOL = 1e-5
+Scored = dict[str, dict[str, Any]]  # {"qid|row": the row of eval.jsonl}
+
+
+def _valid(qs: Questions, done: Scored, qid: str, name: str, spec: tuple[str, list[float]] | None) -> bool:
+    """``eval.jsonl`` holds row ``name`` of ``qid`` for the same passages (and, given ``spec``, the same prompt and
+    ``w~`` within :data:`W_TOL`)."""
+    r = done.get(f"{qid}|{name}")
+    if r is None or r.get("pids") != [p["pid"] for p in qs[qid]["passages"]]:
+        return False
+    if spec is None:
+        return True
+    prompt, w = spec
+    return (r.get("prompt", "param") == prompt and r.get("w") is not None and len(r["w"]) == len(w)
+            and all(abs(a - b) <= W_TOL for a, b in zip(r["w"], w)))
+
+
+def _score_chunk(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[str, Rows], chunk: list[str],
+                 done: Scored, oracle: bool, bar: Any) -> None:
+    """Score ``chunk``'s rows that are not valid in ``done`` (then its oracle rows) in one fused slot, appending
+    them to ``eval.jsonl`` and ``done``; ``bar`` moves after every forward."""
+    from fcprag_plugin.slot import FusedSlot
+
+    st = run.store("eval")
+    pids = [p["pid"] for qid in chunk for p in qs[qid]["passages"]]
+    slot = FusedSlot.for_model(run.model, run.adapter(pids[0]), max_adapters=len(pids), max_rank=ad.LORA["r"])
+    rows = [scoring.Row(qid, n, [p["pid"] for p in qs[qid]["passages"]], w, prompt)
+            for qid in chunk for n, (prompt, w) in want[qid].items() if not _valid(qs, done, qid, n, (prompt, w))]
+    # the bar moves after every forward: a share of a call is that share of its rows
+    step, finish = moves_inside(bar, len(chunk), len(rows) + (len(chunk) if oracle else 0))
+
+    def score(part: list[scoring.Row]) -> None:
+        res = scoring.score(run.model, run.tok, slot, part, qs, run.adapter, generate=opts.generate,
+                            max_new_tokens=opts.max_new_tokens, batch_size=run.batch_size(opts),
+                            on_progress=lambda share: step(share * len(part))) if part else []
+        st.append(res)
+        done.update({r["id"]: r for r in res})
+
+    try:
+        score(rows)
+        if oracle:
+            score([scoring.Row(qid, "oracle", [p["pid"] for p in qs[qid]["passages"]],
+                               oracle_weights(done, qid, len(qs[qid]["passages"]))) for qid in chunk])
+    finally:
+        slot.remove()
+    finish()
+
+
+def _score_arrow(run: StudyRun, opts: StudyOptions, qs: Questions, qids: list[str]) -> None:
+    """PEFT's Arrow router row of each of ``qids``, many questions per call, batched like the other rows."""
+    st = run.store("eval")
+    per = max(opts.chunk, run.batch_size(opts))
+    with run.bar("arrow", len(qids), 0, "q") as bar:
+        for i in range(0, len(qids), per):
+            part = qids[i:i + per]
+            st.append(scoring.score_arrow_rows(
+                run.model, run.tok, [(q, qs[q], [p["pid"] for p in qs[q]["passages"]]) for q in part],
+                run.adapter, generate=opts.generate, max_new_tokens=opts.max_new_tokens,
+                batch_size=run.batch_size(opts)))
+            bar.update(len(part))
+
+
+def evaluate(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[str, Rows], *, oracle: bool = False,
+             arrow: bool = False, desc: str = "evaluate") -> Scored:
+    """Score the rows ``want`` (``{qid: rows}``) that ``eval.jsonl`` does not hold yet, ``opts.chunk`` questions
+    per call (this rank's share of the chunks under a launcher); with ``oracle``, each question's oracle row after
+    its leave-one-out rows; with ``arrow`` (and not ``--no-arrow``), PEFT's Arrow router row. Returns every scored
+    row of the store."""
+    t0 = time.perf_counter()
+    done = run.store("eval").done()
+    qids = list(want)
+    todo = [qid for qid in qids if not all(_valid(qs, done, qid, n, s) for n, s in want[qid].items())
+            or (oracle and f"{qid}|oracle" not in done)]
+    run.kept(desc, len(qids), len(qids) - len(todo), "questions")
+    chunks = run.mine([todo[i:i + opts.chunk] for i in range(0, len(todo), opts.chunk)])
+    use_arrow = opts.arrow and arrow
+    arrow_todo = run.mine([q for q in qids if use_arrow and not _valid(qs, done, q, "arrow", None)])
+    run.barrier()  # every rank has read the same state before any writes
+    if chunks or arrow_todo:
+        run.load_model(opts)
+    with run.bar(desc, len(qids), len(qids) - len(todo), "q", sum(map(len, chunks)), fraction=True) as bar:
+        for chunk in chunks:
+            _score_chunk(run, opts, qs, want, chunk, done, oracle, bar)
+    if arrow_todo:
+        _score_arrow(run, opts, qs, arrow_todo)
+    run.barrier("eval")
+    run.timed(desc, t0, questions=sum(map(len, chunks)), arrow=use_arrow, device=run.device(opts))
+    return run.store("eval").done()

@@ -1,0 +1,75 @@
+"""The verdict and summary stages: each setting's verdict from the held-out rows, the rows that depend on what
+ships, and at the end ``summary.json``, ``report.md`` and ``controller{,_combine}/`` (rank 0)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from fcprag_plugin.fileio import write_json
+from .. import summary
+from ..options import StudyOptions
+from ..run import StudyRun
+from ..summary import SETTINGS, suffix
+from .controllers import trainer_args
+from .evaluation import Scored, evaluate
+from .retrieval import Questions
+from .rows import Rows, candidate_rows, random_rows
+
+
+def verdicts_of(results: Scored, qs: Questions, ctrls: dict[str, Any], dirs: dict[str, Path], given: bool
+                ) -> dict[str, dict[str, Any]]:
+    """Each setting's verdict from the held-out rows of ``results`` (``given``: ``--controller``)."""
+    test = [qid for qid, q in qs.items() if q["split"] == "test"]
+    return {s: summary.setting_verdict(results, test, s, ctrls[s], given=given,
+                                       trainer_args=trainer_args(dirs[s], given), n_train=len(qs) - len(test))
+            for s in SETTINGS}
+
+
+def after_the_verdict(run: StudyRun, opts: StudyOptions, qs: Questions, recommended: dict[str, Any],
+                      verdicts: dict[str, dict[str, Any]]) -> Scored:
+    """Score the rows that depend on what ships: the random controller at the recommended kappa (held out), and
+    the candidates of "what to run" on the training questions (where the choice is made)."""
+    extra: dict[str, Rows] = {}
+    for qid, q in qs.items():
+        if q["split"] == "test":
+            extra[qid] = random_rows(q, recommended, opts.encoder, run.adapter)
+    for qid, q in qs.items():
+        if q["split"] == "train":
+            extra[qid] = candidate_rows(q, recommended, verdicts, opts.encoder, run.adapter)
+    return evaluate(run, opts, qs, extra, desc="evaluate (after the verdict)")
+
+
+def save_controller(out: Path, setting: str, shipped: Any, qs: Questions) -> None:
+    """``controller/`` (``controller_combine/``): what ships in ``setting``, with the training question ids."""
+    from fcprag_tools.options import write_dir_atomically
+
+    train_ids = sorted(q for q, r in qs.items() if r["split"] == "train")
+
+    def save(tmp: Path) -> None:
+        shipped.save_pretrained(tmp)
+        if train_ids:  # `fcprag study --controller` leaves these out of what it evaluates
+            write_json(tmp / "train_question_ids.json", {"ids": train_ids})
+
+    write_dir_atomically(out / ("controller" + suffix(setting)), save)
+
+
+def write_summary(run: StudyRun, opts: StudyOptions, qs: Questions, results: Scored, verdicts: dict[str, Any],
+                  shipped: dict[str, Any], ctrls: dict[str, Any], dirs: dict[str, Path], settings: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """Save what ships in each setting and write ``summary.json`` and the report (:func:`.summary.finish`);
+    returns the summary."""
+    t0 = time.perf_counter()
+    for s in SETTINGS:
+        save_controller(run.out, s, shipped[s], qs)
+    test = [qid for qid, q in qs.items() if q["split"] == "test"]
+    arrow = "scored" if all(f"{q}|arrow" in results for q in test) else "--no-arrow" if not opts.arrow else "off"
+    given = opts.controller is not None
+    out = summary.finish(qs, results, verdicts, given=given, settings={
+        **settings, "out": str(run.out), "device": run.device(opts), "controller_trained": not given,
+        "arrow": arrow, "learned_dir": {s: str(d) for s, d in dirs.items()}},
+        cv={s: c.config.cv for s, c in ctrls.items()},
+        stage_seconds={k: round(v, 1) for k, v in run.times.items()}, out=run.out)
+    run.timed("summary", t0)
+    return out
