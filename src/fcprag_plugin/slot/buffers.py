@@ -105,17 +105,8 @@ class SlotBuffers:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.segments for t in (s.A, s.BT))
 
-    def module_order(self) -> list[nn.Module]:
-        """The target modules in the order of :meth:`written` (segment by segment)."""
-        return [self.modules[s.group][l] for s in self.segments for l in range(s.l0, s.l1)]
-
-    def written(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per module (:meth:`module_order`): its written rows ``(A [rows, in], BT [rows, out])``."""
-        return [(s.A[l - s.l0, :s.dirty], s.BT[l - s.l0, :s.dirty]) for s in self.segments for l in range(s.l0, s.l1)]
-
     def pack(self, adapters: Sequence[Any], store: AdapterStore | None) -> tuple[list[PackedAdapter], Any]:
-        """Adapters (``PackedAdapter``, ``LoraAdapter`` or adapter directories, read through ``store``, a new
-        :class:`AdapterStore` when None) -> packed, checked against the buffers; and the store."""
+        """:meth:`FusedSlot.prepare`, directories read through ``store`` (a new one when None) -> (packed, store)."""
         if isinstance(adapters, (str, Path, LoraAdapter, PackedAdapter)):
             raise MergeError("adapters must be a list (one per passage), got a single adapter")
         n = len(adapters)

@@ -88,38 +88,38 @@ def _make_pre_hook(state: _State):
 
 
 class _Hooks:
-    """The forward hooks of ``modules`` reading ``entries`` (per layout group, per layer) and ``state``, attached
-    while the merge goes through them, and route ``auto``'s pre-hook on the model (:meth:`install`)."""
+    """The forward hooks on the target ``modules`` (per layout group, per layer), attached while the merge goes
+    through them, and route ``auto``'s pre-hook on ``model``; after :meth:`remove`, :meth:`attach` does nothing."""
 
-    def __init__(self, modules: list[list[nn.Module]], entries: list[list[_Entry]], state: _State) -> None:
-        self._hooks = [(mod, _make_hook(entry, state)) for es, mods in zip(entries, modules)
-                       for entry, mod in zip(es, mods)]
-        self._handles: list[Any] = []
-        self._pre_handle: Any = None
-        self._state, self.removed = state, False
-
-    def install(self, model: nn.Module) -> None:
-        self.attach()
-        root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-        if isinstance(root, nn.Module):  # where generate() calls forward (a PeftModel's inner model)
-            self._pre_handle = root.register_forward_pre_hook(_make_pre_hook(self._state), with_kwargs=True)
+    def __init__(self, model: nn.Module, modules: list[list[nn.Module]], entries: list[list[_Entry]],
+                 state: _State) -> None:
+        self.hooks = [(mod, _make_hook(e, state)) for es, mods in zip(entries, modules) for e, mod in zip(es, mods)]
+        self.handles: list[Any] = []
+        self.pre, self.removed = None, False
+        try:
+            self.attach()
+            root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+            if isinstance(root, nn.Module):  # where generate() calls forward (a PeftModel's inner model)
+                self.pre = root.register_forward_pre_hook(_make_pre_hook(state), with_kwargs=True)
+        except Exception:
+            self.remove()
+            raise
 
     def attach(self) -> None:
-        if not self._handles and not self.removed:
-            for mod, fn in self._hooks:
-                self._handles.append(mod.register_forward_hook(fn))
+        if not self.handles and not self.removed:
+            for mod, fn in self.hooks:
+                self.handles.append(mod.register_forward_hook(fn))
 
     def detach(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
+        while self.handles:
+            self.handles.pop().remove()
 
     def remove(self) -> None:
-        """Every hook off for good (:meth:`attach` does nothing afterwards)."""
         self.removed = True
         self.detach()
-        if self._pre_handle is not None:
-            self._pre_handle.remove()
-            self._pre_handle = None
+        if self.pre is not None:
+            self.pre.remove()
+            self.pre = None
 
 
 def resolve_module(table: dict[str, nn.Module], name: str, shape: tuple[int, int] | None = None) -> nn.Module:
@@ -219,13 +219,8 @@ class FusedSlot:
                    for g in self.layout.groups]
         self._buffers = SlotBuffers(self.layout, modules, entries, dtype, out_major)
         self._buffers.allocate(max_adapters, max_rank, buffers_from)
-        self._weights = WeightSwap(self._buffers.module_order())
-        self._hooks = _Hooks(modules, entries, self._state)
-        try:
-            self._hooks.install(model)
-        except Exception:
-            self.remove()
-            raise
+        self._weights = WeightSwap([modules[s.group][l] for s in self._buffers.segments for l in range(s.l0, s.l1)])
+        self._hooks = _Hooks(model, modules, entries, self._state)
         logger.debug("FusedSlot: %d modules in %d groups, K=%d, R=%d, %d bytes", self.layout.num_modules,
                      len(self.layout.groups), max_adapters, max_rank, self.nbytes)
 
@@ -257,19 +252,15 @@ class FusedSlot:
         slot = _SLOTS.get(model)
         return None if slot is None or slot._removed else slot
 
-    @property
-    def model(self) -> nn.Module | None:
-        return self._model_ref()
+    model = property(lambda self: self._model_ref(), doc="The model (None once it is gone)")
 
     @property
     def active(self) -> bool:
         """Whether the slot's merge is on (through the hooks or fused weights)."""
         return self._state.active or self.on_weights
 
-    @property
-    def on_weights(self) -> bool:
-        """Whether the target modules compute with fused weights now (route ``auto`` / ``weights``)."""
-        return self._weights.swapped
+    on_weights = property(lambda self: self._weights.swapped, doc="Whether the target modules compute with fused "
+                          "weights now (route ``auto`` / ``weights``)")
 
     @property
     def weights_budget(self) -> int | None:
@@ -282,10 +273,8 @@ class FusedSlot:
             raise MergeError(f"weights_budget must be a number of bytes (an int >= 0) or None, got {value!r}")
         self._weights.budget = value
 
-    @property
-    def weights_nbytes(self) -> int:
-        """Bytes of the fused-weight route: one copy of the target weights (allocated at its first use)."""
-        return self._weights.nbytes
+    weights_nbytes = property(lambda self: self._weights.nbytes, doc="Bytes of the fused-weight route: one copy of "
+                              "the target weights (allocated at its first use)")
 
     def _to_weights(self) -> bool:
         """Switch the current merge from the hooks to fused weights; False (hooks kept, logged once) when the copy
@@ -294,7 +283,8 @@ class FusedSlot:
         if self._weights.available() is not None:
             return False
         try:
-            self._weights.fill(self._buffers.written())
+            self._weights.fill([(s.A[l - s.l0, :s.dirty], s.BT[l - s.l0, :s.dirty])
+                                for s in self._buffers.segments for l in range(s.l0, s.l1)])
             self._weights.swap_in()
             self._state.active = False
             self._hooks.detach()
