@@ -396,9 +396,7 @@ class FusionController(nn.Module):
                                 "than uniform")
         return unproven
 
-    @property
-    def _name(self) -> str:
-        return str(self.source or (self.config.cv or {}).get("source") or "(in memory)")
+    _name = property(lambda self: str(self.source or (self.config.cv or {}).get("source") or "(in memory)"))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -468,7 +466,8 @@ class FusionController(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return f"controller_mode={c.controller_mode}, scorer={c.scorer}, embed_dim={c.embed_dim}, tau=[{c.tau_min}, {c.tau_max}]"
+        return (f"controller_mode={c.controller_mode}, scorer={c.scorer}, embed_dim={c.embed_dim}, "
+                f"tau=[{c.tau_min}, {c.tau_max}]")
 
 
 def _caller_level() -> int:

@@ -101,12 +101,10 @@ class SlotBuffers:
         return whole_group and pg.rank == KR and (pg.A.dtype, pg.A.device) == (dtype, device) \
             and pg.A.is_contiguous() and BT.is_contiguous()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.segments for t in (s.A, s.BT))
+    nbytes = property(lambda self: sum(t.numel() * t.element_size() for s in self.segments for t in (s.A, s.BT)))
 
     def pack(self, adapters: Sequence[Any], store: AdapterStore | None) -> tuple[list[PackedAdapter], Any]:
-        """:meth:`FusedSlot.prepare`, directories read through ``store`` (a new one when None) -> (packed, store)."""
+        """``FusedSlot.prepare``, directories read through ``store`` (a new one when None) -> (packed, store)."""
         if isinstance(adapters, (str, Path, LoraAdapter, PackedAdapter)):
             raise MergeError("adapters must be a list (one per passage), got a single adapter")
         n = len(adapters)

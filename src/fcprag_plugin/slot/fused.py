@@ -1,6 +1,6 @@
 """``FusedSlot``: a LoRA slot injected once into a live model; per query only its buffers are rewritten.
 
-Per layout group (:mod:`.layout`): ``A [L, K*R, in]`` and ``BT [L, K*R, out]``, adapter i in rows ``i*R ..
+Per layout group (:mod:`.buffers`): ``A [L, K*R, in]`` and ``BT [L, K*R, out]``, adapter i in rows ``i*R ..
 i*R+R`` (``cat``: ``w~_i s_i A_i`` and ``B_i^T``, the exact ``sum_i w~_i s_i B_i A_i``; DyPRAG's ``separate``: the
 sums in the first R rows); one forward hook per target module adds ``BT^T (A x)``. No model parameter is written.
 Routes (``slot.route``): ``hooks``; ``weights`` (:mod:`.fused_weights`, swapped in at :meth:`FusedSlot.write`);
@@ -253,14 +253,15 @@ class FusedSlot:
         return None if slot is None or slot._removed else slot
 
     model = property(lambda self: self._model_ref(), doc="The model (None once it is gone)")
-
-    @property
-    def active(self) -> bool:
-        """Whether the slot's merge is on (through the hooks or fused weights)."""
-        return self._state.active or self.on_weights
-
+    max_adapters = property(lambda self: self._buffers.k, doc="K: how many adapters the slot holds at most")
+    max_rank = property(lambda self: self._buffers.r, doc="R: the largest rank of an adapter it holds")
+    nbytes = property(lambda self: self._buffers.nbytes, doc="Bytes of the slot's buffers")
+    active = property(lambda self: self._state.active or self.on_weights,
+                      doc="Whether the slot's merge is on (through the hooks or fused weights)")
     on_weights = property(lambda self: self._weights.swapped, doc="Whether the target modules compute with fused "
                           "weights now (route ``auto`` / ``weights``)")
+    weights_nbytes = property(lambda self: self._weights.nbytes, doc="Bytes of the fused-weight route: one copy of "
+                              "the target weights (allocated at its first use)")
 
     @property
     def weights_budget(self) -> int | None:
@@ -272,9 +273,6 @@ class FusedSlot:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise MergeError(f"weights_budget must be a number of bytes (an int >= 0) or None, got {value!r}")
         self._weights.budget = value
-
-    weights_nbytes = property(lambda self: self._weights.nbytes, doc="Bytes of the fused-weight route: one copy of "
-                              "the target weights (allocated at its first use)")
 
     def _to_weights(self) -> bool:
         """Switch the current merge from the hooks to fused weights; False (hooks kept, logged once) when the copy
@@ -294,10 +292,6 @@ class FusedSlot:
             self._state.active = True
             raise
         return True
-
-    max_adapters = property(lambda self: self._buffers.k, doc="K: how many adapters the slot holds at most")
-    max_rank = property(lambda self: self._buffers.r, doc="R: the largest rank it holds")
-    nbytes = property(lambda self: self._buffers.nbytes, doc="Bytes of the slot's buffers")
 
     def __repr__(self) -> str:
         return (f"FusedSlot(modules={self.layout.num_modules}, max_adapters={self.max_adapters}, "
