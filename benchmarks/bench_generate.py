@@ -153,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                 return m.generate(ids, **kw)
 
         def base() -> Any:
-            slot._detach_hooks()  # the bare model: no hook of the (switched off) slot on the modules
+            slot._hooks.detach()  # the bare model: no hook of the (switched off) slot on the modules
             try:
                 return gen()
             finally:
-                slot._attach_hooks()
+                slot._hooks.attach()
 
         def fused(route: str) -> Any:
             def run() -> Any:

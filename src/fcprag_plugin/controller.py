@@ -197,6 +197,35 @@ def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieva
     return side, missing
 
 
+def _check_inputs(c: ControllerConfig, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None,
+                  side: torch.Tensor | None) -> torch.Tensor | None:
+    """:meth:`FusionController.forward`'s inputs checked against config ``c``: the mask (None: all real)."""
+    if e_q.ndim != 2 or E_p.ndim != 3 or e_q.shape[0] != E_p.shape[0]:
+        raise ControllerError(f"expected e_q [B, d] and E_p [B, N, d], got {list(e_q.shape)} and {list(E_p.shape)}")
+    if e_q.shape[-1] != c.embed_dim or E_p.shape[-1] != c.embed_dim:
+        raise ControllerError(f"embedding dimension {e_q.shape[-1]} does not match the controller's embed_dim "
+                              f"{c.embed_dim} (embedding model '{c.embedding_model}')")
+    B, N, _ = E_p.shape
+    if N == 0:
+        raise ControllerError("no passages (N == 0)")
+    k = len(c.side_columns)
+    if k and c.controller_mode not in ("uniform", "scale") and side is None:
+        raise ControllerError(f"this controller was trained with side features {c.side_features}; they must be "
+                              f"given (predict(..., retrieval_ranks=, retrieval_scores=, adapter_stats=))")
+    if side is not None and k and tuple(side.shape) != (B, N, k):
+        raise ControllerError(f"side features have shape {list(side.shape)}, expected [{B}, {N}, {k}] "
+                              f"(columns {c.side_columns})")
+    if mask is not None:
+        mask = mask.to(device=e_q.device, dtype=torch.bool)
+        if mask.shape != (B, N):
+            raise ControllerError(f"mask has shape {list(mask.shape)}, expected [{B}, {N}]")
+        if not bool(mask.any(1).all()):
+            raise ControllerError("every sample needs at least one unmasked passage")
+        if bool(mask.all()):
+            mask = None  # nothing to mask: the cheaper unmasked formulas (same values)
+    return mask
+
+
 class FusionController(nn.Module):
     """Maps ``(e_q [B, d], E_p [B, N, d], mask [B, N])`` to calibrated merge weights (:class:`ControllerOutput`);
     the baselines are modes of the same class (see the module docstring)."""
@@ -266,34 +295,6 @@ class FusionController(nn.Module):
         x = xp if side is None else torch.cat([xp, side.to(xp.dtype)], -1)
         return torch.sigmoid(self.score_net(e_q, x))
 
-    def _check_inputs(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None,
-                      side: torch.Tensor | None) -> torch.Tensor | None:
-        c = self.config
-        if e_q.ndim != 2 or E_p.ndim != 3 or e_q.shape[0] != E_p.shape[0]:
-            raise ControllerError(f"expected e_q [B, d] and E_p [B, N, d], got {list(e_q.shape)} and {list(E_p.shape)}")
-        if e_q.shape[-1] != c.embed_dim or E_p.shape[-1] != c.embed_dim:
-            raise ControllerError(f"embedding dimension {e_q.shape[-1]} does not match the controller's embed_dim "
-                                  f"{c.embed_dim} (embedding model '{c.embedding_model}')")
-        B, N, _ = E_p.shape
-        if N == 0:
-            raise ControllerError("no passages (N == 0)")
-        k = len(c.side_columns)
-        if k and c.controller_mode not in ("uniform", "scale") and side is None:
-            raise ControllerError(f"this controller was trained with side features {c.side_features}; they must be "
-                                  f"given (predict(..., retrieval_ranks=, retrieval_scores=, adapter_stats=))")
-        if side is not None and k and tuple(side.shape) != (B, N, k):
-            raise ControllerError(f"side features have shape {list(side.shape)}, expected [{B}, {N}, {k}] "
-                                  f"(columns {c.side_columns})")
-        if mask is not None:
-            mask = mask.to(device=e_q.device, dtype=torch.bool)
-            if mask.shape != (B, N):
-                raise ControllerError(f"mask has shape {list(mask.shape)}, expected [{B}, {N}]")
-            if not bool(mask.any(1).all()):
-                raise ControllerError("every sample needs at least one unmasked passage")
-            if bool(mask.all()):
-                mask = None  # nothing to mask: the cheaper unmasked formulas (same values)
-        return mask
-
     def forward(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None,
                 side: torch.Tensor | None = None) -> ControllerOutput:
         """``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]`` (True = real; None: all), ``side [B, N, k]`` (raw, in
@@ -304,7 +305,7 @@ class FusionController(nn.Module):
                                   "the original controller")
         p = self._side_scale  # float32 (float64 after .double()): the dtype of everything outside the MLPs
         e_q, E_p = e_q.to(p), E_p.to(p)
-        mask = self._check_inputs(e_q, E_p, mask, side)
+        mask = _check_inputs(c, e_q, E_p, mask, side)
         B, N, _ = E_p.shape
         full_mask = torch.ones(B, N, dtype=torch.bool, device=p.device) if mask is None else mask
         scale = None if c.kappa == 1.0 else torch.full((B,), float(c.kappa), dtype=p.dtype, device=p.device)
@@ -395,9 +396,7 @@ class FusionController(nn.Module):
                                 "than uniform")
         return unproven
 
-    @property
-    def _name(self) -> str:
-        return str(self.source or (self.config.cv or {}).get("source") or "(in memory)")
+    _name = property(lambda self: str(self.source or (self.config.cv or {}).get("source") or "(in memory)"))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -467,7 +466,8 @@ class FusionController(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return f"controller_mode={c.controller_mode}, scorer={c.scorer}, embed_dim={c.embed_dim}, tau=[{c.tau_min}, {c.tau_max}]"
+        return (f"controller_mode={c.controller_mode}, scorer={c.scorer}, embed_dim={c.embed_dim}, "
+                f"tau=[{c.tau_min}, {c.tau_max}]")
 
 
 def _caller_level() -> int:

@@ -358,7 +358,7 @@ def test_bfloat16_model(x):
     ads = [random_adapter(model, r, seed=i, alpha=8) for i, r in enumerate([2, 1, 2])]
     w = [0.7, 1.2, 1.1]
     slot = FusedSlot(model, ads[0], max_adapters=3)
-    assert all(s.A.dtype == torch.bfloat16 for s in slot._segments)
+    assert all(s.A.dtype == torch.bfloat16 for s in slot._buffers.segments)
     with slot.fused(ads, w):
         got = logits(model, x)
         cur = slot.current_adapter()

@@ -1,6 +1,6 @@
 """``FusedSlot``: a LoRA slot injected once into a live model; per query only its buffers are rewritten.
 
-Per layout group (:mod:`.layout`): ``A [L, K*R, in]`` and ``BT [L, K*R, out]``, adapter i in rows ``i*R ..
+Per layout group (:mod:`.buffers`): ``A [L, K*R, in]`` and ``BT [L, K*R, out]``, adapter i in rows ``i*R ..
 i*R+R`` (``cat``: ``w~_i s_i A_i`` and ``B_i^T``, the exact ``sum_i w~_i s_i B_i A_i``; DyPRAG's ``separate``: the
 sums in the first R rows); one forward hook per target module adds ``BT^T (A x)``. No model parameter is written.
 Routes (``slot.route``): ``hooks``; ``weights`` (:mod:`.fused_weights`, swapped in at :meth:`FusedSlot.write`);
@@ -9,26 +9,22 @@ Routes (``slot.route``): ``hooks``; ``weights`` (:mod:`.fused_weights`, swapped 
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
 import weakref
 from array import array
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from ..adapter import PEFT_PREFIX, LoraAdapter, LoraModule, strip_peft_prefix
+from ..adapter import PEFT_PREFIX, LoraAdapter, strip_peft_prefix
 from ..errors import MergeError
-from ..merge import factors
 from ..merge.core import check_weights
+from .buffers import SlotBuffers
 from .fused_weights import WeightSwap
-from .store import AdapterStore
-from .layout import Layout, PackedAdapter, PackedGroup, check_layouts, layout_from_shapes, layout_of, pack_adapter
+from .layout import Layout, PackedAdapter, layout_from_shapes, layout_of, pack_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -38,30 +34,9 @@ AUTO_ON_CPU = False  # route 'auto' on CPU weights: keep the hooks (measured: be
 DEFAULT_MAX_RANK = 8
 
 
-@dataclass
-class _Segment:
-    """The slot buffers of one layout group's consecutive modules living on one device."""
-
-    group: int  # index into layout.groups
-    l0: int  # first layer (index within the group)
-    l1: int
-    A: torch.Tensor  # [l1-l0, K*R, in]
-    BT: torch.Tensor  # [l1-l0, K*R, out] (out_major: a transposed view)
-    dirty: int = 0  # rows [dirty:] of A are known to be zero
-    views: dict = field(default_factory=dict)  # (kind, start, stop) -> cached row views
-    scratch: dict = field(default_factory=dict)  # for 'separate': f32 accumulators / products
-
-    def rows(self, kind: str, start: int, stop: int) -> torch.Tensor:
-        key = (kind, start, stop)
-        v = self.views.get(key)
-        if v is None:
-            v = self.views[key] = (self.A if kind == "A" else self.BT)[:, start:stop]
-        return v
-
-
 @dataclass(slots=True, eq=False)
 class _Entry:
-    """What one module's hook reads: its views into the segment buffers (set by ``_allocate``, again on resize)."""
+    """What one module's hook reads: its views into the segment buffers (set at every allocation)."""
 
     name: str
     A: torch.Tensor | None = None
@@ -110,6 +85,41 @@ def _make_pre_hook(state: _State):
             state.pending()
 
     return pre_hook
+
+
+class _Hooks:
+    """The forward hooks on the target ``modules`` (per layout group, per layer), attached while the merge goes
+    through them, and route ``auto``'s pre-hook on ``model``; after :meth:`remove`, :meth:`attach` does nothing."""
+
+    def __init__(self, model: nn.Module, modules: list[list[nn.Module]], entries: list[list[_Entry]],
+                 state: _State) -> None:
+        self.hooks = [(mod, _make_hook(e, state)) for es, mods in zip(entries, modules) for e, mod in zip(es, mods)]
+        self.handles: list[Any] = []
+        self.pre, self.removed = None, False
+        try:
+            self.attach()
+            root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+            if isinstance(root, nn.Module):  # where generate() calls forward (a PeftModel's inner model)
+                self.pre = root.register_forward_pre_hook(_make_pre_hook(state), with_kwargs=True)
+        except Exception:
+            self.remove()
+            raise
+
+    def attach(self) -> None:
+        if not self.handles and not self.removed:
+            for mod, fn in self.hooks:
+                self.handles.append(mod.register_forward_hook(fn))
+
+    def detach(self) -> None:
+        while self.handles:
+            self.handles.pop().remove()
+
+    def remove(self) -> None:
+        self.removed = True
+        self.detach()
+        if self.pre is not None:
+            self.pre.remove()
+            self.pre = None
 
 
 def resolve_module(table: dict[str, nn.Module], name: str, shape: tuple[int, int] | None = None) -> nn.Module:
@@ -199,34 +209,18 @@ class FusedSlot:
         _check_sizes(max_adapters, max_rank)
         self._model_ref = weakref.ref(model)  # the hooks live on the modules; the slot must not keep a model alive
         self.layout: Layout = _target_layout(model, targets)
-        self.max_adapters = max_adapters
-        self.max_rank = max_rank
-        self.dtype = dtype
-        self.store = store
-        self.out_major = out_major
+        self.dtype, self.store, self.out_major = dtype, store, out_major
         self.merge_mode: str | None = None  # what write() wrote: "cat" or "separate" (None: a mixture)
         self.n_active = 0
-        self._state = _State()
-        self._in_context = False
-        self._removed = False
-        self._handles: list[Any] = []
-        self._entries = [[_Entry(n) for n in g.names] for g in self.layout.groups]  # per group, per layer
+        self._state, self._in_context, self._removed = _State(), False, False
+        entries = [[_Entry(n) for n in g.names] for g in self.layout.groups]  # per group, per layer
         table = dict(model.named_modules())
-        self._modules = [[resolve_module(table, n, (g.out_features, g.in_features)) for n in g.names]
-                         for g in self.layout.groups]
-        self._allocate(buffers_from)
-        self._weights = WeightSwap([self._modules[s.group][l] for s in self._segments for l in range(s.l0, s.l1)])
-        self._hooks = [(mod, _make_hook(entry, self._state))
-                       for gi, mods in enumerate(self._modules) for entry, mod in zip(self._entries[gi], mods)]
-        self._pre_handle: Any = None
-        try:
-            self._attach_hooks()
-            root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-            if isinstance(root, nn.Module):  # where generate() calls forward (a PeftModel's inner model)
-                self._pre_handle = root.register_forward_pre_hook(_make_pre_hook(self._state), with_kwargs=True)
-        except Exception:
-            self.remove()
-            raise
+        modules = [[resolve_module(table, n, (g.out_features, g.in_features)) for n in g.names]
+                   for g in self.layout.groups]
+        self._buffers = SlotBuffers(self.layout, modules, entries, dtype, out_major)
+        self._buffers.allocate(max_adapters, max_rank, buffers_from)
+        self._weights = WeightSwap([modules[s.group][l] for s in self._buffers.segments for l in range(s.l0, s.l1)])
+        self._hooks = _Hooks(model, modules, entries, self._state)
         logger.debug("FusedSlot: %d modules in %d groups, K=%d, R=%d, %d bytes", self.layout.num_modules,
                      len(self.layout.groups), max_adapters, max_rank, self.nbytes)
 
@@ -258,49 +252,16 @@ class FusedSlot:
         slot = _SLOTS.get(model)
         return None if slot is None or slot._removed else slot
 
-    def _allocate(self, buffers_from: PackedAdapter | None = None) -> None:
-        KR = self.max_adapters * self.max_rank
-        self._segments: list[_Segment] = []
-        for gi, (g, mods) in enumerate(zip(self.layout.groups, self._modules)):
-            # consecutive layers on the same device share one buffer (one segment per group without device_map)
-            for _, run in itertools.groupby(range(len(mods)), lambda l: (mods[l].weight.device, mods[l].weight.dtype)):
-                run = list(run)
-                l0, l1 = run[0], run[-1] + 1
-                w = mods[l0].weight
-                dt = self.dtype or w.dtype
-                pg = buffers_from.groups[gi] if buffers_from is not None else None
-                if pg is not None and self._fits(pg, l1 - l0 == len(mods), KR, dt, w.device):
-                    A, BT = pg.A, pg.BT  # taken over: no allocation (page faults of fresh pages) and no copy
-                else:
-                    A = torch.zeros(l1 - l0, KR, g.in_features, device=w.device, dtype=dt)
-                    if self.out_major:  # B as stored, [L, out, K*R]; BT is its transposed view
-                        BT = torch.zeros(l1 - l0, g.out_features, KR, device=w.device, dtype=dt).transpose(1, 2)
-                    else:
-                        BT = torch.zeros(l1 - l0, KR, g.out_features, device=w.device, dtype=dt)
-                seg = _Segment(gi, l0, l1, A, BT)
-                self._segments.append(seg)
-                for l in range(l0, l1):  # the entry objects the hooks hold get the new views
-                    self._entries[gi][l].A, self._entries[gi][l].BT = seg.A[l - l0], seg.BT[l - l0]
-
-    def _fits(self, pg: PackedGroup, whole_group: bool, KR: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether a packed group's stacks can serve as one segment's buffers as they are."""
-        BT = pg.BT.transpose(1, 2) if self.out_major else pg.BT  # the layout the slot's writes assume
-        return whole_group and pg.rank == KR and (pg.A.dtype, pg.A.device) == (dtype, device) \
-            and pg.A.is_contiguous() and BT.is_contiguous()
-
-    @property
-    def model(self) -> nn.Module | None:
-        return self._model_ref()
-
-    @property
-    def active(self) -> bool:
-        """Whether the slot's merge is on (through the hooks or fused weights)."""
-        return self._state.active or self.on_weights
-
-    @property
-    def on_weights(self) -> bool:
-        """Whether the target modules compute with fused weights now (route ``auto`` / ``weights``)."""
-        return self._weights.swapped
+    model = property(lambda self: self._model_ref(), doc="The model (None once it is gone)")
+    max_adapters = property(lambda self: self._buffers.k, doc="K: how many adapters the slot holds at most")
+    max_rank = property(lambda self: self._buffers.r, doc="R: the largest rank of an adapter it holds")
+    nbytes = property(lambda self: self._buffers.nbytes, doc="Bytes of the slot's buffers")
+    active = property(lambda self: self._state.active or self.on_weights,
+                      doc="Whether the slot's merge is on (through the hooks or fused weights)")
+    on_weights = property(lambda self: self._weights.swapped, doc="Whether the target modules compute with fused "
+                          "weights now (route ``auto`` / ``weights``)")
+    weights_nbytes = property(lambda self: self._weights.nbytes, doc="Bytes of the fused-weight route: one copy of "
+                              "the target weights (allocated at its first use)")
 
     @property
     def weights_budget(self) -> int | None:
@@ -313,20 +274,6 @@ class FusedSlot:
             raise MergeError(f"weights_budget must be a number of bytes (an int >= 0) or None, got {value!r}")
         self._weights.budget = value
 
-    @property
-    def weights_nbytes(self) -> int:
-        """Bytes of the fused-weight route: one copy of the target weights (allocated at its first use)."""
-        return self._weights.nbytes
-
-    def _attach_hooks(self) -> None:
-        if not self._handles and not self._removed:
-            for mod, fn in self._hooks:
-                self._handles.append(mod.register_forward_hook(fn))
-
-    def _detach_hooks(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
-
     def _to_weights(self) -> bool:
         """Switch the current merge from the hooks to fused weights; False (hooks kept, logged once) when the copy
         does not fit or the weights cannot be swapped."""
@@ -334,21 +281,17 @@ class FusedSlot:
         if self._weights.available() is not None:
             return False
         try:
-            self._weights.fill([(seg.A[l - seg.l0, :seg.dirty], seg.BT[l - seg.l0, :seg.dirty])
-                                for seg in self._segments for l in range(seg.l0, seg.l1)])
+            self._weights.fill([(s.A[l - s.l0, :s.dirty], s.BT[l - s.l0, :s.dirty])
+                                for s in self._buffers.segments for l in range(s.l0, s.l1)])
             self._weights.swap_in()
             self._state.active = False
-            self._detach_hooks()
+            self._hooks.detach()
         except BaseException:  # interrupted half way: back to the hooks, whole
             self._weights.restore()
-            self._attach_hooks()
+            self._hooks.attach()
             self._state.active = True
             raise
         return True
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self._segments for t in (s.A, s.BT))
 
     def __repr__(self) -> str:
         return (f"FusedSlot(modules={self.layout.num_modules}, max_adapters={self.max_adapters}, "
@@ -361,87 +304,8 @@ class FusedSlot:
 
     def prepare(self, adapters: Sequence[Any]) -> list[PackedAdapter]:
         """Adapters (``PackedAdapter``, ``LoraAdapter`` or adapter directories) -> packed, checked against the slot."""
-        if isinstance(adapters, (str, Path, LoraAdapter, PackedAdapter)):
-            raise MergeError("adapters must be a list (one per passage), got a single adapter")
-        n = len(adapters)
-        if n == 0:
-            raise MergeError("no adapters to merge (N == 0)")
-        if n > self.max_adapters:
-            raise MergeError(f"{n} adapters do not fit this slot (max_adapters K={self.max_adapters}); create the slot "
-                             f"with max_adapters>={n} or call slot.resize({n})")
-        packed: list[PackedAdapter] = []
-        for i, a in enumerate(adapters):
-            if isinstance(a, PackedAdapter):
-                packed.append(a)
-            elif isinstance(a, LoraAdapter):
-                packed.append(pack_adapter(a, out_major=self.out_major))
-            elif isinstance(a, (str, Path)):
-                if self.store is None:
-                    self.store = AdapterStore()
-                packed.append(self.store.get(a))
-            else:
-                raise MergeError(f"adapter {i} is a {type(a).__name__}; expected a PackedAdapter, a LoraAdapter "
-                                 "or an adapter directory")
-        check_layouts(self.layout, packed, "FusedSlot")
-        for i, p in enumerate(packed):
-            if p.max_rank > self.max_rank:
-                raise MergeError(f"adapter {i} ({p.source}) has rank {p.max_rank} > the slot's max_rank "
-                                 f"R={self.max_rank}; create the slot with max_rank>={p.max_rank} or call "
-                                 f"slot.resize(max_rank={p.max_rank})")
+        packed, self.store = self._buffers.pack(adapters, self.store)
         return packed
-
-    def _zero_tail(self, seg: _Segment, used: int) -> None:
-        if seg.dirty > used:
-            seg.rows("A", used, seg.dirty).zero_()
-        seg.dirty = used
-
-    def _sources(self, seg: _Segment, p: PackedAdapter, coef: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Adapter ``p``'s rows for segment ``seg``: ``(A [l, r, in], BT [l, r, out], coef * its scaling)``."""
-        pg = p.groups[seg.group]
-        src_A, src_B = pg.A, pg.BT
-        if seg.l0 != 0 or seg.l1 != src_A.shape[0]:
-            src_A, src_B = src_A[seg.l0:seg.l1], src_B[seg.l0:seg.l1]
-        if pg.scale is not None:
-            return src_A, src_B, coef * pg.scale
-        return src_A, src_B, (coef * pg.scales[seg.l0:seg.l1]).to(torch.float32).view(-1, 1, 1)
-
-    @torch.no_grad()
-    def _write_cat(self, packed: Sequence[PackedAdapter], coefs: Sequence[float]) -> None:
-        """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T`` (:func:`factors.write_cat`)."""
-        R = self.max_rank
-        for seg in self._segments:
-            srcs = [self._sources(seg, p, coefs[i]) for i, p in enumerate(packed)]  # (A, BT, coef) each
-            spans = [(i * R, i * R + src_A.shape[1]) for i, (src_A, _, _) in enumerate(srcs)]
-            for lo, hi in spans:
-                if hi < lo + R and seg.dirty > hi:
-                    seg.rows("A", hi, lo + R).zero_()  # leftovers of a larger adapter
-            factors.write_cat([seg.rows("A", *sp) for sp in spans], [seg.rows("BT", *sp) for sp in spans], *zip(*srcs))
-            self._zero_tail(seg, len(packed) * R)
-
-    def _check_equal_ranks(self, packed: Sequence[PackedAdapter], what: str = "mode 'separate'") -> None:
-        """:func:`factors.check_equal_ranks` for every layout group of the slot."""
-        for gi, g in enumerate(self.layout.groups):
-            factors.check_equal_ranks([p.groups[gi].ranks for p in packed], g.names[0], [p.source for p in packed],
-                                      what, [p.groups[gi].rank for p in packed])
-
-    @torch.no_grad()
-    def _write_separate(self, packed: Sequence[PackedAdapter], u: Sequence[float]) -> None:
-        """Rows ``0 .. r``: ``A = sum_i u_i s_i A_i``, ``BT = sum_i u_i B_i^T`` (:func:`factors.weighted_sum_into`)."""
-        self._check_equal_ranks(packed)
-        for seg in self._segments:
-            r = packed[0].groups[seg.group].rank
-            srcs = [self._sources(seg, p, u[i]) for i, p in enumerate(packed)]
-            scratch = functools.partial(self._scratch, seg)
-            factors.weighted_sum_into(seg.rows("A", 0, r), [s[0] for s in srcs], [s[2] for s in srcs], scratch, "A")
-            factors.weighted_sum_into(seg.rows("BT", 0, r), [s[1] for s in srcs], u, scratch, "BT")
-            self._zero_tail(seg, r)
-
-    @staticmethod
-    def _scratch(seg: _Segment, key: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        t = seg.scratch.get(key)
-        if t is None or t.shape != like.shape or t.dtype != dtype:
-            t = seg.scratch[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
-        return t
 
     def write(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat") -> "FusedSlot":
         """Write the weighted merge of ``adapters`` (``w~``, default ``[1]*N``) and switch it on: ``cat`` is the exact
@@ -457,9 +321,9 @@ class FusedSlot:
         w = check_weights(merge_weights, n)
         self.deactivate()
         if mode == "cat":
-            self._write_cat(packed, w)
+            self._buffers.write_cat(packed, w)
         else:
-            self._write_separate(packed, array("f", [v / n for v in w]).tolist())  # = float32 w / N
+            self._buffers.write_separate(packed, array("f", [v / n for v in w]).tolist())  # = float32 w / N
         self.n_active, self.merge_mode = len(packed), mode
         self._state.active = True
         if self.route == "weights":
@@ -480,22 +344,11 @@ class FusedSlot:
         w, m = _mixture_weights(merge_weights, mask, len(adapters))
         packed = self.prepare(adapters)
         self.deactivate()
-        self._write_cat(packed, [1.0] * len(packed))
+        self._buffers.write_cat(packed, [1.0] * len(packed))
         self.n_active, self.merge_mode = len(packed), None
-        K, R, B = self.max_adapters, self.max_rank, w.shape[0]
-        if mode == "cat":
-            coef = torch.zeros(B, K, R)
-            coef[:, :len(packed)] = w[:, :, None]
-            coef = coef.view(B, K * R)
-        else:
-            self._check_equal_ranks(packed, "mixed mode 'separate'")
-            n = m.sum(1, keepdim=True)
-            if bool((n == 0).any()):
-                bad = int(torch.nonzero(n[:, 0] == 0)[0])
-                raise MergeError(f"mixed mode 'separate': sample {bad} uses no adapter (its mask row is all False)")
-            coef = torch.zeros(B, K)
-            coef[:, :len(packed)] = (w / n.to(torch.float32)) * m
-        self._state.transform = _Mixture(coef, mode, K, R)
+        if mode == "separate":
+            self._buffers.check_equal_ranks(packed, "mixed mode 'separate'")
+        self._state.transform = _Mixture(w, m, mode, self.max_adapters, self.max_rank)
         self._state.active = True
         return self
 
@@ -511,7 +364,7 @@ class FusedSlot:
         self._state.transform = None
         self._state.pending = None
         self._weights.restore()
-        self._attach_hooks()
+        self._hooks.attach()
 
     def fused(self, adapters: Sequence[Any], merge_weights: Any = None, mode: str = "cat"
               ) -> ContextManager["FusedSlot"]:
@@ -541,8 +394,7 @@ class FusedSlot:
         r = self.max_rank if max_rank is None else max_rank
         _check_sizes(k, r)
         self.deactivate()
-        self.max_adapters, self.max_rank = k, r
-        self._allocate()
+        self._buffers.allocate(k, r)
         self.n_active, self.merge_mode = 0, None
         logger.info("FusedSlot resized to K=%d, R=%d (%d bytes)", k, r, self.nbytes)
 
@@ -551,27 +403,15 @@ class FusedSlot:
         if self.merge_mode not in SLOT_MODES:
             raise MergeError("the slot holds no weighted merge; call write() first")
         rows = self.n_active * self.max_rank if self.merge_mode == "cat" else self.max_rank
-        modules = {}
-        for seg in self._segments:
-            g = self.layout.groups[seg.group]
-            for l in range(seg.l0, seg.l1):
-                A = seg.A[l - seg.l0, :rows].float().cpu().clone()
-                B = seg.BT[l - seg.l0, :rows].T.float().cpu().contiguous()
-                B[:, (A == 0).all(1)] = 0  # padding rows: B may hold leftovers there (harmless: A is zero)
-                modules[g.names[l]] = LoraModule(A, B, 1.0)
-        return LoraAdapter(modules, {"r": rows, "lora_alpha": rows}, f"FusedSlot[{self.merge_mode},N={self.n_active}]")
+        return self._buffers.as_adapter(rows, f"FusedSlot[{self.merge_mode},N={self.n_active}]")
 
     def remove(self) -> None:
         """Remove the hooks and free the buffers: the model is exactly as before the slot was created."""
-        self._removed = True  # first: deactivate() must not attach the hooks again
+        self._removed = True
+        self._hooks.remove()  # first: deactivate() must not attach them again
         self.deactivate()
         self._weights.free()
-        self._detach_hooks()
-        if getattr(self, "_pre_handle", None) is not None:
-            self._pre_handle.remove()
-            self._pre_handle = None
-        self._segments = []
-        self._entries = []
+        self._buffers.segments = []
         model = self.model
         if model is not None and _SLOTS.get(model) is self:
             del _SLOTS[model]
@@ -598,11 +438,24 @@ def _mixture_weights(merge_weights: Any, mask: Any, k: int) -> tuple[torch.Tenso
 
 
 class _Mixture:
-    """The rank-space transform of :meth:`FusedSlot.write_mixed` for ``B`` samples: ``coef`` is ``[B, K*R]`` row
-    weights (``cat``) or ``[B, K]`` ``u`` (``separate``: ``h* = sum_i u_bi h_i``, then ``sum_i u_bi B_i h*``)."""
+    """The rank-space transform of :meth:`FusedSlot.write_mixed` for ``B`` samples of per-sample weights ``w [B,
+    n]`` over the slot's first ``n`` of ``k_slot`` adapters (rank ``rank``): ``cat`` weighs rows, ``separate``
+    takes ``u_b = w_b * m_b / sum m_b``, ``h* = sum_i u_bi h_i``, then ``sum_i u_bi B_i h*``."""
 
-    def __init__(self, coef: torch.Tensor, mode: str, k_slot: int, rank: int) -> None:
-        self.coef, self.mode, self.k, self.r, self.batch = coef, mode, k_slot, rank, coef.shape[0]
+    def __init__(self, w: torch.Tensor, m: torch.Tensor, mode: str, k_slot: int, rank: int) -> None:
+        B, n = w.shape
+        if mode == "cat":
+            coef = torch.zeros(B, k_slot, rank)
+            coef[:, :n] = w[:, :, None]
+            coef = coef.view(B, k_slot * rank)
+        else:
+            count = m.sum(1, keepdim=True)
+            if bool((count == 0).any()):
+                bad = int(torch.nonzero(count[:, 0] == 0)[0])
+                raise MergeError(f"mixed mode 'separate': sample {bad} uses no adapter (its mask row is all False)")
+            coef = torch.zeros(B, k_slot)
+            coef[:, :n] = (w / count.to(torch.float32)) * m
+        self.coef, self.mode, self.k, self.r, self.batch = coef, mode, k_slot, rank, B
         self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def __call__(self, h: torch.Tensor, name: str) -> torch.Tensor:

@@ -51,17 +51,9 @@ class WeightSwap:
         self._swapped: list[tuple[nn.Module, nn.Parameter]] = []  # (module, its original weight) while swapped
         self._refused: tuple[int | None, str] | None = None  # (budget, why) of the last refusal
 
-    @property
-    def nbytes(self) -> int:
-        return sum(m.weight.numel() * m.weight.element_size() for m in self.modules)
-
-    @property
-    def device_type(self) -> str:
-        return self.modules[0].weight.device.type
-
-    @property
-    def swapped(self) -> bool:
-        return bool(self._swapped)
+    nbytes = property(lambda self: sum(m.weight.numel() * m.weight.element_size() for m in self.modules))
+    device_type = property(lambda self: self.modules[0].weight.device.type)
+    swapped = property(lambda self: bool(self._swapped))
 
     def available(self) -> str | None:
         """Allocate the buffers if needed: None when the route can be used, else why not (logged once per budget)."""

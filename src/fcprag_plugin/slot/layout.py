@@ -31,13 +31,8 @@ class Layout:
 
     groups: tuple[LayoutGroup, ...]
 
-    @property
-    def module_names(self) -> list[str]:
-        return [n for g in self.groups for n in g.names]
-
-    @property
-    def num_modules(self) -> int:
-        return sum(len(g.names) for g in self.groups)
+    module_names = property(lambda self: [n for g in self.groups for n in g.names])
+    num_modules = property(lambda self: sum(len(g.names) for g in self.groups))
 
     def describe_difference(self, other: "Layout") -> str:
         """A short human-readable reason why ``other`` does not match this layout."""
@@ -90,9 +85,7 @@ class PackedGroup:
     ranks: tuple[int, ...]  # the true rank of each module (<= r)
     scale: float | None = None  # the common scaling if all modules share one (the usual case)
 
-    @property
-    def rank(self) -> int:
-        return int(self.A.shape[1])
+    rank = property(lambda self: int(self.A.shape[1]))
 
 
 @dataclass
@@ -104,26 +97,12 @@ class PackedAdapter:
     source: str = "<memory>"
     config: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def max_rank(self) -> int:
-        return max(g.rank for g in self.groups)
-
-    @property
-    def device(self) -> torch.device:
-        return self.groups[0].A.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.groups[0].A.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for g in self.groups for t in (g.A, g.BT))
-
-    @property
-    def all_zero(self) -> bool:
-        """True when every ``B`` is zero: the adapter changes nothing (e.g. saved before training)."""
-        return not any(bool(g.BT.any()) for g in self.groups)
+    max_rank = property(lambda self: max(g.rank for g in self.groups))
+    device = property(lambda self: self.groups[0].A.device)
+    dtype = property(lambda self: self.groups[0].A.dtype)
+    nbytes = property(lambda self: sum(t.numel() * t.element_size() for g in self.groups for t in (g.A, g.BT)))
+    all_zero = property(lambda self: not any(bool(g.BT.any()) for g in self.groups),
+                        doc="True when every ``B`` is zero: the adapter changes nothing (e.g. saved before training)")
 
     def to_lora(self) -> LoraAdapter:
         """Unpack into a :class:`LoraAdapter` (copies; for checks and interop, not for the hot path)."""

@@ -200,9 +200,7 @@ class AdapterStore:
             self._items.clear()
             self._nbytes = 0
 
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
+    nbytes = property(lambda self: self._nbytes)
 
     def __len__(self) -> int:
         return len(self._items)
