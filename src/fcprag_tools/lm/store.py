@@ -1,9 +1,8 @@
-"""JSON Lines label output: crash-safe appends (a crash can only leave a partial *last* line) and the resume scan,
-which drops that line before appending again."""
+"""JSON Lines label files read back for a resume: appended by :class:`~fcprag_plugin.fileio.JsonlAppender` (a crash
+can only leave a partial *last* line), scanned here, which drops that line before appending again."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -75,32 +74,3 @@ def done_ids(path: str | Path, *, repair: bool) -> dict[str, int]:
             raise LabelFileError(f"{path}:{sl.line}: field 'id': duplicate id '{rid}' (first on line {seen[rid]})")
         seen[rid] = sl.line
     return seen
-
-
-class JsonlAppender:
-    """Append records to a JSON Lines file, each as one ``os.write`` of a full line, then fsync."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def append(self, record: dict[str, Any]) -> None:
-        data = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
-        view = memoryview(data)
-        while view:  # os.write may write less than asked for huge lines; a crash in between leaves a partial line
-            n = os.write(self._fd, view)
-            view = view[n:]
-        os.fsync(self._fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> "JsonlAppender":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from fcprag_plugin.fileio import write_atomic
+from fcprag_plugin.fileio import append_json_lines, write_atomic
 from .shard import ShardInfo, part_path
-from .store import JsonlAppender, read_label_lines
+from .store import read_label_lines
 
 
 class UnitStore:
@@ -41,9 +41,7 @@ class UnitStore:
         return out
 
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
-        with JsonlAppender(self.target) as app:
-            for r in rows:
-                app.append(r)
+        append_json_lines(self.target, rows)
 
     def merge(self) -> None:
         """Fold the part files into the main file (atomically), then delete them (rank 0, after a barrier)."""
@@ -58,6 +56,5 @@ class UnitStore:
 
 def log_timing(out: Path, stage: str, seconds: float, **info: Any) -> None:
     """One line per finished (or resumed) stage in ``OUT/timings.jsonl``."""
-    with JsonlAppender(Path(out) / "timings.jsonl") as app:
-        app.append({"stage": stage, "seconds": round(seconds, 2), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    **info})
+    append_json_lines(Path(out) / "timings.jsonl", [{
+        "stage": stage, "seconds": round(seconds, 2), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}])
