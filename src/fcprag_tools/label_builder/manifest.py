@@ -13,7 +13,6 @@ from fcprag_plugin.adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.fileio import read_records, write_atomic
 from fcprag_plugin.hosts._prag_data import adapter_dir
-from ..lm.store import json_lines
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
 PASS_THROUGH_FIELDS = ("group", "split")
@@ -135,7 +134,8 @@ def _check_pass_through(extra: dict[str, Any], where: str) -> None:
 
 
 def read_manifest(path: str | Path) -> list[ManifestRecord]:
-    """Read and validate a JSON Lines manifest (blank lines allowed). Raises ``LabelFileError`` naming file/line/field.
+    """Read and validate a JSON Lines manifest (blank lines allowed; the one record reader, :func:`read_records`, also
+    takes a JSON array or a ``.gz`` file). Raises ``LabelFileError`` naming file/line/field.
 
     Duplicate ids are rejected (both lines are named): labels are keyed by id when resuming and merging.
     """
@@ -145,14 +145,13 @@ def read_manifest(path: str | Path) -> list[ManifestRecord]:
     records: list[ManifestRecord] = []
     seen: dict[str, int] = {}
     base = path.resolve().parent
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, _, obj in json_lines(path, f):
-            where = f"{path}:{lineno}"
-            rec = parse_record(obj, where, base, line=lineno, source=str(path))
-            if rec.id in seen:
-                raise LabelFileError(f"{where}: field 'id': duplicate id '{rec.id}' (first on line {seen[rec.id]})")
-            seen[rec.id] = lineno
-            records.append(rec)
+    for lineno, obj in read_records(path, LabelFileError):
+        where = f"{path}:{lineno}"
+        rec = parse_record(obj, where, base, line=lineno, source=str(path))
+        if rec.id in seen:
+            raise LabelFileError(f"{where}: field 'id': duplicate id '{rec.id}' (first on line {seen[rec.id]})")
+        seen[rec.id] = lineno
+        records.append(rec)
     if not records:
         raise LabelFileError(f"{path}: the manifest has no records")
     return records

@@ -7,20 +7,12 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.fileio import json_error, parse_json_lines, split_lines
+from fcprag_plugin.fileio import decode_utf8, json_error, parse_json_lines, split_lines
 
 logger = logging.getLogger(__name__)
-
-
-def json_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, str, Any]]:
-    """``(line number, raw line, parsed object)`` per non-blank line; invalid JSON is an error naming file and line."""
-    for lineno, raw, obj, e in parse_json_lines(lines):
-        if e is not None:
-            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({json_error(e)})") from e
-        yield lineno, raw, obj
 
 
 @dataclass
@@ -53,7 +45,9 @@ def read_label_lines(path: str | Path, *, partial: str = "error") -> list[Stored
                 f.flush()
                 os.fsync(f.fileno())
     lines: list[StoredLine] = []
-    for lineno, raw, obj in json_lines(path, split_lines(data[:cut].decode("utf-8"), keepends=True)):
+    for lineno, raw, obj, e in parse_json_lines(split_lines(decode_utf8(data[:cut], path, LabelFileError), True)):
+        if e is not None:
+            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({json_error(e)})") from e
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
             raise LabelFileError(f"{path}:{lineno}: field 'id': expected a JSON object with a string 'id'")
         lines.append(StoredLine(obj, raw if raw.endswith("\n") else raw + "\n", lineno))
