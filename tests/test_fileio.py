@@ -11,7 +11,7 @@ import pytest
 
 from fcprag_plugin.errors import FcpragError, LabelFileError
 from fcprag_plugin.fileio import (JsonlAppender, append_json_lines, read_json_if_present, read_json_object,
-                                  read_records)
+                                  read_records, write_json_lines)
 
 RECS = [{"id": "a", "q": "x\u2028y"}, [1, 2], {"id": "c", "nested": {"k": [3]}}]
 
@@ -116,6 +116,12 @@ def test_appended_lines_are_strict_json_a_whole_line_each(tmp_path):
     assert raw.endswith("\n") and [json.loads(line) for line in raw.split("\n")[:-1]] == [
         {"id": "a", "q": "x\u2028y", "v": [1.5, None]}, {"id": "b", "t": [1, 2]}, {"id": "c", "s": [1, 3]}]
     assert "\u2028" in raw  # written as is (ensure_ascii=False), one record per "\n"-ended line
+    whole = tmp_path / "whole.jsonl"  # the whole-file writer writes the same lines
+    assert write_json_lines(whole, [json.loads(line) for line in raw.split("\n")[:-1]]) == 3
+    assert whole.read_bytes() == f.read_bytes()
+    with pytest.raises(ValueError):
+        write_json_lines(tmp_path / "nan.jsonl", [{"v": math.inf}])
+    assert not (tmp_path / "nan.jsonl").exists()
 
 
 def test_a_store_resumes_after_a_partial_last_line(tmp_path):

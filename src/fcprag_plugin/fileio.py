@@ -1,7 +1,8 @@
 """File I/O of the library: strict JSON values (:func:`finite_or_none`), the one record reader (a JSON array or JSON
 Lines, gzipped or not: :func:`iter_records`, :func:`read_records`), the JSON object reader
-(:func:`read_json_object`, :func:`read_json_if_present`), the one atomic file writer, the one JSON Lines appender
-(:class:`JsonlAppender`) and the safetensors reader. Errors name the file (and the line)."""
+(:func:`read_json_object`, :func:`read_json_if_present`), the one atomic file writer, the one JSON Lines writer
+(:class:`JsonlAppender` appends; :func:`write_json_lines` writes a whole file) and the safetensors reader. Errors
+name the file (and the line)."""
 
 from __future__ import annotations
 
@@ -58,12 +59,24 @@ def write_json(path: str | Path, obj: Any) -> Path:
     return write_atomic(path, json.dumps(finite_or_none(obj), indent=2, allow_nan=False, default=str) + "\n")
 
 
+def json_line(record: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """``record`` as one JSON Lines line (with its newline): strict JSON (a NaN or inf is a ``ValueError``; pass
+    :func:`finite_or_none` values to store null), non-ASCII as is, ``default`` as in ``json.dumps``."""
+    return json.dumps(record, ensure_ascii=False, allow_nan=False, default=default) + "\n"
+
+
+def write_json_lines(path: str | Path, records: Iterable[Any], *, default: Callable[[Any], Any] | None = None) -> int:
+    """Write ``records`` as a whole JSON Lines file (:func:`json_line` each), atomically; returns their number."""
+    lines = [json_line(r, default) for r in records]
+    write_atomic(path, "".join(lines))
+    return len(lines)
+
+
 class JsonlAppender:
     """Appends records to a JSON Lines file, creating it (and its folder): each record is one whole line written by
     one ``os.write`` loop on an ``O_APPEND`` descriptor, then ``fsync``, so a crash can leave at most a partial
-    *last* line (the resumable stores' readers drop it) and a returned :meth:`append` is on disk. Records are strict
-    JSON written with ``ensure_ascii=False``: a NaN or inf is a ``ValueError`` (pass :func:`finite_or_none` values to
-    store null); ``default`` turns other values into JSON ones, as in ``json.dumps``."""
+    *last* line (the resumable stores' readers drop it) and a returned :meth:`append` is on disk. Each line is
+    :func:`json_line` ``(record, default)``."""
 
     def __init__(self, path: str | Path, *, default: Callable[[Any], Any] | None = None) -> None:
         self.path, self._default = Path(path), default
@@ -71,7 +84,7 @@ class JsonlAppender:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, record: Any) -> None:
-        data = (json.dumps(record, ensure_ascii=False, allow_nan=False, default=self._default) + "\n").encode("utf-8")
+        data = json_line(record, self._default).encode("utf-8")
         view = memoryview(data)
         while view:  # os.write may write less than asked for huge lines; a crash in between leaves a partial line
             n = os.write(self._fd, view)

@@ -21,7 +21,7 @@ from ..controller import ControllerConfig, FusionController
 from ..controller_config import ship_name
 from ..errors import FcpragError, LabelFileError, kw
 from ..features import SIDE_FEATURES, center_side
-from ..fileio import append_json_lines, finite_or_none, read_json_if_present, write_json
+from ..fileio import append_json_lines, finite_or_none, read_json_if_present, write_json, write_json_lines
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
 from .data import LabelTensors, build_tensors, side_rows
 from .embed_cache import EmbeddingCache, default_cache_dir
@@ -374,7 +374,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         log_path = self.out / LOG_NAME
         # the log always mirrors the checkpoint's history (an epoch after the checkpoint never happened)
-        log_path.write_text("".join(json.dumps(finite_or_none(h)) + "\n" for h in self.history), encoding="utf-8")
+        write_json_lines(log_path, map(finite_or_none, self.history))
         if not (self.out / CHECKPOINT_DIR).exists():  # also for 0 epochs: the directory holds a run from now on
             save_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen, self._state())
         if self.epoch >= epochs:

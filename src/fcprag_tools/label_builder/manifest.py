@@ -3,7 +3,6 @@ conversion from PRAG's on-disk layout."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any, Iterable
 
 from fcprag_plugin.adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.fileio import read_records, write_atomic
+from fcprag_plugin.fileio import read_records, write_json_lines
 from fcprag_plugin.hosts._prag_data import adapter_dir
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
@@ -233,6 +232,4 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
 
 def write_manifest(records: Iterable[dict[str, Any]], out: str | Path) -> int:
     """Write manifest records as JSON Lines (atomically: a crash leaves no half file)."""
-    lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in records]
-    write_atomic(out, "".join(lines))
-    return len(lines)
+    return write_json_lines(out, records)

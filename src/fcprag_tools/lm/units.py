@@ -8,12 +8,11 @@ read from the main file and every part file, so a run resumed with another world
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from fcprag_plugin.fileio import append_json_lines, write_atomic
+from fcprag_plugin.fileio import append_json_lines, write_json_lines
 from .shard import ShardInfo, part_path
 from .store import read_label_lines
 
@@ -49,7 +48,7 @@ class UnitStore:
         if not parts:
             return
         rows = self.done()
-        write_atomic(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()))
+        write_json_lines(self.path, rows.values())
         for f in parts:
             f.unlink()
 
