@@ -73,10 +73,9 @@ def write_json_lines(path: str | Path, records: Iterable[Any], *, default: Calla
 
 
 class JsonlAppender:
-    """Appends records to a JSON Lines file, creating it (and its folder): each record is one whole line written by
-    one ``os.write`` loop on an ``O_APPEND`` descriptor, then ``fsync``, so a crash can leave at most a partial
-    *last* line (the resumable stores' readers drop it) and a returned :meth:`append` is on disk. Each line is
-    :func:`json_line` ``(record, default)``."""
+    """Appends records to a JSON Lines file (made with its folder), each as :func:`json_line` written whole (an
+    ``os.write`` loop on an ``O_APPEND`` descriptor), then ``fsync``: a crash leaves at most a partial *last* line
+    (the resumable stores' readers drop it), and a record is on disk once :meth:`append` returns."""
 
     def __init__(self, path: str | Path, *, default: Callable[[Any], Any] | None = None) -> None:
         self.path, self._default = Path(path), default
@@ -84,27 +83,20 @@ class JsonlAppender:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, record: Any) -> None:
-        data = json_line(record, self._default).encode("utf-8")
-        view = memoryview(data)
-        while view:  # os.write may write less than asked for huge lines; a crash in between leaves a partial line
-            n = os.write(self._fd, view)
-            view = view[n:]
+        view = memoryview(json_line(record, self._default).encode("utf-8"))
+        while view:  # os.write may write less than asked for huge lines
+            view = view[os.write(self._fd, view):]
         os.fsync(self._fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
     def __enter__(self) -> "JsonlAppender":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        os.close(self._fd)
 
 
 def append_json_lines(path: str | Path, records: Iterable[Any], *, default: Callable[[Any], Any] | None = None) -> None:
-    """Append ``records`` to JSON Lines file ``path``, a whole line each, durably (:class:`JsonlAppender`)."""
+    """Append ``records`` to JSON Lines file ``path`` (:class:`JsonlAppender`)."""
     with JsonlAppender(path, default=default) as out:
         for record in records:
             out.append(record)

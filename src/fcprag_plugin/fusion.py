@@ -112,11 +112,9 @@ def _check_inputs(adapters: Sequence[Any], query: str, passages: Sequence[str]) 
     warn_repeated_adapters(adapters)
 
 
-def warn_repeated_adapters(adapters: Sequence[Any], names: Sequence[str] | None = None) -> list[str]:
-    """Warn once when adapter directories among ``adapters`` (paths; other entries are passed over) are the same
-    directory (by real path): each copy counts as its own passage update, so that update is added several times
-    (PRAG sums them too, silently; rarely meant). ``names``: how the warning calls each entry (default: its path).
-    Returns the repeated directories' real paths."""
+def warn_repeated_adapters(adapters: Sequence[Any], names: Sequence[str] | None = None) -> None:
+    """Warn once when adapter paths among ``adapters`` are the same directory (by real path): each copy adds its
+    update again (PRAG sums them too, silently; rarely meant). ``names``: how the warning calls each entry."""
     given: dict[str, list[str]] = {}
     for i, a in enumerate(adapters):
         if isinstance(a, (str, Path)):
@@ -126,7 +124,6 @@ def warn_repeated_adapters(adapters: Sequence[Any], names: Sequence[str] | None 
         logger.warning("the same adapter directory is given more than once (%s): each copy counts as its own passage "
                        "update, so its update is added once per copy", "; ".join(
                            f"{real} as {', '.join(as_given)}" for real, as_given in repeated.items()))
-    return list(repeated)
 
 
 def fuse(adapters: Sequence[Any], query: str, passages: Sequence[str], *,
