@@ -160,7 +160,7 @@ def test_corrupt_safetensors(tmp_path):
 def test_bad_json_config(tmp_path):
     d = make_adapter_dir(tmp_path / "a")
     (d / "adapter_config.json").write_text("{not json")
-    with pytest.raises(AdapterError, match=r"adapter_config\.json: not valid JSON"):
+    with pytest.raises(AdapterError, match=r"adapter_config\.json:1: not valid JSON"):
         LoraAdapter.from_pretrained(d)
 
 

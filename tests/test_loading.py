@@ -200,7 +200,8 @@ def test_split_lines_breaks_at_newlines_only():
 def test_json_lines_readers_keep_odd_line_separators_inside_strings(tmp_path):
     from fcprag_plugin.fileio import read_records
     from fcprag_tools.label_builder.manifest import read_data_aug
-    from fcprag_tools.lm.store import JsonlAppender, done_ids, read_label_lines
+    from fcprag_plugin.fileio import JsonlAppender
+    from fcprag_tools.lm.store import done_ids, read_label_lines
     from fcprag_plugin.training import load_labels
     from fcprag_tools.synthetic import write_labels
     from fcprag_tools.synthetic import synthetic_records

@@ -23,6 +23,19 @@ def peft_has_stale_config_bug() -> bool:
     return package_version("peft") < Version("0.19")
 
 
+def from_pretrained_dtype_key() -> str:
+    """The ``from_pretrained`` keyword that sets the weights' dtype: ``dtype`` from transformers 4.56 on (which warns
+    at ``torch_dtype``); the pins (4.44, 4.49) know only ``torch_dtype``."""
+    return "dtype" if package_version("transformers") >= Version("4.56") else "torch_dtype"
+
+
+def kv_cache_argument(kwargs: dict[str, Any]) -> Any:
+    """The KV cache in a decoder layer's forward keyword arguments, None without one (transformers 5 names the
+    argument ``cache``, earlier versions ``past_key_values``)."""
+    pkv = kwargs.get("past_key_values")
+    return kwargs.get("cache") if pkv is None else pkv
+
+
 def layer_use_dora(layer: Any, adapter_name: str) -> bool:
     """Older peft keeps ``use_dora`` as a dict on the layer; some versions lack it entirely."""
     use_dora = getattr(layer, "use_dora", None)

@@ -1,15 +1,19 @@
 """File I/O of the library: strict JSON values (:func:`finite_or_none`), the one record reader (a JSON array or JSON
-Lines: :func:`iter_records`, :func:`read_records`), the JSON reader, the one atomic file writer and the safetensors
-reader. Errors name the file (and the line)."""
+Lines, gzipped or not: :func:`iter_records`, :func:`read_records`), the JSON object reader
+(:func:`read_json_object`, :func:`read_json_if_present`), the one atomic file writer, the one JSON Lines writer
+(:class:`JsonlAppender` appends; :func:`write_json_lines` writes a whole file) and the safetensors reader. Errors
+name the file (and the line)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
 import re
+import zlib
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 
 def finite_or_none(obj: Any) -> Any:
@@ -53,6 +57,49 @@ def write_atomic(path: str | Path, text: str) -> Path:
 def write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented strict JSON (NaN/inf as null, other non-JSON values as ``str``), atomically."""
     return write_atomic(path, json.dumps(finite_or_none(obj), indent=2, allow_nan=False, default=str) + "\n")
+
+
+def json_line(record: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """``record`` as one JSON Lines line (with its newline): strict JSON (a NaN or inf is a ``ValueError``; pass
+    :func:`finite_or_none` values to store null), non-ASCII as is, ``default`` as in ``json.dumps``."""
+    return json.dumps(record, ensure_ascii=False, allow_nan=False, default=default) + "\n"
+
+
+def write_json_lines(path: str | Path, records: Iterable[Any], *, default: Callable[[Any], Any] | None = None) -> int:
+    """Write ``records`` as a whole JSON Lines file (:func:`json_line` each), atomically; returns their number."""
+    lines = [json_line(r, default) for r in records]
+    write_atomic(path, "".join(lines))
+    return len(lines)
+
+
+class JsonlAppender:
+    """Appends records to a JSON Lines file (made with its folder), each as :func:`json_line` written whole (an
+    ``os.write`` loop on an ``O_APPEND`` descriptor), then ``fsync``: a crash leaves at most a partial *last* line
+    (the resumable stores' readers drop it), and a record is on disk once :meth:`append` returns."""
+
+    def __init__(self, path: str | Path, *, default: Callable[[Any], Any] | None = None) -> None:
+        self.path, self._default = Path(path), default
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, record: Any) -> None:
+        view = memoryview(json_line(record, self._default).encode("utf-8"))
+        while view:  # os.write may write less than asked for huge lines
+            view = view[os.write(self._fd, view):]
+        os.fsync(self._fd)
+
+    def __enter__(self) -> "JsonlAppender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        os.close(self._fd)
+
+
+def append_json_lines(path: str | Path, records: Iterable[Any], *, default: Callable[[Any], Any] | None = None) -> None:
+    """Append ``records`` to JSON Lines file ``path`` (:class:`JsonlAppender`)."""
+    with JsonlAppender(path, default=default) as out:
+        for record in records:
+            out.append(record)
 
 
 def parse_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, str, Any, json.JSONDecodeError | None]]:
@@ -104,27 +151,52 @@ def iter_records(text: str, path: Any, error: type[Exception]) -> Iterator[tuple
         line, start = line + text.count("\n", start, end), end
 
 
+def read_bytes(path: str | Path, error: type[Exception]) -> bytes:
+    """The bytes of file ``path``, decompressed when its name ends in ``.gz``; a broken gzip stream is an ``error``
+    naming the file."""
+    raw = Path(path).read_bytes()
+    if not str(path).endswith(".gz"):
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut-off stream an EOFError
+        raise error(f"{path}: not a readable gzip file ({e})") from e
+
+
 def read_records(path: str | Path, error: type[Exception]) -> list[tuple[int, Any]]:
-    """``(line, record)`` of a JSON array or JSON Lines file (:func:`iter_records`); errors name file:line."""
+    """``(line, record)`` of a JSON array or JSON Lines file, gzipped when its name ends in ``.gz``
+    (:func:`iter_records`); errors name file:line."""
     out = []
-    for line, value, problem in iter_records(decode_utf8(Path(path).read_bytes(), path, error), path, error):
+    for line, value, problem in iter_records(decode_utf8(read_bytes(path, error), path, error), path, error):
         if problem is not None:
             raise error(f"{path}:{line}: {problem}")
         out.append((line, value))
     return out
 
 
-def read_json_object(path: Path, error: type[Exception], missing: str) -> dict[str, Any]:
-    """The JSON object in ``path``; a missing file (``missing``: what to say), invalid JSON or a non-object is an
-    ``error`` naming it."""
+def read_json_if_present(path: str | Path, error: type[Exception], *, fix: str = "") -> dict[str, Any] | None:
+    """The JSON object in ``path``, None when there is no such file; invalid UTF-8 or JSON, or a value that is not
+    an object, is an ``error`` naming the file (and the line), followed by ``fix`` (what to do) when given."""
+    path = Path(path)
     if not path.is_file():
-        raise error(f"{path}: {missing}")
+        return None
+    tail = f"; {fix}" if fix else ""
+    text = decode_utf8(path.read_bytes(), path, error)
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: not valid JSON ({e})") from e
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}:{e.lineno}: not valid JSON ({json_error(e)}){tail}") from None
     if not isinstance(obj, dict):
-        raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+        raise error(f"{path}: expected a JSON object, got {type(obj).__name__}{tail}")
+    return obj
+
+
+def read_json_object(path: str | Path, error: type[Exception], missing: str, *, fix: str = "") -> dict[str, Any]:
+    """The JSON object in ``path`` (:func:`read_json_if_present`); a missing file is an ``error`` saying
+    ``missing``."""
+    obj = read_json_if_present(path, error, fix=fix)
+    if obj is None:
+        raise error(f"{path}: {missing}")
     return obj
 
 

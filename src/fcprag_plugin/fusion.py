@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -110,11 +109,21 @@ def _check_inputs(adapters: Sequence[Any], query: str, passages: Sequence[str]) 
     if len(adapters) == 0:
         raise FusionInputError("adapters is empty: need one adapter per passage")
     check_texts(query, passages, len(adapters))
-    seen = Counter(os.path.realpath(a) for a in adapters if isinstance(a, (str, Path)))
-    dups = [k for k, c in seen.items() if c > 1]
-    if dups:
-        logger.warning("fuse: adapter path(s) %s are given more than once; each copy counts as its own passage "
-                       "update, so the same update is added several times", dups)
+    warn_repeated_adapters(adapters)
+
+
+def warn_repeated_adapters(adapters: Sequence[Any], names: Sequence[str] | None = None) -> None:
+    """Warn once when adapter paths among ``adapters`` are the same directory (by real path): each copy adds its
+    update again (PRAG sums them too, silently; rarely meant). ``names``: how the warning calls each entry."""
+    given: dict[str, list[str]] = {}
+    for i, a in enumerate(adapters):
+        if isinstance(a, (str, Path)):
+            given.setdefault(os.path.realpath(a), []).append(str(a) if names is None else names[i])
+    repeated = {real: as_given for real, as_given in given.items() if len(as_given) > 1}
+    if repeated:
+        logger.warning("the same adapter directory is given more than once (%s): each copy counts as its own passage "
+                       "update, so its update is added once per copy", "; ".join(
+                           f"{real} as {', '.join(as_given)}" for real, as_given in repeated.items()))
 
 
 def fuse(adapters: Sequence[Any], query: str, passages: Sequence[str], *,

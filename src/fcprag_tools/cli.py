@@ -53,7 +53,7 @@ def _check_svd_rank(args: argparse.Namespace, adapters: Sequence[Any]) -> None:
 
 def _cmd_fuse(args: argparse.Namespace) -> int:
     from fcprag_plugin.adapter import LoraAdapter
-    from fcprag_plugin.fusion import fuse
+    from fcprag_plugin.fusion import fuse, warn_repeated_adapters
 
     if len(args.adapter) != len(args.passage):
         raise FcpragError(f"got {len(args.adapter)} --adapter but {len(args.passage)} --passage; pass one per adapter")
@@ -61,12 +61,7 @@ def _cmd_fuse(args: argparse.Namespace) -> int:
     inputs = [("--adapter", a) for a in args.adapter] + [("--controller", c) for c in [args.controller] if c]
     inputs += [("--encoder", e) for e in [args.encoder] if e and Path(e).exists()]
     check_out_dir(out, inputs, args.overwrite)  # before any slow work: refuse early
-    seen: dict[Path, str] = {}
-    for a in args.adapter:  # PRAG sums them too, silently: the same update counted twice is rarely meant
-        first = seen.setdefault(Path(a).resolve(), a)
-        if first is not a:
-            logging.getLogger("fcprag_plugin.cli").warning(
-                "--adapter %s is the same directory as --adapter %s: its update is counted twice", a, first)
+    warn_repeated_adapters(args.adapter, [f"--adapter {a}" for a in args.adapter])
     query = args.query
     passages = [read_text_arg(p, "--passage") for p in args.passage]
     adapters = [LoraAdapter.from_pretrained(a) for a in args.adapter]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import FcpragError
-from fcprag_plugin.fileio import finite_or_none
+from fcprag_plugin.fileio import finite_or_none, read_json_if_present
 from fcprag_plugin.training import (ARGS_NAME, DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, LabelSet,
                                     LabelTensors, as_label_set, build_tensors, evaluate, open_cache, resolve_encoder)
 
@@ -44,8 +43,7 @@ def evaluate_controller(controller: FusionController | str | Path, labels: Any, 
     if not isinstance(controller, FusionController):
         cdir = Path(controller)
         controller = FusionController.from_pretrained(cdir)
-        if (cdir / ARGS_NAME).is_file():
-            saved_args = json.loads((cdir / ARGS_NAME).read_text(encoding="utf-8"))
+        saved_args = read_json_if_present(cdir / ARGS_NAME, FcpragError) or {}
     targets = {k: v if v is not None else saved_args.get(k, d) for k, v, d in (
         ("t_label", t_label, DEFAULT_T_LABEL), ("flat_eps", flat_eps, DEFAULT_FLAT_EPS),
         ("flat_weight", flat_weight, DEFAULT_FLAT_WEIGHT))}

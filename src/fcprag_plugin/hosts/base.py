@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import weakref
 from pathlib import Path
@@ -19,7 +18,7 @@ from ..errors import BARE, HookError, kw
 from ..fusion import check_texts, switch_on
 from ..slot.layout import FactorGetter, PackedAdapter, pack_factors
 from ..slot.fused import FusedSlot
-from ..fileio import finite_or_none
+from ..fileio import append_json_lines, finite_or_none
 from ..weights import FusionWeights, is_uniform, weigh
 
 logger = logging.getLogger(__name__)
@@ -214,16 +213,18 @@ class Shim:
             logger.warning(msg, *args)
 
     def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Count the question and append its record (strict JSON: NaN / inf become null) to the log in one write."""
+        """Count the question and append its record (strict JSON: NaN / inf become null) to the log, a whole line."""
         record = finite_or_none(record)
         self.merges += 1
         self.last_record = record
         if self.log_path is not None:
-            line = json.dumps(record, ensure_ascii=False, default=lambda o: o.tolist() if hasattr(o, "tolist")
-                              else str(o))
-            with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+            append_json_lines(self.log_path, [record], default=_json_value)
         return record
+
+
+def _json_value(obj: Any) -> Any:
+    """A logged value JSON has no type for: an array or tensor as its (finite-or-null) list, anything else as text."""
+    return finite_or_none(obj.tolist()) if hasattr(obj, "tolist") else str(obj)
 
 
 class Lifecycle:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..adapter import PEFT_PREFIX, LoraAdapter, strip_peft_prefix
+from ..compat import kv_cache_argument
 from ..errors import MergeError
 from ..merge.core import check_weights
 from .buffers import SlotBuffers
@@ -67,10 +68,8 @@ def _make_hook(entry: _Entry, state: _State):
 
 
 def _continues_cache(kwargs: dict[str, Any]) -> bool:
-    """Whether a forward's keyword arguments carry a non-empty KV cache (a decoding step; transformers 5 names the
-    argument ``cache``, earlier versions ``past_key_values``)."""
-    pkv = kwargs.get("past_key_values")
-    pkv = kwargs.get("cache") if pkv is None else pkv
+    """Whether a forward's keyword arguments carry a non-empty KV cache (a decoding step)."""
+    pkv = kv_cache_argument(kwargs)
     length = getattr(pkv, "get_seq_length", None)
     return int(length()) > 0 if callable(length) else isinstance(pkv, (tuple, list)) and len(pkv) > 0
 

@@ -15,6 +15,7 @@ import torch
 from ..controller import FusionController
 from ..controller_config import read_config, read_weights
 from ..errors import FcpragError
+from ..fileio import read_json_if_present
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_NAME = "state.json"  # these two names mark a checkpoint (controller.CHECKPOINT_MARKERS)
@@ -49,12 +50,7 @@ def save_checkpoint(out: Path, controller: FusionController, optimizer: torch.op
 
 def read_checkpoint_state(out: Path) -> dict[str, Any] | None:
     path = out / CHECKPOINT_DIR / STATE_NAME
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise FcpragError(f"{path}: corrupt checkpoint state ({e}); delete {path.parent} to start over") from e
+    return read_json_if_present(path, FcpragError, fix=f"a corrupt checkpoint: delete {path.parent} to start over")
 
 
 def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,

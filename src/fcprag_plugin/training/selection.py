@@ -5,7 +5,6 @@ bootstrap CIs over questions and Bonferroni-adjusted "shown" decisions. The meth
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
@@ -15,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..fileio import read_json_if_present
 from .data import LabelTensors
 from .evaluation import collect_outputs
 from .stats import BOOTSTRAP, bootstrap_ci, group_kfold, group_means, loss_share, wilson_interval
@@ -118,10 +118,10 @@ def _from_json(values: Any) -> torch.Tensor:
 def read_cv_partial(out: Any) -> dict[str, Any] | None:
     """``{"key", "n_folds", "folds"}`` of an interrupted cross-validation in run ``out``; None if none or unreadable."""
     try:
-        got = json.loads((Path(out) / CV_PARTIAL_NAME).read_text(encoding="utf-8"))
+        got = read_json_if_present(Path(out) / CV_PARTIAL_NAME, ValueError)
     except (OSError, ValueError):
         return None
-    return got if isinstance(got, dict) and isinstance(got.get("folds"), list) else None
+    return got if got is not None and isinstance(got.get("folds"), list) else None
 
 
 def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: int = PARTS) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from ..controller import ControllerConfig, FusionController
 from ..controller_config import ship_name
 from ..errors import FcpragError, LabelFileError, kw
 from ..features import SIDE_FEATURES, center_side
-from ..fileio import finite_or_none, write_json
+from ..fileio import append_json_lines, finite_or_none, read_json_if_present, write_json, write_json_lines
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, read_checkpoint_state, save_checkpoint
 from .data import LabelTensors, build_tensors, side_rows
 from .embed_cache import EmbeddingCache, default_cache_dir
@@ -374,7 +374,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         log_path = self.out / LOG_NAME
         # the log always mirrors the checkpoint's history (an epoch after the checkpoint never happened)
-        log_path.write_text("".join(json.dumps(finite_or_none(h)) + "\n" for h in self.history), encoding="utf-8")
+        write_json_lines(log_path, map(finite_or_none, self.history))
         if not (self.out / CHECKPOINT_DIR).exists():  # also for 0 epochs: the directory holds a run from now on
             save_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen, self._state())
         if self.epoch >= epochs:
@@ -392,8 +392,7 @@ class Trainer:
                 self.epoch += 1
                 self.history.append(finite_or_none(row))
                 save_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen, self._state())
-                with log_path.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(self.history[-1]) + "\n")
+                append_json_lines(log_path, self.history[-1:])
                 logger.info("epoch %d: %s", self.epoch, {k: v for k, v in row.items() if k != "epoch"})
         return self.history
 
@@ -504,7 +503,7 @@ def select_by_cv(run: Run) -> dict[str, Any] | None:
     args, path = run.args, run.out / CV_NAME
     if not args.cv_folds:
         return None
-    cv = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    cv = read_json_if_present(path, FcpragError, fix="delete it to run the cross-validation again")
     if cv is not None and "shipped" in cv:  # an older version's words
         cv["shipped"] = ship_name(cv["shipped"], cv.get("kappa", 1.0))
     if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv:

@@ -21,6 +21,7 @@ import torch
 from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.fileio import JsonlAppender
 from fcprag_plugin.features import adapter_recipe, adapter_stats
 from fcprag_plugin.slot import activate
 from fcprag_plugin.fusion import fuse_into
@@ -30,7 +31,7 @@ from .manifest import ManifestRecord
 from ..lm.metrics import SCORINGS, answer_logprob, greedy_generate, score_generation
 from ..lm.prompts import PROMPT_MODES, EncodedPrompt, PromptTemplate, answer_ids, render_prompt
 from ..progress import progress_bar
-from ..lm.store import JsonlAppender, done_ids, read_label_lines
+from ..lm.store import done_ids, read_label_lines
 
 logger = logging.getLogger(__name__)
 

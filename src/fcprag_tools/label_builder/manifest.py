@@ -3,7 +3,6 @@ conversion from PRAG's on-disk layout."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,9 +10,8 @@ from typing import Any, Iterable
 
 from fcprag_plugin.adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.fileio import read_records, write_atomic
+from fcprag_plugin.fileio import read_records, write_json_lines
 from fcprag_plugin.hosts._prag_data import adapter_dir
-from ..lm.store import json_lines
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
 PASS_THROUGH_FIELDS = ("group", "split")
@@ -135,7 +133,8 @@ def _check_pass_through(extra: dict[str, Any], where: str) -> None:
 
 
 def read_manifest(path: str | Path) -> list[ManifestRecord]:
-    """Read and validate a JSON Lines manifest (blank lines allowed). Raises ``LabelFileError`` naming file/line/field.
+    """Read and validate a JSON Lines manifest (blank lines allowed; the one record reader, :func:`read_records`, also
+    takes a JSON array or a ``.gz`` file). Raises ``LabelFileError`` naming file/line/field.
 
     Duplicate ids are rejected (both lines are named): labels are keyed by id when resuming and merging.
     """
@@ -145,14 +144,13 @@ def read_manifest(path: str | Path) -> list[ManifestRecord]:
     records: list[ManifestRecord] = []
     seen: dict[str, int] = {}
     base = path.resolve().parent
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, _, obj in json_lines(path, f):
-            where = f"{path}:{lineno}"
-            rec = parse_record(obj, where, base, line=lineno, source=str(path))
-            if rec.id in seen:
-                raise LabelFileError(f"{where}: field 'id': duplicate id '{rec.id}' (first on line {seen[rec.id]})")
-            seen[rec.id] = lineno
-            records.append(rec)
+    for lineno, obj in read_records(path, LabelFileError):
+        where = f"{path}:{lineno}"
+        rec = parse_record(obj, where, base, line=lineno, source=str(path))
+        if rec.id in seen:
+            raise LabelFileError(f"{where}: field 'id': duplicate id '{rec.id}' (first on line {seen[rec.id]})")
+        seen[rec.id] = lineno
+        records.append(rec)
     if not records:
         raise LabelFileError(f"{path}: the manifest has no records")
     return records
@@ -234,6 +232,4 @@ def from_prag(data_aug: str | Path, adapters_root: str | Path, *, id_prefix: str
 
 def write_manifest(records: Iterable[dict[str, Any]], out: str | Path) -> int:
     """Write manifest records as JSON Lines (atomically: a crash leaves no half file)."""
-    lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in records]
-    write_atomic(out, "".join(lines))
-    return len(lines)
+    return write_json_lines(out, records)

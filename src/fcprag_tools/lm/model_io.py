@@ -10,9 +10,8 @@ import os
 from typing import Any, Iterator
 
 import torch
-from packaging.version import Version
 
-from fcprag_plugin.compat import package_version
+from fcprag_plugin.compat import from_pretrained_dtype_key, package_version
 from fcprag_plugin.errors import FcpragError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -327,9 +326,7 @@ def _load_model(name_or_path: str, *, gguf_file: str | None, tokenizer: str | No
 
     dev = resolve_device(device, local_rank)
     td = resolve_dtype(dtype, dev)
-    # transformers >= 4.56 names it `dtype` (and warns at `torch_dtype`); the pins (4.44, 4.49) know only `torch_dtype`
-    key = "dtype" if package_version("transformers") >= Version("4.56") else "torch_dtype"
-    kwargs: dict[str, Any] = {key: td}
+    kwargs: dict[str, Any] = {from_pretrained_dtype_key(): td}
     try:
         if gguf_file:
             model, tok = load_gguf_causal_lm(name_or_path, gguf_file, **kwargs)

@@ -3,12 +3,12 @@ texts, chat template and ``--prompt-template``: ``docs/labels-builder.md``, "The
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.fileio import read_json_object
 
 PROMPT_MODES = ("param", "combine")
 
@@ -29,13 +29,7 @@ class PromptTemplate:
     @classmethod
     def from_file(cls, path: str | Path) -> "PromptTemplate":
         """Load a JSON object with any subset of the fields; unknown keys and missing placeholders are errors."""
-        path = Path(path)
-        try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise FcpragError(f"{path}: prompt template file not found") from None
-        except json.JSONDecodeError as e:
-            raise FcpragError(f"{path}:{e.lineno}: prompt template is not valid JSON ({e.msg})") from e
+        obj = read_json_object(Path(path), FcpragError, "prompt template file not found")
         return cls.from_dict(obj, str(path))
 
     @classmethod

@@ -1,27 +1,18 @@
-"""JSON Lines label output: crash-safe appends (a crash can only leave a partial *last* line) and the resume scan,
-which drops that line before appending again."""
+"""JSON Lines label files read back for a resume: appended by :class:`~fcprag_plugin.fileio.JsonlAppender` (a crash
+can only leave a partial *last* line), scanned here, which drops that line before appending again."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.fileio import json_error, parse_json_lines, split_lines
+from fcprag_plugin.fileio import decode_utf8, json_error, parse_json_lines, split_lines
 
 logger = logging.getLogger(__name__)
-
-
-def json_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, str, Any]]:
-    """``(line number, raw line, parsed object)`` per non-blank line; invalid JSON is an error naming file and line."""
-    for lineno, raw, obj, e in parse_json_lines(lines):
-        if e is not None:
-            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({json_error(e)})") from e
-        yield lineno, raw, obj
 
 
 @dataclass
@@ -54,7 +45,9 @@ def read_label_lines(path: str | Path, *, partial: str = "error") -> list[Stored
                 f.flush()
                 os.fsync(f.fileno())
     lines: list[StoredLine] = []
-    for lineno, raw, obj in json_lines(path, split_lines(data[:cut].decode("utf-8"), keepends=True)):
+    for lineno, raw, obj, e in parse_json_lines(split_lines(decode_utf8(data[:cut], path, LabelFileError), True)):
+        if e is not None:
+            raise LabelFileError(f"{path}:{lineno}: not valid JSON ({json_error(e)})") from e
         if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
             raise LabelFileError(f"{path}:{lineno}: field 'id': expected a JSON object with a string 'id'")
         lines.append(StoredLine(obj, raw if raw.endswith("\n") else raw + "\n", lineno))
@@ -75,32 +68,3 @@ def done_ids(path: str | Path, *, repair: bool) -> dict[str, int]:
             raise LabelFileError(f"{path}:{sl.line}: field 'id': duplicate id '{rid}' (first on line {seen[rid]})")
         seen[rid] = sl.line
     return seen
-
-
-class JsonlAppender:
-    """Append records to a JSON Lines file, each as one ``os.write`` of a full line, then fsync."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def append(self, record: dict[str, Any]) -> None:
-        data = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
-        view = memoryview(data)
-        while view:  # os.write may write less than asked for huge lines; a crash in between leaves a partial line
-            n = os.write(self._fd, view)
-            view = view[n:]
-        os.fsync(self._fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> "JsonlAppender":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-

@@ -8,14 +8,13 @@ read from the main file and every part file, so a run resumed with another world
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from fcprag_plugin.fileio import write_atomic
+from fcprag_plugin.fileio import append_json_lines, write_json_lines
 from .shard import ShardInfo, part_path
-from .store import JsonlAppender, read_label_lines
+from .store import read_label_lines
 
 
 class UnitStore:
@@ -41,9 +40,7 @@ class UnitStore:
         return out
 
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
-        with JsonlAppender(self.target) as app:
-            for r in rows:
-                app.append(r)
+        append_json_lines(self.target, rows)
 
     def merge(self) -> None:
         """Fold the part files into the main file (atomically), then delete them (rank 0, after a barrier)."""
@@ -51,13 +48,12 @@ class UnitStore:
         if not parts:
             return
         rows = self.done()
-        write_atomic(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values()))
+        write_json_lines(self.path, rows.values())
         for f in parts:
             f.unlink()
 
 
 def log_timing(out: Path, stage: str, seconds: float, **info: Any) -> None:
     """One line per finished (or resumed) stage in ``OUT/timings.jsonl``."""
-    with JsonlAppender(Path(out) / "timings.jsonl") as app:
-        app.append({"stage": stage, "seconds": round(seconds, 2), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    **info})
+    append_json_lines(Path(out) / "timings.jsonl", [{
+        "stage": stage, "seconds": round(seconds, 2), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}])

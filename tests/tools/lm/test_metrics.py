@@ -126,7 +126,7 @@ def test_prompt_template_file_errors(tmp_path):
     with pytest.raises(FcpragError, match=r"key 'combine' must contain the placeholder \{passages\}"):
         PromptTemplate.from_file(f)
     f.write_text("{not json")
-    with pytest.raises(FcpragError, match=r"tpl\.json:1: prompt template is not valid JSON"):
+    with pytest.raises(FcpragError, match=r"tpl\.json:1: not valid JSON"):
         PromptTemplate.from_file(f)
     with pytest.raises(FcpragError, match="unknown prompt mode 'both'"):
         PromptTemplate().user_message("q", None, "both", False)
