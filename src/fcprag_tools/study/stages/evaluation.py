@@ -54,9 +54,10 @@ def _score_chunk(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[st
 
     try:
         score(rows)
-        if oracle:
-            score([scoring.Row(qid, "oracle", [p["pid"] for p in qs[qid]["passages"]],
-                               oracle_weights(done, qid, len(qs[qid]["passages"]))) for qid in chunk])
+        if oracle:  # from this chunk's rows: scored again only when they moved it
+            ws = {qid: oracle_weights(done, qid, len(qs[qid]["passages"])) for qid in chunk}
+            score([scoring.Row(qid, "oracle", [p["pid"] for p in qs[qid]["passages"]], w) for qid, w in ws.items()
+                   if not _valid(qs, done, qid, "oracle", ("param", w))])
     finally:
         slot.remove()
     finish()
