@@ -24,7 +24,9 @@ class ShardInfo:
 
 
 def shard_from_env(env: Mapping[str, str] | None = None) -> ShardInfo:
-    """Rank, world size and local rank from the launcher's environment (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``)."""
+    """Rank, world size and local rank from the launcher's environment (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``).
+    ``WORLD_SIZE > 1`` without ``MASTER_ADDR`` is refused: without a process group the ranks could not wait for
+    each other (rank 0 would merge the part files while the others still write them)."""
     env = os.environ if env is None else env
 
     def read(key: str, default: str) -> int:
@@ -38,6 +40,10 @@ def shard_from_env(env: Mapping[str, str] | None = None) -> ShardInfo:
     local_rank = read("LOCAL_RANK", str(rank))
     if world < 1 or not 0 <= rank < world:
         raise LabelFileError(f"environment: RANK={rank}, WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
+    if world > 1 and not env.get("MASTER_ADDR"):
+        raise LabelFileError(f"environment: WORLD_SIZE={world} without MASTER_ADDR: several processes need a "
+                             "launcher's process group; start them with torchrun or accelerate launch (or unset "
+                             "WORLD_SIZE for one process)")
     return ShardInfo(rank, world, local_rank)
 
 
@@ -55,14 +61,15 @@ def output_path(out: str | Path, shard: ShardInfo) -> Path:
 # ----------------------------------------------------------------------------- process group
 def init_process_group(shard: ShardInfo, env: Mapping[str, str] | None = None) -> bool:
     """Join the launcher's process group (gloo: it only carries barriers) so rank 0 can merge at the end; False
-    (no group) in a plain process or without ``MASTER_ADDR``. Long timeout: ranks wait at the final barrier."""
+    (no group) in a plain process or without ``MASTER_ADDR`` (:func:`shard_from_env` refuses that case for several
+    processes). Long timeout: ranks wait at the final barrier."""
     env = os.environ if env is None else env
     if not shard.distributed or "MASTER_ADDR" not in env:
         return False
     import torch.distributed as dist
 
     if not dist.is_available():
-        return False
+        raise LabelFileError(f"WORLD_SIZE={shard.world}: this torch build has no torch.distributed; run one process")
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=shard.rank, world_size=shard.world,
                                 timeout=datetime.timedelta(days=7))

@@ -85,8 +85,10 @@ def run_stages(run: StudyRun, opts: StudyOptions, sel: preflight.Selection, sett
 def study(opts: StudyOptions, shard: ShardInfo | None = None) -> tuple[dict[str, Any] | None, bool]:
     """Run (or resume) a study: ``(summary.json's content, complete)``, the content None on ranks other than 0.
     Every check runs before the study folder exists: a mistake is one line and leaves nothing behind. ``complete``:
-    the study was finished and nothing it was built from has changed; its ``summary.json`` answers (no model, no
-    rebuild)."""
+    the study was finished, nothing it was built from has changed and it has every row the options ask for
+    (:func:`.preflight.missing_rows`); its ``summary.json`` answers (no model, no rebuild). A finished study that
+    lacks rows runs its stages again: every cached unit is kept, only the missing rows are scored, and the summary
+    and report are rebuilt."""
     t_all = time.perf_counter()
     shard = shard or shard_from_env()
     checked = preflight.check(opts, rank=shard.rank, local_rank=shard.local_rank, distributed=shard.distributed)

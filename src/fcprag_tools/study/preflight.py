@@ -31,7 +31,10 @@ logger = logging.getLogger(__name__)
 
 # what decides the cached results: a resumed run must use the same values (checked against OUT/settings.json)
 FIXED = ("questions_sha256", "model", "gguf_file", "dtype", "top_k", "retrieval", "test_fraction", "seed",
-         "train_ids", "scales", "controller", "generate", "max_new_tokens", "limit", "max_tokens")
+         "train_ids", "controller", "generate", "max_new_tokens", "limit", "max_tokens")
+# fixed only while the labels are being made (their scale grid); once each setting's controller is trained (or with
+# --controller, which builds no labels) another value only adds rows: see missing_rows
+LABEL_FIXED = ("scales",)
 SETTINGS = "settings.json"
 
 
@@ -87,9 +90,18 @@ def recorded_settings(out: Path) -> dict[str, Any] | None:
     return old if isinstance(old, dict) and "questions_sha256" in old and "model" in old else None
 
 
+def labels_made(out: Path, controller: str | None) -> bool:
+    """The study in ``out`` needs no more labels: each setting's controller is trained (or it is given)."""
+    from .summary import SETTINGS, suffix
+
+    return controller is not None or all((out / "train" / f"done{suffix(s)}.json").is_file() for s in SETTINGS)
+
+
 def compare_settings(out: Path, old: dict[str, Any], now: dict[str, Any]) -> None:
-    """Refuse a resume whose value of a :data:`FIXED` setting differs from the one recorded (one line)."""
-    for k in FIXED:
+    """Refuse a resume whose value of a :data:`FIXED` setting differs from the one recorded (one line); of a
+    :data:`LABEL_FIXED` one too while the study still makes labels."""
+    fixed = FIXED if labels_made(out, now["controller"]) else FIXED + LABEL_FIXED
+    for k in fixed:
         if old.get(k) != now[k]:
             flag = {"questions_sha256": "QUESTIONS (its content)", "retrieval": "--retrieval (its content)",
                     "train_ids": "--train-ids (its content)"}.get(k, f"--{k.replace('_', '-')}")
@@ -256,11 +268,29 @@ def resolve(o: StudyOptions) -> None:
         logger.info("%s", note)
 
 
+def missing_rows(o: StudyOptions) -> dict[str, list[str]]:
+    """The held-out rows that options ``o`` ask for and the study in ``o.out`` lacks: ``{qid: [row names]}``
+    (empty: nothing to add). Options that only add rows: ``--scales`` (a ``scale:S`` row each) and the Arrow row
+    (unless ``--no-arrow``); rows the study holds beyond them are kept. Reads ``questions.jsonl`` and
+    ``eval.jsonl`` only (no model); a partial last line is left for the run that owns it."""
+    from ..lm.store import read_label_lines
+
+    def rows(name: str) -> dict[str, dict[str, Any]]:
+        path = Path(o.out) / name
+        return {sl.record["id"]: sl.record for sl in read_label_lines(path, partial="ignore")} if path.is_file() \
+            else {}
+
+    scored = rows("eval.jsonl")
+    names = [f"scale:{float(s):g}" for s in o.scales] + (["arrow"] if o.arrow else [])
+    test = [q for q, r in rows("questions.jsonl").items() if r.get("split") == "test"]
+    return {q: lack for q in test if (lack := [n for n in names if f"{q}|{n}" not in scored])}
+
+
 def finished(o: StudyOptions) -> dict[str, Any] | None:
     """A finished study's ``summary.json`` when nothing it was built from changed since (a complete summary newer
-    than every stage cache and the recorded settings, no unmerged part file, a given controller's files older too),
-    else None. Options outside :data:`FIXED` (``--encoder``, ``--no-arrow``) are not compared: deleting
-    ``OUT/summary.json`` rebuilds the summary with them."""
+    than every stage cache and the recorded settings, no unmerged part file, a given controller's files older too)
+    and it has every row ``o`` asks for (:func:`missing_rows`), else None. ``--encoder`` is not compared: deleting
+    ``OUT/summary.json`` rebuilds the summary with it."""
     from .summary import check_summary
 
     out = Path(o.out)
@@ -274,7 +304,15 @@ def finished(o: StudyOptions) -> dict[str, Any] | None:
     inputs = [p for p in out.glob("*.jsonl") if p.name != "timings.jsonl"]
     inputs += [out / SETTINGS, *out.glob("train/done*.json")]  # each setting's trained-controller marker
     inputs += [p for p in Path(o.controller).rglob("*") if p.is_file()] if o.controller else []
-    return None if any(p.is_file() and p.stat().st_mtime > made for p in inputs) else s
+    if any(p.is_file() and p.stat().st_mtime > made for p in inputs):
+        return None
+    lack = missing_rows(o)
+    if lack:
+        names = sorted({n for ns in lack.values() for n in ns})
+        logger.info("%s: the study is finished but lacks %d row(s) (%s) of %d held-out question(s): computing only "
+                    "those, then the report", o.out, sum(map(len, lack.values())), ", ".join(names), len(lack))
+        return None
+    return s
 
 
 @dataclass

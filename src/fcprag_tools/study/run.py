@@ -41,8 +41,13 @@ class StudyRun:
         return UnitStore(self.out / f"{name}.jsonl", self.shard)
 
     def barrier(self, *merge: str) -> None:
-        """Wait for every rank, then rank 0 folds the part files of ``merge`` stores into their main files."""
-        if self.shard.distributed and init_process_group(self.shard):
+        """Wait for every rank, then rank 0 folds the part files of ``merge`` stores into their main files. One
+        process folds them too: part files of a launch that was killed, resumed here with another number of
+        processes."""
+        if not self.shard.distributed:
+            for name in merge:
+                self.store(name).merge()
+        elif init_process_group(self.shard):
             import torch.distributed as dist
 
             dist.barrier()

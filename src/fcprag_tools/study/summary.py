@@ -253,8 +253,9 @@ def plain(c: dict[str, Any], dataset: str | None) -> str:
 # ----------------------------------------------------------------------------- the whole summary
 def finish(qs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]], verdicts: dict[str, dict[str, Any]],
            *, given: bool, settings: dict[str, Any], cv: dict[str, Any], stage_seconds: dict[str, float],
-           out: Path) -> dict[str, Any]:
-    """The ``recommended`` rows, ``summary.json``, ``report.md`` and ``report.png`` (when matplotlib is there)."""
+           out: Path, shared: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """The ``recommended`` rows, ``summary.json``, ``report.md`` and ``report.png`` (when matplotlib is there).
+    ``shared``: the rows scored once for another (``{row: {the row it shares: questions}}``)."""
     test = [q for q, r in qs.items() if r["split"] == "test"]
     train = [q for q, r in qs.items() if r["split"] == "train"]
     results = dict(results)
@@ -283,7 +284,7 @@ def finish(qs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]], ve
         "training_verdict": {s: {"note": "first order, from the training labels (fcprag train's cross-validation); "
                                          "not a measurement, shown for comparison", **c} for s, c in cv.items() if c}
         or None,
-        "stage_seconds": stage_seconds,
+        "stage_seconds": stage_seconds, "shared_rows": shared or {},
     }
     problems = check_summary(summary)
     if problems:

@@ -23,8 +23,9 @@ from helpers import make_adapter_dir, save_tiny_lm
 
 def test_shard_from_env_torchrun_and_accelerate_and_plain():
     assert shard_from_env({}) == ShardInfo(0, 1, 0)
-    assert shard_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == ShardInfo(3, 4, 1)
-    assert shard_from_env({"RANK": "1", "WORLD_SIZE": "2"}).local_rank == 1
+    group = {"MASTER_ADDR": "127.0.0.1"}
+    assert shard_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", **group}) == ShardInfo(3, 4, 1)
+    assert shard_from_env({"RANK": "1", "WORLD_SIZE": "2", **group}).local_rank == 1
     with pytest.raises(LabelFileError, match=r"RANK=2, WORLD_SIZE=2: expected 0 <= RANK < WORLD_SIZE"):
         shard_from_env({"RANK": "2", "WORLD_SIZE": "2"})
     with pytest.raises(LabelFileError, match=r"WORLD_SIZE='two': expected an integer"):

@@ -1,5 +1,7 @@
 """The evaluation stage: the rows of each question by real forwards in mixed batches (``eval.jsonl``, a row a
-question and row name); a row already there with the same passages, prompt and ``w~`` is not scored again."""
+question and row name); a row already there with the same passages, prompt and ``w~`` is not scored again, and a
+row whose passages, prompt and ``w~`` equal another row's of its question to the last bit is scored once: its
+record is that row's, under its own name, with ``"shared_with"`` naming the row scored (:func:`share`)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,37 @@ def _valid(qs: Questions, done: Scored, qid: str, name: str, spec: tuple[str, li
             and all(abs(a - b) <= W_TOL for a, b in zip(r["w"], w)))
 
 
+def _key(qid: str, prompt: str, pids: list[str], w: list[float]) -> tuple[Any, ...]:
+    return qid, prompt, tuple(pids), tuple(float(x) for x in w)
+
+
+def share(rows: list[scoring.Row], done: Scored) -> tuple[list[scoring.Row], list[tuple[scoring.Row, str]]]:
+    """``(rows to score, [(row, the row it shares)])``: a row equal (question, passages, prompt, ``w~``, bit for
+    bit) to an earlier row of ``rows`` or to a scored row of ``done`` is not scored. A recorded ``w~`` is rounded
+    to 6 digits, so a row matches a recorded one only when its own ``w~`` is that rounding exactly."""
+    recorded: dict[tuple[Any, ...], str] = {}
+    for rid, r in done.items():  # a copy is never an origin: its origin is
+        if r.get("w") is not None and "shared_with" not in r:
+            qid, name = rid.split("|", 1)
+            recorded.setdefault(_key(qid, r.get("prompt", "param"), r["pids"], r["w"]), name)
+    now: dict[tuple[Any, ...], str] = {}
+    todo, copies = [], []
+    for row in rows:
+        key = _key(row.qid, row.prompt, row.pids, row.weights)
+        origin = now.get(key) or (recorded.get(key) if all(round(x, 6) == x for x in key[3]) else None)
+        if origin is not None and origin != row.name:
+            copies.append((row, origin))
+        else:
+            now.setdefault(key, row.name)
+            todo.append(row)
+    return todo, copies
+
+
+def _copy(done: Scored, row: scoring.Row, origin: str) -> dict[str, Any]:
+    """Row ``row``'s record: ``origin``'s (scored), under ``row``'s name."""
+    return {**done[f"{row.qid}|{origin}"], "id": f"{row.qid}|{row.name}", "shared_with": origin}
+
+
 def _score_chunk(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[str, Rows], chunk: list[str],
                  done: Scored, oracle: bool, bar: Any) -> None:
     """Score ``chunk``'s rows that are not valid in ``done`` (then its oracle rows) in one fused slot, appending
@@ -45,18 +78,22 @@ def _score_chunk(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[st
     # the bar moves after every forward: a share of a call is that share of its rows
     step, finish = moves_inside(bar, len(chunk), len(rows) + (len(chunk) if oracle else 0))
 
-    def score(part: list[scoring.Row]) -> None:
+    def score(rows: list[scoring.Row]) -> None:
+        part, copies = share(rows, done)
         res = scoring.score(run.model, run.tok, slot, part, qs, run.adapter, generate=opts.generate,
                             max_new_tokens=opts.max_new_tokens, batch_size=run.batch_size(opts),
-                            on_progress=lambda share: step(share * len(part))) if part else []
+                            on_progress=lambda k: step(k * len(part))) if part else []
+        done.update({r["id"]: r for r in res})
+        res += [_copy(done, row, origin) for row, origin in copies]
         st.append(res)
         done.update({r["id"]: r for r in res})
 
     try:
         score(rows)
-        if oracle:
-            score([scoring.Row(qid, "oracle", [p["pid"] for p in qs[qid]["passages"]],
-                               oracle_weights(done, qid, len(qs[qid]["passages"]))) for qid in chunk])
+        if oracle:  # from this chunk's rows: scored again only when they moved it
+            ws = {qid: oracle_weights(done, qid, len(qs[qid]["passages"])) for qid in chunk}
+            score([scoring.Row(qid, "oracle", [p["pid"] for p in qs[qid]["passages"]], w) for qid, w in ws.items()
+                   if not _valid(qs, done, qid, "oracle", ("param", w))])
     finally:
         slot.remove()
     finish()

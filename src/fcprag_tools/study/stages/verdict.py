@@ -55,6 +55,16 @@ def save_controller(out: Path, setting: str, shipped: Any, qs: Questions) -> Non
     write_dir_atomically(out / ("controller" + suffix(setting)), save)
 
 
+def shared_rows(results: Scored) -> dict[str, dict[str, int]]:
+    """Each row scored once for another on some questions: ``{row: {the row it shares: questions}}``."""
+    out: dict[str, dict[str, int]] = {}
+    for rid, r in sorted(results.items()):
+        if "shared_with" in r:
+            by = out.setdefault(rid.split("|", 1)[1], {})
+            by[r["shared_with"]] = by.get(r["shared_with"], 0) + 1
+    return out
+
+
 def write_summary(run: StudyRun, opts: StudyOptions, qs: Questions, results: Scored, verdicts: dict[str, Any],
                   shipped: dict[str, Any], ctrls: dict[str, Any], dirs: dict[str, Path], settings: dict[str, Any]
                   ) -> dict[str, Any]:
@@ -70,6 +80,6 @@ def write_summary(run: StudyRun, opts: StudyOptions, qs: Questions, results: Sco
         **settings, "out": str(run.out), "device": run.device(opts), "controller_trained": not given,
         "arrow": arrow, "learned_dir": {s: str(d) for s, d in dirs.items()}},
         cv={s: c.config.cv for s, c in ctrls.items()},
-        stage_seconds={k: round(v, 1) for k, v in run.times.items()}, out=run.out)
+        stage_seconds={k: round(v, 1) for k, v in run.times.items()}, out=run.out, shared=shared_rows(results))
     run.timed("summary", t0)
     return out
