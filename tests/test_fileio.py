@@ -48,3 +48,28 @@ def test_invalid_utf8_names_the_line(tmp_path):
     f.write_bytes(b'{"a": 1}\n{"b": "caf\xe9"}\n')
     with pytest.raises(FcpragError, match=r"latin\.jsonl:2: not valid UTF-8"):
         read_records(f, FcpragError)
+
+
+def test_a_gzipped_file_reads_as_the_plain_one_and_a_corrupt_one_is_named(tmp_path):
+    import gzip
+
+    from fcprag_plugin.errors import LabelFileError
+    from fcprag_plugin.training import load_labels
+    from fcprag_tools.synthetic import synthetic_records, write_labels
+
+    plain = tmp_path / "r.jsonl"
+    plain.write_text("\n".join(json.dumps(r) for r in RECS) + "\n", encoding="utf-8")
+    packed = tmp_path / "r.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_records(packed, FcpragError) == read_records(plain, FcpragError) == [(1, RECS[0]), (2, RECS[1]),
+                                                                                     (3, RECS[2])]
+    labels = write_labels(synthetic_records(4, 2, 8, seed=1)[0], tmp_path / "labels.jsonl")
+    (tmp_path / "labels.jsonl.gz").write_bytes(gzip.compress(labels.read_bytes()))
+    a, b = load_labels(labels), load_labels(tmp_path / "labels.jsonl.gz")
+    assert [r.id for r in b.records] == [r.id for r in a.records] and b.sha256 == a.sha256
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(gzip.compress(b'{"a": 1}\n')[:-6])  # truncated
+    with pytest.raises(FcpragError, match=r"bad\.jsonl\.gz: not a readable gzip file"):
+        read_records(bad, FcpragError)
+    with pytest.raises(LabelFileError, match=r"bad\.jsonl\.gz: not a readable gzip file"):
+        load_labels(bad)

@@ -4,6 +4,7 @@ reader. Errors name the file (and the line)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -104,10 +105,23 @@ def iter_records(text: str, path: Any, error: type[Exception]) -> Iterator[tuple
         line, start = line + text.count("\n", start, end), end
 
 
+def read_bytes(path: str | Path, error: type[Exception]) -> bytes:
+    """The bytes of ``path``, decompressed when its name ends in ``.gz`` (records ship gzipped to keep the tree small);
+    a corrupt gzip file is an ``error`` naming it."""
+    p = Path(path)
+    if p.suffix != ".gz":
+        return p.read_bytes()
+    try:
+        return gzip.decompress(p.read_bytes())
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a truncated file an EOFError
+        raise error(f"{p}: not a readable gzip file ({e})") from None
+
+
 def read_records(path: str | Path, error: type[Exception]) -> list[tuple[int, Any]]:
-    """``(line, record)`` of a JSON array or JSON Lines file (:func:`iter_records`); errors name file:line."""
+    """``(line, record)`` of a JSON array or JSON Lines file (:func:`iter_records`), gzipped when its name ends in
+    ``.gz``; errors name file:line."""
     out = []
-    for line, value, problem in iter_records(decode_utf8(Path(path).read_bytes(), path, error), path, error):
+    for line, value, problem in iter_records(decode_utf8(read_bytes(path, error), path, error), path, error):
         if problem is not None:
             raise error(f"{path}:{line}: {problem}")
         out.append((line, value))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import LabelFileError
-from ..fileio import decode_utf8, iter_records
+from ..fileio import decode_utf8, iter_records, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -294,14 +294,15 @@ def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
 
 
 def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
-    """Read and validate a label file (JSON Lines or a JSON array). ``on_error="fail"`` raises :class:`LabelFileError`
-    at the first bad record (or repeated id); ``"skip"`` leaves them out, listed in ``LabelSet.skipped``."""
+    """Read and validate a label file (JSON Lines or a JSON array; gzipped when named ``.gz``). ``on_error="fail"``
+    raises :class:`LabelFileError` at the first bad record (or repeated id); ``"skip"`` leaves them out, listed in
+    ``LabelSet.skipped``."""
     if on_error not in ON_ERROR:
         raise LabelFileError(f"on_error is '{on_error}', expected one of {list(ON_ERROR)}")
     p = Path(path)
     if not p.is_file():
         raise LabelFileError(f"{p}: label file not found")
-    raw = p.read_bytes()
+    raw = read_bytes(p, LabelFileError)  # a .jsonl.gz file is read decompressed
     text, spath = decode_utf8(raw, p, LabelFileError), str(p)
     if not text.lstrip("\ufeff \t\r\n"):
         raise LabelFileError(f"{p}: label file is empty; expected JSON Lines or a JSON array of records")
