@@ -6,7 +6,7 @@ one LoRA per passage for SmolLM2-135M-Instruct), it fuses the passage adapters
 - with PRAG's uniform merge (``controller=None``: ``w~ = [1, 1, 1]``),
 - with a controller *trained right here* (minutes, with progress bars; see docs/demo.md's timings) with
   ``fcprag_plugin.training.train_controller`` and the efficacy study's recommended recipe (``RECIPE``) from the
-  shipped label file ``examples/data/efficacy_train_labels.jsonl``: the study's leave-one-out labels of 126
+  shipped label file ``examples/data/efficacy_train_labels.jsonl.gz``: the study's leave-one-out labels of 126
   HotpotQA and 2WikiMultihopQA training questions (``benchmarks/efficacy/``; the demo questions are in its test
   split), with the passages' retrieval ranks, BM25 scores and adapter statistics. The training prints its
   cross-validated verdict and the numbers of the objective that decides it. The controller is kept in
@@ -55,7 +55,7 @@ from demo_common import (  # noqa: E402
 FIXED_G = 0.5
 FIXED_TAU = 0.05
 RANDOM_SEED = 0
-LABELS = Path(__file__).resolve().parent / "data" / "efficacy_train_labels.jsonl"
+LABELS = Path(__file__).resolve().parent / "data" / "efficacy_train_labels.jsonl.gz"
 
 # ======================================================================================= THE DEMO'S TRAINING RECIPE
 # The one place that says how the demo trains its controller: every train_controller argument but the paths and
