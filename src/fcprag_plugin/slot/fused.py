@@ -93,7 +93,7 @@ def _make_hook(entry: _Entry, state: _State):
 
 def _continues_cache(kwargs: dict[str, Any]) -> bool:
     """Whether a forward's keyword arguments carry a non-empty KV cache (a decoding step; transformers 5 names the
-    argument ``cache``, earlier versions ``past_key_values``)."""
+    argument ``cache``, 4.x ``past_key_values``)."""
     pkv = kwargs.get("past_key_values")
     pkv = kwargs.get("cache") if pkv is None else pkv
     length = getattr(pkv, "get_seq_length", None)
@@ -562,7 +562,8 @@ class FusedSlot:
         return LoraAdapter(modules, {"r": rows, "lora_alpha": rows}, f"FusedSlot[{self.merge_mode},N={self.n_active}]")
 
     def remove(self) -> None:
-        """Remove the hooks and free the buffers: the model is exactly as before the slot was created."""
+        """Remove the hooks and free the buffers: the model is bit for bit what it was before the slot was created
+        (its weights were never written)."""
         self._removed = True  # first: deactivate() must not attach the hooks again
         self.deactivate()
         self._weights.free()
