@@ -12,7 +12,7 @@ from typing import Any, Iterable
 from fcprag_plugin.adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.fileio import read_records, write_atomic
-from fcprag_plugin.hosts._prag_data import adapter_dir
+from fcprag_plugin.hosts.prag_data import adapter_dir
 from ..lm.store import json_lines
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")

@@ -1,5 +1,7 @@
-"""Map PRAG adapter paths ``.../{group}/data_{test_id}/passage_{pid}`` back to record ``test_id`` (``question``,
-``passages[pid]``) of PRAG's augmented data file ``{group}.json`` (a JSON list, or JSON Lines)."""
+"""PRAG's data layout, public for tools that write or read it: its adapter directories
+``.../{group}/data_{test_id}/passage_{pid}`` (:func:`adapter_dir`, :func:`parse_adapter_path`) mapped back to record
+``test_id`` (``question``, ``passages[pid]``) of PRAG's augmented data file ``{group}.json`` (a JSON list, or JSON
+Lines; :class:`PragDataFile`)."""
 
 from __future__ import annotations
 
