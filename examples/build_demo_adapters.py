@@ -2,7 +2,7 @@
 
 What it does (deterministic; a few minutes on a 2-core CPU):
 
-1. takes the first ``--questions`` questions of ``../shared/data/hotpotqa_dev_sample.jsonl`` (HotpotQA dev,
+1. takes the first ``--questions`` questions of ``data/hotpotqa_sample.jsonl.gz`` (HotpotQA dev,
    distractor setting: 10 passages per question, 2 of them supporting);
 2. ranks each question's 10 passages with BM25 (``bm25s``, Lucene variant, k1=1.5, b=0.75, English stop words)
    and keeps the top ``--top-k``; whether each kept passage is supporting or a distractor is recorded;
@@ -215,7 +215,7 @@ def train_adapter(model: torch.nn.Module, tok: Any, passage: str, pairs: list[di
 # ----------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(DATA_FILE), help="HotpotQA sample (JSON Lines)")
+    p.add_argument("--data", default=str(DATA_FILE), help="HotpotQA questions (JSON Lines, gzipped when named .gz)")
     p.add_argument("--out", default=str(DEMO_DIR), help="output folder (replaced: q*/ and manifest.json)")
     p.add_argument("--questions", type=int, default=3, help="how many questions, from the top of the file")
     p.add_argument("--top-k", type=int, default=3, help="passages (adapters) per question")
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "description": "Demo passage adapters for fcprag-plugin: one LoRA per retrieved passage (PRAG recipe).",
         "model": {"name": MODEL_NAME, "package": MODEL_PACKAGE.replace("_", "-"), "gguf_file": GGUF_FILE,
                   "weights": "GGUF Q4_1 dequantized to float32 by transformers"},
-        "data": {"file": "../shared/data/hotpotqa_dev_sample.jsonl",
+        "data": {"file": "data/hotpotqa_sample.jsonl.gz",
                  "selection": f"the first {len(rows)} questions of the file"},
         "retrieval": dict(BM25, top_k=args.top_k),
         "training": {

@@ -19,7 +19,7 @@ from fcprag_tools.lm.model_io import SMOLLM2, SMOLLM2_GGUF as GGUF_FILE, SMOLLM2
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_DIR = REPO_ROOT / "adapters" / "demo"
 MANIFEST_NAME = "manifest.json"
-DATA_FILE = REPO_ROOT.parent / "shared" / "data" / "hotpotqa_dev_sample.jsonl"  # ../shared/data/ from the repo
+DATA_FILE = REPO_ROOT / "data" / "hotpotqa_sample.jsonl.gz"  # the repository's HotpotQA sample (data/README.md)
 
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF is a Q4_1 quantization of
 
@@ -125,18 +125,17 @@ def load_manifest(demo_dir: str | Path = DEMO_DIR) -> dict[str, Any]:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSON Lines file (gzipped when named ``.gz``); a missing or bad file ends in one line."""
+    from fcprag_plugin.errors import FcpragError
+    from fcprag_plugin.fileio import read_records
+
     path = Path(path)
     if not path.is_file():
-        raise SystemExit(f"{path}: data file not found (expected the shared HotpotQA sample next to the repo)")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"{path}:{line_no}: not valid JSON ({e})") from e
-    return rows
+        raise SystemExit(f"{path}: data file not found (expected the repository's HotpotQA sample, data/README.md)")
+    try:
+        return [r for _, r in read_records(path, FcpragError)]
+    except FcpragError as e:
+        raise SystemExit(str(e)) from None
 
 
 def configure_stdout() -> None:

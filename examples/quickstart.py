@@ -6,7 +6,7 @@ one LoRA per passage for SmolLM2-135M-Instruct), it fuses the passage adapters
 - with PRAG's uniform merge (``controller=None``: ``w~ = [1, 1, 1]``),
 - with a controller *trained right here* (minutes, with progress bars; see docs/demo.md's timings) with
   ``fcprag_plugin.training.train_controller`` and the efficacy study's recommended recipe (``RECIPE``) from the
-  shipped label file ``examples/data/efficacy_train_labels.jsonl``: the study's leave-one-out labels of 126
+  shipped label file ``examples/data/efficacy_train_labels.jsonl.gz``: the study's leave-one-out labels of 126
   HotpotQA and 2WikiMultihopQA training questions (``benchmarks/efficacy/``; the demo questions are in its test
   split), with the passages' retrieval ranks, BM25 scores and adapter statistics. The training prints its
   cross-validated verdict and the numbers of the objective that decides it. The controller is kept in
@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -55,7 +56,7 @@ from demo_common import (  # noqa: E402
 FIXED_G = 0.5
 FIXED_TAU = 0.05
 RANDOM_SEED = 0
-LABELS = Path(__file__).resolve().parent / "data" / "efficacy_train_labels.jsonl"
+LABELS = Path(__file__).resolve().parent / "data" / "efficacy_train_labels.jsonl.gz"
 
 # ======================================================================================= THE DEMO'S TRAINING RECIPE
 # The one place that says how the demo trains its controller: every train_controller argument but the paths and
@@ -244,8 +245,9 @@ def run(demo_dir: Path = DEMO_DIR, *, questions: int | None = None, max_new_toke
     from fcprag_plugin.encoding import get_encoder
     from fcprag_plugin import activate
 
-    timer = PartTimer()
+    timer = PartTimer(out)
     manifest = load_manifest(demo_dir)
+    out(f"loading the model and the embedding model (load average {load_average()}) ...")
     model, tok = (model, tokenizer) if model is not None else load_model()
     timer.lap("model load")
     # The paper's bge-base when cached locally, else the packaged all-MiniLM-L6-v2 (offline).
@@ -298,25 +300,37 @@ def model_line(manifest: dict[str, Any]) -> str:
             f"package; `--model {SMOLLM2}` in fcprag study and fcprag labels build)")
 
 
-class PartTimer:
-    """Wall and CPU seconds (this process, all its threads) of consecutive parts of the demo, printed at the end;
-    docs/demo.md's timings come from it. CPU seconds say how much work a part is whatever else the machine runs."""
+def load_average() -> str:
+    """The machine's 1-minute load average (``os.getloadavg``; "n/a" where the OS has none): wall times mean little
+    without it on a shared machine."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except (AttributeError, OSError):  # Windows has no load average
+        return "n/a"
 
-    def __init__(self) -> None:
+
+class PartTimer:
+    """Wall and CPU seconds (this process, all its threads) of consecutive parts of the demo, each said with the
+    load average as it ends (``out``) and all again at the end; docs/demo.md's timings come from it. CPU seconds say
+    how much work a part is whatever else the machine runs."""
+
+    def __init__(self, out=print) -> None:
         self.start = self.last = (time.perf_counter(), time.process_time())
         self.parts: dict[str, tuple[float, float]] = {}
+        self.out = out
 
     def lap(self, name: str) -> None:
         now = (time.perf_counter(), time.process_time())
         self.parts[name] = (now[0] - self.last[0], now[1] - self.last[1])
         self.last = now
+        self.out(f"[{name}: {self.parts[name][0]:.0f}s wall, {self.parts[name][1]:.0f}s CPU, load {load_average()}]")
 
     def total(self) -> tuple[float, float]:
         return time.perf_counter() - self.start[0], time.process_time() - self.start[1]
 
     def summary(self) -> str:
         wall, cpu = self.total()
-        return (f"total time: {wall:.0f}s wall, {cpu:.0f}s CPU (" +
+        return (f"total time: {wall:.0f}s wall, {cpu:.0f}s CPU, load {load_average()} at the end (" +
                 ", ".join(f"{k} {w:.0f}s / {c:.0f}s CPU" for k, (w, c) in self.parts.items()) + ")")
 
 

@@ -283,3 +283,16 @@ def wilson_by_bisection(k, n, upper):
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def save_side_feature_controller(path: str | os.PathLike, *, kappa: float = 4.0, seed: int = 0) -> Path:
+    """A small seeded network controller on retrieval rank + adapter statistics for the packaged MiniLM (384-d), at
+    ``kappa``: what the host and user-walk tests need to check that ranks and statistics reach ``predict`` (they
+    compare against the controller's own prediction, so its weights need not be trained, only non-uniform)."""
+    from fcprag_plugin import FusionController
+
+    torch.manual_seed(seed)
+    ctrl = FusionController(embed_dim=384, embedding_model="sentence-transformers/all-MiniLM-L6-v2",
+                            score_hidden=[32], calib_hidden=16, side_features=["retrieval_rank", "adapter_stats"],
+                            side_scale=[1.5, 0.06, 0.06, 0.06, 0.06, 1.0, 1.0], kappa=kappa, init="random", seed=seed)
+    return ctrl.save_pretrained(path)

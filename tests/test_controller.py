@@ -305,34 +305,25 @@ def test_for_inference_made_and_used_inside_inference_mode():
     torch.testing.assert_close(a.merge_weights, ref.merge_weights, atol=0.08, rtol=0)
 
 
-def test_a_controller_saved_before_issue_15_still_loads(tmp_path):
-    """config.json written before the init / side-feature / scale / cv keys existed (format_version 1): the same
-    weights and outputs."""
+def test_a_config_without_the_optional_keys_loads_with_their_defaults(tmp_path):
+    """config.json with only the network's keys (no init / side-feature / scale / cv keys): the same weights and
+    outputs, the optional keys at their defaults."""
     c = FusionController(embed_dim=8, seed=9, init="random").eval()
-    d = c.save_pretrained(tmp_path / "old")
+    d = c.save_pretrained(tmp_path / "ctrl")
     cfg = json.loads((d / "config.json").read_text())
-    old_keys = {"embed_dim", "embedding_model", "score_hidden", "calib_hidden", "dropout", "tau_min", "tau_max",
-                "eps", "mode", "scorer", "fixed_g", "fixed_tau", "seed", "format_version", "library"}
-    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k in old_keys}))
+    needed = {"embed_dim", "embedding_model", "score_hidden", "calib_hidden", "dropout", "tau_min", "tau_max",
+              "scorer", "fixed_g", "fixed_tau", "seed", "format_version", "library"}
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k in needed}))
     again = FusionController.from_pretrained(d)
     assert again.config.side_features == [] and again.config.kappa == 1.0 and again.config.cv is None
     e_q, E_p = torch.randn(2, 8), torch.randn(2, 3, 8)
     assert torch.equal(again(e_q, E_p).merge_weights, c(e_q, E_p).merge_weights)
 
 
-def test_a_config_of_the_previous_version_reads_under_todays_names(tmp_path):
-    """Before issue 41: an unused 'eps', the calibration net's scale flag named 'query_scale', and the trainer's
-    verdict saying 'learned' (today 'network', SHIPS) or a scale-only result at kappa 1 (today 'prag_sum')."""
-    c = FusionController(embed_dim=8, seed=3, init="random", calib_scale=True).eval()
-    d = c.save_pretrained(tmp_path / "old")
+@pytest.mark.parametrize("key", ["eps", "query_scale"])
+def test_a_key_that_is_not_a_field_is_an_error_naming_it(tmp_path, key):
+    d = FusionController(embed_dim=8, seed=3).save_pretrained(tmp_path / "ctrl")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["query_scale"], cfg["eps"], cfg["cv"] = cfg.pop("calib_scale"), 1e-8, {"shipped": "learned", "verdict": "x"}
-    (d / "config.json").write_text(json.dumps(cfg))
-    again = FusionController.from_pretrained(d)
-    assert again.config.calib_scale and again.config.cv == {"shipped": "network", "verdict": "x"}
-    e_q, E_p = torch.randn(2, 8), torch.randn(2, 3, 8)
-    assert torch.equal(again(e_q, E_p).merge_weights, c(e_q, E_p).merge_weights)
-    assert again(e_q, E_p).scale is not None  # the third head's scale c is there
-    cfg.update(kappa=1.0, cv={"shipped": "scale_only"})
-    (d / "config.json").write_text(json.dumps(cfg))
-    assert FusionController.from_pretrained(d).config.cv == {"shipped": "prag_sum"}
+    (d / "config.json").write_text(json.dumps({**cfg, key: 1e-8}))
+    with pytest.raises(ControllerError, match=rf"config\.json: unknown key\(s\) \['{key}'\]; expected keys among"):
+        FusionController.from_pretrained(d)

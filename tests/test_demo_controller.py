@@ -2,6 +2,7 @@
 version) and reused after; the objective that decides is printed with its numbers. No language model is loaded:
 a slice of the shipped efficacy labels and a hash encoder stand in."""
 
+import gzip
 import json
 
 import pytest
@@ -18,7 +19,7 @@ def labels(tmp_path, monkeypatch):
     """The first 16 questions of the shipped labels (all their records, side features included)."""
     monkeypatch.setattr(quickstart, "RECIPE", SMALL_RECIPE)
     rows, seen = [], []
-    for line in quickstart.LABELS.read_text(encoding="utf-8").splitlines():
+    for line in gzip.decompress(quickstart.LABELS.read_bytes()).decode("utf-8").splitlines():
         q = json.loads(line)["query"]
         if q not in seen:
             seen.append(q)

@@ -115,7 +115,7 @@ def test_quickstart_core_path(smollm2, encoder, manifest, tmp_path):
                            adapter_stats=[LoraAdapter.from_pretrained(p["adapter_path"]) for p in q["passages"]])
     assert learned["merge_weights"] == pytest.approx(ref.merge_weights[0].tolist(), abs=1e-4)
     assert learned["g"] == pytest.approx(float(ref.g[0]), abs=1e-5)
-    assert any(line.startswith("trained a controller on efficacy_train_labels.jsonl") for line in lines)
+    assert any(line.startswith("trained a controller on efficacy_train_labels.jsonl.gz") for line in lines)
     cv = json.loads((tmp_path / "ctrl" / "metrics.json").read_text())["cv"]  # the verdict is printed as recorded
     start = next(i for i, line in enumerate(lines) if "-fold nested CV" in line)
     end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith("Saved"))

@@ -1,5 +1,5 @@
-"""A ``FusionController``'s config and files: :class:`ControllerConfig` (``config.json``; older versions' keys read
-under their new names), the weights file, and the words for what a trained controller ships (:data:`SHIPS`)."""
+"""A ``FusionController``'s config and files: :class:`ControllerConfig` (``config.json``: every key a field, an unknown
+one an error), the weights file, and the words for what a trained controller ships (:data:`SHIPS`)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,6 @@ HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")  # side inputs hosts 
 SHIPS = ("prag_sum", "scale_only", "query_scale", "network")
 
 
-def ship_name(shipped: str, kappa: float = 1.0) -> str:
-    """``shipped`` of any version in :data:`SHIPS`' words (``learned``: network; ``scale_only`` at 1: prag_sum)."""
-    name = {"learned": "network"}.get(shipped, shipped)
-    return "prag_sum" if name == "scale_only" and kappa == 1.0 else name
-
-
 @dataclass
 class ControllerConfig:
     """Everything needed to rebuild a controller; saved as ``config.json``. ``cv``: the trainer's selection-unbiased
@@ -57,7 +51,7 @@ class ControllerConfig:
     side_scale: list[float] | None = None  # one per side_feature_columns(side_features); None: 1
     side_optional: list[str] | None = None
     kappa: float = 1.0
-    calib_scale: bool = False  # the calibration net's third output: a per-query scale c (read: also 'query_scale')
+    calib_scale: bool = False  # the calibration net's third output: a per-query scale c
     scale_grid: list[float] | None = None  # controller_mode "scale": the scales its ScaleHead chooses among
     cv: dict[str, Any] | None = None
     trained_for: dict[str, Any] | None = None  # {"base_model": [...], "adapter_recipes": [features.adapter_recipe]}
@@ -103,14 +97,12 @@ class ControllerConfig:
 
 
 def read_config(path: Path) -> ControllerConfig:
-    """The validated config in controller directory ``path`` (older keys and ship words read as today's)."""
+    """The validated config in controller directory ``path``; an unknown key or a newer format is an error."""
     cfg_path = path / CONFIG_NAME
     if not path.is_dir():
         raise ControllerError(f"{path}: controller directory not found (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
     raw = read_json_object(cfg_path, ControllerError, "controller config not found")
-    raw.pop("library", None)
-    raw.pop("eps", None)  # older versions' keys: 'eps' (unused), 'query_scale' (the calibration net's scale)
-    raw.setdefault("calib_scale", raw.pop("query_scale", False))
+    raw.pop("library", None)  # written by write_files to say which library made the file, not a field
     known = {f.name for f in fields(ControllerConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -118,8 +110,6 @@ def read_config(path: Path) -> ControllerConfig:
     if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
         raise ControllerError(f"{cfg_path}: key 'format_version' is {raw['format_version']}, newer than this "
                               f"library supports ({FORMAT_VERSION}); upgrade fcprag-plugin")
-    if isinstance(raw.get("cv"), dict) and "shipped" in raw["cv"]:
-        raw["cv"] = {**raw["cv"], "shipped": ship_name(raw["cv"]["shipped"], raw.get("kappa", 1.0))}
     return ControllerConfig(**raw).validate(str(cfg_path))  # every key is a field (checked above)
 
 

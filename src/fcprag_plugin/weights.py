@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 from .controller import FusionController, load_controller
 from .fileio import finite_or_none
-from .merge.core import check_weights  # noqa: F401  (the one check of w~, importable from here as before)
+from .merge.core import check_weights
 
 
 def is_uniform(controller: Any) -> bool:

@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--encoder", help="embedding model name or path (default: the controller's)")
     r.add_argument("--mode",
                    help="merge mode: prag: cat (default) | separate | svd; dyprag: separate (default) | cat (on DyPRAG's "
-                        "weights w~/N: the exact weighted mean of the updates; formerly 'delta')")
+                        "weights w~/N: the exact weighted mean of the updates)")
     r.add_argument("--log", help="per-question JSON Lines log")
     r.add_argument("--data-file", dest="data_file",
                    help="prag: PRAG's augmented data file, to map adapter paths back to questions")

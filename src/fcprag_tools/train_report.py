@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fcprag_plugin.training import ship_name
 
 METRIC_KEYS = ("kl", "kl_nonflat", "top1", "spearman", "g_mean", "g_std", "tau_mean", "tau_std", "entropy_mean",
                "entropy_norm_mean", "gain")
@@ -87,7 +86,7 @@ def verdict_lines(cv: dict[str, Any]) -> list[str]:
                      f"same training folds, in {metric}): {_part(q)}; measured"
                      + (" - shown" if q["shown"] else " - NOT shown") + "; questions losing more than the margin "
                      f"against PRAG's sum: {_share(q['held_out_loss_share'])}.")
-    shipped = ship_name(cv["shipped"], cv["kappa"])  # SHIPS' words, also for a file of an older version
+    shipped = cv["shipped"]  # one of SHIPS
     shipped = "scale_only" if shipped == "prag_sum" else shipped  # said as a scale-only controller at kappa 1
     what = {"network": f"the learned controller (network, kappa {cv['kappa']:.4g})",
             "query_scale": "a per-query scale controller (PRAG's sum times a scale chosen per question, no weights "

@@ -17,6 +17,7 @@ from fcprag_plugin.controller import ControllerConfig, FusionController
 from fcprag_plugin.errors import HookError
 from fcprag_plugin.hosts import dyprag
 from fcprag_tools.launch import launch_dyprag
+from helpers import save_side_feature_controller
 
 
 def peaked_controller(dim: int = 16) -> FusionController:
@@ -220,16 +221,14 @@ def test_cli_subprocess_with_real_encoder(double, tmp_path):
 
 @pytest.mark.integration
 def test_a_side_feature_network_runs_with_what_dyprag_has(double, tmp_path):
-    """benchmarks/efficacy/controller-kappa4-network (a network on retrieval rank + adapter statistics) under DyPRAG
-    (mode cat): no retrieval scores needed, ranks = the passage order, adapter statistics from the translator
-    outputs; the injected updates equal the dense reference."""
-    from pathlib import Path
-
+    """A network on retrieval rank + adapter statistics at kappa 4 under DyPRAG (mode cat): no retrieval scores
+    needed, ranks = the passage order, adapter statistics from the translator outputs; the injected updates equal the
+    dense reference."""
     from fcprag_plugin import LoraAdapter, LoraModule
     from fcprag_plugin.encoding import TextEncoder
 
     script, data, questions = double
-    shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller-kappa4-network"
+    shipped = save_side_feature_controller(tmp_path / "side-ctrl")
     rec = tmp_path / "rec.pt"
     assert launch_dyprag(script, ["--data", str(data), "--record", str(rec)], controller=str(shipped),
                          mode="cat") == 0

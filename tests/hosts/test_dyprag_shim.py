@@ -66,8 +66,8 @@ def test_uninstall_restores_exactly(host):
 
     with dyprag.installed(mode="cat", utils=host.utils, projector=host.projector) as s:
         assert s.mode == "cat" and host.utils.delta_inject is not orig_inject
-    with dyprag.installed(mode="delta", utils=host.utils, projector=host.projector) as s:
-        assert s.mode == "cat"  # the older name of mode cat
+    with pytest.raises(HookError, match=r"mode 'delta' is not one of \['separate', 'cat'"):
+        dyprag.install(mode="delta", utils=host.utils, projector=host.projector)
     assert host.utils.delta_inject is orig_inject and vars(cls)["forward"] is orig_fwd
 
     dyprag.install(utils=host.utils, projector=host.projector)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fcprag_plugin.errors import HookError
-from fcprag_plugin.hosts._prag_data import PragDataFile, common_test_id, parse_adapter_path
+from fcprag_plugin.hosts.prag_data import PragDataFile, common_test_id, parse_adapter_path
 
 RECORDS = [{"question": f"q{t}", "passages": [f"p{t}.{p}" for p in range(3)]} for t in range(3)]
 

@@ -18,7 +18,8 @@ from fcprag_plugin.controller import ControllerConfig, FusionController
 from fcprag_plugin.errors import HookError, MergeError
 from fcprag_plugin.hosts import prag
 from fcprag_tools.launch import launch_prag, run_script
-from helpers import files_reference, fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder
+from helpers import (files_reference, fixed_controller, fixed_weights_by_hand, hash_embed, hash_encoder,
+                     save_side_feature_controller)
 from prag_double.world import DOUBLE_SCRIPT, World, build_world, dense_reference, read_capture, reference_logits
 
 STALE = peft_has_stale_config_bug()
@@ -447,13 +448,13 @@ def test_launch_returns_the_scripts_exit_status(tmp_path):
 
 @pytest.mark.integration
 def test_a_side_feature_network_runs_with_what_prag_has(world, tmp_path, caplog):
-    """benchmarks/efficacy/controller-kappa4-network (a network on retrieval rank + adapter statistics, the real
-    MiniLM encoder) under PRAG: PRAG keeps no retrieval scores and needs none; the ranks are the passage order, the
-    statistics come from the adapters PRAG loaded. Weights = the controller's own prediction with those inputs; merges = dense reference."""
+    """A network on retrieval rank + adapter statistics at kappa 4 (the real MiniLM encoder) under PRAG: PRAG keeps
+    no retrieval scores and needs none; the ranks are the passage order, the statistics come from the adapters PRAG
+    loaded. Weights = the controller's own prediction with those inputs; merges = dense reference."""
     from fcprag_plugin import LoraAdapter
     from fcprag_plugin.encoding import TextEncoder
 
-    shipped = Path(__file__).resolve().parents[2] / "benchmarks" / "efficacy" / "controller-kappa4-network"
+    shipped = save_side_feature_controller(tmp_path / "side-ctrl")
     cap, records = launch_double(world, tmp_path, controller=str(shipped))
     ctrl, enc = FusionController.from_pretrained(shipped), TextEncoder()
     assert ctrl.config.side_features == ["retrieval_rank", "adapter_stats"] and ctrl.config.kappa == 4.0

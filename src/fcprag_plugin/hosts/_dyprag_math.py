@@ -1,7 +1,7 @@
 """The math of the DyPRAG shim: check that captured translator outputs (dicts of ``...{module}.lora_A.weight``
 ``[..., r, in]`` / ``...lora_B.weight`` ``[..., out, r]``; DyPRAG's ``delta = lora_B @ lora_A``, no scaling) line up
 with DyPRAG's average, then re-aggregate them with per-passage weights ``u`` ``[N]`` by the merge modes' math:
-``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i``; ``cat`` (formerly ``delta``): ``A = cat_i(u_i A_i)``,
+``separate``: ``A* = sum_i u_i A_i``, ``B* = sum_i u_i B_i``; ``cat``: ``A = cat_i(u_i A_i)``,
 ``B = cat_i(B_i)``, so ``B A = sum_i u_i B_i A_i`` exactly. Results keep DyPRAG's dtypes, devices and keys."""
 
 from __future__ import annotations

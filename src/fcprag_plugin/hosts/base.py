@@ -152,7 +152,8 @@ class ShimSlots:
         return [s for s in map(FusedSlot.of, list(self._models)) if s is not None]
 
     def close(self) -> None:
-        """Remove the slots of every model this shim used: the models are exactly as before the first question."""
+        """Remove the slots of every model this shim used: the models are bit for bit what they were before the first
+        question."""
         for slot in self.slots():
             slot.remove()
         self._models = weakref.WeakSet()
@@ -182,7 +183,7 @@ class Shim:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Switch off and remove this shim's fused slots (the base models are exactly as before)."""
+        """Switch off and remove this shim's fused slots (the base models are left bit for bit unchanged)."""
         self.slots.close()
 
     def teardown(self) -> None:

@@ -43,7 +43,6 @@ class DyPragShim(Shim):
                  log: str | Path | None = None, *, utils: ModuleType | str | None = None,
                  projector: ModuleType | str | None = None, use_slot: bool = False,
                  max_adapters: int | None = None) -> None:
-        mode = "cat" if mode == "delta" else mode  # its older name
         if mode not in MODES:
             raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(MODES)}")
         check_max_adapters(max_adapters, bool(use_slot), "fcprag dyprag")
@@ -195,7 +194,7 @@ class DyPragShim(Shim):
                 logger.info("fcprag dyprag: also patched __main__.%s (imported before install)", name)
 
     def close(self) -> None:
-        """Drop the capture and remove the fused slots (the model is exactly as before)."""
+        """Drop the capture and remove the fused slots (the model is left bit for bit unchanged)."""
         self.clear()
         super().close()
 
@@ -237,7 +236,7 @@ def install(controller: Any = None, encoder: Any = None, mode: str = "separate",
     ``from utils import delta_inject``; installing again replaces the shim); returns the shim (a context manager).
     ``controller``: a :class:`~fcprag_plugin.controller.FusionController`, its directory, or None (DyPRAG's own
     average); ``encoder``: default the controller's; ``mode``: ``separate`` (``A* = sum u_i A_i``, ``B* = sum u_i
-    B_i``) or ``cat`` (exact ``sum u_i B_i A_i``; formerly ``delta``): the merge modes on DyPRAG's weights ``u =
+    B_i``) or ``cat`` (exact ``sum u_i B_i A_i``): the merge modes on DyPRAG's weights ``u =
     w~/N`` (DyPRAG averages where PRAG sums); ``log``: JSON Lines, one record per question; ``utils``,
     ``projector``: the host modules or import names; ``use_slot``: a fused slot instead of DyPRAG's dense ``delta``
     (``max_adapters``: its fixed capacity, ``None``: grows)."""

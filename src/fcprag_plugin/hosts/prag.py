@@ -25,7 +25,7 @@ from ..slot import AdapterStore
 from ..slot.fused import SLOT_MODES
 from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
-from ._prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path, pick_passages
+from .prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path, pick_passages
 from ..weights import FusionWeights
 from .base import Lifecycle, Shim, WeightProvider, wrapping
 from .context import caller_test_id, clear_context, get_context

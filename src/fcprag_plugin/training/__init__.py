@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..controller_config import SHIPS, ship_name  # noqa: F401
+from ..controller_config import SHIPS  # noqa: F401
 from .checkpoint import CHECKPOINT_DIR, read_checkpoint_state  # noqa: F401
 from .data import LabelTensors, build_tensors  # noqa: F401
 from .evaluation import collect_outputs, entropy, evaluate, metrics_from_outputs  # noqa: F401

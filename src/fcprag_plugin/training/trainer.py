@@ -18,7 +18,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..controller import ControllerConfig, FusionController
-from ..controller_config import ship_name
 from ..errors import FcpragError, LabelFileError, kw
 from ..features import SIDE_FEATURES, center_side
 from ..fileio import append_json_lines, finite_or_none, read_json_if_present, write_json, write_json_lines
@@ -504,8 +503,6 @@ def select_by_cv(run: Run) -> dict[str, Any] | None:
     if not args.cv_folds:
         return None
     cv = read_json_if_present(path, FcpragError, fix="delete it to run the cross-validation again")
-    if cv is not None and "shipped" in cv:  # an older version's words
-        cv["shipped"] = ship_name(cv["shipped"], cv.get("kappa", 1.0))
     if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv:
         # finished folds are kept (CV_PARTIAL_NAME), not redone on a resume with the same arguments and labels
         key = {"args": {k: v for k, v in asdict(args).items() if k not in _RESUME_FREE or k == "epochs"},

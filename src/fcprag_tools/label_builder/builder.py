@@ -172,7 +172,7 @@ class LabelBuilder:
         self._reserve = max(self._reserve, int(max_adapters))
 
     def close(self) -> None:
-        """Remove the fused slot (if any) from the model: it is exactly as before."""
+        """Remove the fused slot (if any) from the model: it is left bit for bit unchanged."""
         if self._slot is not None:
             self._slot.remove()
             self._slot = None

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 from fcprag_plugin.adapter import CONFIG_NAME, LEGACY_BIN_NAME, SAFETENSORS_NAME
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.fileio import read_records, write_json_lines
-from fcprag_plugin.hosts._prag_data import adapter_dir
+from fcprag_plugin.hosts.prag_data import adapter_dir
 
 REQUIRED_FIELDS = ("id", "question", "answer", "passages", "adapters")
 PASS_THROUGH_FIELDS = ("group", "split")
