@@ -39,6 +39,7 @@ from . import adapters as ad
 from . import data, preflight, scoring, summary
 from .summary import SETTINGS, suffix
 from .augment import augment_batch, forward_steps
+from .ceiling import gold_rows
 from ..lm.units import UnitStore, log_timing
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class StudyOptions:
     threads: int | None = None  # torch's CPU threads; None: model_io.choose_threads (the cores other jobs leave)
     model_name: str | None = None  # the model as the user named it ("smollm2" when defaulted); set by preflight
     train_args: dict[str, Any] = field(default_factory=dict)
+    policy: Any = None  # summary.Policy: the margins and target effect of the verdict (None: its defaults)
 
     def __post_init__(self) -> None:
         if isinstance(self.questions, (str, Path)):
@@ -259,7 +261,7 @@ class Study:
                 for q in todo:
                     st.append([{"id": q["id"], "question": q["question"], "answers": q["answers"],
                                 "split": "test" if q["id"] in test else "train", "dataset": q["dataset"],
-                                "subtask": q["subtask"],
+                                "subtask": q["subtask"], "supporting_titles": q["supporting"],
                                 "passages": data.retrieve(q, self.o.top_k, given and given[q["id"]])}])
                     bar.update(1)
         self.barrier("questions")
@@ -435,6 +437,7 @@ class Study:
             if not is_uniform(ctrl):
                 w = self.weights(q, ctrl)
                 rows["learned" + sfx], rows["learned_same_total" + sfx] = (setting, w), (setting, [sum(w) / n] * n)
+        rows.update(gold_rows(q, list(ctrls)))  # the gold-passage ceiling (absent without supporting titles)
         return rows
 
     def query_encoder(self) -> Any:
@@ -564,7 +567,8 @@ class Study:
         results = self.evaluate(qs, {qid: self.methods(qs[qid], ctrls) for qid in test}, oracle=True, arrow=True)
         given = self.o.controller is not None
         verdicts = {s: summary.setting_verdict(results, test, s, ctrls[s], given=given,
-                                               trainer_args=self.trainer_args(dirs[s]), n_train=len(qs) - len(test))
+                                               trainer_args=self.trainer_args(dirs[s]), n_train=len(qs) - len(test),
+                                               policy=self.o.policy)
                     for s in SETTINGS}
         # the rows that depend on what ships: the random controller at the recommended kappa (held out), and the
         # candidates of "what to run" on the training questions (where the choice is made)
@@ -585,7 +589,7 @@ class Study:
             "arrow": "scored" if all(f"{q}|arrow" in results for q in test) else getattr(self, "arrow_why", None)
             or "off", "learned_dir": {s: str(d) for s, d in dirs.items()}}, cv={s: c.config.cv for s, c in
                                                                                  ctrls.items()},
-            stage_seconds={k: round(v, 1) for k, v in self.times.items()}, out=self.out)
+            stage_seconds={k: round(v, 1) for k, v in self.times.items()}, out=self.out, policy=self.o.policy)
         self.timed("summary", t0)
         log_timing(self.out, "total (this invocation)", time.perf_counter() - t_all)
         return out
