@@ -7,7 +7,8 @@ passages in the prompt too, the paper's "Combine"); a row's Combine twin carries
 Decided on the training questions only (``decided_on``): ``ship`` comes from the trainer's nested cross-validation
 (``config.cv``, out-of-fold gains with 95% CIs): ``network`` only when the reweighting gain's lower bound lies above
 ``min_gain``, else ``scale_only`` when kappa is not 1 and the scale gain's lower bound lies above the scale margin,
-else ``prag_sum`` (:class:`Policy`, the margins recorded per setting). The held-out questions only measure it:
+else ``prag_sum`` (:class:`Policy`, the margins recorded per setting); a given controller (``--controller``) is
+decided elsewhere and ships as it is. The held-out questions only measure it:
 
 - ``scale``: PRAG's sum times the controller's ``kappa`` (for a given controller that reweights, its same-total
   twin) against PRAG's sum of that setting; not measured when kappa is 1;
@@ -151,7 +152,7 @@ def setting_verdict(results: dict[str, dict[str, Any]], test: Sequence[str], set
                     given: bool, trainer_args: dict[str, Any] | None, n_train: int,
                     policy: Policy | None = None) -> dict[str, Any]:
     """What ships in ``setting``, decided on training questions only (``ctrl.config.cv``, the trainer's nested
-    cross-validation; with a given controller its own), and the held-out parts that measure it: ``scale``,
+    cross-validation; a given controller ships as it is, decided elsewhere), and the held-out parts that measure it: ``scale``,
     ``reweighting`` and ``total`` (the controller's row against PRAG's sum), each with its equivalence at the margin.
     ``ctrl``: anything with ``config.kappa`` and ``config.cv``."""
     policy = policy or Policy()
@@ -173,7 +174,12 @@ def setting_verdict(results: dict[str, dict[str, Any]], test: Sequence[str], set
     own = f"learned{sfx}" if learned else sname
     total = part(results, keys, own, f"prag_sum{sfx}", m) if own != f"prag_sum{sfx}" else \
         not_measured("the controller is PRAG's sum")
-    ship, why = decide(cv, network=learned, kappa=kappa, policy=policy)
+    if given:  # nothing is trained or decided here: the given controller is what it is, and is measured
+        ship = "network" if learned else "scale_only" if kappa != 1.0 else "prag_sum"
+        why = (f"the given controller as it is ({ship}); this study decides nothing about it and measures it on "
+               "every question")
+    else:
+        ship, why = decide(cv, network=learned, kappa=kappa, policy=policy)
     need = rule_starved(trainer_args or {}, n_train) if kappa == 1.0 and not given else None
     if need:
         why += (f"; with {n_train} training questions the risk rule cannot allow any scale (the 95% upper bound of "
@@ -181,9 +187,7 @@ def setting_verdict(results: dict[str, dict[str, Any]], test: Sequence[str], set
                 f"it needs about {need}")
     if given:  # the recommended row is the given controller itself
         rec = own
-        decided_on = ("the given controller's own cross-validation (its training questions, none evaluated here)"
-                      if cv_part(cv, "reweighting") or cv_part(cv, "scale") else
-                      "nothing: the given controller records no cross-validation")
+        decided_on = "elsewhere: a given controller (its own training questions, none evaluated here)"
     else:
         rec = {"network": f"learned{sfx}", "scale_only": sname, "prag_sum": f"prag_sum{sfx}"}[ship]
         decided_on = f"{n_train} training questions (the trainer's nested cross-validation, out-of-fold gains)"
@@ -423,7 +427,9 @@ def split_info(qs: dict[str, dict[str, Any]], settings: dict[str, Any]) -> dict[
 
     strata: dict[str, dict[str, int]] = {}
     for r in qs.values():
-        strata.setdefault(f"{r['dataset']}/{r['subtask']}", {"train": 0, "test": 0})[r["split"]] += 1
+        c = strata.setdefault(f"{r['dataset']}/{r['subtask']}", {"train": 0, "test": 0, "n": 0})
+        c[r["split"]] += 1
+        c["n"] += 1
     rows = [{"id": q, "dataset": r["dataset"], "subtask": r["subtask"]} for q, r in qs.items()]
     test = {q for q, r in qs.items() if r["split"] == "test"}
     return {"method": split_method(rows, test, settings), "strata": strata}
@@ -546,6 +552,8 @@ def verdict_table(s: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {sv['ship']} | {sv['kappa']:g} | {sv['decided_on']} | {cvs} | "
                      + " | ".join(cells) + f" | {sv['why']} |")
     m = s["policy"]
+    if not s["settings"].get("controller_trained", True):
+        return lines + ["", "A given controller is measured here, not decided on: it ships as it is.", ""]
     lines += ["", f"A network ships only when its reweighting gain's lower bound lies above +{m['min_gain']:g} gold "
               f"log-lik. per question, a scale only above +{m['min_scale_gain']:g} (`--min-gain`); the held-out "
               "parts measure what was decided, they decide nothing.", ""]
@@ -578,7 +586,7 @@ def report(s: dict[str, Any], plot: str | None = None) -> str:
              f"{s['n_train']} training and {s['n_test']} held-out questions ({datasets}); device {st['device']}, "
              f"dtype {st['dtype']}; controller {'given' if not st.get('controller_trained') else 'trained here'}. "
              f"Split: {s['split']['method']}; held out per dataset/subtask: "
-             + ", ".join(f"{k} {c['test']} of {c['train'] + c['test']}" for k, c in s["split"]["strata"].items())
+             + ", ".join(f"{k} {c['test']} of {c['n']}" for k, c in s["split"]["strata"].items())
              + ".", ""]
     if st.get("generate") is False:
         lines += ["> **Run with --no-generate**: no greedy answers, so no F1/EM table, no plot and no \"what to "
@@ -743,7 +751,7 @@ def check_summary(s: Any) -> list[str]:
             continue
         for k, ship in (("reweighting", "network"), ("scale", "scale_only")):
             p = cvs.get(k)
-            if sv["ship"] == ship and not (isinstance(p, dict) and ci(p.get("ci95")) and p["ci95"][0] > margins[k]):
+            if (st or {}).get("controller_trained", True) and sv["ship"] == ship and not (isinstance(p, dict) and ci(p.get("ci95")) and p["ci95"][0] > margins[k]):
                 bad.append(f"{sname}.ship is '{ship}' but the cross-validated {k} gain's lower bound does not lie "
                            f"above its margin")
     w = v.get("what_to_run")
