@@ -196,3 +196,33 @@ def test_fcprag_report_refuses_a_folder_that_is_not_a_study_in_one_line(tmp_path
     assert len(err.splitlines()) == 1 and "questions.jsonl" in err
     assert main(["report", str(tmp_path), "--target-f1", "0"]) == 2
     assert "--target-f1" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a whole tiny study (augmentation, adapters, evaluation: about 30 s); the fast wiring test is above
+def test_a_fresh_study_with_a_given_controller_scores_the_ceiling_on_the_supporting_passages(tiny_study, capsys):
+    from fcprag_plugin import FusionController
+
+    from .conftest import write_questions
+
+    path = write_questions(tiny_study["root"] / "sup.jsonl", 4, passages=3, seed=3)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    for i, r in enumerate(rows):  # one supporting title each, and one question whose support is not retrievable
+        r["supporting_titles"] = ["nowhere"] if i == 0 else [r["passages"][i % 3].partition(": ")[0]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ctrl = tiny_study["root"] / "ctrl"
+    FusionController.scale_only(2.0, embed_dim=384, embedding_model="sentence-transformers/all-MiniLM-L6-v2"
+                                ).save_pretrained(ctrl)
+    out = tiny_study["root"] / "given"
+    assert main(["study", str(path), "--model", tiny_study["model"], "--out", str(out), "--top-k", "2",
+                 "--scales", "2", "--max-new-tokens", "2", "--no-progress", "--no-arrow", "--device", "cpu",
+                 "--controller", str(ctrl)]) == 0, capsys.readouterr().err
+    qs = {json.loads(x)["id"]: json.loads(x) for x in (out / "questions.jsonl").read_text().splitlines()}
+    ev = {json.loads(x)["id"]: json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()}
+    for q, r in qs.items():
+        support = [p["title"] in r["supporting_titles"] for p in r["passages"]]
+        for name, prompt in (("gold_passages", "param"), ("gold_passages_combine", "combine")):
+            w = ev[f"{q}|{name}"]["w"]
+            assert ev[f"{q}|{name}"]["prompt"] == prompt
+            assert [x > 0 for x in w] == support if any(support) else w == [1.0, 1.0]
+    s = json.loads((out / "summary.json").read_text())
+    assert "gold_passages" in s["methods"] and s["ceiling"]["why_absent"] is None
