@@ -152,9 +152,9 @@ def setting_verdict(results: dict[str, dict[str, Any]], test: Sequence[str], set
                     given: bool, trainer_args: dict[str, Any] | None, n_train: int,
                     policy: Policy | None = None) -> dict[str, Any]:
     """What ships in ``setting``, decided on training questions only (``ctrl.config.cv``, the trainer's nested
-    cross-validation; a given controller ships as it is, decided elsewhere), and the held-out parts that measure it: ``scale``,
-    ``reweighting`` and ``total`` (the controller's row against PRAG's sum), each with its equivalence at the margin.
-    ``ctrl``: anything with ``config.kappa`` and ``config.cv``."""
+    cross-validation; a given controller ships as it is, decided elsewhere), and the held-out parts that measure
+    it: ``scale``, ``reweighting`` and ``total`` (the controller's row against PRAG's sum), each with its
+    equivalence at the margin. ``ctrl``: anything with ``config.kappa`` and ``config.cv``."""
     policy = policy or Policy()
     sfx, kappa = suffix(setting), float(ctrl.config.kappa)
     cv = getattr(ctrl.config, "cv", None) or {}
@@ -279,8 +279,8 @@ TIE = 1e-9  # training means this close are equal (the same answers give the sam
 
 def candidates(verdicts: dict[str, dict[str, Any]]) -> list[str]:
     """:data:`CANDIDATES`, less a ``recommended`` row that is PRAG's sum of its setting (the same answers twice)."""
-    return [c for c in CANDIDATES if not (c.startswith("recommended") and any(
-        c == f"recommended{suffix(s)}" and v["recommended_row"] == f"prag_sum{suffix(s)}" for s, v in verdicts.items()))]
+    same = {f"recommended{suffix(s)}" for s, v in verdicts.items() if v["recommended_row"] == f"prag_sum{suffix(s)}"}
+    return [c for c in CANDIDATES if c not in same]
 
 
 def compare(diffs: list[float], seed: str, level: float, target: float, power: float) -> dict[str, Any]:
@@ -546,8 +546,8 @@ def verdict_table(s: dict[str, Any]) -> list[str]:
             if not p["measured"]:
                 cells.append(f"not measured: {p.get('why', '-')}")
                 continue
-            eq = (f"; equivalent to {'PRAG' + chr(39) + 's sum' if p['rows'][1].startswith('prag_sum') else p['rows'][1]}"
-                  f" within ±{p['margin']:g}") if p["equivalent"] else ""
+            to = "PRAG's sum" if p["rows"][1].startswith("prag_sum") else p["rows"][1]
+            eq = f"; equivalent to {to} within ±{p['margin']:g}" if p["equivalent"] else ""
             cells.append(f"{' vs '.join(p['rows'])} {_f(p['delta'])} {_ci(p['ci95'])}{eq}")
         lines.append(f"| {name} | {sv['ship']} | {sv['kappa']:g} | {sv['decided_on']} | {cvs} | "
                      + " | ".join(cells) + f" | {sv['why']} |")
@@ -681,16 +681,46 @@ def write_plot(s: dict[str, Any], path: Path) -> str | None:
 
 
 # ----------------------------------------------------------------------------- the schema check
+def _num(x: Any, null_ok: bool = False) -> bool:
+    return (x is None and null_ok) or (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x))
+
+
+def _interval(x: Any) -> bool:
+    return isinstance(x, list) and len(x) == 2 and all(_num(v) for v in x) and x[0] <= x[1]
+
+
+def check_setting(sname: str, sv: Any, trained: bool) -> list[str]:
+    """The problems of one verdict ``sv`` (named ``sname``); ``trained``: what ships was decided here, so it must
+    agree with the cross-validated gains and margins it records."""
+    num, ci = _num, _interval
+    if not isinstance(sv, dict) or sv.get("ship") not in STUDY_SHIPS:
+        return [f"{sname}.ship: expected one of {list(STUDY_SHIPS)}"]
+    bad = [] if num(sv.get("kappa")) and sv["kappa"] > 0 else [f"{sname}.kappa: expected a number > 0"]
+    for k in ("scale", "reweighting"):
+        p = sv.get(k)
+        if not isinstance(p, dict) or not isinstance(p.get("measured"), bool) or "delta" not in p or "ci95" not in p:
+            bad.append(f"{sname}.{k}: expected delta, ci95 and measured")
+        elif p["measured"] and (not num(p["delta"]) or not ci(p["ci95"])):
+            bad.append(f"{sname}.{k}: measured, so delta must be a number and ci95 [lo, hi]")
+        elif not p["measured"] and p["delta"] is not None:
+            bad.append(f"{sname}.{k}: not measured, so delta must be null")
+    margins, cvs = sv.get("margins"), sv.get("cv")
+    if not isinstance(sv.get("decided_on"), str) or not isinstance(margins, dict) or not all(
+            num(margins.get(k)) for k in ("reweighting", "scale")) or not isinstance(cvs, dict):
+        return bad + [f"{sname}: expected decided_on, margins {{reweighting, scale}} and cv"]
+    for k, ship in (("reweighting", "network"), ("scale", "scale_only")):
+        p = cvs.get(k)
+        if trained and sv["ship"] == ship and not (isinstance(p, dict) and ci(p.get("ci95"))
+                                                   and p["ci95"][0] > margins[k]):
+            bad.append(f"{sname}.ship is '{ship}' but the cross-validated {k} gain's lower bound does not lie "
+                       "above its margin")
+    return bad
+
+
 def check_summary(s: Any) -> list[str]:
     """Every field ``summary.json`` must have; returns the problems (empty: complete)."""
     bad: list[str] = []
-
-    def num(x: Any, null_ok: bool = False) -> bool:
-        return (x is None and null_ok) or (isinstance(x, (int, float)) and not isinstance(x, bool)
-                                           and math.isfinite(x))
-
-    def ci(x: Any) -> bool:
-        return isinstance(x, list) and len(x) == 2 and all(num(v) for v in x) and x[0] <= x[1]
+    num, ci = _num, _interval
 
     if not isinstance(s, dict):
         return ["summary is not a JSON object"]
@@ -730,30 +760,9 @@ def check_summary(s: Any) -> list[str]:
     settings = v.get("settings")
     if not isinstance(settings, dict) or set(settings) != set(SETTINGS):
         return bad + [f"verdict.settings: expected one verdict per setting {list(SETTINGS)}"]
+    trained = (st or {}).get("controller_trained", True)
     for sname, sv in [("verdict", v)] + [(f"verdict.settings.{k}", x) for k, x in settings.items()]:
-        if not isinstance(sv, dict) or sv.get("ship") not in STUDY_SHIPS:
-            bad.append(f"{sname}.ship: expected one of {list(STUDY_SHIPS)}")
-            continue
-        if not num(sv.get("kappa")) or sv["kappa"] <= 0:
-            bad.append(f"{sname}.kappa: expected a number > 0")
-        for k in ("scale", "reweighting"):
-            p = sv.get(k)
-            if not isinstance(p, dict) or not isinstance(p.get("measured"), bool) or "delta" not in p or "ci95" not in p:
-                bad.append(f"{sname}.{k}: expected delta, ci95 and measured")
-            elif p["measured"] and (not num(p["delta"]) or not ci(p["ci95"])):
-                bad.append(f"{sname}.{k}: measured, so delta must be a number and ci95 [lo, hi]")
-            elif not p["measured"] and p["delta"] is not None:
-                bad.append(f"{sname}.{k}: not measured, so delta must be null")
-        margins, cvs = sv.get("margins"), sv.get("cv")
-        if not isinstance(sv.get("decided_on"), str) or not isinstance(margins, dict) or not all(
-                num(margins.get(k)) for k in ("reweighting", "scale")) or not isinstance(cvs, dict):
-            bad.append(f"{sname}: expected decided_on, margins {{reweighting, scale}} and cv")
-            continue
-        for k, ship in (("reweighting", "network"), ("scale", "scale_only")):
-            p = cvs.get(k)
-            if (st or {}).get("controller_trained", True) and sv["ship"] == ship and not (isinstance(p, dict) and ci(p.get("ci95")) and p["ci95"][0] > margins[k]):
-                bad.append(f"{sname}.ship is '{ship}' but the cross-validated {k} gain's lower bound does not lie "
-                           f"above its margin")
+        bad += check_setting(sname, sv, trained)
     w = v.get("what_to_run")
     if w is not None and (not isinstance(w, dict) or w.get("row") not in CANDIDATES or not num(w.get("f1"))
                           or not num(w.get("target_f1"))
