@@ -345,7 +345,7 @@ def reading_text(v: dict[str, Any], n: int, target: float) -> str:
     can = (f"no difference above {100 * v['mde_f1']:.1f} F1 can be seen with {n} questions; about "
            f"{v['n_needed']} are needed for {100 * target:+g} F1") if v.get("mde_f1") is not None else \
         f"{n} questions are too few to size a test"
-    return f"{fig} (not shown: {can})"
+    return f"{fig} (not shown, {v['n_nonzero']} of {n} questions differ: {can})"
 
 
 def plain(c: dict[str, Any], dataset: str | None) -> str:
