@@ -89,6 +89,10 @@ def _cmd_study(args: argparse.Namespace) -> int:
                                              "no plot and no 'what to run'; the verdict rests on gold log-lik. alone")
         study = Study(opts)
         out = study.run()
+    if out is not None and study.complete and out.get("policy") != opts.policy.record():
+        from .report_cli import rebuild  # a finished study, other margins: its rows re-reported, nothing recomputed
+
+        out, study.complete = rebuild(args.out, opts.policy), False
     if out is not None:
         v = out["verdict"]
         print(json.dumps({"ship": v["ship"], "kappa": v["kappa"], "why": v["why"]}, indent=2))

@@ -88,6 +88,11 @@ class Policy:
     def margins(self) -> dict[str, float]:
         return {"reweighting": self.min_gain, "scale": self.scale_margin}
 
+    def record(self) -> dict[str, float]:
+        """What ``summary.json`` records as its ``policy``."""
+        return {"min_gain": self.min_gain, "min_scale_gain": self.scale_margin, "target_f1": self.target_f1,
+                "power": self.power}
+
 
 def part(results: dict[str, dict[str, Any]], keys: list[str], a: str, b: str, margin: float) -> dict[str, Any]:
     """``a`` against ``b`` in gold log-lik. over ``keys``: ``{"delta", "ci95", "measured", "rows", "margin",
@@ -397,8 +402,7 @@ def finish(qs: dict[str, dict[str, Any]], results: dict[str, dict[str, Any]], ve
     summary = {
         "n_train": len(train), "n_test": len(keys), "settings": settings,
         "split": split_info(qs, settings),
-        "policy": {"min_gain": policy.min_gain, "min_scale_gain": policy.scale_margin,
-                   "target_f1": policy.target_f1, "power": policy.power},
+        "policy": policy.record(),
         "datasets": {d: {"n_test": sum(qs[q]["dataset"] == d for q in keys),
                          "subtasks": sorted({qs[q]["subtask"] for q in keys if qs[q]["dataset"] == d})}
                      for d in dict.fromkeys(qs[q]["dataset"] for q in keys)},

@@ -226,3 +226,27 @@ def test_a_fresh_study_with_a_given_controller_scores_the_ceiling_on_the_support
             assert [x > 0 for x in w] == support if any(support) else w == [1.0, 1.0]
     s = json.loads((out / "summary.json").read_text())
     assert "gold_passages" in s["methods"] and s["ceiling"]["why_absent"] is None
+    # the same command with another margin on the finished study: re-reported from its rows, nothing recomputed
+    eval_before = (out / "eval.jsonl").read_text()
+    assert main(["study", str(path), "--model", tiny_study["model"], "--out", str(out), "--top-k", "2",
+                 "--scales", "2", "--max-new-tokens", "2", "--no-progress", "--no-arrow", "--device", "cpu",
+                 "--controller", str(ctrl), "--min-gain", "0.5"]) == 0
+    s2 = json.loads((out / "summary.json").read_text())
+    assert s2["policy"]["min_gain"] == 0.5 and s2["verdict"]["margins"]["reweighting"] == 0.5
+    assert (out / "eval.jsonl").read_text() == eval_before
+
+
+def test_no_generate_says_at_the_start_what_the_report_will_lack(tmp_path, capsys, monkeypatch):
+    from fcprag_plugin.errors import FcpragError
+    from fcprag_tools.study import pipeline
+
+    def stop(self, opts):
+        raise FcpragError("stopped before any work")
+
+    monkeypatch.setattr(pipeline.Study, "__init__", stop)
+    q = tmp_path / "q.jsonl"
+    q.write_text("{}\n")
+    assert main(["study", str(q), "--out", str(tmp_path / "o"), "--no-generate"]) == 2
+    err = capsys.readouterr().err
+    assert err.index("--no-generate: no greedy answers, so report.md will have no F1/EM table, no plot and no "
+                     "'what to run'") < err.index("stopped before any work")
