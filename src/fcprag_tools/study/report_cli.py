@@ -99,9 +99,13 @@ def rebuild(folder: str | Path, policy: Policy | None = None) -> dict[str, Any]:
     kept = (old or {}).get("settings") or {}
     full = {**kept, **settings, "out": str(folder), "device": kept.get("device", "not recorded"),
             "dtype": kept.get("dtype", settings.get("dtype", "not recorded")), "controller_trained": not given}
-    out = summary.finish(qs, results, verdicts, given=given, settings=full, out=folder, policy=policy,
-                         cv={s: c.config.cv for s, (c, _, _) in ctrls.items()},
-                         stage_seconds=(old or {}).get("stage_seconds") or {})
+    try:
+        out = summary.finish(qs, results, verdicts, given=given, settings=full, out=folder, policy=policy,
+                             cv={s: c.config.cv for s, (c, _, _) in ctrls.items()},
+                             stage_seconds=(old or {}).get("stage_seconds") or {})
+    except RuntimeError as e:  # the rows of an unfinished study: not every row the summary needs is there
+        raise FcpragError(f"DIR {folder}: its rows do not make a complete summary ({str(e)[:200]}); run its fcprag "
+                          "study command again to finish it") from None
     for s, (_, _, learned) in ctrls.items():
         if learned is not None:
             save_shipped(folder, s, verdicts[s], learned)

@@ -250,3 +250,25 @@ def test_no_generate_says_at_the_start_what_the_report_will_lack(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.index("--no-generate: no greedy answers, so report.md will have no F1/EM table, no plot and no "
                      "'what to run'") < err.index("stopped before any work")
+
+
+def test_fcprag_report_on_unfinished_rows_is_one_line(tmp_path, capsys):
+    a = _copy_table(tmp_path)
+    rows = [json.loads(x) for x in gzip.open(a / "eval.jsonl.gz", "rt")]
+    with gzip.open(a / "eval.jsonl.gz", "wt") as f:  # the rows scored after the verdict are not there yet
+        f.writelines(json.dumps(r) + "\n" for r in rows if "random_controller" not in r["id"])
+    assert main(["report", str(a)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "do not make a complete summary" in err and "random_controller" in err
+
+
+def test_a_no_generate_report_says_what_it_lacks_and_still_ends_in_one_command(tmp_path):
+    qs, results = synthetic()
+    for r in results.values():
+        r["f1"] = r["em"] = r["acc"] = None
+    s, _, _ = build(tmp_path, qs_results=(qs, results))
+    assert s["verdict"]["what_to_run"] is None
+    s["settings"]["generate"] = False
+    text = summary.report(s)
+    assert "Run with --no-generate" in text and text.count("```bash") == 1
+    assert "fcprag run prag --controller" in text  # the param network ships (its CV above the margin)
