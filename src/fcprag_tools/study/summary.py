@@ -576,6 +576,8 @@ def ceiling_lines(s: dict[str, Any]) -> list[str]:
             reach = "no network was measured in this setting"
         elif r["share"] is None:
             reach = f"it does not lie above PRAG's sum, so there is nothing to reach (the network: {_f(r['learned'])})"
+        elif r["learned"] <= 0:
+            reach = f"the learned controller reaches none of it (it does not beat PRAG's sum: {_f(r['learned'])})"
         else:
             reach = f"the learned controller reaches {100 * r['share']:.1f}% of it ({_f(r['learned'])})"
         lines.append(f"- {name}: PRAG's total spread over the supporting passages gains {gain}; {reach}.")
