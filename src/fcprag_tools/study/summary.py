@@ -571,7 +571,8 @@ def ceiling_lines(s: dict[str, Any]) -> list[str]:
     if c.get("why_absent"):
         return lines + [f"No `gold_passages` row: {c['why_absent']}.", ""]
     for name, r in c["settings"].items():
-        gain = f"{_f(r['gold'])} gold log-lik. ({_f(r['gold_f1'] and 100 * r['gold_f1'], '+.1f')} F1) over PRAG's sum"
+        f1 = _f(r["gold_f1"] and 100 * r["gold_f1"], "+.1f")
+        gain = f"{_f(r['gold'])} gold log-lik. ({f1} F1) against PRAG's sum"
         if r["learned"] is None:
             reach = "no network was measured in this setting"
         elif r["share"] is None:
@@ -580,7 +581,7 @@ def ceiling_lines(s: dict[str, Any]) -> list[str]:
             reach = f"the learned controller reaches none of it (it does not beat PRAG's sum: {_f(r['learned'])})"
         else:
             reach = f"the learned controller reaches {100 * r['share']:.1f}% of it ({_f(r['learned'])})"
-        lines.append(f"- {name}: PRAG's total spread over the supporting passages gains {gain}; {reach}.")
+        lines.append(f"- {name}: PRAG's total spread over the supporting passages: {gain}; {reach}.")
     return lines + ["", "`gold_passages` reads the data's supporting titles (a reference, not a method).", ""]
 
 
