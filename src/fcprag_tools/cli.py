@@ -19,7 +19,7 @@ from fcprag_plugin.fileio import write_json
 
 from . import run_cli, train_cli
 from .label_builder import cli as labels_cli
-from .study import cli as study_cli
+from .study import cli as study_cli, report_cli
 from .options import (CliParser, check_out_dir, finite_float, keywords_to_flags, positive_int, read_text_arg,
                       write_dir_atomically)
 
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--per-module", action="store_true", help="also print |A|, |B| and |dW| per module")
     i.set_defaults(func=_cmd_inspect)
 
-    for command in (train_cli, run_cli, labels_cli, study_cli):
+    for command in (train_cli, run_cli, labels_cli, study_cli, report_cli):
         command.register(sub)
     return p
 

@@ -82,6 +82,7 @@ def valid_args(cmd: str, w: dict, out: Path) -> list[str]:
                          "--out", str(out / "merged.jsonl")],
         "study": ["study", str(out / "no-questions.jsonl"), "--model", str(out / "no-model"), "--out",
                   str(out / "study"), "--no-progress"],
+        "report": ["report", str(out / "no-study")],
     }[cmd]
 
 

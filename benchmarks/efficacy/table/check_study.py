@@ -16,6 +16,7 @@ Prints one line per check and exits 1 when any fails.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
@@ -23,7 +24,10 @@ from pathlib import Path
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    """The rows of ``path``, or of ``path.gz`` (the committed study keeps its rows compressed)."""
+    gz = path.with_name(path.name + ".gz")
+    text = path.read_text(encoding="utf-8") if path.is_file() else gzip.decompress(gz.read_bytes()).decode("utf-8")
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
 
 
 def mean(xs: list[float]) -> float:

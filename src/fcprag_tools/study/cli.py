@@ -11,6 +11,7 @@ from typing import Any, Iterator
 from fcprag_plugin.errors import FcpragError
 from ..options import add_model_flags, finite_float, positive_int
 from ..progress import write_line
+from .report_cli import add_policy_flags, check_policy
 
 
 def _scales(text: str) -> list[float]:
@@ -60,8 +61,10 @@ def _study_logging() -> Iterator[None]:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    from .options import StudyOptions
+    from .options import Policy, StudyOptions
     from .pipeline import study
+
+    check_policy(args)
 
     train_args: dict[str, Any] = {}
     if args.epochs is not None:
@@ -74,11 +77,19 @@ def _cmd_study(args: argparse.Namespace) -> int:
         generate=not args.no_generate, max_new_tokens=args.max_new_tokens, group=args.group,
         batch_size=args.batch_size, chunk=args.chunk, cv_folds=args.cv_folds, encoder=args.encoder,
         arrow=not args.no_arrow, progress=not args.no_progress, aug_batch=args.aug_batch, threads=args.threads,
-        train_args=train_args)
+        train_args=train_args, policy=Policy(min_gain=args.min_gain, min_scale_gain=args.min_scale_gain,
+                                             target_f1=args.target_f1 / 100))
     # fcprag_tools.cli prints "fcprag study: interrupted; " before it
     args.interrupt_hint = "everything finished is kept under --out: run the same command to resume"
     with _study_logging():
+        if args.no_generate:
+            logging.getLogger(__name__).info("--no-generate: no greedy answers, so report.md will have no F1/EM table, "
+                                             "no plot and no 'what to run'; the verdict rests on gold log-lik. alone")
         out, complete = study(opts)
+    if out is not None and complete and out.get("policy") != opts.policy.record():
+        from .report_cli import rebuild  # a finished study, other margins: its rows re-reported, nothing recomputed
+
+        out, complete = rebuild(args.out, opts.policy), False
     if out is not None:
         v = out["verdict"]
         print(json.dumps({"ship": v["ship"], "kappa": v["kappa"], "why": v["why"]}, indent=2))
@@ -150,6 +161,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--epochs", type=positive_int, help="the trainer's most epochs (its default otherwise)")
     s.add_argument("--encoder", help="sentence encoder name or path (default: the library's)")
     s.add_argument("--no-arrow", action="store_true", help="skip PEFT's Arrow router row")
+    add_policy_flags(s)
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.add_argument("--threads", type=positive_int,
                    help="torch's CPU threads (default: $OMP_NUM_THREADS when set, else the cores other jobs leave "

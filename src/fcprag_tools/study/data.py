@@ -137,6 +137,52 @@ def split(ids: list[str], test_fraction: float, seed: int) -> set[str]:
     return set(order[:k])
 
 
+def stratified_split(qs: Sequence[dict[str, Any]], test_fraction: float, seed: int) -> set[str]:
+    """The test ids, stratified by ``(dataset, subtask)``: ``round(test_fraction * n)`` held out in all (at least 1,
+    at most n - 1 when n >= 2), shared among the strata by largest remainder (each gets the floor of its share, the
+    largest remainders one more; ties by stratum name), each stratum's taken from a seeded shuffle of its sorted ids.
+    A pure function of the ids, datasets, subtasks, fraction and seed (not of the questions' order)."""
+    strata: dict[tuple[str, str], list[str]] = {}
+    for q in qs:
+        strata.setdefault((q["dataset"], q["subtask"]), []).append(q["id"])
+    n = sum(map(len, strata.values()))
+    k = min(max(1, round(test_fraction * n)), n - 1) if n > 1 else 0
+    keys = sorted(strata)
+    share = {s: test_fraction * len(strata[s]) for s in keys}
+    take = {s: min(int(share[s]), len(strata[s])) for s in keys}
+    for s in sorted(keys, key=lambda s: (-(share[s] - int(share[s])), s)):
+        if sum(take.values()) >= k:
+            break
+        take[s] += take[s] < len(strata[s])
+    for s in sorted(keys, key=lambda s: (-len(strata[s]), s)):  # the floor of 1: still short, the largest first
+        while sum(take.values()) < k and take[s] < len(strata[s]):
+            take[s] += 1
+    while sum(take.values()) > k:  # at most n - 1: give one back from the largest stratum's share
+        s = max(keys, key=lambda s: (take[s], s))
+        take[s] -= 1
+    test: set[str] = set()
+    for s in keys:
+        order = sorted(strata[s])
+        random.Random(f"split:{seed}:{s[0]}/{s[1]}").shuffle(order)
+        test.update(order[:take[s]])
+    return test
+
+
+def split_method(qs: Sequence[dict[str, Any]], test: set[str], settings: dict[str, Any]) -> str:
+    """How the recorded held-out set ``test`` was made, checked against each rule rather than assumed."""
+    if settings.get("controller"):
+        return "none: a given controller, every question evaluated"
+    if settings.get("train_ids"):
+        return "the --train-ids file's complement"
+    fraction, seed = settings.get("test_fraction"), settings.get("seed")
+    if isinstance(fraction, (int, float)) and isinstance(seed, int):
+        if stratified_split(qs, fraction, seed) == test:
+            return f"stratified by dataset and subtask (seed {seed}, test fraction {fraction:g})"
+        if split([q["id"] for q in qs], fraction, seed) == test:
+            return f"a seeded shuffle, not stratified (seed {seed}, test fraction {fraction:g})"
+    return "as recorded in questions.jsonl (no rule of this version reproduces it)"
+
+
 def read_ids(path: str | Path, where: str | None = None) -> list[str]:
     """Question ids from a file: JSON ``{"ids": [...]}`` (a controller's ``train_question_ids.json``), a JSON list,
     or one id per line; ``where`` names the file in the error (default ``--train-ids PATH``)."""

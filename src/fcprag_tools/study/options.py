@@ -11,6 +11,37 @@ from typing import Any, Sequence
 from fcprag_plugin.errors import FcpragError
 
 
+@dataclass(frozen=True)
+class Policy:
+    """The smallest gains worth shipping and the effect the power figures are sized for.
+
+    ``min_gain``: a network ships only when the lower bound of its reweighting gain (the trainer's out-of-fold 95% CI
+    on the training questions) lies above it, in gold log-lik. per question (nats, the trainer's scale).
+    ``min_scale_gain`` (None: ``min_gain``): likewise for a scale over PRAG's sum. 0.02 is a twelfth of the scale
+    gain seen at 135M (PRAG's sum x2: +0.26) and two hundred times the reweighting gain the first table study
+    shipped on (+0.0001): a gain below it moves no answer a user can see (that network answered as PRAG's sum on 100
+    of 100 questions). ``target_f1``: the F1 difference (a fraction, 0.03 = 3 F1 points) the power figures are sized
+    for, and the half-width inside which a held-out F1 interval reads "equivalent". ``power``: for ``mde_f1`` and
+    ``n_needed``."""
+
+    min_gain: float = 0.02
+    min_scale_gain: float | None = None
+    target_f1: float = 0.03
+    power: float = 0.8
+
+    @property
+    def scale_margin(self) -> float:
+        return self.min_gain if self.min_scale_gain is None else self.min_scale_gain
+
+    def margins(self) -> dict[str, float]:
+        return {"reweighting": self.min_gain, "scale": self.scale_margin}
+
+    def record(self) -> dict[str, float]:
+        """What ``summary.json`` records as its ``policy``."""
+        return {"min_gain": self.min_gain, "min_scale_gain": self.scale_margin, "target_f1": self.target_f1,
+                "power": self.power}
+
+
 @dataclass
 class StudyOptions:
     """``fcprag study``'s options (the CLI's flags, same names)."""
@@ -44,6 +75,7 @@ class StudyOptions:
     threads: int | None = None  # torch's CPU threads; None: model_io.choose_threads (the cores other jobs leave)
     model_name: str | None = None  # the model as the user named it ("smollm2" when defaulted); set by preflight
     train_args: dict[str, Any] = field(default_factory=dict)
+    policy: Policy = field(default_factory=Policy)  # the verdict's margins and target effect
 
     def __post_init__(self) -> None:
         if isinstance(self.questions, (str, Path)):

@@ -74,7 +74,7 @@ def run_stages(run: StudyRun, opts: StudyOptions, sel: preflight.Selection, sett
             for qid, q in qs.items() if q["split"] == "test"}
     results = evaluate(run, opts, qs, want, oracle=True, arrow=True)
     given = opts.controller is not None
-    verdicts = verdicts_of(results, qs, ctrls, dirs, given)
+    verdicts = verdicts_of(results, qs, ctrls, dirs, given, opts.policy)
     shipped = {s: summary.shipped_controller(verdicts[s], ctrls[s]) for s in SETTINGS}
     results = after_the_verdict(run, opts, qs, ctrls if given else shipped, verdicts)
     if run.shard.rank != 0:

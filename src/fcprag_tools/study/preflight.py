@@ -188,7 +188,7 @@ def select_questions(o: StudyOptions) -> Selection:
     elif o.train_ids:
         test = data.split_by_ids(ids, data.read_ids(o.train_ids), f"--train-ids {o.train_ids}")
     else:
-        test = data.split(ids, o.test_fraction, o.seed)
+        test = data.stratified_split(qs, o.test_fraction, o.seed)
     return Selection(qs, given, test)
 
 

@@ -26,7 +26,8 @@ def retrieve_questions(run: StudyRun, sel: Selection, top_k: int) -> Questions:
             for q in todo:
                 st.append([{"id": q["id"], "question": q["question"], "answers": q["answers"],
                             "split": "test" if q["id"] in test else "train", "dataset": q["dataset"],
-                            "subtask": q["subtask"], "passages": data.retrieve(q, top_k, given and given[q["id"]])}])
+                            "subtask": q["subtask"], "supporting_titles": q["supporting"],
+                            "passages": data.retrieve(q, top_k, given and given[q["id"]])}])
                 bar.update(1)
     run.barrier("questions")
     rows = st.done()

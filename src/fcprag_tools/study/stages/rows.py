@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fcprag_plugin.weights import is_uniform
+from ..ceiling import gold_rows
 from ..summary import suffix
 
 Rows = dict[str, tuple[str, list[float]]]  # {row name: (prompt setting, w~ per passage)}
@@ -56,6 +57,7 @@ def held_out_rows(q: dict[str, Any], ctrls: dict[str, Any], scales: Sequence[flo
         if not is_uniform(ctrl):
             w = weights(q, ctrl, encoder, adapter)
             rows["learned" + sfx], rows["learned_same_total" + sfx] = (setting, w), (setting, [sum(w) / n] * n)
+    rows.update(gold_rows(q, list(ctrls)))  # the gold-passage ceiling (absent without supporting titles)
     return rows
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from fcprag_plugin.fileio import write_json
 from .. import summary
-from ..options import StudyOptions
+from ..options import Policy, StudyOptions
 from ..run import StudyRun
 from ..summary import SETTINGS, suffix
 from .controllers import trainer_args
@@ -18,12 +18,13 @@ from .retrieval import Questions
 from .rows import Rows, candidate_rows, random_rows
 
 
-def verdicts_of(results: Scored, qs: Questions, ctrls: dict[str, Any], dirs: dict[str, Path], given: bool
-                ) -> dict[str, dict[str, Any]]:
-    """Each setting's verdict from the held-out rows of ``results`` (``given``: ``--controller``)."""
+def verdicts_of(results: Scored, qs: Questions, ctrls: dict[str, Any], dirs: dict[str, Path], given: bool,
+                policy: Policy) -> dict[str, dict[str, Any]]:
+    """Each setting's verdict (``given``: ``--controller``): what ships decided on the training questions under
+    ``policy``'s margins, measured on the held-out rows of ``results``."""
     test = [qid for qid, q in qs.items() if q["split"] == "test"]
     return {s: summary.setting_verdict(results, test, s, ctrls[s], given=given,
-                                       trainer_args=trainer_args(dirs[s], given), n_train=len(qs) - len(test))
+                                       trainer_args=trainer_args(dirs[s], given), n_train=len(qs) - len(test), policy=policy)
             for s in SETTINGS}
 
 
@@ -80,6 +81,7 @@ def write_summary(run: StudyRun, opts: StudyOptions, qs: Questions, results: Sco
         **settings, "out": str(run.out), "device": run.device(opts), "controller_trained": not given,
         "arrow": arrow, "learned_dir": {s: str(d) for s, d in dirs.items()}},
         cv={s: c.config.cv for s, c in ctrls.items()},
-        stage_seconds={k: round(v, 1) for k, v in run.times.items()}, out=run.out, shared=shared_rows(results))
+        stage_seconds={k: round(v, 1) for k, v in run.times.items()}, out=run.out, shared=shared_rows(results),
+        policy=opts.policy)
     run.timed("summary", t0)
     return out

@@ -1,0 +1,171 @@
+"""``fcprag report DIR``: rebuild a study folder's ``summary.json``, ``report.md`` and ``report.png`` from its rows,
+without a model, in seconds (other margins, target effects or a newer rule on the same measurements).
+
+It reads ``settings.json``, ``questions.jsonl`` and ``eval.jsonl`` (each also as ``.jsonl.gz``), and per setting the
+controller's kappa and cross-validation: ``train/learned{,_combine}/config.json`` (a given controller's
+``config.json``), else the ``summary.json`` already there (its ``training_verdict`` and ``kappa_learned``). When the
+trained controller is there, ``controller{,_combine}/`` is rewritten to what ships now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+from fcprag_plugin.errors import FcpragError
+from ..options import finite_float
+from . import summary
+from .options import Policy
+from .summary import SETTINGS, suffix
+
+logger = logging.getLogger(__name__)
+
+
+def read_rows(folder: Path, name: str) -> dict[str, dict[str, Any]]:
+    """``{id: row}`` of ``name.jsonl`` or ``name.jsonl.gz`` (the last row of an id wins, as the study's stores)."""
+    for path, opener in ((folder / f"{name}.jsonl", open), (folder / f"{name}.jsonl.gz", gzip.open)):
+        if not path.is_file():
+            continue
+        out: dict[str, dict[str, Any]] = {}
+        try:
+            with opener(path, "rt", encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        r = json.loads(line)
+                        if not isinstance(r, dict) or not isinstance(r.get("id"), str):
+                            raise FcpragError(f"{path}:{n}: expected a JSON object with a string 'id'")
+                        out[r["id"]] = r
+        except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FcpragError(f"{path}: not readable JSON Lines ({e})") from None
+        return out
+    raise FcpragError(f"{folder}: no {name}.jsonl (or {name}.jsonl.gz); expected a study folder (fcprag study --out)")
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def controller_of(folder: Path, setting: str, settings: dict[str, Any], old: dict[str, Any] | None
+                  ) -> tuple[Any, dict[str, Any] | None, Path | None]:
+    """``(stand-in with config.kappa and config.cv, trainer args, the trained controller's folder or None)``."""
+    learned = folder / "train" / ("learned" + suffix(setting))
+    where = Path(settings["controller"]) if settings.get("controller") else learned
+    cfg = _json(where / "config.json")
+    if cfg is not None and isinstance(cfg.get("kappa"), (int, float)):
+        kappa, cv = float(cfg["kappa"]), cfg.get("cv") or {}
+    else:
+        sv = (((old or {}).get("verdict") or {}).get("settings") or {}).get(setting)
+        if not isinstance(sv, dict) or not isinstance(sv.get("kappa_learned"), (int, float)):
+            raise FcpragError(f"{folder}: no controller config ({where / 'config.json'}) and no summary.json verdict "
+                              f"for setting '{setting}'; expected a study folder with its train/ or its summary.json")
+        kappa = float(sv["kappa_learned"])
+        cv = {k: v for k, v in (((old or {}).get("training_verdict") or {}).get(setting) or {}).items()
+              if k != "note"}
+    from fcprag_plugin.training import ARGS_NAME
+
+    args = None if settings.get("controller") else _json(learned / ARGS_NAME)
+    stand_in = types.SimpleNamespace(config=types.SimpleNamespace(kappa=kappa, cv=cv))
+    return stand_in, args, learned if cfg is not None and not settings.get("controller") else None
+
+
+def rebuild(folder: str | Path, policy: Policy | None = None) -> dict[str, Any]:
+    """Rebuild ``summary.json``, ``report.md`` and ``report.png`` of study folder ``folder`` (returns the summary)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FcpragError(f"DIR {folder}: not a folder; expected a study folder (fcprag study --out)")
+    settings = _json(folder / "settings.json")
+    if settings is None or "questions_sha256" not in settings:
+        raise FcpragError(f"DIR {folder}: no study settings.json there; expected a study folder (fcprag study --out)")
+    old = _json(folder / "summary.json")
+    qs = {q: r for q, r in read_rows(folder, "questions").items() if r.get("split") in ("train", "test")}
+    results = read_rows(folder, "eval")
+    test = [q for q, r in qs.items() if r["split"] == "test"]
+    if not test or not any(f"{q}|prag_sum" in results for q in test):
+        raise FcpragError(f"DIR {folder}: eval rows of no held-out question; run fcprag study to evaluate first")
+    given = bool(settings.get("controller"))
+    ctrls = {s: controller_of(folder, s, settings, old) for s in SETTINGS}
+    n_train = len(qs) - len(test)
+    verdicts = {s: summary.setting_verdict(results, test, s, c, given=given, trainer_args=a, n_train=n_train,
+                                           policy=policy) for s, (c, a, _) in ctrls.items()}
+    kept = (old or {}).get("settings") or {}
+    full = {**kept, **settings, "out": str(folder), "device": kept.get("device", "not recorded"),
+            "dtype": kept.get("dtype", settings.get("dtype", "not recorded")), "controller_trained": not given}
+    try:
+        out = summary.finish(qs, results, verdicts, given=given, settings=full, out=folder, policy=policy,
+                             cv={s: c.config.cv for s, (c, _, _) in ctrls.items()},
+                             stage_seconds=(old or {}).get("stage_seconds") or {})
+    except RuntimeError as e:  # the rows of an unfinished study: not every row the summary needs is there
+        raise FcpragError(f"DIR {folder}: its rows do not make a complete summary ({str(e)[:200]}); run its fcprag "
+                          "study command again to finish it") from None
+    for s, (_, _, learned) in ctrls.items():
+        if learned is not None:
+            save_shipped(folder, s, verdicts[s], learned)
+    return out
+
+
+def save_shipped(folder: Path, setting: str, verdict: dict[str, Any], learned: Path) -> None:
+    """``controller{,_combine}/``: what ships now, from the trained controller in ``learned``."""
+    from fcprag_plugin import FusionController
+    from fcprag_tools.options import write_dir_atomically
+
+    shipped = summary.shipped_controller(verdict, FusionController.from_pretrained(learned).eval())
+    where = folder / ("controller" + suffix(setting))
+    ids = _json(where / "train_question_ids.json")
+
+    def save(tmp: Path) -> None:
+        shipped.save_pretrained(tmp)
+        if ids:
+            (tmp / "train_question_ids.json").write_text(json.dumps(ids), encoding="utf-8")
+
+    write_dir_atomically(where, save)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    policy = Policy(min_gain=args.min_gain, min_scale_gain=args.min_scale_gain, target_f1=args.target_f1 / 100)
+    s = rebuild(args.dir, policy)
+    shipped = ", ".join(f"{k} {v['ship']}" for k, v in s["verdict"]["settings"].items())
+    w = s["verdict"]["what_to_run"]
+    print(f"wrote {args.dir}/summary.json, report.md and report.png in {time.perf_counter() - t0:.1f} s; ships: "
+          f"{shipped}; what to run: {w['row'] if w else 'not decided (no F1)'}")
+    return 0
+
+
+def add_policy_flags(p: argparse.ArgumentParser) -> None:
+    """``--min-gain``, ``--min-scale-gain`` and ``--target-f1`` (shared by ``fcprag study`` and ``fcprag report``)."""
+    d = Policy()
+    p.add_argument("--min-gain", type=finite_float, default=d.min_gain, metavar="NATS",
+                   help="the smallest reweighting gain worth shipping a network for, in gold log-lik. per question: "
+                        "its cross-validated lower bound must lie above it")
+    p.add_argument("--min-scale-gain", type=finite_float, metavar="NATS",
+                   help="the same for a scale over PRAG's sum (default: --min-gain)")
+    p.add_argument("--target-f1", type=finite_float, default=100 * d.target_f1, metavar="POINTS",
+                   help="the F1 difference (points) the power figures are sized for; inside ±it is 'equivalent'")
+
+
+def check_policy(args: argparse.Namespace) -> None:
+    for flag, v in (("--min-gain", args.min_gain), ("--min-scale-gain", args.min_scale_gain),
+                    ("--target-f1", args.target_f1)):
+        if v is not None and (v < 0 or (flag == "--target-f1" and v == 0)):
+            raise FcpragError(f"{flag} {v:g}: expected a number >= 0{' (and not 0)' if flag == '--target-f1' else ''}")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("report", help="rebuild a study folder's summary.json, report.md and plot from its rows (no "
+                                      "model, seconds)",
+                       description="Rebuild DIR/summary.json, report.md and report.png from a study folder's "
+                                   "questions.jsonl and eval.jsonl (or .jsonl.gz) and its controllers' "
+                                   "cross-validation, with other margins or target effects; no model is loaded.")
+    r.add_argument("dir", metavar="DIR", help="a study folder (fcprag study --out)")
+    add_policy_flags(r)
+    r.set_defaults(func=lambda a: (check_policy(a), _cmd_report(a))[1])
