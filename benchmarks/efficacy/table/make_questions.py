@@ -18,9 +18,7 @@ from pathlib import Path
 
 here = Path(__file__).parent
 eff = here.parent
-TRAINED = [eff / "cache/hotpotqa/labels_train.jsonl", eff / "cache/2wiki/labels_train.jsonl",
-           eff / "cache/v1-200q/hotpotqa/manifest_train.jsonl", eff / "controller/train_question_ids.json",
-           eff / "controller-kappa4-network/train_question_ids.json", eff / "remake/train_ids.json"]
+TRAINED = [eff / "cache/trained_ids.json", eff / "controller/train_question_ids.json", eff / "remake/train_ids.json"]
 FILES = {"hotpotqa": "hotpotqa_dev_sample", "2wiki": "2wiki_dev_sample"}
 PER_DATASET = 100
 

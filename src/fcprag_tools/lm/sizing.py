@@ -64,7 +64,7 @@ def default_batches(device: torch.device | str, model: Any = None, *, free_bytes
     """The study's batch sizes for ``device`` (its defaults where the user gives none).
 
     On a CPU (and any device but CUDA): 16 adapters per training step, 8 passages per augmentation call, 16
-    sequences per scoring forward, as before (on a CPU stacking gains nothing: docs/results/gpu.md's CPU section,
+    sequences per scoring forward (on a CPU stacking gains nothing: docs/results/gpu.md's CPU section,
     ../shared/notes/measurements.md: batching 5 sequences gained 1.02-1.05x).
 
     On CUDA, each the largest power of two up to 64 whose :func:`unit_bytes` estimate fits half the free memory

@@ -128,7 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "with more (docs/cli.md).")
     s.add_argument("questions", metavar="QUESTIONS", nargs="+",
                    help="question files (one dataset each, named by the file, unless a record has a 'dataset' "
-                        "field): JSON Lines in the ../shared/data schema, or PRAG's HotpotQA / 2Wiki / PopQA / "
+                        "field): JSON Lines in the data/README.md schema, or PRAG's HotpotQA / 2Wiki / PopQA / "
                         "ComplexWebQuestions JSON (the last two need --retrieval)")
     add_model_flags(s)
     s.add_argument("--out", required=True, metavar="DIR",

@@ -1,6 +1,6 @@
 """Questions in, retrieved passages out.
 
-Input files (a JSON array or JSON Lines each): the ``../shared/data`` schema (``id``, ``question``, ``answer``,
+Input files (a JSON array or JSON Lines each): the ``data/README.md`` schema (``id``, ``question``, ``answer``,
 ``passages`` as ``"<title>: <text>"``, optional ``titles`` / ``supporting_titles`` / ``type``), or the data files of
 PRAG's four datasets: HotpotQA / 2WikiMultihopQA (``_id``, ``question``, ``answer``, ``context`` as
 ``[[title, [sentence, ...]], ...]``, ``supporting_facts`` as ``[[title, index], ...]``, ``type``), PopQA
@@ -27,7 +27,7 @@ from fcprag_plugin.fileio import read_records
 
 logger = logging.getLogger(__name__)
 
-QUESTION_FORMATS = ("JSON Lines or a JSON array of the ../shared/data schema (id, question, answer, passages), "
+QUESTION_FORMATS = ("JSON Lines or a JSON array of the data/README.md schema (id, question, answer, passages), "
                     "PRAG's HotpotQA / 2WikiMultihopQA JSON (_id, question, answer, context), PopQA (question, "
                     "possible_answers) or ComplexWebQuestions (question, answers)")
 BM25 = {"library": "bm25s", "method": "lucene", "k1": 1.5, "b": 0.75, "stopwords": "en"}

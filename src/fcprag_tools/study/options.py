@@ -103,7 +103,7 @@ class StudyOptions:
         for what, path in (*(("QUESTIONS", q) for q in self.questions), ("--retrieval", self.retrieval),
                            ("--train-ids", self.train_ids)):
             if path is not None and not Path(path).is_file():
-                expected = {"QUESTIONS": "JSON Lines (the ../shared/data schema)",
+                expected = {"QUESTIONS": "JSON Lines (the data/README.md schema)",
                             "--retrieval": "JSON Lines {\"id\", \"passages\": [...]}",
                             "--train-ids": "JSON {\"ids\": [...]}, a JSON list, or one id per line"}[what]
                 raise FcpragError(f"{what} {path}: file not found; expected {expected}")

@@ -26,13 +26,13 @@ summary): it takes the :class:`.run.StudyRun` (the folder, the shard, the model 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from fcprag_plugin.fileio import write_json
+from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.fileio import read_json_object, write_json
 from ..lm.shard import ShardInfo, shard_from_env
 from ..lm.units import log_timing
 from . import preflight, summary
@@ -57,7 +57,7 @@ def check_settings(out: Path, now: dict[str, Any], shard: ShardInfo) -> None:
     :data:`.preflight.FIXED`."""
     path = out / preflight.SETTINGS
     if path.is_file():
-        preflight.compare_settings(out, json.loads(path.read_text(encoding="utf-8")), now)
+        preflight.compare_settings(out, read_json_object(path, FcpragError, "not found"), now)
     elif shard.rank == 0:
         write_json(path, now)
 

@@ -13,7 +13,6 @@ has the Linear layers PRAG's LoRA recipe targets).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.fileio import read_json_if_present, read_json_object
 from ..lm.shard import ShardInfo
 from . import data
 from .options import StudyOptions
@@ -84,10 +84,10 @@ def settings_of(o: StudyOptions, local_rank: int = 0) -> dict[str, Any]:
 def recorded_settings(out: Path) -> dict[str, Any] | None:
     """``OUT/settings.json`` when it is a study's (a JSON object with the study's keys), else None."""
     try:
-        old = json.loads((out / SETTINGS).read_text(encoding="utf-8"))
+        old = read_json_if_present(out / SETTINGS, ValueError)
     except (OSError, ValueError):
         return None
-    return old if isinstance(old, dict) and "questions_sha256" in old and "model" in old else None
+    return old if old is not None and "questions_sha256" in old and "model" in old else None
 
 
 def labels_made(out: Path, controller: str | None) -> bool:
@@ -296,7 +296,7 @@ def finished(o: StudyOptions) -> dict[str, Any] | None:
     out = Path(o.out)
     try:
         made = (out / "summary.json").stat().st_mtime
-        s = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+        s = read_json_object(out / "summary.json", ValueError, "not found")
     except (OSError, ValueError):
         return None
     if check_summary(s) or any(out.glob("*.part*-of*.jsonl")):

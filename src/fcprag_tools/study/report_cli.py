@@ -10,7 +10,6 @@ trained controller is there, ``controller{,_combine}/`` is rewritten to what shi
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import logging
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.fileio import read_json_if_present, read_records
 from ..options import finite_float
 from . import summary
 from .options import Policy
@@ -29,30 +29,22 @@ logger = logging.getLogger(__name__)
 
 def read_rows(folder: Path, name: str) -> dict[str, dict[str, Any]]:
     """``{id: row}`` of ``name.jsonl`` or ``name.jsonl.gz`` (the last row of an id wins, as the study's stores)."""
-    for path, opener in ((folder / f"{name}.jsonl", open), (folder / f"{name}.jsonl.gz", gzip.open)):
-        if not path.is_file():
-            continue
-        out: dict[str, dict[str, Any]] = {}
-        try:
-            with opener(path, "rt", encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        r = json.loads(line)
-                        if not isinstance(r, dict) or not isinstance(r.get("id"), str):
-                            raise FcpragError(f"{path}:{n}: expected a JSON object with a string 'id'")
-                        out[r["id"]] = r
-        except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FcpragError(f"{path}: not readable JSON Lines ({e})") from None
-        return out
+    for path in (folder / f"{name}.jsonl", folder / f"{name}.jsonl.gz"):
+        if path.is_file():
+            out: dict[str, dict[str, Any]] = {}
+            for n, r in read_records(path, FcpragError):
+                if not isinstance(r, dict) or not isinstance(r.get("id"), str):
+                    raise FcpragError(f"{path}:{n}: expected a JSON object with a string 'id'")
+                out[r["id"]] = r
+            return out
     raise FcpragError(f"{folder}: no {name}.jsonl (or {name}.jsonl.gz); expected a study folder (fcprag study --out)")
 
 
 def _json(path: Path) -> dict[str, Any] | None:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_if_present(path, ValueError)
+    except ValueError:
         return None
-    return value if isinstance(value, dict) else None
 
 
 def controller_of(folder: Path, setting: str, settings: dict[str, Any], old: dict[str, Any] | None

@@ -4,14 +4,14 @@ prompt (``labels{,_combine}.jsonl``, a row a question), and the learned controll
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 from pathlib import Path
 from typing import Any
 
-from fcprag_plugin.fileio import write_json
+from fcprag_plugin.errors import FcpragError
+from fcprag_plugin.fileio import read_json_if_present, write_json
 from .. import summary
 from ..options import StudyOptions
 from ..run import StudyRun
@@ -120,4 +120,4 @@ def trainer_args(learned_dir: Path, given: bool) -> dict[str, Any] | None:
     from fcprag_plugin.training import ARGS_NAME
 
     path = Path(learned_dir) / ARGS_NAME
-    return None if given or not path.is_file() else json.loads(path.read_text(encoding="utf-8"))
+    return None if given else read_json_if_present(path, FcpragError)
