@@ -6,7 +6,8 @@ What a real-model GPU check needs that the device machine lacks, as one payload:
 machine's environment. ``pack`` writes it as numbered parts under ``.cache/device/`` (ignored by git), each small
 enough to travel beside the working tree (which itself counts towards the 64 MiB), plus ``manifest.json`` (sha256 of
 every part and of the whole) and the question files (``data/``: the paper-table's 100 HotpotQA + 100 2Wiki
-questions no study trained on, ``benchmarks/efficacy/table/make_questions.py``).
+questions no study trained on, ``benchmarks/efficacy/table/make_questions.py``, and all 640 shared questions gzipped
+for the full study).
 
 On the device machine, each call carries the manifest and one part, and runs ``receive``: it copies the part to
 ``/tmp/fcprag_carry`` (outside the working tree) and, once every part is there, joins them, checks the sha256 and
@@ -23,6 +24,7 @@ docs/results/gpu.md gives the calls.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import importlib.util
 import io
@@ -85,6 +87,8 @@ def pack(part_bytes: int | None) -> None:
     data = ROOT.parent / "shared" / "data"
     subprocess.run([sys.executable, str(ROOT / "benchmarks/efficacy/table/make_questions.py"), str(data),
                     str(HERE / "data")], check=True)
+    for f in ("hotpotqa_dev_sample", "2wiki_dev_sample"):  # all 640 questions, for the full study (step study_full)
+        (HERE / "data" / f"{f}.jsonl.gz").write_bytes(gzip.compress((data / f"{f}.jsonl").read_bytes()))
     extra = sum(f.stat().st_size for f in (HERE / "data").iterdir()) + 4096
     room, _, _ = plan(extra)
     size = min(part_bytes or room, room)

@@ -21,6 +21,10 @@
 #                benchmarks/device_carry.py carries (CARRY, default /tmp/fcprag_carry/payload, and the questions in
 #                .cache/device/data); skipped, saying so, without it. Its own budget is large: run it alone,
 #                STEPS=study BUDGET=560 (not in the default STEPS; docs/results/gpu.md gives the calls).
+#   7. study_full: a whole fcprag study (augmentation, adapters, labels, both controllers trained, evaluation) on
+#                all 640 shared questions (400 HotpotQA + 240 2Wiki, carried gzipped in .cache/device/data), on
+#                DEVICE; STEPS=study_full BUDGET=590, resumable: the same call again goes on where it stopped
+#                (STUDY_FULL_OUT, default /tmp/fcprag_study_full, outlives a call while the machine is warm).
 # Files in OUTDIR: check.log (everything), gpu_table.md (the issue-33 table from this run, gpu_report.py),
 # bench_generate.{json,md}, bench_fusion.{json,md}, labels.json, shims.json; study_timings.jsonl and
 # study_report.md (the study's own folder stays outside OUTDIR, in STUDY_OUT, default /tmp/fcprag_study).
@@ -105,6 +109,22 @@ if [ -f "$CARRY/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ -f "$QDIR/hotpot
 elif case ",$STEPS," in *",study,"*) true ;; *) false ;; esac; then
   echo "== study: SKIPPED (no payload at $CARRY or no $QDIR: benchmarks/device_carry.py)" | tee -a "$LOG"
   FAILED+=("study(skipped)")
+fi
+
+STUDY_FULL_OUT=${STUDY_FULL_OUT:-/tmp/fcprag_study_full}
+if [ -f "$CARRY/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ -f "$QDIR/hotpotqa_dev_sample.jsonl.gz" ]; then
+  export PYTHONPATH=$PYTHONPATH:$CARRY/site
+  step study_full 580 $PY -m fcprag_tools.cli study "$QDIR/hotpotqa_dev_sample.jsonl.gz" \
+    "$QDIR/2wiki_dev_sample.jsonl.gz" --model "$CARRY/smollm2" --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \
+    --device "$DEV" --out "$STUDY_FULL_OUT" --no-progress "${STUDY[@]}"
+  if [ -f "$STUDY_FULL_OUT/timings.jsonl" ]; then
+    cp "$STUDY_FULL_OUT/timings.jsonl" "$OUTDIR/study_full_timings.jsonl"
+    [ -f "$STUDY_FULL_OUT/report.md" ] && cp "$STUDY_FULL_OUT/report.md" "$OUTDIR/study_full_report.md"
+    { echo "== full study timings ($STUDY_FULL_OUT/timings.jsonl)"; cat "$STUDY_FULL_OUT/timings.jsonl"; } | tee -a "$LOG"
+  fi
+elif case ",$STEPS," in *",study_full,"*) true ;; *) false ;; esac; then
+  echo "== study_full: SKIPPED (no payload at $CARRY or no $QDIR/*_dev_sample.jsonl.gz: device_carry.py)" | tee -a "$LOG"
+  FAILED+=("study_full(skipped)")
 fi
 
 $PY benchmarks/gpu_report.py "$OUTDIR" >> "$LOG" 2>&1 || echo "(gpu_report.py failed)" | tee -a "$LOG"
