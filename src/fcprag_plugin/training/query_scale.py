@@ -89,35 +89,35 @@ def _fit(x: torch.Tensor, u: torch.Tensor, grid: Sequence[float], l2: float) -> 
 def fit_many(x: torch.Tensor, g: torch.Tensor, rows: Sequence[Sequence[int]], pairs: Sequence[tuple[float, float]],
              grid: Sequence[float], margin: float) -> list[list[ScaleHead]]:
     """``heads[f][p]``: :func:`_fit` on ``x[rows[f]]`` with utility ``utility(g[rows[f]], rho, margin)`` and ``l2``
-    of ``pairs[p] = (rho, l2)``, for every fold and pair at once: one Adam over stacked parameters ``[F, P, S, 2d]``.
+    of ``pairs[p] = (rho, l2)``, for every fold and pair at once: one Adam over stacked parameters ``[F, P*S, 2d]``.
     Adam is elementwise and the candidates share no parameter, so each follows its own fit; only the summation
     order differs (float32 rounding). The folds' rows are padded to the longest, with zero weight."""
     F, P, S, D = len(rows), len(pairs), len(grid), x.shape[1]
     n = max(len(r) for r in rows)
     z = torch.zeros(F, n, D)
-    u = torch.zeros(F, P, n, S)
-    row_w = torch.zeros(F, n)  # 1/n_f on real rows: each fold's loss is a mean over its own rows
+    u = torch.zeros(F, n, P, S)  # [fold, row, pair, scale]: the logits' layout, softmax over a contiguous last dim
+    row_w = torch.zeros(F, n, 1)  # 1/n_f on real rows: each fold's loss is a mean over its own rows
     stats = []
     for f, r in enumerate(rows):
         zf, mean, std = _standardise(x[list(r)])
         z[f, : len(r)], row_w[f, : len(r)] = zf, 1.0 / len(r)
         stats.append((mean, std))
         for p, (rho, _) in enumerate(pairs):
-            u[f, p, : len(r)] = utility(g[list(r)], rho, margin).float()
+            u[f, : len(r), p] = utility(g[list(r)], rho, margin).float()
     free = torch.tensor([not math.isinf(l2) for _, l2 in pairs])  # l2 = inf: the bias alone is trained
-    l2s = torch.tensor([0.0 if math.isinf(l2) else l2 for _, l2 in pairs])
-    weight = torch.zeros(F, P, S, D, requires_grad=True)
-    bias = torch.zeros(F, P, S, requires_grad=True)
+    l2s = torch.tensor([0.0 if math.isinf(l2) else l2 for _, l2 in pairs]).repeat_interleave(S)[:, None]
+    weight = torch.zeros(F, P * S, D, requires_grad=True)  # row p * S + s: pair p's weights of scale s
+    bias = torch.zeros(F, 1, P * S, requires_grad=True)
     opt = torch.optim.Adam([weight, bias], lr=LR)
     for _ in range(STEPS):
-        pi = torch.softmax(torch.einsum("fnd,fpsd->fpns", z, weight) + bias.unsqueeze(2), -1)
-        loss = -((pi * u).sum(-1) * row_w.unsqueeze(1)).sum() + (l2s[:, None, None] * weight.pow(2)).sum()
+        pi = torch.softmax(torch.baddbmm(bias, z, weight.transpose(1, 2)).view(F, n, P, S), -1)
+        loss = -((pi * u).sum(-1) * row_w).sum() + (l2s * weight.pow(2)).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        weight.grad[:, ~free] = 0.0  # a zero gradient leaves Adam's step at exactly 0: these weights stay 0
+        weight.grad.view(F, P, S, D)[:, ~free] = 0.0  # a zero gradient keeps Adam's step at exactly 0: weights stay 0
         opt.step()
-    return [[_head(grid, *stats[f], weight[f, p].detach(), bias[f, p].detach()) for p in range(P)]
-            for f in range(F)]
+    weight, bias = weight.detach().view(F, P, S, D), bias.detach().view(F, P, S)
+    return [[_head(grid, *stats[f], weight[f, p], bias[f, p]) for p in range(P)] for f in range(F)]
 
 
 def _constant(d: int, grid: Sequence[float], kappa: float) -> ScaleHead:
