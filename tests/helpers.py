@@ -283,3 +283,18 @@ def wilson_by_bisection(k, n, upper):
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def first_questions(labels: Path, n: int, path: Path) -> Path:
+    """``path``: the records of the first ``n`` questions (distinct ``query``) of label file ``labels``, as written."""
+    rows, seen = [], []
+    for line in labels.read_text(encoding="utf-8").splitlines():
+        q = json.loads(line)["query"]
+        if q not in seen:
+            seen.append(q)
+        if len(seen) > n:
+            break
+        rows.append(line)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path

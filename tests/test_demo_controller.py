@@ -7,7 +7,7 @@ import json
 import pytest
 
 import quickstart
-from helpers import hash_encoder
+from helpers import first_questions, hash_encoder
 
 SMALL_RECIPE = {**quickstart.RECIPE, "epochs": 1, "cv_folds": 2, "threads": 1,
                 "controller": {"score_hidden": [32], "calib_hidden": 16}}  # small and quick
@@ -17,16 +17,7 @@ SMALL_RECIPE = {**quickstart.RECIPE, "epochs": 1, "cv_folds": 2, "threads": 1,
 def labels(tmp_path, monkeypatch):
     """The first 16 questions of the shipped labels (all their records, side features included)."""
     monkeypatch.setattr(quickstart, "RECIPE", SMALL_RECIPE)
-    rows, seen = [], []
-    for line in quickstart.LABELS.read_text(encoding="utf-8").splitlines():
-        q = json.loads(line)["query"]
-        if q not in seen:
-            seen.append(q)
-        if len(seen) > 16:
-            break
-        rows.append(line)
-    path = tmp_path / "labels.jsonl"
-    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    path = first_questions(quickstart.LABELS, 16, tmp_path / "labels.jsonl")
     return path
 
 
