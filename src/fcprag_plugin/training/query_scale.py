@@ -47,51 +47,22 @@ def risk_price(gains: torch.Tensor, grid: Sequence[float], kappa: float, margin:
     return ladder[-1]
 
 
-def _standardise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(z, mean, std)``: ``x [R, 2d]`` standardised by its own mean and std, as float32 (the head's dtype)."""
-    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
-    return ((x - mean) / std).float(), mean.float(), std.float()
-
-
 def _head(grid: Sequence[float], mean: torch.Tensor, std: torch.Tensor, weight: torch.Tensor,
           bias: torch.Tensor) -> ScaleHead:
     """A frozen :class:`ScaleHead` with these standardisation buffers ``[2d]`` and linear parameters."""
-    head = ScaleHead(len(mean) // 2, grid)
-    head.mean.copy_(mean)
-    head.std.copy_(std)
-    with torch.no_grad():
-        head.linear.weight.copy_(weight)
-        head.linear.bias.copy_(bias)
-    return head.requires_grad_(False).eval()
-
-
-def _fit(x: torch.Tensor, u: torch.Tensor, grid: Sequence[float], l2: float) -> ScaleHead:
-    """Full-batch Adam on ``-J`` (module docstring) from zero weights; deterministic. :func:`fit_many` fits many
-    of these at once; this one fit is its reference and fits the shipped head."""
-    z, mean, std = _standardise(x)
-    head = _head(grid, mean, std, torch.zeros(len(grid), x.shape[1]), torch.zeros(len(grid))).train()
-    uf = u.float()
-    params = [head.linear.bias] if math.isinf(l2) else list(head.linear.parameters())
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=LR)
-    for _ in range(STEPS):
-        pi = torch.softmax(head.linear(z), 1)
-        loss = -(pi * uf).sum(1).mean()
-        if not math.isinf(l2):
-            loss = loss + l2 * head.linear.weight.pow(2).sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return head.requires_grad_(False).eval()
+    head = ScaleHead(len(mean) // 2, grid).requires_grad_(False)
+    for t, v in ((head.mean, mean), (head.std, std), (head.linear.weight, weight), (head.linear.bias, bias)):
+        t.copy_(v)
+    return head.eval()
 
 
 def fit_many(x: torch.Tensor, g: torch.Tensor, rows: Sequence[Sequence[int]], pairs: Sequence[tuple[float, float]],
              grid: Sequence[float], margin: float) -> list[list[ScaleHead]]:
-    """``heads[f][p]``: :func:`_fit` on ``x[rows[f]]`` with utility ``utility(g[rows[f]], rho, margin)`` and ``l2``
-    of ``pairs[p] = (rho, l2)``, for every fold and pair at once: one Adam over stacked parameters ``[F, P*S, 2d]``.
-    Adam is elementwise and the candidates share no parameter, so each follows its own fit; only the summation
-    order differs (float32 rounding). The folds' rows are padded to the longest, with zero weight."""
+    """``heads[f][p]``: the head fitted on ``x[rows[f]]`` (standardised by their own mean and std) with utility
+    ``utility(g[rows[f]], rho, margin)`` and ``l2`` of ``pairs[p] = (rho, l2)`` by full-batch Adam on ``-J``
+    (module docstring) from zero weights, the weights fixed at 0 for ``l2 = inf``; deterministic. Every fold and
+    pair at once: one Adam over stacked parameters ``[F, P*S, 2d]``; Adam is elementwise and the candidates share
+    no parameter, so each follows its own fit, up to float32 summation order. Rows are padded, with zero weight."""
     F, P, S, D = len(rows), len(pairs), len(grid), x.shape[1]
     n = max(len(r) for r in rows)
     z = torch.zeros(F, n, D)
@@ -99,11 +70,12 @@ def fit_many(x: torch.Tensor, g: torch.Tensor, rows: Sequence[Sequence[int]], pa
     row_w = torch.zeros(F, n, 1)  # 1/n_f on real rows: each fold's loss is a mean over its own rows
     stats = []
     for f, r in enumerate(rows):
-        zf, mean, std = _standardise(x[list(r)])
-        z[f, : len(r)], row_w[f, : len(r)] = zf, 1.0 / len(r)
-        stats.append((mean, std))
+        xr, gr = x[list(r)], g[list(r)]
+        mean, std = xr.mean(0), xr.std(0, unbiased=False).clamp_min(1e-6)
+        z[f, : len(r)], row_w[f, : len(r)] = ((xr - mean) / std).float(), 1.0 / len(r)
+        stats.append((mean.float(), std.float()))
         for p, (rho, _) in enumerate(pairs):
-            u[f, : len(r), p] = utility(g[list(r)], rho, margin).float()
+            u[f, : len(r), p] = utility(gr, rho, margin).float()
     free = torch.tensor([not math.isinf(l2) for _, l2 in pairs])  # l2 = inf: the bias alone is trained
     l2s = torch.tensor([0.0 if math.isinf(l2) else l2 for _, l2 in pairs]).repeat_interleave(S)[:, None]
     weight = torch.zeros(F, P * S, D, requires_grad=True)  # row p * S + s: pair p's weights of scale s
@@ -171,5 +143,5 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
             best, best_gain = (rho, l2), mean
     rho, l2 = best
     head = _constant(x.shape[1] // 2, grid, kappa) if rho is None else \
-        _fit(x, utility(g, rho, rule.loss_margin), grid, l2)
+        fit_many(x, g, [everything], [(rho, l2)], grid, rule.loss_margin)[0][0]
     return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(l2) else l2}
