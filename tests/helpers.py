@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -296,3 +297,21 @@ def save_side_feature_controller(path: str | os.PathLike, *, kappa: float = 4.0,
                             score_hidden=[32], calib_hidden=16, side_features=["retrieval_rank", "adapter_stats"],
                             side_scale=[1.5, 0.06, 0.06, 0.06, 0.06, 1.0, 1.0], kappa=kappa, init="random", seed=seed)
     return ctrl.save_pretrained(path)
+
+
+def first_questions(labels: Path, n: int, path: Path) -> Path:
+    """``path``: the records of the first ``n`` questions (distinct ``query``) of label file ``labels``, as written
+    (each file gzipped when its name ends in .gz)."""
+    raw = labels.read_bytes()
+    rows, seen = [], []
+    for line in (gzip.decompress(raw) if labels.suffix == ".gz" else raw).decode("utf-8").splitlines():
+        q = json.loads(line)["query"]
+        if q not in seen:
+            seen.append(q)
+        if len(seen) > n:
+            break
+        rows.append(line)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = ("\n".join(rows) + "\n").encode("utf-8")
+    path.write_bytes(gzip.compress(text) if path.suffix == ".gz" else text)
+    return path

@@ -2,13 +2,12 @@
 version) and reused after; the objective that decides is printed with its numbers. No language model is loaded:
 a slice of the shipped efficacy labels and a hash encoder stand in."""
 
-import gzip
 import json
 
 import pytest
 
 import quickstart
-from helpers import hash_encoder
+from helpers import first_questions, hash_encoder
 
 SMALL_RECIPE = {**quickstart.RECIPE, "epochs": 1, "cv_folds": 2, "threads": 1,
                 "controller": {"score_hidden": [32], "calib_hidden": 16}}  # small and quick
@@ -18,16 +17,7 @@ SMALL_RECIPE = {**quickstart.RECIPE, "epochs": 1, "cv_folds": 2, "threads": 1,
 def labels(tmp_path, monkeypatch):
     """The first 16 questions of the shipped labels (all their records, side features included)."""
     monkeypatch.setattr(quickstart, "RECIPE", SMALL_RECIPE)
-    rows, seen = [], []
-    for line in gzip.decompress(quickstart.LABELS.read_bytes()).decode("utf-8").splitlines():
-        q = json.loads(line)["query"]
-        if q not in seen:
-            seen.append(q)
-        if len(seen) > 16:
-            break
-        rows.append(line)
-    path = tmp_path / "labels.jsonl"
-    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    path = first_questions(quickstart.LABELS, 16, tmp_path / "labels.jsonl")
     return path
 
 

@@ -3,6 +3,7 @@
 Loads the real model once for the module (tens of seconds on 2 CPU cores).
 """
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from fcprag_plugin import LoraAdapter, fuse
 from fcprag_plugin import activate
+from helpers import first_questions
 import build_demo_adapters as build
 import demo_common
 import quickstart
@@ -91,7 +93,17 @@ def test_peft_loads_a_shipped_adapter_like_activate(smollm2, manifest):
     assert torch.equal(after, base)
 
 
-def test_quickstart_core_path(smollm2, encoder, manifest, tmp_path):
+@pytest.fixture
+def shipped_labels_slice(tmp_path, monkeypatch):
+    """The demo trains on the first 42 of the shipped labels' 126 questions (all their records, a third of the
+    encoding and training; the whole file is what `make demo` trains on), under the shipped file's name."""
+    path = first_questions(quickstart.LABELS, 42, tmp_path / "labels" / quickstart.LABELS.name)
+    monkeypatch.setattr(quickstart, "train_demo_controller", functools.partial(quickstart.train_demo_controller,
+                                                                               labels=path))
+    return path
+
+
+def test_quickstart_core_path(smollm2, encoder, manifest, shipped_labels_slice, tmp_path):
     from fcprag_plugin import FusionController
 
     model, tok = smollm2

@@ -47,25 +47,49 @@ def risk_price(gains: torch.Tensor, grid: Sequence[float], kappa: float, margin:
     return ladder[-1]
 
 
-def _fit(x: torch.Tensor, u: torch.Tensor, grid: Sequence[float], l2: float) -> ScaleHead:
-    """Full-batch Adam on ``-J`` (module docstring) from zero weights; deterministic."""
-    head = ScaleHead(x.shape[1] // 2, grid)
-    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
-    head.mean.copy_(mean.float())
-    head.std.copy_(std.float())
-    z = ((x - mean) / std).float()
-    uf = u.float()
-    params = [head.linear.bias] if math.isinf(l2) else list(head.linear.parameters())
-    opt = torch.optim.Adam(params, lr=LR)
+def _head(grid: Sequence[float], mean: torch.Tensor, std: torch.Tensor, weight: torch.Tensor,
+          bias: torch.Tensor) -> ScaleHead:
+    """A frozen :class:`ScaleHead` with these standardisation buffers ``[2d]`` and linear parameters."""
+    head = ScaleHead(len(mean) // 2, grid).requires_grad_(False)
+    for t, v in ((head.mean, mean), (head.std, std), (head.linear.weight, weight), (head.linear.bias, bias)):
+        t.copy_(v)
+    return head.eval()
+
+
+def fit_many(x: torch.Tensor, g: torch.Tensor, rows: Sequence[Sequence[int]], pairs: Sequence[tuple[float, float]],
+             grid: Sequence[float], margin: float) -> list[list[ScaleHead]]:
+    """``heads[f][p]``: the head fitted on ``x[rows[f]]`` (standardised by their own mean and std) with utility
+    ``utility(g[rows[f]], rho, margin)`` and ``l2`` of ``pairs[p] = (rho, l2)`` by full-batch Adam on ``-J``
+    (module docstring) from zero weights, the weights fixed at 0 for ``l2 = inf``; deterministic. Every fold and
+    pair at once: one Adam over stacked parameters ``[F, P*S, 2d]``; Adam is elementwise and the candidates share
+    no parameter, so each follows its own fit, up to float32 summation order. Rows are padded, with zero weight."""
+    F, P, S, D = len(rows), len(pairs), len(grid), x.shape[1]
+    n = max(len(r) for r in rows)
+    z = torch.zeros(F, n, D)
+    u = torch.zeros(F, n, P, S)  # [fold, row, pair, scale]: the logits' layout, softmax over a contiguous last dim
+    row_w = torch.zeros(F, n, 1)  # 1/n_f on real rows: each fold's loss is a mean over its own rows
+    stats = []
+    for f, r in enumerate(rows):
+        xr, gr = x[list(r)], g[list(r)]
+        mean, std = xr.mean(0), xr.std(0, unbiased=False).clamp_min(1e-6)
+        z[f, : len(r)], row_w[f, : len(r)] = ((xr - mean) / std).float(), 1.0 / len(r)
+        stats.append((mean.float(), std.float()))
+        for p, (rho, _) in enumerate(pairs):
+            u[f, : len(r), p] = utility(gr, rho, margin).float()
+    free = torch.tensor([not math.isinf(l2) for _, l2 in pairs])  # l2 = inf: the bias alone is trained
+    l2s = torch.tensor([0.0 if math.isinf(l2) else l2 for _, l2 in pairs]).repeat_interleave(S)[:, None]
+    weight = torch.zeros(F, P * S, D, requires_grad=True)  # row p * S + s: pair p's weights of scale s
+    bias = torch.zeros(F, 1, P * S, requires_grad=True)
+    opt = torch.optim.Adam([weight, bias], lr=LR)
     for _ in range(STEPS):
-        pi = torch.softmax(head.linear(z), 1)
-        loss = -(pi * uf).sum(1).mean()
-        if not math.isinf(l2):
-            loss = loss + l2 * head.linear.weight.pow(2).sum()
+        pi = torch.softmax(torch.baddbmm(bias, z, weight.transpose(1, 2)).view(F, n, P, S), -1)
+        loss = -((pi * u).sum(-1) * row_w).sum() + (l2s * weight.pow(2)).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        weight.grad.view(F, P, S, D)[:, ~free] = 0.0  # a zero gradient keeps Adam's step at exactly 0: weights stay 0
         opt.step()
-    return head.requires_grad_(False).eval()
+    weight, bias = weight.detach().view(F, P, S, D), bias.detach().view(F, P, S)
+    return [[_head(grid, *stats[f], weight[f, p], bias[f, p]) for p in range(P)] for f in range(F)]
 
 
 def _constant(d: int, grid: Sequence[float], kappa: float) -> ScaleHead:
@@ -102,14 +126,15 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
     # first the rule's own choice, kappa for every query (rho None); a free rule (price 0) still prices risk
     base = [f * price for f in RHO_FACTORS] if price > 0 else [float(g.abs().mean()) * f for f in RHO_FACTORS]
     pairs = [(None, math.inf)] + list(dict.fromkeys((rho, l2) for rho in base for l2 in L2_GRID))
-    fit = lambda rows_, rho_, l2_: _constant(x.shape[1] // 2, grid, kappa) if rho_ is None else _fit(  # noqa: E731
-        x[rows_], utility(g[rows_], rho_, rule.loss_margin), grid, l2_)
+    everything = list(range(len(rows)))
+    keeps = [sorted(set(everything) - set(held)) for held in inner] if len(inner) > 1 else []
+    heads = fit_many(x, g, keeps, pairs[1:], grid, rule.loss_margin) if keeps else []
     best, best_gain = pairs[0], -math.inf
-    for rho, l2 in pairs:
+    for p, (rho, l2) in enumerate(pairs):
         got = torch.zeros(len(rows), dtype=torch.float64)
-        for held in inner if len(inner) > 1 else []:
-            keep = sorted(set(range(len(rows))) - set(held))
-            got[held] = gains_at(grid, g[held], choose(fit(keep, rho, l2), sub.subset(held)))
+        for f, held in enumerate(inner if keeps else []):
+            head = _constant(x.shape[1] // 2, grid, kappa) if rho is None else heads[f][p - 1]
+            got[held] = gains_at(grid, g[held], choose(head, sub.subset(held)))
         ls = loss_share(got, sub.groups, rule.loss_margin)
         tested = ls["ci95"][1] if rule.bound == "upper" else ls["share"]
         allowed = (rho, l2) == pairs[0] or (len(inner) > 1 and tested <= rule.max_loss_share)
@@ -117,5 +142,6 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
         if allowed and mean > best_gain:  # strict: ties keep the safer, simpler pair listed first
             best, best_gain = (rho, l2), mean
     rho, l2 = best
-    head = fit(list(range(len(rows))), rho, l2)
+    head = _constant(x.shape[1] // 2, grid, kappa) if rho is None else \
+        fit_many(x, g, [everything], [(rho, l2)], grid, rule.loss_margin)[0][0]
     return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(l2) else l2}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -136,6 +136,180 @@ def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: 
             "n_records": int(ok.sum())}
 
 
+@dataclass
+class HeldOut:
+    """What the outer folds measured per record on their held-out questions (NaN until its fold ran) and what
+    each fold chose; ``results`` are the finished folds as ``select``'s ``on_fold`` gets them."""
+
+    curve: torch.Tensor  # [E + 1, R]: the reweighting gain after e epochs (for the pooled count)
+    rw: torch.Tensor  # [R]: the reweighting gain at the fold's own epoch choice (nested)
+    scale: dict[str, torch.Tensor]  # metric -> [R]: the scale part at the fold's kappa
+    q_gain: torch.Tensor  # [R]: the per-query scale against the sum
+    q_global: torch.Tensor  # [R]: the fold's global kappa against the sum
+    epochs: list[int] = field(default_factory=list)
+    kappas: list[float] = field(default_factory=list)
+    heads: list[Any] = field(default_factory=list)  # the per-query scale's choices per fold
+    measured: bool = True  # every fold's scale part measured in the scale metric
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, records: int, epochs: int, metrics: Any) -> "HeldOut":
+        nan = lambda: torch.full((records,), float("nan"), dtype=torch.float64)  # noqa: E731
+        return cls(torch.zeros(epochs + 1, records, dtype=torch.float64), nan(), {m: nan() for m in metrics}, nan(),
+                   nan())
+
+    def restore(self, r: dict[str, Any], per_query: bool) -> None:
+        """Take fold result ``r`` (as written by :meth:`record`) of an interrupted run."""
+        held = r["held"]
+        self.curve[:, held], self.rw[held] = _from_json(r["curve"]), _from_json(r["reweighting"])
+        for m in self.scale:
+            self.scale[m][held] = _from_json(r["scale"][m])
+        if per_query:
+            self.q_gain[held], self.q_global[held] = _from_json(r["q_gain"]), _from_json(r["q_global"])
+            self.heads.append(r["head"])
+        self.measured &= bool(r["measured"])
+        self.epochs.append(int(r["epochs"]))
+        self.kappas.append(float(r["kappa"]))
+        self.results.append(r)
+
+    def record(self, held: list[int], epochs: int, kappa: float, measured: bool, per_query: bool) -> None:
+        """Close the fold holding out ``held``: its choices and its JSON-ready result."""
+        self.epochs.append(epochs)
+        self.kappas.append(kappa)
+        self.results.append({
+            "held": held, "curve": self.curve[:, held].tolist(), "reweighting": self.rw[held].tolist(),
+            "scale": {m: v[held].tolist() for m, v in self.scale.items()}, "measured": measured, "epochs": epochs,
+            "kappa": kappa,
+            **({"q_gain": self.q_gain[held].tolist(), "q_global": self.q_global[held].tolist(),
+                "head": self.heads[-1] if len(self.heads) == len(self.epochs) else None} if per_query else {})})
+
+
+def _epoch_curves(tr: Any, val_data: LabelTensors, held_data: LabelTensors, epochs: int, batch_size: int,
+                  bar: Any) -> tuple[int, list[torch.Tensor]]:
+    """Train ``tr`` epoch by epoch: ``(e_f, held_w)``, the epoch count (0 .. ``epochs``) with the best mean
+    reweighting gain on ``val_data`` (the fewest among ties) and ``w~`` of ``held_data`` after each epoch count."""
+    val_curve, held_w = [], []
+    for e in range(epochs + 1):
+        if e > 0:
+            tr.train_epoch()
+            bar.update(1)
+        w_val = collect_outputs(tr.controller, val_data, batch_size)["wt"]
+        val_curve.append(float(reweighting_gain(w_val, val_data).mean()))
+        held_w.append(collect_outputs(tr.controller, held_data, batch_size)["wt"])
+    return max(range(epochs + 1), key=lambda e: (val_curve[e], -e)), held_w
+
+
+def _fold_query_scale(rest_data: LabelTensors, held_data: LabelTensors, held: list[int], kappa: float, metric: str,
+                      rule: ScaleRule, seed: int, out: HeldOut) -> None:
+    """The per-query scale fitted on the fold's training questions, measured on its held-out ones, into ``out``."""
+    head, info = qs.fit_query_scale(rest_data, metric, kappa, rule, seed)
+    chosen = qs.choose(head, held_data)
+    out.q_gain[held] = scale_gain(held_data, chosen, metric)[0]
+    out.q_global[held] = scale_gain(held_data, torch.full((len(held),), kappa, dtype=torch.float64), metric)[0]
+    out.heads.append({"l2": info["l2"], "rho": info["rho"],
+                      "chosen": {repr(v): int((chosen == v).sum()) for v in info["grid"] if int((chosen == v).sum())}})
+
+
+def _outer_fold(data: LabelTensors, args: Any, f: int, folds: list[list[int]], embedding_model: str,
+                trainer: Callable[..., Any], rule: ScaleRule, per_query: bool, out: HeldOut, bar: Any) -> None:
+    """Outer fold ``f``: epochs chosen on an inner split of its training questions, kappa (and the per-query scale)
+    on all of them, each part measured on its held-out questions into ``out``."""
+    held, metric = folds[f], args.scale_metric
+    rest = [i for i in range(len(data)) if i not in set(held)]
+    inner = group_kfold([data.groups[i] for i in rest], len(folds), args.seed + 1 + f)
+    # one question left to train on: its epochs are chosen on itself, still never on the held-out ones
+    inner_val = [rest[i] for i in inner[0]] if len(inner) > 1 else []
+    inner_train = sorted(set(rest) - set(inner_val))
+    tr = trainer(data.subset(inner_train), None, None, replace(args, cv_folds=0), embedding_model)
+    rest_data, held_data, val_data = data.subset(rest), data.subset(held), data.subset(inner_val or rest)
+    kappa = fold_kappa(rest_data, args, rule)[0]
+    e_f, held_w = _epoch_curves(tr, val_data, held_data, args.epochs, args.eval_batch_size, bar)
+    for e, w in enumerate(held_w):
+        out.curve[e, held] = reweighting_gain(w, held_data)
+    w_held = held_w[e_f] * kappa
+    out.rw[held] = reweighting_gain(w_held, held_data)
+    # w~ sums to N, so the total is kappa exactly (up to rounding); a per-query scale makes it vary
+    total = totals(w_held, held_data) if args.controller.get("calib_scale") else \
+        torch.full((len(held),), kappa, dtype=torch.float64)
+    measured: dict[str, bool] = {}
+    for m in out.scale:
+        out.scale[m][held], measured[m] = scale_gain(held_data, total, m)
+    out.measured &= measured[metric]
+    if per_query and has_measured(rest_data, metric):
+        _fold_query_scale(rest_data, held_data, held, kappa, metric, rule, args.seed + f, out)
+    out.record(held, e_f, kappa, measured[metric], per_query)
+
+
+def _query_part(data: LabelTensors, args: Any, rule: ScaleRule, out: HeldOut, parts: int,
+                scale_share: float | None) -> dict[str, Any]:
+    """The per-query scale part against the folds' global kappa, and whether it keeps the risk rule: its held-out
+    loss share's upper bound within the rule, or no larger than the global scale's share ``scale_share``."""
+    q_part = {**part_summary(out.q_gain - out.q_global, data.groups, args.seed, parts), "measured": True,
+              "metric": args.scale_metric, "against": "the global kappa chosen on the same training folds",
+              "vs_sum": part_summary(out.q_gain, data.groups, args.seed, parts),
+              "held_out_loss_share": {**loss_share(out.q_gain, data.groups, rule.loss_margin),
+                                      "allowed": rule.max_loss_share},
+              "folds": out.heads}
+    ls = q_part["held_out_loss_share"]
+    q_part["keeps_rule"] = ls["share"] is not None and ls["ci95"][1] <= rule.max_loss_share or (
+        ls["share"] is not None and ls["share"] <= (scale_share or 0.0))
+    return q_part
+
+
+def _report(data: LabelTensors, args: Any, rule: ScaleRule, out: HeldOut, folds: int, metrics: list[str],
+            per_query: bool) -> dict[str, Any]:
+    """The cross-validation's JSON-ready dict without what ships (:func:`_ship`) and its time."""
+    pooled = out.curve.mean(1)
+    kappa, how, grid = fold_kappa(data, args, rule)
+    parts = PARTS + bool(per_query)
+    sc = out.scale[args.scale_metric]
+    report: dict[str, Any] = {
+        "method": "nested grouped CV: epochs chosen on an inner split, kappa (and the per-query scale) on the "
+                  "outer training questions",
+        "folds": folds, "n_records": len(data), "n_groups": len(set(data.groups)), "max_epochs": args.epochs,
+        "objective": args.objective,
+        "selected_epochs": int(torch.argmax(pooled)),  # first maximum: the fewest epochs among ties (0 = uniform)
+        "fold_epochs": out.epochs, "scale_metric": args.scale_metric,
+        "scale": {**part_summary(sc, data.groups, args.seed, parts), "kappa": kappa, "chosen_by": how,
+                  "metric": args.scale_metric, "measured": out.measured and how != "no_scales",
+                  "fold_kappas": out.kappas, "at_grid_edge": bool(grid and grid["at_grid_edge"]), "grid": grid,
+                  "rule": asdict(rule) if how == "measured" else None,
+                  "held_out_loss_share": {**loss_share(sc, data.groups, rule.loss_margin),
+                                          "allowed": rule.max_loss_share, "margin": rule.loss_margin},
+                  "by_metric": {m: part_summary(out.scale[m], data.groups, args.seed, parts) for m in metrics}},
+        "reweighting": {**part_summary(out.rw, data.groups, args.seed, parts), "first_order": True,
+                        "measured": False},
+        "curve": [float(v) for v in pooled], "ci_method": CI_METHOD,
+        "loss_share_ci_method": "Wilson score interval (95%) over questions",
+        "metric": "per record, on held-out questions: scale m(kappa) - m(1) (measured on the labels' scale grid), "
+                  "reweighting sum_i (w~_i - T) delta_i (first order, deltas taken at PRAG's sum), per-query "
+                  "scale m(s_q) - m(kappa) (measured)",
+    }
+    if per_query:
+        report["query_scale"] = _query_part(data, args, rule, out, parts,
+                                            report["scale"]["held_out_loss_share"]["share"])
+    return report
+
+
+def _ship(report: dict[str, Any], data: LabelTensors, args: Any, out: HeldOut) -> None:
+    """Add to ``report`` what ships (see :func:`select`), at which kappa, and its verdict."""
+    ship_kappa = report["scale"]["kappa"] if report["scale"]["shown"] or args.kappa != "auto" else 1.0
+    q_part = report.get("query_scale")
+    if args.keep_network:
+        shipped = "network"
+    elif q_part is not None and q_part["shown"] and q_part["keeps_rule"]:
+        shipped = "query_scale"
+    else:
+        shipped = "scale_only" if ship_kappa != 1.0 else "prag_sum"
+    zero = torch.zeros(len(data), dtype=torch.float64)
+    total = out.q_gain if shipped == "query_scale" else \
+        (out.scale[args.scale_metric] if ship_kappa != 1.0 else zero) + \
+        (out.rw if shipped == "network" and args.scale_metric == "label" else zero)
+    summary = part_summary(total, data.groups, args.seed)
+    report.update(shipped=shipped, kappa=ship_kappa, gain=summary["gain"], ci95=summary["ci95"],
+                  verdict="better_than_uniform" if summary["ci95"] and summary["ci95"][0] > 0 else "unproven")
+
+
 def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
            rule: ScaleRule = ScaleRule(), progress: bool = False, done: Sequence[dict[str, Any]] = (),
            on_fold: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
@@ -147,133 +321,23 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     folds = group_kfold(data.groups, args.cv_folds, args.seed)
     if len(folds) < 2:
         raise ValueError(f"cross-validation needs at least 2 groups (questions), got {len(folds)}")
-    E, R = args.epochs, len(data)
     metric = args.scale_metric
     metrics = [m for m in SCALE_METRICS if data.gains(m) is not None]
-    nan = lambda: torch.full((R,), float("nan"), dtype=torch.float64)  # noqa: E731
-    curve = torch.zeros(E + 1, R, dtype=torch.float64)  # held-out reweighting gain after e epochs (for the count)
-    rw = nan()  # nested: each fold's own epoch choice
-    scale = {m: nan() for m in {metric, *metrics}}  # the scale part at each fold's kappa, per metric
     per_query = args.kappa == "auto" and getattr(args, "per_query_scale", False) and has_measured(data, metric)
-    q_gain, q_global = nan(), nan()  # per-query scale vs the sum, and the fold's global kappa vs the sum
-    fold_epochs, fold_kappas, fold_heads, scale_measured = [], [], [], True
-    fold_args = replace(args, cv_folds=0)
-    results: list[dict[str, Any]] = []
-    with tqdm(total=len(folds) * E, unit="epoch", desc=f"nested {len(folds)}-fold CV", dynamic_ncols=True,
-              disable=not progress) as bar:
+    out = HeldOut.empty(len(data), args.epochs, {metric, *metrics})
+    with tqdm(total=len(folds) * args.epochs, unit="epoch", desc=f"nested {len(folds)}-fold CV",
+              dynamic_ncols=True, disable=not progress) as bar:
         for f, held in enumerate(folds):
             if f < len(done) and done[f].get("held") == held:  # finished by an interrupted run
-                r = done[f]
-                curve[:, held], rw[held] = _from_json(r["curve"]), _from_json(r["reweighting"])
-                for m in scale:
-                    scale[m][held] = _from_json(r["scale"][m])
-                if per_query:
-                    q_gain[held], q_global[held] = _from_json(r["q_gain"]), _from_json(r["q_global"])
-                    fold_heads.append(r["head"])
-                scale_measured &= bool(r["measured"])
-                fold_epochs.append(int(r["epochs"]))
-                fold_kappas.append(float(r["kappa"]))
-                results.append(r)
-                bar.update(E)
+                out.restore(done[f], per_query)
+                bar.update(args.epochs)
                 continue
-            rest = [i for i in range(R) if i not in set(held)]
-            inner = group_kfold([data.groups[i] for i in rest], len(folds), args.seed + 1 + f)
-            # one question left to train on: its epochs are chosen on itself, still never on the held-out ones
-            inner_val = [rest[i] for i in inner[0]] if len(inner) > 1 else []
-            inner_train = sorted(set(rest) - set(inner_val))
-            tr = trainer(data.subset(inner_train), None, None, fold_args, embedding_model)
-            rest_data, held_data, val_data = data.subset(rest), data.subset(held), data.subset(inner_val or rest)
-            kappa = fold_kappa(rest_data, args, rule)[0]
-            val_curve, held_w = [], []
-            for e in range(E + 1):
-                if e > 0:
-                    tr.train_epoch()
-                    bar.update(1)
-                w_val = collect_outputs(tr.controller, val_data, args.eval_batch_size)["wt"]
-                val_curve.append(float(reweighting_gain(w_val, val_data).mean()))
-                held_w.append(collect_outputs(tr.controller, held_data, args.eval_batch_size)["wt"])
-                curve[e, held] = reweighting_gain(held_w[-1], held_data)
-            e_f = max(range(E + 1), key=lambda e: (val_curve[e], -e))  # fewest epochs among ties
-            w_held = held_w[e_f] * kappa
-            rw[held] = reweighting_gain(w_held, held_data)
-            # w~ sums to N, so the total is kappa exactly (up to rounding); a per-query scale makes it vary
-            total = totals(w_held, held_data) if args.controller.get("calib_scale") else \
-                torch.full((len(held),), kappa, dtype=torch.float64)
-            measured: dict[str, bool] = {}
-            for m in scale:
-                scale[m][held], measured[m] = scale_gain(held_data, total, m)
-            scale_measured &= measured[metric]
-            if per_query and has_measured(rest_data, metric):
-                head, info = qs.fit_query_scale(rest_data, metric, kappa, rule, args.seed + f)
-                chosen = qs.choose(head, held_data)
-                q_gain[held] = scale_gain(held_data, chosen, metric)[0]
-                q_global[held] = scale_gain(held_data, torch.full((len(held),), kappa, dtype=torch.float64),
-                                            metric)[0]
-                fold_heads.append({"l2": info["l2"], "rho": info["rho"],
-                                   "chosen": {repr(v): int((chosen == v).sum()) for v in info["grid"]
-                                              if int((chosen == v).sum())}})
-            fold_epochs.append(e_f)
-            fold_kappas.append(kappa)
-            results.append({"held": held, "curve": curve[:, held].tolist(), "reweighting": rw[held].tolist(),
-                            "scale": {m: v[held].tolist() for m, v in scale.items()}, "measured": measured[metric],
-                            "epochs": e_f, "kappa": kappa,
-                            **({"q_gain": q_gain[held].tolist(), "q_global": q_global[held].tolist(),
-                                "head": fold_heads[-1] if len(fold_heads) == len(fold_epochs) else None}
-                               if per_query else {})})
+            _outer_fold(data, args, f, folds, embedding_model, trainer, rule, per_query, out, bar)
             if on_fold is not None:
-                on_fold(results)
-    pooled = curve.mean(1)
-    epochs = int(torch.argmax(pooled))  # first maximum: the fewest epochs among ties (0 = uniform weights)
-    kappa, how, grid = fold_kappa(data, args, rule)
-    parts = PARTS + bool(per_query)
-    sc = scale[metric]
-    out: dict[str, Any] = {
-        "method": "nested grouped CV: epochs chosen on an inner split, kappa (and the per-query scale) on the "
-                  "outer training questions",
-        "folds": len(folds), "n_records": R, "n_groups": len(set(data.groups)), "max_epochs": E,
-        "objective": args.objective, "selected_epochs": epochs, "fold_epochs": fold_epochs,
-        "scale_metric": metric,
-        "scale": {**part_summary(sc, data.groups, args.seed, parts), "kappa": kappa, "chosen_by": how,
-                  "metric": metric, "measured": scale_measured and how != "no_scales", "fold_kappas": fold_kappas,
-                  "at_grid_edge": bool(grid and grid["at_grid_edge"]), "grid": grid,
-                  "rule": asdict(rule) if how == "measured" else None,
-                  "held_out_loss_share": {**loss_share(sc, data.groups, rule.loss_margin),
-                                          "allowed": rule.max_loss_share, "margin": rule.loss_margin},
-                  "by_metric": {m: part_summary(scale[m], data.groups, args.seed, parts) for m in metrics}},
-        "reweighting": {**part_summary(rw, data.groups, args.seed, parts), "first_order": True,
-                        "measured": False},
-        "curve": [float(v) for v in pooled], "ci_method": CI_METHOD,
-        "loss_share_ci_method": "Wilson score interval (95%) over questions",
-        "metric": "per record, on held-out questions: scale m(kappa) - m(1) (measured on the labels' scale grid), "
-                  "reweighting sum_i (w~_i - T) delta_i (first order, deltas taken at PRAG's sum), per-query "
-                  "scale m(s_q) - m(kappa) (measured)",
-    }
-    q_part = None
-    if per_query:
-        q_part = {**part_summary(q_gain - q_global, data.groups, args.seed, parts), "measured": True,
-                  "metric": metric, "against": "the global kappa chosen on the same training folds",
-                  "vs_sum": part_summary(q_gain, data.groups, args.seed, parts),
-                  "held_out_loss_share": {**loss_share(q_gain, data.groups, rule.loss_margin),
-                                          "allowed": rule.max_loss_share},
-                  "folds": fold_heads}
-        ls = q_part["held_out_loss_share"]
-        q_part["keeps_rule"] = ls["share"] is not None and ls["ci95"][1] <= rule.max_loss_share or (
-            ls["share"] is not None and ls["share"] <= (out["scale"]["held_out_loss_share"]["share"] or 0.0))
-        out["query_scale"] = q_part
-    ship_kappa = kappa if out["scale"]["shown"] or args.kappa != "auto" else 1.0
-    if args.keep_network:
-        shipped = "network"
-    elif q_part is not None and q_part["shown"] and q_part["keeps_rule"]:
-        shipped = "query_scale"
-    else:
-        shipped = "scale_only" if ship_kappa != 1.0 else "prag_sum"
-    zero = torch.zeros(R, dtype=torch.float64)
-    total = q_gain if shipped == "query_scale" else \
-        (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "network" and metric == "label" else zero)
-    summary = part_summary(total, data.groups, args.seed)
-    out.update(shipped=shipped, kappa=ship_kappa, gain=summary["gain"], ci95=summary["ci95"],
-               verdict="better_than_uniform" if summary["ci95"] and summary["ci95"][0] > 0 else "unproven",
-               seconds=round(time.perf_counter() - t0, 3))
-    logger.info("cross-validation: ships %s at kappa %.4g, gain %s, %s", shipped, ship_kappa, out["gain"],
-                out["verdict"])
-    return out
+                on_fold(out.results)
+    report = _report(data, args, rule, out, len(folds), metrics, per_query)
+    _ship(report, data, args, out)
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    logger.info("cross-validation: ships %s at kappa %.4g, gain %s, %s", report["shipped"], report["kappa"],
+                report["gain"], report["verdict"])
+    return report
