@@ -156,10 +156,9 @@ def test_one_read_of_each_prompt_equals_separate_reads(tmp_path, kind):
     """The prompt's cache shared by the gold aliases (of different lengths) and the greedy answer: alias
     log-probabilities equal a separate teacher-forced forward per alias, greedy answers equal, with and without
     adapters, in one batch and alone."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from helpers import tiny_model, tiny_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(save_tiny_lm(tmp_path / "lm", kind, seed=3))).eval()
-    tok = AutoTokenizer.from_pretrained(str(tmp_path / "lm"))
+    model, tok = tiny_model(kind, seed=3, bos_token_id=2, eos_token_id=3, pad_token_id=0), tiny_tokenizer()
     ads = [LoraAdapter.from_pretrained(make_adapter_dir(tmp_path / f"p{i}", kind, seed=50 + i)) for i in range(2)]
     rows = []
     for j, q in enumerate(QUESTIONS):
