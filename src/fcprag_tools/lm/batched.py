@@ -256,7 +256,11 @@ class RowScore:
     generation: str | None = None
 
 
-def _check_rows(rows: Sequence[ScoreRow]) -> None:
+def _check_rows(rows: Sequence[ScoreRow], batch_size: int, max_tokens: int | None) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise FcpragError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if max_tokens is not None and max_tokens < 1:
+        raise FcpragError(f"max_tokens must be >= 1, got {max_tokens!r}")
     for i, r in enumerate(rows):
         if not len(r.prompt_ids) or not len(r.gold_ids) or any(not len(g) for g in r.gold_ids):
             raise FcpragError(f"score row {i}: needs a non-empty prompt and at least one non-empty gold alias")
@@ -285,6 +289,14 @@ def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size:
         n_seq, width, keys = n_seq + seqs, max(width, length), keys | row_keys
     if cur:
         yield cur
+
+
+def _costs(max_new_tokens: int) -> tuple[Callable[[ScoreRow], tuple[int, int]], ...]:
+    """A row's ``(sequences, tokens per sequence)`` in a teacher-forced forward (one per alias), a generation, and
+    one read of its prompt for both (:func:`read_prompts`)."""
+    return (lambda r: (len(r.gold_ids), len(r.prompt_ids) + max(len(g) for g in r.gold_ids)),
+            lambda r: (1, len(r.gen_prompt_ids) + max_new_tokens),
+            lambda r: (1, len(r.prompt_ids) + max(max_new_tokens, *map(len, r.gold_ids))))
 
 
 @contextlib.contextmanager
@@ -320,26 +332,19 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
     """Score ``rows`` in batched forwards, each row under its own adapter mixture; one :class:`RowScore` per row.
 
     Rows are packed in order into forwards of at most ``batch_size`` sequences (teacher forcing: one per gold
-    alias; generation: one per row), ``max_tokens`` padded tokens (``B x L_max``, optional) and
-    ``slot.max_adapters`` distinct adapters; a row is never split. Per forward the union of its rows' adapters is
-    written once into ``slot`` (:meth:`FusedSlot.mixed` in ``mode``), so a row only ever sees its
-    own adapters; ``slot`` may be None when no row has adapters, and is inactive again on return.
+    alias; generation, or both from one read: one per row), ``max_tokens`` padded tokens (``B x L_max``, optional)
+    and ``slot.max_adapters`` distinct adapters; a row is never split. Per forward the union of its rows' adapters
+    is written once into ``slot`` (:meth:`FusedSlot.mixed` in ``mode``), so a row only ever sees its own adapters;
+    ``slot`` may be None when no row has adapters, and is inactive again on return.
 
     ``mixture``: another way to put each sequence under its row's adapters: ``mixture(per-sequence adapter lists)``
     is the context of one forward (e.g. :func:`fcprag_tools.lm.arrow.arrow_routing`); ``slot`` and ``weights`` are
     then unused and a forward's adapters are not limited. A forward that runs out of device memory is run again in
     halves (:func:`fcprag_tools.lm.oom.halving`, one log line), down to one row. ``on_progress(share)``: after
-    every forward, the share of this call's work it did (the shares sum to 1).
-
-    A row whose generation prompt is its prompt is read once (``share_prompt``, :func:`read_prompts`: one
-    sequence per row, its cache serves its gold aliases and its greedy answer); ``until_cut``: greedy answers end
-    at the short answer's cut (:func:`read_prompts`), else at ``max_new_tokens`` or a stop token.
-    """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise FcpragError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if max_tokens is not None and max_tokens < 1:
-        raise FcpragError(f"max_tokens must be >= 1, got {max_tokens!r}")
-    _check_rows(rows)
+    every forward, the share of this call's work it did (the shares sum to 1). ``share_prompt``: a row whose
+    generation prompt is its prompt is read once for its aliases and its answer (:func:`read_prompts`);
+    ``until_cut``: greedy answers end at the short answer's cut (:func:`read_prompts`)."""
+    _check_rows(rows, batch_size, max_tokens)
     k_max = (slot.max_adapters if slot is not None else 0) if mixture is None else sys.maxsize
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     has_gen = [r.gen_prompt_ids is not None for r in rows]
@@ -347,9 +352,7 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
               if share_prompt and has_gen[i] and list(r.gen_prompt_ids) == list(r.prompt_ids)]
     tf_order = sorted(set(range(len(rows))) - set(shared))
     gen_order = [i for i in tf_order if has_gen[i]]
-    tf_cost = lambda r: (len(r.gold_ids), len(r.prompt_ids) + max(len(g) for g in r.gold_ids))  # noqa: E731
-    gen_cost = lambda r: (1, len(r.gen_prompt_ids) + max_new_tokens)  # noqa: E731
-    both_cost = lambda r: (1, len(r.prompt_ids) + max(max_new_tokens, *map(len, r.gold_ids)))  # noqa: E731
+    tf_cost, gen_cost, both_cost = _costs(max_new_tokens)
     greedy = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, until_cut=until_cut)
 
     def context(seq_rows: Sequence[int]) -> ContextManager[Any]:
@@ -367,12 +370,10 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
                                            pad)
         return list(zip(seq_rows, vals))
 
-    def generated(chunk: list[int]) -> list[str]:
-        return read_prompts(model, tokenizer, [rows[i].gen_prompt_ids for i in chunk],
-                            context=lambda live: context([chunk[j] for j in live]), **greedy)[1]
-
-    def read_once(chunk: list[int]) -> tuple[list[list[float]], list[str]]:
-        return read_prompts(model, tokenizer, [rows[i].prompt_ids for i in chunk], [rows[i].gold_ids for i in chunk],
+    def read(chunk: list[int], gold: bool) -> tuple[list[list[float]] | None, list[str] | None]:
+        # gold: the prompts, read once for the aliases and the answer; else the generation prompts, for the answer
+        return read_prompts(model, tokenizer, [rows[i].prompt_ids if gold else rows[i].gen_prompt_ids for i in chunk],
+                            [rows[i].gold_ids for i in chunk] if gold else None,
                             context=lambda live: context([chunk[j] for j in live]), **greedy)
 
     alias_lps: list[list[float]] = [[] for _ in rows]
@@ -385,7 +386,7 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
             on_progress(n / units)
 
     with tqdm(total=units, unit="row", desc="scoring", disable=not progress, dynamic_ncols=True) as bar:
-        for chunk, (lps, texts) in halving(shared, batch_size, read_once, what="scoring forwards",
+        for chunk, (lps, texts) in halving(shared, batch_size, lambda c: read(c, True), what="scoring forwards",
                                            take=take(both_cost)):
             for i, lp, t in zip(chunk, lps, texts):
                 alias_lps[i], gens[i] = lp, t
@@ -395,7 +396,8 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
             for i, v in vals:
                 alias_lps[i].append(v)
             moved(bar, len(chunk))
-        for chunk, texts in halving(gen_order, batch_size, generated, what="scoring generation", take=take(gen_cost)):
+        for chunk, (_, texts) in halving(gen_order, batch_size, lambda c: read(c, False), what="scoring generation",
+                                         take=take(gen_cost)):
             for i, t in zip(chunk, texts):
                 gens[i] = t
             moved(bar, len(chunk))
