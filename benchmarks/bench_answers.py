@@ -8,9 +8,10 @@ timed), their first 3 passages, one random PRAG-layout adapter (r 2, alpha 32, g
 the answers are the model's own) per passage, and per question the rows ``vanilla``, ``standard_rag``,
 ``prag_sum``, ``learned`` (fixed non-uniform ``w~``), ``prag_sum_combine`` and ``learned_combine``: both prompt
 kinds, with and without adapters, through ``scoring.score`` as the study calls it (8 questions per slot and call,
-``--batch-size`` sequences per forward). Printed: seconds per question of each setting with the load average
-around it, the 64-token over the 16-token evaluation, and whether predictions agree (all rows against the baseline
-at the same length; the 64-token against the 16-token rows wherever the 16-token answer reached a cut).
+``--batch-size`` sequences per forward). Printed: seconds per question of three settings (new at 16 and at 64
+tokens, the baseline at 16) with the load average around each, the 64-token over the 16-token evaluation, and
+whether predictions agree (all rows against the baseline at 16 tokens; the 64-token against the 16-token rows
+wherever the 16-token answer reached a cut).
 
 Usage::
 
@@ -146,21 +147,23 @@ def main() -> None:
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         new, old = ROOT / "src", Path(tmp) / "src"
-        runs = {"today (baseline), 16 tokens": setting(a, old, 16), "new, 16 tokens": setting(a, new, 16),
-                "new, 64 tokens": setting(a, new, 64), "today (baseline), 64 tokens": setting(a, old, 64)}
-    print(f"CPU, {a.threads} torch thread(s); torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"peft {peft.__version__}; the real SmolLM2-135M (fp32); {a.n} questions of "
-          f"{', '.join(Path(q).name for q in a.questions)}, {len(ROWS)} rows each ({', '.join(ROWS)}); "
-          f"baseline {a.baseline}; batch {a.batch_size}\n")
-    print("| setting | s / question | total s | load average (1, 5, 15 min) before -> after |\n|---|---|---|---|")
-    for name, r in runs.items():
-        before, after = (", ".join(f"{v:.1f}" for v in x) for x in r["load"])
-        print(f"| {name} | {r['seconds'] / r['questions']:.2f} | {r['seconds']:.1f} | {before} -> {after} |")
-    o16, n16, n64, o64 = runs.values()
-    print(f"\nnew 64 / new 16 tokens: {n64['seconds'] / n16['seconds']:.3f}x; today 64 / today 16: "
-          f"{o64['seconds'] / o16['seconds']:.3f}x; today / new at 16 tokens: {o16['seconds'] / n16['seconds']:.2f}x, "
-          f"at 64: {o64['seconds'] / n64['seconds']:.2f}x")
-    for what, x, y, cut in (("new vs today, 16 tokens", n16, o16, False), ("new vs today, 64 tokens", n64, o64, False),
+        print(f"CPU, {a.threads} torch thread(s); torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"peft {peft.__version__}; the real SmolLM2-135M (fp32); {a.n} questions of "
+              f"{', '.join(Path(q).name for q in a.questions)}, {len(ROWS)} rows each ({', '.join(ROWS)}); "
+              f"baseline {a.baseline}; batch {a.batch_size}\n")
+        print("| setting | s / question | total s | load average (1, 5, 15 min) before -> after |\n|---|---|---|---|",
+              flush=True)
+        runs = {}
+        for name, src, max_new in (("new, 16 tokens", new, 16), ("new, 64 tokens", new, 64),
+                                   ("today (baseline), 16 tokens", old, 16)):
+            r = runs[name] = setting(a, src, max_new)
+            before, after = (", ".join(f"{v:.1f}" for v in x) for x in r["load"])
+            print(f"| {name} | {r['seconds'] / r['questions']:.2f} | {r['seconds']:.1f} | {before} -> {after} |",
+                  flush=True)
+    n16, n64, o16 = runs.values()
+    print(f"\nnew 64 / new 16 tokens: {n64['seconds'] / n16['seconds']:.3f}x; today / new at 16 tokens: "
+          f"{o16['seconds'] / n16['seconds']:.2f}x")
+    for what, x, y, cut in (("new vs today, 16 tokens", n16, o16, False),
                             ("new 64 vs new 16 where the 16-token answer reached a cut", n64, n16, True)):
         n, eq, d = same(x, y, cut)
         print(f"{what}: same prediction {eq}/{n} rows; max |d logprob| {d:.1e}")
