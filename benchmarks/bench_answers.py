@@ -11,7 +11,8 @@ kinds, with and without adapters, through ``scoring.score`` as the study calls i
 ``--batch-size`` sequences per forward). Printed: seconds per question of three settings (new at 16 and at 64
 tokens, the baseline at 16) with the load average around each, the 64-token over the 16-token evaluation, and
 whether predictions agree (all rows against the baseline at 16 tokens; the 64-token against the 16-token rows
-wherever the 16-token answer reached a cut).
+wherever the 16-token answer reached a cut). ``--split``: also the new code with each prompt read twice, and
+with answers to full length, to tell the two changes apart.
 
 Usage::
 
@@ -21,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -79,6 +81,8 @@ def worker(a: argparse.Namespace) -> None:
     kw: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size}
     if "until_cut" in inspect.signature(scoring.score).parameters:
         kw["until_cut"] = not a.full_length
+    if a.two_reads:  # the new code with each prompt read twice (once for the gold answer, once for the answer)
+        scoring.score_rows = functools.partial(scoring.score_rows, share_prompt=False)
 
     def run(qids: list[str]) -> list[dict[str, Any]]:
         out = []
@@ -105,11 +109,11 @@ def worker(a: argparse.Namespace) -> None:
                                   "rows": res}))
 
 
-def setting(a: argparse.Namespace, src: Path, max_new: int, full_length: bool = False) -> dict[str, Any]:
+def setting(a: argparse.Namespace, src: Path, max_new: int, *flags: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", "--questions", *a.questions, "--n", str(a.n), "--max-new-tokens",
            str(max_new), "--batch-size", str(a.batch_size), "--threads", str(a.threads)]
     env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run(cmd + (["--full-length"] if full_length else []), env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd + list(flags), env=env, capture_output=True, text=True)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     if done.returncode or line is None:
         raise SystemExit(f"setting {src} {max_new}: failed\n{done.stderr[-3000:]}")
@@ -134,6 +138,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=16, help=argparse.SUPPRESS)
     p.add_argument("--full-length", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--two-reads", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--split", action="store_true",
+                   help="also the new code with each prompt read twice, and with answers to full length")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -154,13 +161,15 @@ def main() -> None:
         print("| setting | s / question | total s | load average (1, 5, 15 min) before -> after |\n|---|---|---|---|",
               flush=True)
         runs = {}
-        for name, src, max_new in (("new, 16 tokens", new, 16), ("new, 64 tokens", new, 64),
-                                   ("today (baseline), 16 tokens", old, 16)):
-            r = runs[name] = setting(a, src, max_new)
+        split = (("new, 16 tokens, two reads", new, 16, "--two-reads"),
+                 ("new, 16 tokens, full length", new, 16, "--full-length")) if a.split else ()
+        for name, src, max_new, *flags in (("new, 16 tokens", new, 16), ("new, 64 tokens", new, 64),
+                                           ("today (baseline), 16 tokens", old, 16), *split):
+            r = runs[name] = setting(a, src, max_new, *flags)
             before, after = (", ".join(f"{v:.1f}" for v in x) for x in r["load"])
             print(f"| {name} | {r['seconds'] / r['questions']:.2f} | {r['seconds']:.1f} | {before} -> {after} |",
                   flush=True)
-    n16, n64, o16 = runs.values()
+    n16, n64, o16 = (runs[k] for k in ("new, 16 tokens", "new, 64 tokens", "today (baseline), 16 tokens"))
     print(f"\nnew 64 / new 16 tokens: {n64['seconds'] / n16['seconds']:.3f}x; today / new at 16 tokens: "
           f"{o16['seconds'] / n16['seconds']:.2f}x")
     for what, x, y, cut in (("new vs today, 16 tokens", n16, o16, False),
