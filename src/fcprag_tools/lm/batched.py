@@ -21,6 +21,7 @@ from .oom import halving
 from ..progress import progress_bar
 
 _KEEP_ARG: dict[type, str | None] = {}
+_CACHE_ARG: dict[type, str] = {}
 
 
 def _keep_arg(model: Any) -> str | None:
@@ -30,6 +31,15 @@ def _keep_arg(model: Any) -> str | None:
         params = inspect.signature(model.forward).parameters
         _KEEP_ARG[cls] = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
     return _KEEP_ARG[cls]
+
+
+def _cache_arg(model: Any) -> str:
+    """The name of the forward's KV-cache argument: ``cache`` where the model has it, else ``past_key_values``
+    (a PEFT wrapper passes it on to its base model, whose signature is read)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if type(base) not in _CACHE_ARG:
+        _CACHE_ARG[type(base)] = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return _CACHE_ARG[type(base)]
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
@@ -94,6 +104,133 @@ def batched_greedy(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
     return texts
 
 
+# ----------------------------------------------------------------------------- one read of each prompt
+def _forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
+             keep: int | None = None) -> torch.Tensor:
+    """Logits ``[B, T or keep, V]`` of ``ids [B, T]`` after ``cache`` (extended in place); ``mask`` covers the
+    cache and ``ids``."""
+    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                              _cache_arg(model): cache, "use_cache": True}
+    name = _keep_arg(model) if keep is not None else None
+    if name is not None:
+        kwargs[name] = keep
+    return model(**kwargs).logits
+
+
+def _gold_logprobs(model: Any, cache: Any, mask: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor,
+                   golds: Sequence[Sequence[Sequence[int]]], pad_id: int) -> list[list[float]]:
+    """Each row's mean gold log-probability per alias, read after the prompt's ``cache``: one forward per alias
+    index (row ``b``'s ``a``-th alias, right-padded), the cache cropped back to the prompt after each.
+    ``first [B, V]``: the log-probabilities after the prompt's last token, which predict each alias's first."""
+    out: list[list[float]] = [[] for _ in golds]
+    dev = mask.device
+    for a in range(max(len(g) for g in golds)):
+        seqs = [list(g[a]) if a < len(g) else [] for g in golds]
+        T = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), T), int(pad_id), dtype=torch.long)
+        m = torch.zeros((len(seqs), T), dtype=mask.dtype)
+        for b, x in enumerate(seqs):
+            ids[b, :len(x)], m[b, :len(x)] = torch.as_tensor(x, dtype=torch.long), 1
+        ids, m = ids.to(dev), m.to(dev)
+        pos = lengths.unsqueeze(1) + torch.arange(T, device=dev)
+        logits = _forward(model, ids, torch.cat([mask, m], 1), pos, cache)  # position t predicts token t + 1
+        cache.crop(-T)  # back to the prompt (a negative length: "remove T", on every transformers version)
+        rest = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        tok = torch.cat([first.gather(1, ids[:, :1]), rest], 1)  # [B, T]
+        for b, x in enumerate(seqs):
+            if x:
+                out[b].append(float(tok[b, :len(x)].mean()))
+    return out
+
+
+class _Live:
+    """The sequences still being generated: their batch rows, mask ``[B, L]``, next positions ``[B]``, the next
+    token ``[B]``, the cache, and the mixture context they run under (entered again whenever rows leave)."""
+
+    def __init__(self, cache: Any, mask: torch.Tensor, lengths: torch.Tensor, nxt: torch.Tensor,
+                 context: Callable[[Sequence[int]], ContextManager[Any]], stack: contextlib.ExitStack) -> None:
+        self.rows, self.cache, self.mask, self.lengths, self.nxt = list(range(len(nxt))), cache, mask, lengths, nxt
+        self.context, self.stack = context, stack
+
+    def drop(self, ended: set[int]) -> None:
+        """Rows ``ended`` (indices into :attr:`rows`) stop: they leave the cache, the batch and the context."""
+        keep = [j for j in range(len(self.rows)) if j not in ended]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.rows = [self.rows[j] for j in keep]
+        self.mask, self.lengths, self.nxt = self.mask[idx], self.lengths[idx], self.nxt[idx]
+        self.stack.close()
+        if self.rows:
+            self.cache.batch_select_indices(idx)
+            self.stack.enter_context(self.context(self.rows))
+
+    def step(self, model: Any) -> None:
+        """Feed each live row's next token; the next tokens become the greedy ones after it."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], 1)
+        logits = _forward(model, self.nxt.unsqueeze(1), self.mask, self.lengths.unsqueeze(1), self.cache)
+        self.lengths = self.lengths + 1
+        self.nxt = logits[:, -1].argmax(-1)
+
+
+def _decode(model: Any, tokenizer: Any, live: _Live, max_new_tokens: int, stops: set[int],
+            until_cut: bool) -> list[str]:
+    """Greedy tokens of every row until its first ``stops`` token (kept), ``max_new_tokens``, or, with
+    ``until_cut``, the first token whose decoded continuation reaches the short answer's cut
+    (:func:`~fcprag_tools.lm.metrics.reaches_cut`); decoded without special tokens."""
+    from .metrics import reaches_cut
+
+    toks: list[list[int]] = [[] for _ in live.rows]
+    while live.rows:
+        ended = set()
+        for j, (b, t) in enumerate(zip(live.rows, live.nxt.tolist())):
+            toks[b].append(int(t))
+            if (t in stops or len(toks[b]) >= max_new_tokens
+                    or (until_cut and reaches_cut(tokenizer.decode(toks[b], skip_special_tokens=True)))):
+                ended.add(j)
+        if ended:
+            live.drop(ended)
+        if live.rows:
+            live.step(model)
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in toks]
+
+
+@torch.no_grad()
+def read_prompts(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
+                 golds: Sequence[Sequence[Sequence[int]]] | None = None, *, max_new_tokens: int = 0,
+                 stop_ids: Iterable[int] | None = None, until_cut: bool = False,
+                 context: Callable[[Sequence[int]], ContextManager[Any]] | None = None
+                 ) -> tuple[list[list[float]] | None, list[str] | None]:
+    """Each prompt ``[P_b]`` read once (left-padded, one forward, its KV cache kept) for both: each gold alias's
+    mean log-probability after it (``golds[b]``: row ``b``'s aliases, :func:`batched_answer_logprobs`'
+    numbers up to float rounding) and, with ``max_new_tokens > 0``, its greedy continuation (:func:`batched_greedy`'
+    text, through its first ``stop_ids`` token, default :func:`eos_ids`). ``until_cut``: a row also ends at the
+    first token whose decoded continuation reaches the short answer's cut, so its short answer
+    (:func:`~fcprag_tools.lm.metrics.extract_answer`, no chain-of-thought) equals that of its full-length
+    continuation; the batch ends when every row has ended, and ended rows leave the batch.
+
+    ``context(batch rows)``: the context each forward runs under for those rows (their adapters), entered again
+    with the remaining rows when rows end. Returns ``(alias log-probabilities or None, texts or None)``."""
+    from transformers import DynamicCache
+
+    if golds is not None and (len(golds) != len(prompts) or any(not g or not all(len(x) for x in g) for g in golds)):
+        raise FcpragError("read_prompts needs at least one non-empty gold alias for every prompt")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids, mask, pos = left_pad(prompts, pad, model_device(model))
+    lengths = mask.sum(1)
+    stops = eos_ids(model) if stop_ids is None else {int(t) for t in stop_ids}
+    context = context or (lambda rows: contextlib.nullcontext())
+    with contextlib.ExitStack() as stack:  # holds the live rows' context (closed and entered again as rows end)
+        stack.enter_context(context(list(range(len(prompts)))))
+        cache = DynamicCache()
+        last = _forward(model, ids, mask, pos, cache, keep=1)[:, -1]  # [B, V]
+        lps = None
+        if golds is not None:
+            lps = _gold_logprobs(model, cache, mask, lengths, torch.log_softmax(last.float(), -1), golds, pad)
+        if max_new_tokens <= 0:
+            return lps, None
+        live = _Live(cache, mask, lengths, last.argmax(-1), context, stack)
+        return lps, _decode(model, tokenizer, live, max_new_tokens, stops, until_cut)
+
+
 # ----------------------------------------------------------------------------- the public scorer
 @dataclass
 class ScoreRow:
@@ -119,7 +256,11 @@ class RowScore:
     generation: str | None = None
 
 
-def _check_rows(rows: Sequence[ScoreRow]) -> None:
+def _check_rows(rows: Sequence[ScoreRow], batch_size: int, max_tokens: int | None) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise FcpragError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if max_tokens is not None and max_tokens < 1:
+        raise FcpragError(f"max_tokens must be >= 1, got {max_tokens!r}")
     for i, r in enumerate(rows):
         if not len(r.prompt_ids) or not len(r.gold_ids) or any(not len(g) for g in r.gold_ids):
             raise FcpragError(f"score row {i}: needs a non-empty prompt and at least one non-empty gold alias")
@@ -150,6 +291,14 @@ def _pack(rows: Sequence[ScoreRow], order: Sequence[int], cost: Any, batch_size:
         yield cur
 
 
+def _costs(max_new_tokens: int) -> tuple[Callable[[ScoreRow], tuple[int, int]], ...]:
+    """A row's ``(sequences, tokens per sequence)`` in a teacher-forced forward (one per alias), a generation, and
+    one read of its prompt for both (:func:`read_prompts`)."""
+    return (lambda r: (len(r.gold_ids), len(r.prompt_ids) + max(len(g) for g in r.gold_ids)),
+            lambda r: (1, len(r.gen_prompt_ids) + max_new_tokens),
+            lambda r: (1, len(r.prompt_ids) + max(max_new_tokens, *map(len, r.gold_ids))))
+
+
 @contextlib.contextmanager
 def _mixture(slot: Any, rows: Sequence[ScoreRow], seq_rows: Sequence[int], mode: str) -> Iterator[None]:
     """Per-sequence mixtures for one forward: sequence ``s`` runs under row ``seq_rows[s]``'s adapters and weights."""
@@ -178,31 +327,33 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
                batch_size: int = 16, max_tokens: int | None = None, max_new_tokens: int = 32,
                stop_ids: Iterable[int] | None = None, progress: bool = False,
                mixture: Callable[[Sequence[Sequence[Any]]], ContextManager[Any]] | None = None,
-               on_progress: Callable[[float], None] | None = None) -> list[RowScore]:
+               on_progress: Callable[[float], None] | None = None, until_cut: bool = False,
+               share_prompt: bool = True) -> list[RowScore]:
     """Score ``rows`` in batched forwards, each row under its own adapter mixture; one :class:`RowScore` per row.
 
     Rows are packed in order into forwards of at most ``batch_size`` sequences (teacher forcing: one per gold
-    alias; generation: one per row), ``max_tokens`` padded tokens (``B x L_max``, optional) and
-    ``slot.max_adapters`` distinct adapters; a row is never split. Per forward the union of its rows' adapters is
-    written once into ``slot`` (:meth:`FusedSlot.mixed` in ``mode``), so a row only ever sees its
-    own adapters; ``slot`` may be None when no row has adapters, and is inactive again on return.
+    alias; generation, or both from one read: one per row), ``max_tokens`` padded tokens (``B x L_max``, optional)
+    and ``slot.max_adapters`` distinct adapters; a row is never split. Per forward the union of its rows' adapters
+    is written once into ``slot`` (:meth:`FusedSlot.mixed` in ``mode``), so a row only ever sees its own adapters;
+    ``slot`` may be None when no row has adapters, and is inactive again on return.
 
     ``mixture``: another way to put each sequence under its row's adapters: ``mixture(per-sequence adapter lists)``
     is the context of one forward (e.g. :func:`fcprag_tools.lm.arrow.arrow_routing`); ``slot`` and ``weights`` are
     then unused and a forward's adapters are not limited. A forward that runs out of device memory is run again in
     halves (:func:`fcprag_tools.lm.oom.halving`, one log line), down to one row. ``on_progress(share)``: after
-    every forward, the share of this call's work it did (the shares sum to 1).
-    """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise FcpragError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if max_tokens is not None and max_tokens < 1:
-        raise FcpragError(f"max_tokens must be >= 1, got {max_tokens!r}")
-    _check_rows(rows)
+    every forward, the share of this call's work it did (the shares sum to 1). ``share_prompt``: a row whose
+    generation prompt is its prompt is read once for its aliases and its answer (:func:`read_prompts`);
+    ``until_cut``: greedy answers end at the short answer's cut (:func:`read_prompts`)."""
+    _check_rows(rows, batch_size, max_tokens)
     k_max = (slot.max_adapters if slot is not None else 0) if mixture is None else sys.maxsize
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    gen_order = [i for i in range(len(rows)) if rows[i].gen_prompt_ids is not None]
-    tf_cost = lambda r: (len(r.gold_ids), len(r.prompt_ids) + max(len(g) for g in r.gold_ids))  # noqa: E731
-    gen_cost = lambda r: (1, len(r.gen_prompt_ids) + max_new_tokens)  # noqa: E731
+    has_gen = [r.gen_prompt_ids is not None for r in rows]
+    shared = [i for i, r in enumerate(rows)
+              if share_prompt and has_gen[i] and list(r.gen_prompt_ids) == list(r.prompt_ids)]
+    tf_order = sorted(set(range(len(rows))) - set(shared))
+    gen_order = [i for i in tf_order if has_gen[i]]
+    tf_cost, gen_cost, both_cost = _costs(max_new_tokens)
+    greedy = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, until_cut=until_cut)
 
     def context(seq_rows: Sequence[int]) -> ContextManager[Any]:
         if mixture is None:
@@ -219,13 +370,15 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
                                            pad)
         return list(zip(seq_rows, vals))
 
-    def generated(chunk: list[int]) -> list[str]:
-        with context(chunk):
-            return batched_greedy(model, tokenizer, [rows[i].gen_prompt_ids for i in chunk], max_new_tokens, stop_ids)
+    def read(chunk: list[int], gold: bool) -> tuple[list[list[float]] | None, list[str] | None]:
+        # gold: the prompts, read once for the aliases and the answer; else the generation prompts, for the answer
+        return read_prompts(model, tokenizer, [rows[i].prompt_ids if gold else rows[i].gen_prompt_ids for i in chunk],
+                            [rows[i].gold_ids for i in chunk] if gold else None,
+                            context=lambda live: context([chunk[j] for j in live]), **greedy)
 
     alias_lps: list[list[float]] = [[] for _ in rows]
     gens: list[str | None] = [None] * len(rows)
-    units = len(rows) + len(gen_order)  # a row's teacher-forced pass, and its generation
+    units = len(rows) + sum(has_gen)  # a row's teacher-forced pass, and its generation
 
     def moved(bar: Any, n: int) -> None:
         bar.update(n)
@@ -233,12 +386,18 @@ def score_rows(model: Any, tokenizer: Any, slot: Any, rows: Sequence[ScoreRow], 
             on_progress(n / units)
 
     with progress_bar("scoring", units, unit="row", enabled=progress) as bar:
-        for chunk, vals in halving(list(range(len(rows))), batch_size, teacher_forced, what="scoring forwards",
+        for chunk, (lps, texts) in halving(shared, batch_size, lambda c: read(c, True), what="scoring forwards",
+                                           take=take(both_cost)):
+            for i, lp, t in zip(chunk, lps, texts):
+                alias_lps[i], gens[i] = lp, t
+            moved(bar, 2 * len(chunk))
+        for chunk, vals in halving(tf_order, batch_size, teacher_forced, what="scoring forwards",
                                    take=take(tf_cost), measure=lambda c: sum(len(rows[i].gold_ids) for i in c)):
             for i, v in vals:
                 alias_lps[i].append(v)
             moved(bar, len(chunk))
-        for chunk, texts in halving(gen_order, batch_size, generated, what="scoring generation", take=take(gen_cost)):
+        for chunk, (_, texts) in halving(gen_order, batch_size, lambda c: read(c, False), what="scoring generation",
+                                         take=take(gen_cost)):
             for i, t in zip(chunk, texts):
                 gens[i] = t
             moved(bar, len(chunk))

@@ -73,6 +73,15 @@ def extract_answer(text: str, cot: bool = False, scoring: str = "default") -> st
     return (text[:min(cuts)] if cuts else text).strip()
 
 
+def reaches_cut(text: str) -> bool:
+    """Whether PRAG's short answer of ``text`` (:func:`extract_answer` without chain-of-thought) is fixed: the
+    text, stripped on the left, holds '.', newline or ','. Then every continuation of ``text`` has the same short
+    answer, so a greedy answer may stop there (a stop before the first non-blank character would not be: the
+    scorer strips leading blanks and newlines first)."""
+    rest = text.lstrip()
+    return any(stop in rest for stop in STOPS)
+
+
 def score_generation(generation: str, answers: Sequence[str], *, cot: bool = False,
                      scoring: str = "default") -> tuple[str, float, float]:
     """``(prediction, f1, em)`` of a raw generation against the gold aliases, under ``scoring``."""

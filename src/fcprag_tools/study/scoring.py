@@ -4,11 +4,13 @@ per-sample fusion (:func:`fcprag_tools.lm.batched.score_rows`), and PEFT's Arrow
 A row is data: a question, a name, its prompt (``param``: the question only, PRAG's; ``combine``: the retrieved
 passages in the prompt too, the paper's "Combine") and one ``w~`` per passage adapter (0: that adapter is off; all
 0: the base model, e.g. ``vanilla`` and ``standard_rag``). A row's result: ``logprob`` (the gold answer's mean token
-log-likelihood under teacher forcing, best over the aliases), and the greedy answer from the same prompt scored by
-PRAG's rules: the short answer is the
+log-likelihood under teacher forcing, best over the aliases), and the greedy answer from the same prompt (read
+once for both, :func:`fcprag_tools.lm.batched.read_prompts`) scored by PRAG's rules: the short answer is the
 generation cut at its first ``.``, newline or ``,``, SQuAD normalisation, ``f1`` (HotpotQA's yes/no rule) and
 ``em`` best over the aliases; ``acc`` is answer presence (a normalised alias as whole words anywhere in the
-normalised generation).
+normalised generation). With ``until_cut`` (the default) a greedy answer ends at the token that reaches the cut, so
+``prediction``, ``f1`` and ``em`` equal those of the full-length answer while ``generation`` (and so ``acc``) holds
+the answer through its cut only; ``until_cut=False`` generates to ``max_new_tokens`` (or a stop token).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fcprag_plugin.errors import FcpragError
-from ..lm.batched import ScoreRow, batched_answer_logprobs, batched_greedy, score_rows
+from ..lm.batched import ScoreRow, read_prompts, score_rows
 from ..lm.metrics import answer_in_text, exact_match, extract_answer, f1_score
 from ..lm.prompts import PromptTemplate, answer_ids, render_prompt
 
@@ -66,7 +68,8 @@ def result(row_id: str, logprob: float, generation: str | None, answers: Sequenc
 
 def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[str, dict[str, Any]],
           adapters: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16,
-          batch_size: int = 16, on_progress: Callable[[float], None] | None = None) -> list[dict[str, Any]]:
+          batch_size: int = 16, on_progress: Callable[[float], None] | None = None,
+          until_cut: bool = True) -> list[dict[str, Any]]:
     """One result per row (``id`` = ``"<qid>|<name>"``, with its prompt, pids and weights), in row order;
     ``on_progress``: :func:`~fcprag_tools.lm.batched.score_rows`'."""
     enc = {(q, m): encode(tok, questions[q]["question"], questions[q]["answers"],
@@ -79,7 +82,7 @@ def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[
         srows.append(ScoreRow(p_ids, gold, [a for a, _ in keep], [w for _, w in keep],
                               gen_prompt_ids=p_ids if generate else None))
     out = score_rows(model, tok, slot, srows, mode="cat", batch_size=batch_size, max_new_tokens=max_new_tokens,
-                     stop_ids=stop_ids(model, tok), on_progress=on_progress)
+                     stop_ids=stop_ids(model, tok), on_progress=on_progress, until_cut=until_cut)
     return [result(f"{r.qid}|{r.name}", s.logprob, s.generation, questions[r.qid]["answers"],
                    {"prompt": r.prompt, "pids": r.pids, "w": [round(float(w), 6) for w in r.weights]})
             for r, s in zip(rows, out)]
@@ -87,7 +90,7 @@ def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[
 
 def score_arrow_rows(model: Any, tok: Any, items: Sequence[tuple[str, dict[str, Any], Sequence[str]]],
                      adapters_of: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16,
-                     batch_size: int = 16) -> list[dict[str, Any]]:
+                     batch_size: int = 16, until_cut: bool = True) -> list[dict[str, Any]]:
     """The Arrow row of many questions at once: ``items`` = ``[(qid, question record, its passage ids)]``, each
     question routed per token over its own passage adapters (``adapters_of(pid)``: a ``LoraAdapter``, or a
     directory) with PEFT's Arrow arithmetic and :data:`ARROW`'s settings (top ``min(3, N)`` adapters by
@@ -117,7 +120,8 @@ def score_arrow_rows(model: Any, tok: Any, items: Sequence[tuple[str, dict[str, 
         p_ids, gold = encode(tok, q["question"], q["answers"])
         srows.append(ScoreRow(p_ids, gold, [adapter(p) for p in pids], gen_prompt_ids=p_ids if generate else None))
     out = score_rows(model, tok, None, srows, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                     stop_ids=stop_ids(model, tok), mixture=lambda per_seq: arrow_routing(model, per_seq, settings))
+                     stop_ids=stop_ids(model, tok), mixture=lambda per_seq: arrow_routing(model, per_seq, settings),
+                     until_cut=until_cut)
     return [result(f"{qid}|arrow", s.logprob, s.generation, q["answers"],
                    {"prompt": "param", "pids": list(pids), "w": None}) for (qid, q, pids), s in zip(items, out)]
 
@@ -139,7 +143,8 @@ def arrow_status() -> tuple[bool, str]:
 
 @torch.no_grad()
 def score_arrow(model: Any, tok: Any, qid: str, q: dict[str, Any], pids: Sequence[str],
-                adapter_dir: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16) -> dict[str, Any]:
+                adapter_dir: Callable[[str], Any], *, generate: bool = True, max_new_tokens: int = 16,
+                until_cut: bool = True) -> dict[str, Any]:
     """PEFT's training-free Arrow router over the question's own passage adapters (per token and layer, the top
     ``min(3, N)`` adapters by ``|x . prototype|``, softmax coefficients), scored like the other rows. ``model``
     must carry no active adapter; it is left as it was (``unload()``)."""
@@ -154,9 +159,9 @@ def score_arrow(model: Any, tok: Any, qid: str, q: dict[str, Any], pids: Sequenc
         warnings.simplefilter("ignore")
         wrapped = create_arrow_model(model, [str(adapter_dir(p)) for p in pids], cfg)
     try:
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        lp = max(batched_answer_logprobs(model, [(p_ids, g) for g in gold], pad))
-        gen = batched_greedy(model, tok, [p_ids], max_new_tokens, stop_ids(model, tok))[0] if generate else None
+        lps, gens = read_prompts(model, tok, [p_ids], [gold], max_new_tokens=max_new_tokens if generate else 0,
+                                 stop_ids=stop_ids(model, tok), until_cut=until_cut)
     finally:
         wrapped.unload()
-    return result(f"{qid}|arrow", lp, gen, q["answers"], {"prompt": "param", "pids": list(pids), "w": None})
+    return result(f"{qid}|arrow", max(lps[0]), gens[0] if gens else None, q["answers"],
+                  {"prompt": "param", "pids": list(pids), "w": None})

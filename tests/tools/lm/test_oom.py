@@ -92,7 +92,7 @@ def world(tmp_path_factory):
 def _fail_above(monkeypatch, k: int) -> list[int]:
     """Forwards and generations of more than ``k`` sequences raise the out-of-memory error."""
     sizes = []
-    real_lp, real_gen = batched.batched_answer_logprobs, batched.batched_greedy
+    real_lp, real_read = batched.batched_answer_logprobs, batched.read_prompts
 
     def lp(model, seqs, pad):
         sizes.append(len(seqs))
@@ -100,21 +100,22 @@ def _fail_above(monkeypatch, k: int) -> list[int]:
             raise OOM("CUDA out of memory (simulated)")
         return real_lp(model, seqs, pad)
 
-    def gen(model, tok, prompts, *a, **kw):
+    def read(model, tok, prompts, *a, **kw):
         sizes.append(len(prompts))
         if len(prompts) > k:
             raise OOM("CUDA out of memory (simulated)")
-        return real_gen(model, tok, prompts, *a, **kw)
+        return real_read(model, tok, prompts, *a, **kw)
 
     monkeypatch.setattr(batched, "batched_answer_logprobs", lp)
-    monkeypatch.setattr(batched, "batched_greedy", gen)
+    monkeypatch.setattr(batched, "read_prompts", read)
     return sizes
 
 
-def _score(world, batch_size):
+def _score(world, batch_size, share=False):
     slot = FusedSlot(world["model"], world["ads"][0], max_adapters=8, max_rank=2)
     try:
-        return score_rows(world["model"], world["tok"], slot, world["rows"], batch_size=batch_size, max_new_tokens=4)
+        return score_rows(world["model"], world["tok"], slot, world["rows"], batch_size=batch_size, max_new_tokens=4,
+                          share_prompt=share)
     finally:
         slot.remove()
 
@@ -131,6 +132,18 @@ def test_score_rows_halves_its_forwards_and_generation(world, monkeypatch, caplo
         assert g.alias_logprobs == pytest.approx(w.alias_logprobs, abs=1e-5) and g.generation == w.generation
     assert oom_lines(caplog) == ["scoring forwards: out of device memory at a batch of 7; going on with batches of 3",
                                  "scoring generation: out of device memory at a batch of 5; going on with batches of 2"]
+
+
+def test_score_rows_halves_its_reads_of_each_prompt_once(world, monkeypatch, caplog):
+    """A row's prompt read once for its aliases and its answer: one sequence per row, halved like the others."""
+    want = _score(world, 1, share=True)
+    sizes = _fail_above(monkeypatch, 3)
+    with caplog.at_level(logging.WARNING):
+        got = _score(world, 8, share=True)
+    assert sizes == [5, 2, 2, 1]
+    for g, w in zip(got, want):
+        assert g.alias_logprobs == pytest.approx(w.alias_logprobs, abs=1e-5) and g.generation == w.generation
+    assert oom_lines(caplog) == ["scoring forwards: out of device memory at a batch of 5; going on with batches of 2"]
 
 
 def test_score_rows_reraises_when_one_row_does_not_fit(world, monkeypatch):

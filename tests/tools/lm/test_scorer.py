@@ -72,13 +72,13 @@ def test_rows_equal_each_row_alone(world, monkeypatch, batch_size, max_tokens, k
     rows = _rows(world)
     snap = state_snapshot(model)
     forwards = []
-    real = batched.batched_answer_logprobs
+    real = batched.read_prompts
 
-    def counting(m, seqs, pad):
-        forwards.append((len(seqs), max(len(p) + len(a) for p, a in seqs)))
-        return real(m, seqs, pad)
+    def counting(m, t, prompts, golds=None, **kw):  # one call: one read of its prompts (gold + greedy answer)
+        forwards.append((len(prompts), max(len(p) for p in prompts) + 5))
+        return real(m, t, prompts, golds, **kw)
 
-    monkeypatch.setattr(batched, "batched_answer_logprobs", counting)
+    monkeypatch.setattr(batched, "read_prompts", counting)
     slot = FusedSlot(model, world["ads"][0], max_adapters=k, max_rank=4)
     try:
         got = score_rows(model, tok, slot, rows, batch_size=batch_size, max_tokens=max_tokens, max_new_tokens=5)
@@ -86,6 +86,7 @@ def test_rows_equal_each_row_alone(world, monkeypatch, batch_size, max_tokens, k
         slot.remove()
     assert (len(forwards) == 1) == ((batch_size, max_tokens, k) == (64, None, 8))  # the budgets split the rows
     assert all(b <= batch_size and (max_tokens is None or b * w <= max_tokens) for b, w in forwards)
+    assert sum(b for b, _ in forwards) == len(rows)  # each prompt read once
     assert_bit_identical(model, snap)
     want = [_alone(model, tok, r) for r in rows]
     for g, (lps, gen) in zip(got, want):
@@ -148,3 +149,32 @@ def test_errors_are_clear(world):
         assert not slot.active  # nothing left switched on
     finally:
         slot.remove()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_one_read_of_each_prompt_equals_separate_reads(tmp_path, kind):
+    """The prompt's cache shared by the gold aliases (of different lengths) and the greedy answer: alias
+    log-probabilities equal a separate teacher-forced forward per alias, greedy answers equal, with and without
+    adapters, in one batch and alone."""
+    from helpers import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model(kind, seed=3, bos_token_id=2, eos_token_id=3, pad_token_id=0), tiny_tokenizer()
+    ads = [LoraAdapter.from_pretrained(make_adapter_dir(tmp_path / f"p{i}", kind, seed=50 + i)) for i in range(2)]
+    rows = []
+    for j, q in enumerate(QUESTIONS):
+        p = tok(q)["input_ids"]
+        gold = [tok(" " + a, add_special_tokens=False)["input_ids"] for a in ANSWERS[j] + ["the river of berlin"]]
+        rows.append(ScoreRow(p, gold, ads[: j % 3], [1.5, -0.5][: j % 3], gen_prompt_ids=p))
+    slot = FusedSlot(model, ads[0], max_adapters=2, max_rank=2)
+    try:
+        once, twice = (score_rows(model, tok, slot, rows, batch_size=4, max_new_tokens=6, share_prompt=s)
+                       for s in (True, False))
+        alone = [score_rows(model, tok, slot, [r], max_new_tokens=6)[0] for r in rows]
+    finally:
+        slot.remove()
+    for j, (a, b, c) in enumerate(zip(once, twice, alone)):
+        assert len(a.alias_logprobs) == len(ANSWERS[j]) + 1
+        assert a.alias_logprobs == pytest.approx(b.alias_logprobs, abs=1e-5)
+        assert a.alias_logprobs == pytest.approx(c.alias_logprobs, abs=1e-5)
+        assert a.generation == b.generation == c.generation
+    assert len({round(a.logprob, 4) for a in once}) == len(rows)
