@@ -11,7 +11,7 @@ from typing import Any, Iterator
 from fcprag_plugin.errors import FcpragError
 from ..options import add_model_flags, finite_float, positive_int
 from ..progress import write_line
-from .report_cli import add_policy_flags, check_policy
+from .report_cli import add_policy_flags, policy_of
 
 
 def _scales(text: str) -> list[float]:
@@ -61,10 +61,10 @@ def _study_logging() -> Iterator[None]:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    from .options import Policy, StudyOptions
+    from .options import StudyOptions
     from .pipeline import study
 
-    check_policy(args)
+    policy = policy_of(args)
 
     train_args: dict[str, Any] = {}
     if args.epochs is not None:
@@ -77,8 +77,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
         generate=not args.no_generate, max_new_tokens=args.max_new_tokens, group=args.group,
         batch_size=args.batch_size, chunk=args.chunk, cv_folds=args.cv_folds, encoder=args.encoder,
         arrow=not args.no_arrow, progress=not args.no_progress, aug_batch=args.aug_batch, threads=args.threads,
-        train_args=train_args, policy=Policy(min_gain=args.min_gain, min_scale_gain=args.min_scale_gain,
-                                             target_f1=args.target_f1 / 100))
+        train_args=train_args, policy=policy)
     # fcprag_tools.cli prints "fcprag study: interrupted; " before it
     args.interrupt_hint = "everything finished is kept under --out: run the same command to resume"
     with _study_logging():

@@ -10,7 +10,6 @@ trained controller is there, ``controller{,_combine}/`` is rewritten to what shi
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 import types
@@ -101,31 +100,23 @@ def rebuild(folder: str | Path, policy: Policy | None = None) -> dict[str, Any]:
                           "study command again to finish it") from None
     for s, (_, _, learned) in ctrls.items():
         if learned is not None:
-            save_shipped(folder, s, verdicts[s], learned)
+            save_shipped(folder, s, verdicts[s], learned, qs)
     return out
 
 
-def save_shipped(folder: Path, setting: str, verdict: dict[str, Any], learned: Path) -> None:
-    """``controller{,_combine}/``: what ships now, from the trained controller in ``learned``."""
+def save_shipped(folder: Path, setting: str, verdict: dict[str, Any], learned: Path, qs: dict[str, Any]) -> None:
+    """``controller{,_combine}/``: what ships now, from the trained controller in ``learned``
+    (:func:`.stages.verdict.save_controller`, with the training question ids of ``qs``)."""
     from fcprag_plugin import FusionController
-    from fcprag_tools.options import write_dir_atomically
+    from .stages.verdict import save_controller
 
-    shipped = summary.shipped_controller(verdict, FusionController.from_pretrained(learned).eval())
-    where = folder / ("controller" + suffix(setting))
-    ids = _json(where / "train_question_ids.json")
-
-    def save(tmp: Path) -> None:
-        shipped.save_pretrained(tmp)
-        if ids:
-            (tmp / "train_question_ids.json").write_text(json.dumps(ids), encoding="utf-8")
-
-    write_dir_atomically(where, save)
+    trained = FusionController.from_pretrained(learned).eval()
+    save_controller(folder, setting, summary.shipped_controller(verdict, trained), qs)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    policy = Policy(min_gain=args.min_gain, min_scale_gain=args.min_scale_gain, target_f1=args.target_f1 / 100)
-    s = rebuild(args.dir, policy)
+    s = rebuild(args.dir, policy_of(args))
     shipped = ", ".join(f"{k} {v['ship']}" for k, v in s["verdict"]["settings"].items())
     w = s["verdict"]["what_to_run"]
     print(f"wrote {args.dir}/summary.json, report.md and report.png in {time.perf_counter() - t0:.1f} s; ships: "
@@ -145,11 +136,14 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="the F1 difference (points) the power figures are sized for; inside ±it is 'equivalent'")
 
 
-def check_policy(args: argparse.Namespace) -> None:
+def policy_of(args: argparse.Namespace) -> Policy:
+    """The :class:`Policy` the flags of :func:`add_policy_flags` give; a negative margin or a target of 0 is an
+    error naming the flag."""
     for flag, v in (("--min-gain", args.min_gain), ("--min-scale-gain", args.min_scale_gain),
                     ("--target-f1", args.target_f1)):
         if v is not None and (v < 0 or (flag == "--target-f1" and v == 0)):
             raise FcpragError(f"{flag} {v:g}: expected a number >= 0{' (and not 0)' if flag == '--target-f1' else ''}")
+    return Policy(min_gain=args.min_gain, min_scale_gain=args.min_scale_gain, target_f1=args.target_f1 / 100)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -160,4 +154,4 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "cross-validation, with other margins or target effects; no model is loaded.")
     r.add_argument("dir", metavar="DIR", help="a study folder (fcprag study --out)")
     add_policy_flags(r)
-    r.set_defaults(func=lambda a: (check_policy(a), _cmd_report(a))[1])
+    r.set_defaults(func=_cmd_report)
