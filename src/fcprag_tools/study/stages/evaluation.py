@@ -84,9 +84,9 @@ def _score_chunk(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[st
                             max_new_tokens=opts.max_new_tokens, batch_size=run.batch_size(opts),
                             on_progress=lambda k: step(k * len(part))) if part else []
         done.update({r["id"]: r for r in res})
-        res += [_copy(done, row, origin) for row, origin in copies]
-        st.append(res)
-        done.update({r["id"]: r for r in res})
+        copied = [_copy(done, row, origin) for row, origin in copies]
+        done.update({r["id"]: r for r in copied})
+        st.append(res + copied)
 
     try:
         score(rows)
