@@ -62,14 +62,6 @@ def weighted_sum(srcs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Ten
     return out
 
 
-def write_cat(A_rows: Sequence[torch.Tensor], BT_rows: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
-              BTs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor]) -> None:
-    """Adapter i into its own rank rows: ``A_rows[i] = coefs[i] * As[i]``, ``BT_rows[i] = BTs[i]``."""
-    for dA, dB, a, bt, c in zip(A_rows, BT_rows, As, BTs, coefs):
-        scaled_copy(dA, a, c)
-        dB.copy_(bt)
-
-
 def cat(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], coefs: Sequence[float | torch.Tensor],
         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``A = cat_i(coefs_i A_i)`` ``[..., sum r_i, in]``, ``B = cat_i(B_i)`` ``[..., out, sum r_i]`` (``B A = sum_i

@@ -135,15 +135,16 @@ class SlotBuffers:
 
     @torch.no_grad()
     def write_cat(self, packed: Sequence[PackedAdapter], coefs: Sequence[float]) -> None:
-        """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T`` (:func:`factors.write_cat`)."""
+        """Adapter i -> rows ``i*R ..``: ``A = coefs[i] * s * A_i``, ``BT = B_i^T``."""
         R = self.r
         for seg in self.segments:
-            srcs = [seg.sources(p, coefs[i]) for i, p in enumerate(packed)]  # (A, BT, coef) each
-            spans = [(i * R, i * R + src_A.shape[1]) for i, (src_A, _, _) in enumerate(srcs)]
-            for lo, hi in spans:
+            for i, p in enumerate(packed):
+                src_A, src_BT, coef = seg.sources(p, coefs[i])
+                lo, hi = i * R, i * R + src_A.shape[1]
                 if hi < lo + R and seg.dirty > hi:
                     seg.rows("A", hi, lo + R).zero_()  # leftovers of a larger adapter
-            factors.write_cat([seg.rows("A", *sp) for sp in spans], [seg.rows("BT", *sp) for sp in spans], *zip(*srcs))
+                factors.scaled_copy(seg.rows("A", lo, hi), src_A, coef)
+                seg.rows("BT", lo, hi).copy_(src_BT)
             seg.zero_tail(len(packed) * R)
 
     def check_equal_ranks(self, packed: Sequence[PackedAdapter], what: str = "mode 'separate'") -> None:
@@ -158,9 +159,9 @@ class SlotBuffers:
         self.check_equal_ranks(packed)
         for seg in self.segments:
             r = packed[0].groups[seg.group].rank
-            srcs, scratch = [seg.sources(p, u[i]) for i, p in enumerate(packed)], seg.scratch_like
-            factors.weighted_sum_into(seg.rows("A", 0, r), [s[0] for s in srcs], [s[2] for s in srcs], scratch, "A")
-            factors.weighted_sum_into(seg.rows("BT", 0, r), [s[1] for s in srcs], u, scratch, "BT")
+            As, BTs, coefs = zip(*(seg.sources(p, ui) for p, ui in zip(packed, u)))
+            factors.weighted_sum_into(seg.rows("A", 0, r), As, coefs, seg.scratch_like, "A")
+            factors.weighted_sum_into(seg.rows("BT", 0, r), BTs, u, seg.scratch_like, "BT")
             seg.zero_tail(r)
 
     def as_adapter(self, rows: int, source: str) -> LoraAdapter:
