@@ -50,11 +50,8 @@ def _mmap_tensors(file: Path) -> dict[str, torch.Tensor]:
     :class:`_NotFastPath` (the store then uses ``load_file``)."""
     size = file.stat().st_size
     with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise _NotFastPath
-        n = int.from_bytes(head, "little")
-        if n <= 0 or 8 + n > size:
+        n = int.from_bytes(f.read(8), "little")
+        if n <= 0 or 8 + n > size:  # also a file under 8 bytes
             raise _NotFastPath
         try:
             header = json.loads(f.read(n))
