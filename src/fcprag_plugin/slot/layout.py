@@ -126,7 +126,6 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
     """Pack one adapter given per module by ``factors(name) -> (A [r, in], B [out, r], scaling)`` into ``layout``
     on ``device`` in ``dtype`` (defaults: the factors' own); a factor of the wrong shape is an ``error`` naming the
     module, ``source`` and both shapes. ``out_major``: stack ``B`` as stored (``BT`` is its view)."""
-    dev = torch.device(device) if device is not None else None
     groups = []
     for g in layout.groups:
         As, BTs, scales, ranks = [], [], [], []
@@ -142,7 +141,7 @@ def pack_factors(layout: Layout, factors: FactorGetter, source: str, *, device: 
             scales.append(float(s))
             ranks.append(int(A.shape[0]))
         r = max(ranks)
-        d, dt = dev or As[0].device, dtype or As[0].dtype
+        d, dt = As[0].device if device is None else device, dtype or As[0].dtype
 
         def stack(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
             # a smaller rank is zero-padded along its rank dim ``dim`` (rows of A / BT, columns of out-major B)
