@@ -39,11 +39,10 @@ def risk_price(gains: torch.Tensor, grid: Sequence[float], kappa: float, margin:
     global scale by mean utility is ``kappa`` (the risk rule's choice); the largest when none is."""
     base = float(gains.abs().mean()) or 1.0
     ladder = [0.0] + [base * 2.0 ** k for k in range(-6, 7)]
-    target = grid.index(kappa) if kappa in grid else None
-    for rho in ladder:
-        mean = utility(gains, rho, margin).mean(0)
-        if target is not None and int(torch.argmax(mean)) == target:
-            return rho
+    if kappa in grid:
+        for rho in ladder:
+            if int(torch.argmax(utility(gains, rho, margin).mean(0))) == grid.index(kappa):
+                return rho
     return ladder[-1]
 
 
@@ -123,25 +122,27 @@ def fit_query_scale(data: LabelTensors, metric: str, kappa: float, rule: Any, se
     price = risk_price(g, grid, kappa, rule.loss_margin)
     x = ScaleHead.features(sub.table[sub.q_idx], sub.table[sub.p_idx], sub.mask).double()  # [R, 2d]
     inner = group_kfold(sub.groups, folds, seed)
+    constant = _constant(x.shape[1] // 2, grid, kappa)
+    if len(inner) < 2:  # one question: nothing held out to choose on, the rule's own choice
+        return constant, {"grid": grid, "rho": None, "l2": None}
     # first the rule's own choice, kappa for every query (rho None); a free rule (price 0) still prices risk
     base = [f * price for f in RHO_FACTORS] if price > 0 else [float(g.abs().mean()) * f for f in RHO_FACTORS]
     pairs = [(None, math.inf)] + list(dict.fromkeys((rho, l2) for rho in base for l2 in L2_GRID))
     everything = list(range(len(rows)))
-    keeps = [sorted(set(everything) - set(held)) for held in inner] if len(inner) > 1 else []
-    heads = fit_many(x, g, keeps, pairs[1:], grid, rule.loss_margin) if keeps else []
+    keeps = [sorted(set(everything) - set(held)) for held in inner]
+    heads = fit_many(x, g, keeps, pairs[1:], grid, rule.loss_margin)
     best, best_gain = pairs[0], -math.inf
     for p, (rho, l2) in enumerate(pairs):
         got = torch.zeros(len(rows), dtype=torch.float64)
-        for f, held in enumerate(inner if keeps else []):
-            head = _constant(x.shape[1] // 2, grid, kappa) if rho is None else heads[f][p - 1]
+        for f, held in enumerate(inner):
+            head = constant if p == 0 else heads[f][p - 1]
             got[held] = gains_at(grid, g[held], choose(head, sub.subset(held)))
         ls = loss_share(got, sub.groups, rule.loss_margin)
         tested = ls["ci95"][1] if rule.bound == "upper" else ls["share"]
-        allowed = (rho, l2) == pairs[0] or (len(inner) > 1 and tested <= rule.max_loss_share)
+        allowed = p == 0 or tested <= rule.max_loss_share
         mean = float(got.mean())
         if allowed and mean > best_gain:  # strict: ties keep the safer, simpler pair listed first
             best, best_gain = (rho, l2), mean
     rho, l2 = best
-    head = _constant(x.shape[1] // 2, grid, kappa) if rho is None else \
-        fit_many(x, g, [everything], [(rho, l2)], grid, rule.loss_margin)[0][0]
+    head = constant if rho is None else fit_many(x, g, [everything], [(rho, l2)], grid, rule.loss_margin)[0][0]
     return head, {"grid": grid, "rho": rho, "l2": None if math.isinf(l2) else l2}

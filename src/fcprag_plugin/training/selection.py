@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -111,8 +112,7 @@ def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, s
 
 def _from_json(values: Any) -> torch.Tensor:
     """A (nested) list written by ``write_json`` back to float64, its nulls to NaN."""
-    back = lambda v: [back(x) for x in v] if isinstance(v, list) else float("nan" if v is None else v)  # noqa: E731
-    return torch.tensor(back(values), dtype=torch.float64)
+    return torch.from_numpy(np.array(values, dtype=np.float64))
 
 
 def read_cv_partial(out: Any) -> dict[str, Any] | None:
@@ -215,7 +215,7 @@ def _outer_fold(data: LabelTensors, args: Any, f: int, folds: list[list[int]], e
     """Outer fold ``f``: epochs chosen on an inner split of its training questions, kappa (and the per-query scale)
     on all of them, each part measured on its held-out questions into ``out``."""
     held, metric = folds[f], args.scale_metric
-    rest = [i for i in range(len(data)) if i not in set(held)]
+    rest = sorted(set(range(len(data))) - set(held))
     inner = group_kfold([data.groups[i] for i in rest], len(folds), args.seed + 1 + f)
     # one question left to train on: its epochs are chosen on itself, still never on the held-out ones
     inner_val = [rest[i] for i in inner[0]] if len(inner) > 1 else []
@@ -251,8 +251,8 @@ def _query_part(data: LabelTensors, args: Any, rule: ScaleRule, out: HeldOut, pa
                                       "allowed": rule.max_loss_share},
               "folds": out.heads}
     ls = q_part["held_out_loss_share"]
-    q_part["keeps_rule"] = ls["share"] is not None and ls["ci95"][1] <= rule.max_loss_share or (
-        ls["share"] is not None and ls["share"] <= (scale_share or 0.0))
+    q_part["keeps_rule"] = ls["share"] is not None and (ls["ci95"][1] <= rule.max_loss_share
+                                                        or ls["share"] <= (scale_share or 0.0))
     return q_part
 
 
@@ -323,7 +323,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
         raise ValueError(f"cross-validation needs at least 2 groups (questions), got {len(folds)}")
     metric = args.scale_metric
     metrics = [m for m in SCALE_METRICS if data.gains(m) is not None]
-    per_query = args.kappa == "auto" and getattr(args, "per_query_scale", False) and has_measured(data, metric)
+    per_query = args.kappa == "auto" and args.per_query_scale and has_measured(data, metric)
     out = HeldOut.empty(len(data), args.epochs, {metric, *metrics})
     with tqdm(total=len(folds) * args.epochs, unit="epoch", desc=f"nested {len(folds)}-fold CV",
               dynamic_ncols=True, disable=not progress) as bar:

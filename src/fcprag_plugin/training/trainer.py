@@ -38,14 +38,12 @@ logger = logging.getLogger(__name__)
 LOG_NAME = "train_log.jsonl"
 ARGS_NAME = "training_args.json"
 METRICS_NAME = "metrics.json"
-PRECISIONS = ("auto", "fp32", "bf16")
-OBJECTIVES = ("kl", "risk")
 # what a recipe sets unless the caller does: "measured" (the TrainArgs defaults) and "paper" (the network at total 1)
 RECIPES: dict[str, dict[str, Any]] = {
     "measured": {}, "paper": {"kappa": 1.0, "keep_network": True, "per_query_scale": False, "objective": "kl"}}
 # the fields that take one of a few words: TrainArgs.validate checks them, fcprag train offers them as choices
-CHOICES = {"precision": PRECISIONS, "objective": OBJECTIVES, "scale_bound": BOUNDS, "scale_metric": SCALE_METRICS,
-           "recipe": tuple(RECIPES)}
+CHOICES = {"precision": ("auto", "fp32", "bf16"), "objective": ("kl", "risk"), "scale_bound": BOUNDS,
+           "scale_metric": SCALE_METRICS, "recipe": tuple(RECIPES)}
 # sizes refused before allocation: more epochs than anyone trains for (the CV keeps (epochs + 1) x records), a
 # wider layer than any controller needs (16384 x 16384 is 1 GiB)
 MAX_EPOCHS, MAX_HIDDEN = 10_000, 16_384
@@ -341,35 +339,33 @@ class Trainer:
         return {"epoch": self.epoch, "history": self.history, "args": asdict(self.args), "precision": self.precision,
                 "info_label_sha256": self.info.get("label_sha256")}
 
-    def resume(self) -> bool:
-        """Load the checkpoint in ``out`` when there is one; returns whether it did."""
+    def resume(self) -> None:
+        """Load the checkpoint in ``out`` when there is one."""
+        ckpt = self.out / CHECKPOINT_DIR
         state = read_checkpoint_state(self.out)
         if state is None:
-            logger.warning("%s: no checkpoint: the network trains from its start", self.out / CHECKPOINT_DIR)
-            return False
+            logger.warning("%s: no checkpoint: the network trains from its start", ckpt)
+            return
         old, new = state.get("args", {}), asdict(self.args)
         diff = sorted(k for k in set(old) | set(new) if k not in _RESUME_FREE and old.get(k) != new.get(k))
         if diff:
-            raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, argument(s) {diff} differ from the "
-                              "checkpoint: " + ", ".join(f"{kw(k, new.get(k))} (the checkpoint has "
-                                                         f"{kw(k, old.get(k))})" for k in diff),
+            both = ", ".join(f"{kw(k, new.get(k))} (the checkpoint has {kw(k, old.get(k))})" for k in diff)
+            raise FcpragError(f"{ckpt}: cannot resume, argument(s) {diff} differ from the checkpoint: {both}",
                               params=[(k, v.get(k)) for k in diff for v in (new, old)])
-        if state.get("precision", self.precision) != self.precision:
-            raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the checkpoint trained in "
-                              f"{state.get('precision')} but this run would use {self.precision}; pass "
-                              f"{kw('precision', state.get('precision'))}",
-                              params=[("precision", state.get("precision"))])
+        saved = state.get("precision", self.precision)
+        if saved != self.precision:
+            raise FcpragError(f"{ckpt}: cannot resume, the checkpoint trained in {saved} but this run would "
+                              f"use {self.precision}; pass {kw('precision', saved)}",
+                              params=[("precision", saved)])
         if state.get("info_label_sha256") != self.info.get("label_sha256"):
-            raise FcpragError(f"{self.out / CHECKPOINT_DIR}: cannot resume, the label file(s) changed since the "
-                              "checkpoint (sha256 differs)")
+            raise FcpragError(f"{ckpt}: cannot resume, the label file(s) changed since the checkpoint "
+                              "(sha256 differs)")
         load_checkpoint(self.out, self.controller, self.optimizer, self.shuffle_gen)
         self.epoch, self.history = int(state["epoch"]), list(state["history"])
-        logger.info("resumed from %s at epoch %d", self.out / CHECKPOINT_DIR, self.epoch)
-        return True
+        logger.info("resumed from %s at epoch %d", ckpt, self.epoch)
 
-    def fit(self, progress: bool = True, epochs: int | None = None) -> list[dict[str, Any]]:
-        """Train from ``self.epoch`` to ``epochs`` (default ``args.epochs``; 0: uniform), checkpointing every epoch."""
-        epochs = self.args.epochs if epochs is None else epochs
+    def fit(self, progress: bool, epochs: int) -> list[dict[str, Any]]:
+        """Train from ``self.epoch`` to ``epochs`` (0: uniform), checkpointing every epoch."""
         self.out.mkdir(parents=True, exist_ok=True)
         log_path = self.out / LOG_NAME
         # the log always mirrors the checkpoint's history (an epoch after the checkpoint never happened)
@@ -407,7 +403,7 @@ def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: 
     unknown = sorted(set(kwargs) - set(names))
     if unknown:
         raise FcpragError(f"train_controller: unknown argument(s) {unknown}; expected TrainArgs fields {names}")
-    if "cache_dir" in kwargs and kwargs["cache_dir"] is not None:
+    if kwargs.get("cache_dir") is not None:
         kwargs["cache_dir"] = str(kwargs["cache_dir"])
     args = TrainArgs.for_recipe(**kwargs).validate()
     prev_threads = torch.get_num_threads()
@@ -484,13 +480,13 @@ def prepare(labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwr
             "versions": _versions(), "trained_for": trained_for(train_recs)}
     run = Run(args, out, resume, progress, train_set, val_set, train_t, val_t, name, info, t_start,
               time.perf_counter() - t_start)
-    if not resume and (out / CHECKPOINT_DIR).exists():
-        logger.warning("%s: overwriting the previous run", out)
-        shutil.rmtree(out / CHECKPOINT_DIR)  # a later resume must never pick up the old run's state
     out.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        (out / CV_NAME).unlink(missing_ok=True)
-        (out / CV_PARTIAL_NAME).unlink(missing_ok=True)
+    if not resume:  # a later resume must never pick up the old run's state
+        if (out / CHECKPOINT_DIR).exists():
+            logger.warning("%s: overwriting the previous run", out)
+            shutil.rmtree(out / CHECKPOINT_DIR)
+        for name in (CV_NAME, CV_PARTIAL_NAME):
+            (out / name).unlink(missing_ok=True)
     write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": resolve_precision(args.precision),
                                  "risk_lambda_used": args.risk_lambda_for(train_t), **info})
     return run
@@ -523,13 +519,11 @@ def select_by_cv(run: Run) -> dict[str, Any] | None:
 def fit(run: Run, cv: dict[str, Any] | None) -> tuple[FusionController, list[dict[str, Any]]]:
     """``(controller, history)``: the learned controller trained for the selected epochs, or the scale-only / per-query
     scale controller the verdict ships (the untrained network checkpointed for a resume with ``keep_network``)."""
-    args = run.args
+    shipped = "network" if cv is None else cv["shipped"]
     trainer = run.trainer()
     if run.resume:
         trainer.resume()
-    epochs = args.epochs if cv is None else cv["selected_epochs"]
-    if cv is not None and cv["shipped"] != "network":
-        epochs = 0
+    epochs = (run.args.epochs if cv is None else cv["selected_epochs"]) if shipped == "network" else 0
     if trainer.epoch > epochs:
         logger.warning("%s: the checkpoint has %d epochs but %d are to be trained; training again from the start",
                        run.out / CHECKPOINT_DIR, trainer.epoch, epochs)
@@ -537,10 +531,10 @@ def fit(run: Run, cv: dict[str, Any] | None) -> tuple[FusionController, list[dic
     if trainer.epoch == 0 or trainer.epoch > epochs:
         trainer = run.trainer()  # a fresh start after the CV (which drew from the global RNG)
     history = trainer.fit(run.progress, epochs)
-    if cv is not None and cv["shipped"] in ("prag_sum", "scale_only"):
+    if shipped in ("prag_sum", "scale_only"):
         return FusionController.scale_only(cv["kappa"], embed_dim=run.train.dim,
                                            embedding_model=run.embedding_model), history
-    if cv is not None and cv["shipped"] == "query_scale":
+    if shipped == "query_scale":
         return query_scale_controller(run, cv), history
     return trainer.controller.eval(), history
 
