@@ -1,7 +1,5 @@
-"""File I/O of the library: strict JSON values (:func:`finite_or_none`), the one record reader (a JSON array or JSON
-Lines, gzipped or not: :func:`iter_records`, :func:`read_records`), the JSON object reader
-(:func:`read_json_object`, :func:`read_json_if_present`), the one atomic file writer, the one JSON Lines writer
-(:class:`JsonlAppender` appends; :func:`write_json_lines` writes a whole file) and the safetensors reader. Errors
+"""File I/O of the library, one of each: strict JSON values, the record reader (a JSON array or JSON Lines, gzipped
+or not), the JSON object reader, the atomic file writer, the JSON Lines writers and the safetensors reader. Errors
 name the file (and the line)."""
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, mak
 
 @dataclass
 class Batch:
-    """A padded batch. ``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]``, ``deltas``/``y [B, N]``,
-    ``omega``/``flat [B]``, ``index [B]`` (rows of the dataset), ``side [B, N, k]`` or None."""
+    """A padded batch. ``e_q [B, d]``, ``E_p [B, N, d]``, ``mask [B, N]``, ``deltas``/``y [B, N]``, ``omega [B]``,
+    ``index [B]`` (rows of the dataset), ``side [B, N, k]`` or None."""
 
     e_q: torch.Tensor
     E_p: torch.Tensor
@@ -26,7 +26,6 @@ class Batch:
     deltas: torch.Tensor
     y: torch.Tensor
     omega: torch.Tensor
-    flat: torch.Tensor
     index: torch.Tensor
     side: torch.Tensor | None = None
 
@@ -72,7 +71,7 @@ class LabelTensors:
         n = int(mask.sum(1).max())
         mask = mask[:, :n]
         return Batch(self.table[self.q_idx[index]], self.table[self.p_idx[index, :n]], mask,
-                     self.deltas[index, :n], self.y[index, :n], self.omega[index], self.flat[index], index,
+                     self.deltas[index, :n], self.y[index, :n], self.omega[index], index,
                      None if self.side is None else self.side[index, :n])
 
     def batches(self, batch_size: int, shuffle: bool = False, generator: torch.Generator | None = None

@@ -43,9 +43,8 @@ class EmbeddingCache:
     """One model's embeddings (names never share entries) under ``root``; ``dim`` checked on the shards (None: read)."""
 
     def __init__(self, root: str | Path, model_name: str, dim: int | None = None) -> None:
-        self.root = Path(root)
         self.model_name = model_name
-        self.dir = self.root / _model_dir_name(model_name)
+        self.dir = Path(root) / _model_dir_name(model_name)
         self.dim = dim
         self._index: dict[bytes, tuple[int, int]] = {}  # key -> (shard, row)
         self._shards: list[torch.Tensor] = []
@@ -100,8 +99,9 @@ class EmbeddingCache:
             rows.append(self._shards[loc[0]][loc[1]])
         return torch.stack(rows) if rows else torch.empty(0, self.dim or 0)
 
-    def add(self, texts: Sequence[str], emb: torch.Tensor) -> Path | None:
-        """Store new embeddings ``emb [n, d]`` as one new shard; already cached texts are ignored."""
+    def add(self, texts: Sequence[str], emb: torch.Tensor) -> Path:
+        """Store the embeddings ``emb [n, d]`` of ``texts`` (distinct and not cached yet: :meth:`missing`) as one
+        new shard."""
         from safetensors.torch import save_file
 
         if emb.ndim != 2 or emb.shape[0] != len(texts):
@@ -110,14 +110,9 @@ class EmbeddingCache:
             raise EncoderError(f"cache add: embeddings are {emb.shape[1]}-d, the cache for '{self.model_name}' "
                                f"holds {self.dim}-d")
         self.dim = int(emb.shape[1])
-        new: dict[bytes, int] = {}
-        for i, k in enumerate(map(text_key, texts)):
-            if k not in self._index:
-                new.setdefault(k, i)
-        if not new:
-            return None
-        keys = torch.frombuffer(bytearray(b"".join(new)), dtype=torch.uint8).view(len(new), 32)
-        rows = emb[list(new.values())].detach().float().cpu().contiguous()
+        digests = [text_key(t) for t in texts]
+        keys = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).view(len(digests), 32)
+        rows = emb.detach().float().cpu().contiguous()
         self.dir.mkdir(parents=True, exist_ok=True)
         n = len(list(self.dir.glob("shard-*.safetensors")))
         while (self.dir / f"shard-{n}.safetensors").exists():
@@ -127,7 +122,7 @@ class EmbeddingCache:
         save_file({"keys": keys, "emb": rows}, str(tmp),
                   metadata={"format": CACHE_FORMAT, "model": self.model_name, "dim": str(self.dim)})
         os.replace(tmp, path)  # readers never see a half-written shard
-        self._append(list(new), rows)
+        self._append(digests, rows)
         return path
 
 

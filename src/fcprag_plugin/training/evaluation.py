@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..controller import FusionController
+from ..features import masked_max, masked_mean
 from .data import LabelTensors
 from .precision import autocast
 from .targets import first_order_gain, kl_per_sample
@@ -50,11 +51,9 @@ def average_ranks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def spearman_per_sample(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Spearman correlation per row ``[B]`` (float64) and a ``[B]`` bool of the rows where it is defined."""
-    ra, rb = average_ranks(a, mask), average_ranks(b, mask)
     m = mask.to(torch.float64)
-    n = m.sum(1).clamp_min(1)
-    ca = (ra - (ra * m).sum(1, keepdim=True) / n.unsqueeze(1)) * m
-    cb = (rb - (rb * m).sum(1, keepdim=True) / n.unsqueeze(1)) * m
+    ca, cb = ((r - masked_mean(r, mask).unsqueeze(1)) * m  # ranks centred on their row's mean, 0 on padding
+              for r in (average_ranks(a, mask), average_ranks(b, mask)))
     va, vb = (ca * ca).sum(1), (cb * cb).sum(1)
     defined = (va > 1e-12) & (vb > 1e-12) & (mask.sum(1) >= 2)
     rho = (ca * cb).sum(1) / (va * vb).clamp_min(1e-300).sqrt()
@@ -63,10 +62,8 @@ def spearman_per_sample(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) ->
 
 def top1_credit(w: torch.Tensor, deltas: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per row ``[B]``: |argmax w & argmax delta| / |argmax w| (tie-aware top-1 agreement)."""
-    wm = w.masked_fill(~mask, float("-inf"))
-    dm = deltas.masked_fill(~mask, float("-inf"))
-    top_w = (wm >= wm.amax(1, keepdim=True) - _W_TIE) & mask
-    top_d = (dm >= dm.amax(1, keepdim=True)) & mask
+    top_w = (w >= masked_max(w, mask).unsqueeze(1) - _W_TIE) & mask
+    top_d = (deltas >= masked_max(deltas, mask).unsqueeze(1)) & mask
     return (top_w & top_d).sum(1).to(torch.float64) / top_w.sum(1).clamp_min(1).to(torch.float64)
 
 

@@ -7,7 +7,7 @@ import hashlib
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,9 +18,6 @@ logger = logging.getLogger(__name__)
 
 ON_ERROR = ("fail", "skip")
 REQUIRED = ("id", "query", "passages")
-OPTIONAL = ("deltas", "metric_all", "metric_without", "adapters", "answer", "metric", "group", "split",
-            "retrieval_ranks", "retrieval_scores", "adapter_stats", "scales", "metric_at_scales", "f1_all",
-            "f1_at_scales")
 # split values understood by the trainer; anything else is an error (a typo must not move data silently)
 TRAIN_SPLITS = ("train",)
 VAL_SPLITS = ("val", "validation", "dev")
@@ -77,6 +74,10 @@ class LabelRecord:
     @property
     def where(self) -> str:
         return f"{self.file}:{self.line}"
+
+
+# the other fields a record may give: LabelRecord's, but where it was read (file, line) and the unknown keys (extra)
+OPTIONAL = tuple(f.name for f in fields(LabelRecord) if f.name not in (*REQUIRED, "file", "line", "extra"))
 
 
 def _gains(scales: list[float] | None, at: list[float] | None, base: float | None) -> dict[float, float] | None:
@@ -136,12 +137,18 @@ def _number(v: Any, fld: str) -> float:
     return float(v)
 
 
+def _f1(v: Any, fld: str) -> float:
+    f1 = _number(v, fld)
+    if not 0 <= f1 <= 1:
+        raise _RecordError(fld, f"is {f1}, expected an F1 in [0, 1]")
+    return f1
+
+
 def _number_list(v: Any, fld: str, n: int, per: str = "passage") -> list[float]:
     if not isinstance(v, list):
         raise _RecordError(fld, f"is a {_type_name(v)}, expected a list of {n} numbers (one per {per})")
     if len(v) != n:
-        other = "'passages'" if per == "passage" else "'scales'"
-        raise _RecordError(fld, f"has {len(v)} values but {other} has {n}; expected one per {per}")
+        raise _RecordError(fld, f"has {len(v)} values but '{per}s' has {n}; expected one per {per}")
     return [_number(x, f"{fld}[{i}]") for i, x in enumerate(v)]
 
 
@@ -256,11 +263,7 @@ def _scale_fields(obj: dict[str, Any], metric_all: float | None) -> tuple[list[f
 def _f1_scale_fields(obj: dict[str, Any], scales: list[float] | None
                      ) -> tuple[float | None, list[float] | None]:
     """``f1_all`` (in [0, 1]) and ``f1_at_scales`` (one F1 per entry of ``scales``; needs ``f1_all``)."""
-    f1_all = None
-    if "f1_all" in obj:
-        f1_all = _number(obj["f1_all"], "f1_all")
-        if not 0 <= f1_all <= 1:
-            raise _RecordError("f1_all", f"is {f1_all}, expected an F1 in [0, 1]")
+    f1_all = _f1(obj["f1_all"], "f1_all") if "f1_all" in obj else None
     if "f1_at_scales" not in obj:
         return f1_all, None
     if scales is None:
@@ -268,10 +271,7 @@ def _f1_scale_fields(obj: dict[str, Any], scales: list[float] | None
     if f1_all is None:
         raise _RecordError("f1_all", "is missing; 'f1_at_scales' are F1 gains over 'f1_all' (PRAG's sum)")
     at = _number_list(obj["f1_at_scales"], "f1_at_scales", len(scales), "scale")
-    bad = next((i for i, v in enumerate(at) if not 0 <= v <= 1), None)
-    if bad is not None:
-        raise _RecordError(f"f1_at_scales[{bad}]", f"is {at[bad]}, expected an F1 in [0, 1]")
-    return f1_all, at
+    return f1_all, [_f1(v, f"f1_at_scales[{i}]") for i, v in enumerate(at)]
 
 
 def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..errors import FcpragError
-from ..features import masked_max, masked_min
+from ..features import masked_max, masked_mean, masked_min
 
 DEFAULT_T_LABEL = 0.1
 DEFAULT_FLAT_EPS = 1e-6
@@ -73,13 +73,11 @@ def risk_loss(w_tilde: torch.Tensor, deltas: torch.Tensor, mask: torch.Tensor, l
 def estimate_lambda(deltas: torch.Tensor, mask: torch.Tensor) -> float:
     """The risk objective's lambda: the pooled within-record standard deviation of the deltas over records with
     ``N_b >= 2`` (1.0 when every record is flat)."""
-    m = mask.to(torch.float64)
-    d = deltas.to(torch.float64) * m
+    d, m = deltas.to(torch.float64), mask.to(torch.float64)
     n = m.sum(1)
     keep = n >= 2
     if not bool(keep.any()):
         return 1.0
-    mean = d.sum(1) / n.clamp_min(1)
-    ss = (((d - mean.unsqueeze(1)) * m) ** 2).sum(1)
+    ss = (((d - masked_mean(d, mask).unsqueeze(1)) * m) ** 2).sum(1)
     var = float(ss[keep].sum() / (n[keep] - 1).sum())
     return math.sqrt(var) if var > 0 else 1.0
