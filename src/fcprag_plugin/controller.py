@@ -70,16 +70,14 @@ def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torc
     (w, w~), each ``[B, N]``; ``w~`` is computed as ``1 + g*N*(pi - 1/N)`` (``sum w = 1``), so that equal scores give
     exactly ``w~ = 1``."""
     g1, logits = g.unsqueeze(1), scores / tau.unsqueeze(1)
-    if mask is None:
-        n: torch.Tensor | int = scores.shape[1]
-        pi = torch.softmax(logits, dim=1)
-    else:
-        n = mask.sum(1, keepdim=True).to(scores.dtype)
-        pi = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=1).masked_fill(~mask, 0.0)
+    n = scores.shape[1] if mask is None else mask.sum(1, keepdim=True).to(scores.dtype)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))  # softmax gives padding exactly 0
+    pi = torch.softmax(logits, dim=1)
     w, w_tilde = g1 * pi + (1 - g1) / n, 1 + g1 * n * (pi - 1.0 / n)
-    if mask is None:
-        return w, w_tilde
-    return w.masked_fill(~mask, 0.0), w_tilde.masked_fill(~mask, 0.0)
+    if mask is not None:
+        w, w_tilde = w.masked_fill(~mask, 0.0), w_tilde.masked_fill(~mask, 0.0)
+    return w, w_tilde
 
 
 def split_first_linear(weight: torch.Tensor, bias: torch.Tensor | None, e_q: torch.Tensor, xp: torch.Tensor
