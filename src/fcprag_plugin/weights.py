@@ -3,7 +3,7 @@ study``) turns a controller, a query and its passages into :class:`FusionWeights
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -54,9 +54,7 @@ class FusionWeights:
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON of every field (``tau`` null when uniform)."""
-        return finite_or_none({"merge_weights": list(self.merge_weights), "probabilities": list(self.probabilities),
-                               "scores": list(self.scores), "g": self.g, "tau": self.tau,
-                               "controller_mode": self.controller_mode})
+        return finite_or_none(asdict(self))  # (its tuples become lists)
 
 
 def weigh(controller: FusionController | str | Path | None, query: str, passages: Sequence[str], *,
