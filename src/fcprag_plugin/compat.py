@@ -51,26 +51,24 @@ def layer_has_lora_bias(layer: Any, adapter_name: str) -> bool:
     return lb is not None and getattr(lb, "bias", None) is not None
 
 
-def clear_stale_peft_config(model: Any) -> bool:
-    """Remove a ``peft_config`` left on an unloaded base model (peft < 0.19). Returns True if one was removed."""
-    if not hasattr(model, "peft_config") or _is_peft_model(model):
-        return False
-    try:
-        del model.peft_config
-    except AttributeError:  # a class attribute, not ours to delete
-        return False
-    return True
-
-
-def _is_peft_model(model: Any) -> bool:
+def _own_peft_config(model: Any) -> bool:
+    """Whether a plain model (not a ``PeftModel``) holds a ``peft_config`` attribute of its own (not its class's)."""
     from peft import PeftModel
 
-    return isinstance(model, PeftModel)
+    return "peft_config" in vars(model) and not isinstance(model, PeftModel)
+
+
+def clear_stale_peft_config(model: Any) -> bool:
+    """Remove a ``peft_config`` left on an unloaded base model (peft < 0.19). Returns True if one was removed."""
+    if not _own_peft_config(model):
+        return False
+    del model.peft_config
+    return True
 
 
 def has_stale_peft_config(model: Any) -> bool:
     """A plain model with a ``peft_config`` but no PEFT tuner layer (what peft < 0.19 leaves after ``unload()``)."""
-    if not hasattr(model, "peft_config") or _is_peft_model(model) or "peft_config" not in vars(model):
+    if not _own_peft_config(model):
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer
 
