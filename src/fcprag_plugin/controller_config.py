@@ -40,7 +40,7 @@ class ControllerConfig:
     dropout: float = 0.1
     tau_min: float = 0.05
     tau_max: float = 2.0
-    controller_mode: str = "learned"  # learned | uniform | random | fixed
+    controller_mode: str = "learned"  # one of CONTROLLER_MODES (the controller module says what each does)
     scorer: str = "mlp"  # mlp | cosine (parameter-free (1+cos)/2, for fixed baselines)
     fixed_g: float = 0.5
     fixed_tau: float = 0.1
