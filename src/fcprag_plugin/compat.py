@@ -30,47 +30,43 @@ def from_pretrained_dtype_key() -> str:
 
 
 def kv_cache_argument(kwargs: dict[str, Any]) -> Any:
-    """The KV cache in a decoder layer's forward keyword arguments, None without one (transformers 5 names the
+    """The KV cache in a causal LM's forward keyword arguments, None without one (transformers 5 names the
     argument ``cache``, earlier versions ``past_key_values``)."""
     pkv = kwargs.get("past_key_values")
     return kwargs.get("cache") if pkv is None else pkv
 
 
 def layer_use_dora(layer: Any, adapter_name: str) -> bool:
-    """Older peft keeps ``use_dora`` as a dict on the layer; some versions lack it entirely."""
-    use_dora = getattr(layer, "use_dora", None)
-    return isinstance(use_dora, dict) and bool(use_dora.get(adapter_name, False))
+    """peft keeps ``use_dora`` as a dict on the layer (0.13 and 0.21; a layer without one: no DoRA)."""
+    return bool(getattr(layer, "use_dora", {}).get(adapter_name, False))
 
 
 def layer_has_lora_bias(layer: Any, adapter_name: str) -> bool:
     """``lora_bias`` exists from peft 0.14 on; a LoRA B with a bias is not a pure low-rank update."""
-    lora_bias = getattr(layer, "lora_bias", None)
-    if isinstance(lora_bias, dict) and lora_bias.get(adapter_name, False):
+    if getattr(layer, "lora_bias", {}).get(adapter_name, False):
         return True
-    lb = layer.lora_B[adapter_name] if adapter_name in getattr(layer, "lora_B", {}) else None
-    return lb is not None and getattr(lb, "bias", None) is not None
+    lora_b = getattr(layer, "lora_B", {})
+    return adapter_name in lora_b and getattr(lora_b[adapter_name], "bias", None) is not None
+
+
+def _own_peft_config(model: Any) -> bool:
+    """Whether a plain model (not a ``PeftModel``) holds a ``peft_config`` attribute of its own (not its class's)."""
+    from peft import PeftModel
+
+    return "peft_config" in vars(model) and not isinstance(model, PeftModel)
 
 
 def clear_stale_peft_config(model: Any) -> bool:
     """Remove a ``peft_config`` left on an unloaded base model (peft < 0.19). Returns True if one was removed."""
-    if not hasattr(model, "peft_config") or _is_peft_model(model):
+    if not _own_peft_config(model):
         return False
-    try:
-        del model.peft_config
-    except AttributeError:  # a class attribute, not ours to delete
-        return False
+    del model.peft_config
     return True
-
-
-def _is_peft_model(model: Any) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
 
 
 def has_stale_peft_config(model: Any) -> bool:
     """A plain model with a ``peft_config`` but no PEFT tuner layer (what peft < 0.19 leaves after ``unload()``)."""
-    if not hasattr(model, "peft_config") or _is_peft_model(model) or "peft_config" not in vars(model):
+    if not _own_peft_config(model):
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer
 

@@ -70,16 +70,14 @@ def combine(scores: torch.Tensor, g: torch.Tensor, tau: torch.Tensor, mask: torc
     (w, w~), each ``[B, N]``; ``w~`` is computed as ``1 + g*N*(pi - 1/N)`` (``sum w = 1``), so that equal scores give
     exactly ``w~ = 1``."""
     g1, logits = g.unsqueeze(1), scores / tau.unsqueeze(1)
-    if mask is None:
-        n: torch.Tensor | int = scores.shape[1]
-        pi = torch.softmax(logits, dim=1)
-    else:
-        n = mask.sum(1, keepdim=True).to(scores.dtype)
-        pi = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=1).masked_fill(~mask, 0.0)
+    n = scores.shape[1] if mask is None else mask.sum(1, keepdim=True).to(scores.dtype)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))  # softmax gives padding exactly 0
+    pi = torch.softmax(logits, dim=1)
     w, w_tilde = g1 * pi + (1 - g1) / n, 1 + g1 * n * (pi - 1.0 / n)
-    if mask is None:
-        return w, w_tilde
-    return w.masked_fill(~mask, 0.0), w_tilde.masked_fill(~mask, 0.0)
+    if mask is not None:
+        w, w_tilde = w.masked_fill(~mask, 0.0), w_tilde.masked_fill(~mask, 0.0)
+    return w, w_tilde
 
 
 def split_first_linear(weight: torch.Tensor, bias: torch.Tensor | None, e_q: torch.Tensor, xp: torch.Tensor
@@ -309,24 +307,22 @@ class FusionController(nn.Module):
         B, N, _ = E_p.shape
         full_mask = torch.ones(B, N, dtype=torch.bool, device=p.device) if mask is None else mask
         scale = None if c.kappa == 1.0 else torch.full((B,), float(c.kappa), dtype=p.dtype, device=p.device)
-        if c.controller_mode == "scale":  # PRAG's sum times a per-query scale
-            q = self.scale_head.choose(e_q, E_p, mask).to(p.dtype)
-            scale = q if scale is None else scale * q
-        if c.controller_mode in ("uniform", "scale"):
-            ones = full_mask.to(p.dtype)
-            w = ones / ones.sum(1, keepdim=True)
-            mw = ones if scale is None else ones * scale.unsqueeze(1)
-            return ControllerOutput(torch.full_like(ones, 0.5).masked_fill(~full_mask, 0), ones.new_zeros(B),
-                                    ones.new_full((B,), c.tau_max), w, mw, full_mask, scale)  # w~ = 1: PRAG's merge
-        xp = passage_features(e_q, E_p)
-        side_x = center_side(side.to(p), mask, p) if c.side_features and c.scorer == "mlp" else None
-        s = self.score(e_q, E_p, xp, side_x)
-        if mask is not None:
-            s = s.masked_fill(~mask, 0.0)
-        if c.controller_mode == "fixed":
-            g, tau, q_scale = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau), None
+        q_scale = None
+        if c.controller_mode in ("uniform", "scale"):  # g = 0: exactly w~ = 1, PRAG's merge (x a per-query scale)
+            s = full_mask.to(p.dtype) / 2
+            g, tau = s.new_zeros(B), s.new_full((B,), c.tau_max)
+            if c.controller_mode == "scale":
+                q_scale = self.scale_head.choose(e_q, E_p, mask).to(p.dtype)
         else:
-            g, tau, q_scale = self.calib_net(calibration_summary(e_q, xp, s, mask))
+            xp = passage_features(e_q, E_p)
+            side_x = center_side(side.to(p), mask, p) if c.side_features and c.scorer == "mlp" else None
+            s = self.score(e_q, E_p, xp, side_x)
+            if mask is not None:
+                s = s.masked_fill(~mask, 0.0)
+            if c.controller_mode == "fixed":
+                g, tau = s.new_full((B,), c.fixed_g), s.new_full((B,), c.fixed_tau)
+            else:
+                g, tau, q_scale = self.calib_net(calibration_summary(e_q, xp, s, mask))
         w, w_tilde = combine(s, g, tau, mask)
         if q_scale is not None:
             scale = q_scale if scale is None else scale * q_scale

@@ -40,7 +40,7 @@ class ControllerConfig:
     dropout: float = 0.1
     tau_min: float = 0.05
     tau_max: float = 2.0
-    controller_mode: str = "learned"  # learned | uniform | random | fixed
+    controller_mode: str = "learned"  # one of CONTROLLER_MODES (the controller module says what each does)
     scorer: str = "mlp"  # mlp | cosine (parameter-free (1+cos)/2, for fixed baselines)
     fixed_g: float = 0.5
     fixed_tau: float = 0.1
@@ -61,6 +61,9 @@ class ControllerConfig:
             if not ok:
                 raise ControllerError(f"{where}: {what}")
 
+        def positive(v: Any) -> bool:  # a finite number > 0; JSON's true is no number
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
         for key, allowed in (("controller_mode", CONTROLLER_MODES), ("scorer", SCORERS), ("init", INITS)):
             value = getattr(self, key)
             need(value in allowed, f"key '{key}' is '{value}', expected one of {list(allowed)}")
@@ -73,15 +76,13 @@ class ControllerConfig:
         need(all(n in SIDE_FEATURES for n in self.side_features) and len(set(self.side_features)) == len(
             self.side_features), f"key 'side_features' is {self.side_features}, expected distinct names among "
              f"{list(SIDE_FEATURES)}")
-        k = len(side_feature_columns(self.side_features))
-        need(self.side_scale is None or len(self.side_scale) == k and all(
-            isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in self.side_scale),
+        k = len(self.side_columns)
+        need(self.side_scale is None or len(self.side_scale) == k and all(map(positive, self.side_scale)),
              f"key 'side_scale' is {self.side_scale}, expected {k} positive numbers (one per side-feature column)")
-        need(isinstance(self.kappa, (int, float)) and math.isfinite(self.kappa) and self.kappa > 0,
-             f"key 'kappa' is {self.kappa!r}, expected a positive number")
+        need(positive(self.kappa), f"key 'kappa' is {self.kappa!r}, expected a positive number")
         grid = self.scale_grid
-        need((self.controller_mode != "scale" and grid is None) or (isinstance(grid, list) and grid and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in grid)),
+        need((self.controller_mode != "scale" and grid is None)
+             or (isinstance(grid, list) and grid and all(map(positive, grid))),
              f"key 'scale_grid' is {grid!r}, expected a non-empty list of numbers > 0 (controller_mode 'scale' "
              "chooses its per-query scale among them)")
         return self

@@ -9,22 +9,16 @@ from typing import Any, Sequence
 import torch
 
 
-def _check(e_q: torch.Tensor, E_p: torch.Tensor, what: str) -> None:
-    if e_q.ndim != 2 or E_p.ndim != 3 or e_q.shape[0] != E_p.shape[0] or e_q.shape[1] != E_p.shape[2]:
-        raise ValueError(f"{what} expects e_q [B, d] and E_p [B, N, d], got {list(e_q.shape)} and {list(E_p.shape)}")
-
-
 def pair_features(e_q: torch.Tensor, E_p: torch.Tensor) -> torch.Tensor:
-    """``e_q [B, d]``, ``E_p [B, N, d]`` -> ``x [B, N, 4d]``."""
-    _check(e_q, E_p, "pair_features")
-    q = e_q.unsqueeze(1).expand_as(E_p)
-    return torch.cat([q, E_p, q * E_p, (q - E_p).abs()], dim=-1)
+    """``e_q [B, d]``, ``E_p [B, N, d]`` -> ``x [B, N, 4d]``: ``e_q`` beside each :func:`passage_features` row."""
+    xp = passage_features(e_q, E_p)
+    return torch.cat([e_q.unsqueeze(1).expand_as(E_p), xp], dim=-1)
 
 
 def passage_features(e_q: torch.Tensor, E_p: torch.Tensor) -> torch.Tensor:
-    """The per-passage blocks of :func:`pair_features`: ``[e_p; e_q*e_p; |e_q-e_p|]`` as ``[B, N, 3d]``
-    (``pair_features(e_q, E_p) == cat([e_q expanded, passage_features(e_q, E_p)], -1)``)."""
-    _check(e_q, E_p, "passage_features")
+    """The per-passage blocks of :func:`pair_features`: ``[e_p; e_q*e_p; |e_q-e_p|]`` as ``[B, N, 3d]``."""
+    if e_q.ndim != 2 or E_p.ndim != 3 or e_q.shape[0] != E_p.shape[0] or e_q.shape[1] != E_p.shape[2]:
+        raise ValueError(f"features expect e_q [B, d] and E_p [B, N, d], got {list(e_q.shape)} and {list(E_p.shape)}")
     q = e_q.unsqueeze(1)
     return torch.cat([E_p, q * E_p, (q - E_p).abs()], dim=-1)
 

@@ -77,7 +77,7 @@ class LiveFusion(_WeightsView):
 
 def _read_live(adapters: Sequence[Any], model: Any) -> list[Any]:
     """Names of the live ``model``'s adapters -> read from it; paths and (packed) adapters pass through."""
-    live = set(getattr(model, "peft_config", {}) or {}) if model is not None else set()
+    live = set(getattr(model, "peft_config", None) or {})  # (model None: no live adapters)
     out = [LoraAdapter.from_peft_model(model, a) if isinstance(a, str) and a in live else a for a in adapters]
     for i, a in enumerate(out):
         if not isinstance(a, (str, Path, LoraAdapter, PackedAdapter)):

@@ -73,8 +73,7 @@ class LoadCache(Generic[T]):
                     self.stats.misses += 1
                 self._items[key] = (sig, value)
                 while len(self._items) > max(self.maxsize, 0):
-                    old = next(iter(self._items))
-                    del self._items[old]
+                    old, _ = self._items.popitem(last=False)
                     self._key_locks.pop(old, None)
                     self.stats.evictions += 1
             return value

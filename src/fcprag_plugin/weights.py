@@ -3,7 +3,7 @@ study``) turns a controller, a query and its passages into :class:`FusionWeights
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -44,19 +44,17 @@ class FusionWeights:
         return cls(check_weights([scale] * n, n), (1.0 / n,) * n, (0.5,) * n, 0.0, None, "uniform")
 
     @classmethod
-    def from_output(cls, out: Any, controller_mode: str, b: int = 0) -> "FusionWeights":
-        """Sample ``b`` of a controller output (``scores``, ``probabilities``, ``merge_weights`` ``[B, N]``, ``g``,
-        ``tau`` ``[B]``, ``mask [B, N]``), its real passages only."""
-        m = out.mask[b]
-        merge_weights = out.merge_weights[b][m].tolist()
-        return cls(check_weights(merge_weights, len(merge_weights)), tuple(out.probabilities[b][m].tolist()),
-                   tuple(out.scores[b][m].tolist()), float(out.g[b]), float(out.tau[b]), controller_mode)
+    def from_output(cls, out: Any, controller_mode: str) -> "FusionWeights":
+        """The one query of a controller output (``scores``, ``probabilities``, ``merge_weights`` ``[1, N]``, ``g``,
+        ``tau`` ``[1]``, ``mask [1, N]``), its real passages only."""
+        m = out.mask[0]
+        merge_weights = out.merge_weights[0][m].tolist()
+        return cls(check_weights(merge_weights, len(merge_weights)), tuple(out.probabilities[0][m].tolist()),
+                   tuple(out.scores[0][m].tolist()), float(out.g[0]), float(out.tau[0]), controller_mode)
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON of every field (``tau`` null when uniform)."""
-        return finite_or_none({"merge_weights": list(self.merge_weights), "probabilities": list(self.probabilities),
-                               "scores": list(self.scores), "g": self.g, "tau": self.tau,
-                               "controller_mode": self.controller_mode})
+        return finite_or_none(asdict(self))  # (its tuples become lists)
 
 
 def weigh(controller: FusionController | str | Path | None, query: str, passages: Sequence[str], *,
