@@ -49,11 +49,10 @@ class DyPragShim(Shim):
         self.utils, self.projector = host_modules(utils, projector)
         _check_host(self.utils, self.projector)
         weigher = WeightProvider(controller, encoder)
-        _ = weigher.encoder  # load it and check its dimension now, before the host script runs
+        super().__init__(weigher, mode, log=log, use_slot=use_slot, max_adapters=max_adapters)
         logger.info("fcprag dyprag: installing (mode=%s, controller=%s, use_slot=%s)", mode,
                     "uniform" if weigher.controller is None else weigher.controller.config.controller_mode,
-                    bool(use_slot))
-        super().__init__(weigher, mode, log=log, use_slot=use_slot, max_adapters=max_adapters)
+                    self.use_slot)
         self._captured: list[Any] = []
         self._lock = threading.Lock()
 

@@ -58,7 +58,6 @@ class PragShim(Shim):
                          max_adapters=max_adapters)
         self._slot_models: "weakref.WeakKeyDictionary[Any, SlotPeftModel]" = weakref.WeakKeyDictionary()
         self._stores: dict[torch.device, AdapterStore] = {}
-        _ = self.weigher.encoder  # load it and check its dimension now, before the host script runs for hours
         self.data = PragDataFile(data_file) if data_file is not None else None
         self.repair = repair
 
