@@ -107,12 +107,30 @@ class PragShim(Shim):
 
     def question_weights(self, merge_name: str, names: list[str], paths: list[str | None],
                          adapters: Callable[[], list[LoraAdapter]]) -> tuple[dict[str, Any], FusionWeights]:
-        """The context and weights of merge ``merge_name`` of adapters ``names`` loaded from ``paths``
-        (``adapters``: their factors, read when the controller needs them)."""
+        """The context (question, one passage per adapter in adapter order, ``test_id``, ``source``) and weights of
+        merge ``merge_name`` of adapters ``names`` loaded from ``paths`` (``adapters``: their factors, read when the
+        controller needs them)."""
         if not names:
             raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); load at least one "
                             "passage adapter first")
-        ctx = self._context(names, paths, [parse_adapter_path(p) for p in paths])
+        parsed = [parse_adapter_path(p) for p in paths]
+
+        def from_data_file() -> dict[str, Any] | None:
+            if self.data is None:
+                return None
+            bad = [p or f"adapter '{n}' (path unknown)" for n, p, q in zip(names, paths, parsed) if q is None]
+            if bad:
+                raise HookError(f"cannot map {bad[0]} to the PRAG data file {self.data.path}: expected an adapter "
+                                "loaded from '.../data_{test_id}/passage_{pid}'")
+            return {**self.data.context(parsed), "source": "data_file", "aligned": True}  # type: ignore[arg-type]
+
+        shown = [p or n for n, p in zip(names, paths)]
+        ctx = get_context(from_data_file, what=f"merge of adapters {shown}")
+        if not ctx.get("aligned"):
+            ctx["passages"] = _align_passages(ctx["passages"], shown, parsed, ctx["source"])
+        if ctx.get("test_id") is None:
+            ctx["test_id"] = common_test_id(parsed)
+        ctx["test_id"] = caller_test_id(ctx)
         return ctx, self.weigher.weights(ctx["question"], ctx["passages"], adapters=adapters)
 
     def log_merge(self, ctx: dict[str, Any], fw: FusionWeights, names: list[str], paths: list[str | None],
@@ -131,27 +149,6 @@ class PragShim(Shim):
                   "merge_time_s": time.perf_counter() - t0, **({"slot": slot_info} if slot_info else {})}
         self.log_record(record)
         logger.debug("prag merge %s: w~=%s (%s)", merge_name, fw.merge_weights, ctx["source"])
-
-    def _context(self, names: list[str], paths: list[str | None],
-                 parsed: list[PragAdapterPath | None]) -> dict[str, Any]:
-        """Question and one passage per adapter (in adapter order), plus ``test_id`` and ``source``."""
-        def from_data_file() -> dict[str, Any] | None:
-            if self.data is None:
-                return None
-            bad = [p or f"adapter '{n}' (path unknown)" for n, p, q in zip(names, paths, parsed) if q is None]
-            if bad:
-                raise HookError(f"cannot map {bad[0]} to the PRAG data file {self.data.path}: expected an adapter "
-                                "loaded from '.../data_{test_id}/passage_{pid}'")
-            return {**self.data.context(parsed), "source": "data_file", "aligned": True}  # type: ignore[arg-type]
-
-        shown = [p or n for n, p in zip(names, paths)]
-        ctx = get_context(from_data_file, what=f"merge of adapters {shown}")
-        if not ctx.get("aligned"):
-            ctx["passages"] = _align_passages(ctx["passages"], shown, parsed, ctx["source"])
-        if ctx.get("test_id") is None:
-            ctx["test_id"] = common_test_id(parsed)
-        ctx["test_id"] = caller_test_id(ctx)
-        return ctx
 
     def slot_model(self, base: Any, model_id: Any, adapter_name: Any) -> SlotPeftModel:
         """``PeftModel.from_pretrained(base, model_id, adapter_name)`` under ``use_slot``: a :class:`SlotPeftModel`
@@ -196,7 +193,7 @@ def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None
     """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` (else a HookError)."""
     hint = (f"; peft {package_version('peft')} < 0.19 leaves a stale peft_config after unload(), so load_adapter() "
             "creates no layers: install the shim before the first question") if peft_has_stale_config_bug() else ""
-    configured = set(getattr(tuner, "peft_config", {}) or {})
+    configured = set(tuner.peft_config)
     for name, path in zip(names, paths):
         label = f"adapter '{name}'" + (f" loaded from {path}" if path else "")
         if name not in configured:
@@ -232,7 +229,7 @@ def add_merged_adapter(tuner: Any, name: str, merged: LoraAdapter, like: str) ->
             b.zero_()[:, : m.rank].copy_(m.B)
 
 
-_signature = functools.lru_cache(maxsize=None)(inspect.signature)
+_signature = functools.cache(inspect.signature)
 
 
 def _bind(original: Callable[..., Any], *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
