@@ -92,8 +92,7 @@ class DyPragShim(Shim):
         return new
 
     def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
-        """``use_slot``: :meth:`reaggregate`'s checks and weights, the update written into the model's fused slot
-        (``separate``: slot mode ``separate`` with ``w~``, which divides by N; ``cat``: with ``u``), switched on."""
+        """``use_slot``: :meth:`reaggregate`'s checks and weights, the update written into the fused slot (on)."""
         outs, ctx, fw, u, times = self._weigh(merged)
         factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
