@@ -25,7 +25,7 @@ from ..slot import AdapterStore
 from ..slot.fused import SLOT_MODES
 from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
-from .prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path, pick_passages
+from .prag_data import PragDataFile, common_test_id, parse_adapter_path, pick_passages
 from ..weights import FusionWeights
 from .base import Lifecycle, Shim, WeightProvider, wrapping
 from .context import caller_test_id, clear_context, get_context
@@ -126,8 +126,13 @@ class PragShim(Shim):
 
         shown = [p or n for n, p in zip(names, paths)]
         ctx = get_context(from_data_file, what=f"merge of adapters {shown}")
-        if not ctx.get("aligned"):
-            ctx["passages"] = _align_passages(ctx["passages"], shown, parsed, ctx["source"])
+        if not ctx.get("aligned"):  # one passage per adapter: by the passage_{pid} of its path, else by position
+            if all(p is not None for p in parsed):
+                ctx["passages"] = pick_passages(parsed, ctx["passages"],  # type: ignore[arg-type]
+                                                f"the {ctx['source']} context")
+            elif len(ctx["passages"]) != len(names):
+                raise HookError(f"merging {len(names)} adapters {shown} but the {ctx['source']} context has "
+                                f"{len(ctx['passages'])} passages; they must pair up in order")
         if ctx.get("test_id") is None:
             ctx["test_id"] = common_test_id(parsed)
         ctx["test_id"] = caller_test_id(ctx)
@@ -174,19 +179,6 @@ class PragShim(Shim):
                 self.warn_once("stale", "fcprag: peft %s leaves peft_config on the base model after unload() "
                                 "(fixed in peft 0.19); cleared it (seen at %s). Without this, later questions would "
                                 "merge only some of their passages.", package_version("peft"), where)
-
-
-def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[PragAdapterPath | None],
-                    source: str) -> list[str]:
-    """One passage per adapter (``shown``: their paths or names): by the ``passage_{pid}`` in its path when all
-    paths have one, else by position."""
-    passages = list(passages)
-    if parsed and all(p is not None for p in parsed):
-        return pick_passages(parsed, passages, f"the {source} context")  # type: ignore[arg-type]
-    if len(passages) != len(shown):
-        raise HookError(f"merging {len(shown)} adapters {shown} but the {source} context has {len(passages)} "
-                        "passages; they must pair up in order")
-    return passages
 
 
 def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None]) -> None:
