@@ -126,7 +126,7 @@ def aggregate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | S
     (``cat``: ``A`` ``[..., N r, in]``, ``B`` ``[..., out, N r]``)."""
     if mode not in DYPRAG_MODES:
         raise HookError(f"fcprag dyprag: mode '{mode}' is not one of {list(DYPRAG_MODES)}")
-    w = [float(x) for x in (u.tolist() if isinstance(u, torch.Tensor) else u)]
+    w = [float(x) for x in u]
     if len(w) != len(outputs):
         raise HookError(f"fcprag dyprag: got {len(w)} weights for {len(outputs)} passages")
     if mode == "separate":

@@ -178,6 +178,7 @@ class Shim:
         self.merges = 0
         self.last_record: dict[str, Any] | None = None
         self._warned: set[str] = set()
+        _ = weigher.encoder  # load it and check its dimension now, before the host script runs for hours
 
     def apply(self) -> None:
         raise NotImplementedError

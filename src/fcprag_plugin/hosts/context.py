@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 from types import FrameType
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import HookError
 
@@ -26,12 +26,10 @@ def explicit_context() -> dict[str, Any] | None:
     return getattr(_ctx, "value", None)
 
 
-def find_in_callers(names: Iterable[str], frame: FrameType | None = None,
-                    max_depth: int = 30) -> dict[str, Any] | None:
-    """The nearest caller frame whose locals hold all ``names`` (e.g. ``question`` and ``passages``)."""
-    names = list(names)
+def find_in_callers(names: Sequence[str], frame: FrameType | None = None) -> dict[str, Any] | None:
+    """The nearest of 30 caller frames whose locals hold all ``names`` (e.g. ``question`` and ``passages``)."""
     f = frame or sys._getframe(1)
-    for _ in range(max_depth):
+    for _ in range(30):
         if f is None:
             return None
         if all(n in f.f_locals for n in names):

@@ -49,11 +49,10 @@ class DyPragShim(Shim):
         self.utils, self.projector = host_modules(utils, projector)
         _check_host(self.utils, self.projector)
         weigher = WeightProvider(controller, encoder)
-        _ = weigher.encoder  # load it and check its dimension now, before the host script runs
+        super().__init__(weigher, mode, log=log, use_slot=use_slot, max_adapters=max_adapters)
         logger.info("fcprag dyprag: installing (mode=%s, controller=%s, use_slot=%s)", mode,
                     "uniform" if weigher.controller is None else weigher.controller.config.controller_mode,
-                    bool(use_slot))
-        super().__init__(weigher, mode, log=log, use_slot=use_slot, max_adapters=max_adapters)
+                    self.use_slot)
         self._captured: list[Any] = []
         self._lock = threading.Lock()
 
@@ -93,8 +92,7 @@ class DyPragShim(Shim):
         return new
 
     def inject_on_slot(self, model: Any, merged: Mapping[str, Any]) -> None:
-        """``use_slot``: :meth:`reaggregate`'s checks and weights, the update written into the model's fused slot
-        (``separate``: slot mode ``separate`` with ``w~``, which divides by N; ``cat``: with ``u``), switched on."""
+        """``use_slot``: :meth:`reaggregate`'s checks and weights, the update written into the fused slot (on)."""
         outs, ctx, fw, u, times = self._weigh(merged)
         factors = [dm.module_factors(o, i) for i, o in enumerate(outs)]
         rank = max(int(a.shape[0]) for a, _ in factors[0].values())
@@ -150,14 +148,9 @@ class DyPragShim(Shim):
         return ctx
 
     def apply(self) -> None:
-        cls = getattr(self.projector, TRANSLATOR_CLASS)
-        originals = {"delta_inject": self.utils.delta_inject}
-        if self.use_slot:
-            originals["delta_remove"] = getattr(self.utils, "delta_remove", None)
-            if not callable(originals["delta_remove"]):
-                where = getattr(self.utils, "__file__", self.utils.__name__)
-                raise HookError(f"fcprag dyprag: {where} has no function 'delta_remove'; use_slot needs it to "
-                                "switch the fused slot off after each question")
+        if self.use_slot and not callable(getattr(self.utils, "delta_remove", None)):
+            raise HookError(f"fcprag dyprag: {_where(self.utils)} has no function 'delta_remove'; "
+                            "use_slot needs it to switch the fused slot off after each question")
 
         def forward(orig: Callable[..., Any], module: Any, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -181,16 +174,15 @@ class DyPragShim(Shim):
                 return None
             return orig(model, adapter_weights, *args, **kwargs)
 
-        self.patches.patch(cls, "forward", wrapping(forward))
-        self.patches.patch(self.utils, "delta_inject", wrapping(delta_inject))
-        if self.use_slot:
-            self.patches.patch(self.utils, "delta_remove", wrapping(delta_remove))
+        self.patches.patch(getattr(self.projector, TRANSLATOR_CLASS), "forward", wrapping(forward))
         main = sys.modules.get("__main__")
-        for name, orig_fn in originals.items():
-            patched = getattr(self.utils, name)
+        wrappers = [("delta_inject", delta_inject)] + ([("delta_remove", delta_remove)] if self.use_slot else [])
+        for name, fn in wrappers:
+            original = getattr(self.utils, name)
+            self.patches.patch(self.utils, name, wrapping(fn))
             # A script that imported the function before install() holds the original: re-point that name too.
-            if main is not None and main is not self.utils and getattr(main, name, None) is orig_fn:
-                self.patches.patch(main, name, lambda _orig, patched=patched: patched)
+            if main is not None and main is not self.utils and getattr(main, name, None) is original:
+                self.patches.patch(main, name, lambda _orig, patched=getattr(self.utils, name): patched)
                 logger.info("fcprag dyprag: also patched __main__.%s (imported before install)", name)
 
     def close(self) -> None:
@@ -219,14 +211,18 @@ def host_modules(utils: ModuleType | str | None = None,
     return mods[0], mods[1]
 
 
+def _where(module: ModuleType) -> str:
+    return getattr(module, "__file__", module.__name__)
+
+
 def _check_host(utils: ModuleType, projector: ModuleType) -> None:
     if not callable(getattr(utils, "delta_inject", None)):
-        raise HookError(f"fcprag dyprag: {getattr(utils, '__file__', utils.__name__)} has no function 'delta_inject'; "
+        raise HookError(f"fcprag dyprag: {_where(utils)} has no function 'delta_inject'; "
                         "expected DyPRAG's src/utils.py")
     cls = getattr(projector, TRANSLATOR_CLASS, None)
     if not isinstance(cls, type) or not callable(getattr(cls, "forward", None)):
-        raise HookError(f"fcprag dyprag: {getattr(projector, '__file__', projector.__name__)} has no class "
-                        f"'{TRANSLATOR_CLASS}' with a forward(); expected DyPRAG's src/projector.py")
+        raise HookError(f"fcprag dyprag: {_where(projector)} has no class '{TRANSLATOR_CLASS}' with a forward(); "
+                        "expected DyPRAG's src/projector.py")
 
 
 def install(controller: Any = None, encoder: Any = None, mode: str = "separate", log: str | Path | None = None, *,

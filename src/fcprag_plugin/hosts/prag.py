@@ -25,7 +25,7 @@ from ..slot import AdapterStore
 from ..slot.fused import SLOT_MODES
 from ..merge import get_merge_mode, merge_adapters
 from ._prag_slot import SlotPeftModel
-from .prag_data import PragAdapterPath, PragDataFile, common_test_id, parse_adapter_path, pick_passages
+from .prag_data import PragDataFile, common_test_id, parse_adapter_path, pick_passages
 from ..weights import FusionWeights
 from .base import Lifecycle, Shim, WeightProvider, wrapping
 from .context import caller_test_id, clear_context, get_context
@@ -58,7 +58,6 @@ class PragShim(Shim):
                          max_adapters=max_adapters)
         self._slot_models: "weakref.WeakKeyDictionary[Any, SlotPeftModel]" = weakref.WeakKeyDictionary()
         self._stores: dict[torch.device, AdapterStore] = {}
-        _ = self.weigher.encoder  # load it and check its dimension now, before the host script runs for hours
         self.data = PragDataFile(data_file) if data_file is not None else None
         self.repair = repair
 
@@ -108,12 +107,35 @@ class PragShim(Shim):
 
     def question_weights(self, merge_name: str, names: list[str], paths: list[str | None],
                          adapters: Callable[[], list[LoraAdapter]]) -> tuple[dict[str, Any], FusionWeights]:
-        """The context and weights of merge ``merge_name`` of adapters ``names`` loaded from ``paths``
-        (``adapters``: their factors, read when the controller needs them)."""
+        """The context (question, one passage per adapter in adapter order, ``test_id``, ``source``) and weights of
+        merge ``merge_name`` of adapters ``names`` loaded from ``paths`` (``adapters``: their factors, read when the
+        controller needs them)."""
         if not names:
             raise HookError(f"add_weighted_adapter('{merge_name}'): no adapters to merge (N == 0); load at least one "
                             "passage adapter first")
-        ctx = self._context(names, paths, [parse_adapter_path(p) for p in paths])
+        parsed = [parse_adapter_path(p) for p in paths]
+
+        def from_data_file() -> dict[str, Any] | None:
+            if self.data is None:
+                return None
+            bad = [p or f"adapter '{n}' (path unknown)" for n, p, q in zip(names, paths, parsed) if q is None]
+            if bad:
+                raise HookError(f"cannot map {bad[0]} to the PRAG data file {self.data.path}: expected an adapter "
+                                "loaded from '.../data_{test_id}/passage_{pid}'")
+            return {**self.data.context(parsed), "source": "data_file", "aligned": True}  # type: ignore[arg-type]
+
+        shown = [p or n for n, p in zip(names, paths)]
+        ctx = get_context(from_data_file, what=f"merge of adapters {shown}")
+        if not ctx.get("aligned"):  # one passage per adapter: by the passage_{pid} of its path, else by position
+            if all(p is not None for p in parsed):
+                ctx["passages"] = pick_passages(parsed, ctx["passages"],  # type: ignore[arg-type]
+                                                f"the {ctx['source']} context")
+            elif len(ctx["passages"]) != len(names):
+                raise HookError(f"merging {len(names)} adapters {shown} but the {ctx['source']} context has "
+                                f"{len(ctx['passages'])} passages; they must pair up in order")
+        if ctx.get("test_id") is None:
+            ctx["test_id"] = common_test_id(parsed)
+        ctx["test_id"] = caller_test_id(ctx)
         return ctx, self.weigher.weights(ctx["question"], ctx["passages"], adapters=adapters)
 
     def log_merge(self, ctx: dict[str, Any], fw: FusionWeights, names: list[str], paths: list[str | None],
@@ -132,27 +154,6 @@ class PragShim(Shim):
                   "merge_time_s": time.perf_counter() - t0, **({"slot": slot_info} if slot_info else {})}
         self.log_record(record)
         logger.debug("prag merge %s: w~=%s (%s)", merge_name, fw.merge_weights, ctx["source"])
-
-    def _context(self, names: list[str], paths: list[str | None],
-                 parsed: list[PragAdapterPath | None]) -> dict[str, Any]:
-        """Question and one passage per adapter (in adapter order), plus ``test_id`` and ``source``."""
-        def from_data_file() -> dict[str, Any] | None:
-            if self.data is None:
-                return None
-            bad = [p or f"adapter '{n}' (path unknown)" for n, p, q in zip(names, paths, parsed) if q is None]
-            if bad:
-                raise HookError(f"cannot map {bad[0]} to the PRAG data file {self.data.path}: expected an adapter "
-                                "loaded from '.../data_{test_id}/passage_{pid}'")
-            return {**self.data.context(parsed), "source": "data_file", "aligned": True}  # type: ignore[arg-type]
-
-        shown = [p or n for n, p in zip(names, paths)]
-        ctx = get_context(from_data_file, what=f"merge of adapters {shown}")
-        if not ctx.get("aligned"):
-            ctx["passages"] = _align_passages(ctx["passages"], shown, parsed, ctx["source"])
-        if ctx.get("test_id") is None:
-            ctx["test_id"] = common_test_id(parsed)
-        ctx["test_id"] = caller_test_id(ctx)
-        return ctx
 
     def slot_model(self, base: Any, model_id: Any, adapter_name: Any) -> SlotPeftModel:
         """``PeftModel.from_pretrained(base, model_id, adapter_name)`` under ``use_slot``: a :class:`SlotPeftModel`
@@ -180,24 +181,11 @@ class PragShim(Shim):
                                 "merge only some of their passages.", package_version("peft"), where)
 
 
-def _align_passages(passages: Sequence[str], shown: list[str], parsed: list[PragAdapterPath | None],
-                    source: str) -> list[str]:
-    """One passage per adapter (``shown``: their paths or names): by the ``passage_{pid}`` in its path when all
-    paths have one, else by position."""
-    passages = list(passages)
-    if parsed and all(p is not None for p in parsed):
-        return pick_passages(parsed, passages, f"the {source} context")  # type: ignore[arg-type]
-    if len(passages) != len(shown):
-        raise HookError(f"merging {len(shown)} adapters {shown} but the {source} context has {len(passages)} "
-                        "passages; they must pair up in order")
-    return passages
-
-
 def verify_adapters(tuner: Any, names: Sequence[str], paths: Sequence[str | None]) -> None:
     """Every adapter must be configured, have LoRA layers in the model and a non-zero ``B`` (else a HookError)."""
     hint = (f"; peft {package_version('peft')} < 0.19 leaves a stale peft_config after unload(), so load_adapter() "
             "creates no layers: install the shim before the first question") if peft_has_stale_config_bug() else ""
-    configured = set(getattr(tuner, "peft_config", {}) or {})
+    configured = set(tuner.peft_config)
     for name, path in zip(names, paths):
         label = f"adapter '{name}'" + (f" loaded from {path}" if path else "")
         if name not in configured:
@@ -233,7 +221,7 @@ def add_merged_adapter(tuner: Any, name: str, merged: LoraAdapter, like: str) ->
             b.zero_()[:, : m.rank].copy_(m.B)
 
 
-_signature = functools.lru_cache(maxsize=None)(inspect.signature)
+_signature = functools.cache(inspect.signature)
 
 
 def _bind(original: Callable[..., Any], *args: Any, **kwargs: Any) -> inspect.BoundArguments | None:
