@@ -172,3 +172,4 @@ def test_collect_outputs_bfloat16_is_close_to_float32_and_restores_the_controlle
     assert torch.equal(bf["w"][~mask], torch.zeros(int((~mask).sum())))
     with pytest.raises(ValueError, match="bfloat16 only"):
         collect_outputs(c, data, autocast_dtype=torch.float16)
+    assert c.training  # a refused dtype leaves the controller's mode as it was

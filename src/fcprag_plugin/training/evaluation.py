@@ -21,13 +21,13 @@ def collect_outputs(controller: FusionController, data: LabelTensors, batch_size
                     autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Run ``controller`` (eval mode) over ``data``: ``w`` and ``wt`` (the merge weights ``w~``) ``[R, N_max]`` (0 on
     padding), ``g [R]``, ``tau [R]``. ``autocast_dtype`` ``torch.bfloat16``: the MLPs under ``torch.autocast``."""
+    if autocast_dtype is not None and autocast_dtype != torch.bfloat16:  # before eval(): the mode is left alone
+        raise ValueError(f"collect_outputs: autocast_dtype supports torch.bfloat16 only, got {autocast_dtype}")
     was_training = controller.training
     controller.eval()
     R, N = data.mask.shape
     w, wt = torch.zeros(R, N), torch.zeros(R, N)
     g, tau = torch.zeros(R), torch.zeros(R)
-    if autocast_dtype is not None and autocast_dtype != torch.bfloat16:
-        raise ValueError(f"collect_outputs: autocast_dtype supports torch.bfloat16 only, got {autocast_dtype}")
     try:
         with autocast("bf16" if autocast_dtype else "fp32"):
             for b in data.batches(batch_size):
