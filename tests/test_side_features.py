@@ -100,6 +100,8 @@ def test_predict_takes_adapters_or_their_statistics(tmp_path, encoder16):
     assert torch.equal(a.merge_weights, b.merge_weights) and torch.equal(a.merge_weights, d.merge_weights)
     with pytest.raises(ControllerError, match=r"adapter_stats=: expected a LoraAdapter, a dict with keys"):
         c.predict("q", ps, encoder16, adapter_stats=[{"rank": 2}] * 3, retrieval_ranks=[0, 1, 2])
+    with pytest.raises(ControllerError, match=r"adapter_stats=: expected .* a list of 6 numbers per passage"):
+        c.predict("q", ps, encoder16, adapter_stats=[[0.0] * 6, [0.0] * 6, [0.0]], retrieval_ranks=[0, 1, 2])
 
 
 def test_label_fields_parse_round_trip_and_errors(tmp_path):

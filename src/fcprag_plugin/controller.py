@@ -180,11 +180,11 @@ def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieva
             try:
                 mat = [[float(r[k]) for k in ADAPTER_STAT_NAMES] if isinstance(r, dict) else [float(x) for x in r]
                        for r in rows]
+                t = torch.tensor(mat, dtype=torch.float32)  # (rows of different lengths: ValueError)
             except (KeyError, TypeError, ValueError) as e:
                 raise ControllerError(f"adapter_stats=: expected a LoraAdapter, a dict with keys "
                                       f"{list(ADAPTER_STAT_NAMES)} or a list of {len(ADAPTER_STAT_NAMES)} numbers "
                                       f"per passage ({e})") from e
-            t = torch.tensor(mat, dtype=torch.float32)
             if t.shape != (n, len(ADAPTER_STAT_NAMES)):
                 raise ControllerError(f"adapter_stats= gives shape {list(t.shape)}, expected "
                                       f"[{n}, {len(ADAPTER_STAT_NAMES)}]")
