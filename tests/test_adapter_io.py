@@ -212,6 +212,10 @@ def test_unknown_key_layout(tmp_path):
 
 @pytest.mark.parametrize("key,value,what", [
     ("use_dora", True, "DoRA"),
+    ("alora_invocation_tokens", [7, 8], "variant"),
+    ("arrow_config", {"top_k": 2}, "variant"),
+    ("target_parameters", ["experts.gate_up_proj"], "variant"),
+    ("init_lora_weights", "mica", "MiCA"),
     ("lora_bias", True, "bias"),
     ("peft_type", "IA3", "IA3"),
 ])
@@ -243,6 +247,21 @@ def test_real_dora_adapter_rejected(tmp_path):
     d = make_adapter_dir(tmp_path / "a", use_dora=True)
     with pytest.raises(UnsupportedAdapterError, match="DoRA"):
         LoraAdapter.from_pretrained(d)
+
+
+@pytest.mark.parametrize("variant", [{"use_dora": True}, {"alora_invocation_tokens": [5, 6]}])
+def test_live_lora_variants_are_refused(variant):
+    """A live layer whose adapter is a LoRA variant (its forward is not scaling * B @ A: DoRA, activated LoRA) is
+    refused by name, on peft versions with a per-adapter lora_variant and on those with only use_dora."""
+    from peft import LoraConfig, get_peft_model
+
+    if not all(hasattr(LoraConfig(), k) for k in variant):
+        pytest.skip(f"this peft has no {list(variant)}")
+    cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["gate_proj"], task_type="CAUSAL_LM", **variant)
+    pm = get_peft_model(tiny_model(), cfg, adapter_name="v")
+    with pytest.raises(UnsupportedAdapterError, match=r"live model adapter 'v': module '.*gate_proj' uses the LoRA "
+                                                      r"variant \w+, which is not supported"):
+        LoraAdapter.from_peft_model(pm, "v")
 
 
 def test_bad_config_values(tmp_path):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from .compat import layer_has_lora_bias, layer_use_dora, live_lora_layers
+from .compat import layer_has_lora_bias, layer_variant, live_lora_layers
 from .errors import AdapterError, UnsupportedAdapterError
 from .fileio import read_json_object, read_tensor_file
 
@@ -83,8 +83,9 @@ class LoraAdapter:
             if adapter_name in getattr(module, "lora_embedding_A", {}):
                 raise UnsupportedAdapterError(f"{where}: module '{name}' is an embedding LoRA: only Linear LoRA is "
                                               "supported")
-            if layer_use_dora(module, adapter_name):
-                raise UnsupportedAdapterError(f"{where}: module '{name}' uses DoRA, which is not supported")
+            if variant := layer_variant(module, adapter_name):
+                raise UnsupportedAdapterError(f"{where}: module '{name}' uses the LoRA variant {variant}, which is not "
+                                              "supported (its update is not alpha/r * B @ A)")
             if layer_has_lora_bias(module, adapter_name):
                 raise UnsupportedAdapterError(f"{where}: module '{name}' has a LoRA bias, which is not supported")
             A = module.lora_A[adapter_name].weight.detach().clone()
@@ -208,6 +209,9 @@ SAFETENSORS_NAME = "adapter_model.safetensors"
 LEGACY_BIN_NAME = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."
 # <prefix>(<module>).lora_(A|B)[.<adapter name>].weight
+# LoraConfig keys that select a LoRA variant (peft's lora_variants) or LoRA on bare parameters: refused
+VARIANT_KEYS = ("use_dora", "alora_invocation_tokens", "arrow_config", "kasa_config", "monteclora_config",
+                "use_bdlora", "velora_config", "target_parameters")
 _KEY_RE = re.compile(r"^(?P<module>.+?)\.lora_(?P<kind>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
 
 
@@ -220,9 +224,14 @@ def check_config(cfg: Mapping[str, Any], where: str) -> None:
     peft_type = str(cfg.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise UnsupportedAdapterError(f"{where}: peft_type '{peft_type}' is not supported; only plain LoRA is")
-    if cfg.get("use_dora"):
-        raise UnsupportedAdapterError(f"{where}: key 'use_dora' is true: DoRA adapters are not supported "
-                                      "(their update is not a low-rank product)")
+    for key in VARIANT_KEYS:
+        if cfg.get(key):
+            what = "DoRA adapters are" if key == "use_dora" else "the LoRA variant it selects is"
+            raise UnsupportedAdapterError(f"{where}: key '{key}' is set: {what} not supported (the update is not "
+                                          "alpha/r * B @ A)")
+    if cfg.get("init_lora_weights") == "mica":
+        raise UnsupportedAdapterError(f"{where}: key 'init_lora_weights' is 'mica': the MiCA LoRA variant is not "
+                                      "supported (the update is not alpha/r * B @ A)")
     if cfg.get("lora_bias"):
         raise UnsupportedAdapterError(f"{where}: key 'lora_bias' is true: LoRA with a bias on lora_B is not supported")
     for key in ("r", "lora_alpha"):

@@ -36,9 +36,13 @@ def kv_cache_argument(kwargs: dict[str, Any]) -> Any:
     return kwargs.get("cache") if pkv is None else pkv
 
 
-def layer_use_dora(layer: Any, adapter_name: str) -> bool:
-    """peft keeps ``use_dora`` as a dict on the layer (0.13 and 0.21; a layer without one: no DoRA)."""
-    return bool(getattr(layer, "use_dora", {}).get(adapter_name, False))
+def layer_variant(layer: Any, adapter_name: str) -> str | None:
+    """The LoRA variant of a live layer's adapter (its update is then not ``scaling * B @ A``), None for plain LoRA:
+    peft >= 0.16 keeps a ``lora_variant`` object per adapter, earlier versions only a ``use_dora`` dict."""
+    variant = getattr(layer, "lora_variant", {}).get(adapter_name)
+    if variant is not None:
+        return type(variant).__name__
+    return "DoRA" if getattr(layer, "use_dora", {}).get(adapter_name, False) else None
 
 
 def layer_has_lora_bias(layer: Any, adapter_name: str) -> bool:
