@@ -4,6 +4,7 @@ the PRAG / DyPRAG pins, peft 0.13.2 with transformers 4.44.2 / 4.49.0)."""
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -34,6 +35,30 @@ def kv_cache_argument(kwargs: dict[str, Any]) -> Any:
     argument ``cache``, earlier versions ``past_key_values``)."""
     pkv = kwargs.get("past_key_values")
     return kwargs.get("cache") if pkv is None else pkv
+
+
+_FORWARD_PARAMETERS: dict[type, frozenset[str]] = {}
+
+
+def _forward_parameters(model: Any) -> frozenset[str]:
+    """The parameter names of ``model.forward``, read once per class."""
+    if type(model) not in _FORWARD_PARAMETERS:
+        _FORWARD_PARAMETERS[type(model)] = frozenset(inspect.signature(model.forward).parameters)
+    return _FORWARD_PARAMETERS[type(model)]
+
+
+def kv_cache_argument_name(model: Any) -> str:
+    """The name under which a causal LM's forward takes its KV cache (see :func:`kv_cache_argument`); a PEFT
+    wrapper passes it on to its base model, whose signature is read."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in _forward_parameters(base) else "past_key_values"
+
+
+def logits_to_keep_argument(model: Any) -> str | None:
+    """The name of the forward's "logits for the last k positions only" argument (``logits_to_keep``; transformers
+    4.44 / 4.49 ``num_logits_to_keep``), None where the model has none."""
+    params = _forward_parameters(model)
+    return next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
 
 
 def layer_variant(layer: Any, adapter_name: str) -> str | None:

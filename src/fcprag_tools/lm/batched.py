@@ -7,39 +7,18 @@ runs alone), so every row's logits equal its unbatched logits up to float roundi
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 
+from fcprag_plugin.compat import kv_cache_argument_name, logits_to_keep_argument
 from fcprag_plugin.errors import FcpragError, MergeError
 from .mixed import adapter_key
 from .metrics import model_device
 from .oom import halving
 from ..progress import progress_bar
-
-_KEEP_ARG: dict[type, str | None] = {}
-_CACHE_ARG: dict[type, str] = {}
-
-
-def _keep_arg(model: Any) -> str | None:
-    """The name of the model's "compute logits for the last k positions only" argument, if it has one."""
-    cls = type(model)
-    if cls not in _KEEP_ARG:
-        params = inspect.signature(model.forward).parameters
-        _KEEP_ARG[cls] = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
-    return _KEEP_ARG[cls]
-
-
-def _cache_arg(model: Any) -> str:
-    """The name of the forward's KV-cache argument: ``cache`` where the model has it, else ``past_key_values``
-    (a PEFT wrapper passes it on to its base model, whose signature is read)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if type(base) not in _CACHE_ARG:
-        _CACHE_ARG[type(base)] = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-    return _CACHE_ARG[type(base)]
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device
@@ -68,7 +47,7 @@ def batched_answer_logprobs(model: Any, rows: Sequence[tuple[Sequence[int], Sequ
     ids, mask, pos = left_pad([list(p) + list(a) for p, a in rows], pad_id, model_device(model))
     t_max = max(len(a) for _, a in rows)
     kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
-    keep = _keep_arg(model)
+    keep = logits_to_keep_argument(model)
     if keep is not None:
         kwargs[keep] = t_max + 1
     logits = model(**kwargs).logits[:, -(t_max + 1):-1]  # [B, T_max, V]: position j predicts token j + 1
@@ -110,8 +89,8 @@ def _forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tenso
     """Logits ``[B, T or keep, V]`` of ``ids [B, T]`` after ``cache`` (extended in place); ``mask`` covers the
     cache and ``ids``."""
     kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
-                              _cache_arg(model): cache, "use_cache": True}
-    name = _keep_arg(model) if keep is not None else None
+                              kv_cache_argument_name(model): cache, "use_cache": True}
+    name = logits_to_keep_argument(model) if keep is not None else None
     if name is not None:
         kwargs[name] = keep
     return model(**kwargs).logits
