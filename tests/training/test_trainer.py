@@ -172,6 +172,34 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
         run(tmp_path / "a.jsonl", table, tmp_path / "fromfile", epochs=2, resume=True, **kw)
 
 
+def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before_and_resume_goes_on(tmp_path, monkeypatch):
+    """The checkpoint goes through the one folder swap (fileio.write_dir): a crash in the middle of writing epoch 3's
+    leaves epoch 2's whole, and a resume from it ends where an uninterrupted run does."""
+    import safetensors.torch
+
+    recs, table = synthetic_records(60, (1, 4), 8, seed=6)
+    kw = dict(name="syn8", controller={"score_hidden": [16], "calib_hidden": 8}, lr=1e-3, cv_folds=0, epochs=4)
+    straight = run(recs, table, tmp_path / "straight", **kw)
+    real, files = safetensors.torch.save_file, []
+
+    def crash_at_epoch_3(tensors, path, metadata=None):
+        files.append(path)
+        if len(files) == 1 + 2 * 3 + 1:  # 2 files a checkpoint (epoch 0 first); epoch 3's weights written, then
+            raise OSError("no space left on device")
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash_at_epoch_3)
+    with pytest.raises(OSError, match="no space left"):
+        run(recs, table, tmp_path / "run", **kw)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    ckpt = tmp_path / "run" / "checkpoint"
+    assert json.loads((ckpt / "state.json").read_text())["epoch"] == 2
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint", "train_log.jsonl",
+                                                                     "training_args.json"]  # no half folder
+    resumed = run(recs, table, tmp_path / "run", resume=True, **kw)
+    assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history]
+
+
 def test_cache_prevents_re_encoding_across_runs(tmp_path):
     recs, table = synthetic_records(50, 3, 8, seed=6)
     write_labels(recs, tmp_path / "l.jsonl")

@@ -5,8 +5,6 @@ metadata) and ``state.json`` (epoch, history, the training arguments)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ import torch
 from ..controller import FusionController
 from ..controller_config import read_config, read_weights
 from ..errors import FcpragError
-from ..fileio import read_json_if_present
+from ..fileio import read_json_if_present, write_dir, write_json
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_NAME = "state.json"  # these two names mark a checkpoint (controller.CHECKPOINT_MARKERS)
@@ -24,28 +22,20 @@ OPTIM_NAME = "optimizer.safetensors"
 
 def save_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,
                     shuffle_gen: torch.Generator, state: dict[str, Any]) -> Path:
-    """Write the checkpoint into a temporary folder, then swap it in (a crash never leaves half a checkpoint)."""
+    """Write the checkpoint through the folder swap (``fileio.write_dir``): a crash never leaves half a checkpoint."""
     from safetensors.torch import save_file
 
-    final = out / CHECKPOINT_DIR
-    tmp = out / f".{CHECKPOINT_DIR}.tmp{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    controller.save_pretrained(tmp)
-    sd = optimizer.state_dict()
-    tensors = {f"state.{idx}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
-               for idx, st in sd["state"].items() for k, v in st.items()}
-    tensors["rng.torch"] = torch.get_rng_state()
-    tensors["rng.shuffle"] = shuffle_gen.get_state()
-    save_file(tensors, str(tmp / OPTIM_NAME), metadata={"param_groups": json.dumps(sd["param_groups"])})
-    (tmp / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-    old = out / f".{CHECKPOINT_DIR}.old{os.getpid()}"
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
-    return final
+    def fill(tmp: Path) -> None:
+        controller.save_pretrained(tmp)
+        sd = optimizer.state_dict()
+        tensors = {f"state.{idx}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
+                   for idx, st in sd["state"].items() for k, v in st.items()}
+        tensors["rng.torch"] = torch.get_rng_state()
+        tensors["rng.shuffle"] = shuffle_gen.get_state()
+        save_file(tensors, str(tmp / OPTIM_NAME), metadata={"param_groups": json.dumps(sd["param_groups"])})
+        write_json(tmp / STATE_NAME, state)
+
+    return write_dir(out / CHECKPOINT_DIR, fill)
 
 
 def read_checkpoint_state(out: Path) -> dict[str, Any] | None:
