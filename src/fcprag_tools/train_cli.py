@@ -438,17 +438,12 @@ def _train_options(d: TrainArgs) -> dict[str, dict]:
                              "metric (e.g. gold answer log-lik.); f1: the F1 of the greedy answers (the labels' "
                              "f1_at_scales, written by 'fcprag labels build --scales' with generation). The verdict "
                              "shows the scale part in both when both are there"),
-        "per_query_scale": dict(help="do not try a per-query scale (by default, with --kappa auto and measured "
-                                "scales, a small head choosing each question's scale from the grid is measured on "
-                                "held-out folds against the best global scale, and ships only when that part is "
-                                "shown)"),
         "keep_network": dict(help="save the learned network (default: not; its reweighting part is a first-order "
                              "estimate from leave-one-out deltas at PRAG's sum, not a measurement: measure it with "
                              "'fcprag study ... --controller DIR'); --recipe paper sets it"),
         "recipe": dict(help="measured (default): what the measurements support "
                        "(docs/results/efficacy-fresh.md): kappa chosen on the labels' measured scales by the risk "
-                       "rule, a scale-only controller (or a per-query scale when its measured part is shown), the "
-                       "network only with --keep-network; paper: the paper's setting, the learned network shipped "
+                       "rule, a scale-only controller, the network only with --keep-network; paper: the paper's setting, the learned network shipped "
                        "at PRAG's total (kappa 1, KL objective). Options given explicitly override the recipe"),
         "allow_retrieval_score": dict(help="allow --side-features retrieval_score (for a host that supplies "
                                       "retrieval scores)"),

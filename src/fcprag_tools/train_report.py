@@ -61,7 +61,7 @@ MEASURE_HINT = ("to measure it, evaluate the controller by real forwards on held
 def verdict_lines(cv: dict[str, Any]) -> list[str]:
     """The verdict of a run's cross-validation (``metrics["cv"]``) in plain words (the CLI's last lines): the total
     against PRAG's sum, its parts, what was shipped and why."""
-    s, r, q = cv["scale"], cv["reweighting"], cv.get("query_scale")
+    s, r = cv["scale"], cv["reweighting"]
     metric = {"label": "the label metric", "f1": "F1"}.get(s.get("metric", "label"), "the label metric")
     how = {"measured": f"chosen on measured scales in {metric}",
            "no_scales": "no scale measurements in the labels, so PRAG's sum (build them with 'fcprag labels build "
@@ -81,20 +81,12 @@ def verdict_lines(cv: dict[str, Any]) -> list[str]:
                      f"the rule allows {100 * ls['allowed']:.0f}%.")
     lines.append(f"  reweighting part (learned weights vs the same total): {_part(r)} - FIRST ORDER (a contrast of "
                  "leave-one-out deltas taken at PRAG's sum, total 1), not a measurement at the operating total.")
-    if q is not None:
-        lines.append(f"  per-query scale part (a scale per question from the grid vs the best global scale of the "
-                     f"same training folds, in {metric}): {_part(q)}; measured"
-                     + (" - shown" if q["shown"] else " - NOT shown") + "; questions losing more than the margin "
-                     f"against PRAG's sum: {_share(q['held_out_loss_share'])}.")
     shipped = cv["shipped"]  # one of SHIPS
     shipped = "scale_only" if shipped == "prag_sum" else shipped  # said as a scale-only controller at kappa 1
     what = {"network": f"the learned controller (network, kappa {cv['kappa']:.4g})",
-            "query_scale": "a per-query scale controller (PRAG's sum times a scale chosen per question, no weights "
-                           "network)",
             "scale_only": f"a scale-only controller (PRAG's sum times {cv['kappa']:.4g}, no network)"}[shipped]
     why = {"network": ", because --keep-network asked for it: its reweighting part is first order, not measured; "
                       + MEASURE_HINT,
-           "query_scale": ", because its measured per-query part was shown",
            "scale_only": ": the learned network is not saved, because its reweighting part is first order, not a "
                          "measurement (--keep-network saves it; " + MEASURE_HINT + ")"}[shipped]
     total = "NOT shown to beat PRAG's sum" if cv["verdict"] == "unproven" else "better than PRAG's sum"

@@ -11,7 +11,7 @@ from fcprag_plugin.training import load_labels, train_controller
 from fcprag_plugin.training.data import build_tensors
 from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 from fcprag_tools.train_report import train_table
-from fcprag_plugin.training.trainer import split_records
+from fcprag_plugin.training.labels import split_records
 
 SMALL = {"score_hidden": [64, 32], "calib_hidden": 32}  # the default 2048/1024 net is too slow for unit tests
 # one thread: tiny nets gain nothing from two, and a busy shared CPU makes OpenMP barriers very slow
@@ -198,6 +198,27 @@ def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before_and_resume_
                                                                      "training_args.json"]  # no half folder
     resumed = run(recs, table, tmp_path / "run", resume=True, **kw)
     assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history]
+
+
+def test_a_resume_of_a_run_made_with_the_per_query_scale_redoes_its_verdict(tmp_path):
+    """A run of the version before: its checkpoint's arguments name per_query_scale (removed: it never changed the
+    network, so the resume goes on) and its cv.json a per-query part, possibly shipped (redone: its parts were
+    adjusted over three)."""
+    recs, table = synthetic_records(60, 3, 8, kind="scale", seed=3, groups=30, scales=[0.5, 1.5, 2.0])
+    kw = dict(name="syn8", controller={"score_hidden": [16], "calib_hidden": 8}, epochs=2, cv_folds=2)
+    first = run(recs, table, tmp_path / "run", **kw)
+    state_path, cv_path = tmp_path / "run" / "checkpoint" / "state.json", tmp_path / "run" / "cv.json"
+    state, cv = json.loads(state_path.read_text()), json.loads(cv_path.read_text())
+    state["args"]["per_query_scale"] = True
+    state_path.write_text(json.dumps(state))
+    cv_path.write_text(json.dumps({**cv, "shipped": "query_scale", "query_scale": {"shown": True}}))
+    again = run(recs, table, tmp_path / "run", resume=True, **kw)
+    new = json.loads(cv_path.read_text())
+    assert "query_scale" not in new and new["shipped"] == "network" and again.controller.config.controller_mode == \
+        "learned"
+    drop = ("seconds", "shipped")  # shipped: keep_network sets it after the CV
+    assert {k: v for k, v in new.items() if k not in drop} == {k: v for k, v in cv.items() if k not in drop}
+    assert again.metrics["cv"]["gain"] == first.metrics["cv"]["gain"]
 
 
 def test_cache_prevents_re_encoding_across_runs(tmp_path):

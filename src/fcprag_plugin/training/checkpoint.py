@@ -5,15 +5,18 @@ metadata) and ``state.json`` (epoch, history, the training arguments)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
 from ..controller import FusionController
 from ..controller_config import read_config, read_weights
-from ..errors import FcpragError
+from ..errors import FcpragError, kw
 from ..fileio import read_json_if_present, write_dir, write_json
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_NAME = "state.json"  # these two names mark a checkpoint (controller.CHECKPOINT_MARKERS)
@@ -41,6 +44,28 @@ def save_checkpoint(out: Path, controller: FusionController, optimizer: torch.op
 def read_checkpoint_state(out: Path) -> dict[str, Any] | None:
     path = out / CHECKPOINT_DIR / STATE_NAME
     return read_json_if_present(path, FcpragError, fix=f"a corrupt checkpoint: delete {path.parent} to start over")
+
+
+def resumable_state(out: Path, now: dict[str, Any], free: Collection[str]) -> dict[str, Any] | None:
+    """The state of the checkpoint in ``out`` (None: none, said in the log) when a run that would save ``now`` at its
+    start may go on from it: the same arguments (but ``free``), precision and labels; else an error naming them."""
+    ckpt, state = out / CHECKPOINT_DIR, read_checkpoint_state(out)
+    if state is None:
+        logger.warning("%s: no checkpoint: the network trains from its start", ckpt)
+        return None
+    old, new = state.get("args", {}), now["args"]
+    diff = sorted(k for k in set(old) | set(new) if k not in free and old.get(k) != new.get(k))
+    if diff:
+        both = ", ".join(f"{kw(k, new.get(k))} (the checkpoint has {kw(k, old.get(k))})" for k in diff)
+        raise FcpragError(f"{ckpt}: cannot resume, argument(s) {diff} differ from the checkpoint: {both}",
+                          params=[(k, v.get(k)) for k in diff for v in (new, old)])
+    saved = state.get("precision", now["precision"])
+    if saved != now["precision"]:
+        raise FcpragError(f"{ckpt}: cannot resume, the checkpoint trained in {saved} but this run would use "
+                          f"{now['precision']}; pass {kw('precision', saved)}", params=[("precision", saved)])
+    if state.get("info_label_sha256") != now["info_label_sha256"]:
+        raise FcpragError(f"{ckpt}: cannot resume, the label file(s) changed since the checkpoint (sha256 differs)")
+    return state
 
 
 def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,

@@ -4,6 +4,7 @@ that encodes new texts appends one shard atomically; old shards are never rewrit
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -13,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import EncoderError
+from ..errors import EncoderError, FcpragError
 from ..progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -153,3 +154,22 @@ def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None
         return cache.get(texts)
     lookup = dict(zip(missing, fresh))
     return torch.stack([lookup[t] for t in texts]) if texts else fresh
+
+
+def resolve_encoder(encoder: Any) -> tuple[str, Any]:
+    """``(name, encoder or factory)``: a TextEncoder passes through; a name or None loads on a cache miss only."""
+    if encoder is not None and not isinstance(encoder, (str, Path)):
+        if not (hasattr(encoder, "encode") and hasattr(encoder, "name")):
+            raise FcpragError(f"encoder: expected a TextEncoder, a model name/path or None, got "
+                              f"{type(encoder).__name__}")
+        return str(encoder.name), encoder
+    from ..encoding import get_encoder, resolve_model
+
+    # loaded once, on first need, shared by the train and validation sets: the process-wide encoder
+    return resolve_model(encoder)[0], functools.cache(lambda: get_encoder(encoder))
+
+
+def open_cache(cache_dir: str | Path | None, model_name: str, dim: int | None) -> EmbeddingCache | None:
+    if cache_dir == "":
+        return None
+    return EmbeddingCache(default_cache_dir() if cache_dir is None else cache_dir, model_name, dim)
