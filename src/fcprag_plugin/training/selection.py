@@ -195,8 +195,7 @@ def _report(data: LabelTensors, args: Any, rule: ScaleRule, results: list[dict[s
     sc = scales[args.scale_metric]
     measured = all(r["measured"] for r in results) and how != "no_scales"
     report: dict[str, Any] = {
-        "method": "nested grouped CV: epochs chosen on an inner split, kappa (and the per-query scale) on the "
-                  "outer training questions",
+        "method": "nested grouped CV: epochs chosen on an inner split, kappa on the outer training questions",
         "folds": len(results), "n_records": len(data), "n_groups": len(set(data.groups)), "max_epochs": args.epochs,
         "objective": args.objective,
         "selected_epochs": int(torch.argmax(pooled)),  # first maximum: the fewest epochs among ties (0 = uniform)
@@ -213,8 +212,7 @@ def _report(data: LabelTensors, args: Any, rule: ScaleRule, results: list[dict[s
         "curve": [float(v) for v in pooled], "ci_method": CI_METHOD,
         "loss_share_ci_method": "Wilson score interval (95%) over questions",
         "metric": "per record, on held-out questions: scale m(kappa) - m(1) (measured on the labels' scale grid), "
-                  "reweighting sum_i (w~_i - T) delta_i (first order, deltas taken at PRAG's sum), per-query "
-                  "scale m(s_q) - m(kappa) (measured)",
+                  "reweighting sum_i (w~_i - T) delta_i (first order, deltas taken at PRAG's sum)",
     }
     _ship(report, data, args, rw, sc)
     return report
