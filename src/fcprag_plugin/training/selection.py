@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+
 from ..fileio import read_json_if_present
 from ..progress import progress_bar
 from .data import LabelTensors
@@ -126,14 +127,14 @@ def read_cv_partial(out: Any) -> dict[str, Any] | None:
     return got if got is not None and isinstance(got.get("folds"), list) else None
 
 
-def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int, parts: int = PARTS) -> dict[str, Any]:
-    """Mean, 95% CI and Bonferroni-adjusted CI (over ``parts``; ``shown``: above 0) of the non-NaN records."""
+def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int) -> dict[str, Any]:
+    """Mean, 95% CI and Bonferroni-adjusted CI (over the :data:`PARTS`; ``shown``: above 0) of the non-NaN records."""
     ok = ~torch.isnan(values)
     v, g = values[ok], [gr for gr, k in zip(groups, ok.tolist()) if k]
     if not len(v):
         return {"gain": None, "ci95": None, "ci_adjusted": None, "shown": False, "n_records": 0}
     lo, hi = bootstrap_ci(v, g, seed)
-    alo, ahi = bootstrap_ci(v, g, seed, level=1 - 0.05 / parts)
+    alo, ahi = bootstrap_ci(v, g, seed, level=1 - 0.05 / PARTS)
     return {"gain": float(v.mean()), "ci95": [lo, hi], "ci_adjusted": [alo, ahi], "shown": alo > 0,
             "n_records": int(ok.sum())}
 
