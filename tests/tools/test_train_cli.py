@@ -6,7 +6,6 @@ import sys
 import pytest
 
 from fcprag_tools.cli import main
-from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.training import train_controller
 from fcprag_tools.plots import write_training_plots
 from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
