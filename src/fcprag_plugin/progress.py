@@ -9,9 +9,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 
-def progress_bar(desc: str, total: float, *, unit: str = "it", enabled: bool = True, **options: Any) -> Any:
-    """A bar of ``total`` units (a context manager; ``update(n)``); ``enabled=False``: one that draws nothing;
-    ``options``: tqdm's (``initial``, ``position``, ``bar_format``)."""
+def progress_bar(desc: str, total: float | None, *, unit: str = "it", enabled: bool = True, **options: Any) -> Any:
+    """A bar of ``total`` units (a context manager; ``update(n)``), or over ``iterable=`` (``total`` None: its
+    length); ``enabled=False``: one that draws nothing; ``options``: tqdm's (``initial``, ``position``, ...)."""
     return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not enabled, **options)
 
 

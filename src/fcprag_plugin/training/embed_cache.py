@@ -137,13 +137,9 @@ def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None
         enc = encoder() if callable(encoder) and not hasattr(encoder, "encode") else encoder
         if cache is not None and enc.name != cache.model_name:
             raise EncoderError(f"encoder '{enc.name}' does not match the cache's model '{cache.model_name}'")
-        parts = []
-        with progress_bar(f"embedding {len(missing)} texts", -(-len(missing) // batch_size), unit="batch",
-                          enabled=progress) as bar:
-            for i in range(0, len(missing), batch_size):
-                parts.append(enc.encode(missing[i:i + batch_size]))
-                bar.update(1)
-        fresh = torch.cat(parts).float()
+        chunks = progress_bar(f"embedding {len(missing)} texts", None, unit="batch", enabled=progress,
+                              iterable=range(0, len(missing), batch_size))
+        fresh = torch.cat([enc.encode(missing[i:i + batch_size]) for i in chunks]).float()
         if cache is not None:
             cache.add(missing, fresh)
             logger.info("embedded %d new texts with '%s' (cache: %d entries in %s)", len(missing), enc.name,
