@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from fcprag_plugin.fileio import read_json_if_present, read_records
 from ..options import finite_float
 from . import summary
 from .options import Policy
-from .summary import SETTINGS, suffix
+from .verdict.records import SETTINGS, ControllerRecord, ScoredRows, SettingVerdict, suffix
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +46,11 @@ def _json(path: Path) -> dict[str, Any] | None:
 
 
 def controller_of(folder: Path, setting: str, settings: dict[str, Any], old: dict[str, Any] | None
-                  ) -> tuple[Any, dict[str, Any] | None, Path | None]:
-    """``(stand-in with config.kappa and config.cv, trainer args, the trained controller's folder or None)``."""
+                  ) -> tuple[ControllerRecord, Path | None]:
+    """``(what the verdict reads of the controller, the trained controller's folder or None)``: from its
+    ``config.json`` (and the trainer's recorded arguments), else from the ``summary.json`` already there."""
+    from fcprag_plugin.training import ARGS_NAME
+
     learned = folder / "train" / ("learned" + suffix(setting))
     where = Path(settings["controller"]) if settings.get("controller") else learned
     cfg = _json(where / "config.json")
@@ -62,14 +64,11 @@ def controller_of(folder: Path, setting: str, settings: dict[str, Any], old: dic
         kappa = float(sv["kappa_learned"])
         cv = {k: v for k, v in (((old or {}).get("training_verdict") or {}).get(setting) or {}).items()
               if k != "note"}
-    from fcprag_plugin.training import ARGS_NAME
-
     args = None if settings.get("controller") else _json(learned / ARGS_NAME)
-    stand_in = types.SimpleNamespace(config=types.SimpleNamespace(kappa=kappa, cv=cv))
-    return stand_in, args, learned if cfg is not None and not settings.get("controller") else None
+    return ControllerRecord(kappa, cv, args), learned if cfg is not None and not settings.get("controller") else None
 
 
-def rebuild(folder: str | Path, policy: Policy | None = None) -> dict[str, Any]:
+def rebuild(folder: str | Path, policy: Policy) -> dict[str, Any]:
     """Rebuild ``summary.json``, ``report.md`` and ``report.png`` of study folder ``folder`` (returns the summary)."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -79,32 +78,29 @@ def rebuild(folder: str | Path, policy: Policy | None = None) -> dict[str, Any]:
         raise FcpragError(f"DIR {folder}: no study settings.json there; expected a study folder (fcprag study --out)")
     old = _json(folder / "summary.json")
     qs = {q: r for q, r in read_rows(folder, "questions").items() if r.get("split") in ("train", "test")}
-    results = read_rows(folder, "eval")
-    test = [q for q, r in qs.items() if r["split"] == "test"]
-    if not test or not any(f"{q}|prag_sum" in results for q in test):
+    rows = ScoredRows.from_dicts(qs, read_rows(folder, "eval"))
+    if not rows.test or not any(rows.has(q, "prag_sum") for q in rows.test):
         raise FcpragError(f"DIR {folder}: eval rows of no held-out question; run fcprag study to evaluate first")
     given = bool(settings.get("controller"))
-    ctrls = {s: controller_of(folder, s, settings, old) for s in SETTINGS}
-    n_train = len(qs) - len(test)
-    verdicts = {s: summary.setting_verdict(results, test, s, c, given=given, trainer_args=a, n_train=n_train,
-                                           policy=policy) for s, (c, a, _) in ctrls.items()}
+    found = {s: controller_of(folder, s, settings, old) for s in SETTINGS}
+    ctrls = {s: c for s, (c, _) in found.items()}
+    verdicts = summary.verdicts(rows, ctrls, given=given, policy=policy)
     kept = (old or {}).get("settings") or {}
     full = {**kept, **settings, "out": str(folder), "device": kept.get("device", "not recorded"),
             "dtype": kept.get("dtype", settings.get("dtype", "not recorded")), "controller_trained": not given}
     try:
-        out = summary.finish(qs, results, verdicts, given=given, settings=full, out=folder, policy=policy,
-                             cv={s: c.config.cv for s, (c, _, _) in ctrls.items()},
+        out = summary.finish(rows, verdicts, ctrls, given=given, settings=full, out=folder, policy=policy,
                              stage_seconds=(old or {}).get("stage_seconds") or {})
     except RuntimeError as e:  # the rows of an unfinished study: not every row the summary needs is there
         raise FcpragError(f"DIR {folder}: its rows do not make a complete summary ({str(e)[:200]}); run its fcprag "
                           "study command again to finish it") from None
-    for s, (_, _, learned) in ctrls.items():
+    for s, (_, learned) in found.items():
         if learned is not None:
             save_shipped(folder, s, verdicts[s], learned, qs)
     return out
 
 
-def save_shipped(folder: Path, setting: str, verdict: dict[str, Any], learned: Path, qs: dict[str, Any]) -> None:
+def save_shipped(folder: Path, setting: str, verdict: SettingVerdict, learned: Path, qs: dict[str, Any]) -> None:
     """``controller{,_combine}/``: what ships now, from the trained controller in ``learned``
     (:func:`.stages.verdict.save_controller`, with the training question ids of ``qs``)."""
     from fcprag_plugin import FusionController

@@ -8,12 +8,16 @@ import copy
 import json
 import random
 import re
-import types
 
 import pytest
 
 from fcprag_tools.study import stats, summary
-from fcprag_tools.study.summary import check_summary, decide
+from fcprag_tools.study.options import Policy
+from fcprag_tools.study.verdict import markdown
+from fcprag_tools.study.verdict.choice import WHAT_TO_RUN_BOOT
+from fcprag_tools.study.verdict.records import ControllerRecord, ScoredRows
+from fcprag_tools.study.verdict.schema import check_summary
+from fcprag_tools.study.verdict.ship import decide, part
 
 ROWS = {"vanilla": "param", "standard_rag": "combine", "prag_sum": "param", "prag_sum_combine": "combine",
         "scale:2": "param", "random_controller": "param", "random_controller_combine": "combine",
@@ -29,8 +33,8 @@ def _cv(rw=None, sc=None):
 CV = {"param": _cv((0.05, 0.03, 0.07), (0.2, 0.1, 0.3)), "combine": _cv((0.0, -0.01, 0.01), (0.0, 0.0, 0.0))}
 
 
-def _ctrl(kappa, cv=None):
-    return types.SimpleNamespace(config=types.SimpleNamespace(kappa=kappa, cv=cv or {}))
+def _ctrls(cv, kappas=(("param", 2.0), ("combine", 1.0))):
+    return {s: ControllerRecord(k, cv.get(s) or {}, {}) for s, k in kappas}
 
 
 def synthetic(seed=0, n_test=40, n_train=24):
@@ -50,17 +54,12 @@ def synthetic(seed=0, n_test=40, n_train=24):
     return qs, results
 
 
-def verdicts_of(qs, results, given=False, cv=None, policy=None):
-    cv = CV if cv is None else cv
-    test = [q for q, x in qs.items() if x["split"] == "test"]
-    return {s: summary.setting_verdict(results, test, s, _ctrl(k, cv[s]), given=given, trainer_args={}, n_train=24,
-                                       policy=policy) for s, k in (("param", 2.0), ("combine", 1.0))}
-
-
 def build(tmp_path, given=False, cv=None, policy=None, qs_results=None, **kw):
     qs, results = qs_results or synthetic(**kw)
-    verdicts = verdicts_of(qs, results, given, cv, policy)
-    s = summary.finish(qs, results, verdicts, given=given, cv={}, stage_seconds={"evaluate": 1.5}, out=tmp_path,
+    policy = policy or Policy()
+    rows = ScoredRows.from_dicts(qs, results)
+    verdicts = summary.verdicts(rows, _ctrls(CV if cv is None else cv), given=given, policy=policy)
+    s = summary.finish(rows, verdicts, _ctrls({}), given=given, stage_seconds={"evaluate": 1.5}, out=tmp_path,
                        settings={"model": "/m/SmolLM2", "gguf_file": None, "device": "cpu", "dtype": "float32",
                                  "out": str(tmp_path), "controller_trained": not given, "seed": 0,
                                  "test_fraction": 0.5}, policy=policy)
@@ -98,7 +97,7 @@ def test_a_complete_summary_passes_and_each_missing_or_contradicting_field_is_na
 
 
 def test_nothing_ships_below_its_margin_and_a_gain_just_above_it_ships():
-    p = summary.Policy(min_gain=0.02, min_scale_gain=0.05)
+    p = Policy(min_gain=0.02, min_scale_gain=0.05)
     ship = lambda rw, sc, network=True, kappa=2.0: decide(_cv(rw, sc), network=network, kappa=kappa,  # noqa: E731
                                                            policy=p)[0]
     assert ship((0.03, 0.0201, 0.04), None) == "network"  # lower bound just above the margin
@@ -113,7 +112,7 @@ def test_nothing_ships_below_its_margin_and_a_gain_just_above_it_ships():
 
 
 def test_margins_and_the_decision_are_recorded_and_equivalence_read_at_the_margin(tmp_path):
-    s, qs, res = build(tmp_path, policy=summary.Policy(min_gain=0.025, min_scale_gain=0.5))
+    s, qs, res = build(tmp_path, policy=Policy(min_gain=0.025, min_scale_gain=0.5))
     pv = s["verdict"]["settings"]["param"]
     assert pv["margins"] == {"reweighting": 0.025, "scale": 0.5} and pv["ship"] == "network"
     assert "24 training questions" in pv["decided_on"] and s["policy"]["min_gain"] == 0.025
@@ -121,8 +120,8 @@ def test_margins_and_the_decision_are_recorded_and_equivalence_read_at_the_margi
     d = [res[f"{q}|learned"]["logprob"] - res[f"{q}|prag_sum"]["logprob"] for q in test]
     lo, hi = stats.paired(d, "logprob")[1]
     assert pv["total"]["equivalent"] == (-0.025 < lo and hi < 0.025)
-    wide = summary.part(res, test, "learned", "prag_sum", 10.0)
-    assert wide["equivalent"] and wide["ci95"] == pytest.approx([lo, hi])
+    wide = part(ScoredRows.from_dicts(qs, res), test, "learned", "prag_sum", 10.0)
+    assert wide.equivalent and wide.ci95 == pytest.approx([lo, hi])
 
 
 def test_kappa_one_measures_no_scale_part(tmp_path):
@@ -150,7 +149,7 @@ def test_what_to_run_is_chosen_on_training_f1_and_measured_held_out(tmp_path):
         diffs = [res[f"{q}|{rec.get(best, best)}"]["f1"] - res[f"{q}|standard_rag"]["f1"] for q in held]
         assert choice["vs_standard_rag"]["delta_f1"] == pytest.approx(sum(diffs) / len(diffs))
         assert choice["level"] == pytest.approx(1 - 0.05 / 6)  # 3 choices x 2 comparisons
-        d, ci = stats.paired(diffs, f"what_to_run:{scope}:standard_rag", 1 - 0.05 / 6, summary.WHAT_TO_RUN_BOOT)
+        d, ci = stats.paired(diffs, f"what_to_run:{scope}:standard_rag", 1 - 0.05 / 6, WHAT_TO_RUN_BOOT)
         assert choice["vs_standard_rag"]["ci_f1"] == pytest.approx(ci) or best == "standard_rag"
     # the made-up data: Combine rows answer 'hot', the parametric rows 'wiki'
     assert s["verdict"]["what_to_run_by_dataset"]["hot"]["row"].endswith(("_combine", "standard_rag"))
@@ -215,7 +214,7 @@ def test_every_figure_of_the_report_comes_from_the_summary(tmp_path):
 
 def test_the_paper_table_bolds_the_best_row_per_column(tmp_path):
     s, _, _ = build(tmp_path)
-    lines = summary.paper_table(s)
+    lines = markdown.paper_table(s)
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head == ["method", "wiki total", "hot bridge", "hot comparison", "hot total"]  # datasets as first seen
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")[1:]] for ln in lines[3:]}

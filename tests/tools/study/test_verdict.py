@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from fcprag_tools.cli import main
-from fcprag_tools.study import ceiling, data, stats, summary
+from fcprag_tools.study import ceiling, data, stats
+from fcprag_tools.study.verdict import markdown
+from fcprag_tools.study.verdict.schema import check_summary
 from fcprag_tools.study.stages.rows import held_out_rows
 
 from .test_summary import build, synthetic
@@ -68,11 +70,11 @@ def test_every_choice_has_one_runnable_command(row, line):
     s = {"settings": {"out": "OUT", "controller_trained": True},
          "verdict": {"what_to_run": {"row": row}, "settings": {"param": {"ship": "network"},
                                                                 "combine": {"ship": "prag_sum"}}}}
-    lines = summary.next_steps(s)
+    lines = markdown.next_steps(s)
     assert lines.count("```bash") == 1 and lines[lines.index("```bash") + 1] == line
     s["verdict"]["settings"]["param"]["ship"] = "prag_sum"  # what ships is PRAG's sum: recommended is prag_sum
     if row == "recommended":
-        assert "--controller" not in "".join(summary.next_steps(s))
+        assert "--controller" not in "".join(markdown.next_steps(s))
 
 
 def _shuffle_held_out(qs, results, seed=1):
@@ -163,7 +165,7 @@ def test_fcprag_report_rebuilds_the_table_study_and_held_out_changes_move_no_cho
     a = _copy_table(tmp_path)
     assert main(["report", str(a)]) == 0, capsys.readouterr().err
     s = json.loads((a / "summary.json").read_text())
-    assert summary.check_summary(s) == []
+    assert check_summary(s) == []
     for k, v in s["verdict"]["settings"].items():  # the +0.0001 network does not ship at the 0.02 margin
         assert v["ship"] == "prag_sum" and v["margins"] == {"reweighting": 0.02, "scale": 0.02}
         assert v["decided_on"].startswith("100 training questions") and v["reweighting"]["equivalent"]
@@ -269,6 +271,6 @@ def test_a_no_generate_report_says_what_it_lacks_and_still_ends_in_one_command(t
     s, _, _ = build(tmp_path, qs_results=(qs, results))
     assert s["verdict"]["what_to_run"] is None
     s["settings"]["generate"] = False
-    text = summary.report(s)
+    text = markdown.report(s)
     assert "Run with --no-generate" in text and text.count("```bash") == 1
     assert "fcprag run prag --controller" in text  # the param network ships (its CV above the margin)

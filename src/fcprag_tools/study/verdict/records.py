@@ -1,0 +1,224 @@
+"""What the verdict reads and what it returns, as typed records (no I/O).
+
+In: :class:`ScoredRows`, the questions of a study (split, dataset, subtask) and each question's scored rows
+(:class:`Score`: gold log-lik., F1, EM, answer presence, the weights and prompt it was scored with), built from the
+stage's ``{"qid|row": record}`` dicts or a folder's ``eval.jsonl`` by :meth:`ScoredRows.from_dicts`; and per
+setting a :class:`ControllerRecord` (its kappa, the trainer's cross-validation and recorded arguments).
+
+Out: per setting a :class:`SettingVerdict` (what ships, its three held-out :class:`Part` s), and what to run
+(:class:`Choice`, with its held-out :class:`Comparison` s). Each ``to_json()`` is what ``summary.json`` records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+SETTINGS = ("param", "combine")  # PRAG's prompt (the question only) and the paper's Combine (passages in it too)
+METRICS = ("logprob", "f1", "em", "acc")
+
+
+def suffix(setting: str) -> str:
+    """A row's or file's name suffix for ``setting``: none for ``param`` (PRAG's), ``_combine``."""
+    return "" if setting == "param" else f"_{setting}"
+
+
+def mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+# ----------------------------------------------------------------------------- in
+@dataclass(frozen=True)
+class Question:
+    """One question of the study: ``split`` is ``train`` or ``test`` (held out)."""
+
+    id: str
+    split: str
+    dataset: str
+    subtask: str
+    supporting_titles: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Score:
+    """One row of one question: gold log-lik. (nats), F1 / EM / answer presence (fractions of 1; None without a
+    greedy answer), and the ``w~``, prompt setting and passage ids it was scored with."""
+
+    logprob: float
+    f1: float | None = None
+    em: float | None = None
+    acc: float | None = None
+    w: tuple[float, ...] | None = None
+    prompt: str | None = None
+    pids: tuple[str, ...] | None = None
+
+    def get(self, metric: str) -> float | None:
+        v = getattr(self, metric)
+        return None if v is None else float(v)
+
+    @classmethod
+    def from_dict(cls, r: Mapping[str, Any]) -> "Score":
+        opt = lambda k: None if r.get(k) is None else float(r[k])  # noqa: E731
+        tup = lambda k: None if r.get(k) is None else tuple(r[k])  # noqa: E731
+        return cls(float(r["logprob"]), opt("f1"), opt("em"), opt("acc"), tup("w"), r.get("prompt"), tup("pids"))
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """The questions (in their order) and every scored ``(question id, row)`` in first-scored order."""
+
+    questions: Mapping[str, Question]
+    scores: Mapping[tuple[str, str], Score]
+
+    @classmethod
+    def from_dicts(cls, qs: Mapping[str, Mapping[str, Any]], results: Mapping[str, Mapping[str, Any]]
+                   ) -> "ScoredRows":
+        """From the stage's ``{qid: question}`` and ``{"qid|row": record}`` (a row of a question not in ``qs`` is
+        left out)."""
+        questions = {q: Question(q, r["split"], r["dataset"], r["subtask"],
+                                 None if r.get("supporting_titles") is None else tuple(r["supporting_titles"]))
+                     for q, r in qs.items()}
+        scores = {}
+        for key, r in results.items():
+            q, name = key.split("|", 1)
+            if q in questions:
+                scores[(q, name)] = Score.from_dict(r)
+        return cls(questions, scores)
+
+    def ids(self, split: str) -> list[str]:
+        return [q for q, x in self.questions.items() if x.split == split]
+
+    @property
+    def test(self) -> list[str]:
+        return self.ids("test")
+
+    @property
+    def train(self) -> list[str]:
+        return self.ids("train")
+
+    def has(self, q: str, row: str) -> bool:
+        return (q, row) in self.scores
+
+    def score(self, q: str, row: str) -> Score:
+        return self.scores[(q, row)]
+
+    def complete(self, qids: Sequence[str], names: Sequence[str]) -> list[str]:
+        """The questions of ``qids`` that have every row of ``names``."""
+        return [q for q in qids if all((q, n) in self.scores for n in names)]
+
+    def diffs(self, qids: Sequence[str], a: str, b: str, metric: str) -> list[float]:
+        """Per question of ``qids``, row ``a``'s ``metric`` minus row ``b``'s (both must be there)."""
+        return [float(self.scores[(q, a)].get(metric)) - float(self.scores[(q, b)].get(metric)) for q in qids]
+
+    def with_copies(self, copies: Mapping[str, str]) -> "ScoredRows":
+        """These rows with ``{new row: source row}`` added on every question that has the source (the recommended
+        rows: the rows of what ships)."""
+        scores = dict(self.scores)
+        for new, src in copies.items():
+            for q in self.questions:
+                if (q, src) in self.scores:
+                    scores[(q, new)] = self.scores[(q, src)]
+        return replace(self, scores=scores)
+
+
+@dataclass(frozen=True)
+class ControllerRecord:
+    """What the verdict reads of a setting's controller: ``kappa`` (its learned total scale), the trainer's
+    cross-validation ``cv`` (``config.cv``: out-of-fold gains) and the arguments it recorded (``args``; None for a
+    given controller or when not kept)."""
+
+    kappa: float
+    cv: Mapping[str, Any] = field(default_factory=dict)
+    args: Mapping[str, Any] | None = None
+
+
+# ----------------------------------------------------------------------------- out
+@dataclass(frozen=True)
+class Part:
+    """One held-out part of a setting's verdict: ``rows[0]`` against ``rows[1]`` in gold log-lik. (``delta`` and
+    its 95% ``ci95``), ``equivalent`` when the interval lies inside ``±margin``; or not measured, and ``why``."""
+
+    measured: bool
+    delta: float | None = None
+    ci95: list[float] | None = None
+    rows: tuple[str, ...] = ()
+    margin: float | None = None
+    equivalent: bool | None = None
+    why: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.measured:
+            return {"delta": None, "ci95": None, "measured": False, "rows": [], "why": self.why}
+        return {"delta": self.delta, "ci95": self.ci95, "measured": True, "rows": list(self.rows),
+                "margin": self.margin, "equivalent": self.equivalent}
+
+
+@dataclass(frozen=True)
+class SettingVerdict:
+    """What ships in one setting (``ship``: ``network``, ``scale_only`` or ``prag_sum``), why, on what it was
+    decided, and the held-out parts that measure it."""
+
+    setting: str
+    ship: str
+    kappa: float
+    kappa_learned: float
+    decided_on: str
+    margins: dict[str, float]
+    cv: dict[str, Any]
+    scale: Part
+    reweighting: Part
+    total: Part
+    why: str
+    recommended_row: str
+    n: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"setting": self.setting, "ship": self.ship, "kappa": self.kappa, "kappa_learned": self.kappa_learned,
+                "decided_on": self.decided_on, "margins": self.margins, "cv": self.cv,
+                "scale": self.scale.to_json(), "reweighting": self.reweighting.to_json(),
+                "total": self.total.to_json(), "why": self.why, "recommended_row": self.recommended_row, "n": self.n}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The choice's held-out F1 against ``row``: the paired mean, its interval at the choice's level, its
+    ``reading`` (``same``, ``tie``, ``better``, ``worse``, ``equivalent``, ``not_shown``) and what it could detect."""
+
+    row: str
+    reading: str
+    delta_f1: float
+    ci_f1: list[float]
+    mde_f1: float | None = None
+    n_needed: int | None = None
+    n_nonzero: int | None = None
+    sd_f1: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"row": self.row, "delta_f1": self.delta_f1, "ci_f1": self.ci_f1, "shown": self.reading == "better",
+               "reading": self.reading}
+        if self.reading != "same":
+            out.update(mde_f1=self.mde_f1, n_needed=self.n_needed, n_nonzero=self.n_nonzero, sd_f1=self.sd_f1)
+        return out
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What to run in one scope (overall or a dataset): the candidate with the highest F1 on the questions it is
+    chosen on, and its held-out comparisons."""
+
+    row: str
+    tied: list[str]
+    chosen_on: str
+    n_choice: int
+    choice_f1: dict[str, float | None]
+    n: int
+    level: float
+    target_f1: float
+    power: float
+    f1: float | None
+    comparisons: dict[str, Comparison]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"row": self.row, "tied": self.tied, "chosen_on": self.chosen_on, "n_choice": self.n_choice,
+                "choice_f1": self.choice_f1, "n": self.n, "level": self.level, "target_f1": self.target_f1,
+                "power": self.power, "f1": self.f1, **{k: c.to_json() for k, c in self.comparisons.items()}}
