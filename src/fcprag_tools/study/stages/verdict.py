@@ -18,10 +18,14 @@ from .retrieval import Questions
 from .rows import Rows, candidate_rows, random_rows
 
 
-def records_of(ctrls: dict[str, Any], dirs: dict[str, Path], given: bool) -> dict[str, ControllerRecord]:
-    """What the verdict reads of each setting's controller: its kappa, cross-validation and trainer arguments."""
+def records_of(ctrls: dict[str, Any], dirs: dict[str, Path], given: bool, out: Path | None = None
+               ) -> dict[str, ControllerRecord]:
+    """What the verdict reads of each setting's controller: its kappa, cross-validation and trainer arguments, and
+    (with the study folder ``out``) the scale labels it was trained on."""
     return {s: ControllerRecord(float(c.config.kappa), getattr(c.config, "cv", None) or {},
-                                trainer_args(dirs[s], given)) for s, c in ctrls.items()}
+                                trainer_args(dirs[s], given),
+                                None if given or out is None else summary.scale_labels(out, s))
+            for s, c in ctrls.items()}
 
 
 def verdicts_of(results: Scored, qs: Questions, ctrls: dict[str, Any], dirs: dict[str, Path], given: bool,
@@ -74,15 +78,15 @@ def shared_rows(results: Scored) -> dict[str, dict[str, int]]:
 def write_summary(run: StudyRun, opts: StudyOptions, qs: Questions, results: Scored,
                   verdicts: dict[str, SettingVerdict], shipped: dict[str, Any], ctrls: dict[str, Any],
                   dirs: dict[str, Path], settings: dict[str, Any]) -> dict[str, Any]:
-    """Save what ships in each setting and write ``summary.json`` and the report (:func:`.summary.finish`);
-    returns the summary."""
+    """Save what ships in each setting and write ``summary.json`` and the report (:func:`.summary.finish`, which
+    measures each setting's verdict again on the held-out questions with every row); returns the summary."""
     t0 = time.perf_counter()
     for s in SETTINGS:
         save_controller(run.out, s, shipped[s], qs)
     test = [qid for qid, q in qs.items() if q["split"] == "test"]
     arrow = "scored" if all(f"{q}|arrow" in results for q in test) else "--no-arrow" if not opts.arrow else "off"
     given = opts.controller is not None
-    out = summary.finish(ScoredRows.from_dicts(qs, results), verdicts, records_of(ctrls, dirs, given), given=given,
+    out = summary.finish(ScoredRows.from_dicts(qs, results), records_of(ctrls, dirs, given, run.out), given=given,
                          settings={**settings, "out": str(run.out), "device": run.device(opts),
                                    "controller_trained": not given, "arrow": arrow,
                                    "learned_dir": {s: str(d) for s, d in dirs.items()}},

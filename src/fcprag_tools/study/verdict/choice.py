@@ -1,11 +1,21 @@
-""""What to run" (``verdict.what_to_run``, ``verdict.what_to_run_by_dataset``): among the candidates
-(:data:`.tables.CANDIDATES` less a ``recommended`` row that is PRAG's sum), the row with the highest mean F1 on the
-training questions (a tie: PRAG's sum when tied, else the cheapest tied row, and said as a tie), overall and per
-dataset; its F1 against ``standard_rag`` and against the host's own row of its setting on the held-out questions,
-paired percentile-bootstrap intervals Bonferroni-corrected over every interval of the choice, each with the smallest
-difference it can detect at 80% power (``mde_f1``) and the questions a target effect needs (``n_needed``). With a
-given controller nothing is trained: the choice is made on the evaluated questions themselves and says so
-(descriptive)."""
+""""What to run" (``verdict.what_to_run``, ``verdict.what_to_run_by_dataset``), overall and per dataset.
+
+The choice: among the candidates (:data:`.catalogue.CANDIDATES` less a ``recommended`` row that is PRAG's sum), the
+row with the highest mean F1 on the training questions; a tie goes to PRAG's sum when it is among the tied (nothing
+changes for a PRAG user), else to the cheapest tied row, and is said as a tie.
+
+Its margin, on the training questions it was chosen on: the runner-up (the next highest F1; ties: the cheapest) and
+the choice's paired lead over it with a 95% percentile-bootstrap interval (``clear`` when it lies above 0), and the
+same lead over each cheaper candidate: those whose interval reaches 0 are "not shown worse", named beside the choice
+so that a user can trade cost against a difference the study could not see. Measured where it was chosen, the lead
+is if anything optimistic.
+
+Held out: the choice's F1 against standard RAG, PRAG's sum, a fusion's host row and the runner-up, each row once and
+never the choice itself; paired percentile-bootstrap intervals at ``1 - 0.05 / m`` (Bonferroni over the ``m``
+comparisons made in every scope), each with the smallest true difference it would detect at 80% power
+(``mde_f1``) and the questions a target effect needs (``n_needed``). With a given controller nothing is trained:
+the choice is made on the evaluated questions themselves and says so (descriptive).
+"""
 
 from __future__ import annotations
 
@@ -13,20 +23,51 @@ from typing import Mapping, Sequence
 
 from ..options import Policy
 from ..stats import detectable, paired
-from .records import Choice, Comparison, ScoredRows, SettingVerdict, mean, suffix
-from .tables import CANDIDATES
+from .catalogue import CANDIDATES, ROWS, STATUS_QUO, cheaper
+from .records import Choice, Comparison, Lead, ScoredRows, SettingVerdict, mean, suffix
 
-HOST_ROW = {"vanilla": "prag_sum", "standard_rag": "prag_sum", "prag_sum": "prag_sum", "recommended": "prag_sum",
-            "prag_sum_combine": "prag_sum_combine", "recommended_combine": "prag_sum_combine"}
 WHAT_TO_RUN_BOOT = 10_000
-READINGS = ("same", "tie", "better", "worse", "equivalent", "not_shown")  # a held-out F1 comparison's reading
+READINGS = ("tie", "better", "worse", "equivalent", "not_shown")  # a held-out F1 comparison's reading
+LEAD_LEVEL = 0.95  # the lead's interval on the training questions (where the choice was made)
 TIE = 1e-9  # training means this close are equal (the same answers give the same F1 mean)
+ALPHA = 0.05  # the family-wise error of the held-out comparisons
 
 
-def candidates(verdicts: Mapping[str, SettingVerdict]) -> list[str]:
-    """:data:`CANDIDATES`, less a ``recommended`` row that is PRAG's sum of its setting (the same answers twice)."""
+def candidates(verdicts: Mapping[str, SettingVerdict], rows: ScoredRows) -> list[str]:
+    """:data:`CANDIDATES` scored in this study (a row every study scores, or one scored on some question), less a
+    ``recommended`` row that is PRAG's sum of its setting (the same answers twice)."""
     same = {f"recommended{suffix(s)}" for s, v in verdicts.items() if v.recommended_row == f"prag_sum{suffix(s)}"}
-    return [c for c in CANDIDATES if c not in same]
+    scored = {name for _, name in rows.scores}
+    return [c for c in CANDIDATES if c not in same and (ROWS[c].always or c in scored)]
+
+
+def pick(means: Mapping[str, float]) -> tuple[str, list[str], str | None]:
+    """``(choice, the rows tied with it, runner-up)`` from the mean F1 per candidate (see the module)."""
+    top = max(means.values())
+    tied = [c for c in means if means[c] >= top - TIE]
+    best = STATUS_QUO if STATUS_QUO in tied else min(tied, key=lambda c: ROWS[c].cost)
+    others = [c for c in means if c != best]
+    if not others:
+        return best, tied, None
+    second = max(means[c] for c in others)
+    return best, tied, min((c for c in others if means[c] >= second - TIE), key=lambda c: ROWS[c].cost)
+
+
+def lead(rows: ScoredRows, qids: Sequence[str], best: str, other: str, seed: str) -> Lead:
+    """``best``'s paired F1 lead over ``other`` on ``qids`` with its :data:`LEAD_LEVEL` interval."""
+    d, ci = paired(rows.diffs(qids, best, other, "f1"), seed, LEAD_LEVEL, WHAT_TO_RUN_BOOT)
+    return Lead(other, mean([rows.score(q, other).get("f1") for q in qids]), d, ci, LEAD_LEVEL)
+
+
+def planned(best: str, runner_up: str | None) -> list[tuple[str, str]]:
+    """The held-out comparisons of choice ``best``: ``[(key, row)]``, each row once and never ``best`` itself."""
+    out, seen = [], {best}
+    for key, row in (("vs_standard_rag", "standard_rag"), ("vs_prag_sum", "prag_sum"),
+                     ("vs_host", ROWS[best].host_row), ("vs_runner_up", runner_up)):
+        if row is not None and row not in seen:
+            out.append((key, row))
+            seen.add(row)
+    return out
 
 
 def compare(row: str, diffs: Sequence[float], seed: str, level: float, target: float, power: float) -> Comparison:
@@ -40,33 +81,46 @@ def compare(row: str, diffs: Sequence[float], seed: str, level: float, target: f
     return Comparison(row, reading, d, ci, det["mde"], det["n_needed"], det["n_nonzero"], det["sd"])
 
 
+def choice_questions(rows: ScoredRows, test: Sequence[str], cands: Sequence[str], descriptive: bool
+                     ) -> tuple[list[str], list[str]]:
+    """``(the questions the choice is made on, those left out for lacking a candidate's row)``: the training
+    questions (``descriptive``: the held-out ones) with every candidate scored."""
+    pool = list(test) if descriptive else rows.train
+    keep = rows.complete(pool, cands)
+    return keep, [q for q in pool if q not in set(keep)]
+
+
 def what_to_run(rows: ScoredRows, test: Sequence[str], *, descriptive: bool, cands: Sequence[str] = CANDIDATES,
                 policy: Policy) -> tuple[Choice | None, dict[str, Choice]]:
-    """``(overall, {dataset: choice})``: the candidate of ``cands`` with the highest training F1 (a tie: PRAG's sum
-    when it is among the tied, else the cheapest of them) and its held-out comparisons (:func:`compare`)."""
+    """``(overall, {dataset: choice})`` chosen on the questions of :func:`choice_questions` and measured on the
+    held-out ``test``; ``(None, {})`` without F1 there (``--no-generate``) or without any such question."""
     qs = rows.questions
-    choose_on = list(test) if descriptive else rows.train
-    if not choose_on or not all(rows.has(q, c) and rows.score(q, c).f1 is not None for q in choose_on
-                                for c in cands):
+    choose_on = choice_questions(rows, test, cands, descriptive)[0]
+    if not choose_on or any(rows.score(q, c).f1 is None for q in choose_on for c in cands):
         return None, {}
-    datasets = list(dict.fromkeys(qs[q].dataset for q in test))
-    level = 1 - 0.05 / (2 * (1 + len(datasets)))  # Bonferroni over every interval of the choice
+    scopes: list[str | None] = [None, *dict.fromkeys(qs[q].dataset for q in test)]
+    inside = lambda qids, d: [q for q in qids if d is None or qs[q].dataset == d]  # noqa: E731
+    picks = {}
+    for d in scopes:
+        cq = inside(choose_on, d)
+        picks[d] = (cq, {c: mean([rows.score(q, c).get("f1") for q in cq]) for c in cands})
+    chosen = {d: pick(means) if cq else None for d, (cq, means) in picks.items()}
+    m = sum(len(planned(best, ru)) for best, _, ru in filter(None, chosen.values()))
+    level = 1 - ALPHA / max(m, 1)  # Bonferroni over the comparisons made in every scope
 
-    def one(dataset: str | None) -> Choice:
-        inside = lambda qids: [q for q in qids if dataset is None or qs[q].dataset == dataset]  # noqa: E731
-        cq, hq = inside(choose_on), inside(test)
-        means = {c: mean([rows.score(q, c).get("f1") for q in cq]) for c in cands}
-        tied = [c for c in cands if means[c] >= max(means.values()) - TIE]
-        best = "prag_sum" if "prag_sum" in tied else tied[0]
-        comparisons = {}
-        for key, other in (("vs_standard_rag", "standard_rag"), ("vs_host", HOST_ROW[best])):
-            if best == other:
-                comparisons[key] = Comparison(other, "same", 0.0, [0.0, 0.0])
-                continue
-            comparisons[key] = compare(other, rows.diffs(hq, best, other, "f1"), f"what_to_run:{dataset}:{other}",
-                                       level, policy.target_f1, policy.power)
+    def one(d: str | None) -> Choice | None:
+        if chosen[d] is None:
+            return None
+        (cq, means), (best, tied, ru), hq = picks[d], chosen[d], inside(test, d)
+        tag = f"{d}:" if d else ""
+        margin = lead(rows, cq, best, ru, f"lead:{tag}{ru}") if ru else None
+        below = [lead(rows, cq, best, c, f"lead:{tag}{c}") for c in sorted(cands, key=lambda c: ROWS[c].cost)
+                 if c != best and cheaper(c, best)]
+        held = {key: compare(row, rows.diffs(hq, best, row, "f1"), f"what_to_run:{d}:{row}", level, policy.target_f1,
+                             policy.power) for key, row in planned(best, ru)}
         return Choice(best, tied if len(tied) > 1 else [], "held-out (descriptive)" if descriptive else "training",
-                      len(cq), means, len(hq), level, policy.target_f1, policy.power,
-                      mean([rows.score(q, best).get("f1") for q in hq]), comparisons)
+                      len(cq), means, margin, below, len(hq), level, m, policy.target_f1, policy.power,
+                      mean([rows.score(q, best).get("f1") for q in hq]), held)
 
-    return one(None), {d: one(d) for d in datasets}
+    by = {d: one(d) for d in scopes[1:]}
+    return one(None), {d: c for d, c in by.items() if c is not None}

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .markdown import model_name
-from .tables import TABLE_ROWS
+from .tables import PAPER_ROWS
 
 
 def write_plot(s: dict[str, Any], path: Path) -> str | None:
@@ -18,7 +18,7 @@ def write_plot(s: dict[str, Any], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = [n for n in TABLE_ROWS if n in s["methods"]]
+    rows = [n for n in PAPER_ROWS if n in s["methods"]]
     datasets = list(s["datasets"])
     fig, ax = plt.subplots(figsize=(2.8 * len(datasets) + 3.8, 4.0))
     width = 0.8 / len(rows)
@@ -35,7 +35,7 @@ def write_plot(s: dict[str, Any], path: Path) -> str | None:
             hi.append(100 * (ci[1] - b["f1"]))
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=n)
     ax.set_xticks(range(len(datasets)), [f"{d} (n={s['datasets'][d]['n_test']})" for d in datasets])
-    ax.set_ylabel("F1 (%), held-out, 95% CI")
+    ax.set_ylabel("F1 (points), held-out, 95% CI")
     ax.set_title(f"{model_name(s['settings'])}: what each row answers")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()

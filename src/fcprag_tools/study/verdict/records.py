@@ -122,14 +122,26 @@ class ScoredRows:
 
 
 @dataclass(frozen=True)
+class ScaleLabel:
+    """One training question's measured scale labels (a label file's record): the gain of PRAG's sum times ``s``
+    over the sum, in the label metric (``gains``) and in F1 (``f1_gains``, None without answers), per scale."""
+
+    group: str
+    gains: Mapping[float, float]
+    f1_gains: Mapping[float, float] | None = None
+
+
+@dataclass(frozen=True)
 class ControllerRecord:
     """What the verdict reads of a setting's controller: ``kappa`` (its learned total scale), the trainer's
-    cross-validation ``cv`` (``config.cv``: out-of-fold gains) and the arguments it recorded (``args``; None for a
-    given controller or when not kept)."""
+    cross-validation ``cv`` (``config.cv``: out-of-fold gains), the arguments it recorded (``args``; None for a
+    given controller or when not kept) and the scale labels it chose kappa on (``labels``, the setting's
+    ``labels{,_combine}.jsonl``; None when the folder does not keep them)."""
 
     kappa: float
     cv: Mapping[str, Any] = field(default_factory=dict)
     args: Mapping[str, Any] | None = None
+    labels: tuple[ScaleLabel, ...] | None = None
 
 
 # ----------------------------------------------------------------------------- out
@@ -156,7 +168,7 @@ class Part:
 @dataclass(frozen=True)
 class SettingVerdict:
     """What ships in one setting (``ship``: ``network``, ``scale_only`` or ``prag_sum``), why, on what it was
-    decided, and the held-out parts that measure it."""
+    decided, the held-out parts that measure it, and the risk rule's figures behind its kappa (``kappa_rule``)."""
 
     setting: str
     ship: str
@@ -171,18 +183,20 @@ class SettingVerdict:
     why: str
     recommended_row: str
     n: int
+    kappa_rule: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"setting": self.setting, "ship": self.ship, "kappa": self.kappa, "kappa_learned": self.kappa_learned,
                 "decided_on": self.decided_on, "margins": self.margins, "cv": self.cv,
                 "scale": self.scale.to_json(), "reweighting": self.reweighting.to_json(),
-                "total": self.total.to_json(), "why": self.why, "recommended_row": self.recommended_row, "n": self.n}
+                "total": self.total.to_json(), "why": self.why, "recommended_row": self.recommended_row, "n": self.n,
+                "kappa_rule": self.kappa_rule}
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """The choice's held-out F1 against ``row``: the paired mean, its interval at the choice's level, its
-    ``reading`` (``same``, ``tie``, ``better``, ``worse``, ``equivalent``, ``not_shown``) and what it could detect."""
+    """The choice's held-out F1 against another ``row``: the paired mean, its interval at the choice's level, its
+    ``reading`` (``tie``, ``better``, ``worse``, ``equivalent``, ``not_shown``) and what it could detect."""
 
     row: str
     reading: str
@@ -194,25 +208,47 @@ class Comparison:
     sd_f1: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = {"row": self.row, "delta_f1": self.delta_f1, "ci_f1": self.ci_f1, "shown": self.reading == "better",
-               "reading": self.reading}
-        if self.reading != "same":
-            out.update(mde_f1=self.mde_f1, n_needed=self.n_needed, n_nonzero=self.n_nonzero, sd_f1=self.sd_f1)
-        return out
+        return {"row": self.row, "delta_f1": self.delta_f1, "ci_f1": self.ci_f1, "shown": self.reading == "better",
+                "reading": self.reading, "mde_f1": self.mde_f1, "n_needed": self.n_needed,
+                "n_nonzero": self.n_nonzero, "sd_f1": self.sd_f1}
+
+
+@dataclass(frozen=True)
+class Lead:
+    """The choice against another candidate on the questions it was chosen on: that row's F1 there, the choice's
+    paired lead over it and the lead's interval at ``level``; ``clear`` when the interval lies above 0."""
+
+    row: str
+    f1: float
+    lead_f1: float
+    ci_f1: list[float]
+    level: float
+
+    @property
+    def clear(self) -> bool:
+        return self.ci_f1[0] > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"row": self.row, "f1": self.f1, "lead_f1": self.lead_f1, "ci_f1": self.ci_f1, "level": self.level,
+                "clear": self.clear}
 
 
 @dataclass(frozen=True)
 class Choice:
     """What to run in one scope (overall or a dataset): the candidate with the highest F1 on the questions it is
-    chosen on, and its held-out comparisons."""
+    chosen on, its lead over the runner-up and over each cheaper candidate there, and its held-out comparisons
+    (``vs_standard_rag``, ``vs_prag_sum``, ``vs_host``, ``vs_runner_up``: each row once, never the choice itself)."""
 
     row: str
     tied: list[str]
     chosen_on: str
     n_choice: int
     choice_f1: dict[str, float | None]
+    runner_up: Lead | None
+    cheaper: list[Lead]
     n: int
     level: float
+    n_comparisons: int
     target_f1: float
     power: float
     f1: float | None
@@ -220,5 +256,7 @@ class Choice:
 
     def to_json(self) -> dict[str, Any]:
         return {"row": self.row, "tied": self.tied, "chosen_on": self.chosen_on, "n_choice": self.n_choice,
-                "choice_f1": self.choice_f1, "n": self.n, "level": self.level, "target_f1": self.target_f1,
-                "power": self.power, "f1": self.f1, **{k: c.to_json() for k, c in self.comparisons.items()}}
+                "choice_f1": self.choice_f1, "runner_up": self.runner_up and self.runner_up.to_json(),
+                "cheaper": [c.to_json() for c in self.cheaper], "n": self.n, "level": self.level,
+                "n_comparisons": self.n_comparisons, "target_f1": self.target_f1, "power": self.power, "f1": self.f1,
+                **{k: c.to_json() for k, c in self.comparisons.items()}}

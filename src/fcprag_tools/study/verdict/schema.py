@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from fcprag_plugin.training import SHIPS
-from .choice import READINGS
+from .choice import ALPHA, READINGS
 from .records import METRICS, SETTINGS, suffix
 from .tables import CANDIDATES, TABLE_ROWS, host_of
 
@@ -69,7 +69,7 @@ def check_summary(s: Any) -> list[str]:
         return bad + ["methods: expected an object"]
     if not isinstance(v, dict):
         return bad + ["verdict: expected an object"]
-    need = [*TABLE_ROWS, "prag_sum"]
+    need = [*TABLE_ROWS]
     for sname, sv in (v.get("settings") or {}).items():
         if isinstance(sv, dict) and (sv.get("reweighting") or {}).get("measured"):
             need += [f"learned{suffix(sname)}", f"learned_same_total{suffix(sname)}"]
@@ -79,7 +79,8 @@ def check_summary(s: Any) -> list[str]:
                 not all(k in m and num(m[k], null_ok=True) for k in METRICS[1:]):
             bad.append(f"methods['{n}']: expected logprob (a number), f1, em, acc (numbers or null)")
         elif not isinstance(m.get("by_subtask"), dict) or not m["by_subtask"] or not all(
-                re.fullmatch(r"[^/]+/.+", k) and isinstance(b, dict) and num(b.get("f1"), True) and num(b.get("em"), True)
+                re.fullmatch(r"[^/]+/.+", k) and isinstance(b, dict) and num(b.get("f1"), True)
+                and num(b.get("em"), True)
                 and isinstance(b.get("n"), int) for k, b in m["by_subtask"].items()):
             bad.append(f"methods['{n}'].by_subtask: expected {{'<dataset>/<subtask>': {{f1, em, n}}}}")
     if not isinstance(pairs, dict):
@@ -97,14 +98,52 @@ def check_summary(s: Any) -> list[str]:
     trained = (st or {}).get("controller_trained", True)
     for sname, sv in [("verdict", v)] + [(f"verdict.settings.{k}", x) for k, x in settings.items()]:
         bad += check_setting(sname, sv, trained)
-    w = v.get("what_to_run")
-    if w is not None and (not isinstance(w, dict) or w.get("row") not in CANDIDATES or not num(w.get("f1"))
-                          or not num(w.get("target_f1"))
-                          or not all(ci((w.get(k) or {}).get("ci_f1")) and (w.get(k) or {}).get("reading")
-                                     in READINGS for k in ("vs_standard_rag", "vs_host"))):
-        bad.append(f"verdict.what_to_run: expected a row of {list(CANDIDATES)} with f1, target_f1 and vs_standard_rag"
-                   " / vs_host intervals and readings")
-    by = v.get("what_to_run_by_dataset")
-    if w is not None and (not isinstance(by, dict) or set(by) != set(s.get("datasets") or {})):
-        bad.append("verdict.what_to_run_by_dataset: expected one choice per dataset")
+    if s.get("f1_unit") != "fraction":
+        bad.append("f1_unit: expected 'fraction' (F1 as a fraction of 1, as PRAG's scorer)")
+    return bad + check_what_to_run(v, s.get("datasets") or {})
+
+
+VS = ("vs_standard_rag", "vs_prag_sum", "vs_host", "vs_runner_up")  # a choice's held-out comparisons
+
+
+def check_choice(name: str, w: Any) -> list[str]:
+    """The problems of one what-to-run choice ``w``: its row, F1 and target, its runner-up's lead and interval,
+    and each held-out comparison (an interval, a reading, never the choice itself; standard RAG and PRAG's sum
+    always but for themselves)."""
+    num, ci = _num, _interval
+    if not isinstance(w, dict) or w.get("row") not in CANDIDATES or not num(w.get("f1")) or not num(w.get("target_f1")):
+        return [f"{name}: expected a row of {list(CANDIDATES)} with f1 and target_f1"]
+    bad = []
+    ru = w.get("runner_up")
+    if ru is not None and not (isinstance(ru, dict) and ru.get("row") not in (None, w["row"]) and num(ru.get("lead_f1"))
+                               and ci(ru.get("ci_f1"))):
+        bad.append(f"{name}.runner_up: expected another row with lead_f1 and ci_f1 [lo, hi]")
+    for k in VS:
+        c = w.get(k)
+        need = k in ("vs_standard_rag", "vs_prag_sum") and w["row"] != k[3:]
+        if c is None and not need:
+            continue
+        if not isinstance(c, dict) or not ci(c.get("ci_f1")) or c.get("reading") not in READINGS \
+                or c.get("row") == w["row"]:
+            bad.append(f"{name}.{k}: expected an interval ci_f1, a reading of {list(READINGS)} and another row")
+    return bad
+
+
+def check_what_to_run(v: dict[str, Any], datasets: Any) -> list[str]:
+    """What to run overall and per dataset, and one level over every held-out comparison made."""
+    w, by = v.get("what_to_run"), v.get("what_to_run_by_dataset")
+    if w is None:
+        return []
+    bad = check_choice("verdict.what_to_run", w)
+    if not isinstance(by, dict) or not by or not set(by) <= set(datasets):
+        return bad + ["verdict.what_to_run_by_dataset: expected a choice per dataset"]
+    for d, c in by.items():
+        bad += check_choice(f"verdict.what_to_run_by_dataset.{d}", c)
+    if bad:
+        return bad
+    m = sum(k in c for c in [w, *by.values()] for k in VS)
+    if any(c.get("n_comparisons") != m or not math.isclose(c.get("level", 0), 1 - ALPHA / max(m, 1))
+           for c in [w, *by.values()]):
+        bad.append(f"verdict.what_to_run: expected n_comparisons {m} (the held-out comparisons made) and level "
+                   f"1 - {ALPHA:g}/{m}")
     return bad

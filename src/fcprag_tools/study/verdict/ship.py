@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 from fcprag_plugin.training import Z95
 from ..options import Policy
 from ..stats import paired
+from .kappa import kappa_rule
 from .records import ControllerRecord, Part, ScoredRows, SettingVerdict, suffix
 
 
@@ -95,14 +96,15 @@ def _parts(rows: ScoredRows, keys: Sequence[str], setting: str, kappa: float, le
     return scale, reweighting, total, own
 
 
-def setting_verdict(rows: ScoredRows, setting: str, ctrl: ControllerRecord, *, given: bool,
-                    policy: Policy) -> SettingVerdict:
+def setting_verdict(rows: ScoredRows, setting: str, ctrl: ControllerRecord, *, given: bool, policy: Policy,
+                    default_args: Mapping[str, Any]) -> SettingVerdict:
     """What ships in ``setting``, decided on the training questions only (``ctrl.cv``, the trainer's nested
-    cross-validation; a given controller ships as it is, decided elsewhere), and the held-out parts that measure
-    it, each with its equivalence at the margin."""
+    cross-validation; a given controller ships as it is, decided elsewhere), the held-out parts that measure it,
+    each with its equivalence at the margin, and the risk rule's figures behind its kappa (:mod:`.kappa`; the
+    trainer's ``default_args`` when its own are not kept)."""
     test, n_train = rows.test, len(rows.train)
     sfx, kappa, cv = suffix(setting), float(ctrl.kappa), ctrl.cv or {}
-    learned = all(rows.has(q, f"learned{sfx}") for q in test)
+    learned = any(rows.has(q, f"learned{sfx}") for q in test)  # a network: measured (missing rows leave questions)
     sname = f"scale:{kappa:g}{sfx}" if kappa != 1.0 else f"prag_sum{sfx}"
     keys = rows.complete(test, [f"prag_sum{sfx}", sname]
                          + ([f"learned{sfx}", f"learned_same_total{sfx}"] if learned else []))
@@ -126,4 +128,5 @@ def setting_verdict(rows: ScoredRows, setting: str, ctrl: ControllerRecord, *, g
         decided_on = f"{n_train} training questions (the trainer's nested cross-validation, out-of-fold gains)"
     return SettingVerdict(setting, ship, kappa if ship != "prag_sum" else 1.0, kappa, decided_on, policy.margins(),
                           {"reweighting": cv_part(cv, "reweighting"), "scale": cv_part(cv, "scale")},
-                          scale, reweighting, total, why, rec, len(keys))
+                          scale, reweighting, total, why, rec, len(keys),
+                          kappa_rule(ctrl, rows, keys, setting, given=given, default_args=default_args))

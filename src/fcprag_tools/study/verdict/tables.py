@@ -8,11 +8,13 @@ from typing import Any, Mapping, Sequence
 from ..ceiling import reached
 from ..options import Policy
 from ..stats import detectable, paired
+from .catalogue import ALWAYS, CANDIDATES
 from .records import METRICS, ScoredRows, SettingVerdict, mean
 
-# the rows a PRAG user compares (the paper's table), in this order; the candidates of "what to run" first
-CANDIDATES = ("vanilla", "standard_rag", "prag_sum", "prag_sum_combine", "recommended", "recommended_combine")
-TABLE_ROWS = (*CANDIDATES, "random_controller", "random_controller_combine")
+# the rows a PRAG user compares (the paper's table), in this order: the candidates of "what to run" first; the rows
+# every study scores are required (TABLE_ROWS), the others shown where scored (PAPER_ROWS)
+PAPER_ROWS = (*CANDIDATES, "random_controller", "random_controller_combine")
+TABLE_ROWS = (*ALWAYS, "random_controller", "random_controller_combine")
 
 
 def row_names(rows: ScoredRows, test: Sequence[str]) -> list[str]:
@@ -20,7 +22,16 @@ def row_names(rows: ScoredRows, test: Sequence[str]) -> list[str]:
     inside = set(test)
     seen = dict.fromkeys(name for q, name in rows.scores if q in inside)
     names = [n for n in seen if not n.startswith("loo:") and all(rows.has(q, n) for q in test)]
-    return [n for n in TABLE_ROWS if n in names] + [n for n in names if n not in TABLE_ROWS]
+    return [n for n in PAPER_ROWS if n in names] + [n for n in names if n not in PAPER_ROWS]
+
+
+def partial_rows(rows: ScoredRows, test: Sequence[str]) -> dict[str, int]:
+    """The rows scored on some of the held-out questions ``test`` but not all (left out of the tables): ``{row:
+    questions lacking it}``."""
+    inside = set(test)
+    seen = dict.fromkeys(name for q, name in rows.scores if q in inside and not name.startswith("loo:"))
+    lacking = {n: sum(not rows.has(q, n) for q in test) for n in seen}
+    return {n: k for n, k in lacking.items() if k}
 
 
 def metric_means(rows: ScoredRows, qids: Sequence[str], name: str) -> dict[str, Any]:
@@ -65,7 +76,7 @@ def paired_table(rows: ScoredRows, keys: Sequence[str], names: Sequence[str], po
             continue
         pairs[n] = {"against": against}
         for m in METRICS:
-            both = [q for q in keys if rows.score(q, n).get(m) is not None and rows.score(q, against).get(m) is not None]
+            both = [q for q in keys if None not in (rows.score(q, n).get(m), rows.score(q, against).get(m))]
             diffs = rows.diffs(both, n, against, m)
             d, ci = paired(diffs, m) if diffs else (None, None)  # one resampling per metric for every row
             pairs[n][f"delta_{m}"], pairs[n][f"ci95_{m}"] = d, ci
