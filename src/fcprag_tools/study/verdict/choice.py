@@ -28,6 +28,7 @@ from .records import Choice, Comparison, Lead, ScoredRows, SettingVerdict, mean,
 
 WHAT_TO_RUN_BOOT = 10_000
 READINGS = ("tie", "better", "worse", "equivalent", "not_shown")  # a held-out F1 comparison's reading
+VS = ("vs_standard_rag", "vs_prag_sum", "vs_host", "vs_runner_up")  # a choice's held-out comparisons, in order
 LEAD_LEVEL = 0.95  # the lead's interval on the training questions (where the choice was made)
 TIE = 1e-9  # training means this close are equal (the same answers give the same F1 mean)
 ALPHA = 0.05  # the family-wise error of the held-out comparisons
@@ -62,8 +63,7 @@ def lead(rows: ScoredRows, qids: Sequence[str], best: str, other: str, seed: str
 def planned(best: str, runner_up: str | None) -> list[tuple[str, str]]:
     """The held-out comparisons of choice ``best``: ``[(key, row)]``, each row once and never ``best`` itself."""
     out, seen = [], {best}
-    for key, row in (("vs_standard_rag", "standard_rag"), ("vs_prag_sum", "prag_sum"),
-                     ("vs_host", ROWS[best].host_row), ("vs_runner_up", runner_up)):
+    for key, row in zip(VS, ("standard_rag", "prag_sum", ROWS[best].host_row, runner_up)):
         if row is not None and row not in seen:
             out.append((key, row))
             seen.add(row)

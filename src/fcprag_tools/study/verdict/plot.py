@@ -10,7 +10,7 @@ from .tables import PAPER_ROWS
 
 
 def write_plot(s: dict[str, Any], path: Path) -> str | None:
-    """``report.png``: F1 (%) per table row with its 95% CI, one group per dataset; None without matplotlib."""
+    """``report.png``: F1 (points) per table row with its 95% CI, one group per dataset; None without matplotlib."""
     try:
         import matplotlib
 

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from fcprag_plugin.training import SHIPS
-from .choice import ALPHA, READINGS
+from .choice import ALPHA, READINGS, VS
 from .records import METRICS, SETTINGS, suffix
 from .tables import CANDIDATES, TABLE_ROWS, host_of
 
@@ -101,9 +101,6 @@ def check_summary(s: Any) -> list[str]:
     if s.get("f1_unit") != "fraction":
         bad.append("f1_unit: expected 'fraction' (F1 as a fraction of 1, as PRAG's scorer)")
     return bad + check_what_to_run(v, s.get("datasets") or {})
-
-
-VS = ("vs_standard_rag", "vs_prag_sum", "vs_host", "vs_runner_up")  # a choice's held-out comparisons
 
 
 def check_choice(name: str, w: Any) -> list[str]:

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from .catalogue import ROWS
+from .choice import VS
 from .commands import command
 from .records import suffix
 
 SIGN_DECIMALS = 7  # the rows' log-liks. carry 6 decimals: a mean over questions below 1e-7 is rounding noise
-VS = ("vs_standard_rag", "vs_prag_sum", "vs_host", "vs_runner_up")  # a choice's held-out comparisons, in order
 
 
 def signed(x: Any, decimals: int = 4) -> str:
