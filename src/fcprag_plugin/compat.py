@@ -1,5 +1,6 @@
-"""Everything that differs across peft / transformers versions lives here, and only here (supported: latest, and
-the PRAG / DyPRAG pins, peft 0.13.2 with transformers 4.44.2 / 4.49.0)."""
+"""Everything that differs across torch / transformers / peft / sentence-transformers versions lives here, and only
+here (supported: latest, and the PRAG / DyPRAG pins, peft 0.13.2 with transformers 4.44.2 / 4.49.0); the call sites
+ask what differs, never which version (tests/test_compat_only.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,29 @@ is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambd
 # the device's out-of-memory errors: torch.OutOfMemoryError from torch 2.5 on, torch.cuda's (the same class since)
 OUT_OF_MEMORY_ERRORS: tuple[type[BaseException], ...] = tuple(
     {getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError})
+
+
+def peft_has_arrow() -> bool:
+    """Whether peft has the training-free Arrow router (``ArrowConfig``, ``create_arrow_model``: peft >= 0.18)."""
+    import peft
+
+    return all(hasattr(peft, name) for name in ("ArrowConfig", "create_arrow_model"))
+
+
+def embedding_dimension(model: Any) -> int:
+    """A SentenceTransformer's embedding size (``get_embedding_dimension``; older sentence-transformers name it
+    ``get_sentence_embedding_dimension``, which newer ones deprecate)."""
+    return int((getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension)())
+
+
+def gguf_limits() -> tuple[set[str] | None, set[int] | None]:
+    """What transformers reads from a GGUF file (None: no limit): the architectures whose tokenizer it converts
+    (before 5: one converter each) and the GGML tensor types it dequantizes (4.44 only a few, itself)."""
+    from transformers.integrations import ggml
+
+    tokenizers = getattr(ggml, "GGUF_TO_FAST_CONVERTERS", None)
+    types = set(getattr(ggml, "GGML_TYPES", {}).values()) if hasattr(ggml, "load_dequant_gguf_tensor") else None
+    return (None if tokenizers is None else set(tokenizers)), types
 
 
 def from_pretrained_dtype_key() -> str:
