@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fcprag_plugin.compat import package_version, peft_has_arrow
 from fcprag_plugin.errors import FcpragError
 from ..lm.batched import ScoreRow, read_prompts, score_rows
 from ..lm.metrics import answer_in_text, exact_match, extract_answer, f1_score
@@ -128,17 +129,10 @@ def score_arrow_rows(model: Any, tok: Any, items: Sequence[tuple[str, dict[str, 
 
 def arrow_status() -> tuple[bool, str]:
     """Whether the installed PEFT has Arrow (``peft.ArrowConfig``, PEFT >= 0.18), and why not."""
-    try:
-        import peft
-        from peft import ArrowConfig, create_arrow_model  # noqa: F401
-    except ImportError:
-        import importlib.metadata as md
-
-        try:
-            return False, f"peft {md.version('peft')} has no ArrowConfig (PEFT >= 0.18 has it)"
-        except md.PackageNotFoundError:
-            return False, "peft is not installed"
-    return True, f"peft {peft.__version__}"
+    version = package_version("peft")
+    if peft_has_arrow():
+        return True, f"peft {version}"
+    return False, f"peft {version} has no ArrowConfig (PEFT >= 0.18 has it)"
 
 
 @torch.no_grad()
