@@ -1,0 +1,12 @@
+"""DyPRAG's parameter translator for the study: train it on the study's training passages, load and export it in
+DyPRAG's own checkpoint format, and turn its generated LoRAs into rows the study scores with its fused slot.
+
+- :mod:`.network`: the translator (DyPRAG's state-dict layout), :class:`TranslatorShape`;
+- :mod:`.checkpoint`: DyPRAG-format I/O, the shapes read from a file and checked against a model's config.
+"""
+
+from .checkpoint import check_fits, load_translator, read_state_dict, save_translator, shape_of
+from .network import Translator, TranslatorError, TranslatorShape, generated_adapters
+
+__all__ = ["Translator", "TranslatorError", "TranslatorShape", "check_fits", "generated_adapters", "load_translator",
+           "read_state_dict", "save_translator", "shape_of"]
