@@ -2,11 +2,13 @@
 DyPRAG's own checkpoint format, and turn its generated LoRAs into rows the study scores with its fused slot.
 
 - :mod:`.network`: the translator (DyPRAG's state-dict layout), :class:`TranslatorShape`;
-- :mod:`.checkpoint`: DyPRAG-format I/O, the shapes read from a file and checked against a model's config.
+- :mod:`.checkpoint`: DyPRAG-format I/O, the shapes read from a file and checked against a model's config;
+- :mod:`.embed`: passage embeddings as DyPRAG reads them; each passage's generated update and its seconds.
 """
 
 from .checkpoint import check_fits, load_translator, read_state_dict, save_translator, shape_of
+from .embed import generate_adapters, passage_embeddings
 from .network import Translator, TranslatorError, TranslatorShape, generated_adapters
 
-__all__ = ["Translator", "TranslatorError", "TranslatorShape", "check_fits", "generated_adapters", "load_translator",
-           "read_state_dict", "save_translator", "shape_of"]
+__all__ = ["Translator", "TranslatorError", "TranslatorShape", "check_fits", "generate_adapters", "generated_adapters",
+           "load_translator", "passage_embeddings", "read_state_dict", "save_translator", "shape_of"]
