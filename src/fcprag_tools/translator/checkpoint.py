@@ -71,7 +71,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     sd = obj.get(STATE_KEY) if isinstance(obj, Mapping) else None
     if not isinstance(sd, Mapping) or not sd:
         what = f"keys {sorted(map(str, obj))[:5]}" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
-        raise TranslatorError(f"{path}: expected DyPRAG's checkpoint, a dict with a non-empty '{STATE_KEY}'; got {what}")
+        raise TranslatorError(f"{path}: expected DyPRAG's checkpoint, a dict with a non-empty '{STATE_KEY}'; "
+                              f"got {what}")
     for k, v in sd.items():
         if not isinstance(v, torch.Tensor) or v.ndim != 2 or not v.is_floating_point():
             got = f"shape {list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__

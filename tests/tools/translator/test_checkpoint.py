@@ -82,7 +82,8 @@ def test_a_checkpoint_for_more_or_fewer_layers_names_the_key(tmp_path):
     torch.save({"model_state_dict": double_for(tiny_model("llama", num_hidden_layers=3)).state_dict()},
                tmp_path / "t3.pt")
     with pytest.raises(TranslatorError, match=r"t3\.pt: key 'projector\.down_proj_2\.projector\.pre_A_linear\.weight' "
-                                              r"\(shape \[8, 33\]\) has no place in the model, whose layers are 0\.\.1"):
+                                              r"\(shape \[8, 33\]\) has no place in the model, whose layers are "
+                                              r"0\.\.1"):
         load_translator(tmp_path / "t3.pt", tiny_config("llama"))
     torch.save({"model_state_dict": double_for(tiny_model("llama", num_hidden_layers=1)).state_dict()},
                tmp_path / "t1.pt")

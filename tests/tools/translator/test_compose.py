@@ -104,11 +104,12 @@ def test_the_cost_summary():
     assert cost_summary(1.0, {"a": 9.0}, {"a": 1.0})["break_even_passages"] is None
 
 
-def _reference(model, tok, double, question, passages, answers, max_new):
+def _reference(model, tok, double, question, passages, answers, max_new, prompt):
     """DyPRAG's inference, independently: the double per passage, mean of every key, dense delta through forward
-    hooks; the gold log-likelihood and a greedy answer by plain forwards."""
+    hooks; the gold log-likelihood and a greedy answer by plain forwards (``combine``: DyPRAG-Combine, the passages
+    in the prompt too)."""
     outs = [double(dyprag_embedding(model, tok, p)) for p in passages]
-    p_ids, gold = scoring.encode(tok, question, answers)
+    p_ids, gold = scoring.encode(tok, question, answers, passages, prompt)
     stops = {tok.eos_token_id, model.generation_config.eos_token_id}
     with torch.no_grad(), dense_hooks(model, dyprag_deltas(outs)):
         lps = []
@@ -136,14 +137,18 @@ def test_a_dyprag_row_through_the_fused_slot_equals_an_independent_dyprag(tmp_pa
                                                    "a red bridge and a green tower")]}}
     texts = {f"p{i}": p["text"] for i, p in enumerate(qs["q"]["passages"])}
     gen, _ = generate_adapters(model, tok, ours, texts)
-    rows = [scoring.Row("q", "dyprag", list(texts), [1.0] * 3, update=dyprag_adapter(list(gen.values()))),
+    comp = dyprag_adapter(list(gen.values()))
+    rows = [scoring.Row("q", "dyprag", list(texts), [1.0] * 3, update=comp),
+            scoring.Row("q", "dyprag_combine", list(texts), [1.0] * 3, "combine", update=comp),
             scoring.Row("q", "vanilla", list(texts), [0.0] * 3)]
     slot = FusedSlot.for_model(model, rows[0].update, max_adapters=2, max_rank=2)
     try:
         got = scoring.score(model, tok, slot, rows, qs, lambda p: None, max_new_tokens=6, until_cut=False)
     finally:
         slot.remove()
-    lp, text = _reference(model, tok, double, qs["q"]["question"], list(texts.values()), qs["q"]["answers"], 6)
-    assert got[0]["logprob"] == pytest.approx(lp, abs=1e-4) and got[0]["generation"] == text
-    assert got[0]["pids"] == ["p0", "p1", "p2"] and got[0]["w"] == [1.0] * 3 and got[0]["update"].startswith("dyprag")
-    assert abs(got[1]["logprob"] - lp) > 1e-2 and "update" not in got[1]  # the update matters
+    for g, prompt in zip(got, ("param", "combine")):
+        lp, text = _reference(model, tok, double, qs["q"]["question"], list(texts.values()), qs["q"]["answers"], 6,
+                              prompt)
+        assert g["logprob"] == pytest.approx(lp, abs=1e-4) and g["generation"] == text and g["prompt"] == prompt
+        assert g["pids"] == ["p0", "p1", "p2"] and g["w"] == [1.0] * 3 and g["update"].startswith("dyprag")
+    assert abs(got[2]["logprob"] - got[0]["logprob"]) > 1e-2 and "update" not in got[2]  # the update matters

@@ -42,8 +42,8 @@ def _planted(model, tok, n=8, seed=0):
 
 def test_the_training_text_is_the_first_pair_asked_with_the_passage_and_answered():
     _, tok = _model()
-    aug = {"passage": "paris is the capital of france", "qa_pairs": [{"question": "what is the capital ?",
-                                                                      "answer": "paris"}, {"question": "x", "answer": "y"}]}
+    aug = {"passage": "paris is the capital of france",
+           "qa_pairs": [{"question": "what is the capital ?", "answer": "paris"}, {"question": "x", "answer": "y"}]}
     ids, labels = training_text(tok, aug)
     prompt = render_prompt(tok, PromptTemplate(), "what is the capital ?", [aug["passage"]], "combine")
     assert "Passage 1: paris is the capital of france" in prompt.text
