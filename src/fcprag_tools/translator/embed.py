@@ -53,12 +53,19 @@ def embed_ids(model: Any, ids: Sequence[Sequence[int]], pad_id: int) -> torch.Te
 def passage_embeddings(model: Any, tok: Any, texts: Sequence[str], *, batch_size: int = 16,
                        max_tokens: int = MAX_TOKENS) -> torch.Tensor:
     """``[N, H]`` float32 on the model's device: DyPRAG's embedding of each passage (module docstring),
-    ``batch_size`` passages per forward (halved on a device out-of-memory error)."""
+    ``batch_size`` passages of similar lengths per forward (halved on a device out-of-memory error)."""
     ids = passage_ids(tok, texts, max_tokens)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    parts = [h for _, h in halving(list(range(len(ids))), batch_size,
-                                   lambda b: embed_ids(model, [ids[i] for i in b], pad), what="passage embeddings")]
-    return torch.cat(parts) if parts else torch.zeros(0, model.config.hidden_size, device=model_device(model))
+    out = torch.zeros(len(ids), model.config.hidden_size, device=model_device(model))
+    for batch, h in halving(by_length(ids), batch_size, lambda b: embed_ids(model, [ids[i] for i in b], pad),
+                            what="passage embeddings"):
+        out[batch] = h
+    return out
+
+
+def by_length(ids: Sequence[Sequence[int]]) -> list[int]:
+    """The rows' indices, shortest first: a batch pads to rows of about its own length."""
+    return sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
 
 
 @torch.no_grad()
@@ -67,9 +74,9 @@ def generate_adapters(model: Any, tok: Any, translator: Translator, passages: Ma
                       cache: dict[str, LoraAdapter] | None = None) -> tuple[dict[str, LoraAdapter], dict[str, float]]:
     """Each passage's generated update (``{pid: text}`` in; a :class:`LoraAdapter` per pid out, scaling 1,
     float32 on the CPU) and what it cost: per pid the seconds of its batch's embedding forward and translator
-    call divided by the batch's passages (the same split as PRAG's ``group_seconds / group``; on a GPU the
-    device is synchronised before each clock read). ``cache``: updates kept from before (``{pid: adapter}``,
-    filled in place); its pids are not generated again and get no seconds."""
+    call (passages of similar lengths together) divided by the batch's passages (the same split as PRAG's
+    ``group_seconds / group``; on a GPU the device is synchronised before each clock read). ``cache``: updates
+    kept from before (``{pid: adapter}``, filled in place); its pids are not generated again and get no seconds."""
     cache = {} if cache is None else cache
     todo = [p for p in passages if p not in cache]
     ids = passage_ids(tok, [passages[p] for p in todo], max_tokens, todo)
@@ -86,7 +93,7 @@ def generate_adapters(model: Any, tok: Any, translator: Translator, passages: Ma
         secs = time.perf_counter() - t0
         return generated_adapters(factors, [todo[i] for i in batch]), secs
 
-    for batch, (ads, secs) in halving(list(range(len(todo))), batch_size, run, what="translator generation"):
+    for batch, (ads, secs) in halving(by_length(ids), batch_size, run, what="translator generation"):
         for i, a in zip(batch, ads):
             cache[todo[i]], seconds[todo[i]] = a, secs / len(batch)
     return {p: cache[p] for p in passages}, seconds

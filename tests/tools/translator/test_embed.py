@@ -20,11 +20,13 @@ TEXTS = ["paris is the capital of france", "the river seine", "berlin",
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_batched_embeddings_equal_one_passage_at_a_time_and_dyprags_read(kind):
     model, tok = tiny_model(kind, bos_token_id=2, eos_token_id=3, pad_token_id=0), tiny_tokenizer()
-    got = passage_embeddings(model, tok, TEXTS, batch_size=4)  # lengths 2..22 tokens: real left padding
+    got = passage_embeddings(model, tok, TEXTS, batch_size=4)  # lengths 2..24 tokens: real left padding
     alone = torch.cat([passage_embeddings(model, tok, [t]) for t in TEXTS])
     ref = torch.cat([dyprag_embedding(model, tok, t) for t in TEXTS])
     assert got.shape == (4, 32) and got.dtype == torch.float32
     torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+    # batches of similar lengths (2 and 4 tokens, then 7 and 24), put back in the passages' order
+    torch.testing.assert_close(passage_embeddings(model, tok, TEXTS, batch_size=2), alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(alone, ref, rtol=0, atol=1e-6)
     assert (got[0] - got[1]).abs().max() > 1e-2  # different passages, different embeddings
     # the final norm is in: every embedding has the norm's scale (RMSNorm weight 1: mean square 1)
