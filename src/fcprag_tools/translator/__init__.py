@@ -8,10 +8,12 @@ DyPRAG's own checkpoint format, and turn its generated LoRAs into rows the study
 - :mod:`.compose`: a DyPRAG row's composite adapter (kappa acts squared there), the pairwise cosine of the
   passages' updates, the translator's cost beside PRAG's.
 
-A stage's calls, in order: ``train_translator(model, tok, {pid: aug row}, adapter_of, opts, folder, progress)``
-(or ``load_translator(file, model.config)``); per held-out question ``generate_adapters(model, tok, translator,
-{pid: text}, cache=...)``; ``dyprag_adapter(generated, w~)`` into ``scoring.Row(..., update=composite)``;
-``mean_pairwise_cosine`` of the generated and of the PRAG adapters; ``cost_summary``.
+A stage's calls, in order: before any work, a given checkpoint's ``check_fits(read_state_dict(FILE), FILE,
+model_config, model="--model NAME")``; ``train_translator(model, tok, {pid: aug row}, adapter_of, opts, folder,
+progress)`` (or ``load_translator(FILE, model.config)``); per held-out question ``generate_adapters(model, tok,
+translator, {pid: text}, cache=...)``; ``dyprag_adapter(generated, w~)`` into ``scoring.Row(..., update=composite)``
+(``prompt="combine"``: DyPRAG-Combine); ``mean_pairwise_cosine`` of the generated and of the PRAG adapters;
+``cost_summary(train seconds, generation seconds, prag_adapter_seconds(adapters.jsonl rows))``.
 """
 
 from .checkpoint import check_fits, load_translator, read_state_dict, save_translator, shape_of
