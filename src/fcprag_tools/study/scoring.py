@@ -31,13 +31,17 @@ ARROW = {"top_k": 3, "router_temperature": 1.0, "rng_seed": 0}
 
 @dataclass
 class Row:
-    """One question under one method: its prompt (``param`` / ``combine``), its adapters (pids) and their ``w~``."""
+    """One question under one method: its prompt (``param`` / ``combine``), its adapters (pids) and their ``w~``.
+    ``update``: the row's own adapter instead (a DyPRAG row's composite, :func:`fcprag_tools.translator.
+    dyprag_adapter`), scored alone at weight 1; ``pids`` and ``weights`` are then only recorded, and the result
+    names it (``update``: its source)."""
 
     qid: str
     name: str
     pids: list[str]
     weights: list[float]
     prompt: str = "param"
+    update: Any = None
 
 
 def encode(tok: Any, question: str, answers: Sequence[str], passages: Sequence[str] | None = None,
@@ -78,14 +82,16 @@ def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[
            for q, m in {(r.qid, r.prompt) for r in rows}}
     srows = []
     for r in rows:
-        keep = [(adapters(p), float(w)) for p, w in zip(r.pids, r.weights) if float(w) != 0.0]
+        keep = [(r.update, 1.0)] if r.update is not None else \
+            [(adapters(p), float(w)) for p, w in zip(r.pids, r.weights) if float(w) != 0.0]
         p_ids, gold = enc[(r.qid, r.prompt)]
         srows.append(ScoreRow(p_ids, gold, [a for a, _ in keep], [w for _, w in keep],
                               gen_prompt_ids=p_ids if generate else None))
     out = score_rows(model, tok, slot, srows, mode="cat", batch_size=batch_size, max_new_tokens=max_new_tokens,
                      stop_ids=stop_ids(model, tok), on_progress=on_progress, until_cut=until_cut)
     return [result(f"{r.qid}|{r.name}", s.logprob, s.generation, questions[r.qid]["answers"],
-                   {"prompt": r.prompt, "pids": r.pids, "w": [round(float(w), 6) for w in r.weights]})
+                   {"prompt": r.prompt, "pids": r.pids, "w": [round(float(w), 6) for w in r.weights],
+                    **({} if r.update is None else {"update": str(getattr(r.update, "source", r.update))})})
             for r, s in zip(rows, out)]
 
 
