@@ -95,7 +95,7 @@ class Generation:
     generate: bool = field(default=True, metadata=option("gold log-lik. only (no greedy answers, no F1/EM)"))
     max_new_tokens: int = field(default=16, metadata=option(
         "greedy answer length (PRAG's short answer ends at its first '.', ',' or newline, where an answer stops; "
-        "fcprag labels build's 32 leaves room for --cot)", type=positive_int))
+        "fcprag labels build's longer default leaves room for --cot)", type=positive_int))
     aug_max_new_tokens: int = 128  # PRAG's augmentation (a rewrite, three question-answer pairs per passage)
 
 
