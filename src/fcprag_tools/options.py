@@ -1,5 +1,6 @@
 """Argument types, output-path checks and the library messages' keywords said as flags, shared by the
-``fcprag`` commands (one-line errors naming the option)."""
+``fcprag`` commands (one-line errors naming the option); flags made from dataclass fields (:func:`add_flags`), and
+the parts and flags several commands share (:class:`ModelPart`, :class:`Runtime`, :data:`ENCODER`)."""
 
 from __future__ import annotations
 

@@ -190,8 +190,8 @@ class StudyOptions:
             raise FcpragError("QUESTIONS: no question file given")
         if not 0 < split.test_fraction < 1:
             raise FcpragError(f"--test-fraction {split.test_fraction}: expected a fraction between 0 and 1")
-        for part in (plan, self.generation, self.batching, split, self.runtime):
-            check_ranges(part)
+        for key in PARTS:
+            check_ranges(getattr(self, key))
         if split.limit is not None and split.limit < 2:
             raise FcpragError(f"--limit {split.limit}: expected at least 2 questions")
         check_ranges(self.train, TRAINING_FLAGS)
