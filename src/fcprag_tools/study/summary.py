@@ -11,13 +11,13 @@ functions on :class:`.verdict.records.ScoredRows`); this module puts its results
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.fileio import write_atomic, write_json
-from .options import Policy
+from .options import Policy, study_training
 from .verdict.choice import candidates, choice_questions, what_to_run
 from .verdict.coverage import coverage, needed_rows
 from .verdict.markdown import report
@@ -38,10 +38,9 @@ F1_UNIT = "fraction"  # F1 in summary.json and --target-f1: a fraction of 1 (0.0
 
 
 def trainer_defaults() -> dict[str, Any]:
-    """The arguments the study's trainer runs with when a folder does not keep its own (kappa "auto")."""
-    from fcprag_plugin.training import TrainArgs
-
-    return {**vars(TrainArgs()), "kappa": "auto"}
+    """The arguments the study's trainer runs with (:func:`.options.study_training`), for a folder that does not keep
+    its own."""
+    return asdict(study_training())
 
 
 def scale_labels(folder: Path, setting: str) -> tuple[ScaleLabel, ...] | None:

@@ -93,12 +93,12 @@ def test_the_level_counts_the_comparisons_made_and_none_against_itself():
     assert (overall.row, overall.runner_up.row) == ("prag_sum", "standard_rag")
     assert {d: (c.row, c.runner_up.row) for d, c in by.items()} == {
         "A": ("prag_sum", "vanilla"), "B": ("standard_rag", "prag_sum_combine"), "C": ("prag_sum", "standard_rag")}
-    made = {d: sorted(x.row for x in c.comparisons.values()) for d, c in [(None, overall), *by.items()]}
+    made = {d: sorted(x.row for x in c.held.comparisons.values()) for d, c in [(None, overall), *by.items()]}
     assert made == {None: ["standard_rag"], "A": ["standard_rag", "vanilla"], "B": ["prag_sum", "prag_sum_combine"],
                     "C": ["standard_rag"]}
     for c in [overall, *by.values()]:
-        assert c.n_comparisons == 6 and c.level == pytest.approx(1 - 0.05 / 6)
-        assert all(x.row != c.row for x in c.comparisons.values())
+        assert c.held.n_comparisons == 6 and c.held.level == pytest.approx(1 - 0.05 / 6)
+        assert all(x.row != c.row for x in c.held.comparisons.values())
 
 
 def test_the_minimum_detectable_effect_is_said_the_right_way_round():

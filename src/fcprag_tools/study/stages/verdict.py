@@ -44,11 +44,11 @@ def after_the_verdict(run: StudyRun, opts: StudyOptions, qs: Questions, recommen
     named = {s: {"recommended_row": v.recommended_row} for s, v in verdicts.items()}  # what candidate_rows reads
     for qid, q in qs.items():
         if q["split"] == "test":
-            extra[qid] = random_rows(q, recommended, opts.encoder, run.adapter)
+            extra[qid] = random_rows(q, recommended, opts.plan.encoder, run.adapter)
     for qid, q in qs.items():
         if q["split"] == "train":
-            extra[qid] = candidate_rows(q, recommended, named, opts.encoder, run.adapter)
-    return evaluate(run, opts, qs, extra, desc="evaluate (after the verdict)")
+            extra[qid] = candidate_rows(q, recommended, named, opts.plan.encoder, run.adapter)
+    return evaluate(run, qs, extra, opts.generation, opts.batching, desc="evaluate (after the verdict)")
 
 
 def save_controller(out: Path, setting: str, shipped: Any, qs: Questions) -> None:
@@ -84,10 +84,10 @@ def write_summary(run: StudyRun, opts: StudyOptions, qs: Questions, results: Sco
     for s in SETTINGS:
         save_controller(run.out, s, shipped[s], qs)
     test = [qid for qid, q in qs.items() if q["split"] == "test"]
-    arrow = "scored" if all(f"{q}|arrow" in results for q in test) else "--no-arrow" if not opts.arrow else "off"
-    given = opts.controller is not None
+    arrow = "scored" if all(f"{q}|arrow" in results for q in test) else "--no-arrow" if not opts.plan.arrow else "off"
+    given = opts.plan.controller is not None
     out = summary.finish(ScoredRows.from_dicts(qs, results), records_of(ctrls, dirs, given, run.out), given=given,
-                         settings={**settings, "out": str(run.out), "device": run.device(opts),
+                         settings={**settings, "out": str(run.out), "device": run.device(),
                                    "controller_trained": not given, "arrow": arrow,
                                    "learned_dir": {s: str(d) for s, d in dirs.items()}},
                          stage_seconds={k: round(v, 1) for k, v in run.times.items()}, out=run.out,

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 from ..options import Policy
 from ..stats import detectable, paired
 from .catalogue import CANDIDATES, ROWS, STATUS_QUO, cheaper
-from .records import Choice, Comparison, Lead, ScoredRows, SettingVerdict, mean, suffix
+from .records import Choice, Comparison, HeldOutF1, Lead, ScoredRows, SettingVerdict, mean, suffix
 
 WHAT_TO_RUN_BOOT = 10_000
 READINGS = ("tie", "better", "worse", "equivalent", "not_shown")  # a held-out F1 comparison's reading
@@ -119,8 +119,9 @@ def what_to_run(rows: ScoredRows, test: Sequence[str], *, descriptive: bool, can
         held = {key: compare(row, rows.diffs(hq, best, row, "f1"), f"what_to_run:{d}:{row}", level, policy.target_f1,
                              policy.power) for key, row in planned(best, ru)}
         return Choice(best, tied if len(tied) > 1 else [], "held-out (descriptive)" if descriptive else "training",
-                      len(cq), means, margin, below, len(hq), level, m, policy.target_f1, policy.power,
-                      mean([rows.score(q, best).get("f1") for q in hq]), held)
+                      len(cq), means, margin, below,
+                      HeldOutF1(len(hq), mean([rows.score(q, best).get("f1") for q in hq]), level, m,
+                                policy.target_f1, policy.power, held))
 
     by = {d: one(d) for d in scopes[1:]}
     return one(None), {d: c for d, c in by.items() if c is not None}

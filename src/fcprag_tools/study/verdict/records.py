@@ -166,9 +166,20 @@ class Part:
 
 
 @dataclass(frozen=True)
+class Measured:
+    """The held-out parts of a setting's verdict (``scale``, ``reweighting``, ``total``) over ``n`` questions."""
+
+    scale: Part
+    reweighting: Part
+    total: Part
+    n: int
+
+
+@dataclass(frozen=True)
 class SettingVerdict:
     """What ships in one setting (``ship``: ``network``, ``scale_only`` or ``prag_sum``), why, on what it was
-    decided, the held-out parts that measure it, and the risk rule's figures behind its kappa (``kappa_rule``)."""
+    decided, the held-out parts that measure it (``held``), and the risk rule's figures behind its kappa
+    (``kappa_rule``)."""
 
     setting: str
     ship: str
@@ -177,20 +188,17 @@ class SettingVerdict:
     decided_on: str
     margins: dict[str, float]
     cv: dict[str, Any]
-    scale: Part
-    reweighting: Part
-    total: Part
+    held: Measured
     why: str
     recommended_row: str
-    n: int
     kappa_rule: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
+        h = self.held
         return {"setting": self.setting, "ship": self.ship, "kappa": self.kappa, "kappa_learned": self.kappa_learned,
                 "decided_on": self.decided_on, "margins": self.margins, "cv": self.cv,
-                "scale": self.scale.to_json(), "reweighting": self.reweighting.to_json(),
-                "total": self.total.to_json(), "why": self.why, "recommended_row": self.recommended_row, "n": self.n,
-                "kappa_rule": self.kappa_rule}
+                "scale": h.scale.to_json(), "reweighting": h.reweighting.to_json(), "total": h.total.to_json(),
+                "why": self.why, "recommended_row": self.recommended_row, "n": h.n, "kappa_rule": self.kappa_rule}
 
 
 @dataclass(frozen=True)
@@ -234,10 +242,24 @@ class Lead:
 
 
 @dataclass(frozen=True)
+class HeldOutF1:
+    """The choice measured on ``n`` held-out questions: its F1 and its comparisons (``vs_standard_rag``,
+    ``vs_prag_sum``, ``vs_host``, ``vs_runner_up``: each row once, never the choice itself), each interval at
+    ``level`` (Bonferroni over the ``n_comparisons`` made in every scope), sized for ``target_f1`` at ``power``."""
+
+    n: int
+    f1: float | None
+    level: float
+    n_comparisons: int
+    target_f1: float
+    power: float
+    comparisons: dict[str, Comparison]
+
+
+@dataclass(frozen=True)
 class Choice:
     """What to run in one scope (overall or a dataset): the candidate with the highest F1 on the questions it is
-    chosen on, its lead over the runner-up and over each cheaper candidate there, and its held-out comparisons
-    (``vs_standard_rag``, ``vs_prag_sum``, ``vs_host``, ``vs_runner_up``: each row once, never the choice itself)."""
+    chosen on, its lead over the runner-up and over each cheaper candidate there, and how it did held out."""
 
     row: str
     tied: list[str]
@@ -246,17 +268,12 @@ class Choice:
     choice_f1: dict[str, float | None]
     runner_up: Lead | None
     cheaper: list[Lead]
-    n: int
-    level: float
-    n_comparisons: int
-    target_f1: float
-    power: float
-    f1: float | None
-    comparisons: dict[str, Comparison]
+    held: HeldOutF1
 
     def to_json(self) -> dict[str, Any]:
+        h = self.held
         return {"row": self.row, "tied": self.tied, "chosen_on": self.chosen_on, "n_choice": self.n_choice,
                 "choice_f1": self.choice_f1, "runner_up": self.runner_up and self.runner_up.to_json(),
-                "cheaper": [c.to_json() for c in self.cheaper], "n": self.n, "level": self.level,
-                "n_comparisons": self.n_comparisons, "target_f1": self.target_f1, "power": self.power, "f1": self.f1,
-                **{k: c.to_json() for k, c in self.comparisons.items()}}
+                "cheaper": [c.to_json() for c in self.cheaper], "n": h.n, "level": h.level,
+                "n_comparisons": h.n_comparisons, "target_f1": h.target_f1, "power": h.power, "f1": h.f1,
+                **{k: c.to_json() for k, c in h.comparisons.items()}}

@@ -21,7 +21,7 @@ from fcprag_plugin.training import Z95
 from ..options import Policy
 from ..stats import paired
 from .kappa import kappa_rule
-from .records import ControllerRecord, Part, ScoredRows, SettingVerdict, suffix
+from .records import ControllerRecord, Measured, Part, ScoredRows, SettingVerdict, suffix
 
 
 def part(rows: ScoredRows, keys: Sequence[str], a: str, b: str, margin: float) -> Part:
@@ -128,5 +128,5 @@ def setting_verdict(rows: ScoredRows, setting: str, ctrl: ControllerRecord, *, g
         decided_on = f"{n_train} training questions (the trainer's nested cross-validation, out-of-fold gains)"
     return SettingVerdict(setting, ship, kappa if ship != "prag_sum" else 1.0, kappa, decided_on, policy.margins(),
                           {"reweighting": cv_part(cv, "reweighting"), "scale": cv_part(cv, "scale")},
-                          scale, reweighting, total, why, rec, len(keys),
+                          Measured(scale, reweighting, total, len(keys)), why, rec,
                           kappa_rule(ctrl, rows, keys, setting, given=given, default_args=default_args))

@@ -110,7 +110,7 @@ def split_info(rows: ScoredRows, settings: Mapping[str, Any]) -> dict[str, Any]:
 def ceiling_info(rows: ScoredRows, keys: Sequence[str], pairs: Mapping[str, Any],
                  verdicts: Mapping[str, SettingVerdict]) -> dict[str, Any]:
     """The gold-passage ceiling per setting (:func:`.ceiling.reached`), or why its row is absent."""
-    per = {s: reached(pairs, s, v.reweighting.measured) for s, v in verdicts.items()}
+    per = {s: reached(pairs, s, v.held.reweighting.measured) for s, v in verdicts.items()}
     if all(per.values()):
         return {"why_absent": None, "settings": per}
     titles = [rows.questions[q].supporting_titles for q in keys]
