@@ -251,11 +251,11 @@ def end_to_end(a: argparse.Namespace) -> None:
         model_dir = save_random_lm(Path(tmp) / "lm", a.shape, a.layers, getattr(torch, a.dtype), dev)
         build = time.perf_counter() - t0
         out = Path(a.out) if a.out else Path(tmp) / "study"
-        opts = StudyOptions(questions=a.questions, model=str(model_dir), out=str(out), device=a.device,
-                            dtype=a.dtype, limit=a.limit, controller=a.controller, generate=not a.no_generate,
-                            progress=not a.no_progress, **({"group": a.group} if a.group else {}),
-                            aug_batch=a.study_aug_batch, batch_size=a.batch_size,
-                            train_args={"epochs": a.epochs} if a.epochs else {})
+        opts = StudyOptions.of(questions=a.questions, model=str(model_dir), out=str(out), device=a.device,
+                               dtype=a.dtype, limit=a.limit, controller=a.controller, generate=not a.no_generate,
+                               progress=not a.no_progress, **({"group": a.group} if a.group else {}),
+                               aug_batch=a.study_aug_batch, batch_size=a.batch_size,
+                               **({"epochs": a.epochs} if a.epochs else {}))
         t0 = time.perf_counter()
         summary = run_study(opts)
         wall = time.perf_counter() - t0

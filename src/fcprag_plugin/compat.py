@@ -1,11 +1,12 @@
-"""Everything that differs across peft / transformers versions lives here, and only here (supported: latest, and
-the PRAG / DyPRAG pins, peft 0.13.2 with transformers 4.44.2 / 4.49.0)."""
+"""Everything that differs across torch / transformers / peft / sentence-transformers versions lives here, and only
+here (supported: latest, and the PRAG / DyPRAG pins, peft 0.13.2 with transformers 4.44.2 / 4.49.0); the call sites
+ask what differs, never which version (tests/test_compat_only.py)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from packaging.version import Version
@@ -24,17 +25,49 @@ def peft_has_stale_config_bug() -> bool:
     return package_version("peft") < Version("0.19")
 
 
+# torch.compiler.is_compiling (torch >= 2.3): whether torch.compile is tracing the caller
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+# the device's out-of-memory errors: torch.OutOfMemoryError from torch 2.5 on, torch.cuda's (the same class since)
+OUT_OF_MEMORY_ERRORS: tuple[type[BaseException], ...] = tuple(
+    {getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError})
+
+
+def peft_has_arrow() -> bool:
+    """Whether peft has the training-free Arrow router (``ArrowConfig``, ``create_arrow_model``: peft >= 0.18)."""
+    import peft
+
+    return all(hasattr(peft, name) for name in ("ArrowConfig", "create_arrow_model"))
+
+
+def embedding_dimension(model: Any) -> int:
+    """A SentenceTransformer's embedding size (``get_embedding_dimension``; older sentence-transformers name it
+    ``get_sentence_embedding_dimension``, which newer ones deprecate)."""
+    return int((getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension)())
+
+
+def gguf_limits() -> tuple[set[str] | None, set[int] | None]:
+    """What transformers reads from a GGUF file (None: no limit): the architectures whose tokenizer it converts
+    (before 5: one converter each) and the GGML tensor types it dequantizes (4.44 only a few, itself)."""
+    from transformers.integrations import ggml
+
+    tokenizers = getattr(ggml, "GGUF_TO_FAST_CONVERTERS", None)
+    types = set(getattr(ggml, "GGML_TYPES", {}).values()) if hasattr(ggml, "load_dequant_gguf_tensor") else None
+    return (None if tokenizers is None else set(tokenizers)), types
+
+
 def from_pretrained_dtype_key() -> str:
     """The ``from_pretrained`` keyword that sets the weights' dtype: ``dtype`` from transformers 4.56 on (which warns
     at ``torch_dtype``); the pins (4.44, 4.49) know only ``torch_dtype``."""
     return "dtype" if package_version("transformers") >= Version("4.56") else "torch_dtype"
 
 
-def kv_cache_argument(kwargs: dict[str, Any]) -> Any:
-    """The KV cache in a causal LM's forward keyword arguments, None without one (transformers 5 names the
-    argument ``cache``, earlier versions ``past_key_values``)."""
+def kv_cache_continues(kwargs: dict[str, Any]) -> bool:
+    """Whether a causal LM's forward keyword arguments carry a non-empty KV cache (a decoding step): transformers 5
+    names the argument ``cache``, earlier versions ``past_key_values``, which may also be a legacy tuple."""
     pkv = kwargs.get("past_key_values")
-    return kwargs.get("cache") if pkv is None else pkv
+    pkv = kwargs.get("cache") if pkv is None else pkv
+    length = getattr(pkv, "get_seq_length", None)
+    return int(length()) > 0 if callable(length) else isinstance(pkv, (tuple, list)) and len(pkv) > 0
 
 
 _FORWARD_PARAMETERS: dict[type, frozenset[str]] = {}
@@ -48,7 +81,7 @@ def _forward_parameters(model: Any) -> frozenset[str]:
 
 
 def kv_cache_argument_name(model: Any) -> str:
-    """The name under which a causal LM's forward takes its KV cache (see :func:`kv_cache_argument`); a PEFT
+    """The name under which a causal LM's forward takes its KV cache (see :func:`kv_cache_continues`); a PEFT
     wrapper passes it on to its base model, whose signature is read."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in _forward_parameters(base) else "past_key_values"

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .compat import embedding_dimension
 from .errors import EncoderError
 from .loading import LoadCache
 
@@ -147,8 +148,7 @@ class TextEncoder:
                 self._model = SentenceTransformer(load_from, device=device)
         except Exception as e:
             raise EncoderError(f"cannot load embedding model '{self.name}' from '{load_from}': {e}") from e
-        getdim = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
-        self.dim = int(getdim())
+        self.dim = embedding_dimension(self._model)
         self.source: str | None = load_from
         self._fn: Callable[[list[str]], torch.Tensor] = self._encode_st
         self.batch_size = batch_size

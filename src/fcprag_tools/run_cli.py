@@ -9,7 +9,7 @@ from pathlib import Path
 from fcprag_plugin.errors import FcpragError
 
 from .launch import LAUNCHERS
-from .options import int_at_least
+from .options import ENCODER, add_flag, int_at_least
 
 # passages per question a slot is sized for at most (a slot holds max_adapters x rank factors per module: 1024 of
 # rank 2 on an 8B Llama are about 7 GB): a larger --slot-max-adapters is refused before anything is allocated
@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Everything after '--' is the host script and its own arguments.")
     r.add_argument("host", choices=sorted(LAUNCHERS), help="which host's merge to replace: prag or dyprag")
     r.add_argument("--controller", help="controller directory (omit for the uniform baseline)")
-    r.add_argument("--encoder", help="embedding model name or path (default: the controller's)")
+    add_flag(r, "encoder", ENCODER)
     r.add_argument("--mode",
                    help="merge mode: prag: cat (default) | separate | svd; dyprag: separate (default) | cat (on DyPRAG's "
                         "weights w~/N: the exact weighted mean of the updates)")

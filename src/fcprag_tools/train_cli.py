@@ -10,13 +10,15 @@ import shutil
 from dataclasses import fields
 from pathlib import Path
 
-from .options import check_out_file, finite_float, int_at_least, positive_int, refuse_inputs
+from .options import (ENCODER, Runtime, add_flag, add_flags, check_out_file, finite_float, int_at_least, positive_int,
+                      refuse_inputs)
 from fcprag_plugin.errors import FcpragError, LabelFileError
 from fcprag_plugin.features import SIDE_FEATURES
 from fcprag_plugin.fileio import write_json
 from fcprag_plugin.training import (CHECKPOINT_DIR, CHOICES, CV_PARTIAL_NAME, DEFAULT_T_LABEL, MAX_EPOCHS, MAX_HIDDEN,
                                     ON_ERROR, RECIPES, SkippedRecord, TrainArgs, load_labels, read_checkpoint_state,
                                     read_cv_partial)
+from .lm.model_io import set_threads
 from .plots import _pyplot, write_eval_plots, write_training_plots
 from .train_report import closing_lines, format_table, train_table
 
@@ -259,8 +261,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
                   f"--epochs above {done}")
         elif state_before:
             print(f"{args.out}: resuming after epoch {done}, training epochs {done + 1}..{args.epochs}")
+    set_threads(args.threads)  # --threads (the trainer sets it again for its run), else the free cores
     res = train_controller(train_set, args.out, val=val_set, encoder=args.encoder, resume=args.resume,
-                           overwrite=args.overwrite, progress=not args.no_progress, controller=controller,
+                           overwrite=args.overwrite, progress=args.progress, controller=controller,
                            **{k: getattr(args, k) for k in _TRAIN_ARGS
                               if not (k in _RECIPE_SET and getattr(args, k) is None)})
     if args.plots:
@@ -290,7 +293,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     res = evaluate_controller(
         args.controller, labels, encoder=args.encoder, cache_dir=args.cache_dir, on_error=args.on_error,
         t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, seed=args.seed,
-        progress=not args.no_progress)
+        progress=args.progress)
     _print_skipped([res.label_set])
     print(format_table(res.metrics, f"{args.controller} on {args.labels}"))
     if args.json:
@@ -318,15 +321,15 @@ def _check_eval_encoder(controller: str, encoder: str) -> None:
                           f"('{recorded}'); leave --encoder out to use it")
 
 
-def _label_options(p: argparse.ArgumentParser, encoder_help: str) -> None:
+def _label_options(p: argparse.ArgumentParser) -> None:
     """The options ``fcprag train`` and ``fcprag eval`` share."""
     p.add_argument("labels", help="label file (JSON Lines or JSON array)")
-    p.add_argument("--encoder", help=encoder_help)
+    add_flag(p, "encoder", ENCODER)
     p.add_argument("--cache-dir", help="embedding cache directory (default: $FCPRAG_CACHE_DIR or "
                                        "~/.cache/fcprag/embeddings)")
     p.add_argument("--on-error", choices=ON_ERROR, default="fail",
                    help="fail at the first bad record (default) or skip bad records and report them")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_flags(p, Runtime, names=("progress",))
 
 
 def _train_options(d: TrainArgs) -> dict[str, dict]:
@@ -346,8 +349,6 @@ def _train_options(d: TrainArgs) -> dict[str, dict]:
         "precision": dict(help="auto (default): bf16 on CPUs with native bfloat16 "
                           "(AVX512-BF16/AMX), else fp32; bf16: the controller's MLPs in bfloat16 with fp32 master "
                           "weights"),
-        "threads": dict(type=positive_int, help="torch CPU threads (default: torch's choice; 1 is faster for small "
-                        "nets on a busy machine)"),
         "objective": dict(help="kl (default, the paper's): KL to softmax(delta / T_label); "
                           "risk: maximise sum_i (w~_i - 1) delta_i - lambda sum_i (w~_i - 1)^2 per record "
                           "(docs/label-format.md)"),
@@ -393,12 +394,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train a fusion controller from a leave-one-out label file",
                        description="Train a FusionController on LABELS (JSON Lines or a JSON array; see "
                                    "docs/label-format.md) and write it to --out.")
-    _label_options(t, "embedding model name or path (default: BAAI/bge-base-en-v1.5 when cached, else the packaged "
-                      "all-MiniLM-L6-v2)")
+    _label_options(t)
+    add_flags(t, Runtime, names=("threads",))  # set by the command (model_io.set_threads), then by the trainer
     t.add_argument("--out", required=True, help="output directory (controller + training_args/metrics/log)")
     t.add_argument("--val", help="explicit validation label file (default: a group/id-based split of LABELS)")
     for name in _TRAIN_ARGS:
-        if name in ("on_error", "cache_dir"):  # _label_options (fcprag eval has them too)
+        if name in ("on_error", "cache_dir", "threads"):  # _label_options (fcprag eval has them too); Runtime's
             continue
         default = getattr(d, name)
         options = {"help": f"TrainArgs.{name} (default {default!r})", **({"choices": CHOICES[name]} if name in CHOICES
@@ -422,7 +423,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "Spearman, g/tau, weight entropy), next to the uniform (PRAG's merge) and random "
                                    "baselines on the same records. --plots writes g_tau.png and entropy.png.")
     e.add_argument("controller", help="controller directory")
-    _label_options(e, "embedding model (default: the controller's embedding_model)")
+    _label_options(e)
     e.add_argument("--t-label", type=finite_float,
                    help="target temperature (default: the controller's training_args.json, else the library's)")
     e.add_argument("--flat-eps", type=finite_float,

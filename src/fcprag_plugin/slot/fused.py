@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..adapter import PEFT_PREFIX, LoraAdapter, strip_peft_prefix
-from ..compat import kv_cache_argument
+from ..compat import is_compiling, kv_cache_continues
 from ..errors import MergeError
 from ..merge.core import check_weights
 from .buffers import SlotBuffers
@@ -51,9 +51,6 @@ class _State:
     pending: Callable[[], Any] | None = None  # route 'auto': switches to fused weights
 
 
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
-
-
 def _make_hook(entry: _Entry, state: _State):
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if not state.active:
@@ -67,20 +64,13 @@ def _make_hook(entry: _Entry, state: _State):
     return hook
 
 
-def _continues_cache(kwargs: dict[str, Any]) -> bool:
-    """Whether a forward's keyword arguments carry a non-empty KV cache (a decoding step)."""
-    pkv = kv_cache_argument(kwargs)
-    length = getattr(pkv, "get_seq_length", None)
-    return int(length()) > 0 if callable(length) else isinstance(pkv, (tuple, list)) and len(pkv) > 0
-
-
 def _make_pre_hook(state: _State):
     """Route ``auto``: before a forward without autograd that continues a KV cache (not while compiling or
     capturing a CUDA graph), switch the pending merge to fused weights."""
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if state.pending is not None and not _is_compiling() and not torch.is_grad_enabled() \
-                and _continues_cache(kwargs) and not (torch.cuda.is_available()
-                                                      and torch.cuda.is_current_stream_capturing()):
+        if state.pending is not None and not is_compiling() and not torch.is_grad_enabled() \
+                and kv_cache_continues(kwargs) \
+                and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             state.pending()
 
     return pre_hook

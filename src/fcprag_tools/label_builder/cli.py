@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..options import add_model_flags, check_out_file, positive_int
+from ..options import ModelPart, Runtime, add_flags, add_model_flags, check_out_file, flag_values, positive_int
 from fcprag_plugin.errors import FcpragError, LabelFileError
 from ..lm.metrics import SCORINGS
 
@@ -34,14 +34,15 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     from .builder import BuildOptions, LabelBuilder, build_labels, check_scale_grid
     from .manifest import read_manifest
-    from ..lm.model_io import check_model_path, load_model
+    from ..lm.model_io import check_model_path, load_model, set_threads
     from ..lm.prompts import PromptTemplate
     from ..lm.shard import init_process_group, output_path, part_path, shard_from_env
     from .parts import merge_parts, shard_records
     from ..lm.store import done_ids
 
     check_out_file("--out", args.out, [("manifest", args.manifest), ("--prompt-template", args.prompt_template)])
-    model_path = check_model_path("--model", args.model)
+    lm, runtime = ModelPart(**flag_values(ModelPart, args)), Runtime(**flag_values(Runtime, args))
+    model_path = check_model_path("--model", lm.model)
     tokenizer_path = check_model_path("--tokenizer", args.tokenizer) if args.tokenizer else None
     shard = shard_from_env()
     records = read_manifest(args.manifest)  # every rank validates the whole manifest: a bad line stops all
@@ -53,10 +54,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
                                args.empty_generation if args.empty_generation != "auto" else
                                "fail" if args.metric in ("f1", "em") else "zero"),
                            use_slot=args.use_slot, batch_size=args.batch_size, scales=args.scales or (),
-                           model_name=args.model + (f"::{args.gguf_file}" if args.gguf_file else ""))
+                           model_name=lm.model + (f"::{lm.gguf_file}" if lm.gguf_file else ""))
     options.validate()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(runtime.threads)
     out = Path(args.out)
     mine = shard_records(records, shard.rank, shard.world)
     target = output_path(out, shard)
@@ -67,12 +67,12 @@ def _cmd_build(args: argparse.Namespace) -> int:
     args.interrupt_hint = f"{target} keeps every record written so far; the same command resumes after them"
     grouped = init_process_group(shard)
     try:
-        model, tok = load_model(model_path, gguf_file=args.gguf_file, tokenizer=tokenizer_path, dtype=args.dtype,
-                                device=args.device, local_rank=shard.local_rank, progress=not args.no_progress)
+        model, tok = load_model(model_path, gguf_file=lm.gguf_file, tokenizer=tokenizer_path, dtype=lm.dtype,
+                                device=lm.device, local_rank=shard.local_rank, progress=runtime.progress)
         builder = LabelBuilder(model, tok, options)
         desc = f"labels rank {shard.rank}/{shard.world}" if shard.distributed else "labels"
         try:
-            summary = build_labels(mine, builder, target, on_error=args.on_error, progress=not args.no_progress,
+            summary = build_labels(mine, builder, target, on_error=args.on_error, progress=runtime.progress,
                                    skip_ids=skip, desc=desc, position=shard.rank)
         finally:
             builder.close()
@@ -136,6 +136,8 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from .builder import BuildOptions
+
     g = sub.add_parser("labels", help="build leave-one-out label files for the controller trainer")
     gs = g.add_subparsers(dest="labels_command", required=True)
 
@@ -161,8 +163,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "but the --cot marker in any case")
     b.add_argument("--no-generation", dest="no_generation", action="store_true",
                    help="skip greedy generation (answer_logprob only; much faster)")
-    b.add_argument("--max-new-tokens", dest="max_new_tokens", type=positive_int, default=32,
-                   help="greedy generation length (default 32)")
+    b.add_argument("--max-new-tokens", dest="max_new_tokens", type=positive_int, default=BuildOptions.max_new_tokens,
+                   help="greedy generation length (default %(default)s, longer than fcprag study's: room for --cot's "
+                        "reasoning before 'the answer is'; a short answer ends at its first '.', ',' or newline)")
     b.add_argument("--on-error", dest="on_error", default="fail", choices=["fail", "skip"],
                    help="a record that fails (adapter does not load, empty generation): stop, or log and skip it")
     b.add_argument("--empty-generation", dest="empty_generation", default="auto", choices=["auto", "fail", "zero"],
@@ -179,11 +182,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also measure the full set merged with every w~_i = s, for each total scale s (e.g. "
                         "0.5,1,2,4): fields scales, metric_at_scales, <metric>_at_scales; s = 1 reuses metric_all; "
                         "one extra evaluation per record and scale != 1")
-    b.add_argument("--threads", type=positive_int, help="torch CPU threads per process")
     b.add_argument("--no-merge", dest="no_merge", action="store_true",
                    help="under torchrun: leave the part files, do not merge them into --out at the end")
-    b.add_argument("--no-progress", dest="no_progress", action="store_true",
-                   help="no progress bars (neither ours nor transformers' while the model loads)")
+    add_flags(b, Runtime)
     b.set_defaults(func=_cmd_build)
 
     p = gs.add_parser("from-prag", help="write a manifest from PRAG's augmented data and adapter tree", description=(

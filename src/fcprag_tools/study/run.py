@@ -1,6 +1,6 @@
 """What the stages of one ``fcprag study`` invocation share (:class:`StudyRun`): the study folder and its stores,
-this process's shard of a launch, the progress bars, and what is loaded once on first need (the model and its
-tokenizer, the passage adapters, the batch sizes)."""
+this process's shard of a launch, the progress bars, and what is loaded once on first need (the model of its
+:class:`~fcprag_tools.options.ModelPart` and its tokenizer, the passage adapters, the device's batch sizes)."""
 
 from __future__ import annotations
 
@@ -14,22 +14,23 @@ from fcprag_plugin.errors import FcpragError
 from ..lm.shard import ShardInfo, init_process_group
 from ..lm.sizing import BatchSizes
 from ..lm.units import UnitStore, log_timing
+from ..options import ModelPart
 from ..progress import progress_bar
 from . import adapters as ad
-from .options import StudyOptions
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class StudyRun:
-    """One invocation on the study folder ``out`` as rank ``shard.rank`` of ``shard.world`` processes. The model,
-    the adapters and the batch sizes are loaded by the first stage that has work for them; ``times`` sums each
-    stage's seconds (the summary's ``stage_seconds``)."""
+    """One invocation on the study folder ``out`` as rank ``shard.rank`` of ``shard.world`` processes. The model
+    (``lm``: which, in what dtype, on what device), the adapters and the device's batch sizes are loaded by the
+    first stage that has work for them; ``times`` sums each stage's seconds (the summary's ``stage_seconds``)."""
 
     out: Path
     shard: ShardInfo = ShardInfo()
     progress: bool = True
+    lm: ModelPart = ModelPart()
     model: Any = None
     tok: Any = None
     adapters: dict[str, Any] = field(default_factory=dict)
@@ -82,43 +83,44 @@ class StudyRun:
         if self.shard.rank == 0:
             log_timing(self.out, stage, secs, **info)
 
-    def load_model(self, opts: StudyOptions) -> None:
-        """``opts.model`` (frozen: the study trains adapters, not the model) once; a model without the Linear layers
-        PRAG's LoRA recipe targets is a one-line error."""
+    def load_model(self) -> None:
+        """The model of ``lm`` (frozen: the study trains adapters, not the model) once; a model without the Linear
+        layers PRAG's LoRA recipe targets is a one-line error."""
         if self.model is not None:
             return
         from ..lm.model_io import load_model
 
-        self.model, self.tok = load_model(opts.model, gguf_file=opts.gguf_file, dtype=opts.dtype,
-                                          device=opts.device, local_rank=self.shard.local_rank, progress=False)
+        lm = self.lm
+        self.model, self.tok = load_model(lm.model, gguf_file=lm.gguf_file, dtype=lm.dtype, device=lm.device,
+                                          local_rank=self.shard.local_rank, progress=False)
         for p in self.model.parameters():
             p.requires_grad_(False)
         if not ad.target_linears(self.model, ad.LORA["target_modules"]):
-            raise FcpragError(f"--model {opts.model}: no Linear layer named "
+            raise FcpragError(f"--model {lm.model}: no Linear layer named "
                               f"{'/'.join(ad.LORA['target_modules'])}, the modules PRAG's LoRA recipe targets; choose "
                               "a model with a gated MLP (Llama, Qwen2, Mistral, ...)")
 
-    def device(self, opts: StudyOptions) -> str:
-        """Where the model runs (``opts.device`` while it is not loaded)."""
-        return str(next(self.model.parameters()).device) if self.model is not None else opts.device
+    def device(self) -> str:
+        """Where the model runs (``--device`` while it is not loaded)."""
+        return str(next(self.model.parameters()).device) if self.model is not None else self.lm.device
 
-    def sizes(self, opts: StudyOptions) -> BatchSizes:
-        """The batch sizes the user did not give, from the device and its free memory after the model is loaded
+    def sizes(self) -> BatchSizes:
+        """The device's batch sizes, for those the user did not give, from its free memory after the model is loaded
         (:func:`fcprag_tools.lm.sizing.default_batches`; asked for only by a stage that has work)."""
         if self.batches is None:
             from ..lm.model_io import resolve_device
             from ..lm.sizing import default_batches
 
-            dev = resolve_device(opts.device, self.shard.local_rank)
+            dev = resolve_device(self.lm.device, self.shard.local_rank)
             if dev.type == "cuda":
-                self.load_model(opts)
+                self.load_model()
             self.batches = default_batches(dev, self.model if dev.type == "cuda" else None)
             logger.info("batch sizes: %s", self.batches.why)
         return self.batches
 
-    def batch_size(self, opts: StudyOptions) -> int:
-        """Sequences per scoring forward (labels and evaluation)."""
-        return opts.batch_size or self.sizes(opts).batch_size
+    def batch_size(self, given: int | None) -> int:
+        """Sequences per scoring forward (labels and evaluation): ``given`` (``--batch-size``), else the device's."""
+        return given or self.sizes().batch_size
 
     def adapter(self, pid: str) -> Any:
         """Passage ``pid``'s adapter (``OUT/adapters/<pid>/``), kept on the model's device once it is loaded."""

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fcprag_plugin.compat import package_version, peft_has_arrow
 from fcprag_plugin.errors import FcpragError
 from ..lm.batched import ScoreRow, read_prompts, score_rows
 from ..lm.metrics import answer_in_text, exact_match, extract_answer, f1_score
@@ -30,13 +31,17 @@ ARROW = {"top_k": 3, "router_temperature": 1.0, "rng_seed": 0}
 
 @dataclass
 class Row:
-    """One question under one method: its prompt (``param`` / ``combine``), its adapters (pids) and their ``w~``."""
+    """One question under one method: its prompt (``param`` / ``combine``), its adapters (pids) and their ``w~``.
+    ``update``: the row's own adapter instead (a DyPRAG row's composite, :func:`fcprag_tools.translator.
+    dyprag_adapter`), scored alone at weight 1; ``pids`` and ``weights`` are then only recorded, and the result
+    names it (``update``: its source)."""
 
     qid: str
     name: str
     pids: list[str]
     weights: list[float]
     prompt: str = "param"
+    update: Any = None
 
 
 def encode(tok: Any, question: str, answers: Sequence[str], passages: Sequence[str] | None = None,
@@ -77,14 +82,16 @@ def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[
            for q, m in {(r.qid, r.prompt) for r in rows}}
     srows = []
     for r in rows:
-        keep = [(adapters(p), float(w)) for p, w in zip(r.pids, r.weights) if float(w) != 0.0]
+        keep = [(r.update, 1.0)] if r.update is not None else \
+            [(adapters(p), float(w)) for p, w in zip(r.pids, r.weights) if float(w) != 0.0]
         p_ids, gold = enc[(r.qid, r.prompt)]
         srows.append(ScoreRow(p_ids, gold, [a for a, _ in keep], [w for _, w in keep],
                               gen_prompt_ids=p_ids if generate else None))
     out = score_rows(model, tok, slot, srows, mode="cat", batch_size=batch_size, max_new_tokens=max_new_tokens,
                      stop_ids=stop_ids(model, tok), on_progress=on_progress, until_cut=until_cut)
     return [result(f"{r.qid}|{r.name}", s.logprob, s.generation, questions[r.qid]["answers"],
-                   {"prompt": r.prompt, "pids": r.pids, "w": [round(float(w), 6) for w in r.weights]})
+                   {"prompt": r.prompt, "pids": r.pids, "w": [round(float(w), 6) for w in r.weights],
+                    **({} if r.update is None else {"update": str(getattr(r.update, "source", r.update))})})
             for r, s in zip(rows, out)]
 
 
@@ -128,17 +135,10 @@ def score_arrow_rows(model: Any, tok: Any, items: Sequence[tuple[str, dict[str, 
 
 def arrow_status() -> tuple[bool, str]:
     """Whether the installed PEFT has Arrow (``peft.ArrowConfig``, PEFT >= 0.18), and why not."""
-    try:
-        import peft
-        from peft import ArrowConfig, create_arrow_model  # noqa: F401
-    except ImportError:
-        import importlib.metadata as md
-
-        try:
-            return False, f"peft {md.version('peft')} has no ArrowConfig (PEFT >= 0.18 has it)"
-        except md.PackageNotFoundError:
-            return False, "peft is not installed"
-    return True, f"peft {peft.__version__}"
+    version = package_version("peft")
+    if peft_has_arrow():
+        return True, f"peft {version}"
+    return False, f"peft {version} has no ArrowConfig (PEFT >= 0.18 has it)"
 
 
 @torch.no_grad()

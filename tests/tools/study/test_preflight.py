@@ -15,7 +15,9 @@ from fcprag_tools.cli import main
 from fcprag_tools.lm import model_io
 from fcprag_tools.lm.shard import ShardInfo
 from fcprag_tools.progress import moves_inside
-from fcprag_tools.study import StudyOptions, data, preflight, summary
+from fcprag_tools.options import ModelPart, Runtime
+from fcprag_tools.study import data, preflight, summary
+from fcprag_tools.study.options import Plan
 from fcprag_tools.study.run import StudyRun
 from fcprag_tools.study.stages import augmentation
 
@@ -238,7 +240,7 @@ def test_a_killed_study_resumes_saying_what_it_kept_and_a_finished_one_answers_a
     assert snapshot(out) == before
     # a cache newer than the summary (more work was appended): not complete any more
     os.utime(out / "eval.jsonl", ns=((out / "summary.json").stat().st_mtime_ns + 10**9,) * 2)
-    assert preflight.finished(StudyOptions(questions=[tiny_study["questions"]], model=None, out=str(out))) is None
+    assert preflight.finished(out, Plan(questions=[tiny_study["questions"]])) is None
 
 
 def test_progress_moves_inside_a_batch(tiny_study):
@@ -246,10 +248,8 @@ def test_progress_moves_inside_a_batch(tiny_study):
     before it ends; a forward hook only counts."""
     from fcprag_tools.study.augment import augment_batch
 
-    opts = StudyOptions(questions=tiny_study["questions"], model=tiny_study["model"], out=str(tiny_study["root"] / "p"),
-                        progress=False)
-    study = StudyRun(tiny_study["root"] / "p", progress=False)
-    study.load_model(opts)
+    study = StudyRun(tiny_study["root"] / "p", progress=False, lm=ModelPart(tiny_study["model"]))
+    study.load_model()
     seen = []
 
     class Bar:
@@ -270,10 +270,9 @@ def test_progress_moves_inside_a_batch(tiny_study):
 
 
 def test_threads_follow_the_option_the_environment_or_the_free_cores(tiny_study, monkeypatch):
-    opts = StudyOptions(questions=tiny_study["questions"], model=tiny_study["model"], out="x", threads=1, device="cpu")
     was = torch.get_num_threads()
     try:
-        assert preflight.set_threads(opts, ShardInfo()) == 1 and torch.get_num_threads() == 1
+        assert preflight.set_threads(Runtime(threads=1), "cpu", ShardInfo()) == 1 and torch.get_num_threads() == 1
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         assert model_io.choose_threads(2) == (2, "--threads")  # the option wins
         assert model_io.choose_threads() == (3, "$OMP_NUM_THREADS")

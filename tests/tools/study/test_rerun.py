@@ -13,12 +13,12 @@ from fcprag_tools.study.pipeline import study
 from helpers import hash_encoder
 
 FAST = dict(top_k=2, max_new_tokens=3, aug_max_new_tokens=6, progress=False, test_fraction=0.5, group=2, chunk=1,
-            train_args={"epochs": 2})
+            epochs=2)
 
 
 def _opts(t, **kw):
-    return StudyOptions(questions=t["questions"], model=t["model"], out=str(t["root"] / "out"),
-                        encoder=hash_encoder(), **{**FAST, **kw})
+    return StudyOptions.of(questions=t["questions"], model=t["model"], out=str(t["root"] / "out"),
+                           encoder=hash_encoder(), **{**FAST, **kw})
 
 
 def _no_model(*a, **k):

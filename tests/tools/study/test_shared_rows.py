@@ -42,9 +42,10 @@ def test_equal_rows_are_scored_once_and_equal_their_separate_scoring(tiny_study,
         return real(model, tok, slot, rows, *a, **k)
 
     monkeypatch.setattr(scoring, "score", counted)
-    opts = StudyOptions(questions=tiny_study["questions"], model=tiny_study["model"], out=str(tiny_study["root"] / "o"),
-                        encoder=hash_encoder(), top_k=2, scales=(0.5, 2.0), max_new_tokens=3, aug_max_new_tokens=6,
-                        progress=False, test_fraction=0.5, group=2, chunk=2, arrow=False, train_args={"epochs": 2})
+    opts = StudyOptions.of(questions=tiny_study["questions"], model=tiny_study["model"],
+                           out=str(tiny_study["root"] / "o"), encoder=hash_encoder(), top_k=2, scales=(0.5, 2.0),
+                           max_new_tokens=3, aug_max_new_tokens=6, progress=False, test_fraction=0.5, group=2, chunk=2,
+                           arrow=False, epochs=2)
     s, _ = study(opts)  # two passages: the average's weights are scale 0.5's
     out = tiny_study["root"] / "o"
     ev = {json.loads(x)["id"]: json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()}
@@ -58,8 +59,8 @@ def test_equal_rows_are_scored_once_and_equal_their_separate_scoring(tiny_study,
                                            and r["shared_with"] == o)} for n, o in
                                 {(i.split("|")[1], r["shared_with"]) for i, r in copies.items()}}
 
-    run = StudyRun(out, progress=False)
-    run.load_model(opts)
+    run = StudyRun(out, progress=False, lm=opts.model)
+    run.load_model()
     for rid, rec in copies.items():
         qid, name = rid.split("|", 1)
         assert {k: ev[f"{qid}|{rec['shared_with']}"][k] for k in ("prompt", "pids", "w")} == \

@@ -8,9 +8,11 @@ import pytest
 
 from fcprag_plugin.errors import FcpragError
 from fcprag_tools.cli import main
+from fcprag_tools.options import ModelPart
 from fcprag_tools.study import StudyOptions, check_summary, run_study
 from fcprag_tools.study import adapters as ad
 from fcprag_tools.study import preflight, scoring, summary
+from fcprag_tools.study.options import study_training
 from fcprag_tools.study.run import StudyRun
 from fcprag_tools.study.stages import augmentation
 from fcprag_tools.study.stages.controllers import warn_if_too_few
@@ -18,12 +20,12 @@ from fcprag_tools.study.stages.retrieval import retrieve_questions
 from helpers import hash_encoder
 
 FAST = dict(top_k=2, scales=(2.0, 4.0), max_new_tokens=3, aug_max_new_tokens=6, progress=False, test_fraction=0.5,
-            group=2, chunk=1, train_args={"epochs": 2})
+            group=2, chunk=1, epochs=2)
 
 
 def _opts(t, out="out", **kw):
-    return StudyOptions(questions=t["questions"], model=t["model"], out=str(t["root"] / out), encoder=hash_encoder(),
-                        **{**FAST, **kw})
+    return StudyOptions.of(questions=t["questions"], model=t["model"], out=str(t["root"] / out),
+                           encoder=hash_encoder(), **{**FAST, **kw})
 
 
 def test_cli_end_to_end_writes_a_checked_summary_report_and_a_loadable_controller(tiny_study, capsys, monkeypatch):
@@ -199,7 +201,8 @@ def test_train_ids_decide_the_split(tiny_study, tmp_path):
     ids = [json.loads(x)["id"] for x in open(tiny_study["questions"], encoding="utf-8").read().splitlines()]
     (tmp_path / "train.json").write_text(json.dumps({"ids": ids[:2]}))
     opts = _opts(tiny_study, out=str(tmp_path / "s"), train_ids=str(tmp_path / "train.json"))
-    qs = retrieve_questions(StudyRun(tmp_path / "s"), preflight.select_questions(opts), opts.top_k)
+    qs = retrieve_questions(StudyRun(tmp_path / "s"), preflight.select_questions(opts.plan, opts.split),
+                            opts.plan.top_k)
     assert {q for q, r in qs.items() if r["split"] == "train"} == set(ids[:2]) and len(qs) == len(ids)
 
 
@@ -209,11 +212,11 @@ def test_a_missing_question_file_is_named(tmp_path, capsys):
 
 
 def test_batch_sizes_default_by_device_and_a_given_size_wins(tiny_study):
-    cpu, opts = StudyRun(tiny_study["root"] / "out"), _opts(tiny_study, device="cpu", group=None, batch_size=None)
-    sizes = cpu.sizes(opts)
-    assert (sizes.group, sizes.aug_batch, cpu.batch_size(opts)) == (16, 8, 16) and cpu.model is None
-    given = StudyRun(tiny_study["root"] / "out")
-    assert given.batch_size(_opts(tiny_study, device="cuda", batch_size=5)) == 5
+    cpu = StudyRun(tiny_study["root"] / "out", lm=ModelPart(tiny_study["model"], device="cpu"))
+    sizes = cpu.sizes()
+    assert (sizes.group, sizes.aug_batch, cpu.batch_size(None)) == (16, 8, 16) and cpu.model is None
+    given = StudyRun(tiny_study["root"] / "out", lm=ModelPart(tiny_study["model"], device="cuda"))
+    assert given.batch_size(_opts(tiny_study, device="cuda", batch_size=5).batching.batch_size) == 5
     assert given.batches is None  # a given size asks nothing of the device
     with pytest.raises(FcpragError, match="--aug-batch 0"):
         _opts(tiny_study, aug_batch=0).validate()
@@ -240,13 +243,13 @@ def test_too_few_training_questions_are_announced_before_any_work(tiny_study, ca
     def warned(**kw):
         opts = _opts(tiny_study, out=f"few{next(runs)}", **kw)
         run = StudyRun(tiny_study["root"] / opts.out)
-        qs = retrieve_questions(run, preflight.select_questions(opts), opts.top_k)
+        qs = retrieve_questions(run, preflight.select_questions(opts.plan, opts.split), opts.plan.top_k)
         caplog.clear()
-        warn_if_too_few(run, opts, qs)
+        warn_if_too_few(run, qs, opts.train, opts.split, given=False)
         return [r.getMessage() for r in caplog.records if "too few for the risk rule" in r.getMessage()]
 
     msg = warned()  # 6 questions, half held out: 3 training questions
     assert len(msg) == 1 and msg[0].startswith("3 training questions") and "below about 35" in msg[0]
     assert "about 70 questions at --test-fraction 0.5" in msg[0]
-    assert warned(train_args={"epochs": 2, "scale_max_loss_share": 0.6}) == []  # at 0.6, 3 questions suffice
-    assert warned(train_args={"epochs": 2, "kappa": 2.0}) == []  # a fixed kappa: no rule to starve
+    assert warned(train=study_training(scale_max_loss_share=0.6)) == []  # at 0.6, 3 questions suffice
+    assert warned(train=study_training(kappa=2.0)) == []  # a fixed kappa: no rule to starve

@@ -9,14 +9,15 @@ from typing import Any
 from ...progress import moves_inside
 from .. import adapters as ad
 from ..augment import forward_steps
-from ..options import StudyOptions
+from ..options import Batching
 from ..run import StudyRun
 from .retrieval import Questions
 
 
-def train_adapters(run: StudyRun, opts: StudyOptions, qs: Questions, augs: dict[str, dict[str, Any]]) -> None:
+def train_adapters(run: StudyRun, qs: Questions, augs: dict[str, dict[str, Any]], batching: Batching) -> None:
     """Train and save the adapter of every passage of ``qs`` that has none saved yet, from its augmentation in
-    ``augs``, ``opts.group`` at a time (passages of similar sample lengths together)."""
+    ``augs`` (samples of ``batching.max_tokens``), ``batching.group`` at a time (passages of similar sample lengths
+    together)."""
     t0 = time.perf_counter()
     st = run.store("adapters")
     folder = run.out / "adapters"
@@ -25,14 +26,14 @@ def train_adapters(run: StudyRun, opts: StudyOptions, qs: Questions, augs: dict[
     todo = [p for p in pids if p not in done]
     run.kept("adapters", len(pids), len(pids) - len(todo), "adapters")
     if todo:
-        run.load_model(opts)
-    samples = {p: ad.samples_for(run.tok, augs[p], opts.max_tokens) for p in todo}
+        run.load_model()
+    samples = {p: ad.samples_for(run.tok, augs[p], batching.max_tokens) for p in todo}
     todo.sort(key=lambda p: (max(len(s[0]) for s in samples[p].values()), p))  # similar lengths per step
     mine = run.mine(todo)
-    group = (opts.group or run.sizes(opts).group) if mine else 1
+    group = (batching.group or run.sizes().group) if mine else 1
     groups = [mine[i:i + group] for i in range(0, len(mine), group)]
     run.barrier()
-    config = dict(ad.LORA, task_type="CAUSAL_LM", base_model_name_or_path=opts.model)
+    config = dict(ad.LORA, task_type="CAUSAL_LM", base_model_name_or_path=run.lm.model)
     with run.bar("adapters", len(pids), len(pids) - len(todo), "adapter", sum(map(len, groups)),
                  fraction=True) as bar:
         for g in groups:
@@ -48,4 +49,4 @@ def train_adapters(run: StudyRun, opts: StudyOptions, qs: Questions, augs: dict[
                        for b, p in enumerate(g)])
             finish()
     run.barrier("adapters")
-    run.timed("adapters", t0, adapters=sum(map(len, groups)), group=group, device=run.device(opts))
+    run.timed("adapters", t0, adapters=sum(map(len, groups)), group=group, device=run.device())

@@ -8,14 +8,15 @@ from typing import Any
 
 from ...progress import moves_inside
 from ..augment import augment_batch
-from ..options import StudyOptions
+from ..options import Batching, Generation
 from ..run import StudyRun
 from .retrieval import Questions
 
 
-def augment_passages(run: StudyRun, opts: StudyOptions, qs: Questions) -> dict[str, dict[str, Any]]:
-    """Augment each passage of ``qs`` not augmented yet, shortest first, ``opts.aug_batch`` per generate call (this
-    rank's share under a launcher); returns ``{pid: augmentation row}`` of every passage."""
+def augment_passages(run: StudyRun, qs: Questions, gen: Generation, batching: Batching) -> dict[str, dict[str, Any]]:
+    """Augment each passage of ``qs`` not augmented yet, shortest first, ``batching.aug_batch`` per generate call
+    (this rank's share under a launcher), ``gen.aug_max_new_tokens`` at most; returns ``{pid: augmentation row}`` of
+    every passage."""
     t0 = time.perf_counter()
     st = run.store("augment")
     done = st.done()
@@ -23,18 +24,18 @@ def augment_passages(run: StudyRun, opts: StudyOptions, qs: Questions) -> dict[s
     todo = sorted((pid for pid in texts if pid not in done), key=lambda p: (len(texts[p]), p))
     run.kept("augmentation", len(texts), len(texts) - len(todo), "passages")
     mine = run.mine(todo)  # shard units first: each rank sizes its batches for its own device
-    per = (opts.aug_batch or run.sizes(opts).aug_batch) if mine else 1
+    per = (batching.aug_batch or run.sizes().aug_batch) if mine else 1
     batches = [mine[i:i + per] for i in range(0, len(mine), per)]
     run.barrier()
     if batches:
-        run.load_model(opts)
+        run.load_model()
         with run.bar("augment", len(texts), len(texts) - len(todo), "passage", sum(map(len, batches)),
                      fraction=True) as bar:
             for b in batches:
-                step, finish = moves_inside(bar, len(b), opts.aug_max_new_tokens)  # a step per token
-                st.append(augment_batch(run.model, run.tok, [(p, texts[p]) for p in b], opts.aug_max_new_tokens,
+                step, finish = moves_inside(bar, len(b), gen.aug_max_new_tokens)  # a step per token
+                st.append(augment_batch(run.model, run.tok, [(p, texts[p]) for p in b], gen.aug_max_new_tokens,
                                         on_step=step))
                 finish()
     run.barrier("augment")
-    run.timed("augment", t0, passages=sum(map(len, batches)), device=run.device(opts))
+    run.timed("augment", t0, passages=sum(map(len, batches)), device=run.device())
     return run.store("augment").done()

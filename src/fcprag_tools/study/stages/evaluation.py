@@ -11,7 +11,7 @@ from typing import Any
 from ...progress import moves_inside
 from .. import adapters as ad
 from .. import scoring
-from ..options import StudyOptions
+from ..options import Batching, Generation
 from ..run import StudyRun
 from .retrieval import Questions
 from .rows import Rows, oracle as oracle_weights
@@ -64,8 +64,8 @@ def _copy(done: Scored, row: scoring.Row, origin: str) -> dict[str, Any]:
     return {**done[f"{row.qid}|{origin}"], "id": f"{row.qid}|{row.name}", "shared_with": origin}
 
 
-def _score_chunk(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[str, Rows], chunk: list[str],
-                 done: Scored, oracle: bool, bar: Any) -> None:
+def _score_chunk(run: StudyRun, qs: Questions, want: dict[str, Rows], chunk: list[str], done: Scored, oracle: bool,
+                 bar: Any, gen: Generation, batch_size: int | None) -> None:
     """Score ``chunk``'s rows that are not valid in ``done`` (then its oracle rows) in one fused slot, appending
     them to ``eval.jsonl`` and ``done``; ``bar`` moves after every forward."""
     from fcprag_plugin.slot import FusedSlot
@@ -80,8 +80,8 @@ def _score_chunk(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[st
 
     def score(rows: list[scoring.Row]) -> None:
         part, copies = share(rows, done)
-        res = scoring.score(run.model, run.tok, slot, part, qs, run.adapter, generate=opts.generate,
-                            max_new_tokens=opts.max_new_tokens, batch_size=run.batch_size(opts),
+        res = scoring.score(run.model, run.tok, slot, part, qs, run.adapter, generate=gen.generate,
+                            max_new_tokens=gen.max_new_tokens, batch_size=run.batch_size(batch_size),
                             on_progress=lambda k: step(k * len(part))) if part else []
         done.update({r["id"]: r for r in res})
         copied = [_copy(done, row, origin) for row, origin in copies]
@@ -99,43 +99,42 @@ def _score_chunk(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[st
     finish()
 
 
-def _score_arrow(run: StudyRun, opts: StudyOptions, qs: Questions, qids: list[str]) -> None:
+def _score_arrow(run: StudyRun, qs: Questions, qids: list[str], gen: Generation, batching: Batching) -> None:
     """PEFT's Arrow router row of each of ``qids``, many questions per call, batched like the other rows."""
     st = run.store("eval")
-    per = max(opts.chunk, run.batch_size(opts))
+    per = max(batching.chunk, run.batch_size(batching.batch_size))
     with run.bar("arrow", len(qids), 0, "q") as bar:
         for i in range(0, len(qids), per):
             part = qids[i:i + per]
             st.append(scoring.score_arrow_rows(
                 run.model, run.tok, [(q, qs[q], [p["pid"] for p in qs[q]["passages"]]) for q in part],
-                run.adapter, generate=opts.generate, max_new_tokens=opts.max_new_tokens,
-                batch_size=run.batch_size(opts)))
+                run.adapter, generate=gen.generate, max_new_tokens=gen.max_new_tokens,
+                batch_size=run.batch_size(batching.batch_size)))
             bar.update(len(part))
 
 
-def evaluate(run: StudyRun, opts: StudyOptions, qs: Questions, want: dict[str, Rows], *, oracle: bool = False,
-             arrow: bool = False, desc: str = "evaluate") -> Scored:
-    """Score the rows ``want`` (``{qid: rows}``) that ``eval.jsonl`` does not hold yet, ``opts.chunk`` questions
+def evaluate(run: StudyRun, qs: Questions, want: dict[str, Rows], gen: Generation, batching: Batching, *,
+             oracle: bool = False, arrow: bool = False, desc: str = "evaluate") -> Scored:
+    """Score the rows ``want`` (``{qid: rows}``) that ``eval.jsonl`` does not hold yet, ``batching.chunk`` questions
     per call (this rank's share of the chunks under a launcher); with ``oracle``, each question's oracle row after
-    its leave-one-out rows; with ``arrow`` (and not ``--no-arrow``), PEFT's Arrow router row. Returns every scored
-    row of the store."""
+    its leave-one-out rows; with ``arrow``, PEFT's Arrow router row. Returns every scored row of the store."""
     t0 = time.perf_counter()
     done = run.store("eval").done()
     qids = list(want)
     todo = [qid for qid in qids if not all(_valid(qs, done, qid, n, s) for n, s in want[qid].items())
             or (oracle and f"{qid}|oracle" not in done)]
     run.kept(desc, len(qids), len(qids) - len(todo), "questions")
-    chunks = run.mine([todo[i:i + opts.chunk] for i in range(0, len(todo), opts.chunk)])
-    use_arrow = opts.arrow and arrow
-    arrow_todo = run.mine([q for q in qids if use_arrow and not _valid(qs, done, q, "arrow", None)])
+    per = batching.chunk
+    chunks = run.mine([todo[i:i + per] for i in range(0, len(todo), per)])
+    arrow_todo = run.mine([q for q in qids if arrow and not _valid(qs, done, q, "arrow", None)])
     run.barrier()  # every rank has read the same state before any writes
     if chunks or arrow_todo:
-        run.load_model(opts)
+        run.load_model()
     with run.bar(desc, len(qids), len(qids) - len(todo), "q", sum(map(len, chunks)), fraction=True) as bar:
         for chunk in chunks:
-            _score_chunk(run, opts, qs, want, chunk, done, oracle, bar)
+            _score_chunk(run, qs, want, chunk, done, oracle, bar, gen, batching.batch_size)
     if arrow_todo:
-        _score_arrow(run, opts, qs, arrow_todo)
+        _score_arrow(run, qs, arrow_todo, gen, batching)
     run.barrier("eval")
-    run.timed(desc, t0, questions=sum(map(len, chunks)), arrow=use_arrow, device=run.device(opts))
+    run.timed(desc, t0, questions=sum(map(len, chunks)), arrow=arrow, device=run.device())
     return run.store("eval").done()
