@@ -15,8 +15,6 @@ a step, each with its own step count: training ``n`` together equals training ea
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,6 +22,7 @@ import torch
 from torch import nn
 
 from fcprag_plugin.adapter import LoraAdapter, LoraModule
+from fcprag_plugin.fileio import write_dir
 
 LORA = {"r": 2, "lora_alpha": 32, "target_modules": ["gate_proj", "up_proj", "down_proj"], "lora_dropout": 0.0}
 LEARNING_RATE = 3e-4
@@ -242,9 +241,5 @@ def seed_of(pid: str) -> int:
 
 
 def save_adapter(adapter: LoraAdapter, folder: Path) -> None:
-    """Save to a temp folder beside ``folder``, then rename: a killed process leaves no half-written adapter."""
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    adapter.save_pretrained(tmp, dtype=torch.float32)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    """Save through the folder swap (``fileio.write_dir``): a killed process leaves no half-written adapter."""
+    write_dir(folder, lambda tmp: adapter.save_pretrained(tmp, dtype=torch.float32))
