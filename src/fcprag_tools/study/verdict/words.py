@@ -122,8 +122,8 @@ def step(s: dict[str, Any], row: str, datasets: list[str]) -> tuple[str, str, st
     if spec.controller:
         where = str(Path(str(st.get("out", "OUT"))) / spec.controller) if st.get("controller_trained", True) \
             else str(st.get("controller"))
-    line, unknown = command(spec, st, datasets, where, every=list(s["datasets"]))
-    return _sentence(row, where), line, unknown
+    line, first, unknown = command(spec, st, datasets, where, every=list(s["datasets"]))
+    return _sentence(row, where) + (f"; {first}" if first else ""), line, unknown
 
 
 def what_ships_row(s: dict[str, Any]) -> str:
