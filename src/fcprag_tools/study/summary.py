@@ -21,7 +21,7 @@ from .options import Policy, study_training
 from .verdict.choice import candidates, choice_questions, what_to_run
 from .verdict.coverage import coverage, needed_rows
 from .verdict.markdown import report
-from .verdict.words import plain, plain_held_out
+from .verdict.words import follow_text, plain, plain_held_out
 from .verdict.plot import write_plot
 from .verdict.records import SETTINGS, ControllerRecord, ScaleLabel, ScoredRows, SettingVerdict, suffix
 from .verdict.schema import check_summary
@@ -91,11 +91,13 @@ def _choices(rows: ScoredRows, keys: list[str], verdicts_: Mapping[str, SettingV
     """What to run overall and per dataset, as ``summary.json`` records it (with its sentences)."""
     overall, by_dataset = what_to_run(rows, keys, descriptive=given, cands=candidates(verdicts_, rows), policy=policy)
 
-    def as_json(c: Any, d: str | None) -> dict[str, Any]:
+    def as_json(c: Any, d: str | None, top: dict[str, Any] | None) -> dict[str, Any]:
         j = c.to_json()
-        return {**j, "plain": plain(j, d), "plain_held_out": plain_held_out(j)}
+        return {**j, "plain": plain(j, d), "plain_held_out": plain_held_out(j),
+                **({"plain_follow": follow_text(j, d, top)} if d and top and j.get("vs_overall") else {})}
 
-    return (None if overall is None else as_json(overall, None)), {d: as_json(c, d) for d, c in by_dataset.items()}
+    top = None if overall is None else as_json(overall, None, None)
+    return top, {d: as_json(c, d, top) for d, c in by_dataset.items()}
 
 
 def _training_verdict(ctrls: Mapping[str, ControllerRecord]) -> dict[str, Any] | None:

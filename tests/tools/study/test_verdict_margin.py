@@ -82,6 +82,34 @@ def test_a_planted_near_tie_names_the_cheaper_settings_not_shown_worse():
     assert "cheaper and not shown worse there: `standard_rag`" in text and "`vanilla`" not in text
 
 
+def test_a_dataset_choice_that_differs_from_the_overall_one_is_followed_only_on_a_clear_lead():
+    r = random.Random(5)
+    wide = [x * (-1) ** i for x in [r.uniform(0.1, 0.4) for _ in range(20)] for i in (0, 1)]  # mean 0, wide
+    table = {"A": {"prag_sum": lambda i: 0.6, "prag_sum_combine": lambda i: 0.55},
+             "B": {"prag_sum": lambda i: 0.5, "prag_sum_combine": lambda i: 0.9}}
+    rows = planted(lambda row, d, i: table[d].get(row, lambda i: 0.1)(i), n_train=80, datasets=("A", "B"))
+    overall, by = choose(rows)  # overall Combine (0.725 against 0.55); A its parametric sum, +0.05 on every question
+    assert overall.row == "prag_sum_combine" and by["A"].row == "prag_sum" and by["B"].vs_overall is None
+    v = by["A"].vs_overall
+    assert (v.row, v.lead_f1, v.ci_f1, v.clear) == ("prag_sum_combine", pytest.approx(0.05),
+                                                    pytest.approx([0.05, 0.05]), True)
+    assert by["A"].follow == "prag_sum" and by["B"].follow == "prag_sum_combine" == overall.follow
+    said = words.follow_text(by["A"].to_json(), "A", overall.to_json())
+    assert said.startswith("On A follow its own choice `prag_sum`, not the overall `prag_sum_combine`")
+    # the same lead, +0.05 on average, but spread wide: not clear, so the overall row (chosen on 80, not 40)
+    table["A"]["prag_sum"] = lambda i: 0.6 + wide[i]
+    overall, by = choose(planted(lambda row, d, i: table[d].get(row, lambda i: 0.1)(i), n_train=80,
+                                 datasets=("A", "B")))
+    v = by["A"].vs_overall
+    assert by["A"].row == "prag_sum" and v.lead_f1 == pytest.approx(0.05) and not v.clear
+    assert by["A"].follow == "prag_sum_combine" and by["A"].to_json()["follow"] == "prag_sum_combine"
+    said = words.follow_text(by["A"].to_json(), "A", overall.to_json())
+    assert "follow the overall one there too" in said and "all 80 training questions" in said
+    assert "better powered than A's 40" in said and said.count(". ") == 0  # one line
+    assert ("neither choice leads its own runner-up clearly" in said) == (
+        not overall.runner_up.clear and not by["A"].runner_up.clear)
+
+
 def test_the_level_counts_the_comparisons_made_and_none_against_itself():
     table = {"A": {"prag_sum": 0.6, "vanilla": 0.5}, "B": {"standard_rag": 0.6, "prag_sum_combine": 0.5},
              "C": {"prag_sum": 0.6, "standard_rag": 0.5}}

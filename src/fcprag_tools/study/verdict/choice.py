@@ -10,6 +10,11 @@ same lead over each cheaper candidate: those whose interval reaches 0 are "not s
 so that a user can trade cost against a difference the study could not see. Measured where it was chosen, the lead
 is if anything optimistic.
 
+A dataset's choice that differs from the overall one: its lead over the overall row on the dataset's training
+questions (the same interval); only a clear lead makes it the row to follow there, else the overall row, chosen on
+every dataset's questions and so better powered (a difference between scopes that is not shown is no reason to run
+two settings).
+
 Held out: the choice's F1 against standard RAG, PRAG's sum, a fusion's host row and the runner-up, each row once and
 never the choice itself; paired percentile-bootstrap intervals at ``1 - 0.05 / m`` (Bonferroni over the ``m``
 comparisons made in every scope), each with the smallest true difference it would detect at 80% power
@@ -118,10 +123,12 @@ def what_to_run(rows: ScoredRows, test: Sequence[str], *, descriptive: bool, can
                  if c != best and cheaper(c, best)]
         held = {key: compare(row, rows.diffs(hq, best, row, "f1"), f"what_to_run:{d}:{row}", level, policy.target_f1,
                              policy.power) for key, row in planned(best, ru)}
+        top = chosen[None][0] if chosen[None] else best
         return Choice(best, tied if len(tied) > 1 else [], "held-out (descriptive)" if descriptive else "training",
                       len(cq), means, margin, below,
                       HeldOutF1(len(hq), mean([rows.score(q, best).get("f1") for q in hq]), level, m,
-                                policy.target_f1, policy.power, held))
+                                policy.target_f1, policy.power, held),
+                      lead(rows, cq, best, top, f"lead:{tag}overall:{top}") if d and top != best else None)
 
     by = {d: one(d) for d in scopes[1:]}
     return one(None), {d: c for d, c in by.items() if c is not None}

@@ -93,6 +93,7 @@ def choice_lines(s: dict[str, Any]) -> list[str]:
                         "--no-generate).", ""]
     lines += [f"**{w['plain']}.** {w['plain_held_out']}", ""]
     lines += [f"- {c['plain']}. {c['plain_held_out']}" for c in by.values()] + [""]
+    lines += [x for c in by.values() if c.get("plain_follow") for x in (c["plain_follow"], "")]
     on = "training questions" if w["chosen_on"] == "training" else "held-out questions themselves (nothing was " \
         "trained: descriptive, not a test)"
     count = ", ".join(f"{k} {sum(x in c for x in VS)}" for k, c in [("overall", w), *by.items()])
@@ -117,7 +118,8 @@ def next_steps(s: dict[str, Any]) -> list[str]:
     scopes = [("Overall (each dataset in turn)", w["row"], datasets)] if w else \
         [("What ships", what_ships_row(s), datasets)]
     if w:
-        scopes += [(f"On {d}", c["row"], [d]) for d, c in s["verdict"]["what_to_run_by_dataset"].items()]
+        scopes += [(f"On {d}" + (" (its own choice; which to follow: What to run)" if c.get("vs_overall") else ""),
+                    c["row"], [d]) for d, c in s["verdict"]["what_to_run_by_dataset"].items()]
     lines, unknown, said = ["## Next step", ""], [], {}
     for where, row, ds in scopes:
         sentence, command, cannot = step(s, row, ds)

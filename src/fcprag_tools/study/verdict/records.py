@@ -259,7 +259,10 @@ class HeldOutF1:
 @dataclass(frozen=True)
 class Choice:
     """What to run in one scope (overall or a dataset): the candidate with the highest F1 on the questions it is
-    chosen on, its lead over the runner-up and over each cheaper candidate there, and how it did held out."""
+    chosen on, its lead over the runner-up and over each cheaper candidate there, and how it did held out. A
+    dataset's choice that differs from the overall one also has its lead over the overall row on the dataset's
+    questions (``vs_overall``): only a clear lead makes it the row to ``follow`` there, else the overall row
+    (chosen on more questions, so better powered)."""
 
     row: str
     tied: list[str]
@@ -269,11 +272,19 @@ class Choice:
     runner_up: Lead | None
     cheaper: list[Lead]
     held: HeldOutF1
+    vs_overall: Lead | None = None
+
+    @property
+    def follow(self) -> str:
+        """The row to run in this scope: the overall row unless this choice leads it clearly here."""
+        v = self.vs_overall
+        return self.row if v is None or v.clear else v.row
 
     def to_json(self) -> dict[str, Any]:
         h = self.held
         return {"row": self.row, "tied": self.tied, "chosen_on": self.chosen_on, "n_choice": self.n_choice,
                 "choice_f1": self.choice_f1, "runner_up": self.runner_up and self.runner_up.to_json(),
-                "cheaper": [c.to_json() for c in self.cheaper], "n": h.n, "level": h.level,
+                "cheaper": [c.to_json() for c in self.cheaper], "follow": self.follow,
+                "vs_overall": self.vs_overall and self.vs_overall.to_json(), "n": h.n, "level": h.level,
                 "n_comparisons": h.n_comparisons, "target_f1": h.target_f1, "power": h.power, "f1": h.f1,
                 **{k: c.to_json() for k, c in h.comparisons.items()}}

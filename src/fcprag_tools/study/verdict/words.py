@@ -87,6 +87,25 @@ def plain(c: dict[str, Any], dataset: str | None) -> str:
     return f"{where}: {text}"
 
 
+def follow_text(c: dict[str, Any], dataset: str, overall: dict[str, Any]) -> str | None:
+    """When ``dataset``'s choice ``c`` differs from the ``overall`` one: which to follow there and why, in one
+    sentence (None when they agree)."""
+    v = c.get("vs_overall")
+    if not v:
+        return None
+    lead = f"{pts(v['lead_f1'])} points {interval(v['ci_f1'])}, {100 * v['level']:g}%"
+    if c["follow"] == c["row"]:
+        return (f"On {dataset} follow its own choice `{c['row']}`, not the overall `{v['row']}`: on its "
+                f"{c['n_choice']} training questions it leads `{v['row']}` clearly ({lead}).")
+    unclear = [x for x in (overall, c) if not (x.get("runner_up") or {}).get("clear")]
+    both = ("; neither choice leads its own runner-up clearly either" if len(unclear) == 2 else
+            f"; nor does `{c['row']}` lead its own runner-up there clearly" if unclear == [c] else "")
+    return (f"On {dataset} the overall choice `{v['row']}` and the dataset's `{c['row']}` differ: follow the overall "
+            f"one there too, since it is chosen on all {overall['n_choice']} training questions (better powered "
+            f"than {dataset}'s {c['n_choice']}) and on those {c['n_choice']} `{c['row']}` does not lead it "
+            f"clearly ({lead}){both}.")
+
+
 def plain_held_out(c: dict[str, Any]) -> str:
     """The choice's held-out comparisons in one sentence (or, chosen on them, the same questions: descriptive)."""
     held = c["chosen_on"] == "training"
