@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.fileio import write_atomic, write_json
 from .options import Policy, study_training
-from .verdict.choice import candidates, choice_questions, what_to_run
+from .verdict.choice import candidates, choice_left_out, what_to_run
 from .verdict.coverage import coverage, needed_rows
 from .verdict.markdown import report
 from .verdict.words import follow_text, plain, plain_held_out
@@ -127,7 +127,6 @@ def build(rows: ScoredRows, ctrls: Mapping[str, ControllerRecord], *, given: boo
         by_dataset, by_subtask = breakdown(rows, keys, n)
         methods[n] = {**metric_means(rows, keys, n), "by_dataset": by_dataset, "by_subtask": by_subtask}
     overall, by_dataset = _choices(rows, keys, verdicts_, given, policy)
-    chosen_on, not_chosen_on = choice_questions(rows, keys, candidates(verdicts_, rows), given)
     param = verdicts_["param"].to_json()
     pairs = paired_table(rows, keys, names, policy)
     return {
@@ -135,8 +134,7 @@ def build(rows: ScoredRows, ctrls: Mapping[str, ControllerRecord], *, given: boo
         "split": split_info(rows, settings),
         "policy": policy.record(),
         "datasets": datasets_of(rows, keys),
-        "left_out": {"held_out": left, "choice": {"questions": len(not_chosen_on),
-                                                  "of": len(chosen_on) + len(not_chosen_on)},
+        "left_out": {"held_out": left, "choice": choice_left_out(rows, keys, candidates(verdicts_, rows), given),
                      "rows_not_in_table": partial_rows(rows, keys)},
         "methods": methods, "paired": pairs,
         "verdict": {**{k: param[k] for k in ("ship", "kappa", "kappa_learned", "decided_on", "margins", "cv", "scale",

@@ -360,7 +360,8 @@ def test_fcprag_report_on_unfinished_rows_is_one_line(tmp_path, capsys):
         f.writelines(json.dumps(r) + "\n" for r in rows if "random_controller" not in r["id"])
     assert main(["report", str(a)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "do not make a complete summary" in err and "random_controller" in err
+    assert len(err.splitlines()) == 1 and "do not make a complete summary: random_controller" in err
+    assert "unfinished study" in err and err.count("its rows") == 1  # said once
 
 
 def test_a_no_generate_report_says_what_it_lacks_and_still_ends_in_one_command(tmp_path):

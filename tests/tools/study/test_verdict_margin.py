@@ -225,17 +225,39 @@ def test_rows_missing_on_some_held_out_questions_are_left_out_and_said(tmp_path,
     assert s["left_out"]["held_out"]["questions"] == 20 and s["n_test"] == 80
 
 
+def test_rows_missing_on_some_training_questions_are_named_and_left_out_of_the_choice(tmp_path):
+    qs, results = synthetic()
+    train = [q for q, x in qs.items() if x["split"] == "train"]
+    gone = {f"{q}|prag_sum_combine" for q in train[:3]} | {f"{train[3]}|vanilla", f"{train[0]}|vanilla"}
+    rows = ScoredRows.from_dicts(qs, {k: v for k, v in results.items() if k not in gone})
+    s = summary.finish(rows, _ctrls({}), given=False, stage_seconds={}, out=tmp_path, policy=Policy(),
+                       settings={"model": "m", "device": "cpu", "dtype": "float32"})
+    # 4 questions lack a row (train[0] two of them): by hand
+    assert s["left_out"]["choice"] == {"questions": 4, "of": 24, "rows": {"vanilla": 2, "prag_sum_combine": 3}}
+    assert s["verdict"]["what_to_run"]["n_choice"] == 20
+    assert ("4 of 24 questions the choice is made on lack a candidate's row (`vanilla` on 2, `prag_sum_combine` on "
+            "3) and are left out of what to run") in (tmp_path / "report.md").read_text()
+
+
 def test_rows_no_held_out_question_has_end_in_one_line_in_the_study_and_in_fcprag_report(tmp_path, capsys):
     qs, results = synthetic()
     rows = ScoredRows.from_dicts(qs, {k: v for k, v in results.items() if "random_controller" not in k})
     with pytest.raises(FcpragError) as e:  # the study's summary stage, interrupted before the last rows
         summary.finish(rows, _ctrls({}), given=False, stage_seconds={}, out=tmp_path, policy=Policy(),
                        settings={"model": "m", "device": "cpu", "dtype": "float32"})
-    assert "\n" not in str(e.value) and "random_controller, random_controller_combine on all 40" in str(e.value)
-    _table_copy(tmp_path, keep=lambda r: "random_controller" not in r["id"])
+    assert str(e.value) == ("random_controller, random_controller_combine missing on all 40 held-out questions (an "
+                            "unfinished study: the random-controller rows are scored after the verdict)")
+    rows = ScoredRows.from_dicts(qs, {k: v for k, v in results.items() if not k.endswith("|standard_rag")})
+    with pytest.raises(FcpragError) as e:  # another row: no word of the random-controller rows
+        summary.finish(rows, _ctrls({}), given=False, stage_seconds={}, out=tmp_path, policy=Policy(),
+                       settings={"model": "m", "device": "cpu", "dtype": "float32"})
+    assert str(e.value) == "standard_rag missing on all 40 held-out questions"
+    _table_copy(tmp_path, keep=lambda r: not r["id"].endswith("|standard_rag"))
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "random_controller" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "random-controller" not in err
+    assert err.endswith(f"DIR {tmp_path}: its rows do not make a complete summary: standard_rag missing on all 100 "
+                        "held-out questions; run its fcprag study command again to finish it")
 
 
 def test_target_f1_takes_the_unit_of_summary_json_and_refuses_points_in_one_line(tmp_path, capsys):

@@ -24,7 +24,7 @@ the choice is made on the evaluated questions themselves and says so (descriptiv
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..options import Policy
 from ..stats import detectable, paired
@@ -93,6 +93,15 @@ def choice_questions(rows: ScoredRows, test: Sequence[str], cands: Sequence[str]
     pool = list(test) if descriptive else rows.train
     keep = rows.complete(pool, cands)
     return keep, [q for q in pool if q not in set(keep)]
+
+
+def choice_left_out(rows: ScoredRows, test: Sequence[str], cands: Sequence[str], descriptive: bool
+                    ) -> dict[str, Any]:
+    """``summary.json``'s ``left_out.choice``: how many of the questions the choice is made on lack a candidate's
+    row, of how many, and which rows (``{row: questions lacking it}``)."""
+    keep, left = choice_questions(rows, test, cands, descriptive)
+    lacking = {c: sum(not rows.has(q, c) for q in left) for c in cands}
+    return {"questions": len(left), "of": len(keep) + len(left), "rows": {c: k for c, k in lacking.items() if k}}
 
 
 def what_to_run(rows: ScoredRows, test: Sequence[str], *, descriptive: bool, cands: Sequence[str] = CANDIDATES,

@@ -79,8 +79,10 @@ def header_lines(s: dict[str, Any]) -> list[str]:
         lines += [f"> **Incomplete rows**: {left['held_out']['questions']} of {left['held_out']['of']} held-out "
                   f"questions lack a row the summary needs ({lack}) and are left out of every held-out figure.", ""]
     if left["choice"]["questions"]:
-        lines += [f"> **Incomplete rows**: {left['choice']['questions']} of {left['choice']['of']} questions of the "
-                  "choice lack a candidate's row and are left out of it.", ""]
+        lack = ", ".join(f"`{r}` on {k}" for r, k in (left["choice"].get("rows") or {}).items())
+        lines += [f"> **Incomplete rows**: {left['choice']['questions']} of {left['choice']['of']} questions the "
+                  f"choice is made on lack a candidate's row ({lack or 'rows not recorded'}) and are left out of "
+                  "what to run.", ""]
     return lines
 
 
