@@ -11,8 +11,9 @@
    a lead whose interval lies above 0), each held-out comparison's mean difference (standard RAG, PRAG's sum, a
    fusion's host row, the runner-up; each row once, never the choice), their number and the level 1 - 0.05 / that
    number, and each one's minimum detectable effect and questions needed (the normal formula, from the paired
-   differences' SD); that each interval holds its mean. And the risk rule's figures on the held-out scale rows
-   (questions losing more than 0.1 gold log-lik., their share, its Wilson upper bound).
+   differences' SD; also at 95%, for one planned follow-up); that each interval holds its mean. And the risk
+   rule's figures on the held-out scale rows (questions losing more than 0.1 gold log-lik., their share, its Wilson
+   upper bound).
 3. `standard_rag` is a plain greedy generation of the combine prompt with no adapter: for the first `--generate`
    held-out questions the prompt is rebuilt here by hand (the chat template around "Answer the question ... using
    the passages below ...", one "Passage i: text" line per retrieved passage, then "The answer is"), checked to hold
@@ -144,6 +145,9 @@ def check_choice(out: Path) -> list[str]:
             close(c["mde_f1"], z * sd / math.sqrt(len(diffs)), f"{d} {k} mde", bad)
             if c["n_needed"] != math.ceil((z * sd / w["target_f1"]) ** 2):
                 bad.append(f"{d} {k}: n_needed {c['n_needed']} != {math.ceil((z * sd / w['target_f1']) ** 2)}")
+            z95 = statistics.NormalDist().inv_cdf(0.975) + statistics.NormalDist().inv_cdf(0.8)  # one follow-up
+            if "n_needed_95" in c and c["n_needed_95"] != math.ceil((z95 * sd / w["target_f1"]) ** 2):
+                bad.append(f"{d} {k}: n_needed_95 {c['n_needed_95']} != {math.ceil((z95 * sd / w['target_f1']) ** 2)}")
     for _, w in scopes:
         if w["n_comparisons"] != made or not math.isclose(w["level"], 1 - 0.05 / made):
             bad.append(f"level {w['level']} over {w['n_comparisons']} comparisons; recomputed {made}")

@@ -264,18 +264,26 @@ def test_fcprag_report_rebuilds_the_table_study_and_held_out_changes_move_no_cho
     assert check_summary(s) == []
     for k, v in s["verdict"]["settings"].items():  # the +0.0001 network does not ship at the 0.02 margin
         assert v["ship"] == "prag_sum" and v["margins"] == {"reweighting": 0.02, "scale": 0.02}
-        assert v["decided_on"].startswith("100 training questions") and v["reweighting"]["equivalent"]
+        assert v["reweighting"]["equivalent"]  # the trainer's cross-validation ran on the 90 with labels:
+        assert v["decided_on"].startswith("90 of the 100 training questions (those with labels;")
+        assert s["training_verdict"][k]["n_groups"] == 90
     w = s["verdict"]["what_to_run"]
     assert w["target_f1"] == 0.03 and round(100 * w["vs_standard_rag"]["mde_f1"], 1) == 7.3  # as the issue says
-    assert w["vs_standard_rag"]["n_needed"] == 596
+    assert w["vs_standard_rag"]["n_needed"] == 596 and w["vs_standard_rag"]["n_needed_95"] == 386  # as the check
     by = s["verdict"]["what_to_run_by_dataset"]
     assert round(100 * by["hotpotqa"]["vs_standard_rag"]["mde_f1"], 1) == 8.5
     assert round(100 * by["2wiki"]["vs_standard_rag"]["mde_f1"], 1) == 16.5
     said = ("+2.7 [-2.9, +8.7]: not shown (14 of 100 questions differ; with 100 questions only a true difference of "
             "about 7.3 points or more would have been detected with 80% power; about 596 questions are needed for 3 "
-            "points)")  # the minimum detectable effect the right way round
+            "points at this level, about 386 for one planned follow-up tested alone at 95%)")  # the right way round
     text = (a / "report.md").read_text()
     assert said in text and "no difference above" not in text and "ARGS" not in text
+    ships = text[text.index("## What ships"):text.index("## Why this kappa")]
+    assert "e-0" not in ships and "+0.000002 [-0.00001, +0.00001] / +0.0000 [+0.0000, +0.0000]" in ships  # one form
+    assert "(`recommended` and `recommended_combine`: PRAG's sum of their settings here, not a candidate" in text
+    assert "No held-out reading of the rule: this study scored no `scale:<s>_combine` rows." in text
+    assert "predate the gold_passages row, and its questions.jsonl the `supporting_titles` field" in text
+    assert "records no supporting titles" not in text  # its passages are marked: the rows are what is old
     qs = {json.loads(x)["id"]: json.loads(x) for x in gzip.open(a / "questions.jsonl.gz", "rt")}
     rows = {json.loads(x)["id"]: json.loads(x) for x in gzip.open(a / "eval.jsonl.gz", "rt")}
     with gzip.open(a / "eval.jsonl.gz", "wt") as f:

@@ -115,8 +115,8 @@ def ceiling_info(rows: ScoredRows, keys: Sequence[str], pairs: Mapping[str, Any]
         return {"why_absent": None, "settings": per}
     titles = [rows.questions[q].supporting_titles for q in keys]
     if all(t is None for t in titles):
-        why = ("questions.jsonl records no supporting titles: the study's rows predate the gold_passages row (a "
-               "fresh study scores it)")
+        why = ("the study's rows predate the gold_passages row, and its questions.jsonl the `supporting_titles` "
+               "field that row reads (a fresh study records both)")
     elif not all(titles):
         why = (f"{sum(not t for t in titles)} of {len(titles)} held-out questions carry no supporting titles (the "
                "data gives none), and the row needs every one")

@@ -14,6 +14,7 @@ from .choice import VS
 from .commands import command
 from .records import suffix
 
+FEW_NONZERO = 10  # fewer questions that differ: a paired bootstrap interval rests on them alone (rough ends)
 SIGN_DECIMALS = 7  # the rows' log-liks. carry 6 decimals: a mean over questions below 1e-7 is rounding noise
 
 
@@ -47,18 +48,26 @@ def row_words(row: str) -> str:
 
 
 def reading_text(v: dict[str, Any], n: int, target: float, power: float) -> str:
-    """One held-out comparison in words (F1 points); where it shows nothing, what it could have detected."""
+    """One held-out comparison in words (F1 points); where it shows nothing, what it could have detected (and the
+    questions one planned follow-up at 95% would need); an interval that rests on few questions that differ is
+    said to be rough."""
     fig = f"against `{v['row']}` {pts(v['delta_f1'])} {interval(v['ci_f1'])}"
     if v["reading"] == "tie":
         return f"against `{v['row']}` the same F1 on every one of the {n} questions (a tie)"
+    k = v.get("n_nonzero")
+    few = (f"only {k} of {n} questions differ, so the interval rests on those few and is rough"
+           if k is not None and k < FEW_NONZERO else None)
     if v["reading"] in ("better", "worse"):
-        return f"{fig}: {v['reading']}, shown"
+        return f"{fig}: {v['reading']}, shown" + (f" ({few})" if few else "")
     if v["reading"] == "equivalent":
-        return f"{fig}: equivalent within ±{100 * target:g} points"
+        return f"{fig}: equivalent within ±{100 * target:g} points" + (f" ({few})" if few else "")
+    single = (f", about {v['n_needed_95']} for one planned follow-up tested alone at 95%"
+              if v.get("n_needed_95") not in (None, v["n_needed"]) else "")
     can = (f"with {n} questions only a true difference of about {100 * v['mde_f1']:.1f} points or more would have "
            f"been detected with {100 * power:g}% power; about {v['n_needed']} questions are needed for "
-           f"{100 * target:g} points") if v.get("mde_f1") is not None else f"{n} questions are too few to size a test"
-    return f"{fig}: not shown ({v['n_nonzero']} of {n} questions differ; {can})"
+           f"{100 * target:g} points at this level{single}") if v.get("mde_f1") is not None else \
+        f"{n} questions are too few to size a test"
+    return f"{fig}: not shown ({few or f'{k} of {n} questions differ'}; {can})"
 
 
 def plain(c: dict[str, Any], dataset: str | None) -> str:
