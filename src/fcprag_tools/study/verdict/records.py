@@ -5,8 +5,9 @@ In: :class:`ScoredRows`, the questions of a study (split, dataset, subtask) and 
 stage's ``{"qid|row": record}`` dicts or a folder's ``eval.jsonl`` by :meth:`ScoredRows.from_dicts`; and per
 setting a :class:`ControllerRecord` (its kappa, the trainer's cross-validation and recorded arguments).
 
-Out: per setting a :class:`SettingVerdict` (what ships, its three held-out :class:`Part` s), and what to run
-(:class:`Choice`, with its held-out :class:`Comparison` s). Each ``to_json()`` is what ``summary.json`` records.
+Out: per setting a :class:`SettingVerdict` (what ships, its three held-out :class:`Part` s, why its kappa:
+:class:`KappaRule`), and what to run (:class:`Choice`, with its held-out :class:`Comparison` s); every row's
+figures are :mod:`.tables`' records. Each ``to_json()`` is what ``summary.json`` records.
 """
 
 from __future__ import annotations
