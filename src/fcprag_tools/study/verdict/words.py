@@ -55,8 +55,8 @@ def reading_text(v: dict[str, Any], n: int, target: float, power: float) -> str:
     if v["reading"] == "tie":
         return f"against `{v['row']}` the same F1 on every one of the {n} questions (a tie)"
     k = v.get("n_nonzero")
-    few = (f"only {k} of {n} questions differ, so the interval rests on those few and is rough"
-           if k is not None and k < FEW_NONZERO else None)
+    differ = f"{k} of {n} questions differ" + ("s" if k == 1 else "")
+    few = f"only {differ}, so the interval rests on those few and is rough" if k is not None and k < FEW_NONZERO else None
     if v["reading"] in ("better", "worse"):
         return f"{fig}: {v['reading']}, shown" + (f" ({few})" if few else "")
     if v["reading"] == "equivalent":
@@ -67,7 +67,7 @@ def reading_text(v: dict[str, Any], n: int, target: float, power: float) -> str:
            f"been detected with {100 * power:g}% power; about {v['n_needed']} questions are needed for "
            f"{100 * target:g} points at this level{single}") if v.get("mde_f1") is not None else \
         f"{n} questions are too few to size a test"
-    return f"{fig}: not shown ({few or f'{k} of {n} questions differ'}; {can})"
+    return f"{fig}: not shown ({few or differ}; {can})"
 
 
 def plain(c: dict[str, Any], dataset: str | None) -> str:
@@ -105,12 +105,14 @@ def follow_text(c: dict[str, Any], dataset: str, overall: dict[str, Any]) -> str
     lead = f"{pts(v['lead_f1'])} points {interval(v['ci_f1'])}, {100 * v['level']:g}%"
     if c["follow"] == c["row"]:
         return (f"On {dataset} follow its own choice `{c['row']}`, not the overall `{v['row']}`: on its "
-                f"{c['n_choice']} training questions it leads `{v['row']}` clearly ({lead}).")
+                f"{c['n_choice']} {'training ' * (c['chosen_on'] == 'training')}questions it leads `{v['row']}` "
+                f"clearly ({lead}).")
     unclear = [x for x in (overall, c) if not (x.get("runner_up") or {}).get("clear")]
+    on = "training questions" if c["chosen_on"] == "training" else "questions"
     both = ("; neither choice leads its own runner-up clearly either" if len(unclear) == 2 else
             f"; nor does `{c['row']}` lead its own runner-up there clearly" if unclear == [c] else "")
     return (f"On {dataset} the overall choice `{v['row']}` and the dataset's `{c['row']}` differ: follow the overall "
-            f"one there too, since it is chosen on all {overall['n_choice']} training questions (better powered "
+            f"one there too, since it is chosen on all {overall['n_choice']} {on} (better powered "
             f"than {dataset}'s {c['n_choice']}) and on those {c['n_choice']} `{c['row']}` does not lead it "
             f"clearly ({lead}){both}.")
 
