@@ -5,12 +5,13 @@
 1. Every row's `f1` / `em` and every `by_subtask` / `by_dataset` F1 in `summary.json` is recomputed here as the plain
    mean of that row's per-question values in `eval.jsonl` over the held-out questions of that subtask / dataset
    (`questions.jsonl`); `recommended(_combine)` is the row its setting's verdict names.
-2. What to run (issue 53), overall and per dataset, by the rule written in PLAN.md's note of 2026-12-01: the
-   candidate with the highest training F1 (a tie: PRAG's sum, else the cheapest), the runner-up and the lead over it,
-   each held-out comparison's mean difference (standard RAG, PRAG's sum, a fusion's host row, the runner-up; each
-   row once, never the choice), their number and the level 1 - 0.05 / that number, and each one's minimum
-   detectable effect and questions needed (the normal formula, from the paired differences' SD); that each interval
-   holds its mean. And the risk
+2. What to run (issue 53), overall and per dataset, by the rule written in PLAN.md's notes of 2026-12-01 and
+   2026-12-02: the candidate with the highest training F1 (a tie: PRAG's sum, else the cheapest), the runner-up and
+   the lead over it, a dataset's own choice's lead over the overall row there and which to follow (its own only on
+   a lead whose interval lies above 0), each held-out comparison's mean difference (standard RAG, PRAG's sum, a
+   fusion's host row, the runner-up; each row once, never the choice), their number and the level 1 - 0.05 / that
+   number, and each one's minimum detectable effect and questions needed (the normal formula, from the paired
+   differences' SD; also at 95%, for one planned follow-up); that each interval holds its mean. And the risk
    rule's figures on the held-out scale rows (questions losing more than 0.1 gold log-lik., their share, its Wilson
    upper bound).
 3. `standard_rag` is a plain greedy generation of the combine prompt with no adapter: for the first `--generate`
@@ -110,6 +111,18 @@ def check_choice(out: Path) -> list[str]:
                        f"recomputed {best} ({ru})")
             continue
         close(w["runner_up"]["lead_f1"], mean([f1(q, best) - f1(q, ru) for q in train]), f"{d} lead", bad)
+        top = v["what_to_run"]["row"]
+        if d is not None and best != top:  # a dataset's own choice: its lead over the overall row there
+            vo = w.get("vs_overall") or {}
+            if vo.get("row") != top:
+                bad.append(f"{d}: vs_overall {vo.get('row')}, expected the overall row {top}")
+            else:
+                close(vo["lead_f1"], mean([f1(q, best) - f1(q, top) for q in train]), f"{d} lead over overall", bad)
+                follow = best if vo["ci_f1"][0] > 0 else top  # only a clear lead: else the better-powered overall
+                if w.get("follow") != follow or not vo["ci_f1"][0] <= vo["lead_f1"] <= vo["ci_f1"][1]:
+                    bad.append(f"{d}: follow {w.get('follow')} on {vo['ci_f1']}, expected {follow}")
+        elif w.get("vs_overall") is not None or w.get("follow", best) != best:
+            bad.append(f"{d or 'overall'}: the same row as overall, yet vs_overall {w.get('vs_overall')}")
         host = {"recommended": "prag_sum", "recommended_combine": "prag_sum_combine"}.get(best)  # a fusion's own
         want = [r for r in dict.fromkeys(["standard_rag", "prag_sum", host, ru]) if r not in (best, None)]
         got = [w[k]["row"] for k in ("vs_standard_rag", "vs_prag_sum", "vs_host", "vs_runner_up") if k in w]
@@ -132,6 +145,9 @@ def check_choice(out: Path) -> list[str]:
             close(c["mde_f1"], z * sd / math.sqrt(len(diffs)), f"{d} {k} mde", bad)
             if c["n_needed"] != math.ceil((z * sd / w["target_f1"]) ** 2):
                 bad.append(f"{d} {k}: n_needed {c['n_needed']} != {math.ceil((z * sd / w['target_f1']) ** 2)}")
+            z95 = statistics.NormalDist().inv_cdf(0.975) + statistics.NormalDist().inv_cdf(0.8)  # one follow-up
+            if "n_needed_95" in c and c["n_needed_95"] != math.ceil((z95 * sd / w["target_f1"]) ** 2):
+                bad.append(f"{d} {k}: n_needed_95 {c['n_needed_95']} != {math.ceil((z95 * sd / w['target_f1']) ** 2)}")
     for _, w in scopes:
         if w["n_comparisons"] != made or not math.isclose(w["level"], 1 - 0.05 / made):
             bad.append(f"level {w['level']} over {w['n_comparisons']} comparisons; recomputed {made}")

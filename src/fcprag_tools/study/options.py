@@ -48,7 +48,8 @@ class Policy:
                                   "per question)")
         t = kw.get("target_f1", cls.target_f1)
         if not 0 < t <= TARGET_F1_MAX:
-            looks = f"; {t:g} looks like F1 points: give {t / 100:g} for {t:g} points" if t >= 1 else ""
+            unit = "point" if t == 1 else "points"
+            looks = f"; {t:g} looks like F1 points: give {t / 100:g} for {t:g} {unit}" if t >= 1 else ""
             raise FcpragError(f"--target-f1 {t:g}: expected a fraction of 1 above 0 and at most {TARGET_F1_MAX:g}, "
                               f"the unit of F1 in summary.json (0.03 = 3 points){looks}")
         return cls(**kw)

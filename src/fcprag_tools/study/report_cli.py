@@ -141,7 +141,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "model, seconds)",
                        description="Rebuild DIR/summary.json, report.md and report.png from a study folder's "
                                    "questions.jsonl and eval.jsonl (or .jsonl.gz) and its controllers' "
-                                   "cross-validation, with other margins or target effects; no model is loaded.")
+                                   "cross-validation, with other margins or target effects; no model is loaded. "
+                                   "Where DIR keeps the trained controllers (train/learned{,_combine}/), it also "
+                                   "rewrites controller/ and controller_combine/ to what ships now.")
     r.add_argument("dir", metavar="DIR", help="a study folder (fcprag study --out)")
     add_policy_flags(r)
     r.set_defaults(func=_cmd_report)

@@ -18,16 +18,16 @@ from typing import Any, Mapping
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.fileio import write_atomic, write_json
 from .options import Policy, study_training
-from .verdict.choice import candidates, choice_questions, what_to_run
+from .verdict.choice import candidates, choice_left_out, what_to_run
 from .verdict.coverage import coverage, needed_rows
 from .verdict.markdown import report
-from .verdict.words import plain, plain_held_out
+from .verdict.words import follow_text, plain, plain_held_out
 from .verdict.plot import write_plot
 from .verdict.records import SETTINGS, ControllerRecord, ScaleLabel, ScoredRows, SettingVerdict, suffix
 from .verdict.schema import check_summary
 from .verdict.ship import rule_starved, setting_verdict
-from .verdict.tables import CANDIDATES, breakdown, ceiling_info, datasets_of, metric_means, paired_table, \
-    partial_rows, row_names, split_info
+from .verdict.tables import CANDIDATES, ceiling_info, datasets_of, figures, paired_table, partial_rows, row_names, \
+    split_info
 
 # what the study's other rooms import from here
 __all__ = ["CANDIDATES", "SETTINGS", "build", "check_summary", "finish", "rule_starved", "scale_labels",
@@ -91,11 +91,13 @@ def _choices(rows: ScoredRows, keys: list[str], verdicts_: Mapping[str, SettingV
     """What to run overall and per dataset, as ``summary.json`` records it (with its sentences)."""
     overall, by_dataset = what_to_run(rows, keys, descriptive=given, cands=candidates(verdicts_, rows), policy=policy)
 
-    def as_json(c: Any, d: str | None) -> dict[str, Any]:
+    def as_json(c: Any, d: str | None, top: dict[str, Any] | None) -> dict[str, Any]:
         j = c.to_json()
-        return {**j, "plain": plain(j, d), "plain_held_out": plain_held_out(j)}
+        return {**j, "plain": plain(j, d), "plain_held_out": plain_held_out(j),
+                **({"plain_follow": follow_text(j, d, top)} if d and top and j.get("vs_overall") else {})}
 
-    return (None if overall is None else as_json(overall, None)), {d: as_json(c, d) for d, c in by_dataset.items()}
+    top = None if overall is None else as_json(overall, None, None)
+    return top, {d: as_json(c, d, top) for d, c in by_dataset.items()}
 
 
 def _training_verdict(ctrls: Mapping[str, ControllerRecord]) -> dict[str, Any] | None:
@@ -120,28 +122,23 @@ def build(rows: ScoredRows, ctrls: Mapping[str, ControllerRecord], *, given: boo
     verdicts_ = verdicts(rows, ctrls, given=given, policy=policy)
     rows = rows.with_copies({f"recommended{suffix(s)}": v.recommended_row for s, v in verdicts_.items()})
     names = row_names(rows, keys)
-    methods = {}
-    for n in names:
-        by_dataset, by_subtask = breakdown(rows, keys, n)
-        methods[n] = {**metric_means(rows, keys, n), "by_dataset": by_dataset, "by_subtask": by_subtask}
+    methods = {n: figures(rows, keys, n).to_json() for n in names}
     overall, by_dataset = _choices(rows, keys, verdicts_, given, policy)
-    chosen_on, not_chosen_on = choice_questions(rows, keys, candidates(verdicts_, rows), given)
     param = verdicts_["param"].to_json()
     pairs = paired_table(rows, keys, names, policy)
     return {
         "n_train": len(rows.train), "n_test": len(keys), "f1_unit": F1_UNIT, "settings": settings,
-        "split": split_info(rows, settings),
+        "split": split_info(rows, settings).to_json(),
         "policy": policy.record(),
         "datasets": datasets_of(rows, keys),
-        "left_out": {"held_out": left, "choice": {"questions": len(not_chosen_on),
-                                                  "of": len(chosen_on) + len(not_chosen_on)},
+        "left_out": {"held_out": left, "choice": choice_left_out(rows, keys, candidates(verdicts_, rows), given),
                      "rows_not_in_table": partial_rows(rows, keys)},
-        "methods": methods, "paired": pairs,
+        "methods": methods, "paired": {n: p.to_json() for n, p in pairs.items()},
         "verdict": {**{k: param[k] for k in ("ship", "kappa", "kappa_learned", "decided_on", "margins", "cv", "scale",
                                              "reweighting", "why", "recommended_row")},
                     "settings": {s: v.to_json() for s, v in verdicts_.items()}, "what_to_run": overall,
                     "what_to_run_by_dataset": by_dataset},
-        "ceiling": ceiling_info(rows, keys, pairs, verdicts_),
+        "ceiling": ceiling_info(rows, keys, pairs, verdicts_).to_json(),
         "training_verdict": _training_verdict(ctrls),
         "stage_seconds": stage_seconds, "shared_rows": shared or {},
     }

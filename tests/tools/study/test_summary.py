@@ -8,12 +8,13 @@ import copy
 import json
 import random
 import re
+import statistics
 
 import pytest
 
 from fcprag_tools.study import stats, summary
 from fcprag_tools.study.options import Policy
-from fcprag_tools.study.verdict import markdown, words
+from fcprag_tools.study.verdict import markdown, tables, words
 from fcprag_tools.study.verdict.choice import WHAT_TO_RUN_BOOT
 from fcprag_tools.study.verdict.records import ControllerRecord, ScoredRows
 from fcprag_tools.study.verdict.schema import check_summary
@@ -198,6 +199,27 @@ def test_subtasks_and_datasets_recomputed(tmp_path):
         assert hot["f1_macro"] == pytest.approx((s["methods"][name]["by_subtask"]["hot/bridge"]["f1"]
                                                  + s["methods"][name]["by_subtask"]["hot/comparison"]["f1"]) / 2)
     assert set(s["methods"]["vanilla"]["by_subtask"]) == {"hot/bridge", "hot/comparison", "wiki/inference"}
+
+
+def test_the_tables_are_typed_records_whose_json_is_the_summarys():
+    qs, res = synthetic()
+    rows = ScoredRows.from_dicts(qs, res)
+    test = rows.test
+    fig = tables.figures(rows, test, "standard_rag")
+    bridge = [res[f"{q}|standard_rag"] for q in test if (qs[q]["dataset"], qs[q]["subtask"]) == ("hot", "bridge")]
+    assert fig.by_subtask["hot/bridge"] == tables.Cell(pytest.approx(sum(r["f1"] for r in bridge) / len(bridge)),
+                                                       pytest.approx(sum(r["em"] for r in bridge) / len(bridge)),
+                                                       len(bridge))
+    assert fig.by_dataset["wiki"].n == 20 and fig.to_json()["by_dataset"]["wiki"]["n"] == 20
+    pairs = tables.paired_table(rows, test, ["vanilla", "prag_sum"], Policy())
+    assert set(pairs) == {"vanilla"}  # PRAG's sum is the host: not paired with itself
+    diffs = [res[f"{q}|vanilla"]["f1"] - res[f"{q}|prag_sum"]["f1"] for q in test]
+    p = pairs["vanilla"]
+    assert (p.against, p.delta["f1"]) == ("prag_sum", pytest.approx(sum(diffs) / len(diffs)))
+    z = 1.959964 + 0.841621  # 95%, 80% power
+    assert p.mde_f1 == pytest.approx(z * statistics.stdev(diffs) / len(diffs) ** 0.5, rel=1e-5)
+    j = p.to_json()
+    assert j["delta_f1"] == p.delta["f1"] and j["ci95_logprob"] == p.ci95["logprob"] and j["n_needed"] == p.n_needed
 
 
 def test_every_figure_of_the_report_comes_from_the_summary(tmp_path):

