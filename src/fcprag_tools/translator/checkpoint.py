@@ -42,6 +42,25 @@ def save_torch(obj: Any, path: str | Path) -> Path:
     return path
 
 
+def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """A byte copy of checkpoint ``src`` at ``dst``, written atomically (the same temp-and-rename): the copy's
+    sha256 is the source's."""
+    import shutil
+
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    try:
+        shutil.copyfile(src, tmp)
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dst
+
+
 def cpu_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` as float32 CPU tensors; tensors that share storage (DyPRAG's second names) still
     share it, so the file holds each once."""
