@@ -13,6 +13,7 @@ from fcprag_tools.study import adapters as ad
 from fcprag_tools.study.pipeline import study
 from fcprag_tools.study.run import StudyRun
 from fcprag_tools.study.stages.evaluation import share
+from fcprag_tools.study.stages.translator import DypragSource
 from helpers import hash_encoder
 
 
@@ -61,13 +62,19 @@ def test_equal_rows_are_scored_once_and_equal_their_separate_scoring(tiny_study,
 
     run = StudyRun(out, progress=False, lm=opts.model)
     run.load_model()
+    translator = json.loads((out / "translator" / "translator.json").read_text())
+    source = DypragSource(run, qs, out / translator["export"], translator["sha256"])
+    assert {copies[f"{q}|dyprag_recommended"]["shared_with"] for q in test} == {"dyprag"}  # PRAG's sum ships
     for rid, rec in copies.items():
         qid, name = rid.split("|", 1)
-        assert {k: ev[f"{qid}|{rec['shared_with']}"][k] for k in ("prompt", "pids", "w")} == \
-            {k: rec[k] for k in ("prompt", "pids", "w")}
+        assert {k: ev[f"{qid}|{rec['shared_with']}"][k] for k in ("prompt", "pids", "w", "translator")
+                if k in rec} == {k: rec[k] for k in ("prompt", "pids", "w", "translator") if k in rec}
+        assert name.startswith("dyprag") == rec["shared_with"].startswith("dyprag")  # never across the hosts
         slot = FusedSlot.for_model(run.model, run.adapter(rec["pids"][0]), max_adapters=2, max_rank=ad.LORA["r"])
+        update = source.composite(rec["pids"], rec["w"]) if name.startswith("dyprag") else None
         try:
-            alone = real(run.model, run.tok, slot, [scoring.Row(qid, name, rec["pids"], rec["w"], rec["prompt"])],
+            alone = real(run.model, run.tok, slot, [scoring.Row(qid, name, rec["pids"], rec["w"], rec["prompt"],
+                                                                update)],
                          qs, run.adapter, max_new_tokens=3, batch_size=1)[0]
         finally:
             slot.remove()
