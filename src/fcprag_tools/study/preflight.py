@@ -10,8 +10,9 @@ study takes (:func:`select_questions`: a controller's training ids left out, ``-
 ``--retrieval``, ``--train-ids``), ``--controller`` (a saved controller), the embedding model (``--encoder``, the
 controller's, or the library's default: available offline), the model (config and tokenizer, or a GGUF file's
 header, without the weights; it has the Linear layers PRAG's LoRA recipe targets), and DyPRAG's translator
-(:func:`check_translator`: ``--dyprag-translator``'s shapes read from the file against the model's config; a
-translator the study trained before, recorded with other ``--translator-*`` options, is refused).
+(:func:`check_translator_file`: ``--dyprag-translator``'s shapes read from the file against the model's config;
+:func:`check_translator_folder`: a translator the study trained before, recorded with other ``--translator-*``
+options, is refused).
 """
 
 from __future__ import annotations
@@ -276,34 +277,39 @@ def model_config(m: ModelPart) -> Any:
             from None
 
 
-def check_translator(o: StudyOptions) -> None:
-    """``--dyprag-translator``: a checkpoint in DyPRAG's format whose every key has the shape the model needs (one
-    line naming the file, the key and both shapes); a translator recorded in ``--out`` as trained with other
-    ``--translator-*`` options: refused (the translator folder keeps one translator)."""
-    from ..translator import TranslatorError, check_fits, read_state_dict
+def check_translator_folder(o: StudyOptions) -> None:
+    """A translator recorded in ``--out`` as trained there with other ``--translator-*`` options is refused (the
+    translator folder keeps one translator); read before anything else of the study folder's rows."""
     from . import dyprag as dy
 
     part = o.dyprag
-    if not part.dyprag:
-        return
-    if part.dyprag_translator is not None:
-        try:
-            check_fits(read_state_dict(part.dyprag_translator), part.dyprag_translator, model_config(o.model),
-                       model=f"--model {o.model.name or o.model.model}")
-        except TranslatorError as e:
-            raise FcpragError(f"--dyprag-translator {e}") from None
+    if not part.dyprag or part.dyprag_translator is not None or o.plan.controller is not None:
         return
     try:
         rec = dy.recorded(Path(o.out))
     except FcpragError:
         rec = None
     have, want = (rec or {}).get("options"), dy.training_options(part.training())
-    if rec is not None and rec.get("source") == "trained" and have != want and o.plan.controller is None:
+    if rec is not None and rec.get("source") == "trained" and have != want:
         diff = next(k for k in want if have is None or have.get(k) != want[k])
         flag = {"learning_rate": "--translator-lr"}.get(diff, f"--translator-{diff}")
         raise FcpragError(f"{flag} {want[diff]}: --out {o.out} holds a translator trained with {diff}="
                           f"{(have or {}).get(diff)!r} ({dy.TRANSLATOR_DIR}/{dy.RECORD}); resume with the same "
                           f"{flag}, or delete {Path(o.out) / dy.TRANSLATOR_DIR} to train another")
+
+
+def check_translator_file(o: StudyOptions) -> None:
+    """``--dyprag-translator``: a checkpoint in DyPRAG's format whose every key has the shape the model needs (one
+    line naming the file, the key and both shapes), read against the model's config (:func:`model_config`)."""
+    from ..translator import TranslatorError, check_fits, read_state_dict
+
+    path = o.dyprag.dyprag_translator
+    if not o.dyprag.dyprag or path is None:
+        return
+    try:
+        check_fits(read_state_dict(path), path, model_config(o.model), model=f"--model {o.model.name or o.model.model}")
+    except TranslatorError as e:
+        raise FcpragError(f"--dyprag-translator {e}") from None
 
 
 def resolve(m: ModelPart) -> ModelPart:
@@ -393,13 +399,14 @@ def check(o: StudyOptions, *, rank: int = 0, local_rank: int = 0, distributed: b
     o = replace(o, model=resolve(o.model))
     check_device(o.model.device, o.model.dtype, local_rank)  # before --out: a resume compares the dtype it resolves
     resume = check_out(o, contents=rank == 0 or not distributed, local_rank=local_rank)
+    check_translator_folder(o)
     done = finished(Path(o.out), o.plan, o.dyprag)
     if done is not None:
         return Checked(o, True, done, None)
     sel = select_questions(o.plan, o.split)
     check_controller_and_encoder(o.plan)
     check_model(o.model)
-    check_translator(o)
+    check_translator_file(o)
     return Checked(o, resume, None, sel)
 
 
