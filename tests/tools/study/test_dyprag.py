@@ -241,27 +241,21 @@ def test_share_never_copies_a_prag_row_into_a_dyprag_row():
     assert share([row("dyprag", "T1")], {k: v for k, v in done.items() if k == "q|prag_sum"})[1] == []
 
 
-def test_a_folder_from_before_gains_only_the_dyprag_rows_and_no_dyprag_adds_nothing(tiny_study, monkeypatch):
+def test_a_folder_from_before_gains_only_the_dyprag_rows_and_no_dyprag_adds_nothing(tiny_study, monkeypatch,
+                                                                                     scored_rows):
     first, _ = study(_opts(tiny_study, dyprag=False))
     out = tiny_study["root"] / "out"
     assert not (out / "translator").exists() and not list(out.glob("dyprag_*"))  # the files of a study from before
     assert not [n for n in first["methods"] if dy.is_dyprag(n)]
     keep = {f: (out / f).read_bytes() for f in ("settings.json", "labels.jsonl", "adapters.jsonl", "augment.jsonl")}
     before = (out / "eval.jsonl").read_bytes()
-    scored: list[str] = []
-    real = scoring.score
-
-    def counted(model, tok, slot, rows, *a, **k):
-        scored.extend(f"{r.qid}|{r.name}" for r in rows)
-        return real(model, tok, slot, rows, *a, **k)
-
-    monkeypatch.setattr(scoring, "score", counted)
+    scored_rows.clear()
     again, complete = study(_opts(tiny_study))
     assert not complete and (out / "eval.jsonl").read_bytes().startswith(before)
     added = _ids(out)[len(before.decode().splitlines()):]
     qs = {r["id"]: r for r in read_jsonl(out / "questions.jsonl")}
     assert sorted(added) == sorted(f"{q}|{n}" for q in qs for n in dy.CANDIDATES)
-    assert set(scored) <= set(added) and all(dy.is_dyprag(i.split("|")[1]) for i in scored)
+    assert scored_rows and set(scored_rows) <= set(added) and all(dy.is_dyprag(i.split("|")[1]) for i in scored_rows)
     assert {f: (out / f).read_bytes() for f in keep} == keep
     assert again["methods"]["prag_sum"] == first["methods"]["prag_sum"] and "dyprag" in again["methods"]
     monkeypatch.setattr(model_io, "load_model", lambda *a, **k: pytest.fail("nothing to add, a model loaded"))
@@ -280,3 +274,6 @@ def test_a_given_controller_without_a_translator_says_so_and_has_no_dyprag_rows(
     caplog.clear()
     announce(run, TranslatorPart(dyprag=False), given_controller=True)
     assert not caplog.text
+    announce(run, TranslatorPart(dyprag_translator="t.pt", translator_width=16), given_controller=False)
+    assert "--translator-width apply to a translator the study trains; with --dyprag-translator they are not used" \
+        in caplog.text

@@ -16,6 +16,8 @@ from fcprag_tools.study.stages.evaluation import share
 from fcprag_tools.study.stages.translator import DypragSource
 from helpers import hash_encoder
 
+from .conftest import REAL_SCORE
+
 
 def _row(qid, name, w, prompt="param"):
     return scoring.Row(qid, name, ["p0", "p1"], w, prompt)
@@ -34,15 +36,8 @@ def test_share_pairs_rows_equal_to_the_last_bit_only():
     assert [(r.name, o) for r, o in copies] == [("random_controller", "prag_sum"), ("b", "a")]
 
 
-def test_equal_rows_are_scored_once_and_equal_their_separate_scoring(tiny_study, monkeypatch):
-    scored: list[str] = []
-    real = scoring.score
-
-    def counted(model, tok, slot, rows, *a, **k):
-        scored.extend(f"{r.qid}|{r.name}" for r in rows)
-        return real(model, tok, slot, rows, *a, **k)
-
-    monkeypatch.setattr(scoring, "score", counted)
+def test_equal_rows_are_scored_once_and_equal_their_separate_scoring(tiny_study, scored_rows):
+    scored, real = scored_rows, REAL_SCORE
     opts = StudyOptions.of(questions=tiny_study["questions"], model=tiny_study["model"],
                            out=str(tiny_study["root"] / "o"), encoder=hash_encoder(), top_k=2, scales=(0.5, 2.0),
                            max_new_tokens=3, aug_max_new_tokens=6, progress=False, test_fraction=0.5, group=2, chunk=2,

@@ -95,10 +95,16 @@ class DypragSource:
 
 
 def announce(run: StudyRun, part: TranslatorPart, given_controller: bool) -> None:
-    """At the start, one line when the options leave no DyPRAG rows that a user might expect."""
-    if run.shard.rank == 0 and part.dyprag and given_controller and part.dyprag_translator is None:
+    """At the start, one line when the options leave no DyPRAG rows that a user might expect, or set training
+    options no translator will be trained with."""
+    if run.shard.rank:
+        return
+    if part.dyprag and given_controller and part.dyprag_translator is None:
         logger.info("--controller without --dyprag-translator: no training questions to train DyPRAG's translator on, "
                     "so no DyPRAG rows (give --dyprag-translator FILE to measure DyPRAG on every question)")
+    elif (part.dyprag_translator is not None or not part.dyprag) and part.training() != TranslatorPart().training():
+        logger.warning("--translator-epochs, --translator-lr and --translator-width apply to a translator the study "
+                       "trains; with %s they are not used", "--dyprag-translator" if part.dyprag else "--no-dyprag")
 
 
 def _record(run: StudyRun, export: Path, epochs: int, **fields: Any) -> dict[str, Any]:
