@@ -264,17 +264,28 @@ def check_model(m: ModelPart) -> None:
 
 
 def model_config(m: ModelPart) -> Any:
-    """The model's config without its weights (a GGUF file's from its header), as :func:`check_model` read it."""
-    from transformers import AutoConfig
+    """The sizes of the model a translator must fit (``num_hidden_layers``, ``hidden_size``, ``intermediate_size``),
+    without its weights: a folder's config, or a GGUF file's header (what :func:`check_model` read; transformers'
+    own GGUF config reader parses far more of the file)."""
+    from types import SimpleNamespace
 
-    from ..lm.model_io import quiet_loading
+    from ..lm.model_io import gguf_header, quiet_loading
 
     try:
+        if m.gguf_file:
+            meta, _ = gguf_header(os.path.join(m.model, m.gguf_file))
+            arch = meta["general.architecture"]
+            return SimpleNamespace(num_hidden_layers=int(meta[f"{arch}.block_count"]),
+                                   hidden_size=int(meta[f"{arch}.embedding_length"]),
+                                   intermediate_size=int(meta[f"{arch}.feed_forward_length"]))
+        from transformers import AutoConfig
+
         with quiet_loading():
-            return AutoConfig.from_pretrained(m.model, **({"gguf_file": m.gguf_file} if m.gguf_file else {}))
+            return AutoConfig.from_pretrained(m.model)
     except (OSError, ValueError, KeyError, ImportError) as e:
-        raise FcpragError(f"--model {m.model}: its config could not be read ({' '.join(str(e).split())[:300]})") \
-            from None
+        what = f"--model {m.model}" + (f" --gguf-file {m.gguf_file}" if m.gguf_file else "")
+        raise FcpragError(f"{what}: its sizes could not be read ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
+                          ) from None
 
 
 def check_translator_folder(o: StudyOptions) -> None:

