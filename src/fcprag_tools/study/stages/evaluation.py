@@ -77,12 +77,17 @@ def _copy(done: Scored, row: scoring.Row, origin: str) -> dict[str, Any]:
 
 
 def _updates(dyprag: Any, rows: list[scoring.Row]) -> None:
-    """Each DyPRAG row of ``rows`` gets its composite update (its questions' passages generated in one call)."""
+    """Each DyPRAG row of ``rows`` gets its composite update (its questions' passages generated in one call); rows
+    of the same passages and ``w~`` (``dyprag`` and ``dyprag_combine``) get the same one: one slot entry."""
     mine = [r for r in rows if r.translator is not None]
     if mine:
         dyprag.prepare(list(dict.fromkeys(r.qid for r in mine)))
+    made: dict[tuple[Any, ...], Any] = {}
     for r in mine:
-        r.update = dyprag.composite(r.pids, r.weights)
+        key = (tuple(r.pids), tuple(r.weights))
+        if key not in made:
+            made[key] = dyprag.composite(r.pids, r.weights)
+        r.update = made[key]
 
 
 def _score_chunk(run: StudyRun, qs: Questions, want: dict[str, Rows], chunk: list[str], done: Scored, oracle: bool,
