@@ -327,3 +327,29 @@ def test_a_key_that_is_not_a_field_is_an_error_naming_it(tmp_path, key):
     (d / "config.json").write_text(json.dumps({**cfg, key: 1e-8}))
     with pytest.raises(ControllerError, match=rf"config\.json: unknown key\(s\) \['{key}'\]; expected keys among"):
         FusionController.from_pretrained(d)
+
+
+@pytest.mark.parametrize("old", [{"controller_mode": "scale", "scale_grid": [0.5, 1.0, 2.0]},
+                                 {"scale_grid": [1.0, 2.0]}, {"cv": {"shipped": "query_scale", "gain": 0.1}}])
+def test_a_saved_per_query_scale_controller_is_refused_in_one_line_saying_why(tmp_path, old):
+    d = FusionController.scale_only(2.0, embed_dim=8).save_pretrained(tmp_path / "ctrl")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **old}))
+    with pytest.raises(ControllerError) as e:
+        FusionController.from_pretrained(d)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{d / 'config.json'}: a per-query scale controller")
+    assert "was removed (docs/results/per-query-scale.md); train a new one with fcprag train" in msg
+
+
+def test_a_config_of_the_version_before_with_its_empty_scale_grid_still_loads(tmp_path):
+    """Every controller saved before the per-query scale was removed says "scale_grid": null."""
+    c = FusionController.scale_only(2.0, embed_dim=8)
+    d = c.save_pretrained(tmp_path / "ctrl")
+    cfg = json.loads((d / "config.json").read_text())
+    assert "scale_grid" not in cfg
+    (d / "config.json").write_text(json.dumps({**cfg, "scale_grid": None}))
+    again = FusionController.from_pretrained(d)
+    assert again.config == c.config
+    e_q, E_p = torch.randn(2, 8), torch.randn(2, 3, 8)
+    assert torch.equal(again(e_q, E_p).merge_weights, torch.full((2, 3), 2.0))

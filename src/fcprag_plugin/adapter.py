@@ -3,7 +3,6 @@ and its I/O: PEFT directories, safetensors files, state dicts and live PEFT mode
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -16,7 +15,7 @@ import torch
 
 from .compat import layer_has_lora_bias, layer_variant, live_lora_layers
 from .errors import AdapterError, UnsupportedAdapterError
-from .fileio import read_json_object, read_tensor_file
+from .fileio import read_json_object, read_tensor_file, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class LoraAdapter:
                **{k: v for k, v in self.config.items() if k in {"revision", "layers_to_transform", "layers_pattern"}}}
         tensors = {f"{PEFT_PREFIX}{name}.lora_{kind}.weight": (t if dtype is None else t.to(dtype)).detach()
                    .contiguous().cpu() for name, m in self.modules.items() for kind, t in (("A", m.A), ("B", m.B))}
-        (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        write_json(path / CONFIG_NAME, cfg)
         save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
         return path
 

@@ -7,10 +7,9 @@
     merge weights = kappa * c * w~                             kappa = 1, c = 1 unless configured
 
 Modes (``config.controller_mode``): ``learned`` (the nets above), ``uniform`` (no nets, no encoder: ``w~ =
-[kappa]*N``), ``scale`` (uniform times a per-query scale :class:`ScaleHead` picks from ``config.scale_grid``),
-``random`` (untrained nets, seeded) and ``fixed`` (one global g and tau). ``w~ = [1]*N`` is PRAG's merge (a plain
-sum of the passage updates), where ``init="uniform"`` starts. Side features (retrieval rank and score,
-:func:`features.adapter_stats`) feed the score net only, centered within the set; ``c = 2*sigmoid(o_3)``."""
+[kappa]*N``), ``random`` (untrained nets, seeded) and ``fixed`` (one global g and tau). ``w~ = [1]*N`` is PRAG's
+merge (a plain sum of the passage updates), where ``init="uniform"`` starts. Side features (retrieval rank and
+score, :func:`features.adapter_stats`) feed the score net only, centered within the set; ``c = 2*sigmoid(o_3)``."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from .encoding import check_recorded_model, get_encoder
 from .errors import BARE, ControllerError, kw
 from .loading import LoadCache, file_signature
 from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, adapter_recipe, adapter_stats, calibration_summary,
-                       center_side, masked_mean, passage_features)
+                       center_side, passage_features)
 
 logger = logging.getLogger(__name__)
 
@@ -124,34 +123,6 @@ class CalibNet(nn.Sequential):
         return g, tau, c
 
 
-class ScaleHead(nn.Module):
-    """Controller mode ``scale``'s per-query scale: ``x = [e_q; mean_i e_p_i]`` standardised by the stored training
-    ``mean`` / ``std`` (``[2d]`` buffers), one linear layer to one logit per scale of ``grid``; the query's scale is
-    ``grid[argmax]`` (first among ties). ``forward(e_q [B, d], E_p [B, N, d], mask [B, N] or None) -> [B, S]``."""
-
-    def __init__(self, d: int, grid: Sequence[float]) -> None:
-        super().__init__()
-        self.linear = nn.Linear(2 * d, len(grid))
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-        self.register_buffer("grid", torch.tensor([float(v) for v in grid], dtype=torch.float32))
-        self.register_buffer("mean", torch.zeros(2 * d))
-        self.register_buffer("std", torch.ones(2 * d))
-
-    @staticmethod
-    def features(e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """``[e_q; mean of the real passages' embeddings]`` -> ``[B, 2d]``."""
-        return torch.cat([e_q, masked_mean(E_p, mask)], -1)
-
-    def forward(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = (self.features(e_q, E_p, mask).float() - self.mean) / self.std
-        return self.linear(x.to(self.linear.weight.dtype)).float()
-
-    def choose(self, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The chosen scale per query ``[B]`` (float32)."""
-        return self.grid[self(e_q, E_p, mask).argmax(1)]
-
-
 def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieval_ranks: Any, retrieval_scores: Any,
                  adapter_stats_: Any) -> tuple[torch.Tensor, list[str]]:
     """The raw side-feature columns ``[n, k]`` of one query from :meth:`FusionController.predict`'s arguments, and
@@ -207,7 +178,7 @@ def _check_inputs(c: ControllerConfig, e_q: torch.Tensor, E_p: torch.Tensor, mas
     if N == 0:
         raise ControllerError("no passages (N == 0)")
     k = len(c.side_columns)
-    if k and c.controller_mode not in ("uniform", "scale") and side is None:
+    if k and c.controller_mode != "uniform" and side is None:
         raise ControllerError(f"this controller was trained with side features {c.side_features}; they must be "
                               f"given (predict(..., retrieval_ranks=, retrieval_scores=, adapter_stats=))")
     if side is not None and k and tuple(side.shape) != (B, N, k):
@@ -235,8 +206,7 @@ class FusionController(nn.Module):
         d, k = config.embed_dim, len(config.side_columns)
         self.score_net: ScoreNet | None = None
         self.calib_net: CalibNet | None = None
-        self.scale_head = ScaleHead(d, config.scale_grid) if config.controller_mode == "scale" else None
-        if config.controller_mode not in ("uniform", "scale"):
+        if config.controller_mode != "uniform":
             with torch.random.fork_rng(devices=[], enabled=config.seed is not None):  # the global RNG is left alone
                 if config.seed is not None:
                     torch.manual_seed(config.seed)
@@ -308,11 +278,9 @@ class FusionController(nn.Module):
         full_mask = torch.ones(B, N, dtype=torch.bool, device=p.device) if mask is None else mask
         scale = None if c.kappa == 1.0 else torch.full((B,), float(c.kappa), dtype=p.dtype, device=p.device)
         q_scale = None
-        if c.controller_mode in ("uniform", "scale"):  # g = 0: exactly w~ = 1, PRAG's merge (x a per-query scale)
+        if c.controller_mode == "uniform":  # g = 0: exactly w~ = 1, PRAG's merge
             s = full_mask.to(p.dtype) / 2
             g, tau = s.new_zeros(B), s.new_full((B,), c.tau_max)
-            if c.controller_mode == "scale":
-                q_scale = self.scale_head.choose(e_q, E_p, mask).to(p.dtype)
         else:
             xp = passage_features(e_q, E_p)
             side_x = center_side(side.to(p), mask, p) if c.side_features and c.scorer == "mlp" else None
@@ -337,7 +305,7 @@ class FusionController(nn.Module):
             raise ControllerError(f"for_inference: dtype {dtype} is not supported, expected one of "
                                   f"{[str(t) for t in INFERENCE_DTYPES]}")
         fast = copy.deepcopy(self).eval().requires_grad_(False)
-        for net in (fast.score_net, fast.calib_net):  # (the scale head is one small layer: float32)
+        for net in (fast.score_net, fast.calib_net):
             if net is not None:
                 net.to(dtype)
         fast._inference_copy = True
@@ -356,7 +324,7 @@ class FusionController(nn.Module):
             encoder = self.encoder  # the shared, lazily loaded encoder of config.embedding_model
         self.check_encoder(encoder)
         side = None
-        if self.config.side_features and self.config.controller_mode not in ("uniform", "scale"):
+        if self.config.side_features and self.config.controller_mode != "uniform":
             side, missing = _side_matrix(self.config.side_features, self.config.optional_side, len(passages),
                                          retrieval_ranks, retrieval_scores, adapter_stats)
             side = side.unsqueeze(0)
@@ -404,7 +372,7 @@ class FusionController(nn.Module):
     def needs_adapters(self) -> bool:
         """Whether ``weigh`` reads adapters given as a callable: for adapter statistics, or a recipe not checked yet."""
         c = self.config
-        return ("adapter_stats" in c.side_features and c.controller_mode not in ("uniform", "scale")) or bool(
+        return ("adapter_stats" in c.side_features and c.controller_mode != "uniform") or bool(
             (c.trained_for or {}).get("adapter_recipes")) and not {"recipe", "recipe-read"} & self._warned
 
     def check_adapters(self, adapters: Sequence[Any]) -> bool:

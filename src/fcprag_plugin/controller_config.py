@@ -3,7 +3,6 @@ one an error), the weights file, and the words for what a trained controller shi
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -13,18 +12,18 @@ import torch
 
 from .errors import ControllerError
 from .features import SIDE_FEATURES, side_feature_columns
-from .fileio import read_json_object, read_tensor_file
+from .fileio import read_json_object, read_tensor_file, write_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-CONTROLLER_MODES = ("learned", "uniform", "random", "fixed", "scale")
+CONTROLLER_MODES = ("learned", "uniform", "random", "fixed")
 SCORERS = ("mlp", "cosine")
 INITS = ("uniform", "random")
 FORMAT_VERSION = 1
 CHECKPOINT_MARKERS = ("state.json", "optimizer.safetensors")  # training/checkpoint.py's files beside a controller
 HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")  # side inputs hosts lack (adapter statistics: computable)
-# what a trained controller ships (fcprag train's and fcprag study's word): PRAG's sum, x kappa, x a scale per query
-SHIPS = ("prag_sum", "scale_only", "query_scale", "network")
+# what a trained controller ships (fcprag train's and fcprag study's word): PRAG's sum, x kappa, the network
+SHIPS = ("prag_sum", "scale_only", "network")
 
 
 @dataclass
@@ -52,7 +51,6 @@ class ControllerConfig:
     side_optional: list[str] | None = None
     kappa: float = 1.0
     calib_scale: bool = False  # the calibration net's third output: a per-query scale c
-    scale_grid: list[float] | None = None  # controller_mode "scale": the scales its ScaleHead chooses among
     cv: dict[str, Any] | None = None
     trained_for: dict[str, Any] | None = None  # {"base_model": [...], "adapter_recipes": [features.adapter_recipe]}
 
@@ -80,11 +78,6 @@ class ControllerConfig:
         need(self.side_scale is None or len(self.side_scale) == k and all(map(positive, self.side_scale)),
              f"key 'side_scale' is {self.side_scale}, expected {k} positive numbers (one per side-feature column)")
         need(positive(self.kappa), f"key 'kappa' is {self.kappa!r}, expected a positive number")
-        grid = self.scale_grid
-        need((self.controller_mode != "scale" and grid is None)
-             or (isinstance(grid, list) and grid and all(map(positive, grid))),
-             f"key 'scale_grid' is {grid!r}, expected a non-empty list of numbers > 0 (controller_mode 'scale' "
-             "chooses its per-query scale among them)")
         return self
 
     @property
@@ -104,6 +97,12 @@ def read_config(path: Path) -> ControllerConfig:
         raise ControllerError(f"{path}: controller directory not found (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
     raw = read_json_object(cfg_path, ControllerError, "controller config not found")
     raw.pop("library", None)  # written by write_files to say which library made the file, not a field
+    cv = raw.get("cv")  # a per-query scale controller (mode "scale", its grid; shipped "query_scale"): removed
+    if raw.get("controller_mode") == "scale" or raw.pop("scale_grid", None) is not None or \
+            isinstance(cv, dict) and cv.get("shipped") == "query_scale":
+        raise ControllerError(f"{cfg_path}: a per-query scale controller (controller_mode 'scale'), which this "
+                              "version no longer reads: it never beat one global scale on held-out questions and "
+                              "was removed (docs/results/per-query-scale.md); train a new one with fcprag train")
     known = {f.name for f in fields(ControllerConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -136,8 +135,7 @@ def write_files(path: Path, config: ControllerConfig, state: dict[str, torch.Ten
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_NAME).write_text(json.dumps({**asdict(config), "library": "fcprag_plugin"}, indent=2) + "\n",
-                                    encoding="utf-8")
+    write_json(path / CONFIG_NAME, {**asdict(config), "library": "fcprag_plugin"})
     save_file({k: v.detach().float().contiguous().cpu() for k, v in state.items()}, str(path / WEIGHTS_NAME),
               metadata={"format": "pt", "library": "fcprag_plugin"})
     return path

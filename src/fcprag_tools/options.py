@@ -7,14 +7,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from fcprag_plugin.errors import BARE, FcpragError, kw
+from fcprag_plugin.fileio import write_dir as write_dir_atomically  # noqa: F401  (cli.py, study/stages/verdict.py)
 
 
 def read_text_arg(value: str, option: str) -> str:
@@ -64,28 +62,6 @@ def check_out_dir(out: Path, inputs: Sequence[tuple[str, str]], overwrite: bool)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FcpragError(f"--out {out} is an existing non-empty directory; choose a new directory or pass "
                           "--overwrite to replace it")
-
-
-def write_dir_atomically(out: Path, fill: Callable[[Path], None]) -> Path:
-    """Run ``fill(tmp)`` on a fresh temp directory next to ``out``, then rename it to ``out`` (an existing ``out``
-    is replaced only after the new one is complete). An interruption leaves ``out`` as it was."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = None
-    try:
-        fill(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-        os.replace(tmp, out)
-    except BaseException:
-        if old is not None and old.exists() and not out.exists():
-            os.replace(old, out)  # put the user's directory back
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return out
 
 
 class CliParser(argparse.ArgumentParser):

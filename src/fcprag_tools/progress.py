@@ -1,12 +1,13 @@
 """The tools' progress bars, one look for every stage and command: units done of the total, the rate and an
-estimate of the time left, on stderr; a log line written through :func:`write_line` never tears a bar."""
+estimate of the time left, on stderr (the library's :mod:`fcprag_plugin.progress`); a log line written through
+:func:`write_line` never tears a bar."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
-from tqdm.auto import tqdm
+from fcprag_plugin import progress
+from fcprag_plugin.progress import write_line  # noqa: F401  (the tools' log lines)
 
 
 def progress_bar(desc: str, total: float, *, unit: str = "it", initial: float = 0, enabled: bool = True,
@@ -15,9 +16,9 @@ def progress_bar(desc: str, total: float, *, unit: str = "it", initial: float = 
     launcher's rank, so that the ranks' bars stack). ``fraction``: the count shows a decimal, for a bar that also
     moves inside a batch (:func:`moves_inside`). ``enabled=False``: a bar that draws nothing."""
     n = "{n:.1f}" if fraction else "{n_fmt}"
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, disable=not enabled,
-                position=position, bar_format="{l_bar}{bar}| " + n + "/{total_fmt} [{elapsed}<{remaining}, "
-                                              "{rate_fmt}{postfix}]")
+    return progress.progress_bar(desc, total, unit=unit, enabled=enabled, initial=initial, position=position,
+                                 bar_format="{l_bar}{bar}| " + n + "/{total_fmt} [{elapsed}<{remaining}, "
+                                            "{rate_fmt}{postfix}]")
 
 
 def moves_inside(bar: Any, units: int, steps: float) -> tuple[Callable[..., None], Callable[[], None]]:
@@ -37,7 +38,3 @@ def moves_inside(bar: Any, units: int, steps: float) -> tuple[Callable[..., None
 
     return step, finish
 
-
-def write_line(text: str) -> None:
-    """``text`` and a newline on stderr, above any bar on the screen."""
-    tqdm.write(text, file=sys.stderr)

@@ -20,7 +20,7 @@ from fcprag_plugin.training import (CHECKPOINT_DIR, CHOICES, CV_PARTIAL_NAME, DE
                                     read_cv_partial)
 from .lm.model_io import set_threads
 from .plots import _pyplot, write_eval_plots, write_training_plots
-from .train_report import format_table, train_table
+from .train_report import closing_lines, format_table, train_table
 
 
 # A label record is one line of a JSON Lines file: a longer line is refused before it is parsed (parsing a huge
@@ -276,68 +276,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _without_option(argv: list[str], option: str) -> list[str]:
-    """``argv`` without ``option VALUE`` / ``option=VALUE``."""
-    out, skip = [], False
-    for w in argv:
-        if skip or w.startswith(option + "="):
-            skip = False
-            continue
-        if w == option:
-            skip = True
-            continue
-        out.append(w)
-    return out
-
-
-# the label metrics fcprag labels build writes, in words: what one unit of "gain" is
-METRIC_UNITS = {"answer_logprob": "mean log-likelihood of the gold answer's tokens", "f1": "answer F1 (0 to 1)",
-                "em": "exact match (0 or 1)"}
-
-
-def closing_lines(res, args: argparse.Namespace, train_set) -> list[str]:
-    """The last lines of ``fcprag train``: the one gain to quote, with its unit and its two parts, what "first
-    order" means, what was saved and the command that uses the controller (and, when the defaults end in PRAG's
-    own merge, the flag to try)."""
-    metrics = sorted({r.metric for r in train_set.records if r.metric})
-    unit = " / ".join(METRIC_UNITS.get(m, f"the label metric '{m}'") for m in metrics) or "the label metric"
-    cv, cfg = res.metrics.get("cv"), res.controller.config
-    lines = [f"In short (unit: {unit}, per record, over PRAG's sum of the passage updates):"]
-    if cv is None:
-        lines.append("  no gain was measured (--cv-folds 0): the controller says it is unproven wherever it is used")
-    else:
-        s, r = cv["scale"], cv["reweighting"]
-
-        def part(p: dict, counted: bool) -> str:
-            return ("not measured" if p["gain"] is None else f"{p['gain']:+.4g}") + (
-                "" if counted else " (not in the saved controller: not shown)")
-
-        gain = "+0 (nothing shipped but PRAG's sum)" if cv["gain"] is None else \
-            f"{cv['gain']:+.4g}, 95% CI [{cv['ci95'][0]:+.4g}, {cv['ci95'][1]:+.4g}]"
-        scale = "kappa 1: PRAG's own scale, +0" if s["kappa"] == 1.0 else \
-            f"PRAG's sum times kappa {s['kappa']:.4g}: {part(s, cv['kappa'] != 1.0)}"
-        lines += [f"  gain {gain} on held-out questions; its parts: scale ({scale}), reweighting "
-                  f"{part(r, cv['shipped'] == 'network')}",
-                  "  first order: estimated from the leave-one-out deltas as if the passages' effects added up, "
-                  "without running the fused model (the reweighting part always; the scale part unless the labels "
-                  "measured scales). The table's 'gain' row is that estimate on the validation records alone."]
-    what = "a scale-only controller (no network, no encoder)" if cfg.controller_mode == "uniform" else \
-        "the learned controller"
-    lines.append(f"Saved {what} with kappa {cfg.kappa:.4g} to {res.out} (config.json, model.safetensors; "
-                 "training_args.json, metrics.json, train_log.jsonl" + (", cv.json" if cv else "")
-                 + (", plots/" if args.plots else "") + ").")
-    ranks = " --retrieval-rank R" if "retrieval_rank" in cfg.side_features else ""
-    lines.append(f"Use it: fcprag fuse --controller {shlex.quote(str(res.out))} --query TEXT --adapter DIR "
-                 f"--passage TEXT{ranks} (one --adapter/--passage{'/--retrieval-rank' if ranks else ''} per "
-                 f"passage) --out FUSED, or in PRAG's loop: fcprag run prag --controller "
-                 f"{shlex.quote(str(res.out))} -- src/inference.py ARGS...")
-    if cfg.controller_mode == "uniform" and cfg.kappa == 1.0 and args.kappa != "auto":
-        again = shlex.join(["fcprag", *_without_option(args.argv, "--kappa"), "--kappa", "auto"])
-        lines.append(f"This is PRAG's own merge (scale-only, kappa 1): to let the scale be chosen from the labels, "
-                     f"add --kappa auto: {again}")
-    return lines
-
-
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import evaluate_controller  # looked up per call (tests replace it)
 
@@ -439,17 +377,12 @@ def _train_options(d: TrainArgs) -> dict[str, dict]:
                              "metric (e.g. gold answer log-lik.); f1: the F1 of the greedy answers (the labels' "
                              "f1_at_scales, written by 'fcprag labels build --scales' with generation). The verdict "
                              "shows the scale part in both when both are there"),
-        "per_query_scale": dict(help="do not try a per-query scale (by default, with --kappa auto and measured "
-                                "scales, a small head choosing each question's scale from the grid is measured on "
-                                "held-out folds against the best global scale, and ships only when that part is "
-                                "shown)"),
         "keep_network": dict(help="save the learned network (default: not; its reweighting part is a first-order "
                              "estimate from leave-one-out deltas at PRAG's sum, not a measurement: measure it with "
                              "'fcprag study ... --controller DIR'); --recipe paper sets it"),
         "recipe": dict(help="measured (default): what the measurements support "
                        "(docs/results/efficacy-fresh.md): kappa chosen on the labels' measured scales by the risk "
-                       "rule, a scale-only controller (or a per-query scale when its measured part is shown), the "
-                       "network only with --keep-network; paper: the paper's setting, the learned network shipped "
+                       "rule, a scale-only controller, the network only with --keep-network; paper: the paper's setting, the learned network shipped "
                        "at PRAG's total (kappa 1, KL objective). Options given explicitly override the recipe"),
         "allow_retrieval_score": dict(help="allow --side-features retrieval_score (for a host that supplies "
                                       "retrieval scores)"),

@@ -6,7 +6,6 @@ import sys
 import pytest
 
 from fcprag_tools.cli import main
-from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.training import train_controller
 from fcprag_tools.plots import write_training_plots
 from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
@@ -144,8 +143,7 @@ def test_recipe_paper_is_the_papers_setting_one_flag_away(labelled, capsys):
             "--lr", "1e-3", "--cv-folds", "2", *SMALL]
     assert main(base + ["--out", str(tmp / "paper"), "--recipe", "paper"]) == 0
     paper_text = capsys.readouterr().out
-    assert main(base + ["--out", str(tmp / "spelled"), "--kappa", "1", "--keep-network", "--objective", "kl",
-                        "--no-per-query-scale"]) == 0
+    assert main(base + ["--out", str(tmp / "spelled"), "--kappa", "1", "--keep-network", "--objective", "kl"]) == 0
     capsys.readouterr()
     cfg = json.loads((tmp / "paper" / "config.json").read_text())
     args = json.loads((tmp / "paper" / "training_args.json").read_text())

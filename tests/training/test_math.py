@@ -164,12 +164,12 @@ def test_collect_outputs_bfloat16_is_close_to_float32_and_restores_the_controlle
                         omega, flat, [str(i) for i in range(R)], [str(i) for i in range(R)])
     c = FusionController(embed_dim=16, seed=1, init="random").train()
     ref = collect_outputs(c, data, batch_size=16)
-    bf = collect_outputs(c, data, batch_size=16, autocast_dtype=torch.bfloat16)
+    bf = collect_outputs(c, data, batch_size=16, precision="bf16")
     assert c.training and all(p.dtype == torch.float32 for p in c.parameters())
     assert not torch.equal(bf["w"], ref["w"])
     torch.testing.assert_close(bf["w"], ref["w"], atol=2e-3, rtol=0)
     torch.testing.assert_close(bf["g"], ref["g"], atol=2e-3, rtol=0)
     assert torch.equal(bf["w"][~mask], torch.zeros(int((~mask).sum())))
-    with pytest.raises(ValueError, match="bfloat16 only"):
-        collect_outputs(c, data, autocast_dtype=torch.float16)
-    assert c.training  # a refused dtype leaves the controller's mode as it was
+    with pytest.raises(ValueError, match="precision is 'fp16', expected 'fp32' or 'bf16'"):
+        collect_outputs(c, data, precision="fp16")
+    assert c.training  # a refused precision leaves the controller's mode as it was

@@ -16,7 +16,7 @@ from fcprag_plugin.training.evaluation import collect_outputs
 from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 from fcprag_tools.train_report import train_table
 from fcprag_plugin.training.targets import estimate_lambda, first_order_gain, risk_loss
-from fcprag_plugin.training.trainer import TrainArgs, Trainer
+from fcprag_plugin.training import TrainArgs, Trainer
 
 SMALL = {"score_hidden": [64, 32], "calib_hidden": 32}
 FAST = dict(epochs=6, lr=1e-3, val_fraction=0.2, controller=SMALL, progress=False, precision="fp32", threads=1,
@@ -40,7 +40,7 @@ def test_a_new_learned_controller_is_exactly_prags_merge():
             out = mode(e_q, E_p, m)
             ref = torch.ones(6, 5) if m is None else m.float()
             assert torch.equal(out.merge_weights, ref)  # exactly, not approximately
-    # with a per-query scale head too (c = 2 sigmoid(0) = 1 exactly)
+    # with the calibration net's scale c too (c = 2 sigmoid(0) = 1 exactly)
     qs = FusionController(embed_dim=16, score_hidden=[8], calib_hidden=8, seed=4, init="uniform", calib_scale=True)
     out = qs(e_q, E_p, mask)
     assert torch.equal(out.merge_weights, mask.float()) and torch.equal(out.scale, torch.ones(6))
@@ -49,7 +49,7 @@ def test_a_new_learned_controller_is_exactly_prags_merge():
     # the trainer's controller before its first step, on real label tensors
     recs, table = synthetic_records(40, (1, 4), 16, seed=2)
     data = build_tensors(recs, table_encoder(table, "syn16"))
-    tr = Trainer(data, None, None, TrainArgs(controller=SMALL, cv_folds=0), "syn16")
+    tr = Trainer(data, TrainArgs(controller=SMALL, cv_folds=0), "syn16")
     o = collect_outputs(tr.controller, data)
     assert torch.equal(o["wt"], data.mask.float())
     # ... and one step moves it (gradients reach the zeroed output layer)

@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from fcprag_plugin import FusionController, fuse
-from helpers import files_reference, make_adapter_dir, wilson_by_bisection
+from fcprag_plugin import FusionController
+from helpers import wilson_by_bisection
 from fcprag_plugin.training import train_controller
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.controller import ControllerOutput
 from fcprag_plugin.training.selection import ScaleRule, choose_scale, reweighting_gain, scale_gain, select
-from fcprag_plugin.training.trainer import TrainArgs, Trainer
+from fcprag_plugin.training import TrainArgs, Trainer
 from fcprag_tools.synthetic import synthetic_records, table_encoder
 from fcprag_tools.train_report import train_table
 
@@ -90,60 +90,16 @@ def test_the_two_parts_against_their_formulas():
 
 
 def test_noise_labels_are_not_shown_at_more_than_the_nominal_rate(tmp_path):
-    """20 label sets of pure noise (i.i.d. deltas, scale gains pure noise), kappa and a per-query scale chosen too:
-    at most 1 (5%) may be called better, in each part."""
+    """20 label sets of pure noise (i.i.d. deltas, scale gains pure noise), kappa chosen too: at most 1 (5%) may be
+    called better, in each part."""
     shown = []
     for seed in range(20):
         cv = train(tmp_path, "noise", 100 + seed).metrics["cv"]
         shown.append((cv["verdict"] == "better_than_uniform", cv["reweighting"]["shown"], cv["scale"]["shown"],
-                      cv["query_scale"]["shown"], cv["shipped"]))
+                      cv["shipped"]))
     assert sum(v[0] for v in shown) <= 1, shown
-    assert all(sum(v[k] for v in shown) <= 1 for k in (1, 2, 3)), shown
-    assert sum(v[4] not in ("prag_sum", "scale_only") for v in shown) <= 1, shown
-
-
-def _two_kinds_of_questions(recs, table, grid, seed):
-    """Rewrite the measured scales: questions whose embedding has q[0] > 0 gain up to scale 4, the others lose
-    beyond 1.5 (a per-query optimum no global scale serves), plus noise."""
-    gen = torch.Generator().manual_seed(seed)
-    for r in recs:
-        best = 4.0 if float(table[r.query][0]) > 0 else 1.5
-        r.metric_at_scales = [0.5 * ((s - 1) - (s - 1) ** 2 / (2 * (best - 1))) + 0.05 * float(torch.randn(1,
-                              generator=gen)) for s in grid]
-    return recs
-
-
-def test_a_planted_per_query_scale_is_shown_and_shipped(tmp_path):
-    recs, table = synthetic_records(120, 3, 8, kind="noise", noise=0.1, seed=11, groups=120, scales=GRID)
-    recs = _two_kinds_of_questions(recs, table, GRID, 11)
-    res = train_controller(recs, tmp_path / "pq", encoder=table_encoder(table, "syn8"), **QUICK)
-    cv = res.metrics["cv"]
-    q = cv["query_scale"]
-    assert q["shown"] and q["ci_adjusted"][0] > 0 and q["measured"] and cv["shipped"] == "query_scale"
-    # the held-out reference written out: each record's gain at its fold's choice minus at its fold's kappa is what
-    # the part averages; here its sign per kind of question is checked against the planted optimum
-    saved = FusionController.from_pretrained(res.out)
-    assert saved.config.controller_mode == "scale" and saved.config.kappa == 1.0
-    data = build_tensors(recs, table_encoder(table, "syn8"))
-    out = saved(data.table[data.q_idx], data.table[data.p_idx], data.mask)
-    chosen = out.scale.tolist()
-    kinds = [float(table[r.query][0]) > 0 for r in recs]
-    hi = [c for c, k in zip(chosen, kinds) if k]
-    lo = [c for c, k in zip(chosen, kinds) if not k]
-    assert sum(c >= 3.0 for c in hi) >= 0.7 * len(hi) and sum(c <= 2.0 for c in lo) >= 0.7 * len(lo)
-    assert torch.allclose(out.merge_weights, out.scale.unsqueeze(1) * data.mask)  # uniform weights times the scale
-    assert "per-query scale controller" in train_table(res.metrics) and saved.config.cv["query_scale"]["shown"]
-    # fuse() uses each query's own scale: the merge is PRAG's sum times it (a dense reference from the files)
-    ads = [make_adapter_dir(tmp_path / f"a{i}", seed=i) for i in range(3)]
-    for b in (kinds.index(True), kinds.index(False)):
-        r = recs[b]
-        got = fuse(ads, r.query, r.passages, controller=res.out, encoder=table_encoder(table, "syn8"))
-        assert got.merge_weights == [chosen[b]] * 3
-        ref = files_reference(ads, [chosen[b]] * 3)
-        assert len(ref) == len(got.adapter.modules)
-        for name, m in got.adapter.modules.items():
-            dense = next(v for k, v in ref.items() if k.endswith(name) or name.endswith(k))
-            assert torch.allclose(m.scaling * (m.B.double() @ m.A.double()), dense.double(), atol=1e-6), name
+    assert all(sum(v[k] for v in shown) <= 1 for k in (1, 2)), shown
+    assert sum(v[3] not in ("prag_sum", "scale_only") for v in shown) <= 1, shown
 
 
 class RandomWeights(torch.nn.Module):
@@ -166,7 +122,7 @@ class RandomWeights(torch.nn.Module):
 class RandomTrainer:
     risk_lambda = 1.0
 
-    def __init__(self, data, val, out, args, name):
+    def __init__(self, data, args, name):
         self.controller = RandomWeights(len(data))
 
     def train_epoch(self):
@@ -201,7 +157,6 @@ def test_labels_where_only_the_total_scale_helps(tmp_path):
     assert "a scale-only controller (PRAG's sum times 2, no network)" in text
     assert "the learned network is not saved, because its reweighting part is first order, not a measurement" in text
     assert "measured" in text and "fcprag study" in text and "--keep-network" in text
-    assert "per-query scale part" in text and not cv["query_scale"]["shown"]  # one scale serves every query
 
 
 def test_planted_passage_specific_labels(tmp_path):
@@ -235,7 +190,7 @@ def test_without_scale_measurements_kappa_stays_1_and_the_grid_edge_is_flagged(t
     res = train_controller(plain, tmp_path / "fo", encoder=table_encoder(table, "syn8"), kappa="auto", **QUICK)
     cv = res.metrics["cv"]  # every delta is positive: a first-order extrapolation would ask for a larger total
     assert cv["scale"]["chosen_by"] == "no_scales" and cv["kappa"] == 1.0 and not cv["scale"]["measured"]
-    assert "no scale measurements in the labels" in train_table(res.metrics) and "query_scale" not in cv
+    assert "no scale measurements in the labels" in train_table(res.metrics)
     assert FusionController.from_pretrained(res.out).config.kappa == 1.0
 
 
@@ -249,17 +204,26 @@ def test_keep_network_ships_the_learned_controller_and_warns(tmp_path):
         assert saved.warn_if_unproven()
 
 
-def test_an_interrupted_cv_goes_on_with_the_per_query_and_f1_parts_it_had():
+def test_an_interrupted_cv_goes_on_with_the_folds_it_had():
     """The folds a stopped CV finished (select's on_fold results, through JSON) are not redone and give the same
-    verdict, per-query scale part included."""
+    report, both metrics' scale parts included."""
     recs, table = synthetic_records(60, 3, 8, kind="noise", noise=0.1, seed=11, groups=60, scales=GRID)
-    data = build_tensors(_two_kinds_of_questions(recs, table, GRID, 11), table_encoder(table, "syn8"))
+    gen = torch.Generator().manual_seed(11)
+    for r in recs:  # F1 at each scale too, so that the scale part is there in both metrics
+        r.f1_all, r.f1_at_scales = 0.5, [float(x) for x in torch.rand(len(GRID), generator=gen)]
+    data = build_tensors(recs, table_encoder(table, "syn8"))
     args = TrainArgs(epochs=2, cv_folds=3, controller={"score_hidden": [8], "calib_hidden": 8}, precision="fp32",
                      threads=1).validate()
     saved = []
     full = select(data, args, "syn8", Trainer, args.scale_rule, on_fold=lambda r: saved.append(json.loads(
         json.dumps(r))))
-    again = select(data, args, "syn8", Trainer, args.scale_rule, done=saved[1])
-    assert [full[k] for k in ("gain", "ci95", "shipped", "kappa")] == [again[k] for k in ("gain", "ci95", "shipped",
-                                                                                         "kappa")]
-    assert full["query_scale"] == {**again["query_scale"]} and full["scale"]["by_metric"] == again["scale"]["by_metric"]
+    assert len(saved) == 3 and len(saved[1]) == 2 and set(full["scale"]["by_metric"]) == {"label", "f1"}
+    calls = []
+
+    def counted(*a):
+        calls.append(1)
+        return Trainer(*a)
+
+    again = select(data, args, "syn8", counted, args.scale_rule, done=saved[1])
+    assert len(calls) == 1  # only the fold that had not finished
+    assert {k: v for k, v in full.items() if k != "seconds"} == {k: v for k, v in again.items() if k != "seconds"}

@@ -11,7 +11,7 @@ from fcprag_plugin.training import load_labels, train_controller
 from fcprag_plugin.training.data import build_tensors
 from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 from fcprag_tools.train_report import train_table
-from fcprag_plugin.training.trainer import split_records
+from fcprag_plugin.training.labels import split_records
 
 SMALL = {"score_hidden": [64, 32], "calib_hidden": 32}  # the default 2048/1024 net is too slow for unit tests
 # one thread: tiny nets gain nothing from two, and a busy shared CPU makes OpenMP barriers very slow
@@ -170,6 +170,55 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     write_labels(recs[:-1], tmp_path / "a.jsonl")
     with pytest.raises(FcpragError, match="label file\\(s\\) changed"):
         run(tmp_path / "a.jsonl", table, tmp_path / "fromfile", epochs=2, resume=True, **kw)
+
+
+def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before_and_resume_goes_on(tmp_path, monkeypatch):
+    """The checkpoint goes through the one folder swap (fileio.write_dir): a crash in the middle of writing epoch 3's
+    leaves epoch 2's whole, and a resume from it ends where an uninterrupted run does."""
+    import safetensors.torch
+
+    recs, table = synthetic_records(60, (1, 4), 8, seed=6)
+    kw = dict(name="syn8", controller={"score_hidden": [16], "calib_hidden": 8}, lr=1e-3, cv_folds=0, epochs=4)
+    straight = run(recs, table, tmp_path / "straight", **kw)
+    real, files = safetensors.torch.save_file, []
+
+    def crash_at_epoch_3(tensors, path, metadata=None):
+        files.append(path)
+        if len(files) == 1 + 2 * 3 + 1:  # 2 files a checkpoint (epoch 0 first); epoch 3's weights written, then
+            raise OSError("no space left on device")
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash_at_epoch_3)
+    with pytest.raises(OSError, match="no space left"):
+        run(recs, table, tmp_path / "run", **kw)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    ckpt = tmp_path / "run" / "checkpoint"
+    assert json.loads((ckpt / "state.json").read_text())["epoch"] == 2
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint", "train_log.jsonl",
+                                                                     "training_args.json"]  # no half folder
+    resumed = run(recs, table, tmp_path / "run", resume=True, **kw)
+    assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history]
+
+
+def test_a_resume_of_a_run_made_with_the_per_query_scale_redoes_its_verdict(tmp_path):
+    """A run of the version before: its checkpoint's arguments name per_query_scale (removed: it never changed the
+    network, so the resume goes on) and its cv.json a per-query part, possibly shipped (redone: its parts were
+    adjusted over three)."""
+    recs, table = synthetic_records(60, 3, 8, kind="scale", seed=3, groups=30, scales=[0.5, 1.5, 2.0])
+    kw = dict(name="syn8", controller={"score_hidden": [16], "calib_hidden": 8}, epochs=2, cv_folds=2)
+    first = run(recs, table, tmp_path / "run", **kw)
+    state_path, cv_path = tmp_path / "run" / "checkpoint" / "state.json", tmp_path / "run" / "cv.json"
+    state, cv = json.loads(state_path.read_text()), json.loads(cv_path.read_text())
+    state["args"]["per_query_scale"] = True
+    state_path.write_text(json.dumps(state))
+    cv_path.write_text(json.dumps({**cv, "shipped": "query_scale", "query_scale": {"shown": True}}))
+    again = run(recs, table, tmp_path / "run", resume=True, **kw)
+    new = json.loads(cv_path.read_text())
+    assert "query_scale" not in new and new["shipped"] == "network" and again.controller.config.controller_mode == \
+        "learned"
+    drop = ("seconds", "shipped")  # shipped: keep_network sets it after the CV
+    assert {k: v for k, v in new.items() if k not in drop} == {k: v for k, v in cv.items() if k not in drop}
+    assert again.metrics["cv"]["gain"] == first.metrics["cv"]["gain"]
 
 
 def test_cache_prevents_re_encoding_across_runs(tmp_path):

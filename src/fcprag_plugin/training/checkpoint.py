@@ -5,17 +5,18 @@ metadata) and ``state.json`` (epoch, history, the training arguments)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
 from ..controller import FusionController
 from ..controller_config import read_config, read_weights
-from ..errors import FcpragError
-from ..fileio import read_json_if_present
+from ..errors import FcpragError, kw
+from ..fileio import read_json_if_present, write_dir, write_json
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_NAME = "state.json"  # these two names mark a checkpoint (controller.CHECKPOINT_MARKERS)
@@ -24,33 +25,47 @@ OPTIM_NAME = "optimizer.safetensors"
 
 def save_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,
                     shuffle_gen: torch.Generator, state: dict[str, Any]) -> Path:
-    """Write the checkpoint into a temporary folder, then swap it in (a crash never leaves half a checkpoint)."""
+    """Write the checkpoint through the folder swap (``fileio.write_dir``): a crash never leaves half a checkpoint."""
     from safetensors.torch import save_file
 
-    final = out / CHECKPOINT_DIR
-    tmp = out / f".{CHECKPOINT_DIR}.tmp{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    controller.save_pretrained(tmp)
-    sd = optimizer.state_dict()
-    tensors = {f"state.{idx}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
-               for idx, st in sd["state"].items() for k, v in st.items()}
-    tensors["rng.torch"] = torch.get_rng_state()
-    tensors["rng.shuffle"] = shuffle_gen.get_state()
-    save_file(tensors, str(tmp / OPTIM_NAME), metadata={"param_groups": json.dumps(sd["param_groups"])})
-    (tmp / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-    old = out / f".{CHECKPOINT_DIR}.old{os.getpid()}"
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
-    return final
+    def fill(tmp: Path) -> None:
+        controller.save_pretrained(tmp)
+        sd = optimizer.state_dict()
+        tensors = {f"state.{idx}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
+                   for idx, st in sd["state"].items() for k, v in st.items()}
+        tensors["rng.torch"] = torch.get_rng_state()
+        tensors["rng.shuffle"] = shuffle_gen.get_state()
+        save_file(tensors, str(tmp / OPTIM_NAME), metadata={"param_groups": json.dumps(sd["param_groups"])})
+        write_json(tmp / STATE_NAME, state)
+
+    return write_dir(out / CHECKPOINT_DIR, fill)
 
 
 def read_checkpoint_state(out: Path) -> dict[str, Any] | None:
     path = out / CHECKPOINT_DIR / STATE_NAME
     return read_json_if_present(path, FcpragError, fix=f"a corrupt checkpoint: delete {path.parent} to start over")
+
+
+def resumable_state(out: Path, now: dict[str, Any], free: Collection[str]) -> dict[str, Any] | None:
+    """The state of the checkpoint in ``out`` (None: none, said in the log) when a run that would save ``now`` at its
+    start may go on from it: the same arguments (but ``free``), precision and labels; else an error naming them."""
+    ckpt, state = out / CHECKPOINT_DIR, read_checkpoint_state(out)
+    if state is None:
+        logger.warning("%s: no checkpoint: the network trains from its start", ckpt)
+        return None
+    old, new = state.get("args", {}), now["args"]
+    diff = sorted(k for k in set(old) | set(new) if k not in free and old.get(k) != new.get(k))
+    if diff:
+        both = ", ".join(f"{kw(k, new.get(k))} (the checkpoint has {kw(k, old.get(k))})" for k in diff)
+        raise FcpragError(f"{ckpt}: cannot resume, argument(s) {diff} differ from the checkpoint: {both}",
+                          params=[(k, v.get(k)) for k in diff for v in (new, old)])
+    saved = state.get("precision", now["precision"])
+    if saved != now["precision"]:
+        raise FcpragError(f"{ckpt}: cannot resume, the checkpoint trained in {saved} but this run would use "
+                          f"{now['precision']}; pass {kw('precision', saved)}", params=[("precision", saved)])
+    if state.get("info_label_sha256") != now["info_label_sha256"]:
+        raise FcpragError(f"{ckpt}: cannot resume, the label file(s) changed since the checkpoint (sha256 differs)")
+    return state
 
 
 def load_checkpoint(out: Path, controller: FusionController, optimizer: torch.optim.Optimizer,

@@ -4,6 +4,7 @@ that encodes new texts appends one shard atomically; old shards are never rewrit
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -12,9 +13,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
-from ..errors import EncoderError
+from ..errors import EncoderError, FcpragError
+from ..progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +137,8 @@ def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None
         enc = encoder() if callable(encoder) and not hasattr(encoder, "encode") else encoder
         if cache is not None and enc.name != cache.model_name:
             raise EncoderError(f"encoder '{enc.name}' does not match the cache's model '{cache.model_name}'")
-        chunks = tqdm(range(0, len(missing), batch_size), desc=f"embedding {len(missing)} texts", unit="batch",
-                      disable=not progress)
+        chunks = progress_bar(f"embedding {len(missing)} texts", None, unit="batch", enabled=progress,
+                              iterable=range(0, len(missing), batch_size))
         fresh = torch.cat([enc.encode(missing[i:i + batch_size]) for i in chunks]).float()
         if cache is not None:
             cache.add(missing, fresh)
@@ -149,3 +150,22 @@ def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None
         return cache.get(texts)
     lookup = dict(zip(missing, fresh))
     return torch.stack([lookup[t] for t in texts]) if texts else fresh
+
+
+def resolve_encoder(encoder: Any) -> tuple[str, Any]:
+    """``(name, encoder or factory)``: a TextEncoder passes through; a name or None loads on a cache miss only."""
+    if encoder is not None and not isinstance(encoder, (str, Path)):
+        if not (hasattr(encoder, "encode") and hasattr(encoder, "name")):
+            raise FcpragError(f"encoder: expected a TextEncoder, a model name/path or None, got "
+                              f"{type(encoder).__name__}")
+        return str(encoder.name), encoder
+    from ..encoding import get_encoder, resolve_model
+
+    # loaded once, on first need, shared by the train and validation sets: the process-wide encoder
+    return resolve_model(encoder)[0], functools.cache(lambda: get_encoder(encoder))
+
+
+def open_cache(cache_dir: str | Path | None, model_name: str, dim: int | None) -> EmbeddingCache | None:
+    if cache_dir == "":
+        return None
+    return EmbeddingCache(default_cache_dir() if cache_dir is None else cache_dir, model_name, dim)

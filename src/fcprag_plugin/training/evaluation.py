@@ -18,18 +18,17 @@ _W_TIE = 1e-9
 
 @torch.no_grad()
 def collect_outputs(controller: FusionController, data: LabelTensors, batch_size: int = 512,
-                    autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                    precision: str = "fp32") -> dict[str, torch.Tensor]:
     """Run ``controller`` (eval mode) over ``data``: ``w`` and ``wt`` (the merge weights ``w~``) ``[R, N_max]`` (0 on
-    padding), ``g [R]``, ``tau [R]``. ``autocast_dtype`` ``torch.bfloat16``: the MLPs under ``torch.autocast``."""
-    if autocast_dtype is not None and autocast_dtype != torch.bfloat16:  # before eval(): the mode is left alone
-        raise ValueError(f"collect_outputs: autocast_dtype supports torch.bfloat16 only, got {autocast_dtype}")
+    padding), ``g [R]``, ``tau [R]``; ``precision`` ``"bf16"``: the MLPs under ``torch.autocast`` (``precision.py``)."""
+    context = autocast(precision)  # before eval(): an unknown precision leaves the mode alone
     was_training = controller.training
     controller.eval()
     R, N = data.mask.shape
     w, wt = torch.zeros(R, N), torch.zeros(R, N)
     g, tau = torch.zeros(R), torch.zeros(R)
     try:
-        with autocast("bf16" if autocast_dtype else "fp32"):
+        with context:
             for b in data.batches(batch_size):
                 out = controller(b.e_q, b.E_p, b.mask, b.side)
                 w[b.index, : b.mask.shape[1]] = out.probabilities.float().cpu()

@@ -1,5 +1,6 @@
 """Leave-one-out label files: parsing and validation (JSON Lines or a JSON array; the format, the error messages
-``FILE:LINE: field 'NAME': ...`` and ``on_error``: ``docs/label-format.md``, ``schemas/labels.schema.json``)."""
+``FILE:LINE: field 'NAME': ...`` and ``on_error``: ``docs/label-format.md``, ``schemas/labels.schema.json``) and the
+split into training and validation records."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
-from ..errors import LabelFileError
+import torch
+
+from ..errors import FcpragError, LabelFileError
 from ..fileio import decode_utf8, iter_records, read_bytes
 
 logger = logging.getLogger(__name__)
@@ -336,3 +339,61 @@ def load_labels(path: str | Path, on_error: str = "fail") -> LabelSet:
         raise LabelFileError(f"{p}: no valid records" + (f" ({len(skipped)} skipped: {ls.skip_counts()})"
                                                          if skipped else ""))
     return ls
+
+
+def as_label_set(labels: Any, on_error: str, what: str) -> LabelSet:
+    """``labels`` (a label file path, a :class:`LabelSet` or a list of :class:`LabelRecord`) as a LabelSet."""
+    if isinstance(labels, LabelSet):
+        return labels
+    if isinstance(labels, (str, Path)):
+        return load_labels(labels, on_error)
+    if isinstance(labels, (list, tuple)) and all(isinstance(r, LabelRecord) for r in labels):
+        return LabelSet(f"<{what} records>", list(labels))
+    raise FcpragError(f"{what}: expected a label file path, a LabelSet or a list of LabelRecord, got "
+                      f"{type(labels).__name__}")
+
+
+def drop_test(records: list[LabelRecord], what: str) -> list[LabelRecord]:
+    kept = [r for r in records if r.split not in IGNORED_SPLITS]
+    if len(kept) < len(records):
+        logger.info("%s: %d records with split 'test' are left out of training and validation", what,
+                    len(records) - len(kept))
+    return kept
+
+
+def check_no_leak(train: Sequence[LabelRecord], val: Sequence[LabelRecord]) -> None:
+    """Raise :class:`LabelFileError` if a validation record shares its id or group with a training record."""
+    by_id = {r.id: r for r in train}
+    by_group = {r.group: r for r in train if r.group is not None}
+    for r in val:
+        if r.id in by_id:
+            raise LabelFileError(f"{r.where}: field 'id': '{r.id}' is also a training record ({by_id[r.id].where}); "
+                                 "expected disjoint train and validation queries")
+        if r.group in by_group:
+            raise LabelFileError(f"{r.where}: field 'group': '{r.group}' also has training records "
+                                 f"({by_group[r.group].where}); expected every group entirely in train or in "
+                                 "validation")
+
+
+def split_records(records: Sequence[LabelRecord], val_fraction: float, seed: int
+                  ) -> tuple[list[LabelRecord], list[LabelRecord], str]:
+    """``(train, val, how)``, each ``group`` (else ``id``) on one side: by the records' ``split`` fields when any
+    has one (records without it train), else ``round(val_fraction * groups)`` seeded groups (at least one) validate."""
+    records = list(records)
+    if any(r.split is not None for r in records):
+        val = [r for r in records if r.split in VAL_SPLITS]
+        train = [r for r in records if r.split not in VAL_SPLITS]
+        check_no_leak(train, val)
+        return train, val, "split field"
+    if val_fraction <= 0:
+        return records, [], "none"
+    keys = list(dict.fromkeys(r.group_key for r in records))
+    if len(keys) < 2:
+        logger.warning("only one group/id: no validation split possible")
+        return records, [], "none"
+    n_val = min(len(keys) - 1, max(1, round(val_fraction * len(keys))))
+    perm = torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed)).tolist()
+    val_keys = {keys[i] for i in perm[:n_val]}
+    train = [r for r in records if r.group_key not in val_keys]
+    val = [r for r in records if r.group_key in val_keys]
+    return train, val, f"by group/id, {n_val} of {len(keys)} groups"

@@ -11,6 +11,8 @@ import torch
 
 def autocast(precision: str) -> ContextManager:
     """The context the controller's forward runs in for a resolved ``precision`` (``"fp32"`` or ``"bf16"``)."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision is {precision!r}, expected 'fp32' or 'bf16' (resolved: resolve_precision)")
     return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
 

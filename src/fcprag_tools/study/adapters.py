@@ -15,8 +15,6 @@ a step, each with its own step count: training ``n`` together equals training ea
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,9 +22,11 @@ import torch
 from torch import nn
 
 from fcprag_plugin.adapter import LoraAdapter, LoraModule
+from fcprag_plugin.fileio import write_dir
 
 LORA = {"r": 2, "lora_alpha": 32, "target_modules": ["gate_proj", "up_proj", "down_proj"], "lora_dropout": 0.0}
 LEARNING_RATE = 3e-4
+EPOCHS = 1  # passes over a passage's samples (the adapters stage trains with the default)
 KINDS = ("passage", "rewrite", "qa0", "qa1", "qa2")
 
 
@@ -187,7 +187,7 @@ def _pad(seqs: list[tuple[list[int], list[int]]], pad_id: int, device: torch.dev
 
 
 def train_stacked(model: Any, tok: Any, data: list[dict[str, tuple[list[int], list[int]]]], seeds: list[int],
-                  epochs: int = 1) -> tuple[MultiLora, list[dict[str, Any]]]:
+                  epochs: int = EPOCHS) -> tuple[MultiLora, list[dict[str, Any]]]:
     """Train one adapter per entry of ``data`` (its samples by kind) together; returns the adapters and per
     adapter ``{"steps", "loss"}`` (the loss of each sample before its first update). On a device out-of-memory
     error the group is trained again in halves (:func:`fcprag_tools.lm.oom.halving`, one log line): each adapter
@@ -241,9 +241,5 @@ def seed_of(pid: str) -> int:
 
 
 def save_adapter(adapter: LoraAdapter, folder: Path) -> None:
-    """Save to a temp folder beside ``folder``, then rename: a killed process leaves no half-written adapter."""
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    adapter.save_pretrained(tmp, dtype=torch.float32)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    """Save through the folder swap (``fileio.write_dir``): a killed process leaves no half-written adapter."""
+    write_dir(folder, lambda tmp: adapter.save_pretrained(tmp, dtype=torch.float32))

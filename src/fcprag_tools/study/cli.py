@@ -97,7 +97,8 @@ class _WithDefaults(argparse.HelpFormatter):
 
 def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
-        "study", help="does learned fusion beat PRAG's sum on my model and data? one resumable command",
+        "study", help="what to run on my model and data (no retrieval, standard RAG, PRAG, Combine or a fusion), "
+                      "measured: one resumable command",
         formatter_class=_WithDefaults,
         description="From a question file and a model to a measured verdict: BM25 retrieval, PRAG's augmentation "
                     "by the model, passage adapters (PRAG's recipe, trained stacked), leave-one-out and scale "

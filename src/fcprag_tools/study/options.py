@@ -32,14 +32,30 @@ class Policy:
     ``min_scale_gain`` (None: ``min_gain``): likewise for a scale over PRAG's sum. 0.02 is a twelfth of the scale
     gain seen at 135M (PRAG's sum x2: +0.26) and two hundred times the reweighting gain the first table study
     shipped on (+0.0001): a gain below it moves no answer a user can see (that network answered as PRAG's sum on 100
-    of 100 questions). ``target_f1``: the F1 difference (a fraction, 0.03 = 3 F1 points) the power figures are sized
-    for, and the half-width inside which a held-out F1 interval reads "equivalent". ``power``: for ``mde_f1`` and
-    ``n_needed``."""
+    of 100 questions). ``target_f1``: the F1 difference the power figures are sized for, and the half-width inside
+    which a held-out F1 interval reads "equivalent": a fraction of 1 (0.03 = 3 F1 points), the unit of F1 in
+    ``summary.json`` and of ``--target-f1`` (:data:`TARGET_F1_MAX`: above it a value reads as points and is refused).
+    ``power``: for ``mde_f1`` and ``n_needed``."""
 
     min_gain: float = 0.02
     min_scale_gain: float | None = None
     target_f1: float = 0.03
     power: float = 0.8
+
+    @classmethod
+    def checked(cls, **kw: Any) -> "Policy":
+        """A policy from the flags' values, each checked: a negative margin, or a target F1 outside
+        ``(0, TARGET_F1_MAX]``, is one :class:`FcpragError` line naming its flag."""
+        for name in ("min_gain", "min_scale_gain"):
+            if kw.get(name) is not None and kw[name] < 0:
+                raise FcpragError(f"--{name.replace('_', '-')} {kw[name]:g}: expected a number >= 0 (gold log-lik. "
+                                  "per question)")
+        t = kw.get("target_f1", cls.target_f1)
+        if not 0 < t <= TARGET_F1_MAX:
+            looks = f"; {t:g} looks like F1 points: give {t / 100:g} for {t:g} points" if t >= 1 else ""
+            raise FcpragError(f"--target-f1 {t:g}: expected a fraction of 1 above 0 and at most {TARGET_F1_MAX:g}, "
+                              f"the unit of F1 in summary.json (0.03 = 3 points){looks}")
+        return cls(**kw)
 
     @property
     def scale_margin(self) -> float:
@@ -52,6 +68,9 @@ class Policy:
         """What ``summary.json`` records as its ``policy``."""
         return {"min_gain": self.min_gain, "min_scale_gain": self.scale_margin, "target_f1": self.target_f1,
                 "power": self.power}
+
+
+TARGET_F1_MAX = 0.5  # a larger --target-f1 (50 F1 points) sizes no study: it was meant in points
 
 
 def scale_list(text: str) -> tuple[float, ...]:

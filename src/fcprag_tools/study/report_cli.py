@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from fcprag_plugin.fileio import read_json_if_present, read_records
 from ..options import finite_float
 from . import summary
 from .options import Policy
-from .summary import SETTINGS, suffix
+from .verdict.records import SETTINGS, ControllerRecord, ScoredRows, suffix
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +46,11 @@ def _json(path: Path) -> dict[str, Any] | None:
 
 
 def controller_of(folder: Path, setting: str, settings: dict[str, Any], old: dict[str, Any] | None
-                  ) -> tuple[Any, dict[str, Any] | None, Path | None]:
-    """``(stand-in with config.kappa and config.cv, trainer args, the trained controller's folder or None)``."""
+                  ) -> tuple[ControllerRecord, Path | None]:
+    """``(what the verdict reads of the controller, the trained controller's folder or None)``: from its
+    ``config.json`` (and the trainer's recorded arguments), else from the ``summary.json`` already there."""
+    from fcprag_plugin.training import ARGS_NAME
+
     learned = folder / "train" / ("learned" + suffix(setting))
     where = Path(settings["controller"]) if settings.get("controller") else learned
     cfg = _json(where / "config.json")
@@ -62,14 +64,12 @@ def controller_of(folder: Path, setting: str, settings: dict[str, Any], old: dic
         kappa = float(sv["kappa_learned"])
         cv = {k: v for k, v in (((old or {}).get("training_verdict") or {}).get(setting) or {}).items()
               if k != "note"}
-    from fcprag_plugin.training import ARGS_NAME
-
     args = None if settings.get("controller") else _json(learned / ARGS_NAME)
-    stand_in = types.SimpleNamespace(config=types.SimpleNamespace(kappa=kappa, cv=cv))
-    return stand_in, args, learned if cfg is not None and not settings.get("controller") else None
+    record = ControllerRecord(kappa, cv, args, summary.scale_labels(folder, setting))
+    return record, learned if cfg is not None and not settings.get("controller") else None
 
 
-def rebuild(folder: str | Path, policy: Policy | None = None) -> dict[str, Any]:
+def rebuild(folder: str | Path, policy: Policy) -> dict[str, Any]:
     """Rebuild ``summary.json``, ``report.md`` and ``report.png`` of study folder ``folder`` (returns the summary)."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -79,28 +79,23 @@ def rebuild(folder: str | Path, policy: Policy | None = None) -> dict[str, Any]:
         raise FcpragError(f"DIR {folder}: no study settings.json there; expected a study folder (fcprag study --out)")
     old = _json(folder / "summary.json")
     qs = {q: r for q, r in read_rows(folder, "questions").items() if r.get("split") in ("train", "test")}
-    results = read_rows(folder, "eval")
-    test = [q for q, r in qs.items() if r["split"] == "test"]
-    if not test or not any(f"{q}|prag_sum" in results for q in test):
+    rows = ScoredRows.from_dicts(qs, read_rows(folder, "eval"))
+    if not rows.test or not any(rows.has(q, "prag_sum") for q in rows.test):
         raise FcpragError(f"DIR {folder}: eval rows of no held-out question; run fcprag study to evaluate first")
     given = bool(settings.get("controller"))
-    ctrls = {s: controller_of(folder, s, settings, old) for s in SETTINGS}
-    n_train = len(qs) - len(test)
-    verdicts = {s: summary.setting_verdict(results, test, s, c, given=given, trainer_args=a, n_train=n_train,
-                                           policy=policy) for s, (c, a, _) in ctrls.items()}
+    found = {s: controller_of(folder, s, settings, old) for s in SETTINGS}
+    ctrls = {s: c for s, (c, _) in found.items()}
     kept = (old or {}).get("settings") or {}
     full = {**kept, **settings, "out": str(folder), "device": kept.get("device", "not recorded"),
             "dtype": kept.get("dtype", settings.get("dtype", "not recorded")), "controller_trained": not given}
-    try:
-        out = summary.finish(qs, results, verdicts, given=given, settings=full, out=folder, policy=policy,
-                             cv={s: c.config.cv for s, (c, _, _) in ctrls.items()},
-                             stage_seconds=(old or {}).get("stage_seconds") or {})
-    except RuntimeError as e:  # the rows of an unfinished study: not every row the summary needs is there
-        raise FcpragError(f"DIR {folder}: its rows do not make a complete summary ({str(e)[:200]}); run its fcprag "
-                          "study command again to finish it") from None
-    for s, (_, _, learned) in ctrls.items():
+    try:  # a re-report runs no stage: its stage times are the study's (timings.jsonl), none of this invocation
+        out = summary.finish(rows, ctrls, given=given, settings=full, out=folder, policy=policy, stage_seconds={})
+    except FcpragError as e:  # the rows of an unfinished study: not every row the summary needs is there
+        raise FcpragError(f"DIR {folder}: its rows do not make a complete summary: {e}; run its fcprag study "
+                          "command again to finish it") from None
+    for s, (_, learned) in found.items():
         if learned is not None:
-            save_shipped(folder, s, verdicts[s], learned, qs)
+            save_shipped(folder, s, out["verdict"]["settings"][s], learned, qs)
     return out
 
 
@@ -111,7 +106,7 @@ def save_shipped(folder: Path, setting: str, verdict: dict[str, Any], learned: P
     from .stages.verdict import save_controller
 
     trained = FusionController.from_pretrained(learned).eval()
-    save_controller(folder, setting, summary.shipped_controller(verdict, trained), qs)
+    save_controller(folder, setting, summary.controller_for(verdict["ship"], verdict["kappa"], trained), qs)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -126,24 +121,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def add_policy_flags(p: argparse.ArgumentParser) -> None:
     """``--min-gain``, ``--min-scale-gain`` and ``--target-f1`` (shared by ``fcprag study`` and ``fcprag report``)."""
-    d = Policy()
-    p.add_argument("--min-gain", type=finite_float, default=d.min_gain, metavar="NATS",
+    p.add_argument("--min-gain", type=finite_float, default=Policy.min_gain, metavar="NATS",
                    help="the smallest reweighting gain worth shipping a network for, in gold log-lik. per question: "
-                        "its cross-validated lower bound must lie above it")
+                        "its cross-validated lower bound must lie above it (default: %(default)s)")
     p.add_argument("--min-scale-gain", type=finite_float, metavar="NATS",
                    help="the same for a scale over PRAG's sum (default: --min-gain)")
-    p.add_argument("--target-f1", type=finite_float, default=100 * d.target_f1, metavar="POINTS",
-                   help="the F1 difference (points) the power figures are sized for; inside ±it is 'equivalent'")
+    p.add_argument("--target-f1", type=finite_float, default=Policy.target_f1, metavar="FRACTION",
+                   help="the F1 difference the power figures are sized for, a fraction of 1 as F1 in summary.json "
+                        "(0.03 = 3 points); inside +-it a held-out comparison is 'equivalent' (default: %(default)s)")
 
 
 def policy_of(args: argparse.Namespace) -> Policy:
-    """The :class:`Policy` the flags of :func:`add_policy_flags` give; a negative margin or a target of 0 is an
-    error naming the flag."""
-    for flag, v in (("--min-gain", args.min_gain), ("--min-scale-gain", args.min_scale_gain),
-                    ("--target-f1", args.target_f1)):
-        if v is not None and (v < 0 or (flag == "--target-f1" and v == 0)):
-            raise FcpragError(f"{flag} {v:g}: expected a number >= 0{' (and not 0)' if flag == '--target-f1' else ''}")
-    return Policy(min_gain=args.min_gain, min_scale_gain=args.min_scale_gain, target_f1=args.target_f1 / 100)
+    """The :class:`Policy` the flags of :func:`add_policy_flags` give (one line naming the flag on a mistake)."""
+    return Policy.checked(min_gain=args.min_gain, min_scale_gain=args.min_scale_gain, target_f1=args.target_f1)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -8,12 +8,16 @@ import copy
 import json
 import random
 import re
-import types
 
 import pytest
 
 from fcprag_tools.study import stats, summary
-from fcprag_tools.study.summary import check_summary, decide
+from fcprag_tools.study.options import Policy
+from fcprag_tools.study.verdict import markdown, words
+from fcprag_tools.study.verdict.choice import WHAT_TO_RUN_BOOT
+from fcprag_tools.study.verdict.records import ControllerRecord, ScoredRows
+from fcprag_tools.study.verdict.schema import check_summary
+from fcprag_tools.study.verdict.ship import decide, part
 
 ROWS = {"vanilla": "param", "standard_rag": "combine", "prag_sum": "param", "prag_sum_combine": "combine",
         "scale:2": "param", "random_controller": "param", "random_controller_combine": "combine",
@@ -29,8 +33,8 @@ def _cv(rw=None, sc=None):
 CV = {"param": _cv((0.05, 0.03, 0.07), (0.2, 0.1, 0.3)), "combine": _cv((0.0, -0.01, 0.01), (0.0, 0.0, 0.0))}
 
 
-def _ctrl(kappa, cv=None):
-    return types.SimpleNamespace(config=types.SimpleNamespace(kappa=kappa, cv=cv or {}))
+def _ctrls(cv, kappas=(("param", 2.0), ("combine", 1.0))):
+    return {s: ControllerRecord(k, cv.get(s) or {}) for s, k in kappas}
 
 
 def synthetic(seed=0, n_test=40, n_train=24):
@@ -50,20 +54,15 @@ def synthetic(seed=0, n_test=40, n_train=24):
     return qs, results
 
 
-def verdicts_of(qs, results, given=False, cv=None, policy=None):
-    cv = CV if cv is None else cv
-    test = [q for q, x in qs.items() if x["split"] == "test"]
-    return {s: summary.setting_verdict(results, test, s, _ctrl(k, cv[s]), given=given, trainer_args={}, n_train=24,
-                                       policy=policy) for s, k in (("param", 2.0), ("combine", 1.0))}
+SETTINGS_JSON = {"model": "/m/SmolLM2", "gguf_file": None, "device": "cpu", "dtype": "float32", "seed": 0,
+                 "test_fraction": 0.5, "max_new_tokens": 16}
 
 
-def build(tmp_path, given=False, cv=None, policy=None, qs_results=None, **kw):
+def build(tmp_path, given=False, cv=None, policy=None, qs_results=None, ctrls=None, **kw):
     qs, results = qs_results or synthetic(**kw)
-    verdicts = verdicts_of(qs, results, given, cv, policy)
-    s = summary.finish(qs, results, verdicts, given=given, cv={}, stage_seconds={"evaluate": 1.5}, out=tmp_path,
-                       settings={"model": "/m/SmolLM2", "gguf_file": None, "device": "cpu", "dtype": "float32",
-                                 "out": str(tmp_path), "controller_trained": not given, "seed": 0,
-                                 "test_fraction": 0.5}, policy=policy)
+    s = summary.finish(ScoredRows.from_dicts(qs, results), ctrls or _ctrls(CV if cv is None else cv), given=given,
+                       stage_seconds={"evaluate": 1.5}, out=tmp_path, policy=policy or Policy(),
+                       settings={**SETTINGS_JSON, "out": str(tmp_path), "controller_trained": not given})
     return s, qs, results
 
 
@@ -87,9 +86,18 @@ def test_a_complete_summary_passes_and_each_missing_or_contradicting_field_is_na
         (lambda s: s["verdict"]["settings"]["combine"].update(ship="scale_only"), "scale gain's lower bound"),
         (lambda s: s["verdict"]["settings"]["param"].pop("decided_on"), "expected decided_on, margins"),
         (lambda s: s["verdict"]["settings"]["param"]["margins"].pop("scale"), "expected decided_on, margins"),
-        (lambda s: s["verdict"]["what_to_run"]["vs_host"].update(reading="answers best"), "readings"),
+        (lambda s: s["verdict"]["what_to_run"]["vs_standard_rag"].update(reading="answers best"), "a reading of"),
+        (lambda s: s["verdict"]["what_to_run"]["vs_standard_rag"].update(row=s["verdict"]["what_to_run"]["row"]),
+         "another row"),  # a row compared with itself
         (lambda s: s["verdict"]["what_to_run"].update(row="arrow"), "verdict.what_to_run"),
-        (lambda s: s["verdict"]["what_to_run_by_dataset"].pop("hot"), "what_to_run_by_dataset"),
+        (lambda s: s["verdict"]["what_to_run"].pop("vs_prag_sum" if s["verdict"]["what_to_run"]["row"] != "prag_sum"
+                                                   else "vs_standard_rag"), "verdict.what_to_run.vs_"),
+        (lambda s: s["verdict"]["what_to_run"]["runner_up"].update(row=s["verdict"]["what_to_run"]["row"]),
+         "runner_up"),
+        (lambda s: s["verdict"]["what_to_run"].update(level=0.95), "level"),
+        (lambda s: s["verdict"]["what_to_run_by_dataset"].update(x=s["verdict"]["what_to_run"]),
+         "what_to_run_by_dataset"),
+        (lambda s: s.pop("f1_unit"), "f1_unit"),
     ]
     for edit, needle in edits:
         s = copy.deepcopy(good)
@@ -98,7 +106,7 @@ def test_a_complete_summary_passes_and_each_missing_or_contradicting_field_is_na
 
 
 def test_nothing_ships_below_its_margin_and_a_gain_just_above_it_ships():
-    p = summary.Policy(min_gain=0.02, min_scale_gain=0.05)
+    p = Policy(min_gain=0.02, min_scale_gain=0.05)
     ship = lambda rw, sc, network=True, kappa=2.0: decide(_cv(rw, sc), network=network, kappa=kappa,  # noqa: E731
                                                            policy=p)[0]
     assert ship((0.03, 0.0201, 0.04), None) == "network"  # lower bound just above the margin
@@ -113,7 +121,7 @@ def test_nothing_ships_below_its_margin_and_a_gain_just_above_it_ships():
 
 
 def test_margins_and_the_decision_are_recorded_and_equivalence_read_at_the_margin(tmp_path):
-    s, qs, res = build(tmp_path, policy=summary.Policy(min_gain=0.025, min_scale_gain=0.5))
+    s, qs, res = build(tmp_path, policy=Policy(min_gain=0.025, min_scale_gain=0.5))
     pv = s["verdict"]["settings"]["param"]
     assert pv["margins"] == {"reweighting": 0.025, "scale": 0.5} and pv["ship"] == "network"
     assert "24 training questions" in pv["decided_on"] and s["policy"]["min_gain"] == 0.025
@@ -121,8 +129,8 @@ def test_margins_and_the_decision_are_recorded_and_equivalence_read_at_the_margi
     d = [res[f"{q}|learned"]["logprob"] - res[f"{q}|prag_sum"]["logprob"] for q in test]
     lo, hi = stats.paired(d, "logprob")[1]
     assert pv["total"]["equivalent"] == (-0.025 < lo and hi < 0.025)
-    wide = summary.part(res, test, "learned", "prag_sum", 10.0)
-    assert wide["equivalent"] and wide["ci95"] == pytest.approx([lo, hi])
+    wide = part(ScoredRows.from_dicts(qs, res), test, "learned", "prag_sum", 10.0)  # every question has every row
+    assert wide.equivalent and wide.ci95 == pytest.approx([lo, hi])
 
 
 def test_kappa_one_measures_no_scale_part(tmp_path):
@@ -140,18 +148,28 @@ def test_what_to_run_is_chosen_on_training_f1_and_measured_held_out(tmp_path):
            "recommended_combine": s["verdict"]["settings"]["combine"]["recommended_row"]}
     # combine ships PRAG's sum: its recommended row is prag_sum_combine itself, not a candidate of its own
     cands = [c for c in summary.CANDIDATES if c != "recommended_combine"]
-    for scope, choice in [(None, s["verdict"]["what_to_run"])] + list(s["verdict"]["what_to_run_by_dataset"].items()):
+    cost = ["vanilla", "standard_rag", "prag_sum", "prag_sum_combine", "recommended"]  # cheapest first
+    scopes = [(None, s["verdict"]["what_to_run"])] + list(s["verdict"]["what_to_run_by_dataset"].items())
+    made = 0
+    for scope, choice in scopes:
         inside = [q for q in train if scope is None or qs[q]["dataset"] == scope]
         means = {c: sum(res[f"{q}|{rec.get(c, c)}"]["f1"] for q in inside) / len(inside) for c in cands}
         assert list(choice["choice_f1"]) == cands
-        best = max(cands, key=lambda c: (means[c], -cands.index(c)))
+        best = max(cands, key=lambda c: (means[c], -cost.index(c)))
         assert choice["row"] == best and choice["n_choice"] == len(inside) and choice["tied"] == []
+        second = max((c for c in cands if c != best), key=lambda c: (means[c], -cost.index(c)))
+        assert choice["runner_up"]["row"] == second
+        assert choice["runner_up"]["lead_f1"] == pytest.approx(means[best] - means[second])
         held = [q for q in test if scope is None or qs[q]["dataset"] == scope]
-        diffs = [res[f"{q}|{rec.get(best, best)}"]["f1"] - res[f"{q}|standard_rag"]["f1"] for q in held]
-        assert choice["vs_standard_rag"]["delta_f1"] == pytest.approx(sum(diffs) / len(diffs))
-        assert choice["level"] == pytest.approx(1 - 0.05 / 6)  # 3 choices x 2 comparisons
-        d, ci = stats.paired(diffs, f"what_to_run:{scope}:standard_rag", 1 - 0.05 / 6, summary.WHAT_TO_RUN_BOOT)
-        assert choice["vs_standard_rag"]["ci_f1"] == pytest.approx(ci) or best == "standard_rag"
+        if best != "standard_rag":
+            diffs = [res[f"{q}|{rec.get(best, best)}"]["f1"] - res[f"{q}|standard_rag"]["f1"] for q in held]
+            assert choice["vs_standard_rag"]["delta_f1"] == pytest.approx(sum(diffs) / len(diffs))
+            d, ci = stats.paired(diffs, f"what_to_run:{scope}:standard_rag", choice["level"], WHAT_TO_RUN_BOOT)
+            assert choice["vs_standard_rag"]["ci_f1"] == pytest.approx(ci)
+        # standard RAG, PRAG's sum and the runner-up, each once, never the choice itself
+        made += len({"standard_rag", "prag_sum", second} - {best})
+    for _, choice in scopes:
+        assert choice["n_comparisons"] == made and choice["level"] == pytest.approx(1 - 0.05 / made)
     # the made-up data: Combine rows answer 'hot', the parametric rows 'wiki'
     assert s["verdict"]["what_to_run_by_dataset"]["hot"]["row"].endswith(("_combine", "standard_rag"))
     assert not s["verdict"]["what_to_run_by_dataset"]["wiki"]["row"].endswith(("_combine", "standard_rag"))
@@ -162,8 +180,9 @@ def test_with_a_given_controller_the_choice_is_descriptive(tmp_path):
     assert s["verdict"]["what_to_run"]["chosen_on"] == "held-out (descriptive)"
     assert "descriptive, not a test" in (tmp_path / "report.md").read_text()
     for w in [s["verdict"]["what_to_run"], *s["verdict"]["what_to_run_by_dataset"].values()]:
-        assert "held out" not in w["plain"] and "held-out" not in w["plain"]  # chosen and measured on the same ones
-        assert "chosen on them: descriptive" in w["plain"]
+        said = w["plain"] + w["plain_held_out"]
+        assert "held out" not in said.lower() and "held-out" not in said  # chosen and measured on the same ones
+        assert "chosen on them: descriptive" in w["plain_held_out"]
 
 
 def test_subtasks_and_datasets_recomputed(tmp_path):
@@ -193,8 +212,8 @@ def test_every_figure_of_the_report_comes_from_the_summary(tmp_path):
             return
         if isinstance(x, (int, float)):
             for v in (x, 100 * x):
-                allowed.update({f"{v:+.4f}", f"{v:.4f}", f"{v:.3f}", f"{v:.1f}", f"{v:+.1f}", f"{v:g}", f"{v:.2f}",
-                                f"{v:+.2g}", f"{v:+g}"})
+                allowed.update({f"{v:.4f}", f"{v:.1f}", f"{v:g}", f"{v:.2f}", f"{v:+.2g}", words.signed(v),
+                                words.signed(v, 1)})
         elif isinstance(x, dict):
             for k, v in x.items():
                 walk(k) if isinstance(k, (int, float)) else None
@@ -207,7 +226,7 @@ def test_every_figure_of_the_report_comes_from_the_summary(tmp_path):
             allowed.update(re.findall(r"[+-]?\d+(?:\.\d+)?", x))
 
     walk(s)
-    allowed.update({"95", "2,000", "2", "000", "1", "80"})  # the stated CI level and resample count, "kappa 1"
+    allowed.update({"95", "2,000", "2", "000", "1", "80", "0", "100", "0.05"})  # stated levels, "kappa 1", units
     numbers = re.findall(r"(?<![\w.])[+-]?\d+(?:\.\d+)?", text)
     missing = [n for n in numbers if n not in allowed and n.lstrip("+") not in allowed]
     assert numbers and not missing, missing
@@ -215,7 +234,7 @@ def test_every_figure_of_the_report_comes_from_the_summary(tmp_path):
 
 def test_the_paper_table_bolds_the_best_row_per_column(tmp_path):
     s, _, _ = build(tmp_path)
-    lines = summary.paper_table(s)
+    lines = markdown.paper_table(s)
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head == ["method", "wiki total", "hot bridge", "hot comparison", "hot total"]  # datasets as first seen
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")[1:]] for ln in lines[3:]}

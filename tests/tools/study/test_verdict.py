@@ -3,11 +3,13 @@ said as ties, one runnable next command; the gold-passage ceiling row; the strat
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gzip
 import json
 import random
 import re
+import shlex
 import shutil
 import types
 from pathlib import Path
@@ -15,7 +17,10 @@ from pathlib import Path
 import pytest
 
 from fcprag_tools.cli import main
-from fcprag_tools.study import ceiling, data, stats, summary
+from fcprag_tools.study import ceiling, data, stats
+from fcprag_tools.study.adapters import EPOCHS, LEARNING_RATE, LORA
+from fcprag_tools.study.verdict import markdown
+from fcprag_tools.study.verdict.schema import check_summary
 from fcprag_tools.study.stages.rows import held_out_rows
 
 from .test_summary import build, synthetic
@@ -44,35 +49,73 @@ def _tied(n=6):
     return qs, results
 
 
-def test_a_planted_tie_is_said_as_a_tie_and_ends_in_one_command(tmp_path):
+def test_a_planted_tie_is_said_as_a_tie_and_ends_in_one_command_per_decision(tmp_path):
     s, _, _ = build(tmp_path, qs_results=_tied())
     w = s["verdict"]["what_to_run"]
     assert w["row"] == "prag_sum" and "prag_sum" in w["tied"] and len(w["tied"]) == len(w["choice_f1"])
     assert w["vs_standard_rag"]["reading"] == "tie" and not w["vs_standard_rag"]["shown"]
+    assert "vs_prag_sum" not in w  # never a row against itself
     text = (tmp_path / "report.md").read_text()
-    assert "answers best" not in text and " tie on the training questions" in text
-    assert "a tie)" in text  # the held-out comparison: the same F1 on every question
-    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 1 and blocks[0].strip().splitlines() == [
-        "fcprag run prag -- src/inference.py ARGS... --inference_method prag"]
+    assert "answers best" not in text and " tie on the 6 training questions" in text
+    assert "(a tie)" in text  # the held-out comparison: the same F1 on every question
+    blocks = [b.strip() for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
+    assert len(blocks) == 1 + len(s["datasets"])  # one per decision: overall and each dataset
+    assert all("fcprag run prag -- src/inference.py" in b and b.removesuffix("; done").endswith(
+        "--inference_method prag") and "ARGS" not in b for b in blocks)
 
 
-@pytest.mark.parametrize("row, line", [
-    ("prag_sum", "fcprag run prag -- src/inference.py ARGS... --inference_method prag"),
-    ("prag_sum_combine", "fcprag run prag -- src/inference.py ARGS... --inference_method combine"),
-    ("standard_rag", "fcprag run prag -- src/inference.py ARGS... --inference_method icl"),
-    ("recommended", "fcprag run prag --controller OUT/controller --log fusion.jsonl -- src/inference.py ARGS... "
-                    "--inference_method prag"),
-    ("vanilla", "fcprag study QUESTIONS... --out OUT-more --test-fraction 0.5")])
-def test_every_choice_has_one_runnable_command(row, line):
-    s = {"settings": {"out": "OUT", "controller_trained": True},
-         "verdict": {"what_to_run": {"row": row}, "settings": {"param": {"ship": "network"},
-                                                                "combine": {"ship": "prag_sum"}}}}
-    lines = summary.next_steps(s)
-    assert lines.count("```bash") == 1 and lines[lines.index("```bash") + 1] == line
-    s["verdict"]["settings"]["param"]["ship"] = "prag_sum"  # what ships is PRAG's sum: recommended is prag_sum
-    if row == "recommended":
-        assert "--controller" not in "".join(summary.next_steps(s))
+PRAG_FLAGS = {"--model_name": str, "--max_new_tokens": int, "--dataset": str, "--num_train_epochs": int,
+              "--learning_rate": float, "--inference_method": str, "--lora_rank": int, "--lora_alpha": int}
+
+
+def prag_parse(words):
+    """The arguments of PRAG's src/inference.py (its flag names, all required here): what the command gives it."""
+    p = argparse.ArgumentParser()
+    for flag, kind in PRAG_FLAGS.items():
+        p.add_argument(flag, type=kind, required=True)
+    return p.parse_args(words)
+
+
+@pytest.mark.parametrize("row, method, controller", [
+    ("prag_sum", "prag", None), ("prag_sum_combine", "combine", None), ("standard_rag", "icl", None),
+    ("recommended", "prag", "OUT/controller"), ("recommended_combine", "combine", "OUT/controller_combine")])
+def test_every_choice_has_a_command_to_paste_with_what_the_study_knows(row, method, controller):
+    s = {"settings": {"out": "OUT", "controller_trained": True, "model": "/m/Qwen", "max_new_tokens": 24,
+                      "model_name": "Qwen/Qwen2.5-1.5B-Instruct"},
+         "datasets": {"hotpotqa": {}, "2wiki_dev": {}},
+         "verdict": {"what_to_run": {"row": row}, "what_to_run_by_dataset": {"2wiki_dev": {"row": row}},
+                     "settings": {"param": {"ship": "network"}, "combine": {"ship": "network"}}}}
+    lines = markdown.next_steps(s)
+    blocks = [lines[i + 1] for i, x in enumerate(lines) if x == "```bash"]
+    assert len(blocks) == 2 and "ARGS" not in " ".join(lines)
+    overall, wiki = blocks
+    assert overall.startswith('for d in hotpotqa 2wikimultihopqa; do ') and overall.endswith("; done")
+    words = shlex.split(wiki)
+    head = ["fcprag", "run", "prag"] + (["--controller", controller, "--log", "fusion.jsonl"] if controller else [])
+    assert words[:len(head) + 2] == head + ["--", "src/inference.py"]
+    got = prag_parse(words[len(head) + 2:])
+    assert (got.model_name, got.dataset, got.max_new_tokens, got.inference_method) == \
+        ("qwen2.5-1.5b-instruct", "2wikimultihopqa", 24, method)  # PRAG's own names for the model and the data
+    assert (got.lora_rank, got.lora_alpha, got.learning_rate, got.num_train_epochs) == \
+        (LORA["r"], LORA["lora_alpha"], LEARNING_RATE, EPOCHS)  # the recipe the study trained its adapters with
+    said = lines[-2]
+    assert "PRAG checkout" in said and "cannot know" in said and said.count(". ") == 0  # one sentence
+
+
+def test_no_retrieval_and_what_ships_without_answers_each_end_in_a_command():
+    s = {"settings": {"out": "runs/s", "controller_trained": True, "model": "m", "max_new_tokens": 16},
+         "datasets": {"hotpotqa": {}},
+         "verdict": {"what_to_run": {"row": "vanilla"}, "what_to_run_by_dataset": {"hotpotqa": {"row": "vanilla"}},
+                     "settings": {"param": {"ship": "network"}, "combine": {"ship": "prag_sum"}}}}
+    lines = markdown.next_steps(s)
+    assert lines[lines.index("```bash") + 1] == "fcprag study MORE_QUESTIONS.jsonl --model m --out runs/s-more"
+    assert "MORE_QUESTIONS.jsonl: other questions" in lines[-2]
+    s["verdict"]["what_to_run"] = None  # --no-generate: what ships (the param network) is the command
+    lines = markdown.next_steps(s)
+    assert lines.count("```bash") == 1 and "--controller runs/s/controller --log fusion.jsonl" in \
+        lines[lines.index("```bash") + 1]
+    s["verdict"]["settings"]["param"]["ship"] = "prag_sum"  # nothing but PRAG's sum ships
+    assert "--controller" not in "".join(markdown.next_steps(s))
 
 
 def _shuffle_held_out(qs, results, seed=1):
@@ -163,7 +206,7 @@ def test_fcprag_report_rebuilds_the_table_study_and_held_out_changes_move_no_cho
     a = _copy_table(tmp_path)
     assert main(["report", str(a)]) == 0, capsys.readouterr().err
     s = json.loads((a / "summary.json").read_text())
-    assert summary.check_summary(s) == []
+    assert check_summary(s) == []
     for k, v in s["verdict"]["settings"].items():  # the +0.0001 network does not ship at the 0.02 margin
         assert v["ship"] == "prag_sum" and v["margins"] == {"reweighting": 0.02, "scale": 0.02}
         assert v["decided_on"].startswith("100 training questions") and v["reweighting"]["equivalent"]
@@ -173,13 +216,16 @@ def test_fcprag_report_rebuilds_the_table_study_and_held_out_changes_move_no_cho
     by = s["verdict"]["what_to_run_by_dataset"]
     assert round(100 * by["hotpotqa"]["vs_standard_rag"]["mde_f1"], 1) == 8.5
     assert round(100 * by["2wiki"]["vs_standard_rag"]["mde_f1"], 1) == 16.5
-    said = "14 of 100 questions differ: no difference above 7.3 F1 can be seen with 100 questions; about 596 are needed"
-    assert said in (a / "report.md").read_text()
+    said = ("+2.7 [-2.9, +8.7]: not shown (14 of 100 questions differ; with 100 questions only a true difference of "
+            "about 7.3 points or more would have been detected with 80% power; about 596 questions are needed for 3 "
+            "points)")  # the minimum detectable effect the right way round
+    text = (a / "report.md").read_text()
+    assert said in text and "no difference above" not in text and "ARGS" not in text
     qs = {json.loads(x)["id"]: json.loads(x) for x in gzip.open(a / "questions.jsonl.gz", "rt")}
     rows = {json.loads(x)["id"]: json.loads(x) for x in gzip.open(a / "eval.jsonl.gz", "rt")}
     with gzip.open(a / "eval.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in _shuffle_held_out(qs, rows).values())
-    assert main(["report", str(a), "--target-f1", "5"]) == 0
+    assert main(["report", str(a), "--target-f1", "0.05"]) == 0
     s2 = json.loads((a / "summary.json").read_text())
     assert _choices(s2) == _choices(s) and s2["verdict"]["what_to_run"]["target_f1"] == 0.05
     assert s2["verdict"]["what_to_run"]["f1"] != w["f1"]
@@ -269,6 +315,6 @@ def test_a_no_generate_report_says_what_it_lacks_and_still_ends_in_one_command(t
     s, _, _ = build(tmp_path, qs_results=(qs, results))
     assert s["verdict"]["what_to_run"] is None
     s["settings"]["generate"] = False
-    text = summary.report(s)
+    text = markdown.report(s)
     assert "Run with --no-generate" in text and text.count("```bash") == 1
     assert "fcprag run prag --controller" in text  # the param network ships (its CV above the margin)
