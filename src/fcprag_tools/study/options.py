@@ -1,6 +1,7 @@
 """``fcprag study``'s options: small frozen parts, each read by the stages that use it (:class:`Plan`, the model's
 :class:`~fcprag_tools.options.ModelPart`, :class:`Generation`, :class:`Batching`, :class:`Split`, the trainer's
-``TrainArgs``, :class:`Policy`, :class:`~fcprag_tools.options.Runtime`), held together by :class:`StudyOptions`.
+``TrainArgs``, :class:`Policy`, :class:`~fcprag_tools.options.Runtime`, DyPRAG's :class:`TranslatorPart`), held
+together by :class:`StudyOptions`.
 Each flag is made from its field (name, default and help: :func:`fcprag_tools.options.add_flags`), so it is written
 once. Their checks that need nothing but the options themselves are here too; the bottom of the study: it imports
 nothing of it."""
@@ -17,6 +18,9 @@ from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.training import MAX_EPOCHS, TrainArgs
 from ..options import (ENCODER, ModelPart, Runtime, check_ranges, finite_float, int_at_least, option,
                        positive_int)
+from ..translator.train import TranslatorOptions
+
+_DYPRAG = TranslatorOptions()  # DyPRAG's defaults, written once there
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,44 @@ class Split:
                                                             type=positive_int))
 
 
+@dataclass(frozen=True)
+class TranslatorPart:
+    """DyPRAG's stage and rows: a translator (DyPRAG's ``ParameterTranslator``) trained here on the training
+    questions' passages with DyPRAG's recipe (``translator_*``: its epochs, learning rate and hypernet width), or
+    ``dyprag_translator``, a checkpoint in DyPRAG's format (nothing trained; its shapes are the file's).
+    ``dyprag=False``: no DyPRAG stage and no DyPRAG rows."""
+
+    dyprag: bool = field(default=True, metadata=option("no DyPRAG stage (translator) and no DyPRAG rows"))
+    dyprag_translator: str | None = field(default=None, metadata=option(
+        "a translator checkpoint in DyPRAG's format (torch.save({'model_state_dict': ...}), e.g. DyPRAG's released "
+        "1B / 1.5B translators) for the DyPRAG rows instead of one trained here; checked against --model before any "
+        "work", metavar="FILE"))
+    translator_epochs: int = field(default=_DYPRAG.epochs, metadata=option(
+        "epochs of the translator trained here (DyPRAG's recipe)", type=positive_int))
+    translator_lr: float = field(default=_DYPRAG.learning_rate, metadata=option(
+        "AdamW learning rate of the translator trained here", type=finite_float))
+    translator_width: int = field(default=_DYPRAG.width, metadata=option(
+        "hidden width of the translator's hypernets (DyPRAG's --projector_p)", type=positive_int))
+
+    def training(self) -> TranslatorOptions:
+        """The options :func:`fcprag_tools.translator.train_translator` is given."""
+        return TranslatorOptions(epochs=self.translator_epochs, learning_rate=self.translator_lr,
+                                 width=self.translator_width)
+
+    def check(self) -> None:
+        """The values on their own; a one-line :class:`FcpragError` naming the flag."""
+        if not (math.isfinite(self.translator_lr) and self.translator_lr > 0):
+            raise FcpragError(f"--translator-lr {self.translator_lr}: expected a finite number > 0")
+        if self.dyprag_translator is None:
+            return
+        if not self.dyprag:
+            raise FcpragError(f"--dyprag-translator with --no-dyprag: a translator for DyPRAG rows that are off; drop "
+                              "one of them")
+        if not Path(self.dyprag_translator).is_file():
+            raise FcpragError(f"--dyprag-translator {self.dyprag_translator}: file not found; expected a translator "
+                              "checkpoint in DyPRAG's format (torch.save({'model_state_dict': ...}))")
+
+
 # the trainer's arguments fcprag study has flags for (the rest: study_training's); --seed is the split's
 TRAINING_FLAGS = {
     "epochs": option("the trainer's most epochs", type=int_at_least(1, MAX_EPOCHS)),
@@ -166,7 +208,7 @@ def study_training(**changes: Any) -> TrainArgs:
 
 # the parts StudyOptions holds, by the name it holds each under
 PARTS = {"plan": Plan, "model": ModelPart, "generation": Generation, "batching": Batching, "split": Split,
-         "runtime": Runtime}
+         "runtime": Runtime, "dyprag": TranslatorPart}
 
 
 @dataclass(frozen=True)
@@ -185,6 +227,7 @@ class StudyOptions:
     train: TrainArgs = field(default_factory=study_training)
     policy: Policy = Policy()  # the verdict's margins and target effect
     runtime: Runtime = Runtime()
+    dyprag: TranslatorPart = TranslatorPart()
 
     @classmethod
     def of(cls, *, out: str, train: TrainArgs | None = None, policy: Policy | None = None,
@@ -232,3 +275,4 @@ class StudyOptions:
                 raise FcpragError(f"{what} {path}: file not found; expected {expected}")
         if plan.controller is not None and not (Path(plan.controller) / "config.json").is_file():
             raise FcpragError(f"--controller {plan.controller}: no config.json there; expected a saved controller")
+        self.dyprag.check()

@@ -7,6 +7,7 @@ stage       what                                                        cache (u
 retrieval   split (seeded, or ``train_ids``), BM25 top-k / a file      ``questions.jsonl`` (question)
 augment     PRAG's augmentation by the model (:mod:`.augment`)          ``augment.jsonl`` (passage)
 adapters    PRAG-recipe passage adapters, stacked (:mod:`.adapters`)    ``adapters/<pid>/``, ``adapters.jsonl``
+translator  DyPRAG's translator, training passages (:mod:`.dyprag`)    ``translator/`` (the run; resumable)
 labels      leave-one-out + scale labels, training questions            ``labels.jsonl`` (question; label builder)
 controller  ``fcprag_plugin.training.train_controller`` (nested CV)     ``train/learned/`` (the run)
 evaluate    held-out rows by real forwards, mixed batches               ``eval.jsonl`` (question x method)
@@ -14,8 +15,10 @@ summary     ``summary.json``, ``report.md``, ``controller/``            (seconds
 ==========  =========================================================  ==========================================
 
 With ``controller`` (``--controller DIR``) the labels and controller stages are skipped and every question is
-evaluated. Under ``torchrun`` rank ``r`` of ``W`` takes every ``W``-th unit of the augment, adapters, labels and
-evaluate stages (part files, merged by rank 0 after a barrier); training and the summary run on rank 0.
+evaluated; the translator is then ``--dyprag-translator``'s (or there are no DyPRAG rows), and ``--no-dyprag``
+skips it always. Under ``torchrun`` rank ``r`` of ``W`` takes every ``W``-th unit of the augment, adapters, labels and
+evaluate stages (part files, merged by rank 0 after a barrier); training (the translator's too) and the summary
+run on rank 0.
 
 Each stage is a function of :mod:`.stages` (``retrieval``, ``augmentation``, ``adapter_training``, ``controllers``
 for the labels and the controller, ``evaluation`` with the rows of :mod:`.stages.rows`, ``verdict`` for the
@@ -43,7 +46,8 @@ from .stages.augmentation import augment_passages
 from .stages.controllers import controllers, warn_if_too_few
 from .stages.evaluation import evaluate
 from .stages.retrieval import retrieve_questions
-from .stages.rows import held_out_rows
+from .stages.rows import dyprag_rows, held_out_rows
+from .stages.translator import announce, translator_stage
 from .stages.verdict import after_the_verdict, verdicts_of, write_summary
 from .summary import SETTINGS
 
@@ -68,17 +72,20 @@ def run_stages(run: StudyRun, opts: StudyOptions, sel: preflight.Selection, sett
     ``summary.json``'s content on rank 0."""
     plan, gen, batching = opts.plan, opts.generation, opts.batching
     given = plan.controller is not None
+    announce(run, opts.dyprag, given)
     qs = retrieve_questions(run, sel, plan.top_k)
     warn_if_too_few(run, qs, opts.train, opts.split, given)
     augs = augment_passages(run, qs, gen, batching)
     train_adapters(run, qs, augs, batching)
+    dyprag = translator_stage(run, qs, augs, opts.dyprag, given)
     ctrls, dirs = controllers(run, qs, plan, gen, batching, opts.train)
-    want = {qid: held_out_rows(q, ctrls, plan.scales, plan.encoder, run.adapter)
+    want = {qid: {**held_out_rows(q, ctrls, plan.scales, plan.encoder, run.adapter),
+                  **(dyprag_rows(q, list(ctrls)) if dyprag is not None else {})}
             for qid, q in qs.items() if q["split"] == "test"}
-    results = evaluate(run, qs, want, gen, batching, oracle=True, arrow=plan.arrow)
+    results = evaluate(run, qs, want, gen, batching, oracle=True, arrow=plan.arrow, dyprag=dyprag)
     verdicts = verdicts_of(results, qs, ctrls, dirs, given, opts.policy)
     shipped = {s: summary.shipped_controller(verdicts[s], ctrls[s]) for s in SETTINGS}
-    results = after_the_verdict(run, opts, qs, ctrls if given else shipped, verdicts)
+    results = after_the_verdict(run, opts, qs, ctrls if given else shipped, verdicts, dyprag)
     if run.shard.rank != 0:
         return None
     return write_summary(run, opts, qs, results, verdicts, shipped, ctrls, dirs, settings)

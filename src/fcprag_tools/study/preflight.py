@@ -8,8 +8,11 @@ packaged offline SmolLM2, :func:`fcprag_tools.lm.model_io.resolve_model`), ``--d
 never a file), the question files (readable UTF-8, parsed by :func:`.data.read_question_files`), the questions the
 study takes (:func:`select_questions`: a controller's training ids left out, ``--limit``, passages or
 ``--retrieval``, ``--train-ids``), ``--controller`` (a saved controller), the embedding model (``--encoder``, the
-controller's, or the library's default: available offline), and the model (config and tokenizer, or a GGUF file's
-header, without the weights; it has the Linear layers PRAG's LoRA recipe targets).
+controller's, or the library's default: available offline), the model (config and tokenizer, or a GGUF file's
+header, without the weights; it has the Linear layers PRAG's LoRA recipe targets), and DyPRAG's translator
+(:func:`check_translator_file`: ``--dyprag-translator``'s shapes read from the file against the model's config;
+:func:`check_translator_folder`: a translator the study trained before, recorded with other ``--translator-*``
+options, is refused).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from fcprag_plugin.fileio import read_json_if_present, read_json_object
 from ..lm.shard import ShardInfo
 from ..options import ModelPart, Runtime
 from . import data
-from .options import Plan, Split, StudyOptions
+from .options import Plan, Split, StudyOptions, TranslatorPart
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +263,66 @@ def check_model(m: ModelPart) -> None:
                           "recipe targets; choose a model with a gated MLP (Llama, Qwen2, Mistral, ...)")
 
 
+def model_config(m: ModelPart) -> Any:
+    """The sizes of the model a translator must fit (``num_hidden_layers``, ``hidden_size``, ``intermediate_size``),
+    without its weights: a folder's config, or a GGUF file's header (what :func:`check_model` read; transformers'
+    own GGUF config reader parses far more of the file)."""
+    from types import SimpleNamespace
+
+    from ..lm.model_io import gguf_header, quiet_loading
+
+    try:
+        if m.gguf_file:
+            meta, _ = gguf_header(os.path.join(m.model, m.gguf_file))
+            arch = meta["general.architecture"]
+            return SimpleNamespace(num_hidden_layers=int(meta[f"{arch}.block_count"]),
+                                   hidden_size=int(meta[f"{arch}.embedding_length"]),
+                                   intermediate_size=int(meta[f"{arch}.feed_forward_length"]))
+        from transformers import AutoConfig
+
+        with quiet_loading():
+            return AutoConfig.from_pretrained(m.model)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        what = f"--model {m.model}" + (f" --gguf-file {m.gguf_file}" if m.gguf_file else "")
+        raise FcpragError(f"{what}: its sizes could not be read ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
+                          ) from None
+
+
+def check_translator_folder(o: StudyOptions) -> None:
+    """A translator recorded in ``--out`` as trained there with other ``--translator-*`` options is refused (the
+    translator folder keeps one translator); read before anything else of the study folder's rows."""
+    from . import dyprag as dy
+
+    part = o.dyprag
+    if not part.dyprag or part.dyprag_translator is not None or o.plan.controller is not None:
+        return
+    try:
+        rec = dy.recorded(Path(o.out))
+    except FcpragError:
+        rec = None
+    have, want = (rec or {}).get("options"), dy.training_options(part.training())
+    if rec is not None and rec.get("source") == "trained" and have != want:
+        diff = next(k for k in want if have is None or have.get(k) != want[k])
+        flag = {"learning_rate": "--translator-lr"}.get(diff, f"--translator-{diff}")
+        raise FcpragError(f"{flag} {want[diff]}: --out {o.out} holds a translator trained with {diff}="
+                          f"{(have or {}).get(diff)!r} ({dy.TRANSLATOR_DIR}/{dy.RECORD}); resume with the same "
+                          f"{flag}, or delete {Path(o.out) / dy.TRANSLATOR_DIR} to train another")
+
+
+def check_translator_file(o: StudyOptions) -> None:
+    """``--dyprag-translator``: a checkpoint in DyPRAG's format whose every key has the shape the model needs (one
+    line naming the file, the key and both shapes), read against the model's config (:func:`model_config`)."""
+    from ..translator import TranslatorError, check_fits, read_state_dict
+
+    path = o.dyprag.dyprag_translator
+    if not o.dyprag.dyprag or path is None:
+        return
+    try:
+        check_fits(read_state_dict(path), path, model_config(o.model), model=f"--model {o.model.name or o.model.model}")
+    except TranslatorError as e:
+        raise FcpragError(f"--dyprag-translator {e}") from None
+
+
 def resolve(m: ModelPart) -> ModelPart:
     """``--model`` (``smollm2`` or none: the packaged offline SmolLM2, said in one line) and ``--gguf-file`` as what
     is loaded, with the name the user gave (a report's title)."""
@@ -271,11 +334,16 @@ def resolve(m: ModelPart) -> ModelPart:
     return replace(m, model=model, gguf_file=gguf_file, name=m.name or m.model or SMOLLM2)
 
 
-def missing_rows(out: Path, plan: Plan) -> dict[str, list[str]]:
-    """The held-out rows that ``plan`` asks for and the study in ``out`` lacks: ``{qid: [row names]}``
-    (empty: nothing to add). Options that only add rows: ``--scales`` (a ``scale:S`` row each) and the Arrow row
-    (unless ``--no-arrow``); rows the study holds beyond them are kept. Reads ``questions.jsonl`` and
-    ``eval.jsonl`` only (no model); a partial last line is left for the run that owns it."""
+def missing_rows(out: Path, plan: Plan, dyprag: TranslatorPart | None = None) -> dict[str, list[str]]:
+    """The rows that ``plan`` and ``dyprag`` ask for and the study in ``out`` lacks: ``{qid: [row names]}``
+    (empty: nothing to add). Options that only add rows: ``--scales`` (a ``scale:S`` row each), the Arrow row
+    (unless ``--no-arrow``) and DyPRAG's rows (unless ``--no-dyprag``; None: not asked): held out and on the
+    training questions (its candidates), each scored with the translator the options name
+    (:func:`.dyprag.expected_identity`); rows the study holds beyond them are kept. Reads ``questions.jsonl`` and
+    ``eval.jsonl`` (and the translator's record) only, no model; a partial last line is left for the run that owns
+    it."""
+    from . import dyprag as dy
+
     from ..lm.store import read_label_lines
 
     def rows(name: str) -> dict[str, dict[str, Any]]:
@@ -285,11 +353,18 @@ def missing_rows(out: Path, plan: Plan) -> dict[str, list[str]]:
 
     scored = rows("eval.jsonl")
     names = [f"scale:{float(s):g}" for s in plan.scales] + (["arrow"] if plan.arrow else [])
-    test = [q for q, r in rows("questions.jsonl").items() if r.get("split") == "test"]
-    return {q: lack for q in test if (lack := [n for n in names if f"{q}|{n}" not in scored])}
+    qs = rows("questions.jsonl")
+    sha = None if dyprag is None else dy.expected_identity(out, dyprag, plan.controller is not None)
+
+    def lacks(q: str) -> list[str]:
+        own = [n for n in names if f"{q}|{n}" not in scored] if qs[q].get("split") == "test" else []
+        dy_rows = [] if sha is None else dy.wanted_rows(qs[q], ("param", "combine"))
+        return own + [n for n in dy_rows if scored.get(f"{q}|{n}", {}).get("translator", "") != sha or not sha]
+
+    return {q: lack for q in qs if (lack := lacks(q))}
 
 
-def finished(out: Path, plan: Plan) -> dict[str, Any] | None:
+def finished(out: Path, plan: Plan, dyprag: TranslatorPart | None = None) -> dict[str, Any] | None:
     """A finished study's ``summary.json`` when nothing it was built from changed since (a complete summary newer
     than every stage cache and the recorded settings, no unmerged part file, a given controller's files older too)
     and it has every row ``plan`` asks for (:func:`missing_rows`), else None. ``--encoder`` is not compared: deleting
@@ -308,11 +383,11 @@ def finished(out: Path, plan: Plan) -> dict[str, Any] | None:
     inputs += [p for p in Path(plan.controller).rglob("*") if p.is_file()] if plan.controller else []
     if any(p.is_file() and p.stat().st_mtime > made for p in inputs):
         return None
-    lack = missing_rows(out, plan)
+    lack = missing_rows(out, plan, dyprag)
     if lack:
         names = sorted({n for ns in lack.values() for n in ns})
-        logger.info("%s: the study is finished but lacks %d row(s) (%s) of %d held-out question(s): computing only "
-                    "those, then the report", out, sum(map(len, lack.values())), ", ".join(names), len(lack))
+        logger.info("%s: the study is finished but lacks %d row(s) (%s) of %d question(s): computing only those, "
+                    "then the report", out, sum(map(len, lack.values())), ", ".join(names), len(lack))
         return None
     return s
 
@@ -335,12 +410,14 @@ def check(o: StudyOptions, *, rank: int = 0, local_rank: int = 0, distributed: b
     o = replace(o, model=resolve(o.model))
     check_device(o.model.device, o.model.dtype, local_rank)  # before --out: a resume compares the dtype it resolves
     resume = check_out(o, contents=rank == 0 or not distributed, local_rank=local_rank)
-    done = finished(Path(o.out), o.plan)
+    check_translator_folder(o)
+    done = finished(Path(o.out), o.plan, o.dyprag)
     if done is not None:
         return Checked(o, True, done, None)
     sel = select_questions(o.plan, o.split)
     check_controller_and_encoder(o.plan)
     check_model(o.model)
+    check_translator_file(o)
     return Checked(o, resume, None, sel)
 
 

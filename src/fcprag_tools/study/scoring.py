@@ -34,7 +34,8 @@ class Row:
     """One question under one method: its prompt (``param`` / ``combine``), its adapters (pids) and their ``w~``.
     ``update``: the row's own adapter instead (a DyPRAG row's composite, :func:`fcprag_tools.translator.
     dyprag_adapter`), scored alone at weight 1; ``pids`` and ``weights`` are then only recorded, and the result
-    names it (``update``: its source)."""
+    names it (``update``: its source). ``translator``: the identity of the translator a DyPRAG row's update comes
+    from (its export's sha256), recorded with the result: the row is valid for that translator only."""
 
     qid: str
     name: str
@@ -42,6 +43,7 @@ class Row:
     weights: list[float]
     prompt: str = "param"
     update: Any = None
+    translator: str | None = None
 
 
 def encode(tok: Any, question: str, answers: Sequence[str], passages: Sequence[str] | None = None,
@@ -91,7 +93,8 @@ def score(model: Any, tok: Any, slot: Any, rows: Sequence[Row], questions: dict[
                      stop_ids=stop_ids(model, tok), on_progress=on_progress, until_cut=until_cut)
     return [result(f"{r.qid}|{r.name}", s.logprob, s.generation, questions[r.qid]["answers"],
                    {"prompt": r.prompt, "pids": r.pids, "w": [round(float(w), 6) for w in r.weights],
-                    **({} if r.update is None else {"update": str(getattr(r.update, "source", r.update))})})
+                    **({} if r.update is None else {"update": str(getattr(r.update, "source", r.update))}),
+                    **({} if r.translator is None else {"translator": r.translator})})
             for r, s in zip(rows, out)]
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Callable, Mapping
 
 import torch
 
@@ -24,15 +25,15 @@ _KEY = re.compile(r"^projector\.(?P<module>[A-Za-z_]+)_(?P<layer>\d+)\.projector
                   r"(?P<name>(?:pre|post)_[AB]_linear|[AB]_hypernet\.linear[12])\.weight$")
 
 
-def save_torch(obj: Any, path: str | Path) -> Path:
-    """``torch.save(obj)`` to ``path`` atomically: a temp file beside it, ``fsync``, then ``os.replace`` (the
+def write_binary(path: str | Path, fill: Callable[[BinaryIO], None]) -> Path:
+    """``fill(f)`` writes ``path``'s bytes, atomically: a temp file beside it, ``fsync``, then ``os.replace`` (the
     temp-and-rename of :func:`fcprag_plugin.fileio.write_atomic`, which writes text only)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with tmp.open("wb") as f:
-            torch.save(obj, f)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -40,6 +41,21 @@ def save_torch(obj: Any, path: str | Path) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def save_torch(obj: Any, path: str | Path) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically (:func:`write_binary`)."""
+    return write_binary(path, lambda f: torch.save(obj, f))
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """A byte copy of checkpoint ``src`` at ``dst``, written atomically (:func:`write_binary`): the copy's sha256
+    is the source's."""
+    def fill(f: BinaryIO) -> None:
+        with open(src, "rb") as s:
+            shutil.copyfileobj(s, f, 1 << 20)
+
+    return write_binary(dst, fill)
 
 
 def cpu_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

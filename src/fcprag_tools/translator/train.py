@@ -42,7 +42,6 @@ from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.fileio import read_json_object, write_json
 from ..lm.metrics import model_device
 from ..lm.prompts import PromptTemplate, answer_ids, render_prompt
-from ..study.adapters import _pad as right_pad
 from .checkpoint import cpu_state_dict, load_translator, save_torch, save_translator
 from .embed import MAX_TOKENS, passage_embeddings
 from .network import Translator, TranslatorError, TranslatorShape
@@ -176,6 +175,8 @@ def train_step(model: Any, tok: Any, translator: Translator, optimizer: Any, emb
                ) -> dict[str, float]:
     """One AdamW step on a batch (``emb [b, H]``, the texts, ``(pid, PRAG adapter)`` each); the batch's mean
     losses."""
+    from ..study.adapters import _pad as right_pad  # here: the study's options import this module's options
+
     device = model_device(model)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     ids, mask, labels = right_pad(list(texts), pad, device)

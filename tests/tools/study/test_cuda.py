@@ -31,3 +31,8 @@ def test_study_runs_end_to_end_on_cuda_in_bf16(tiny_study):
     assert s["settings"]["dtype"] == "bfloat16"
     pid = json.loads((out / "adapters.jsonl").read_text().splitlines()[0])["id"]
     assert LoraAdapter.from_pretrained(out / "adapters" / pid).dtype == torch.float32  # float32 factors, saved so
+    # DyPRAG's stage on the GPU: a translator trained there, its rows scored through the bf16 model
+    assert json.loads((out / "translator" / "translator.json").read_text())["source"] == "trained"
+    assert {"dyprag", "dyprag_combine", "dyprag_recommended"} <= set(s["methods"])
+    generated = [json.loads(x) for x in (out / "dyprag_generated.jsonl").read_text().splitlines()]
+    assert generated and all(g["device"].startswith("cuda") for g in generated)

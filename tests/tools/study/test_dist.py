@@ -38,7 +38,10 @@ def test_torchrun_two_processes_match_one_process(tiny_study):
     one, two = (json.loads((root / d / "summary.json").read_text()) for d in ("one", "two"))
     assert check_summary(two) == [] and (two["n_train"], two["n_test"]) == (one["n_train"], one["n_test"])
     assert not list((root / "two").glob("*.part*"))  # every part merged by rank 0
-    for f in ("augment.jsonl", "adapters.jsonl", "labels.jsonl", "eval.jsonl"):
+    assert (root / "two" / "translator" / "translator.json").is_file()  # trained on rank 0, read by both
+    assert {"dyprag", "dyprag_combine", "dyprag_recommended"} <= set(two["methods"])
+    for f in ("augment.jsonl", "adapters.jsonl", "labels.jsonl", "eval.jsonl", "dyprag_generated.jsonl",
+              "dyprag_cosine.jsonl"):
         rows = [json.loads(x) for x in (root / "two" / f).read_text().splitlines()]
         ref = {r["id"]: r for r in map(json.loads, (root / "one" / f).read_text().splitlines())}
         assert sorted(r["id"] for r in rows) == sorted(ref), f  # every unit once, by one of the ranks

@@ -13,7 +13,10 @@ from fcprag_tools.study import adapters as ad
 from fcprag_tools.study.pipeline import study
 from fcprag_tools.study.run import StudyRun
 from fcprag_tools.study.stages.evaluation import share
+from fcprag_tools.study.stages.translator import DypragSource
 from helpers import hash_encoder
+
+from .conftest import REAL_SCORE
 
 
 def _row(qid, name, w, prompt="param"):
@@ -33,15 +36,8 @@ def test_share_pairs_rows_equal_to_the_last_bit_only():
     assert [(r.name, o) for r, o in copies] == [("random_controller", "prag_sum"), ("b", "a")]
 
 
-def test_equal_rows_are_scored_once_and_equal_their_separate_scoring(tiny_study, monkeypatch):
-    scored: list[str] = []
-    real = scoring.score
-
-    def counted(model, tok, slot, rows, *a, **k):
-        scored.extend(f"{r.qid}|{r.name}" for r in rows)
-        return real(model, tok, slot, rows, *a, **k)
-
-    monkeypatch.setattr(scoring, "score", counted)
+def test_equal_rows_are_scored_once_and_equal_their_separate_scoring(tiny_study, scored_rows):
+    scored, real = scored_rows, REAL_SCORE
     opts = StudyOptions.of(questions=tiny_study["questions"], model=tiny_study["model"],
                            out=str(tiny_study["root"] / "o"), encoder=hash_encoder(), top_k=2, scales=(0.5, 2.0),
                            max_new_tokens=3, aug_max_new_tokens=6, progress=False, test_fraction=0.5, group=2, chunk=2,
@@ -61,13 +57,19 @@ def test_equal_rows_are_scored_once_and_equal_their_separate_scoring(tiny_study,
 
     run = StudyRun(out, progress=False, lm=opts.model)
     run.load_model()
+    translator = json.loads((out / "translator" / "translator.json").read_text())
+    source = DypragSource(run, qs, out / translator["export"], translator["sha256"])
+    assert {copies[f"{q}|dyprag_recommended"]["shared_with"] for q in test} == {"dyprag"}  # PRAG's sum ships
     for rid, rec in copies.items():
         qid, name = rid.split("|", 1)
-        assert {k: ev[f"{qid}|{rec['shared_with']}"][k] for k in ("prompt", "pids", "w")} == \
-            {k: rec[k] for k in ("prompt", "pids", "w")}
+        assert {k: ev[f"{qid}|{rec['shared_with']}"][k] for k in ("prompt", "pids", "w", "translator")
+                if k in rec} == {k: rec[k] for k in ("prompt", "pids", "w", "translator") if k in rec}
+        assert name.startswith("dyprag") == rec["shared_with"].startswith("dyprag")  # never across the hosts
         slot = FusedSlot.for_model(run.model, run.adapter(rec["pids"][0]), max_adapters=2, max_rank=ad.LORA["r"])
+        update = source.composite(rec["pids"], rec["w"]) if name.startswith("dyprag") else None
         try:
-            alone = real(run.model, run.tok, slot, [scoring.Row(qid, name, rec["pids"], rec["w"], rec["prompt"])],
+            alone = real(run.model, run.tok, slot, [scoring.Row(qid, name, rec["pids"], rec["w"], rec["prompt"],
+                                                                update)],
                          qs, run.adapter, max_new_tokens=3, batch_size=1)[0]
         finally:
             slot.remove()

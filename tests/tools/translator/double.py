@@ -108,3 +108,27 @@ def dense_hooks(model, deltas):
     finally:
         for h in handles:
             h.remove()
+
+
+@torch.no_grad()
+def dyprag_answer(model, tok, deltas, question, answers, passages, prompt, max_new):
+    """DyPRAG's inference with ``deltas`` (:func:`dyprag_deltas`) through :func:`dense_hooks`, by plain forwards: the
+    gold answers' best mean token log-likelihood after the study's prompt (``combine``: ``passages`` in it,
+    DyPRAG-Combine) and the greedy generation of ``max_new`` tokens at most (to a stop token)."""
+    from fcprag_tools.study import scoring
+
+    p_ids, gold = scoring.encode(tok, question, answers, passages, prompt)
+    stops = {tok.eos_token_id, model.generation_config.eos_token_id}
+    with dense_hooks(model, deltas):
+        lps = []
+        for g in gold:
+            logp = torch.log_softmax(model(torch.tensor([p_ids + g])).logits[0].double(), -1)
+            lps.append(float(torch.stack([logp[len(p_ids) - 1 + j, t] for j, t in enumerate(g)]).mean()))
+        ids, new = list(p_ids), []
+        while len(new) < max_new:
+            nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            new.append(nxt)
+            ids.append(nxt)
+            if nxt in stops:
+                break
+    return max(lps), tok.decode(new, skip_special_tokens=True)

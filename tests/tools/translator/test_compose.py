@@ -17,7 +17,7 @@ from fcprag_tools.translator import (Translator, TranslatorError, TranslatorShap
                                      generate_adapters, mean_pairwise_cosine, prag_adapter_seconds, save_translator)
 from helpers import random_adapter, tiny_model, tiny_tokenizer
 
-from .double import double_for, dense_hooks, dyprag_deltas, dyprag_embedding
+from .double import double_for, dyprag_answer, dyprag_deltas, dyprag_embedding
 
 
 def _generated(model, n, seed=0):
@@ -106,24 +106,9 @@ def test_the_cost_summary():
 
 def _reference(model, tok, double, question, passages, answers, max_new, prompt):
     """DyPRAG's inference, independently: the double per passage, mean of every key, dense delta through forward
-    hooks; the gold log-likelihood and a greedy answer by plain forwards (``combine``: DyPRAG-Combine, the passages
-    in the prompt too)."""
-    outs = [double(dyprag_embedding(model, tok, p)) for p in passages]
-    p_ids, gold = scoring.encode(tok, question, answers, passages, prompt)
-    stops = {tok.eos_token_id, model.generation_config.eos_token_id}
-    with torch.no_grad(), dense_hooks(model, dyprag_deltas(outs)):
-        lps = []
-        for g in gold:
-            logp = torch.log_softmax(model(torch.tensor([p_ids + g])).logits[0].double(), -1)
-            lps.append(float(torch.stack([logp[len(p_ids) - 1 + j, t] for j, t in enumerate(g)]).mean()))
-        ids, new = list(p_ids), []
-        while len(new) < max_new:
-            nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            new.append(nxt)
-            ids.append(nxt)
-            if nxt in stops:
-                break
-    return max(lps), tok.decode(new, skip_special_tokens=True)
+    hooks (:func:`.double.dyprag_answer`)."""
+    deltas = dyprag_deltas([double(dyprag_embedding(model, tok, p)) for p in passages])
+    return dyprag_answer(model, tok, deltas, question, answers, passages, prompt, max_new)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

@@ -10,6 +10,7 @@ import torch
 
 from fcprag_plugin.weights import is_uniform
 from ..ceiling import gold_rows
+from ..dyprag import gold_name
 from ..summary import suffix
 
 Rows = dict[str, tuple[str, list[float]]]  # {row name: (prompt setting, w~ per passage)}
@@ -84,6 +85,33 @@ def candidate_rows(q: dict[str, Any], ships: dict[str, Any], verdicts: dict[str,
         rows["prag_sum" + suffix(s)] = (s, [1.0] * n)
         rows[verdicts[s]["recommended_row"]] = (s, weights(q, ship, encoder, adapter))
     return rows
+
+
+def dyprag_rows(q: dict[str, Any], settings: Sequence[str]) -> Rows:
+    """The DyPRAG rows of one question before any verdict: DyPRAG's rule (``u = 1/N``) with the question alone
+    (``dyprag``) and with the passages in the prompt (``dyprag_combine``); held out also the gold-passage ceiling
+    over the translator's updates (the PRAG ceiling's ``w~``: ``u = 1/k`` on the ``k`` supporting passages)."""
+    n = len(q["passages"])
+    rows: Rows = {"dyprag": ("param", [1.0] * n), "dyprag_combine": ("combine", [1.0] * n)}
+    if q.get("split") == "test":
+        rows.update({gold_name(name): spec for name, spec in gold_rows(q, settings).items()})
+    return rows
+
+
+def dyprag_fusion_rows(q: dict[str, Any], ships: dict[str, Any], encoder: Any, adapter: Callable[[str], Any]
+                       ) -> Rows:
+    """The fusion over the translator's updates with what ships in each setting (``dyprag_recommended{,_combine}``:
+    ``u = w~/N`` of that setting's shipped controller, weighing the generated updates ``adapter(pid)`` as the
+    DyPRAG shim does)."""
+    return {"dyprag_recommended" + suffix(s): (s, weights(q, ship, encoder, adapter)) for s, ship in ships.items()}
+
+
+def dyprag_later_rows(q: dict[str, Any], ships: dict[str, Any], encoder: Any, adapter: Callable[[str], Any]
+                      ) -> Rows:
+    """The DyPRAG rows scored after the verdict: the fusions with what ships; on a training question also DyPRAG's
+    own rows, all four the candidates of "what to run" there."""
+    rows = dyprag_rows(q, list(ships)) if q.get("split") == "train" else {}
+    return {**rows, **dyprag_fusion_rows(q, ships, encoder, adapter)}
 
 
 def oracle(done: dict[str, dict[str, Any]], qid: str, n: int) -> list[float]:

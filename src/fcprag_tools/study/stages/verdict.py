@@ -15,7 +15,7 @@ from ..verdict.records import SETTINGS, ControllerRecord, ScoredRows, SettingVer
 from .controllers import trainer_args
 from .evaluation import Scored, evaluate
 from .retrieval import Questions
-from .rows import Rows, candidate_rows, random_rows
+from .rows import Rows, candidate_rows, dyprag_later_rows, random_rows
 
 
 def records_of(ctrls: dict[str, Any], dirs: dict[str, Path], given: bool, out: Path | None = None
@@ -37,9 +37,10 @@ def verdicts_of(results: Scored, qs: Questions, ctrls: dict[str, Any], dirs: dic
 
 
 def after_the_verdict(run: StudyRun, opts: StudyOptions, qs: Questions, recommended: dict[str, Any],
-                      verdicts: dict[str, SettingVerdict]) -> Scored:
+                      verdicts: dict[str, SettingVerdict], dyprag: Any = None) -> Scored:
     """Score the rows that depend on what ships: the random controller at the recommended kappa (held out), and
-    the candidates of "what to run" on the training questions (where the choice is made)."""
+    the candidates of "what to run" on the training questions (where the choice is made); with ``dyprag`` (the
+    translator stage's source) DyPRAG's fusions with what ships, and its candidates on the training questions."""
     extra: dict[str, Rows] = {}
     named = {s: {"recommended_row": v.recommended_row} for s, v in verdicts.items()}  # what candidate_rows reads
     for qid, q in qs.items():
@@ -48,7 +49,10 @@ def after_the_verdict(run: StudyRun, opts: StudyOptions, qs: Questions, recommen
     for qid, q in qs.items():
         if q["split"] == "train":
             extra[qid] = candidate_rows(q, recommended, named, opts.plan.encoder, run.adapter)
-    return evaluate(run, qs, extra, opts.generation, opts.batching, desc="evaluate (after the verdict)")
+    for qid, q in qs.items() if dyprag is not None else ():
+        extra[qid].update(dyprag_later_rows(q, recommended, opts.plan.encoder, dyprag.adapter))
+    return evaluate(run, qs, extra, opts.generation, opts.batching, desc="evaluate (after the verdict)",
+                    dyprag=dyprag)
 
 
 def save_controller(out: Path, setting: str, shipped: Any, qs: Questions) -> None:
