@@ -153,7 +153,7 @@ def dyprag_setup(settings: Mapping[str, Any]) -> str:
     loads ``projector/<--projector_path>/epoch_<--inference_epoch - 1>.pt`` from its checkout)."""
     export = (settings.get("translator") or {}).get("export")
     folder = str(Path(str(settings.get("out", "OUT"))) / Path(export).parent) if export else \
-        "<the folder of your translator's epoch_<E-1>.pt>"
+        "<your translator folder, with its epoch_<E-1>.pt>"
     return f"mkdir -p projector && cp -r {shlex.quote(folder)} projector/"
 
 
