@@ -278,6 +278,8 @@ def test_the_fusion_and_the_ceiling_over_dyprags_loras(tmp_path):
     lost = copy.deepcopy(s)  # a fusion below DyPRAG's row reaches none of a ceiling above it
     lost["dyprag"]["fusion"]["param"]["delta_logprob"], lost["dyprag"]["ceiling"]["param"]["share"] = -0.1, -0.25
     assert "the fusion reaches none of it" in " ".join(dyprag_report.ceiling_lines(lost))
+    lost["dyprag"]["ceiling"] = {}  # no supporting titles: no ceiling row, and no word of one
+    assert "supporting" not in " ".join(dyprag_report.ceiling_lines(lost))
 
 
 def test_dyprags_rows_are_candidates_where_scored_and_compared_as_their_host_says(tmp_path):

@@ -185,6 +185,7 @@ def ceiling_lines(s: dict[str, Any]) -> list[str]:
         if g:
             parts.append(_ceiling_words(g, f))
         lines.append(f"- DyPRAG, {name}: " + "; ".join(parts) + ".")
-    return lines + ["", "Over DyPRAG's LoRAs (the paired table's 95% intervals, against DyPRAG's own row of the "
-                    "setting): `dyprag_gold_passages` reads the data's supporting titles (a reference, not a method).",
-                    ""]
+    gold = " `dyprag_gold_passages` reads the data's supporting titles (a reference, not a method)." if d["ceiling"] \
+        else ""
+    return lines + ["", "Over DyPRAG's LoRAs: the paired table's 95% intervals, against DyPRAG's own row of the "
+                    f"setting.{gold}", ""]
