@@ -107,9 +107,17 @@ def wanted_rows(q: dict[str, Any], settings: Sequence[str]) -> list[str]:
 
 # ----------------------------------------------------------------------------- the report's record
 def _rows(path: Path) -> dict[str, dict[str, Any]]:
+    """``{id: row}`` of the study's store ``path`` (``name.jsonl``; an interrupted last line ignored), or of its
+    gzipped copy ``name.jsonl.gz`` (a committed study's); empty when neither is there."""
+    from fcprag_plugin.fileio import read_records
+
     from ..lm.store import read_label_lines
 
-    return {sl.record["id"]: sl.record for sl in read_label_lines(path, partial="ignore")} if path.is_file() else {}
+    if path.is_file():
+        return {sl.record["id"]: sl.record for sl in read_label_lines(path, partial="ignore")}
+    gz = path.with_name(path.name + ".gz")
+    rows = read_records(gz, FcpragError) if gz.is_file() else []
+    return {r["id"]: r for _, r in rows if isinstance(r, dict) and isinstance(r.get("id"), str)}
 
 
 def spread(xs: Sequence[float]) -> dict[str, Any]:

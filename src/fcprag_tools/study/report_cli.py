@@ -3,7 +3,9 @@ without a model, in seconds (other margins, target effects or a newer rule on th
 
 It reads ``settings.json``, ``questions.jsonl`` and ``eval.jsonl`` (each also as ``.jsonl.gz``), and per setting the
 controller's kappa and cross-validation: ``train/learned{,_combine}/config.json`` (a given controller's
-``config.json``), else the ``summary.json`` already there (its ``training_verdict`` and ``kappa_learned``). When the
+``config.json``), else the ``summary.json`` already there (its ``training_verdict`` and ``kappa_learned``). Where
+DyPRAG's rows were scored, its section is read from the folder's DyPRAG files too (:func:`.dyprag.dyprag_record`:
+``translator/translator.json``, the generation seconds and cosines, ``adapters.jsonl``, ``timings.jsonl``). When the
 trained controller is there, ``controller{,_combine}/`` is rewritten to what ships now.
 """
 

@@ -17,9 +17,11 @@ from typing import Any, Mapping
 
 from fcprag_plugin.errors import FcpragError
 from fcprag_plugin.fileio import write_atomic, write_json
+from .dyprag import dyprag_record, is_dyprag
 from .options import Policy, study_training
 from .verdict.choice import candidates, choice_left_out, what_to_run
 from .verdict.coverage import coverage, needed_rows
+from .verdict.dyprag_section import dyprag_section
 from .verdict.markdown import report
 from .verdict.words import follow_text, plain, plain_held_out
 from .verdict.plot import write_plot
@@ -111,11 +113,13 @@ def _training_verdict(ctrls: Mapping[str, ControllerRecord]) -> dict[str, Any] |
 
 
 def build(rows: ScoredRows, ctrls: Mapping[str, ControllerRecord], *, given: bool, settings: dict[str, Any],
-          stage_seconds: dict[str, float], policy: Policy, shared: dict[str, dict[str, int]] | None = None
-          ) -> dict[str, Any]:
+          stage_seconds: dict[str, float], policy: Policy, shared: dict[str, dict[str, int]] | None = None,
+          dyprag: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``summary.json``'s content (no I/O): each setting's verdict and what to run over the held-out questions
     with every row the summary needs (the others left out, and said: ``left_out``). ``shared``: the rows scored once
-    for another (``{row: {the row it shares: questions}}``)."""
+    for another (``{row: {the row it shares: questions}}``); ``dyprag``: the folder's DyPRAG record
+    (:func:`.dyprag.dyprag_record`), read into the ``dyprag`` section where DyPRAG's rows are in the table (a study
+    without them has no such key)."""
     keys, left = coverage(rows, needed_rows(rows, ctrls))
     rows = replace(rows, scores={k: v for k, v in rows.scores.items() if k[0] in set(keys) or
                                  rows.questions[k[0]].split != "test"})
@@ -126,6 +130,7 @@ def build(rows: ScoredRows, ctrls: Mapping[str, ControllerRecord], *, given: boo
     overall, by_dataset = _choices(rows, keys, verdicts_, given, policy)
     param = verdicts_["param"].to_json()
     pairs = paired_table(rows, keys, names, policy)
+    second = dyprag_section(rows, keys, names, pairs, verdicts_, dyprag, policy)  # DyPRAG, the second host
     return {
         "n_train": len(rows.train), "n_test": len(keys), "f1_unit": F1_UNIT, "settings": settings,
         "split": split_info(rows, settings).to_json(),
@@ -139,6 +144,7 @@ def build(rows: ScoredRows, ctrls: Mapping[str, ControllerRecord], *, given: boo
                     "settings": {s: v.to_json() for s, v in verdicts_.items()}, "what_to_run": overall,
                     "what_to_run_by_dataset": by_dataset},
         "ceiling": ceiling_info(rows, keys, pairs, verdicts_).to_json(),
+        **({} if second is None else {"dyprag": second.to_json()}),
         "training_verdict": _training_verdict(ctrls),
         "stage_seconds": stage_seconds, "shared_rows": shared or {},
     }
@@ -147,10 +153,12 @@ def build(rows: ScoredRows, ctrls: Mapping[str, ControllerRecord], *, given: boo
 def finish(rows: ScoredRows, ctrls: Mapping[str, ControllerRecord], *, given: bool, settings: dict[str, Any],
            stage_seconds: dict[str, float], out: Path, policy: Policy,
            shared: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
-    """:func:`build`, checked, then ``summary.json``, ``report.md`` and ``report.png`` (when matplotlib is there)
-    written to ``out``; returns the summary. Rows that cannot make a summary are one :class:`FcpragError` line."""
+    """:func:`build` (with the DyPRAG record of the folder ``out`` where DyPRAG's rows were scored), checked, then
+    ``summary.json``, ``report.md`` and ``report.png`` (when matplotlib is there) written to ``out``; returns the
+    summary. Rows that cannot make a summary are one :class:`FcpragError` line."""
+    record = dyprag_record(out) if any(is_dyprag(name) for _, name in rows.scores) else None
     summary = build(rows, ctrls, given=given, settings=settings, stage_seconds=stage_seconds, policy=policy,
-                    shared=shared)
+                    shared=shared, dyprag=record)
     problems = check_summary(summary)
     if problems:
         raise FcpragError(f"summary.json would be incomplete ({len(problems)} problems): " + "; ".join(problems)[:300])

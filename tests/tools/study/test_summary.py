@@ -147,8 +147,9 @@ def test_what_to_run_is_chosen_on_training_f1_and_measured_held_out(tmp_path):
     test = [q for q in qs if qs[q]["split"] == "test"]
     rec = {"recommended": s["verdict"]["settings"]["param"]["recommended_row"],
            "recommended_combine": s["verdict"]["settings"]["combine"]["recommended_row"]}
-    # combine ships PRAG's sum: its recommended row is prag_sum_combine itself, not a candidate of its own
-    cands = [c for c in summary.CANDIDATES if c != "recommended_combine"]
+    # combine ships PRAG's sum: its recommended row is prag_sum_combine itself, not a candidate of its own; DyPRAG's
+    # rows are candidates only where scored (none here)
+    cands = [c for c in summary.CANDIDATES if c != "recommended_combine" and not c.startswith("dyprag")]
     cost = ["vanilla", "standard_rag", "prag_sum", "prag_sum_combine", "recommended"]  # cheapest first
     scopes = [(None, s["verdict"]["what_to_run"])] + list(s["verdict"]["what_to_run_by_dataset"].items())
     made = 0

@@ -4,9 +4,13 @@ the controller folder that ships it. Adding a host's rows is adding entries to :
 :data:`.commands.HOSTS`).
 
 The cost order (:attr:`RowSpec.cost`, lower is cheaper): no retrieval; standard RAG (the passages in the prompt, no
-adapter); DyPRAG's ``dyprag`` / ``dyprag_combine`` (no per-passage training: one translator; ranks 20 and 25, kept
-free for its rows); PRAG's sum (an adapter trained per passage); its Combine (the same and the passages in the prompt,
-a longer prompt); a fusion (PRAG's adapters and a controller; DyPRAG's fusions go beside them).
+adapter); DyPRAG's ``dyprag`` / ``dyprag_combine`` (no per-passage training: one translator's forward per passage);
+PRAG's sum (an adapter trained per passage); its Combine (the same and the passages in the prompt, a longer prompt); a
+fusion (a controller over the passages' updates): DyPRAG's over the translator's LoRAs first, then PRAG's over its
+trained adapters (a passage's training costs more than a longer prompt, as between DyPRAG's rows and PRAG's).
+
+DyPRAG's rows (``always=False``) are candidates where a study scored them (a translator: ``fcprag study`` without
+``--no-dyprag``); they come after PRAG's in :data:`ROWS`, so the paper's table and the plot show PRAG's rows first.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ ROWS = {r.name: r for r in (
             "controller"),
     RowSpec("recommended_combine", "combine", 55, "the fusion this study ships, in the Combine prompt", "prag",
             "combine", "prag_sum_combine", "controller_combine"),
+    RowSpec("dyprag", "param", 20, "DyPRAG, the translator's LoRAs of the passages averaged", "dyprag", "dyprag",
+            always=False),
+    RowSpec("dyprag_combine", "combine", 25, "DyPRAG-Combine, DyPRAG with the passages in the prompt", "dyprag",
+            "dyprag_combine", always=False),
+    RowSpec("dyprag_recommended", "param", 45, "the fusion this study ships over DyPRAG's LoRAs, in its prompt",
+            "dyprag", "dyprag", "dyprag", "controller", always=False),
+    RowSpec("dyprag_recommended_combine", "combine", 48, "the fusion this study ships over DyPRAG's LoRAs, in the "
+            "Combine prompt", "dyprag", "dyprag_combine", "dyprag_combine", "controller_combine", always=False),
 )}
 CANDIDATES = tuple(ROWS)
 ALWAYS = tuple(r.name for r in ROWS.values() if r.always)

@@ -1,6 +1,7 @@
 """"What to run" (``verdict.what_to_run``, ``verdict.what_to_run_by_dataset``), overall and per dataset.
 
-The choice: among the candidates (:data:`.catalogue.CANDIDATES` less a ``recommended`` row that is PRAG's sum), the
+The choice: among the candidates (:data:`.catalogue.CANDIDATES` scored in the study, less a fusion row that is its
+host's own row: a ``recommended`` row that is PRAG's sum, a ``dyprag_recommended`` row that is DyPRAG's), the
 row with the highest mean F1 on the training questions; a tie goes to PRAG's sum when it is among the tied (nothing
 changes for a PRAG user), else to the cheapest tied row, and is said as a tie.
 
@@ -40,10 +41,17 @@ TIE = 1e-9  # training means this close are equal (the same answers give the sam
 ALPHA = 0.05  # the family-wise error of the held-out comparisons
 
 
+def same_as_host(verdicts: Mapping[str, SettingVerdict]) -> list[str]:
+    """The fusion rows that are their host's own row: where a setting ships PRAG's sum, its ``recommended`` row is
+    PRAG's sum and its ``dyprag_recommended`` row DyPRAG's own (``u = 1/N``), the same answers twice."""
+    plain = {s for s, v in verdicts.items() if v.recommended_row == f"prag_sum{suffix(s)}"}
+    return [r.name for r in ROWS.values() if r.controller and r.setting in plain]
+
+
 def candidates(verdicts: Mapping[str, SettingVerdict], rows: ScoredRows) -> list[str]:
     """:data:`CANDIDATES` scored in this study (a row every study scores, or one scored on some question), less a
-    ``recommended`` row that is PRAG's sum of its setting (the same answers twice)."""
-    same = {f"recommended{suffix(s)}" for s, v in verdicts.items() if v.recommended_row == f"prag_sum{suffix(s)}"}
+    fusion row that is its host's own row (:func:`same_as_host`)."""
+    same = set(same_as_host(verdicts))
     scored = {name for _, name in rows.scores}
     return [c for c in CANDIDATES if c not in same and (ROWS[c].always or c in scored)]
 

@@ -11,6 +11,14 @@ and ``encode.py``'s own default is 3 epochs, not the study's 1. PRAG joins ``--m
 (``data_aug/``, ``offline/``), so it must be a Hugging Face name or a folder relative to PRAG's checkout (an absolute
 path replaces the prefix); PRAG loads it with transformers and no GGUF file. Where the study knows no such name
 (a GGUF file, an absolute folder) the command carries a placeholder that names the model.
+
+DyPRAG's flags are those of its ``src/inference_dyprag.py`` (the same model and dataset names as PRAG's; required:
+``--model_name``, ``--dataset``, ``--max_new_tokens``, ``--num_train_epochs``, ``--inference_method`` ``dyprag`` or
+``dyprag_combine``, and the translator's ``--projector_path``, ``--inference_epoch``, ``--projector_p``, with
+``--lora_rank`` and ``--lora_alpha`` asserted present). It loads the translator from
+``projector/<--projector_path>/epoch_<--inference_epoch - 1>.pt`` in its checkout, so its command first copies the
+study's export there (``translator.json``: ``export``, ``dyprag_flags``); a fusion runs it under ``fcprag run dyprag
+--controller DIR --mode separate`` (the shim's ``u = w~/N`` on DyPRAG's separate averages, as the study scored it).
 """
 
 from __future__ import annotations
@@ -53,15 +61,16 @@ def absolute(name: str) -> bool:
     return os.path.isabs(name) or name.startswith("~")
 
 
-def prag_model(settings: Mapping[str, Any]) -> str:
-    """The model as PRAG's ``--model_name`` takes it, as a shell word: its short name when PRAG has one, the name as
-    given when it is a Hugging Face name or a relative folder, else a placeholder that names the model (a GGUF
-    file: the Hugging Face model it quantizes; an absolute folder: its name)."""
+def prag_model(settings: Mapping[str, Any], host: str = "PRAG") -> str:
+    """The model as PRAG's (``host``'s: DyPRAG shares PRAG's short names) ``--model_name`` takes it, as a shell
+    word: its short name when PRAG has one, the name as given when it is a Hugging Face name or a relative folder,
+    else a placeholder that names the model (a GGUF file: the Hugging Face model it quantizes; an absolute folder:
+    its name)."""
     named = str(settings.get("model_name") or settings.get("model") or "smollm2")
     if settings.get("gguf_file"):
         return shlex.quote(f"<the Hugging Face name of {gguf_model(settings['gguf_file'])}>")
     if absolute(named):
-        return shlex.quote(f"<the Hugging Face name of {Path(named).name}, or its folder relative to your PRAG "
+        return shlex.quote(f"<the Hugging Face name of {Path(named).name}, or its folder relative to your {host} "
                            "checkout>")
     return shlex.quote(PRAG_MODELS.get(named, named))
 
@@ -91,29 +100,79 @@ def prag_encode(settings: Mapping[str, Any], dataset: str, method: str) -> str |
 
 def prag_unknown(settings: Mapping[str, Any], datasets: Sequence[str]) -> str:
     """What a PRAG command cannot know, in one sentence."""
+    return _unknown(settings, datasets, "PRAG") + "."
+
+
+def _unknown(settings: Mapping[str, Any], datasets: Sequence[str], host: str) -> str:
+    """:func:`prag_unknown`'s sentence without its full stop."""
     odd = [d for d in datasets if prag_dataset(d) is None]
     named = str(settings.get("model_name") or settings.get("model") or "")
     gguf = settings.get("gguf_file")
     if gguf:
-        model = (f"; PRAG loads `--model_name` with transformers and no GGUF file, so give the Hugging Face name of "
+        model = (f"; {host} loads `--model_name` with transformers and no GGUF file, so give the Hugging Face name of "
                  f"{gguf_model(gguf)} (this study ran its quantized {Path(gguf).name}) or its folder relative to "
-                 "the checkout, never an absolute path (PRAG joins the name under its own folders)")
+                 f"the checkout, never an absolute path ({host} joins the name under its own folders)")
     elif absolute(named):
         model = ("; give `--model_name` as the model's Hugging Face name or its folder relative to the checkout, "
-                 "never an absolute path (PRAG joins the name under its own folders)")
+                 f"never an absolute path ({host} joins the name under its own folders)")
     else:
         model = ""
-    return ("Run them in your PRAG checkout (its `src/root_dir_path.py` set to it), after its `src/augment.py` has "
+    return (f"Run them in your {host} checkout (its `src/root_dir_path.py` set to it), after its `src/augment.py` has "
             "written `data_aug/` for the same `--model_name` and dataset: this study cannot know where your checkout "
             "and data are" + model
-            + (f"; PRAG knows the datasets {', '.join(sorted(set(PRAG_DATASETS.values())))}, not "
-               f"{', '.join(odd)}" if odd else "") + ".")
+            + (f"; {host} knows the datasets {', '.join(sorted(set(PRAG_DATASETS.values())))}, not "
+               f"{', '.join(odd)}" if odd else ""))
+
+
+# ----------------------------------------------------------------------------- DyPRAG's src/inference_dyprag.py
+def dyprag_flag(settings: Mapping[str, Any], key: str, what: str) -> str:
+    """One of the translator's flags (``translator.json``'s ``dyprag_flags``, which ``settings["translator"]``
+    carries) as a shell word; a placeholder naming ``what`` where the folder records no translator."""
+    v = ((settings.get("translator") or {}).get("dyprag_flags") or {}).get(key)
+    return shlex.quote(f"<{what}>" if v is None else f"{v:g}" if isinstance(v, float) else str(v))
+
+
+def dyprag_args(settings: Mapping[str, Any], dataset: str) -> list[str]:
+    """DyPRAG's ``src/inference_dyprag.py`` arguments but the method, for ``dataset``: the model, the answer length,
+    the study's recipe (``--num_train_epochs`` and ``--learning_rate`` only name DyPRAG's output folder), and the
+    translator's rank, alpha, folder under ``projector/``, epochs and width."""
+    from ..adapters import EPOCHS, LEARNING_RATE
+
+    return ["--model_name", prag_model(settings, "DyPRAG"), "--dataset", dataset,
+            "--max_new_tokens", str(settings.get("max_new_tokens", 16)), "--num_train_epochs", str(EPOCHS),
+            "--learning_rate", f"{LEARNING_RATE:g}",
+            "--lora_rank", dyprag_flag(settings, "lora_rank", "the translator's LoRA rank"),
+            "--lora_alpha", dyprag_flag(settings, "lora_alpha", "the LoRA alpha"),
+            "--projector_path", dyprag_flag(settings, "projector_path", "your translator's folder under projector/"),
+            "--inference_epoch", dyprag_flag(settings, "inference_epoch", "its epochs"),
+            "--projector_p", dyprag_flag(settings, "projector_p", "its hypernet width")]
+
+
+def dyprag_setup(settings: Mapping[str, Any]) -> str:
+    """The line that copies the study's exported translator into DyPRAG's ``projector/`` (``inference_dyprag.py``
+    loads ``projector/<--projector_path>/epoch_<--inference_epoch - 1>.pt`` from its checkout)."""
+    export = (settings.get("translator") or {}).get("export")
+    folder = str(Path(str(settings.get("out", "OUT"))) / Path(export).parent) if export else \
+        "<your translator folder, with its epoch_<E-1>.pt>"
+    return f"mkdir -p projector && cp -r {shlex.quote(folder)} projector/"
+
+
+def dyprag_unknown(settings: Mapping[str, Any], datasets: Sequence[str]) -> str:
+    """What a DyPRAG command cannot know, in one sentence."""
+    return (_unknown(settings, datasets, "DyPRAG") + "; DyPRAG's `--model_name` is a key of its own model table ("
+            + ", ".join(f"`{v}`" for v in PRAG_MODELS.values()) + ", folders under the path set in its "
+            "`src/utils.py`) or a name it loads as it is, and it picks its model class by `llama` or `qwen` in that "
+            "name (a Llama-architecture model of another name needs a folder name with `llama` in it); the "
+            "translator fits only the model it was made for, and its folder above is the study's as this study "
+            "was given it (give it as seen from the checkout).")
 
 
 @dataclass(frozen=True)
 class Host:
-    """A host's command: ``fcprag run NAME [--controller DIR --log fusion.jsonl] -- SCRIPT ARGS METHOD``, after
-    ``prepare``'s line when it gives one (what the script reads first: PRAG's passage adapters)."""
+    """A host's command: ``fcprag run NAME [--controller DIR MODE --log fusion.jsonl] -- SCRIPT ARGS METHOD``, after
+    ``prepare``'s line per dataset when it gives one (what the script reads first: PRAG's passage adapters), and
+    ``setup``'s once before them all (DyPRAG's translator copied where its script looks); ``prepared``: what the
+    first line does, in words; ``mode``: the shim's merge mode flags after ``--controller``."""
 
     name: str
     script: str
@@ -121,13 +180,19 @@ class Host:
     args: Callable[[Mapping[str, Any], str], list[str]]
     unknown: Callable[[Mapping[str, Any], Sequence[str]], str]
     prepare: Callable[[Mapping[str, Any], str, str], str | None] | None = None
-    prepared: str = ""  # what the prepare line does, in words
+    prepared: str = ""  # what the prepare (or setup) line does, in words
+    setup: Callable[[Mapping[str, Any]], str] | None = None
+    mode: str = ""
 
 
 HOSTS = {"prag": Host("prag", "src/inference.py", "--inference_method", prag_args, prag_unknown, prag_encode,
                       "PRAG's `src/encode.py` first trains the passage adapters with this study's recipe (`src/"
-                      "inference.py` looks them up by its epochs, learning rate, rank and alpha)")}
-# DyPRAG's rows bring Host("dyprag", "src/inference_dyprag.py", ...): its arguments and an exported translator
+                      "inference.py` looks them up by its epochs, learning rate, rank and alpha)"),
+         "dyprag": Host("dyprag", "src/inference_dyprag.py", "--inference_method", dyprag_args, dyprag_unknown,
+                        prepared="the first line copies the study's translator, exported in DyPRAG's format, into "
+                                 "DyPRAG's `projector/`, where `src/inference_dyprag.py` loads it "
+                                 "(`projector/<--projector_path>/epoch_<--inference_epoch - 1>.pt`)",
+                        setup=dyprag_setup, mode=" --mode separate")}
 
 
 def command(spec: RowSpec, settings: Mapping[str, Any], datasets: Sequence[str], controller: str | None = None,
@@ -137,7 +202,7 @@ def command(spec: RowSpec, settings: Mapping[str, Any], datasets: Sequence[str],
     ``prepare`` line; what it cannot know is said for ``every`` dataset of the study (one sentence under all its
     commands)."""
     host = HOSTS[spec.host]
-    via = f" --controller {shlex.quote(controller)} --log fusion.jsonl" if controller else ""
+    via = f" --controller {shlex.quote(controller)}{host.mode} --log fusion.jsonl" if controller else ""
     names = [prag_dataset(d) or shlex.quote(d) for d in datasets]
     word = '"$d"' if len(names) > 1 else names[0]
     run = f"fcprag run {host.name}{via} -- {host.script} " + " ".join(
@@ -146,4 +211,6 @@ def command(spec: RowSpec, settings: Mapping[str, Any], datasets: Sequence[str],
     lines = [first, run] if first else [run]
     text = "\n".join(lines) if len(names) == 1 else "\n".join(
         [f"for d in {' '.join(names)}; do", *(f"  {x}" for x in lines), "done"])
-    return text, host.prepared if first else "", host.unknown(settings, every or datasets)
+    once = host.setup(settings) if host.setup else None
+    return ("\n".join(filter(None, [once, text])), host.prepared if first or once else "",
+            host.unknown(settings, every or datasets))

@@ -1,14 +1,16 @@
 """Which held-out questions the summary can use: those with every row it needs (the paper's rows, PRAG's sum and the
-random controller of each setting, and each setting's scale and network rows). A question lacking some is left out
-of every held-out figure, and the summary says which rows and how many questions; a needed row that no held-out
-question has ends in one line (saying, when they are the random-controller rows, that the study is unfinished: those
-are scored after the verdict)."""
+random controller of each setting, each setting's scale and network rows, and in a study with DyPRAG's rows its own
+two, ``dyprag`` and ``dyprag_combine``, and its fusions once scored). A question lacking some is left out of every
+held-out figure, and the summary says which rows and how many questions; a needed row that no held-out question has
+ends in one line (saying, when they are the random-controller rows, that the study is unfinished: those are scored
+after the verdict)."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 from fcprag_plugin.errors import FcpragError
+from ..dyprag import FUSION, OWN, is_dyprag
 from .records import SETTINGS, ControllerRecord, ScoredRows, suffix
 
 
@@ -25,6 +27,9 @@ def needed_rows(rows: ScoredRows, ctrls: Mapping[str, ControllerRecord]) -> list
         names += [f"prag_sum{sfx}", f"random_controller{sfx}"] + ([f"scale:{kappa:g}{sfx}"] if kappa != 1.0 else [])
         if any(rows.has(q, f"learned{sfx}") for q in test):  # a network: its rows are measured
             names += [f"learned{sfx}", f"learned_same_total{sfx}"]
+    scored = {name for q, name in rows.scores if rows.questions[q].split == "test"}
+    if any(is_dyprag(n) for n in scored):  # DyPRAG's rows: its own, and its fusions once they are scored
+        names += [*OWN, *(n for n in FUSION if n in scored)]
     return names
 
 

@@ -1,12 +1,13 @@
 """``report.md`` from ``summary.json``'s content (every figure read from it, F1 in points, gold log-lik. in nats):
-the paper's table, what to run and the next commands, what ships in each setting and why its kappa, the ceiling,
-every row."""
+the paper's table, what to run and the next commands, DyPRAG's section where the study has its rows
+(:mod:`.dyprag_report`), what ships in each setting and why its kappa, the ceiling, every row."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from . import dyprag_report
 from .catalogue import ROWS
 from .tables import PAPER_ROWS
 from .words import VS, interval, pts, signed, step, what_ships_row
@@ -101,9 +102,11 @@ def choice_lines(s: dict[str, Any]) -> list[str]:
     count = ", ".join(f"{k} {sum(x in c for x in VS)}" for k, c in [("overall", w), *by.items()])
     same = [f"`{v['recommended_row'].replace('prag_sum', 'recommended')}`" for v in s["verdict"]["settings"].values()
             if v.get("recommended_row", "").startswith("prag_sum")]  # what ships is PRAG's sum: no candidate
+    twins = [f"`dyprag_{x[1:]}" for x in same] if "dyprag" in w["choice_f1"] else []  # DyPRAG's fusions likewise
     cands = ", ".join(sorted(w["choice_f1"], key=lambda r: ROWS[r].cost)) + (
-        f" ({' and '.join(same)}: PRAG's sum of {'their settings' if len(same) > 1 else 'its setting'} here, not a "
-        "candidate of its own)" if same else "")
+        f" ({' and '.join(same)}: PRAG's sum of {'their settings' if len(same) > 1 else 'its setting'} here"
+        + (f", and {' and '.join(twins)} DyPRAG's own {'rows' if len(twins) > 1 else 'row'}" if twins else "")
+        + f", not {'candidates of their own' if twins else 'a candidate of its own'})" if same else "")
     lines += [f"Candidates, cheapest first: {cands}; the one with the highest F1 on the {on} is chosen (a tie goes "
               "to PRAG's sum when it is tied: nothing changes for a PRAG user; else to the cheapest tied row). Its "
               "lead over the runner-up and over each cheaper candidate is paired on those questions "
@@ -224,7 +227,13 @@ def kappa_lines(s: dict[str, Any]) -> list[str]:
 
 
 def ceiling_lines(s: dict[str, Any]) -> list[str]:
-    """How much of the gold-passage ceiling the learned controller reaches, or why there is none."""
+    """How much of the gold-passage ceiling the learned controller reaches, or why there is none; then DyPRAG's fusion
+    and ceiling over its LoRAs (:func:`.dyprag_report.ceiling_lines`)."""
+    return prag_ceiling_lines(s) + dyprag_report.ceiling_lines(s)
+
+
+def prag_ceiling_lines(s: dict[str, Any]) -> list[str]:
+    """How much of PRAG's gold-passage ceiling the learned controller reaches, or why there is none."""
     c = s.get("ceiling") or {}
     lines = ["## Ceiling: the supporting passages alone", ""]
     if c.get("why_absent"):
@@ -255,6 +264,7 @@ def every_row_lines(s: dict[str, Any]) -> list[str]:
                      f"{pts(p.get('delta_f1'))} {interval(p.get('ci95_f1'))} | {_pct(p.get('mde_f1'))} |")
     notes = ["F1, EM and acc (answer presence) in points; deltas are paired against PRAG's sum of the row's setting "
              "over the held-out questions (percentile bootstrap, 2,000 resamples)."]
+    notes += [dyprag_report.PAIRED] if s.get("dyprag") else []
     notes += [text for row, text in (("oracle", "`oracle` reads the answer (a reference, not a method)."),
                                      ("average", "`average` is 1/N."),
                                      ("arrow", "`arrow` is PEFT's Arrow routing over the same adapters (per token "
@@ -276,11 +286,12 @@ def report(s: dict[str, Any], plot: str | None = None) -> str:
         "", "vanilla: the question alone, no adapter; standard_rag: the retrieved passages in the prompt, no adapter; "
         "prag_sum: PRAG's sum of the passage adapters; recommended: what this study ships; random_controller: an "
         "untrained controller at the same kappa (the paper's ablation); `_combine`: the passages in the prompt as "
-        "well as the adapter.", ""]
+        "well as the adapter." + (f" {dyprag_report.LEGEND}" if s.get("dyprag") else ""), ""]
     lines += [f"![F1 per row and dataset]({plot})", ""] if plot else [
         "(The plot needs matplotlib: `pip install matplotlib`, or the project's `plot` extra; then run the same "
         "command again.)", ""]
-    lines += choice_lines(s) + next_steps(s) + verdict_table(s) + kappa_lines(s) + ceiling_lines(s)
+    lines += choice_lines(s) + next_steps(s) + dyprag_report.dyprag_lines(s) + verdict_table(s) + kappa_lines(s)
+    lines += ceiling_lines(s)
     lines += every_row_lines(s)
     tv = s.get("training_verdict")
     if tv:

@@ -43,7 +43,8 @@ class Question:
 @dataclass(frozen=True)
 class Score:
     """One row of one question: gold log-lik. (nats), F1 / EM / answer presence (fractions of 1; None without a
-    greedy answer), and the ``w~``, prompt setting and passage ids it was scored with."""
+    greedy answer), and the ``w~``, prompt setting and passage ids it was scored with (a DyPRAG row: also the
+    sha256 of its ``translator``)."""
 
     logprob: float
     f1: float | None = None
@@ -52,6 +53,7 @@ class Score:
     w: tuple[float, ...] | None = None
     prompt: str | None = None
     pids: tuple[str, ...] | None = None
+    translator: str | None = None
 
     def get(self, metric: str) -> float | None:
         v = getattr(self, metric)
@@ -61,7 +63,8 @@ class Score:
     def from_dict(cls, r: Mapping[str, Any]) -> "Score":
         opt = lambda k: None if r.get(k) is None else float(r[k])  # noqa: E731
         tup = lambda k: None if r.get(k) is None else tuple(r[k])  # noqa: E731
-        return cls(float(r["logprob"]), opt("f1"), opt("em"), opt("acc"), tup("w"), r.get("prompt"), tup("pids"))
+        return cls(float(r["logprob"]), opt("f1"), opt("em"), opt("acc"), tup("w"), r.get("prompt"), tup("pids"),
+                   r.get("translator"))
 
 
 @dataclass(frozen=True)

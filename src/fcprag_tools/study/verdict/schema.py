@@ -100,7 +100,40 @@ def check_summary(s: Any) -> list[str]:
         bad += check_setting(sname, sv, trained)
     if s.get("f1_unit") != "fraction":
         bad.append("f1_unit: expected 'fraction' (F1 as a fraction of 1, as PRAG's scorer)")
-    return bad + check_what_to_run(v, s.get("datasets") or {})
+    if "dyprag" in methods and "dyprag" not in s:
+        bad.append("dyprag: expected DyPRAG's section where its rows are in the table")
+    return bad + check_what_to_run(v, s.get("datasets") or {}) + check_dyprag(s.get("dyprag"))
+
+
+def check_dyprag(d: Any) -> list[str]:
+    """The problems of the optional ``dyprag`` section (absent: none): the plan's comparisons made, each against
+    another row with its reading, F1 and gold log-lik. intervals, at one level over those made; the translator (or
+    why not), the cosines and the cost as objects; the fusion and ceiling rows each against DyPRAG's own row."""
+    if d is None:
+        return []
+    num, ci = _num, _interval
+    p = d.get("primary") if isinstance(d, dict) else None
+    if not isinstance(p, dict) or not isinstance(p.get("comparisons"), list) or \
+            p.get("n_comparisons") != len(p["comparisons"]):
+        return ["dyprag.primary: expected comparisons and n_comparisons, how many were made"]
+    m = p["n_comparisons"]
+    bad = [] if not m or math.isclose(p.get("level", 0), 1 - ALPHA / m) else \
+        [f"dyprag.primary: expected level 1 - {ALPHA:g}/{m} (Bonferroni over the comparisons made)"]
+    for c in p["comparisons"]:
+        if not isinstance(c, dict) or c.get("row") in (None, c.get("against")) or c.get("reading") not in READINGS \
+                or not ci(c.get("ci_f1")) or not num(c.get("delta_logprob")) or not ci(c.get("ci_logprob")):
+            bad.append(f"dyprag.primary: {c.get('key') if isinstance(c, dict) else c}: expected another row, a reading "
+                       f"of {list(READINGS)}, ci_f1 and delta_logprob with ci_logprob")
+    if d.get("translator") is None and not isinstance(d.get("why"), str):
+        bad.append("dyprag.translator: expected the translator's record, or why there is none")
+    bad += [f"dyprag.{k}: expected an object or null" for k in ("translator", "diversity", "cost")
+            if d.get(k) is not None and not isinstance(d[k], dict)]
+    for k in ("fusion", "ceiling"):
+        parts = d.get(k)
+        if not isinstance(parts, dict) or not all(isinstance(x, dict) and x.get("against") == host_of(x.get("row", ""))
+                                                  for x in parts.values()):
+            bad.append(f"dyprag.{k}: expected per setting a row paired against DyPRAG's own row of its setting")
+    return bad
 
 
 def check_choice(name: str, w: Any) -> list[str]:

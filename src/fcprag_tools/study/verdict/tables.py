@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from ..ceiling import reached
+from ..dyprag import OWN, is_dyprag
 from ..options import Policy
 from ..stats import detectable, paired
 from .catalogue import ALWAYS, CANDIDATES
@@ -142,8 +143,13 @@ def figures(rows: ScoredRows, keys: Sequence[str], name: str) -> RowFigures:
 
 
 def host_of(name: str) -> str:
-    """The host's own row in the setting of row ``name``: what its deltas are paired against."""
-    return "prag_sum_combine" if name.endswith("_combine") or name == "standard_rag" else "prag_sum"
+    """The host's own row in the setting of row ``name``: what its deltas are paired against. PRAG's sum for every
+    row but DyPRAG's fusion and ceiling rows, which are paired against DyPRAG's own row (``dyprag`` and
+    ``dyprag_combine`` themselves: against PRAG's sum, the per-passage adapters they stand in for)."""
+    combine = name.endswith("_combine") or name == "standard_rag"
+    if is_dyprag(name) and name not in OWN:
+        return "dyprag_combine" if combine else "dyprag"
+    return "prag_sum_combine" if combine else "prag_sum"
 
 
 def paired_table(rows: ScoredRows, keys: Sequence[str], names: Sequence[str], policy: Policy) -> dict[str, Paired]:

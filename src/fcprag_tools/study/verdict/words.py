@@ -128,11 +128,18 @@ def plain_held_out(c: dict[str, Any]) -> str:
 
 def _sentence(row: str, where: str | None) -> str:
     spec = ROWS[row]
+    if spec.controller and spec.host == "dyprag":
+        return (f"run DyPRAG with the study's translator through the shim with the controller that ships ({where}; "
+                "`--mode separate`, the merge the study scored: on DyPRAG's separate averages kappa acts squared)")
     if spec.controller:
         return f"run PRAG through the shim with the controller that ships ({where})"
     if row in ("prag_sum", "prag_sum_combine"):
         return (f"leave PRAG as it is, in its {'parametric' if row == 'prag_sum' else 'Combine'} setting (through the "
                 "shim with no controller it runs unchanged)")
+    if row in ("dyprag", "dyprag_combine"):
+        return (f"run DyPRAG as it is with the study's translator, in its "
+                f"{'parametric' if row == 'dyprag' else 'Combine'} setting (through the shim with no controller it "
+                "runs unchanged)")
     return f"run {spec.words}"
 
 
@@ -152,6 +159,8 @@ def step(s: dict[str, Any], row: str, datasets: list[str]) -> tuple[str, str, st
     if spec.controller:
         where = str(Path(str(st.get("out", "OUT"))) / spec.controller) if st.get("controller_trained", True) \
             else str(st.get("controller"))
+    if spec.host == "dyprag":  # its command copies the study's translator: the record's export and flags
+        st = {**st, "translator": (s.get("dyprag") or {}).get("translator")}
     line, first, unknown = command(spec, st, datasets, where, every=list(s["datasets"]))
     return _sentence(row, where) + (f"; {first}" if first else ""), line, unknown
 
