@@ -226,7 +226,7 @@ class Run:
                 "train_labels_sha256": train_set.sha256, "val_labels_sha256": val_set.sha256 if val_set else None,
                 "split": how, "n_train": len(train_recs), "n_val": len(val_recs),
                 "n_train_flat": int(train_t.flat.sum()), "embedding_model": name, "embed_dim": train_t.dim,
-                "cache_dir": str(cache.dir) if cache is not None else None,
+                "cache_dir": str(cache.path) if cache is not None else None,
                 "skipped": {"labels": len(train_set.skipped), **({"val": len(val_set.skipped)} if val_set else {})},
                 "versions": _versions(), "trained_for": trained_for(train_recs)}
         run = cls(args, out, resume, progress, train_set, val_set, train_t, val_t, name, info, t_start,
