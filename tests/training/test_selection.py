@@ -20,7 +20,7 @@ from fcprag_tools.synthetic import synthetic_records, table_encoder
 from fcprag_tools.train_report import train_table
 
 # small and fast, but the nets move enough in 6 epochs to learn a planted signal (and to overfit noise)
-QUICK = dict(epochs=6, lr=3e-3, val_fraction=0.0, controller={"score_hidden": [16], "calib_hidden": 8},
+QUICK = dict(epochs=6, lr=3e-3, controller={"score_hidden": [16], "calib_hidden": 8},
              progress=False, precision="fp32", threads=1, cache_dir="", objective="risk")
 GRID = [0.5, 1.5, 2.0, 3.0, 4.0]
 
