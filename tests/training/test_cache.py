@@ -20,6 +20,10 @@ def counting_encoder(calls, dim=16, name="hash-16"):
     return TextEncoder.from_function(fn, dim, name=name)
 
 
+def no_encoder():
+    raise AssertionError("the encoder must not be loaded when everything is cached")
+
+
 def ref_of(text):
     return torch.nn.functional.normalize(hash_embed([text], 16), dim=-1)[0]
 
@@ -42,16 +46,14 @@ def test_second_run_encodes_nothing_and_returns_identical_embeddings(tmp_path):
     assert calls3 == ["brand new"]
     cache = EmbeddingCache(tmp_path, "hash-16")
     assert len(cache) == 4 and [p.name for p in tmp_path.iterdir()] == [cache.path.name]
-    assert torch.equal(cache.get(texts), first) and torch.equal(cache.get(["brand new"])[0], ref_of("brand new"))
+    assert torch.equal(embed_texts(texts, no_encoder, cache), first)  # the old rows as they were
+    assert torch.equal(embed_texts(["brand new"], no_encoder, cache)[0], ref_of("brand new"))
 
 
 def test_fully_cached_run_never_builds_the_encoder(tmp_path):
     embed_texts(["a b", "c"], counting_encoder([]), EmbeddingCache(tmp_path, "hash-16"))
 
-    def factory():
-        raise AssertionError("the encoder must not be loaded when everything is cached")
-
-    out = embed_texts(["c", "a b"], factory, EmbeddingCache(tmp_path, "hash-16"))
+    out = embed_texts(["c", "a b"], no_encoder, EmbeddingCache(tmp_path, "hash-16"))
     assert out.shape == (2, 16)
     assert EmbeddingCache(tmp_path, "hash-16").dim == 16  # the dimension comes from the file
 
@@ -71,8 +73,9 @@ def test_dimension_mismatch_and_a_corrupt_file_name_the_file(tmp_path):
     with pytest.raises(EncoderError, match=rf"{path.name}: tensors 'keys' / 'emb' are \[\[1, 32\], \[1, 16\]\]; "
                                            r"expected \[M, 32\] and \[M, 32\] \(model 'hash-16'\): delete the file"):
         EmbeddingCache(tmp_path, "hash-16", dim=32)
-    with pytest.raises(EncoderError, match="holds 16-d rows"):
-        EmbeddingCache(tmp_path, "hash-16").add(["y"], torch.zeros(1, 32))
+    with pytest.raises(EncoderError, match=rf"encoder 'hash-16' gives 32-d embeddings but the cache {path} holds 16-d"):
+        embed_texts(["y"], counting_encoder([], dim=32), EmbeddingCache(tmp_path, "hash-16"))
+    assert len(EmbeddingCache(tmp_path, "hash-16")) == 1  # the file was left as it was
     path.write_bytes(b"not a safetensors file")
     with pytest.raises(EncoderError, match=rf"{path.name}: corrupt or unreadable safetensors file"):
         EmbeddingCache(tmp_path, "hash-16")

@@ -37,7 +37,8 @@ def text_key(text: str) -> bytes:
 
 
 class EmbeddingCache:
-    """One model's embeddings (names never share entries) in ``root``; ``dim`` checked on the file (None: read)."""
+    """One model's embeddings (names never share entries) in the file ``path`` under ``root``: ``rows`` by the
+    sha256 of their text; ``dim`` checked against the file (None: read from it)."""
 
     def __init__(self, root: str | Path, model_name: str, dim: int | None = None) -> None:
         slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name)[-60:].strip("._") or "model"
@@ -59,26 +60,10 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def missing(self, texts: Sequence[str]) -> list[str]:
-        """Distinct texts (first-seen order) that are not cached yet."""
-        return [t for t in dict.fromkeys(texts) if text_key(t) not in self.rows]
-
-    def get(self, texts: Sequence[str]) -> torch.Tensor:
-        """``[n, d]`` embeddings of cached texts (KeyError names the first missing one)."""
-        missing = self.missing(texts)
-        if missing:
-            raise KeyError(f"text not in the embedding cache: {missing[0][:60]!r}")
-        return torch.stack([self.rows[text_key(t)] for t in texts]) if texts else torch.empty(0, self.dim or 0)
-
-    def add(self, texts: Sequence[str], emb: torch.Tensor) -> Path:
-        """Store the embeddings ``emb [n, d]`` of ``texts`` and write the cache file again, whole."""
+    def save(self) -> Path:
+        """Write the file again, whole (atomically: a reader never sees half of it)."""
         from safetensors.torch import save
 
-        if emb.ndim != 2 or emb.shape[0] != len(texts) or emb.shape[1] != (self.dim or emb.shape[1]):
-            raise EncoderError(f"cache add: {len(texts)} texts and embeddings of shape {list(emb.shape)}; the cache "
-                               f"for '{self.model_name}' holds {self.dim or 'd'}-d rows, one per text")
-        self.dim = int(emb.shape[1])
-        self.rows.update(zip(map(text_key, texts), emb.detach().float().cpu()))
         keys = torch.frombuffer(bytearray(b"".join(self.rows)), dtype=torch.uint8).view(len(self.rows), 32)
         return write_atomic(self.path, save({"keys": keys, "emb": torch.stack(list(self.rows.values()))},
                                             metadata={"model": self.model_name}))
@@ -86,10 +71,11 @@ class EmbeddingCache:
 
 def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None = None, *,
                 batch_size: int = 256, progress: bool = False) -> torch.Tensor:
-    """``[len(texts), d]``; only texts missing from ``cache`` go to ``encoder`` (a TextEncoder or a factory)."""
-    texts = list(texts)
-    missing = cache.missing(texts) if cache is not None else list(dict.fromkeys(texts))
-    fresh = torch.empty(0, 0)
+    """``[len(texts), d]``; only texts missing from ``cache`` go to ``encoder`` (a TextEncoder or a factory), and
+    then the cache's file is written again."""
+    keys = [text_key(t) for t in texts]
+    rows = cache.rows if cache is not None else {}
+    missing = list(dict.fromkeys(t for t, k in zip(texts, keys) if k not in rows))
     if missing:
         enc = encoder() if callable(encoder) and not hasattr(encoder, "encode") else encoder
         if cache is not None and enc.name != cache.model_name:
@@ -97,16 +83,18 @@ def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None
         chunks = progress_bar(f"embedding {len(missing)} texts", None, unit="batch", enabled=progress,
                               iterable=range(0, len(missing), batch_size))
         fresh = torch.cat([enc.encode(missing[i:i + batch_size]) for i in chunks]).float()
+        if cache is not None and fresh.shape[1] != (cache.dim or fresh.shape[1]):
+            raise EncoderError(f"encoder '{enc.name}' gives {fresh.shape[1]}-d embeddings but the cache "
+                               f"{cache.path} holds {cache.dim}-d ones; delete it to encode again")
+        rows.update(zip(map(text_key, missing), fresh))
         if cache is not None:
-            cache.add(missing, fresh)
+            cache.dim = fresh.shape[1]
+            cache.save()
             logger.info("embedded %d new texts with '%s' (cache: %d entries in %s)", len(missing), enc.name,
                         len(cache), cache.path)
-    elif cache is not None and texts:
-        logger.info("all %d distinct texts found in the embedding cache %s", len(set(texts)), cache.path)
-    if cache is not None:
-        return cache.get(texts)
-    lookup = dict(zip(missing, fresh))
-    return torch.stack([lookup[t] for t in texts]) if texts else fresh
+    elif cache is not None and keys:
+        logger.info("all %d distinct texts found in the embedding cache %s", len(set(keys)), cache.path)
+    return torch.stack([rows[k] for k in keys]) if keys else torch.empty(0, 0)
 
 
 def resolve_encoder(encoder: Any) -> tuple[str, Any]:
