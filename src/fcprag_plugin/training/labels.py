@@ -9,9 +9,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Sequence
-
-import torch
+from typing import Any, Iterator
 
 from ..errors import FcpragError, LabelFileError
 from ..fileio import decode_utf8, iter_records, read_bytes
