@@ -15,9 +15,8 @@ from .options import (ENCODER, Runtime, add_flag, add_flags, check_out_file, fin
 from fcprag_plugin.errors import BARE, FcpragError, LabelFileError
 from fcprag_plugin.features import SIDE_FEATURES
 from fcprag_plugin.fileio import write_json
-from fcprag_plugin.training import (CHECKPOINT_DIR, CHOICES, CV_PARTIAL_NAME, DEFAULT_T_LABEL, MAX_EPOCHS, MAX_HIDDEN,
-                                    ON_ERROR, RECIPES, REMOVED, SkippedRecord, TrainArgs, load_labels,
-                                    read_checkpoint_state, read_cv_partial)
+from fcprag_plugin.training import (CHECKPOINT_DIR, CHOICES, DEFAULT_T_LABEL, MAX_EPOCHS, MAX_HIDDEN, ON_ERROR,
+                                    RECIPES, REMOVED, SkippedRecord, TrainArgs, load_labels, read_checkpoint_state)
 from .lm.model_io import set_threads
 from .plots import _pyplot, write_eval_plots, write_training_plots
 from .train_report import closing_lines, format_table, train_table
@@ -155,11 +154,6 @@ def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
         raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
     if not out.is_dir() or not any(out.iterdir()) or overwrite:
         return
-    if not (out / CHECKPOINT_DIR).exists() and read_cv_partial(out):  # an interrupted cross-validation
-        if resume:
-            return
-        raise FcpragError(f"--out {out} holds the finished folds of an interrupted cross-validation "
-                          f"({CV_PARTIAL_NAME}); pass --resume to continue it or --overwrite to start over")
     if not (out / CHECKPOINT_DIR).exists():
         what = "--resume found no checkpoint there and it" if resume else "it"
         raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
@@ -221,22 +215,17 @@ def _after_interrupt(args: argparse.Namespace, out: Path, before: set[str] | Non
     if state is not None and not (args.overwrite and state == state_before):  # not the run --overwrite replaces
         return (f"interrupted after epoch {state.get('epoch')}, which {out}/{CHECKPOINT_DIR} holds; this continues "
                 f"the run: {_command(args.argv, add='--resume', drop='--overwrite')}")
-    partial = read_cv_partial(out)
-    if partial is not None and partial["folds"]:
-        return (f"interrupted during the cross-validation after {len(partial['folds'])} of {partial.get('n_folds')} "
-                f"folds, which {out}/{CV_PARTIAL_NAME} keeps (with {out}/training_args.json); this continues from "
-                f"there: {_command(args.argv, add='--resume', drop='--overwrite')}")
     _remove_new(out, before)
     kept = ("nothing was kept" if not before else
             f"what this run had written into {out} was removed (the rest was there before)")
     try:
         check_train_out(out, args.overwrite, args.resume)
     except FcpragError:  # e.g. --resume, and this run had already removed the checkpoint it would restart from
-        return (f"interrupted before the first cross-validation fold or epoch finished; {kept}, and {out} holds no "
-                f"checkpoint to resume: "
+        return (f"interrupted before the first epoch (an unfinished cross-validation is done again); {kept}, and "
+                f"{out} holds no checkpoint to resume: "
                 f"start over with {_command(args.argv, add='--overwrite', drop='--resume')}")
-    return (f"interrupted before the first cross-validation fold or epoch finished; {kept}: run the same command "
-            f"again: {_command(args.argv)}")
+    return (f"interrupted before the first epoch (an unfinished cross-validation is done again); {kept}: run the "
+            f"same command again: {_command(args.argv)}")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

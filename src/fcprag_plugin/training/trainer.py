@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 import time
@@ -27,7 +26,7 @@ from .embed_cache import open_cache, resolve_encoder
 from .labels import LabelRecord, LabelSet, as_label_set, drop_held_out
 from .evaluation import evaluate
 from .precision import autocast, resolve_precision
-from .selection import CV_NAME, CV_PARTIAL_NAME, fold_kappa, has_measured, read_cv_partial, select
+from .selection import CV_NAME, fold_kappa, has_measured, select
 from .targets import risk_loss, weighted_kl
 
 logger = logging.getLogger(__name__)
@@ -214,33 +213,23 @@ class Run:
             if (out / CHECKPOINT_DIR).exists():
                 logger.warning("%s: overwriting the previous run", out)
                 shutil.rmtree(out / CHECKPOINT_DIR)
-            for name in (CV_NAME, CV_PARTIAL_NAME):
-                (out / name).unlink(missing_ok=True)
+            (out / CV_NAME).unlink(missing_ok=True)
         write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": resolve_precision(
             args.precision), "risk_lambda_used": args.risk_lambda_for(train_t), **info})
         return run
 
     def cross_validate(self) -> dict[str, Any] | None:
-        """The nested cross-validation of :mod:`.selection` (None with ``cv_folds=0``), kept in ``cv.json`` so that a
-        resume does not redo it unless ``epochs`` changed (:meth:`fit` checks the rest)."""
+        """The nested cross-validation of :mod:`.selection` (None with ``cv_folds=0``), kept in ``cv.json`` once it is
+        finished, so that a resume does not redo it unless ``epochs`` changed (:meth:`fit` checks the rest; an
+        interrupted one is done again)."""
         args, path = self.args, self.out / CV_NAME
         if not args.cv_folds:
             return None
         cv = read_json_if_present(path, FcpragError, fix="delete it to run the cross-validation again")
         # a per-query scale part: an earlier version's verdict, Bonferroni-adjusted over three parts
         if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv or "query_scale" in cv:
-            # finished folds are kept (CV_PARTIAL_NAME), not redone on a resume with the same arguments and labels
-            key = {"args": {k: v for k, v in asdict(args).items() if k not in RESUME_FREE or k == "epochs"},
-                   "label_sha256": self.train_set.sha256}
-            partial = read_cv_partial(self.out) if self.resume else None
-            same = partial is not None and partial.get("key") == json.loads(json.dumps(finite_or_none(key),
-                                                                                        default=str))
-            done = partial["folds"] if same else []  # made with other arguments or labels: the CV starts over
-            cv = select(self.train, args, self.embedding_model, Trainer, args.scale_rule, self.progress, done=done,
-                        on_fold=lambda folds: write_json(self.out / CV_PARTIAL_NAME, {
-                            "key": key, "n_folds": args.cv_folds, "folds": folds}))
+            cv = select(self.train, args, self.embedding_model, Trainer, args.scale_rule, self.progress)
             write_json(path, cv)
-            (self.out / CV_PARTIAL_NAME).unlink(missing_ok=True)
         if args.keep_network and cv["shipped"] != "network":  # keep_network may change on a resume
             cv = {**cv, "shipped": "network"}
         return cv
