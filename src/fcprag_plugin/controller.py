@@ -31,7 +31,8 @@ from .controller_config import (CHECKPOINT_MARKERS, CONFIG_NAME, WEIGHTS_NAME, C
 from .encoding import check_recorded_model, get_encoder
 from .errors import BARE, ControllerError, kw
 from .loading import LoadCache, file_signature
-from .features import CALIB_STATS, adapter_recipe, calibration_summary, center_side, passage_features, side_matrix
+from .features import (ADAPTER_STAT_NAMES, CALIB_STATS, adapter_recipe, adapter_stats, calibration_summary,
+                       center_side, passage_features)
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,49 @@ class CalibNet(nn.Sequential):
         tau = self.tau_min + (self.tau_max - self.tau_min) * torch.sigmoid(out[:, 1])
         c = 2 * torch.sigmoid(out[:, 2]) if out.shape[1] > 2 else None
         return g, tau, c
+
+
+def _side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieval_ranks: Any, retrieval_scores: Any,
+                 adapter_stats_: Any) -> tuple[torch.Tensor, list[str]]:
+    """The raw side-feature columns ``[n, k]`` of one query from :meth:`FusionController.predict`'s arguments, and
+    the ``optional`` features that were missing (constant columns: no difference between the passages)."""
+    given = {"retrieval_rank": retrieval_ranks, "retrieval_score": retrieval_scores, "adapter_stats": adapter_stats_}
+    missing = [nm for nm in names if given[nm] is None]
+    required = [f"{nm}s" if nm != "adapter_stats" else nm for nm in missing if nm not in optional]
+    if required:
+        raise ControllerError(f"this controller was trained with side features {list(names)}; pass "
+                              f"{', '.join(map(kw, required))} (one value per passage) to use it",
+                              params=[(nm, BARE) for nm in required])
+    cols = []
+    for nm in names:
+        if given[nm] is None:
+            cols.append(torch.zeros(n, 1))
+        elif nm != "adapter_stats":
+            t = torch.as_tensor(given[nm], dtype=torch.float32).reshape(-1)
+            if t.numel() != n:
+                raise ControllerError(f"{kw(nm + 's')} has {t.numel()} values for {n} passages; expected one each",
+                                      params=[(nm + "s", BARE)])
+            cols.append(t.unsqueeze(1))
+        else:
+            rows = [adapter_stats(a) if hasattr(a, "modules") else a for a in given[nm]]
+            if len(rows) != n:
+                raise ControllerError(f"adapter_stats= has {len(rows)} entries for {n} passages; expected one each")
+            try:
+                mat = [[float(r[k]) for k in ADAPTER_STAT_NAMES] if isinstance(r, dict) else [float(x) for x in r]
+                       for r in rows]
+                t = torch.tensor(mat, dtype=torch.float32)  # (rows of different lengths: ValueError)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ControllerError(f"adapter_stats=: expected a LoraAdapter, a dict with keys "
+                                      f"{list(ADAPTER_STAT_NAMES)} or a list of {len(ADAPTER_STAT_NAMES)} numbers "
+                                      f"per passage ({e})") from e
+            if t.shape != (n, len(ADAPTER_STAT_NAMES)):
+                raise ControllerError(f"adapter_stats= gives shape {list(t.shape)}, expected "
+                                      f"[{n}, {len(ADAPTER_STAT_NAMES)}]")
+            cols.append(t)
+    side = torch.cat(cols, 1)
+    if not bool(torch.isfinite(side).all()):
+        raise ControllerError(f"side features {list(names)} contain non-finite values")
+    return side, missing
 
 
 def _check_inputs(c: ControllerConfig, e_q: torch.Tensor, E_p: torch.Tensor, mask: torch.Tensor | None,
@@ -281,7 +325,7 @@ class FusionController(nn.Module):
         self.check_encoder(encoder)
         side = None
         if self.config.side_features and self.config.controller_mode != "uniform":
-            side, missing = side_matrix(self.config.side_features, self.config.optional_side, len(passages),
+            side, missing = _side_matrix(self.config.side_features, self.config.optional_side, len(passages),
                                          retrieval_ranks, retrieval_scores, adapter_stats)
             side = side.unsqueeze(0)
             for name in missing:

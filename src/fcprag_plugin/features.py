@@ -8,8 +8,6 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import BARE, ControllerError, kw
-
 
 def pair_features(e_q: torch.Tensor, E_p: torch.Tensor) -> torch.Tensor:
     """``e_q [B, d]``, ``E_p [B, N, d]`` -> ``x [B, N, 4d]``: ``e_q`` beside each :func:`passage_features` row."""
@@ -119,46 +117,3 @@ def center_side(side: torch.Tensor, mask: torch.Tensor | None, scale: torch.Tens
     if mask is not None:
         centered = centered.masked_fill(~m3, 0.0)
     return centered if scale is None else centered / scale
-
-
-def side_matrix(names: Sequence[str], optional: Sequence[str], n: int, retrieval_ranks: Any, retrieval_scores: Any,
-                adapter_stats_: Any) -> tuple[torch.Tensor, list[str]]:
-    """The raw side-feature columns ``[n, k]`` of one query from ``FusionController.predict``'s arguments, and the
-    ``optional`` features that were missing (constant columns: no difference between the passages)."""
-    given = {"retrieval_rank": retrieval_ranks, "retrieval_score": retrieval_scores, "adapter_stats": adapter_stats_}
-    missing = [nm for nm in names if given[nm] is None]
-    required = [f"{nm}s" if nm != "adapter_stats" else nm for nm in missing if nm not in optional]
-    if required:
-        raise ControllerError(f"this controller was trained with side features {list(names)}; pass "
-                              f"{', '.join(map(kw, required))} (one value per passage) to use it",
-                              params=[(nm, BARE) for nm in required])
-    cols = []
-    for nm in names:
-        if given[nm] is None:
-            cols.append(torch.zeros(n, 1))
-        elif nm != "adapter_stats":
-            t = torch.as_tensor(given[nm], dtype=torch.float32).reshape(-1)
-            if t.numel() != n:
-                raise ControllerError(f"{kw(nm + 's')} has {t.numel()} values for {n} passages; expected one each",
-                                      params=[(nm + "s", BARE)])
-            cols.append(t.unsqueeze(1))
-        else:
-            rows = [adapter_stats(a) if hasattr(a, "modules") else a for a in given[nm]]
-            if len(rows) != n:
-                raise ControllerError(f"adapter_stats= has {len(rows)} entries for {n} passages; expected one each")
-            try:
-                mat = [[float(r[k]) for k in ADAPTER_STAT_NAMES] if isinstance(r, dict) else [float(x) for x in r]
-                       for r in rows]
-                t = torch.tensor(mat, dtype=torch.float32)  # (rows of different lengths: ValueError)
-            except (KeyError, TypeError, ValueError) as e:
-                raise ControllerError(f"adapter_stats=: expected a LoraAdapter, a dict with keys "
-                                      f"{list(ADAPTER_STAT_NAMES)} or a list of {len(ADAPTER_STAT_NAMES)} numbers "
-                                      f"per passage ({e})") from e
-            if t.shape != (n, len(ADAPTER_STAT_NAMES)):
-                raise ControllerError(f"adapter_stats= gives shape {list(t.shape)}, expected "
-                                      f"[{n}, {len(ADAPTER_STAT_NAMES)}]")
-            cols.append(t)
-    side = torch.cat(cols, 1)
-    if not bool(torch.isfinite(side).all()):
-        raise ControllerError(f"side features {list(names)} contain non-finite values")
-    return side, missing
