@@ -155,7 +155,7 @@ def deciding_objective(ctrl: Any, labels: Path, encoder: Any, metrics: dict[str,
     is expected and says nothing about the verdict.
     """
     from fcprag_plugin.training import load_labels
-    from fcprag_plugin.training.labels import drop_held_out
+    from fcprag_plugin.labels import drop_held_out
     from fcprag_plugin.training.targets import first_order_gain, risk_objective
     from fcprag_tools.evaluate import evaluate_controller
 

@@ -14,7 +14,7 @@ from fcprag_plugin.controller import ControllerConfig
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.features import ADAPTER_STAT_NAMES, adapter_stats, center_side
 from fcprag_plugin.training import build_tensors, evaluate, load_labels, train_controller
-from fcprag_plugin.training.labels import LabelRecord, validate_record
+from fcprag_plugin.labels import LabelRecord, validate_record
 from fcprag_tools.synthetic import record_to_json, synthetic_records, table_encoder, write_labels
 from helpers import make_adapter_dir
 

@@ -125,7 +125,7 @@ def check_delta_range(label_set, t_label: float, on_error: str) -> None:
 def read_label_file(path: str, on_error: str, t_label: float):
     """The CLI's label reader: bounded line length, the library's validation, deltas in float32 range."""
     check_line_lengths(path)
-    log = logging.getLogger("fcprag_plugin.training.labels")
+    log = logging.getLogger("fcprag_plugin.labels")
     level = log.level
     log.setLevel(logging.ERROR)  # the reader logs skipped records; _print_skipped prints them (once)
     try:

@@ -6,7 +6,7 @@ import torch
 from fcprag_plugin.errors import EncoderError
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.training.embed_cache import EmbeddingCache, embed_texts
-from fcprag_plugin.training.labels import LabelRecord
+from fcprag_plugin.labels import LabelRecord
 from helpers import hash_embed
 
 

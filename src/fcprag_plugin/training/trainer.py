@@ -23,7 +23,7 @@ from .args import REMOVED, RESUME_FREE, TrainArgs
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, resumable_state, save_checkpoint
 from .data import LabelTensors, build_tensors, side_rows
 from .embed_cache import open_cache, resolve_encoder
-from .labels import LabelRecord, LabelSet, as_label_set, drop_held_out
+from ..labels import LabelRecord, LabelSet, as_label_set, drop_held_out
 from .evaluation import evaluate
 from .precision import autocast, resolve_precision
 from .selection import CV_NAME, fold_kappa, has_measured, select

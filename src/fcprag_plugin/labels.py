@@ -1,5 +1,7 @@
-"""Leave-one-out label files: parsing and validation (JSON Lines or a JSON array; the format, the error messages
-``FILE:LINE: field 'NAME': ...`` and ``on_error``: ``docs/label-format.md``, ``schemas/labels.schema.json``)."""
+"""Leave-one-out label files, the format between what writes labels (``fcprag labels build``) and what reads them
+(the trainer, ``fcprag eval``, the study's verdict): parsing and validation (JSON Lines or a JSON array; the format,
+the error messages ``FILE:LINE: field 'NAME': ...`` and ``on_error``: ``docs/label-format.md``,
+``schemas/labels.schema.json``)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import FcpragError, LabelFileError
-from ..fileio import decode_utf8, iter_records, read_bytes
+from .errors import FcpragError, LabelFileError
+from .fileio import decode_utf8, iter_records, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +278,7 @@ def _f1_scale_fields(obj: dict[str, Any], scales: list[float] | None
 
 def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
     """``adapter_stats``: one object per passage with (at least) the keys of ``features.ADAPTER_STAT_NAMES``."""
-    from ..features import ADAPTER_STAT_NAMES
+    from .features import ADAPTER_STAT_NAMES
 
     out = []
     for i, row in enumerate(_list_of_n(v, "adapter_stats", n, "objects")):
