@@ -189,8 +189,8 @@ class Run:
         train_set = as_label_set(labels, args.on_error, "labels")
         train_recs = drop_held_out(train_set.records, train_set.path)
         if not train_recs:
-            raise LabelFileError(f"{train_set.path}: no record to train on (every record has a split other than "
-                                 "'train')")
+            raise LabelFileError(f"{train_set.path}: no record to train on (records of a split other than 'train' "
+                                 "are left out)")
         logger.info("%d training records", len(train_recs))
         for r in train_recs:  # every field the side features need, before any text is embedded
             side_rows(r, args.side_features)
