@@ -1,8 +1,7 @@
 """Training throughput: 10 epochs over 10,000 synthetic records with N = 3 and cached embeddings.
 
-The script writes a synthetic label file (plus a 1,000-record validation file), fills the embedding cache once
-(not timed), then times ``train_controller`` end to end with a warm cache (parsing, cache look-up, training,
-per-epoch validation and checkpoints, final metrics) for each requested precision, and prints seconds, CPU-seconds
+The script writes a synthetic label file, fills the embedding cache once (not timed), then times
+``train_controller`` end to end with a warm cache (parsing, cache look-up, training, checkpoints, final metrics) for each requested precision, and prints seconds, CPU-seconds
 and records/s, for comparing versions of the trainer side by side (no time target; bf16 runs through
 ``torch.autocast``: docs/results/bench_train.md). The timed runs
 train exactly ``--epochs`` epochs (``cv_folds=0``); ``--cv-folds K`` times the trainer's default instead, whose
@@ -39,7 +38,6 @@ from fcprag_tools.synthetic import synthetic_records, table_encoder, write_label
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, default=10_000)
-    ap.add_argument("--val-records", type=int, default=1_000)
     ap.add_argument("--n", type=int, default=3, help="passages per record")
     ap.add_argument("--dim", type=int, default=384, help="embedding size (384: all-MiniLM-L6-v2, 768: bge-base)")
     ap.add_argument("--epochs", type=int, default=10)
@@ -58,22 +56,18 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.2f} "
           "(other jobs on the CPU slow every figure below)")
     print(f"the trainer's default precision 'auto' is {resolve_precision('auto')} on this CPU")
-    print(f"task: {a.epochs} epochs x {a.records} records, N = {a.n}, d = {a.dim}, batch {a.batch_size}, "
-          f"+ {a.val_records} validation records")
+    print(f"task: {a.epochs} epochs x {a.records} records, N = {a.n}, d = {a.dim}, batch {a.batch_size}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         train, table = synthetic_records(a.records, a.n, a.dim, seed=0)
-        val, vtable = synthetic_records(a.val_records, a.n, a.dim, seed=1, prefix="v")
-        table.update(vtable)
         write_labels(train, tmp / "train.jsonl")
-        write_labels(val, tmp / "val.jsonl")
         calls: list = []
         enc = table_encoder(table, f"synthetic-{a.dim}", calls)
         cache = tmp / "cache"
         # warm the cache (not timed): one epoch-less pass that embeds every text
         t0 = time.perf_counter()
-        train_controller(tmp / "train.jsonl", tmp / "warm", val=tmp / "val.jsonl", encoder=enc, cache_dir=cache,
+        train_controller(tmp / "train.jsonl", tmp / "warm", encoder=enc, cache_dir=cache,
                          epochs=1, progress=False, controller={"score_hidden": [8], "calib_hidden": 8}, cv_folds=0)
         encoded = sum(len(c) for c in calls)
         print(f"cache warm-up: embedded {encoded} texts in {time.perf_counter() - t0:.1f} s (not timed)")
@@ -83,7 +77,7 @@ def main() -> int:
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c0 = time.process_time()
             t0 = time.perf_counter()
-            res = train_controller(tmp / "train.jsonl", tmp / f"run-{prec}", val=tmp / "val.jsonl", encoder=enc,
+            res = train_controller(tmp / "train.jsonl", tmp / f"run-{prec}", encoder=enc,
                                    cache_dir=cache, epochs=a.epochs, batch_size=a.batch_size, precision=prec,
                                    progress=False, cv_folds=a.cv_folds)
             dt = time.perf_counter() - t0
@@ -94,13 +88,15 @@ def main() -> int:
             rps = a.epochs * a.records / dt
             r = {"precision": prec, "seconds": round(dt, 2), "cpu_seconds": round(cpu, 2), "records_per_s": round(rps, 1),
                  "fit_s": res.metrics["timing_s"]["fit"], "data_s": res.metrics["timing_s"]["data"],
-                 "re_encoded_texts": re_encoded, "minor_page_faults": faults, "val_kl": res.metrics["val"]["learned"]["kl"],
-                 "val_kl_uniform": res.metrics["val"]["uniform"]["kl"], "val_top1": res.metrics["val"]["learned"]["top1"]}
+                 "re_encoded_texts": re_encoded, "minor_page_faults": faults, "train_kl": res.metrics["train"]["learned"]["kl"],
+                 "train_kl_uniform": res.metrics["train"]["uniform"]["kl"],
+                 "train_top1": res.metrics["train"]["learned"]["top1"]}
             results.append(r)
             print(f"[{prec}] {dt:.1f} s total (data {r['data_s']:.1f} s, fit {r['fit_s']:.1f} s; {cpu:.1f} CPU-s; "
                   f"{faults / 1e3:.0f}k page faults), "
                   f"{rps:.0f} records/s; re-encoded texts: {re_encoded}; "
-                  f"val KL {r['val_kl']:.4f} (uniform {r['val_kl_uniform']:.4f}), top-1 {r['val_top1']:.3f}")
+                  f"KL on the training records {r['train_kl']:.4f} (uniform {r['train_kl_uniform']:.4f}), top-1 "
+                  f"{r['train_top1']:.3f}")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     if len(results) == 2:
         print(f"fp32 / bf16 time ratio: {results[0]['seconds'] / results[1]['seconds']:.2f}x")

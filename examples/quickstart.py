@@ -91,12 +91,14 @@ def demo_key(labels: Path, encoder: Any) -> dict[str, Any]:
 
 
 def reusable(out_dir: Path, key: dict[str, Any]) -> bool:
-    """``out_dir`` holds a finished controller trained for ``key``."""
+    """``out_dir`` holds a finished controller trained for ``key`` (and metrics of the training records: a run of
+    a version with a validation split trains again)."""
     try:
         saved = json.loads((out_dir / KEY_NAME).read_text(encoding="utf-8"))
+        metrics = json.loads((out_dir / "metrics.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return saved == key and (out_dir / "config.json").is_file() and (out_dir / "metrics.json").is_file()
+    return saved == key and (out_dir / "config.json").is_file() and "train" in metrics
 
 
 def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = TRAIN_OUT, out=print,
@@ -111,7 +113,7 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
     from fcprag_plugin import FusionController
     from fcprag_plugin.fileio import write_json
     from fcprag_plugin.training import train_controller
-    from fcprag_tools.train_report import format_table, train_table, verdict_lines
+    from fcprag_tools.train_report import train_table
 
     key = demo_key(labels, encoder)
     if not retrain and reusable(out_dir, key):
@@ -120,26 +122,21 @@ def train_demo_controller(encoder: Any, labels: Path = LABELS, out_dir: Path = T
         out(f"reusing the controller in {out_dir}, trained earlier from the same inputs ({KEY_NAME}: "
             f"{labels.name} sha256 {key['labels_sha256'][:12]}..., the recipe, {encoder.name}, fcprag-plugin "
             f"{key['fcprag_plugin']}); --retrain trains a new one")
-        held = "val" if metrics.get("val") else "train"  # the table the training printed, as it saved it
-        for line in format_table(metrics[held], "validation" if held == "val" else "training set").splitlines():
+        for line in train_table(metrics).splitlines():  # the table the training printed, as it saved it
             out(f"  {line}")
-        if metrics.get("cv"):
-            out("")
-            for line in verdict_lines(metrics["cv"]):
-                out(f"  {line}")
     else:
         (out_dir / KEY_NAME).unlink(missing_ok=True)  # an interrupted training must not look finished
         out(f"training a controller on {labels.name} (recipe: {describe_recipe()}); progress below")
         t0 = time.perf_counter()
         res = train_controller(str(labels), out_dir, encoder=encoder, overwrite=True, progress=progress,
                                cache_dir=cache_dir, **RECIPE)
-        out(f"trained a controller on {labels.name} ({res.n_train} train / {res.n_val} validation queries) "
+        out(f"trained a controller on {labels.name} ({res.n_train} training queries) "
             f"in {time.perf_counter() - t0:.0f}s -> {out_dir}")
         for line in train_table(res.metrics).splitlines():
             out(f"  {line}")
         write_json(out_dir / KEY_NAME, key)
         ctrl, metrics = res.controller, res.metrics
-    for line in deciding_objective(ctrl, out_dir, labels, encoder, metrics, cache_dir):
+    for line in deciding_objective(ctrl, labels, encoder, metrics, cache_dir):
         out(f"  {line}")
     return ctrl
 
@@ -148,26 +145,22 @@ def describe_recipe() -> str:
     return ", ".join(f"{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in RECIPE.items())
 
 
-def deciding_objective(ctrl: Any, out_dir: Path, labels: Path, encoder: Any, metrics: dict[str, Any],
+def deciding_objective(ctrl: Any, labels: Path, encoder: Any, metrics: dict[str, Any],
                        cache_dir: str | None) -> list[str]:
     """Lines that say which objective decides (the recipe's training objective and the verdict's held-out gain)
-    and print its numbers for the learned controller, uniform and random on the validation records, side by side.
+    and print its numbers for the learned controller, uniform and random on the training records, side by side (in
+    sample: the verdict is the held-out figure).
 
     The table above also shows KL, the paper's objective; with ``objective='risk'`` a learned KL above uniform's
     is expected and says nothing about the verdict.
     """
     from fcprag_plugin.training import load_labels
-    from fcprag_plugin.training.labels import IGNORED_SPLITS
+    from fcprag_plugin.labels import drop_held_out
     from fcprag_plugin.training.targets import first_order_gain, risk_objective
-    from fcprag_plugin.training.trainer import split_records
     from fcprag_tools.evaluate import evaluate_controller
 
-    saved = json.loads((out_dir / "training_args.json").read_text(encoding="utf-8"))
-    records = [r for r in load_labels(labels).records if r.split not in IGNORED_SPLITS]
-    _, val, _ = split_records(records, saved["val_fraction"], saved["seed"])  # the trainer's own split
-    if not val:
-        return []
-    ev = evaluate_controller(ctrl, val, encoder=encoder, cache_dir=cache_dir)
+    records = drop_held_out(load_labels(labels).records, str(labels))  # what the trainer trained on
+    ev = evaluate_controller(ctrl, records, encoder=encoder, cache_dir=cache_dir)
     objective, lam = metrics["objective"], metrics.get("risk_lambda")
     gain = "sum_i (w~_i - 1) delta_i"
     rows: list[tuple[str, dict[str, float]]] = [(f"gain  {gain}", {})]
@@ -192,7 +185,7 @@ def deciding_objective(ctrl: Any, out_dir: Path, labels: Path, encoder: Any, met
                             if objective == "risk" else ev.metrics[name]["kl"])
     names = list(ev.outputs)
     width = max(len(r[0]) for r in rows)
-    lines.append(f"on the {len(val)} validation records (mean per record):")
+    lines.append(f"on the {len(records)} training records, in sample (mean per record):")
     lines.append(f"  {'':<{width}}" + "".join(f" {n:>10}" for n in names))
     for label, vals in rows:
         lines.append(f"  {label:<{width}}" + "".join(f" {vals[n]:>+10.4f}" for n in names))

@@ -18,7 +18,7 @@ def encoder16():
 def labelled(tmp_path):
     """A label file, a validation file, and an embedding cache that already holds every text under the model
     name 'syn8' (so the CLI, given --encoder syn8, never has to load a model)."""
-    from fcprag_plugin.training import train_controller
+    from fcprag_plugin.training.embed_cache import EmbeddingCache, embed_texts
     from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 
     recs, table = synthetic_records(120, (2, 4), 8, seed=11)
@@ -27,7 +27,5 @@ def labelled(tmp_path):
     write_labels(recs, tmp_path / "train.jsonl")
     write_labels(vrecs, tmp_path / "val.jsonl")
     cache = tmp_path / "cache"
-    train_controller(tmp_path / "train.jsonl", tmp_path / "warm", val=tmp_path / "val.jsonl",
-                     encoder=table_encoder(table, "syn8"), cache_dir=cache, epochs=1, progress=False, threads=1,
-                     controller={"score_hidden": [8], "calib_hidden": 8})
+    embed_texts(list(table), table_encoder(table, "syn8"), EmbeddingCache(cache, "syn8"))
     return tmp_path, cache

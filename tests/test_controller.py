@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fcprag_plugin import ControllerError, FusionController
-from fcprag_plugin.controller import ControllerConfig, combine, split_first_linear
+from fcprag_plugin.controller import ControllerConfig
+from fcprag_plugin.networks import combine, split_first_linear
 from fcprag_plugin.features import pair_features, passage_features
 
 

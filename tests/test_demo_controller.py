@@ -46,7 +46,7 @@ def test_trained_once_then_reused(labels, tmp_path, monkeypatch):
     assert any(f"{cv['gain']:+.4g}" in ln for ln in lines2)  # the saved verdict is said again
     for a, b in zip(ctrl.state_dict().values(), again.state_dict().values()):
         assert a.equal(b)
-    # the same objective table either way (the reused controller, the same validation records)
+    # the same objective table either way (the reused controller, the same training records)
     def decides(ls):
         return ls[next(i for i, ln in enumerate(ls) if "what decides" in ln):]
 
@@ -79,8 +79,8 @@ def test_a_changed_input_trains_again(labels, tmp_path, monkeypatch, change):
 
 
 def test_the_deciding_objective_is_said_with_its_numbers(labels, tmp_path):
-    """risk decides: the printed gain of each controller equals the trainer's own validation gain (computed
-    independently by the trainer on its split), uniform's gain and J are 0, and J <= gain (the penalty is >= 0)."""
+    """risk decides: the printed gain of each controller equals the trainer's own gain on its training records
+    (computed independently by the trainer), uniform's gain and J are 0, and J <= gain (the penalty is >= 0)."""
     out = tmp_path / "ctrl"
     _, lines = _train(labels, out)
     text = "\n".join(lines)
@@ -88,20 +88,20 @@ def test_the_deciding_objective_is_said_with_its_numbers(labels, tmp_path):
             "lambda") in text
     assert "KL, the paper's objective (the kl rows above), decides neither" in text
     metrics = json.loads((out / "metrics.json").read_text())
-    table = lines[next(i for i, ln in enumerate(lines) if "validation records (mean per record)" in ln) + 1:]
+    table = lines[next(i for i, ln in enumerate(lines) if "training records, in sample (mean per record)" in ln) + 1:]
     names = table[0].split()
-    shipped = next(iter(metrics["val"]))  # the learned controller (keep_network), or a scale-only one
+    shipped = next(iter(metrics["train"]))  # the learned controller (keep_network), or a scale-only one
     # (at kappa 1 the scale-only controller is PRAG's sum itself: the "uniform" row)
     assert names == list(dict.fromkeys([shipped, "uniform", "random"])) and shipped in ("learned", "scale_only",
                                                                                          "uniform")
     assert table[1].split()[:2] == ["gain", "sum_i"] and table[2].split()[:2] == ["risk", "J"]
     gain = dict(zip(names, map(float, table[1].split()[-len(names):])))
     risk = dict(zip(names, map(float, table[2].split()[-len(names):])))
-    assert f"on the {metrics['n_val']} validation records" in text
+    assert f"on the {metrics['n_train']} training records" in text
     kappa = metrics["kappa"]  # the shipped row is its weights divided by kappa: what the network was trained on
     for n in names:
         if n != shipped or kappa == 1.0:
-            assert gain[n] == pytest.approx(metrics["val"][n]["gain"], abs=1e-4)
+            assert gain[n] == pytest.approx(metrics["train"][n]["gain"], abs=1e-4)
         elif shipped == "scale_only":
             assert gain[n] == 0 and risk[n] == 0  # uniform weights times kappa: uniform once divided
         assert risk[n] <= gain[n] + 1e-9

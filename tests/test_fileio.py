@@ -11,7 +11,7 @@ import pytest
 
 from fcprag_plugin.errors import FcpragError, LabelFileError
 from fcprag_plugin.fileio import (JsonlAppender, append_json_lines, read_json_if_present, read_json_object,
-                                  read_records, write_json_lines)
+                                  read_records, write_atomic, write_json_lines)
 
 RECS = [{"id": "a", "q": "x\u2028y"}, [1, 2], {"id": "c", "nested": {"k": [3]}}]
 
@@ -198,3 +198,16 @@ def test_the_folder_swap_puts_the_old_folder_back_when_the_swap_itself_fails(tmp
         fileio.write_dir(out, lambda d: (d / "a").write_text("new"))
     assert len(calls) == 3 and _tree(out) == {"a": "old"}  # the third call moved it back
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_the_atomic_writer_writes_text_as_utf8_and_bytes_as_given_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    text = "line 1\r\nzweite Zeile \u2028 \U0001f600\n"
+    write_atomic(tmp_path / "a" / "t.txt", text)
+    assert (tmp_path / "a" / "t.txt").read_bytes() == text.encode("utf-8")  # no newline translation
+    data = bytes(range(256))
+    write_atomic(tmp_path / "b.bin", data)
+    assert (tmp_path / "b.bin").read_bytes() == data
+    monkeypatch.setattr("os.replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(tmp_path / "b.bin", b"new")
+    assert (tmp_path / "b.bin").read_bytes() == data and sorted(p.name for p in tmp_path.iterdir()) == ["a", "b.bin"]

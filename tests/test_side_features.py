@@ -13,8 +13,8 @@ from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.controller import ControllerConfig
 from fcprag_plugin.errors import LabelFileError
 from fcprag_plugin.features import ADAPTER_STAT_NAMES, adapter_stats, center_side
-from fcprag_plugin.training import load_labels, train_controller
-from fcprag_plugin.training.labels import LabelRecord, validate_record
+from fcprag_plugin.training import build_tensors, evaluate, load_labels, train_controller
+from fcprag_plugin.labels import LabelRecord, validate_record
 from fcprag_tools.synthetic import record_to_json, synthetic_records, table_encoder, write_labels
 from helpers import make_adapter_dir
 
@@ -140,11 +140,13 @@ def ranked_records(n, seed, with_ranks=True):
 def test_trainer_learns_from_a_side_feature_and_predict_needs_it(tmp_path):
     recs, table = ranked_records(200, 1)
     enc = table_encoder(table, "syn8")
-    kw = dict(encoder=enc, cache_dir=tmp_path / "cache", epochs=6, lr=3e-3, val_fraction=0.2, progress=False,
+    kw = dict(encoder=enc, cache_dir=tmp_path / "cache", epochs=6, lr=3e-3, progress=False,
               precision="fp32", threads=1, controller={"score_hidden": [32], "calib_hidden": 16}, cv_folds=3)
     res = train_controller(recs, tmp_path / "side", side_features=["retrieval_rank"], keep_network=True, **kw)
     plain = train_controller(recs, tmp_path / "plain", keep_network=True, **kw)  # its network, to compare
-    v, p = res.metrics["val"]["learned"], plain.metrics["val"]["learned"]
+    held, held_table = ranked_records(40, 2)  # questions neither controller saw
+    data = build_tensors(held, table_encoder(held_table, "syn8"), side_features=["retrieval_rank"])
+    v, p = (evaluate(r.controller, data)[0]["learned"] for r in (res, plain))
     assert v["top1"] >= 0.8 and v["top1"] > p["top1"] + 0.3, (v["top1"], p["top1"])
     assert res.metrics["cv"]["verdict"] == "better_than_uniform"
     cfg = json.loads((tmp_path / "side" / "config.json").read_text())

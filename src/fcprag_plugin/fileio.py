@@ -36,14 +36,15 @@ def split_lines(text: str, keepends: bool = False) -> list[str]:
     return lines + [last] if last else lines
 
 
-def write_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically (temp file beside it, ``fsync``, ``os.replace``; none left)."""
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically (temp file beside it, ``fsync``,
+    ``os.replace``; none left)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with tmp.open("w", encoding="utf-8", newline="") as f:
-            f.write(text)
+        with tmp.open("wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -87,7 +87,7 @@ def table_encoder(table: dict[str, torch.Tensor], name: str = "synthetic", calls
 
 
 def record_to_json(rec: LabelRecord) -> dict[str, Any]:
-    """The record as a label file holds it (the inverse of ``fcprag_plugin.training.labels.validate_record``)."""
+    """The record as a label file holds it (the inverse of ``fcprag_plugin.labels.validate_record``)."""
     out: dict[str, Any] = {"id": rec.id, "query": rec.query, "passages": list(rec.passages)}
     if rec.metric_all is not None:
         out["metric_all"] = rec.metric_all

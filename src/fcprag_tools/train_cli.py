@@ -10,14 +10,13 @@ import shutil
 from dataclasses import fields
 from pathlib import Path
 
-from .options import (ENCODER, Runtime, add_flag, add_flags, check_out_file, finite_float, int_at_least, positive_int,
-                      refuse_inputs)
-from fcprag_plugin.errors import FcpragError, LabelFileError
+from .options import (ENCODER, Runtime, add_flag, add_flags, check_out_file, finite_float, int_at_least,
+                      keywords_to_flags, positive_int, refuse_inputs)
+from fcprag_plugin.errors import BARE, FcpragError, LabelFileError
 from fcprag_plugin.features import SIDE_FEATURES
 from fcprag_plugin.fileio import write_json
-from fcprag_plugin.training import (CHECKPOINT_DIR, CHOICES, CV_PARTIAL_NAME, DEFAULT_T_LABEL, MAX_EPOCHS, MAX_HIDDEN,
-                                    ON_ERROR, RECIPES, SkippedRecord, TrainArgs, load_labels, read_checkpoint_state,
-                                    read_cv_partial)
+from fcprag_plugin.training import (CHECKPOINT_DIR, CHOICES, DEFAULT_T_LABEL, MAX_EPOCHS, MAX_HIDDEN, ON_ERROR,
+                                    RECIPES, REMOVED, SkippedRecord, TrainArgs, load_labels, read_checkpoint_state)
 from .lm.model_io import set_threads
 from .plots import _pyplot, write_eval_plots, write_training_plots
 from .train_report import closing_lines, format_table, train_table
@@ -48,8 +47,9 @@ def _switch(name: str) -> tuple[str, str]:
 # train_controller()'s / evaluate_controller()'s keyword arguments -> the commands' flags, for the library's
 # messages (options.keywords_to_flags): "pass resume=True" reads "pass --resume" on the command line
 TRAIN_FLAGS = {"resume=True": "--resume", "overwrite=True": "--overwrite", "progress=False": "--no-progress",
-               "out": "--out", "val": "--val", "encoder": "--encoder", "score_hidden": "--score-hidden",
-               "calib_hidden": "--calib-hidden", **dict(map(_switch, _TRAIN_ARGS))}
+               "out": "--out", "encoder": "--encoder", "score_hidden": "--score-hidden",
+               "calib_hidden": "--calib-hidden", **dict(map(_switch, _TRAIN_ARGS)),
+               **{name: f"--{name.replace('_', '-')}" for name in REMOVED}}
 EVAL_FLAGS = {
     "encoder": "--encoder",
     "cache_dir": "--cache-dir",
@@ -125,7 +125,7 @@ def check_delta_range(label_set, t_label: float, on_error: str) -> None:
 def read_label_file(path: str, on_error: str, t_label: float):
     """The CLI's label reader: bounded line length, the library's validation, deltas in float32 range."""
     check_line_lengths(path)
-    log = logging.getLogger("fcprag_plugin.training.labels")
+    log = logging.getLogger("fcprag_plugin.labels")
     level = log.level
     log.setLevel(logging.ERROR)  # the reader logs skipped records; _print_skipped prints them (once)
     try:
@@ -136,15 +136,14 @@ def read_label_file(path: str, on_error: str, t_label: float):
     return ls
 
 
-def _print_skipped(label_sets) -> None:
-    for ls in label_sets:
-        if ls is not None and ls.skipped:
-            print(f"skipped {len(ls.skipped)} record(s) of {ls.path}: "
-                  + ", ".join(f"{k}: {v}" for k, v in sorted(ls.skip_counts().items())))
-            for s in ls.skipped[:10]:
-                print(f"  {s.message}")
-            if len(ls.skipped) > 10:
-                print(f"  ... and {len(ls.skipped) - 10} more (all listed in metrics.json)")
+def _print_skipped(ls) -> None:
+    if ls.skipped:
+        print(f"skipped {len(ls.skipped)} record(s) of {ls.path}: "
+              + ", ".join(f"{k}: {v}" for k, v in sorted(ls.skip_counts().items())))
+        for s in ls.skipped[:10]:
+            print(f"  {s.message}")
+        if len(ls.skipped) > 10:
+            print(f"  ... and {len(ls.skipped) - 10} more (all listed in metrics.json)")
 
 
 def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
@@ -155,11 +154,6 @@ def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
         raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
     if not out.is_dir() or not any(out.iterdir()) or overwrite:
         return
-    if not (out / CHECKPOINT_DIR).exists() and read_cv_partial(out):  # an interrupted cross-validation
-        if resume:
-            return
-        raise FcpragError(f"--out {out} holds the finished folds of an interrupted cross-validation "
-                          f"({CV_PARTIAL_NAME}); pass --resume to continue it or --overwrite to start over")
     if not (out / CHECKPOINT_DIR).exists():
         what = "--resume found no checkpoint there and it" if resume else "it"
         raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
@@ -221,28 +215,23 @@ def _after_interrupt(args: argparse.Namespace, out: Path, before: set[str] | Non
     if state is not None and not (args.overwrite and state == state_before):  # not the run --overwrite replaces
         return (f"interrupted after epoch {state.get('epoch')}, which {out}/{CHECKPOINT_DIR} holds; this continues "
                 f"the run: {_command(args.argv, add='--resume', drop='--overwrite')}")
-    partial = read_cv_partial(out)
-    if partial is not None and partial["folds"]:
-        return (f"interrupted during the cross-validation after {len(partial['folds'])} of {partial.get('n_folds')} "
-                f"folds, which {out}/{CV_PARTIAL_NAME} keeps (with {out}/training_args.json); this continues from "
-                f"there: {_command(args.argv, add='--resume', drop='--overwrite')}")
     _remove_new(out, before)
     kept = ("nothing was kept" if not before else
             f"what this run had written into {out} was removed (the rest was there before)")
     try:
         check_train_out(out, args.overwrite, args.resume)
     except FcpragError:  # e.g. --resume, and this run had already removed the checkpoint it would restart from
-        return (f"interrupted before the first cross-validation fold or epoch finished; {kept}, and {out} holds no "
-                f"checkpoint to resume: "
+        return (f"interrupted before the first epoch (an unfinished cross-validation is done again); {kept}, and "
+                f"{out} holds no checkpoint to resume: "
                 f"start over with {_command(args.argv, add='--overwrite', drop='--resume')}")
-    return (f"interrupted before the first cross-validation fold or epoch finished; {kept}: run the same command "
-            f"again: {_command(args.argv)}")
+    return (f"interrupted before the first epoch (an unfinished cross-validation is done again); {kept}: run the "
+            f"same command again: {_command(args.argv)}")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from fcprag_plugin.training.trainer import train_controller  # looked up per call (tests replace it)
 
-    refuse_inputs("--out", args.out, [("labels", args.labels), ("--val", args.val)])
+    refuse_inputs("--out", args.out, [("labels", args.labels)])
     out = Path(args.out)
     check_train_out(out, args.overwrite, args.resume)
     if args.plots:
@@ -250,8 +239,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     before, state_before = _tree(out), read_checkpoint_state(out)
     args.interrupt_hint = lambda: _after_interrupt(args, out, before, state_before)
     train_set = read_label_file(args.labels, args.on_error, args.t_label)
-    val_set = read_label_file(args.val, args.on_error, args.t_label) if args.val else None
-    _print_skipped([train_set, val_set])
+    _print_skipped(train_set)
     controller = {k: getattr(args, k) for k in ("score_hidden", "calib_hidden") if getattr(args, k)}
     if args.resume:
         done = int(state_before["epoch"]) if state_before else 0
@@ -262,7 +250,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         elif state_before:
             print(f"{args.out}: resuming after epoch {done}, training epochs {done + 1}..{args.epochs}")
     set_threads(args.threads)  # --threads (the trainer sets it again for its run), else the free cores
-    res = train_controller(train_set, args.out, val=val_set, encoder=args.encoder, resume=args.resume,
+    res = train_controller(train_set, args.out, encoder=args.encoder, resume=args.resume,
                            overwrite=args.overwrite, progress=args.progress, controller=controller,
                            **{k: getattr(args, k) for k in _TRAIN_ARGS
                               if not (k in _RECIPE_SET and getattr(args, k) is None)})
@@ -270,8 +258,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         write_training_plots(res.out / "plots", res.history, res.outputs, res.report_data)
     print(train_table(res.metrics))
     t = res.metrics["timing_s"]
-    print(f"\n{res.n_train} training / {res.n_val} validation records, {res.metrics['epochs']} epochs, "
-          f"fit {t['fit']:.1f} s")
+    print(f"\n{res.n_train} training records, {res.metrics['epochs']} epochs, fit {t['fit']:.1f} s")
     print("\n".join(closing_lines(res, args, train_set)))
     return 0
 
@@ -294,7 +281,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         args.controller, labels, encoder=args.encoder, cache_dir=args.cache_dir, on_error=args.on_error,
         t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, seed=args.seed,
         progress=args.progress)
-    _print_skipped([res.label_set])
+    _print_skipped(res.label_set)
     print(format_table(res.metrics, f"{args.controller} on {args.labels}"))
     if args.json:
         write_json(args.json, {"controller": str(args.controller), "labels": str(args.labels),
@@ -321,6 +308,12 @@ def _check_eval_encoder(controller: str, encoder: str) -> None:
                           f"('{recorded}'); leave --encoder out to use it")
 
 
+class _Removed(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(keywords_to_flags(FcpragError(REMOVED[self.dest], params=[(self.dest, BARE), ("cv_folds", BARE)]),
+                                       TRAIN_FLAGS))
+
+
 def _label_options(p: argparse.ArgumentParser) -> None:
     """The options ``fcprag train`` and ``fcprag eval`` share."""
     p.add_argument("labels", help="label file (JSON Lines or JSON array)")
@@ -341,11 +334,10 @@ def _train_options(d: TrainArgs) -> dict[str, dict]:
         "batch_size": dict(type=positive_int, help=f"records per optimizer step (default {d.batch_size})"),
         "lr": dict(help=f"AdamW learning rate (default {d.lr:g})"),
         "weight_decay": dict(help=f"AdamW weight decay (default {d.weight_decay:g})"),
-        "seed": dict(help=f"seed of the split, init and shuffling ({d.seed})"),
+        "seed": dict(help=f"seed of the folds, init and shuffling ({d.seed})"),
         "t_label": dict(help="temperature of the targets y = softmax(delta / T)"),
         "flat_eps": dict(help="a sample is flat when max(delta) - min(delta) <= this"),
         "flat_weight": dict(help="sample weight of flat samples (informative samples weigh 1)"),
-        "val_fraction": dict(help="fraction of groups (else ids) held out for validation when --val is not given"),
         "precision": dict(help="auto (default): bf16 on CPUs with native bfloat16 "
                           "(AVX512-BF16/AMX), else fp32; bf16: the controller's MLPs in bfloat16 with fp32 master "
                           "weights"),
@@ -397,7 +389,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _label_options(t)
     add_flags(t, Runtime, names=("threads",))  # set by the command (model_io.set_threads), then by the trainer
     t.add_argument("--out", required=True, help="output directory (controller + training_args/metrics/log)")
-    t.add_argument("--val", help="explicit validation label file (default: a group/id-based split of LABELS)")
+    for name in REMOVED:  # refused in one line saying what replaced them
+        t.add_argument(TRAIN_FLAGS[name], help=argparse.SUPPRESS, action=_Removed)
     for name in _TRAIN_ARGS:
         if name in ("on_error", "cache_dir", "threads"):  # _label_options (fcprag eval has them too); Runtime's
             continue

@@ -35,10 +35,9 @@ def format_table(metrics: dict[str, dict[str, Any]], title: str | None = None) -
 
 
 def train_table(metrics: dict[str, Any]) -> str:
-    """A run's ``metrics.json`` (``TrainResult.metrics``) as text: the metrics table (validation, else training
-    set), followed by the verdict in plain words when cross-validation ran."""
-    val = metrics.get("val")
-    t = format_table(val, "validation") if val else format_table(metrics["train"], "training set")
+    """A run's ``metrics.json`` (``TrainResult.metrics``) as text: the metrics table on the training records,
+    followed by the verdict in plain words when cross-validation ran."""
+    t = format_table(metrics["train"], "training set")
     cv = metrics.get("cv")
     return t + ("\n\n" + "\n".join(verdict_lines(cv)) if cv else "")
 
@@ -145,7 +144,7 @@ def closing_lines(res, args: argparse.Namespace, train_set) -> list[str]:
                   f"{part(r, cv['shipped'] == 'network')}",
                   "  first order: estimated from the leave-one-out deltas as if the passages' effects added up, "
                   "without running the fused model (the reweighting part always; the scale part unless the labels "
-                  "measured scales). The table's 'gain' row is that estimate on the validation records alone."]
+                  "measured scales). The table's 'gain' row is that estimate on the training records, in sample."]
     what = "a scale-only controller (no network, no encoder)" if cfg.controller_mode == "uniform" else \
         "the learned controller"
     lines.append(f"Saved {what} with kappa {cfg.kappa:.4g} to {res.out} (config.json, model.safetensors; "

@@ -341,8 +341,8 @@ def test_train_ctrl_c_before_training_says_run_it_again(labelled, capsys, monkey
     rc = main(["train", str(tmp / "train.jsonl"), "--out", str(tmp / "run"), "--encoder", "syn8", *SMALL])
     err = capsys.readouterr().err
     assert rc == 130 and "Traceback" not in err and "--resume" not in err
-    assert ("interrupted before the first cross-validation fold or epoch finished; nothing was kept: run the same "
-            "command again: ") in err
+    assert ("interrupted before the first epoch (an unfinished cross-validation is done again); nothing was kept: run "
+            "the same command again: ") in err
     assert not (tmp / "run").exists()
 
 

@@ -1,6 +1,7 @@
 """``evaluate_controller`` (``fcprag eval``): a saved controller on any label file, and the warning when that file
-is the one it was trained or validated on."""
+is the one it was trained on (or, by a run of an earlier version, validated on)."""
 
+import hashlib
 import json
 import logging
 
@@ -17,10 +18,13 @@ def test_eval_warns_on_the_training_file(tmp_path, caplog):
     write_labels(recs[:45], tmp_path / "train.jsonl")
     write_labels(recs[45:], tmp_path / "val.jsonl")
     enc = table_encoder(table, "syn8")
-    train_controller(tmp_path / "train.jsonl", tmp_path / "run", val=tmp_path / "val.jsonl", encoder=enc,
-                     cache_dir=tmp_path / "cache", **FAST)
-    args = json.loads((tmp_path / "run" / "training_args.json").read_text())
-    assert args["train_labels_sha256"] and args["val_labels_sha256"]
+    train_controller(tmp_path / "train.jsonl", tmp_path / "run", encoder=enc, cache_dir=tmp_path / "cache", **FAST)
+    args_path = tmp_path / "run" / "training_args.json"
+    args = json.loads(args_path.read_text())
+    assert args["train_labels_sha256"] and "val_labels_sha256" not in args
+    # a run of an earlier version, with a validation file
+    val_sha = hashlib.sha256((tmp_path / "val.jsonl").read_bytes()).hexdigest()
+    args_path.write_text(json.dumps({**args, "val_labels_sha256": val_sha}))
     for f, seen in (("train.jsonl", "trained"), ("val.jsonl", "validated")):
         caplog.clear()
         with caplog.at_level(logging.WARNING):

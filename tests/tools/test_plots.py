@@ -64,30 +64,28 @@ def test_best_fixed_is_the_grid_minimum_of_the_weighted_kl():
 
 def test_training_plots_draw_uniform_fixed_and_one_strip_per_controller(tmp_path, figures):
     recs, table = synthetic_records(120, (2, 4), 8, seed=5)
-    vrecs, vtable = synthetic_records(40, 3, 8, seed=6, prefix="v")
-    table.update(vtable)
     enc = table_encoder(table, "t8")
-    res = train_controller(recs, tmp_path / "run", val=vrecs, encoder=enc, cache_dir="", epochs=3,
+    res = train_controller(recs, tmp_path / "run", encoder=enc, cache_dir="", epochs=3,
                            progress=False, threads=1, controller={"score_hidden": [16], "calib_hidden": 8},
                            keep_network=True)
     plots.write_training_plots(res.out / "plots", res.history, res.outputs, res.report_data)
     for name in ("loss.png", "g_tau.png", "entropy.png"):
         assert (tmp_path / "run" / "plots" / name).read_bytes()[:8] == PNG
-    val = json.loads((tmp_path / "run" / "metrics.json").read_text())["val"]
+    val = json.loads((tmp_path / "run" / "metrics.json").read_text())["train"]
 
-    # loss.png: the train and validation curves, and a horizontal line at the uniform merge's validation KL
+    # loss.png: the training curve, and a horizontal line at the uniform merge's KL on the training records
     ax = figures["loss.png"]
     lines = {ln.get_label(): ln for ln in ax.get_lines()}
-    assert list(lines["validation"].get_ydata()) == pytest.approx([h["val_loss"] for h in res.history])
-    ref = [ln for label, ln in lines.items() if label.startswith("uniform (PRAG's merge), validation")]
+    assert list(lines["train"].get_ydata()) == pytest.approx([h["train_loss"] for h in res.history])
+    ref = [ln for label, ln in lines.items() if label.startswith("uniform (PRAG's merge), training set")]
     assert len(ref) == 1 and list(ref[0].get_ydata()) == pytest.approx([val["uniform"]["kl"]] * 2, rel=1e-6)
 
-    # g_tau.png: uniform is the vertical line g = 0, the star is the best fixed (g, tau) on the validation data
+    # g_tau.png: uniform is the vertical line g = 0, the star is the best fixed (g, tau) on the training data
     ax = figures["g_tau.png"]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     uniform = [ln for ln in ax.get_lines() if ln.get_label().startswith("uniform")]
     assert len(uniform) == 1 and list(uniform[0].get_xdata()) == [0.0, 0.0]
-    vdata = build_tensors(vrecs, enc)
+    vdata = build_tensors(recs, enc)
     best = plots.best_fixed(vdata)
     star = [c for c in ax.collections if c.get_label().startswith("best fixed")]
     assert len(star) == 1 and star[0].get_offsets().tolist() == [[best["g"], best["tau"]]]

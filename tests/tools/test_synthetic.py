@@ -2,7 +2,7 @@
 
 import json
 
-from fcprag_plugin.training.labels import load_labels
+from fcprag_plugin.labels import load_labels
 from fcprag_tools.synthetic import write_labels
 
 

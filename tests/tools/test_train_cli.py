@@ -18,11 +18,11 @@ def test_cli_train_then_eval(labelled, capsys):
     tmp, cache = labelled
     out = tmp / "ctrl"
     rc = main(["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
-               "--val", str(tmp / "val.jsonl"), "--epochs", "3", "--lr", "1e-3", "--batch-size", "16", "--seed", "2",
+               "--epochs", "3", "--lr", "1e-3", "--batch-size", "16", "--seed", "2",
                "--t-label", "0.2", "--flat-eps", "1e-4", "--flat-weight", "0.5", "--recipe", "paper", *SMALL])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "learned" in text and "uniform" in text and "random" in text and "120 training / 30 validation" in text
+    assert "learned" in text and "uniform" in text and "random" in text and "120 training records" in text
     args = json.loads((out / "training_args.json").read_text())
     assert (args["epochs"], args["lr"], args["batch_size"], args["seed"]) == (3, 1e-3, 16, 2)
     assert (args["t_label"], args["flat_eps"], args["flat_weight"]) == (0.2, 1e-4, 0.5)
@@ -32,13 +32,13 @@ def test_cli_train_then_eval(labelled, capsys):
     assert args["precision"] == "auto" and args["precision_used"] == ("bf16" if native_bf16() else "fp32")
     assert len((out / "train_log.jsonl").read_text().splitlines()) == 3
 
-    rc = main(["eval", str(out), str(tmp / "val.jsonl"), "--cache-dir", str(cache), "--json", str(tmp / "m.json"),
+    rc = main(["eval", str(out), str(tmp / "train.jsonl"), "--cache-dir", str(cache), "--json", str(tmp / "m.json"),
                "--plots", str(tmp / "plots"), "--no-progress"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "kl" in text and "top1" in text
     m = json.loads((tmp / "m.json").read_text())
-    saved = json.loads((out / "metrics.json").read_text())["val"]
+    saved = json.loads((out / "metrics.json").read_text())["train"]
     # same controller, same file, same targets (read back from training_args.json) -> same numbers
     assert m["metrics"]["learned"]["kl"] == pytest.approx(saved["learned"]["kl"], rel=1e-6)
     assert m["metrics"]["uniform"]["kl"] == pytest.approx(saved["uniform"]["kl"], rel=1e-6)
@@ -66,6 +66,14 @@ def test_cli_resume_and_errors(labelled, capsys):
     assert main(["train", str(bad), "--out", str(tmp / "x"), "--encoder", "syn8", "--cache-dir", str(cache),
                  "--on-error", "skip", "--epochs", "1", *SMALL]) == 0
     assert "skipped 1 record(s)" in capsys.readouterr().out
+    for flag in ("--val", "--val-fraction"):  # the validation split is gone: said in one line, before any work
+        with pytest.raises(SystemExit) as ei:  # argparse's
+            main(["train", str(tmp / "train.jsonl"), "--out", str(tmp / "y"), flag, "0.2"])
+        err = capsys.readouterr().err
+        assert ei.value.code == 2
+        assert err.startswith(f"fcprag train: error: {flag} is gone with the validation split: the nested "
+                              "cross-validation (--cv-folds) chooses the epochs") and err.count("\n") == 1
+    assert not (tmp / "y").exists()
 
 
 def test_training_plots_are_pngs(labelled):
@@ -117,8 +125,8 @@ def test_real_encoder_on_hotpotqa_gold_passages(tmp_path, monkeypatch):
                            epochs=3, progress=False, threads=1, keep_network=True)
     cfg = json.loads((tmp_path / "ctrl" / "config.json").read_text())
     assert cfg["embed_dim"] == enc.dim == 384 and cfg["embedding_model"] == enc.name
-    v = res.metrics["val"]
-    assert res.n_val == 4 and all(v[k]["kl"] is not None for k in ("learned", "uniform", "random"))
+    v = res.metrics["train"]
+    assert res.n_train == 40 and all(v[k]["kl"] is not None for k in ("learned", "uniform", "random"))
 
     # everything is cached now: evaluating by model name must not load the model again
     def no_load(*a, **k):

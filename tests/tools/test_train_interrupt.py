@@ -79,8 +79,8 @@ def test_ctrl_c_in_cross_validation_keeps_nothing_and_the_same_command_runs(labe
     err = capsys.readouterr().err
     assert wrote, "the run had written nothing into --out before the cross-validation: the test proves nothing"
     assert "Traceback" not in err
-    assert ("interrupted before the first cross-validation fold or epoch finished; nothing was kept: run the same "
-            "command again: ") in err
+    assert ("interrupted before the first epoch (an unfinished cross-validation is done again); nothing was kept: run "
+            "the same command again: ") in err
     if before == "absent":
         assert not out.exists()
     else:
@@ -157,52 +157,3 @@ def test_ctrl_c_while_resuming_keeps_the_checkpoint(labelled, capsys, interrupt_
     assert again == argv
     interrupt_in_cv.disarm()
     assert main(again) == 0
-
-
-def _cv_without_timing(path):
-    cv = json.loads(path.read_text())
-    cv.pop("seconds")
-    return cv
-
-
-def test_ctrl_c_after_a_cross_validation_fold_keeps_it_and_resume_goes_on_from_it(labelled, capsys,
-                                                                                  interrupt_in_cv):
-    """--epochs 2: a fold calls reweighting_gain 2 x 3 times on its curves and once for its choice, so call 10 is
-    inside the second fold. The first fold is kept, said so, and --resume does not redo it; the verdict is the one
-    of an uninterrupted run (each fold depends only on its seed)."""
-    from fcprag_plugin.training import selection
-
-    tmp, cache = labelled
-    whole = tmp / "whole"
-    assert main(_train_argv(tmp, cache, whole)) == 0
-    capsys.readouterr()
-    out = tmp / "run"
-    interrupt_in_cv.arm(at=10)
-    argv = _train_argv(tmp, cache, out)
-    assert main(argv) == 130
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert f"interrupted during the cross-validation after 1 of 5 folds, which {out}/cv.partial.json keeps" in err
-    assert len(json.loads((out / "cv.partial.json").read_text())["folds"]) == 1
-    again = _printed_command(err, "this continues from there: ")
-    assert again == argv + ["--resume"]
-    interrupt_in_cv.arm(at=10**9)  # counts the calls of the resumed run: fold 1 is not evaluated again
-    assert main(again) == 0
-    assert interrupt_in_cv.calls == 4 * 7  # the 4 other folds, 7 calls each; the kept fold none
-    assert not (out / "cv.partial.json").exists()
-    assert _cv_without_timing(out / "cv.json") == _cv_without_timing(whole / "cv.json")
-    assert selection.CV_PARTIAL_NAME == "cv.partial.json"
-
-
-def test_a_kept_cross_validation_needs_resume_or_overwrite(labelled, capsys, interrupt_in_cv):
-    tmp, cache = labelled
-    out = tmp / "run"
-    interrupt_in_cv.arm(at=10)
-    argv = _train_argv(tmp, cache, out)
-    assert main(argv) == 130
-    capsys.readouterr()
-    interrupt_in_cv.disarm()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "cv.partial.json" in err and "--resume" in err
-    assert main(argv + ["--overwrite"]) == 0 and not (out / "cv.partial.json").exists()

@@ -25,4 +25,4 @@ def test_train_table_adds_the_verdict_when_cross_validation_ran():
     text = train_table({"train": {"learned": metrics(0.5)}, "cv": cv})
     assert text.startswith("training set") and text.endswith("\n".join(verdict_lines(cv)))
     assert "a scale-only controller (PRAG's sum times 2, no network)" in text and "better than PRAG's sum" in text
-    assert train_table({"val": {"learned": metrics(0.5)}}).startswith("validation")
+    assert train_table({"train": {"learned": metrics(0.5)}}) == format_table({"learned": metrics(0.5)}, "training set")

@@ -6,7 +6,7 @@ import torch
 from fcprag_plugin.errors import EncoderError
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.training.embed_cache import EmbeddingCache, embed_texts
-from fcprag_plugin.training.labels import LabelRecord
+from fcprag_plugin.labels import LabelRecord
 from helpers import hash_embed
 
 
@@ -18,6 +18,14 @@ def counting_encoder(calls, dim=16, name="hash-16"):
         return hash_embed(texts, dim)
 
     return TextEncoder.from_function(fn, dim, name=name)
+
+
+def no_encoder():
+    raise AssertionError("the encoder must not be loaded when everything is cached")
+
+
+def ref_of(text):
+    return torch.nn.functional.normalize(hash_embed([text], 16), dim=-1)[0]
 
 
 def test_second_run_encodes_nothing_and_returns_identical_embeddings(tmp_path):
@@ -33,22 +41,21 @@ def test_second_run_encodes_nothing_and_returns_identical_embeddings(tmp_path):
     assert calls2 == []
     assert torch.equal(again, first)
 
-    calls3 = []  # only the new text is encoded, and the cache grows by one shard
+    calls3 = []  # only the new text is encoded; the one file holds all four, the old rows as they were
     embed_texts(texts + ["brand new"], counting_encoder(calls3), EmbeddingCache(tmp_path, "hash-16"))
     assert calls3 == ["brand new"]
     cache = EmbeddingCache(tmp_path, "hash-16")
-    assert len(cache) == 4 and len(list(cache.dir.glob("shard-*.safetensors"))) == 2
+    assert len(cache) == 4 and [p.name for p in tmp_path.iterdir()] == [cache.path.name]
+    assert torch.equal(embed_texts(texts, no_encoder, cache), first)  # the old rows as they were
+    assert torch.equal(embed_texts(["brand new"], no_encoder, cache)[0], ref_of("brand new"))
 
 
 def test_fully_cached_run_never_builds_the_encoder(tmp_path):
     embed_texts(["a b", "c"], counting_encoder([]), EmbeddingCache(tmp_path, "hash-16"))
 
-    def factory():
-        raise AssertionError("the encoder must not be loaded when everything is cached")
-
-    out = embed_texts(["c", "a b"], factory, EmbeddingCache(tmp_path, "hash-16"))
+    out = embed_texts(["c", "a b"], no_encoder, EmbeddingCache(tmp_path, "hash-16"))
     assert out.shape == (2, 16)
-    assert EmbeddingCache(tmp_path, "hash-16").dim == 16  # the dimension comes from the shards
+    assert EmbeddingCache(tmp_path, "hash-16").dim == 16  # the dimension comes from the file
 
 
 def test_models_do_not_share_entries_and_names_must_match(tmp_path):
@@ -60,13 +67,17 @@ def test_models_do_not_share_entries_and_names_must_match(tmp_path):
         embed_texts(["unseen"], counting_encoder([], name="other-model"), EmbeddingCache(tmp_path, "hash-16"))
 
 
-def test_dimension_mismatch_and_corrupt_shard_name_the_file(tmp_path):
+def test_dimension_mismatch_and_a_corrupt_file_name_the_file(tmp_path):
     embed_texts(["x"], counting_encoder([]), EmbeddingCache(tmp_path, "hash-16"))
-    shard = next(EmbeddingCache(tmp_path, "hash-16").dir.glob("shard-*.safetensors"))
-    with pytest.raises(EncoderError, match=rf"{shard.name}: embeddings are 16-d but model 'hash-16' gives 32-d"):
+    path = EmbeddingCache(tmp_path, "hash-16").path
+    with pytest.raises(EncoderError, match=rf"{path.name}: tensors 'keys' / 'emb' are \[\[1, 32\], \[1, 16\]\]; "
+                                           r"expected \[M, 32\] and \[M, 32\] \(model 'hash-16'\): delete the file"):
         EmbeddingCache(tmp_path, "hash-16", dim=32)
-    shard.write_bytes(b"not a safetensors file")
-    with pytest.raises(EncoderError, match=rf"{shard.name}: corrupt or unreadable embedding cache shard"):
+    with pytest.raises(EncoderError, match=rf"encoder 'hash-16' gives 32-d embeddings but the cache {path} holds 16-d"):
+        embed_texts(["y"], counting_encoder([], dim=32), EmbeddingCache(tmp_path, "hash-16"))
+    assert len(EmbeddingCache(tmp_path, "hash-16")) == 1  # the file was left as it was
+    path.write_bytes(b"not a safetensors file")
+    with pytest.raises(EncoderError, match=rf"{path.name}: corrupt or unreadable safetensors file"):
         EmbeddingCache(tmp_path, "hash-16")
 
 

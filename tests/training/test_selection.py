@@ -15,12 +15,12 @@ from fcprag_plugin.training import train_controller
 from fcprag_plugin.training.data import build_tensors
 from fcprag_plugin.controller import ControllerOutput
 from fcprag_plugin.training.selection import ScaleRule, choose_scale, reweighting_gain, scale_gain, select
-from fcprag_plugin.training import TrainArgs, Trainer
+from fcprag_plugin.training import TrainArgs
 from fcprag_tools.synthetic import synthetic_records, table_encoder
 from fcprag_tools.train_report import train_table
 
 # small and fast, but the nets move enough in 6 epochs to learn a planted signal (and to overfit noise)
-QUICK = dict(epochs=6, lr=3e-3, val_fraction=0.0, controller={"score_hidden": [16], "calib_hidden": 8},
+QUICK = dict(epochs=6, lr=3e-3, controller={"score_hidden": [16], "calib_hidden": 8},
              progress=False, precision="fp32", threads=1, cache_dir="", objective="risk")
 GRID = [0.5, 1.5, 2.0, 3.0, 4.0]
 
@@ -202,28 +202,3 @@ def test_keep_network_ships_the_learned_controller_and_warns(tmp_path):
     assert saved.config.controller_mode == "learned"
     with pytest.warns(UserWarning, match="NOT shown to beat PRAG's sum"):
         assert saved.warn_if_unproven()
-
-
-def test_an_interrupted_cv_goes_on_with_the_folds_it_had():
-    """The folds a stopped CV finished (select's on_fold results, through JSON) are not redone and give the same
-    report, both metrics' scale parts included."""
-    recs, table = synthetic_records(60, 3, 8, kind="noise", noise=0.1, seed=11, groups=60, scales=GRID)
-    gen = torch.Generator().manual_seed(11)
-    for r in recs:  # F1 at each scale too, so that the scale part is there in both metrics
-        r.f1_all, r.f1_at_scales = 0.5, [float(x) for x in torch.rand(len(GRID), generator=gen)]
-    data = build_tensors(recs, table_encoder(table, "syn8"))
-    args = TrainArgs(epochs=2, cv_folds=3, controller={"score_hidden": [8], "calib_hidden": 8}, precision="fp32",
-                     threads=1).validate()
-    saved = []
-    full = select(data, args, "syn8", Trainer, args.scale_rule, on_fold=lambda r: saved.append(json.loads(
-        json.dumps(r))))
-    assert len(saved) == 3 and len(saved[1]) == 2 and set(full["scale"]["by_metric"]) == {"label", "f1"}
-    calls = []
-
-    def counted(*a):
-        calls.append(1)
-        return Trainer(*a)
-
-    again = select(data, args, "syn8", counted, args.scale_rule, done=saved[1])
-    assert len(calls) == 1  # only the fold that had not finished
-    assert {k: v for k, v in full.items() if k != "seconds"} == {k: v for k, v in again.items() if k != "seconds"}

@@ -1,4 +1,5 @@
-"""The trainer end to end on synthetic label sets with a known answer; outputs, round trip, resume, splits."""
+"""The trainer end to end on synthetic label sets with a known answer; outputs, round trip, resume, held-out
+records."""
 
 import json
 
@@ -7,16 +8,15 @@ import torch
 
 from fcprag_plugin.controller import FusionController
 from fcprag_plugin.errors import FcpragError, LabelFileError
-from fcprag_plugin.training import load_labels, train_controller
+from fcprag_plugin.training import evaluate, load_labels, train_controller
 from fcprag_plugin.training.data import build_tensors
 from fcprag_tools.synthetic import synthetic_records, table_encoder, write_labels
 from fcprag_tools.train_report import train_table
-from fcprag_plugin.training.labels import split_records
 
 SMALL = {"score_hidden": [64, 32], "calib_hidden": 32}  # the default 2048/1024 net is too slow for unit tests
 # one thread: tiny nets gain nothing from two, and a busy shared CPU makes OpenMP barriers very slow
 # keep_network: these tests are about the network itself (the default recipe ships none on labels alone)
-FAST = dict(epochs=10, lr=3e-4, val_fraction=0.2, controller=SMALL, progress=False, precision="fp32", threads=1,
+FAST = dict(epochs=10, lr=3e-4, controller=SMALL, progress=False, precision="fp32", threads=1,
             keep_network=True)
 
 
@@ -26,24 +26,30 @@ def run(records, table, out, name="syn16", calls=None, **kw):
                             **args)
 
 
+def held_out(res, kind, seed=2):
+    """The metrics of the trained controller and the baselines on 160 records of the same ``kind`` it never saw."""
+    recs, table = synthetic_records(160, (2, 4), 16, kind=kind, seed=seed, prefix="held-")
+    return evaluate(res.controller, build_tensors(recs, table_encoder(table, "syn16")))[0]
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     base = tmp_path_factory.mktemp("planted")
-    recs, table = synthetic_records(800, (2, 4), 16, kind="planted", seed=1)
+    recs, table = synthetic_records(640, (2, 4), 16, kind="planted", seed=1)
     return run(recs, table, base / "run"), recs, table
 
 
 @pytest.fixture(scope="module")
 def noise(tmp_path_factory):
     base = tmp_path_factory.mktemp("noise")
-    recs, table = synthetic_records(800, (2, 4), 16, kind="noise", noise=0.05, seed=1)
+    recs, table = synthetic_records(640, (2, 4), 16, kind="noise", noise=0.05, seed=1)
     return run(recs, table, base / "run", keep_network=True)  # the network, although its verdict says "not shown"
 
 
 def test_planted_signal_beats_uniform_and_random_and_finds_the_best_passage(planted):
     res, _, _ = planted
-    v = res.metrics["val"]
-    assert res.n_val == 160 and v["learned"]["n"] == 160 and v["learned"]["n_nonflat"] == 160
+    v = held_out(res, "planted")
+    assert res.n_train == 640 and v["learned"]["n"] == 160 and v["learned"]["n_nonflat"] == 160
     assert v["learned"]["kl"] < 0.5 * v["uniform"]["kl"], v
     assert v["learned"]["kl"] < 0.5 * v["random"]["kl"], v
     assert v["learned"]["top1"] >= 0.85, v
@@ -60,7 +66,7 @@ def test_planted_signal_beats_uniform_and_random_and_finds_the_best_passage(plan
 
 def test_pure_noise_gives_no_confident_weights(planted, noise):
     assert not noise.metrics["cv"]["reweighting"]["shown"] and noise.metrics["cv"]["shipped"] == "network"
-    p, n = planted[0].metrics["val"]["learned"], noise.metrics["val"]
+    p, n = held_out(planted[0], "planted")["learned"], held_out(noise, "noise")
     assert n["learned"]["g_mean"] < p["g_mean"] - 0.1, (n["learned"]["g_mean"], p["g_mean"])
     assert n["learned"]["entropy_norm_mean"] > 0.95  # close to uniform weights
     assert n["learned"]["kl"] <= 1.1 * n["uniform"]["kl"]  # not confidently wrong
@@ -76,13 +82,15 @@ def test_output_directory_contents(planted):
     assert cfg["embedding_model"] == "syn16" and cfg["embed_dim"] == 16 and cfg["score_hidden"] == [64, 32]
     args = json.loads((out / "training_args.json").read_text())
     assert (args["lr"], args["batch_size"], args["weight_decay"], args["epochs"]) == (3e-4, 32, 0.01, 10)
-    assert args["n_train"] == 640 and args["n_val"] == 160 and args["embedding_model"] == "syn16"
+    assert args["n_train"] == 640 and args["embedding_model"] == "syn16"
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in log] == list(range(1, 11))
-    assert all({"train_loss", "val_loss", "val_top1", "val_g_mean", "seconds"} <= set(h) for h in log)
+    assert all(set(h) == {"epoch", "train_loss", "seconds", "records_per_s", "lr"} for h in log)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert set(metrics["val"]) == {"learned", "uniform", "random"}
-    assert metrics["val"]["learned"]["kl"] == pytest.approx(log[-1]["val_loss"], rel=1e-5)
+    # the table is the saved controller's on the training records, as an evaluation of it from the files gives it
+    _, recs, table = planted
+    again = evaluate(FusionController.from_pretrained(out), build_tensors(recs, table_encoder(table, "syn16")))[0]
+    assert json.loads(json.dumps(again)) == metrics["train"] and set(again) == {"learned", "uniform", "random"}
 
 
 def test_saved_controller_gives_identical_weights(planted):
@@ -97,52 +105,28 @@ def test_saved_controller_gives_identical_weights(planted):
     assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
 
 
-def test_split_keeps_groups_together_and_is_seeded():
-    recs, _ = synthetic_records(90, 3, 8, groups=15)
-    train, val, how = split_records(recs, 0.2, seed=3)
-    assert {r.group for r in train}.isdisjoint({r.group for r in val})
-    assert len({r.group for r in val}) == 3 and len(train) + len(val) == 90 and "3 of 15 groups" in how
-    again = split_records(recs, 0.2, seed=3)[1]
-    assert [r.id for r in again] == [r.id for r in val]
-    assert [r.id for r in split_records(recs, 0.2, seed=4)[1]] != [r.id for r in val]
-    # without groups every id is its own group
-    plain, _ = synthetic_records(50, 3, 8)
-    tr, va, _ = split_records(plain, 0.2, seed=0)
-    assert len(va) == 10 and {r.id for r in tr}.isdisjoint({r.id for r in va})
-
-
-def test_split_field_decides_and_test_records_are_left_out(tmp_path):
+def test_records_of_another_split_than_train_are_left_out(tmp_path):
     recs, table = synthetic_records(40, 3, 8, seed=2)
+    splits = ["val", "test", "train", None, "dev", "validation", "train", None]
     for i, r in enumerate(recs):
-        r.split = "val" if i % 4 == 0 else "test" if i % 4 == 1 else "train"
+        r.split = splits[i % 8]
     res = run(recs, table, tmp_path / "run", epochs=1, name="syn8")
-    assert (res.n_train, res.n_val) == (20, 10)
-    assert res.metrics["split"] == "split field"
+    assert res.n_train == 20 and res.metrics["train"]["learned"]["n"] == 20
+    for r in recs:
+        r.split = "test"
+    with pytest.raises(LabelFileError, match="no record to train on"):
+        run(recs, table, tmp_path / "run2", epochs=1, name="syn8")
 
 
-def test_explicit_val_file_leaks_are_errors_naming_file_line_field(tmp_path):
-    recs, table = synthetic_records(30, 3, 8, seed=2)
-    vrecs, vtable = synthetic_records(10, 3, 8, seed=3, prefix="v")
-    table.update(vtable)
-    write_labels(recs, tmp_path / "train.jsonl")
-    vrecs[4].id = recs[7].id
-    vpath = write_labels(vrecs, tmp_path / "val.jsonl")
-    with pytest.raises(LabelFileError) as ei:
-        run(tmp_path / "train.jsonl", table, tmp_path / "run", val=vpath, epochs=1, name="syn8")
-    msg = str(ei.value)
-    assert f"{vpath}:5: field 'id'" in msg and "train.jsonl:8" in msg, msg
-    vrecs[4].id = "v-unique"
-    recs[2].group, vrecs[6].group = "shared", "shared"
-    write_labels(recs, tmp_path / "train.jsonl")
-    write_labels(vrecs, vpath)
-    with pytest.raises(LabelFileError) as ei:
-        run(tmp_path / "train.jsonl", table, tmp_path / "run", val=vpath, epochs=1, name="syn8")
-    msg = str(ei.value)
-    assert f"{vpath}:7: field 'group'" in msg and "train.jsonl:3" in msg, msg
-    vrecs[6].group = None
-    write_labels(vrecs, vpath)
-    res = run(tmp_path / "train.jsonl", table, tmp_path / "run", val=vpath, epochs=1, name="syn8")
-    assert (res.n_train, res.n_val) == (30, 10)
+@pytest.mark.parametrize("removed", [dict(val_fraction=0.2), dict(val="val.jsonl")])
+def test_the_validation_split_is_refused_saying_what_replaced_it(tmp_path, removed):
+    recs, table = synthetic_records(10, 3, 8)
+    with pytest.raises(FcpragError) as ei:
+        run(recs, table, tmp_path / "r", name="syn8", **removed)
+    msg, (name,) = str(ei.value), removed
+    assert msg.startswith(f"train_controller: {name}= is gone with the validation split: the nested "
+                          "cross-validation (cv_folds=) chooses the epochs") and "\n" not in msg
+    assert not (tmp_path / "r").exists()
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path):
@@ -241,16 +225,16 @@ def test_skip_mode_trains_on_the_good_records_and_reports(tmp_path):
     with pytest.raises(LabelFileError, match=r"l.jsonl:4: field 'deltas'"):
         run(tmp_path / "l.jsonl", table, tmp_path / "run", epochs=1, name="syn8")
     res = run(tmp_path / "l.jsonl", table, tmp_path / "run", epochs=1, name="syn8", on_error="skip")
-    assert res.n_train + res.n_val == 38
+    assert res.n_train == 38
     sk = res.metrics["skipped"][str(tmp_path / "l.jsonl")]
     assert sk["count"] == 2 and sk["by_field"] == {"deltas": 1, "<json>": 1}
     assert [r["line"] for r in sk["records"]] == [4, 11]
 
 
 def test_bf16_mixed_precision_learns_and_leaves_the_module_untouched(tmp_path):
-    recs, table = synthetic_records(400, 3, 16, seed=8)
-    res = run(recs, table, tmp_path / "run", precision="bf16", name="syn16b", lr=1e-3)
-    v = res.metrics["val"]
+    recs, table = synthetic_records(320, 3, 16, seed=8)
+    res = run(recs, table, tmp_path / "run", precision="bf16", name="syn16", lr=1e-3)
+    v = held_out(res, "planted")
     assert v["learned"]["kl"] < 0.5 * v["uniform"]["kl"] and v["learned"]["top1"] >= 0.8
     assert all(p.dtype == torch.float32 for p in res.controller.parameters())
 
@@ -275,14 +259,13 @@ def test_labels_from_file_and_records_agree(tmp_path):
     assert [h["train_loss"] for h in a.history] == [h["train_loss"] for h in b.history]
 
 
-def test_without_validation_the_training_set_is_reported(tmp_path):
+def test_the_training_set_is_reported(tmp_path):
     recs, table = synthetic_records(40, 3, 8, seed=10)
-    res = run(recs, table, tmp_path / "run", epochs=1, val_fraction=0.0, name="syn8")
-    assert (res.n_train, res.n_val) == (40, 0) and "val" not in res.metrics
+    res = run(recs, table, tmp_path / "run", epochs=1, name="syn8")
+    assert res.n_train == 40 and set(res.metrics) >= {"train", "n_train"} and "val" not in res.metrics
     assert set(res.metrics["train"]) == {"learned", "uniform", "random"} and res.metrics["train"]["learned"]["n"] == 40
     assert "training set" in train_table(res.metrics)
-    assert "val_loss" not in res.history[0]
     # overwrite=True starts over: the old checkpoint is gone before the new run writes its own
-    res2 = run(recs, table, tmp_path / "run", epochs=1, val_fraction=0.0, name="syn8", overwrite=True, seed=1)
+    res2 = run(recs, table, tmp_path / "run", epochs=1, name="syn8", overwrite=True, seed=1)
     state = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
     assert state["args"]["seed"] == 1 and res2.history[0]["epoch"] == 1

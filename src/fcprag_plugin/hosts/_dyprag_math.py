@@ -73,6 +73,15 @@ def check_alignment(outputs: Sequence[Any], merged: Mapping[str, Any], n_passage
                             f"The capture is out of step with DyPRAG's merge; refusing to merge")
 
 
+def _pair(mod: str, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` of module ``mod`` when they form ``B @ A`` (``A [..., r, in]``, ``B [..., out, r]``), else a
+    :class:`HookError` naming both shapes."""
+    if A.ndim < 2 or B.ndim < 2 or A.shape[-2] != B.shape[-1]:
+        raise HookError(f"fcprag dyprag: module '{mod}': lora_A {list(A.shape)} and lora_B {list(B.shape)} do not "
+                        "form B @ A (expected A [r, in], B [out, r])")
+    return A, B
+
+
 def lora_pairs(keys: Sequence[str], need: str = "mode 'cat'",
                hint: str = "use mode 'separate' for other keys", params: Sequence[tuple[str, Any]] = ()
                ) -> dict[str, tuple[str, str]]:
@@ -112,11 +121,7 @@ def module_factors(output: Mapping[str, torch.Tensor], index: int = 0) -> dict[s
                                 f"(a batch of factors cannot share one slot): run without {kw('use_slot', True)}",
                                 params=[("use_slot", True)])
             pair.append(t.detach())
-        A, B = pair
-        if A.shape[0] != B.shape[1]:
-            raise HookError(f"fcprag dyprag: module '{mod}': lora_A {list(A.shape)} and lora_B {list(B.shape)} do not "
-                            "form B @ A (expected A [r, in], B [out, r])")
-        out[strip_peft_prefix(mod)[0]] = (A, B)
+        out[strip_peft_prefix(mod)[0]] = _pair(mod, *pair)
     return out
 
 
@@ -134,9 +139,6 @@ def aggregate(outputs: Sequence[Mapping[str, torch.Tensor]], u: torch.Tensor | S
     first = outputs[0]
     out: dict[str, torch.Tensor] = {}
     for mod, (ka, kb) in lora_pairs(list(first)).items():
-        a0, b0 = first[ka], first[kb]
-        if a0.ndim < 2 or b0.ndim < 2 or a0.shape[-2] != b0.shape[-1]:
-            raise HookError(f"fcprag dyprag: module '{mod}': lora_A {list(a0.shape)} and lora_B {list(b0.shape)} "
-                            "do not form B @ A (expected A [r, in], B [out, r])")
+        _pair(mod, first[ka], first[kb])
         out[ka], out[kb] = factors.cat([o[ka] for o in outputs], [o[kb] for o in outputs], w)
     return {k: out[k] for k in first}

@@ -1,5 +1,6 @@
 """Which question and passages a host's merge is for: :func:`set_context` (thread-local), else the locals
-``question`` and ``passages`` of a calling function (as in PRAG's and DyPRAG's loops), else the shim's fallback."""
+``question`` and ``passages`` (or another name for the passages' list) of a calling function (as in PRAG's and
+DyPRAG's loops), else the shim's fallback."""
 
 from __future__ import annotations
 
@@ -48,15 +49,17 @@ def caller_test_id(ctx: dict[str, Any]) -> int | str | None:
     return tid if isinstance(tid, (int, str)) and not isinstance(tid, bool) else None
 
 
-def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, what: str = "merge"
-                ) -> dict[str, Any]:
-    """Resolve ``{"question", "passages", "source", ...}``: explicit, else callers' locals, else ``fallback``."""
+def get_context(fallback: Callable[[], dict[str, Any] | None] | None = None, *, what: str = "merge",
+                passages: Sequence[str] = ("passages",)) -> dict[str, Any]:
+    """Resolve ``{"question", "passages", "source", ...}``: explicit, else callers' locals (``question``, a str,
+    and the first of the ``passages`` names that holds a list), else ``fallback``."""
     ctx = explicit_context()
     if ctx is not None:
         return {**ctx, "source": "set_context"}
-    loc = find_in_callers(("question", "passages"), sys._getframe(1))
-    if loc is not None and isinstance(loc["question"], str) and isinstance(loc["passages"], (list, tuple)):
-        return {"question": loc["question"], "passages": list(loc["passages"]), "source": "caller_locals"}
+    for name in passages:
+        loc = find_in_callers(("question", name), sys._getframe(1))
+        if loc is not None and isinstance(loc["question"], str) and isinstance(loc[name], (list, tuple)):
+            return {"question": loc["question"], "passages": list(loc[name]), "source": "caller_locals"}
     fb = fallback() if fallback is not None else None
     if fb is not None:
         return {**fb, "source": fb.get("source", "fallback")}

@@ -20,7 +20,7 @@ from ..errors import HookError
 from ..weights import FusionWeights
 from . import _dyprag_math as dm
 from .base import Lifecycle, Shim, WeightProvider, check_max_adapters, wrapping
-from .context import caller_test_id, clear_context, find_in_callers, get_context
+from .context import caller_test_id, clear_context, get_context
 from .context import set_context  # noqa: F401  (re-exported: dyprag.set_context(question, passages))
 
 logger = logging.getLogger(__name__)
@@ -129,15 +129,8 @@ class DyPragShim(Shim):
 
     @staticmethod
     def _context() -> dict[str, Any]:
-        def passages_list() -> dict[str, Any] | None:
-            # DyPRAG's own loop keeps the passage texts in 'passages_list' ('passages' is their joined string)
-            loc = find_in_callers(("question", "passages_list"))
-            if loc is None or not isinstance(loc["question"], str) or not isinstance(loc["passages_list"], list):
-                return None
-            return {"question": loc["question"], "passages": loc["passages_list"], "source": "caller_locals"}
-
-        try:
-            ctx = get_context(passages_list, what="DyPRAG delta_inject merge")
+        try:  # DyPRAG's own loop keeps the passage texts in 'passages_list' ('passages' is their joined string)
+            ctx = get_context(what="DyPRAG delta_inject merge", passages=("passages", "passages_list"))
         except HookError:
             raise HookError("fcprag dyprag: cannot tell which question and passages this delta_inject call is for: "
                             "call fcprag_plugin.hosts.set_context(question, passages) before delta_inject, or call "

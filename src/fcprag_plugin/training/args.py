@@ -22,10 +22,14 @@ CHOICES = {"precision": ("auto", "fp32", "bf16"), "objective": ("kl", "risk"), "
 # sizes refused before allocation: more epochs than anyone trains for (the CV keeps (epochs + 1) x records), a
 # wider layer than any controller needs (16384 x 16384 is 1 GiB)
 MAX_EPOCHS, MAX_HIDDEN = 10_000, 16_384
-# arguments a resume may change (not what is learned; "auto" precision is compared resolved; per_query_scale: a
-# removed argument, which never changed the network)
+# arguments of earlier versions, refused saying what replaced them (train_controller, fcprag train's flags)
+REMOVED = {name: f"{kw(name)} is gone with the validation split: the nested cross-validation ({kw('cv_folds')}) "
+                 "chooses the epochs and measures the gain on questions it did not train on; fcprag eval scores a "
+                 "controller on other labels" for name in ("val", "val_fraction")}
+# arguments a resume may change (not what is learned; "auto" precision is compared resolved; per_query_scale and
+# val_fraction: removed arguments a checkpoint may still name)
 RESUME_FREE = {"epochs", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network", "precision",
-               "per_query_scale"}
+               "per_query_scale", "val_fraction"}
 
 
 @dataclass
@@ -41,7 +45,6 @@ class TrainArgs:
     t_label: float = DEFAULT_T_LABEL
     flat_eps: float = DEFAULT_FLAT_EPS
     flat_weight: float = DEFAULT_FLAT_WEIGHT
-    val_fraction: float = 0.1
     on_error: str = "fail"
     precision: str = "auto"  # fp32 | bf16 (precision.py; metrics.json is fp32) | auto: bf16 where the CPU has it
     grad_clip: float | None = None
@@ -73,7 +76,6 @@ class TrainArgs:
              f"'batch_size' is {self.batch_size!r}, expected an int >= 1")
         need(self.lr > 0, f"'lr' is {self.lr}, expected > 0")
         need(self.weight_decay >= 0, f"'weight_decay' is {self.weight_decay}, expected >= 0")
-        need(0 <= self.val_fraction < 1, f"'val_fraction' is {self.val_fraction}, expected 0 <= f < 1")
         for name, allowed in CHOICES.items():
             need(getattr(self, name) in allowed, f"'{name}' is {getattr(self, name)!r}, expected one of {[*allowed]}")
         need(self.grad_clip is None or self.grad_clip > 0, f"'grad_clip' is {self.grad_clip}, expected > 0 or None")

@@ -11,7 +11,7 @@ import torch
 from ..errors import BARE, LabelFileError, kw
 from ..features import ADAPTER_STAT_NAMES, side_feature_columns
 from .embed_cache import EmbeddingCache, embed_texts
-from .labels import LabelRecord
+from ..labels import LabelRecord
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, make_targets
 
 

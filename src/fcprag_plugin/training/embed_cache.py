@@ -1,6 +1,7 @@
-"""On-disk embedding cache: ``<dir>/<slug>-<model hash>/shard-<n>.safetensors`` with ``keys [M, 32]`` uint8 (the
-sha256 of each text, never the text) and ``emb [M, d]`` float32, model name and dim in each shard's metadata. A run
-that encodes new texts appends one shard atomically; old shards are never rewritten."""
+"""The on-disk embedding cache: one safetensors file per embedding model, ``<dir>/<slug>-<model hash>.safetensors``,
+with the sha256 of each text (``keys [M, 32]`` uint8, never the text) and its embedding (``emb [M, d]`` float32).
+It is read whole, and written whole (atomically, :func:`~fcprag_plugin.fileio.write_atomic`) when a run encodes
+new texts (the first study's 126 questions hold 818 texts: 86 s of encoding on the project's busy 2-core VM)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import EncoderError, FcpragError
+from ..fileio import read_tensor_file, write_atomic
 from ..progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = "fcprag-embeddings-v1"
 ENV_CACHE_DIR = "FCPRAG_CACHE_DIR"
 
 
@@ -35,104 +36,46 @@ def text_key(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
-def _model_dir_name(model_name: str) -> str:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name)[-60:].strip("._") or "model"
-    return f"{slug}-{hashlib.sha256(model_name.encode('utf-8')).hexdigest()[:12]}"
-
-
 class EmbeddingCache:
-    """One model's embeddings (names never share entries) under ``root``; ``dim`` checked on the shards (None: read)."""
+    """One model's embeddings (names never share entries) in the file ``path`` under ``root``: ``rows`` by the
+    sha256 of their text; ``dim`` checked against the file (None: read from it)."""
 
     def __init__(self, root: str | Path, model_name: str, dim: int | None = None) -> None:
-        self.model_name = model_name
-        self.dir = Path(root) / _model_dir_name(model_name)
-        self.dim = dim
-        self._index: dict[bytes, tuple[int, int]] = {}  # key -> (shard, row)
-        self._shards: list[torch.Tensor] = []
-        self._load()
-
-    def _load(self) -> None:
-        from safetensors import SafetensorError, safe_open
-
-        if not self.dir.is_dir():
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name)[-60:].strip("._") or "model"
+        self.model_name, self.dim = model_name, dim
+        self.path = Path(root) / f"{slug}-{hashlib.sha256(model_name.encode('utf-8')).hexdigest()[:12]}.safetensors"
+        self.rows: dict[bytes, torch.Tensor] = {}
+        if not self.path.is_file():
             return
-        for f in sorted(self.dir.glob("shard-*.safetensors"), key=lambda p: (len(p.name), p.name)):
-            try:
-                with safe_open(str(f), framework="pt") as st:
-                    meta = st.metadata() or {}
-                    keys, emb = st.get_tensor("keys"), st.get_tensor("emb")
-            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-                raise EncoderError(f"{f}: corrupt or unreadable embedding cache shard ({e}); delete it to "
-                                   "re-encode") from e
-            if meta.get("format") != CACHE_FORMAT or meta.get("model") != self.model_name:
-                raise EncoderError(f"{f}: metadata says format {meta.get('format')!r}, model {meta.get('model')!r}; "
-                                   f"expected {CACHE_FORMAT!r} and {self.model_name!r}")
-            if keys.ndim != 2 or keys.shape[1] != 32 or emb.ndim != 2 or emb.shape[0] != keys.shape[0]:
-                raise EncoderError(f"{f}: tensors 'keys' {list(keys.shape)} / 'emb' {list(emb.shape)} are malformed; "
-                                   "expected [M, 32] and [M, d]")
-            if self.dim is None:
-                self.dim = int(emb.shape[1])
-            elif emb.shape[1] != self.dim:
-                raise EncoderError(f"{f}: embeddings are {emb.shape[1]}-d but model '{self.model_name}' gives "
-                                   f"{self.dim}-d; delete the cache directory {self.dir}")
-            blob = keys.contiguous().numpy().tobytes()
-            self._append([blob[i:i + 32] for i in range(0, len(blob), 32)], emb.float())
-
-    def _append(self, keys: list[bytes], rows: torch.Tensor) -> None:
-        s = len(self._shards)
-        self._shards.append(rows)
-        self._index.update((k, (s, row)) for row, k in enumerate(keys))
+        tensors = read_tensor_file(self.path, "cpu", EncoderError, "")
+        keys, emb = tensors.get("keys"), tensors.get("emb")
+        if keys is None or emb is None or keys.ndim != 2 or keys.shape[1] != 32 or emb.ndim != 2 \
+                or len(emb) != len(keys) or emb.shape[1] != (dim or emb.shape[1]):
+            shapes = [None if t is None else list(t.shape) for t in (keys, emb)]
+            raise EncoderError(f"{self.path}: tensors 'keys' / 'emb' are {shapes}; expected [M, 32] and [M, "
+                               f"{dim or 'd'}] (model '{model_name}'): delete the file to encode again")
+        self.dim, blob = int(emb.shape[1]), keys.numpy().tobytes()
+        self.rows = {blob[32 * i:32 * i + 32]: row for i, row in enumerate(emb.float())}
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.rows)
 
-    def missing(self, texts: Sequence[str]) -> list[str]:
-        """Distinct texts (first-seen order) that are not cached yet."""
-        return [t for t in dict.fromkeys(texts) if text_key(t) not in self._index]
+    def save(self) -> Path:
+        """Write the file again, whole (atomically: a reader never sees half of it)."""
+        from safetensors.torch import save
 
-    def get(self, texts: Sequence[str]) -> torch.Tensor:
-        """``[n, d]`` embeddings of cached texts (KeyError names the first missing one)."""
-        rows = []
-        for t in texts:
-            loc = self._index.get(text_key(t))
-            if loc is None:
-                raise KeyError(f"text not in the embedding cache: {t[:60]!r}")
-            rows.append(self._shards[loc[0]][loc[1]])
-        return torch.stack(rows) if rows else torch.empty(0, self.dim or 0)
-
-    def add(self, texts: Sequence[str], emb: torch.Tensor) -> Path:
-        """Store the embeddings ``emb [n, d]`` of ``texts`` (distinct and not cached yet: :meth:`missing`) as one
-        new shard."""
-        from safetensors.torch import save_file
-
-        if emb.ndim != 2 or emb.shape[0] != len(texts):
-            raise EncoderError(f"cache add: {len(texts)} texts but embeddings of shape {list(emb.shape)}")
-        if self.dim is not None and emb.shape[1] != self.dim:
-            raise EncoderError(f"cache add: embeddings are {emb.shape[1]}-d, the cache for '{self.model_name}' "
-                               f"holds {self.dim}-d")
-        self.dim = int(emb.shape[1])
-        digests = [text_key(t) for t in texts]
-        keys = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).view(len(digests), 32)
-        rows = emb.detach().float().cpu().contiguous()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        n = len(list(self.dir.glob("shard-*.safetensors")))
-        while (self.dir / f"shard-{n}.safetensors").exists():
-            n += 1
-        path = self.dir / f"shard-{n}.safetensors"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file({"keys": keys, "emb": rows}, str(tmp),
-                  metadata={"format": CACHE_FORMAT, "model": self.model_name, "dim": str(self.dim)})
-        os.replace(tmp, path)  # readers never see a half-written shard
-        self._append(digests, rows)
-        return path
+        keys = torch.frombuffer(bytearray(b"".join(self.rows)), dtype=torch.uint8).view(len(self.rows), 32)
+        return write_atomic(self.path, save({"keys": keys, "emb": torch.stack(list(self.rows.values()))},
+                                            metadata={"model": self.model_name}))
 
 
 def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None = None, *,
                 batch_size: int = 256, progress: bool = False) -> torch.Tensor:
-    """``[len(texts), d]``; only texts missing from ``cache`` go to ``encoder`` (a TextEncoder or a factory)."""
-    texts = list(texts)
-    missing = cache.missing(texts) if cache is not None else list(dict.fromkeys(texts))
-    fresh = torch.empty(0, 0)
+    """``[len(texts), d]``; only texts missing from ``cache`` go to ``encoder`` (a TextEncoder or a factory), and
+    then the cache's file is written again."""
+    keys = [text_key(t) for t in texts]
+    rows = cache.rows if cache is not None else {}
+    missing = list(dict.fromkeys(t for t, k in zip(texts, keys) if k not in rows))
     if missing:
         enc = encoder() if callable(encoder) and not hasattr(encoder, "encode") else encoder
         if cache is not None and enc.name != cache.model_name:
@@ -140,16 +83,18 @@ def embed_texts(texts: Sequence[str], encoder: Any, cache: EmbeddingCache | None
         chunks = progress_bar(f"embedding {len(missing)} texts", None, unit="batch", enabled=progress,
                               iterable=range(0, len(missing), batch_size))
         fresh = torch.cat([enc.encode(missing[i:i + batch_size]) for i in chunks]).float()
+        if cache is not None and fresh.shape[1] != (cache.dim or fresh.shape[1]):
+            raise EncoderError(f"encoder '{enc.name}' gives {fresh.shape[1]}-d embeddings but the cache "
+                               f"{cache.path} holds {cache.dim}-d ones; delete it to encode again")
+        rows.update(zip(map(text_key, missing), fresh))
         if cache is not None:
-            cache.add(missing, fresh)
+            cache.dim = fresh.shape[1]
+            cache.save()
             logger.info("embedded %d new texts with '%s' (cache: %d entries in %s)", len(missing), enc.name,
-                        len(cache), cache.dir)
-    elif cache is not None and texts:
-        logger.info("all %d distinct texts found in the embedding cache %s", len(set(texts)), cache.dir)
-    if cache is not None:
-        return cache.get(texts)
-    lookup = dict(zip(missing, fresh))
-    return torch.stack([lookup[t] for t in texts]) if texts else fresh
+                        len(cache), cache.path)
+    elif cache is not None and keys:
+        logger.info("all %d distinct texts found in the embedding cache %s", len(set(keys)), cache.path)
+    return torch.stack([rows[k] for k in keys]) if keys else torch.empty(0, 0)
 
 
 def resolve_encoder(encoder: Any) -> tuple[str, Any]:
@@ -161,7 +106,7 @@ def resolve_encoder(encoder: Any) -> tuple[str, Any]:
         return str(encoder.name), encoder
     from ..encoding import get_encoder, resolve_model
 
-    # loaded once, on first need, shared by the train and validation sets: the process-wide encoder
+    # loaded once, on first need: the process-wide encoder
     return resolve_model(encoder)[0], functools.cache(lambda: get_encoder(encoder))
 
 

@@ -8,13 +8,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
-from ..fileio import read_json_if_present
 from ..progress import progress_bar
 from .data import LabelTensors
 from .evaluation import collect_outputs
@@ -23,7 +20,6 @@ from .stats import BOOTSTRAP, bootstrap_ci, group_kfold, group_means, loss_share
 logger = logging.getLogger(__name__)
 
 CV_NAME = "cv.json"
-CV_PARTIAL_NAME = "cv.partial.json"  # the folds an interrupted cross-validation finished (select's on_fold)
 PARTS = 2  # scale and reweighting: the Bonferroni factor of the "shown" decisions
 CI_METHOD = f"percentile bootstrap over questions (groups), {BOOTSTRAP} resamples"
 SCALE_METRICS = ("label", "f1")
@@ -113,20 +109,6 @@ def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, s
     return 1.0, "no_scales", None
 
 
-def _from_json(values: Any) -> torch.Tensor:
-    """A (nested) list written by ``write_json`` back to float64, its nulls to NaN."""
-    return torch.from_numpy(np.array(values, dtype=np.float64))
-
-
-def read_cv_partial(out: Any) -> dict[str, Any] | None:
-    """``{"key", "n_folds", "folds"}`` of an interrupted cross-validation in run ``out``; None if none or unreadable."""
-    try:
-        got = read_json_if_present(Path(out) / CV_PARTIAL_NAME, ValueError)
-    except (OSError, ValueError):
-        return None
-    return got if got is not None and isinstance(got.get("folds"), list) else None
-
-
 def part_summary(values: torch.Tensor, groups: Sequence[str], seed: int) -> dict[str, Any]:
     """Mean, 95% CI and Bonferroni-adjusted CI (over the :data:`PARTS`; ``shown``: above 0) of the non-NaN records."""
     ok = ~torch.isnan(values)
@@ -157,8 +139,8 @@ def _epoch_curves(tr: Any, val_data: LabelTensors, held_data: LabelTensors, epoc
 def _outer_fold(data: LabelTensors, args: Any, f: int, folds: list[list[int]], embedding_model: str,
                 trainer: Callable[..., Any], rule: ScaleRule, metrics: Sequence[str], bar: Any) -> dict[str, Any]:
     """Outer fold ``f``: epochs chosen on an inner split of its training questions, kappa on all of them, each part
-    measured on its held-out questions: the JSON-ready ``{"held", "curve" [E + 1][n], "reweighting" [n], "scale"
-    {metric: [n]}, "measured", "epochs", "kappa"}`` (what ``select``'s ``on_fold`` keeps)."""
+    measured on its held-out questions: ``{"held", "curve" [E + 1, n], "reweighting" [n], "scale" {metric: [n]},
+    "measured", "epochs", "kappa"}``."""
     held = folds[f]
     rest = sorted(set(range(len(data))) - set(held))
     inner = group_kfold([data.groups[i] for i in rest], len(folds), args.seed + 1 + f)
@@ -174,9 +156,9 @@ def _outer_fold(data: LabelTensors, args: Any, f: int, folds: list[list[int]], e
     total = totals(w_held, held_data) if args.controller.get("calib_scale") else \
         torch.full((len(held),), kappa, dtype=torch.float64)
     scale = {m: scale_gain(held_data, total, m) for m in metrics}
-    return {"held": held, "curve": [reweighting_gain(w, held_data).tolist() for w in held_w],
-            "reweighting": reweighting_gain(w_held, held_data).tolist(),
-            "scale": {m: g.tolist() for m, (g, _) in scale.items()}, "measured": scale[args.scale_metric][1],
+    return {"held": held, "curve": torch.stack([reweighting_gain(w, held_data) for w in held_w]),
+            "reweighting": reweighting_gain(w_held, held_data),
+            "scale": {m: g for m, (g, _) in scale.items()}, "measured": scale[args.scale_metric][1],
             "epochs": e_f, "kappa": kappa}
 
 
@@ -188,9 +170,9 @@ def _report(data: LabelTensors, args: Any, rule: ScaleRule, results: list[dict[s
     scales = {m: nan() for m in results[0]["scale"]}
     for r in results:  # each record is held out in one fold
         held = r["held"]
-        curve[:, held], rw[held] = _from_json(r["curve"]), _from_json(r["reweighting"])
+        curve[:, held], rw[held] = r["curve"], r["reweighting"]
         for m, v in scales.items():
-            v[held] = _from_json(r["scale"][m])
+            v[held] = r["scale"][m]
     pooled = curve.mean(1)
     kappa, how, grid = fold_kappa(data, args, rule)
     sc = scales[args.scale_metric]
@@ -232,29 +214,19 @@ def _ship(report: dict[str, Any], data: LabelTensors, args: Any, rw: torch.Tenso
 
 
 def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callable[..., Any],
-           rule: ScaleRule = ScaleRule(), progress: bool = False, done: Sequence[dict[str, Any]] = (),
-           on_fold: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+           rule: ScaleRule = ScaleRule(), progress: bool = False) -> dict[str, Any]:
     """Nested grouped CV -> a JSON-ready dict (``cv.json``): epochs and ``kappa`` to ship, the parts with their CIs,
     what ships (``network`` with ``keep_network``, else ``scale_only``; ``prag_sum`` at kappa 1) and its verdict.
-    ``trainer(train_data, args, embedding_model)`` builds a fold's trainer (``controller``, ``train_epoch()``);
-    ``on_fold(results)`` gets the finished folds after each fold, ``done`` skips them."""
+    ``trainer(train_data, args, embedding_model)`` builds a fold's trainer (``controller``, ``train_epoch()``)."""
     t0 = time.perf_counter()
     folds = group_kfold(data.groups, args.cv_folds, args.seed)
     if len(folds) < 2:
         raise ValueError(f"cross-validation needs at least 2 groups (questions), got {len(folds)}")
     metrics = [m for m in SCALE_METRICS if data.gains(m) is not None]
-    results: list[dict[str, Any]] = []
     with progress_bar(f"nested {len(folds)}-fold CV", len(folds) * args.epochs, unit="epoch", enabled=progress) \
             as bar:
-        for f, held in enumerate(folds):
-            if f < len(done) and done[f].get("held") == held:  # finished by an interrupted run
-                results.append(done[f])
-                bar.update(args.epochs)
-                continue
-            results.append(_outer_fold(data, args, f, folds, embedding_model, trainer, rule,
-                                       list(dict.fromkeys([args.scale_metric, *metrics])), bar))
-            if on_fold is not None:
-                on_fold(results)
+        results = [_outer_fold(data, args, f, folds, embedding_model, trainer, rule,
+                               list(dict.fromkeys([args.scale_metric, *metrics])), bar) for f in range(len(folds))]
     report = _report(data, args, rule, results, metrics)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     logger.info("cross-validation: ships %s at kappa %.4g, gain %s, %s", report["shipped"], report["kappa"],

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 import time
@@ -16,18 +15,18 @@ from typing import Any, Sequence
 import torch
 
 from ..controller import ControllerConfig, FusionController
-from ..errors import FcpragError, LabelFileError, kw
+from ..errors import BARE, FcpragError, LabelFileError, kw
 from ..features import center_side
 from ..fileio import append_json_lines, finite_or_none, read_json_if_present, write_json, write_json_lines
 from ..progress import progress_bar
-from .args import RESUME_FREE, TrainArgs
+from .args import REMOVED, RESUME_FREE, TrainArgs
 from .checkpoint import CHECKPOINT_DIR, load_checkpoint, resumable_state, save_checkpoint
 from .data import LabelTensors, build_tensors, side_rows
 from .embed_cache import open_cache, resolve_encoder
-from .labels import LabelRecord, LabelSet, as_label_set, check_no_leak, drop_test, split_records
-from .evaluation import collect_outputs, evaluate, metrics_from_outputs
+from ..labels import LabelRecord, LabelSet, as_label_set, drop_held_out
+from .evaluation import evaluate
 from .precision import autocast, resolve_precision
-from .selection import CV_NAME, CV_PARTIAL_NAME, fold_kappa, has_measured, read_cv_partial, select
+from .selection import CV_NAME, fold_kappa, has_measured, select
 from .targets import risk_loss, weighted_kl
 
 logger = logging.getLogger(__name__)
@@ -37,18 +36,17 @@ ARGS_NAME = "training_args.json"
 METRICS_NAME = "metrics.json"
 
 
-
 @dataclass
 class TrainResult:
     """The shipped ``controller`` (saved in ``out``), ``metrics.json``'s content, the per-epoch ``history``, and the
-    final evaluation's ``outputs[name]`` (``w, g, tau``, the shipped one first) on ``report_data``."""
+    final evaluation's ``outputs[name]`` (``w, g, tau``, the shipped one first) on ``report_data``, the training
+    records."""
 
     controller: FusionController
     out: Path
     metrics: dict[str, Any]
     history: list[dict[str, Any]]
     n_train: int
-    n_val: int
     outputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     report_data: LabelTensors | None = None
 
@@ -92,12 +90,11 @@ def make_optimizer(controller: FusionController, args: TrainArgs) -> torch.optim
 
 
 class Trainer:
-    """The network, its optimizer and its data (``val`` may be None): what a cross-validation fold and the final
-    fit train, one :meth:`train_epoch` at a time."""
+    """The network, its optimizer and its data: what a cross-validation fold and the final fit train, one
+    :meth:`train_epoch` at a time."""
 
-    def __init__(self, train: LabelTensors, args: TrainArgs, embedding_model: str, val: LabelTensors | None = None
-                 ) -> None:
-        self.train_data, self.val_data, self.args = train, val, args.validate()
+    def __init__(self, train: LabelTensors, args: TrainArgs, embedding_model: str) -> None:
+        self.train_data, self.args = train, args.validate()
         torch.manual_seed(args.seed)
         cfg = ControllerConfig(embed_dim=train.dim, embedding_model=embedding_model, seed=args.seed,
                                side_features=list(args.side_features), side_scale=side_scales(train),
@@ -136,22 +133,17 @@ class Trainer:
                 progress.set_postfix(loss=f"{value:.3g}", refresh=False)  # small risk losses stay readable
         return total / weight if weight > 0 else 0.0
 
-    def validate(self) -> dict[str, Any]:
-        if self.val_data is None or len(self.val_data) == 0:
-            return {}
-        # in the training precision (cheaper); the final metrics.json is float32, as `fuse` / `fcprag eval` compute
-        o = collect_outputs(self.controller, self.val_data, self.args.eval_batch_size, self.precision)
-        m = metrics_from_outputs(o["w"], o["g"], o["tau"], self.val_data, o["wt"])
-        return {"val_loss": m["kl"], "val_top1": m["top1"], "val_g_mean": m["g_mean"], "val_gain": m["gain"]}
 
-
-def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: Any = None, resume: bool = False,
+def train_controller(labels: Any, out: str | Path, *, encoder: Any = None, resume: bool = False,
                      overwrite: bool = False, progress: bool = True, **kwargs: Any) -> TrainResult:
     """Train a controller from ``labels`` (a label file, a :class:`LabelSet` or records) into ``out`` (plus args,
-    metrics, log, checkpoint; the verdict in ``metrics["cv"]`` and the config's ``cv``). ``val``: validation labels
-    (else a group-based split); ``encoder``: a ``TextEncoder``, a model name/path or None (the default, loaded on a
-    cache miss only); ``resume``: continue from ``out/checkpoint`` (arguments must match but ``epochs`` and a few
-    others); ``overwrite``: replace a run there; ``kwargs``: :class:`TrainArgs`."""
+    metrics, log, checkpoint; the verdict in ``metrics["cv"]`` and the config's ``cv``). ``encoder``: a
+    ``TextEncoder``, a model name/path or None (the default, loaded on a cache miss only); ``resume``: continue from
+    ``out/checkpoint`` (arguments must match but ``epochs`` and a few others); ``overwrite``: replace a run there;
+    ``kwargs``: :class:`TrainArgs`."""
+    removed = sorted(set(kwargs) & set(REMOVED))
+    if removed:
+        raise FcpragError(f"train_controller: {REMOVED[removed[0]]}", params=[(removed[0], BARE), ("cv_folds", BARE)])
     names = [f.name for f in fields(TrainArgs)]
     unknown = sorted(set(kwargs) - set(names))
     if unknown:
@@ -163,7 +155,7 @@ def train_controller(labels: Any, out: str | Path, *, val: Any = None, encoder: 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        run = Run.prepare(labels, Path(out), val, encoder, resume, overwrite, progress, args)
+        run = Run.prepare(labels, Path(out), encoder, resume, overwrite, progress, args)
         cv = run.cross_validate()
         return run.finalise(cv, *run.fit(cv))
     finally:
@@ -180,89 +172,64 @@ class Run:
     resume: bool
     progress: bool
     train_set: LabelSet
-    val_set: LabelSet | None
     train: LabelTensors
-    val: LabelTensors | None
     embedding_model: str
     info: dict[str, Any]
     t_start: float
     t_data: float
 
     @classmethod
-    def prepare(cls, labels: Any, out: Path, val: Any, encoder: Any, resume: bool, overwrite: bool, progress: bool,
+    def prepare(cls, labels: Any, out: Path, encoder: Any, resume: bool, overwrite: bool, progress: bool,
                 args: TrainArgs) -> "Run":
-        """Read, split and embed the labels, record provenance, ready ``out`` (a run there: ``resume`` or
-        ``overwrite``)."""
+        """Read and embed the labels, record provenance, ready ``out`` (a run there: ``resume`` or ``overwrite``)."""
         if not resume and not overwrite and (out / CHECKPOINT_DIR).exists():
             raise FcpragError(f"{out}: already holds a training run; pass {kw('resume', True)} to continue it or "
                               f"{kw('overwrite', True)} to start over", params=[("resume", True), ("overwrite", True)])
         t_start = time.perf_counter()
         train_set = as_label_set(labels, args.on_error, "labels")
-        records = drop_test(train_set.records, train_set.path)
-        val_set = as_label_set(val, args.on_error, "val") if val is not None else None
-        if val_set is not None:
-            train_recs, val_recs, how = records, drop_test(val_set.records, val_set.path), f"file {val_set.path}"
-            check_no_leak(train_recs, val_recs)
-        else:
-            train_recs, val_recs, how = split_records(records, args.val_fraction, args.seed)
+        train_recs = drop_held_out(train_set.records, train_set.path)
         if not train_recs:
-            raise LabelFileError(f"{train_set.path}: no training records left after the split ({how})")
-        logger.info("%d training and %d validation records (split: %s)", len(train_recs), len(val_recs), how)
-
-        for r in (*train_recs, *val_recs):  # every field the side features need, before any text is embedded
+            raise LabelFileError(f"{train_set.path}: no record to train on (records of a split other than 'train' "
+                                 "are left out)")
+        logger.info("%d training records", len(train_recs))
+        for r in train_recs:  # every field the side features need, before any text is embedded
             side_rows(r, args.side_features)
         name, enc = resolve_encoder(encoder)
         cache = open_cache(args.cache_dir, name, getattr(enc, "dim", None))
-        tkw = dict(t_label=args.t_label, flat_eps=args.flat_eps, flat_weight=args.flat_weight, progress=progress,
-                   side_features=args.side_features)
-        train_t = build_tensors(train_recs, enc, cache, **tkw)
+        train_t = build_tensors(train_recs, enc, cache, t_label=args.t_label, flat_eps=args.flat_eps,
+                                flat_weight=args.flat_weight, progress=progress, side_features=args.side_features)
         if args.scale_metric == "f1" and args.kappa == "auto" and not has_measured(train_t, "f1"):
             raise LabelFileError(f"{train_set.path}: no record has 'f1_at_scales' (with 'f1_all' and 'scales'); "
                                  "scale_metric 'f1' chooses kappa on answer-level scale labels: build them with "
                                  "'fcprag labels build --scales ...' (with generation), or choose on the label metric")
-        val_t = build_tensors(val_recs, enc, cache, **tkw) if val_recs else None
-        sha = train_set.sha256 + (("+" + val_set.sha256) if val_set is not None else "")
-        info = {"labels": train_set.path, "val": val_set.path if val_set is not None else None, "label_sha256": sha,
-                "train_labels_sha256": train_set.sha256, "val_labels_sha256": val_set.sha256 if val_set else None,
-                "split": how, "n_train": len(train_recs), "n_val": len(val_recs),
+        info = {"labels": train_set.path, "train_labels_sha256": train_set.sha256, "n_train": len(train_recs),
                 "n_train_flat": int(train_t.flat.sum()), "embedding_model": name, "embed_dim": train_t.dim,
-                "cache_dir": str(cache.dir) if cache is not None else None,
-                "skipped": {"labels": len(train_set.skipped), **({"val": len(val_set.skipped)} if val_set else {})},
-                "versions": _versions(), "trained_for": trained_for(train_recs)}
-        run = cls(args, out, resume, progress, train_set, val_set, train_t, val_t, name, info, t_start,
-                  time.perf_counter() - t_start)
+                "cache_dir": str(cache.path) if cache is not None else None,
+                "skipped": {"labels": len(train_set.skipped)}, "versions": _versions(),
+                "trained_for": trained_for(train_recs)}
+        run = cls(args, out, resume, progress, train_set, train_t, name, info, t_start, time.perf_counter() - t_start)
         out.mkdir(parents=True, exist_ok=True)
         if not resume:  # a later resume must never pick up the old run's state
             if (out / CHECKPOINT_DIR).exists():
                 logger.warning("%s: overwriting the previous run", out)
                 shutil.rmtree(out / CHECKPOINT_DIR)
-            for name in (CV_NAME, CV_PARTIAL_NAME):
-                (out / name).unlink(missing_ok=True)
+            (out / CV_NAME).unlink(missing_ok=True)
         write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": resolve_precision(
             args.precision), "risk_lambda_used": args.risk_lambda_for(train_t), **info})
         return run
 
     def cross_validate(self) -> dict[str, Any] | None:
-        """The nested cross-validation of :mod:`.selection` (None with ``cv_folds=0``), kept in ``cv.json`` so that a
-        resume does not redo it unless ``epochs`` changed (:meth:`fit` checks the rest)."""
+        """The nested cross-validation of :mod:`.selection` (None with ``cv_folds=0``), kept in ``cv.json`` once it is
+        finished, so that a resume does not redo it unless ``epochs`` changed (:meth:`fit` checks the rest; an
+        interrupted one is done again)."""
         args, path = self.args, self.out / CV_NAME
         if not args.cv_folds:
             return None
         cv = read_json_if_present(path, FcpragError, fix="delete it to run the cross-validation again")
         # a per-query scale part: an earlier version's verdict, Bonferroni-adjusted over three parts
         if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv or "query_scale" in cv:
-            # finished folds are kept (CV_PARTIAL_NAME), not redone on a resume with the same arguments and labels
-            key = {"args": {k: v for k, v in asdict(args).items() if k not in RESUME_FREE or k == "epochs"},
-                   "label_sha256": self.info.get("label_sha256")}
-            partial = read_cv_partial(self.out) if self.resume else None
-            same = partial is not None and partial.get("key") == json.loads(json.dumps(finite_or_none(key),
-                                                                                        default=str))
-            done = partial["folds"] if same else []  # made with other arguments or labels: the CV starts over
-            cv = select(self.train, args, self.embedding_model, Trainer, args.scale_rule, self.progress, done=done,
-                        on_fold=lambda folds: write_json(self.out / CV_PARTIAL_NAME, {
-                            "key": key, "n_folds": args.cv_folds, "folds": folds}))
+            cv = select(self.train, args, self.embedding_model, Trainer, args.scale_rule, self.progress)
             write_json(path, cv)
-            (self.out / CV_PARTIAL_NAME).unlink(missing_ok=True)
         if args.keep_network and cv["shipped"] != "network":  # keep_network may change on a resume
             cv = {**cv, "shipped": "network"}
         return cv
@@ -270,12 +237,12 @@ class Run:
     def _state(self, tr: Trainer, history: list[dict[str, Any]]) -> dict[str, Any]:
         """The checkpoint's ``state.json`` after ``history``."""
         return {"epoch": len(history), "history": history, "args": asdict(self.args), "precision": tr.precision,
-                "info_label_sha256": self.info.get("label_sha256")}
+                "info_label_sha256": self.train_set.sha256}
 
     def _start(self, epochs: int) -> tuple[Trainer, list[dict[str, Any]]]:
         """A trainer seeded afresh (the CV drew from the global RNG), or on a resume the checkpoint's, unless it has
         more than ``epochs``; and its history."""
-        tr, ckpt = Trainer(self.train, self.args, self.embedding_model, self.val), self.out / CHECKPOINT_DIR
+        tr, ckpt = Trainer(self.train, self.args, self.embedding_model), self.out / CHECKPOINT_DIR
         state = resumable_state(self.out, self._state(tr, []), RESUME_FREE) if self.resume else None
         if state is None:
             return tr, []
@@ -309,8 +276,7 @@ class Run:
                 bar.set_description(f"epoch {epoch}/{epochs}")
                 train_loss = tr.train_epoch(bar)
                 train_s = time.perf_counter() - t0
-                row = {"epoch": epoch, "train_loss": train_loss, **tr.validate(),
-                       "seconds": round(time.perf_counter() - t0, 3),
+                row = {"epoch": epoch, "train_loss": train_loss, "seconds": round(train_s, 3),
                        "records_per_s": round(len(self.train) / max(train_s, 1e-9), 1), "lr": self.args.lr}
                 history.append(finite_or_none(row))
                 save_checkpoint(self.out, tr.controller, tr.optimizer, tr.shuffle_gen, self._state(tr, history))
@@ -323,8 +289,7 @@ class Run:
 
     def finalise(self, cv: dict[str, Any] | None, controller: FusionController,
                  history: list[dict[str, Any]]) -> TrainResult:
-        """Put kappa and the verdict in the config, save, evaluate on the validation (else training) records, write
-        ``metrics.json``."""
+        """Put kappa and the verdict in the config, save, evaluate on the training records, write ``metrics.json``."""
         args, out = self.args, self.out
         kappa = cv["kappa"] if cv is not None else fold_kappa(self.train, args, args.scale_rule)[0]
         updates: dict[str, Any] = {"kappa": kappa, "trained_for": self.info.get("trained_for")}
@@ -340,23 +305,19 @@ class Run:
                              "objective": args.objective, "shipped": "network", "source": str(out)}
         controller.config = replace(controller.config, **updates)
         controller.save_pretrained(out)
-        report_on = self.val if self.val is not None else self.train  # no validation data: the training set
-        report, outputs = evaluate(controller, report_on, seed=args.seed, batch_size=args.eval_batch_size)
+        report, outputs = evaluate(controller, self.train, seed=args.seed, batch_size=args.eval_batch_size)
         metrics: dict[str, Any] = finite_or_none({
-            "val" if self.val is not None else "train": report,
-            "epochs": len(history), "n_train": len(self.train), "n_val": 0 if self.val is None else len(self.val),
-            "split": self.info["split"], "objective": args.objective,
+            "train": report, "epochs": len(history), "n_train": len(self.train), "objective": args.objective,
             "risk_lambda": args.risk_lambda_for(self.train),
             "kappa": kappa, **({"cv": cv} if cv is not None else {}),
             "skipped": {s.path: {"count": len(s.skipped), "by_field": s.skip_counts(),
                                  "records": [{"line": k.line, "field": k.field, "message": k.message}
                                              for k in s.skipped]}
-                        for s in (self.train_set, self.val_set) if s is not None and s.skipped},
+                        for s in (self.train_set,) if s.skipped},
             "timing_s": {"data": round(self.t_data, 3),
                          "fit": round(time.perf_counter() - self.t_start - self.t_data, 3),
                          "total": round(time.perf_counter() - self.t_start, 3)},
         })
         write_json(out / METRICS_NAME, metrics)
         logger.info("wrote %s", out)
-        return TrainResult(controller, out, metrics, history, metrics["n_train"], metrics["n_val"], outputs,
-                           report_on)
+        return TrainResult(controller, out, metrics, history, metrics["n_train"], outputs, self.train)

@@ -328,7 +328,7 @@ def test_f1_scale_labels_end_to_end_choose_kappa_on_f1(world, tmp_path):
     gen = torch.Generator().manual_seed(0)
     table = {t: torch.randn(8, generator=gen) for r in raw for t in [r["query"], *r["passages"]]}
     res = train_controller(out, tmp_path / "ctrl", encoder=table_encoder(table, "tiny8"), cache_dir="",
-                           scale_metric="f1", cv_folds=2, epochs=1, val_fraction=0.0, progress=False, threads=1,
+                           scale_metric="f1", cv_folds=2, epochs=1, progress=False, threads=1,
                            controller={"score_hidden": [8], "calib_hidden": 8}, scale_max_loss_share=1.0)
     cv = res.metrics["cv"]
     grid = cv["scale"]["grid"]

@@ -12,9 +12,6 @@ from .choice import ALPHA, READINGS, VS
 from .records import METRICS, SETTINGS, suffix
 from .tables import CANDIDATES, TABLE_ROWS, host_of
 
-STUDY_SHIPS = tuple(s for s in SHIPS if s != "query_scale")  # what a study ships (it measures no per-query scale)
-
-
 def _num(x: Any, null_ok: bool = False) -> bool:
     return (x is None and null_ok) or (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x))
 
@@ -27,8 +24,8 @@ def check_setting(sname: str, sv: Any, trained: bool) -> list[str]:
     """The problems of one verdict ``sv`` (named ``sname``); ``trained``: what ships was decided here, so it must
     agree with the cross-validated gains and margins it records."""
     num, ci = _num, _interval
-    if not isinstance(sv, dict) or sv.get("ship") not in STUDY_SHIPS:
-        return [f"{sname}.ship: expected one of {list(STUDY_SHIPS)}"]
+    if not isinstance(sv, dict) or sv.get("ship") not in SHIPS:
+        return [f"{sname}.ship: expected one of {list(SHIPS)}"]
     bad = [] if num(sv.get("kappa")) and sv["kappa"] > 0 else [f"{sname}.kappa: expected a number > 0"]
     for k in ("scale", "reweighting"):
         p = sv.get(k)

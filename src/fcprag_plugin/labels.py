@@ -1,6 +1,7 @@
-"""Leave-one-out label files: parsing and validation (JSON Lines or a JSON array; the format, the error messages
-``FILE:LINE: field 'NAME': ...`` and ``on_error``: ``docs/label-format.md``, ``schemas/labels.schema.json``) and the
-split into training and validation records."""
+"""Leave-one-out label files, the format between what writes labels (``fcprag labels build``) and what reads them
+(the trainer, ``fcprag eval``, the study's verdict): parsing and validation (JSON Lines or a JSON array; the format,
+the error messages ``FILE:LINE: field 'NAME': ...`` and ``on_error``: ``docs/label-format.md``,
+``schemas/labels.schema.json``)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,20 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
-import torch
-
-from ..errors import FcpragError, LabelFileError
-from ..fileio import decode_utf8, iter_records, read_bytes
+from .errors import FcpragError, LabelFileError
+from .fileio import decode_utf8, iter_records, read_bytes
 
 logger = logging.getLogger(__name__)
 
 ON_ERROR = ("fail", "skip")
 REQUIRED = ("id", "query", "passages")
-# split values understood by the trainer; anything else is an error (a typo must not move data silently)
+# split values understood by the trainer; anything else is an error (a typo must not move data silently). A record
+# of another split than "train" is held out: the trainer leaves it out (fcprag eval scores such records)
 TRAIN_SPLITS = ("train",)
-VAL_SPLITS = ("val", "validation", "dev")
-IGNORED_SPLITS = ("test",)
-KNOWN_SPLITS = TRAIN_SPLITS + VAL_SPLITS + IGNORED_SPLITS
+HELD_OUT_SPLITS = ("val", "validation", "dev", "test")
+KNOWN_SPLITS = TRAIN_SPLITS + HELD_OUT_SPLITS
 DELTA_TOLERANCE = 1e-6  # when both deltas and metric_all/metric_without are given they must agree
 
 
@@ -71,7 +70,7 @@ class LabelRecord:
 
     @property
     def group_key(self) -> str:
-        """What the train/validation split keeps together: the ``group`` when given, else the ``id``."""
+        """What a cross-validation fold keeps together: the ``group`` when given, else the ``id``."""
         return f"group:{self.group}" if self.group is not None else f"id:{self.id}"
 
     @property
@@ -279,7 +278,7 @@ def _f1_scale_fields(obj: dict[str, Any], scales: list[float] | None
 
 def _adapter_stats_field(v: Any, n: int) -> list[dict[str, float]]:
     """``adapter_stats``: one object per passage with (at least) the keys of ``features.ADAPTER_STAT_NAMES``."""
-    from ..features import ADAPTER_STAT_NAMES
+    from .features import ADAPTER_STAT_NAMES
 
     out = []
     for i, row in enumerate(_list_of_n(v, "adapter_stats", n, "objects")):
@@ -353,47 +352,10 @@ def as_label_set(labels: Any, on_error: str, what: str) -> LabelSet:
                       f"{type(labels).__name__}")
 
 
-def drop_test(records: list[LabelRecord], what: str) -> list[LabelRecord]:
-    kept = [r for r in records if r.split not in IGNORED_SPLITS]
+def drop_held_out(records: list[LabelRecord], what: str) -> list[LabelRecord]:
+    """The records to train on: those of no ``split`` or split ``train``."""
+    kept = [r for r in records if r.split not in HELD_OUT_SPLITS]
     if len(kept) < len(records):
-        logger.info("%s: %d records with split 'test' are left out of training and validation", what,
-                    len(records) - len(kept))
+        splits = sorted({str(r.split) for r in records if r.split in HELD_OUT_SPLITS})
+        logger.info("%s: %d records with split %s are left out of training", what, len(records) - len(kept), splits)
     return kept
-
-
-def check_no_leak(train: Sequence[LabelRecord], val: Sequence[LabelRecord]) -> None:
-    """Raise :class:`LabelFileError` if a validation record shares its id or group with a training record."""
-    by_id = {r.id: r for r in train}
-    by_group = {r.group: r for r in train if r.group is not None}
-    for r in val:
-        if r.id in by_id:
-            raise LabelFileError(f"{r.where}: field 'id': '{r.id}' is also a training record ({by_id[r.id].where}); "
-                                 "expected disjoint train and validation queries")
-        if r.group in by_group:
-            raise LabelFileError(f"{r.where}: field 'group': '{r.group}' also has training records "
-                                 f"({by_group[r.group].where}); expected every group entirely in train or in "
-                                 "validation")
-
-
-def split_records(records: Sequence[LabelRecord], val_fraction: float, seed: int
-                  ) -> tuple[list[LabelRecord], list[LabelRecord], str]:
-    """``(train, val, how)``, each ``group`` (else ``id``) on one side: by the records' ``split`` fields when any
-    has one (records without it train), else ``round(val_fraction * groups)`` seeded groups (at least one) validate."""
-    records = list(records)
-    if any(r.split is not None for r in records):
-        val = [r for r in records if r.split in VAL_SPLITS]
-        train = [r for r in records if r.split not in VAL_SPLITS]
-        check_no_leak(train, val)
-        return train, val, "split field"
-    if val_fraction <= 0:
-        return records, [], "none"
-    keys = list(dict.fromkeys(r.group_key for r in records))
-    if len(keys) < 2:
-        logger.warning("only one group/id: no validation split possible")
-        return records, [], "none"
-    n_val = min(len(keys) - 1, max(1, round(val_fraction * len(keys))))
-    perm = torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed)).tolist()
-    val_keys = {keys[i] for i in perm[:n_val]}
-    train = [r for r in records if r.group_key not in val_keys]
-    val = [r for r in records if r.group_key in val_keys]
-    return train, val, f"by group/id, {n_val} of {len(keys)} groups"

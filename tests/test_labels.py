@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fcprag_plugin.errors import LabelFileError
-from fcprag_plugin.training.labels import load_labels, validate_record
+from fcprag_plugin.labels import load_labels, validate_record
 from fcprag_tools.synthetic import write_labels
 
 
@@ -202,7 +202,7 @@ def test_schema_file_matches_the_parser():
     import importlib.resources as ir
 
     schema = json.loads(ir.files("fcprag_plugin").joinpath("schemas/labels.schema.json").read_text("utf-8"))
-    from fcprag_plugin.training.labels import KNOWN_SPLITS, OPTIONAL, REQUIRED
+    from fcprag_plugin.labels import KNOWN_SPLITS, OPTIONAL, REQUIRED
 
     assert set(schema["required"]) == set(REQUIRED)
     assert set(schema["properties"]) == set(REQUIRED) | set(OPTIONAL)
