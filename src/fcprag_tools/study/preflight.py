@@ -269,6 +269,8 @@ def model_config(m: ModelPart) -> Any:
     own GGUF config reader parses far more of the file)."""
     from types import SimpleNamespace
 
+    from transformers import AutoConfig
+
     from ..lm.model_io import gguf_header, quiet_loading
 
     try:
@@ -278,11 +280,9 @@ def model_config(m: ModelPart) -> Any:
             return SimpleNamespace(num_hidden_layers=int(meta[f"{arch}.block_count"]),
                                    hidden_size=int(meta[f"{arch}.embedding_length"]),
                                    intermediate_size=int(meta[f"{arch}.feed_forward_length"]))
-        from transformers import AutoConfig
-
         with quiet_loading():
             return AutoConfig.from_pretrained(m.model)
-    except (OSError, ValueError, KeyError, ImportError) as e:
+    except (OSError, ValueError, KeyError) as e:
         what = f"--model {m.model}" + (f" --gguf-file {m.gguf_file}" if m.gguf_file else "")
         raise FcpragError(f"{what}: its sizes could not be read ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
                           ) from None
