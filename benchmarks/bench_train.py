@@ -1,7 +1,7 @@
 """Training throughput: 10 epochs over 10,000 synthetic records with N = 3 and cached embeddings.
 
 The script writes a synthetic label file, fills the embedding cache once (not timed), then times
-``train_controller`` end to end with a warm cache (parsing, cache look-up, training, checkpoints, final metrics) for each requested precision, and prints seconds, CPU-seconds
+``train_controller`` end to end with a warm cache (parsing, cache look-up, training, final metrics) for each requested precision, and prints seconds, CPU-seconds
 and records/s, for comparing versions of the trainer side by side (no time target; bf16 runs through
 ``torch.autocast``: docs/results/bench_train.md). The timed runs
 train exactly ``--epochs`` epochs (``cv_folds=0``); ``--cv-folds K`` times the trainer's default instead, whose

@@ -26,8 +26,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .controller_config import (CHECKPOINT_MARKERS, CONFIG_NAME, WEIGHTS_NAME, ControllerConfig, read_config,
-                                read_weights, write_files)
+from .controller_config import CONFIG_NAME, WEIGHTS_NAME, ControllerConfig, read_config, read_weights, write_files
 from .encoding import check_recorded_model, get_encoder
 from .errors import BARE, ControllerError, kw
 from .loading import LoadCache, file_signature
@@ -350,12 +349,8 @@ class FusionController(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, map_location: str | torch.device = "cpu") -> "FusionController":
-        """The controller saved in directory ``path``. A training checkpoint (``fcprag train``'s ``checkpoint/``:
-        an unfinished network with neither its ``kappa`` nor its verdict) is refused, naming the run directory."""
+        """The controller saved in directory ``path``."""
         path = Path(path)
-        if all((path / n).is_file() for n in CHECKPOINT_MARKERS):
-            raise ControllerError(f"{path} is a training checkpoint ({', '.join(CHECKPOINT_MARKERS)}), not a "
-                                  f"controller: use the directory fcprag train wrote, {path.parent}")
         model = cls(read_config(path))
         model.load_state_dict(read_weights(path, model.state_dict(), map_location, model.config.embed_dim))
         model.source = str(path)

@@ -20,7 +20,6 @@ CONTROLLER_MODES = ("learned", "uniform", "random", "fixed")
 SCORERS = ("mlp", "cosine")
 INITS = ("uniform", "random")
 FORMAT_VERSION = 1
-CHECKPOINT_MARKERS = ("state.json", "optimizer.safetensors")  # training/checkpoint.py's files beside a controller
 HOST_OPTIONAL_SIDE = ("retrieval_rank", "retrieval_score")  # side inputs hosts lack (adapter statistics: computable)
 # what a trained controller ships (fcprag train's and fcprag study's word): PRAG's sum, x kappa, the network
 SHIPS = ("prag_sum", "scale_only", "network")

@@ -15,8 +15,8 @@ from .options import (ENCODER, Runtime, add_flag, add_flags, check_out_file, fin
 from fcprag_plugin.errors import BARE, FcpragError, LabelFileError
 from fcprag_plugin.features import SIDE_FEATURES
 from fcprag_plugin.fileio import write_json
-from fcprag_plugin.training import (CHECKPOINT_DIR, CHOICES, DEFAULT_T_LABEL, MAX_EPOCHS, MAX_HIDDEN, ON_ERROR,
-                                    RECIPES, REMOVED, SkippedRecord, TrainArgs, load_labels, read_checkpoint_state)
+from fcprag_plugin.training import (ARGS_NAME, CHOICES, DEFAULT_T_LABEL, MAX_EPOCHS, MAX_HIDDEN, ON_ERROR, RECIPES,
+                                    REMOVED, SkippedRecord, TrainArgs, load_labels)
 from .lm.model_io import set_threads
 from .plots import _pyplot, write_eval_plots, write_training_plots
 from .train_report import closing_lines, format_table, train_table
@@ -33,6 +33,9 @@ MAX_SCALED_DELTA = 1e37
 _NOT_FLAGS = ("grad_clip", "eval_batch_size", "controller")
 _TRAIN_ARGS = tuple(f.name for f in fields(TrainArgs) if f.name not in _NOT_FLAGS)
 _RECIPE_SET = frozenset().union(*RECIPES.values())
+# --resume of earlier versions (per-epoch checkpoints), refused in one line
+RESUME_GONE = ("--resume is gone: training restarts from the start (it takes seconds to minutes); pass --overwrite to "
+               "train again into a folder that holds a run")
 
 
 def _switch(name: str) -> tuple[str, str]:
@@ -45,8 +48,8 @@ def _switch(name: str) -> tuple[str, str]:
 
 
 # train_controller()'s / evaluate_controller()'s keyword arguments -> the commands' flags, for the library's
-# messages (options.keywords_to_flags): "pass resume=True" reads "pass --resume" on the command line
-TRAIN_FLAGS = {"resume=True": "--resume", "overwrite=True": "--overwrite", "progress=False": "--no-progress",
+# messages (options.keywords_to_flags): "pass overwrite=True" reads "pass --overwrite" on the command line
+TRAIN_FLAGS = {"overwrite=True": "--overwrite", "progress=False": "--no-progress",
                "out": "--out", "encoder": "--encoder", "score_hidden": "--score-hidden",
                "calib_hidden": "--calib-hidden", **dict(map(_switch, _TRAIN_ARGS)),
                **{name: f"--{name.replace('_', '-')}" for name in REMOVED}}
@@ -146,21 +149,18 @@ def _print_skipped(ls) -> None:
             print(f"  ... and {len(ls.skipped) - 10} more (all listed in metrics.json)")
 
 
-def check_train_out(out: Path, overwrite: bool, resume: bool) -> None:
-    """Refuse, before any work: a run directory that is a file; a non-empty directory holding no training run (a
-    controller or anything else the user has would be overwritten) unless ``overwrite``; a directory holding a
-    run unless ``resume`` or ``overwrite``."""
+def check_train_out(out: Path, overwrite: bool) -> None:
+    """Refuse, before any work: a run directory that is a file; a non-empty directory unless ``overwrite`` (a
+    controller or anything else the user has would be overwritten; a run there trains again from its start)."""
     if out.exists() and not out.is_dir():
         raise FcpragError(f"--out {out} is an existing file; expected a directory for the run")
     if not out.is_dir() or not any(out.iterdir()) or overwrite:
         return
-    if not (out / CHECKPOINT_DIR).exists():
-        what = "--resume found no checkpoint there and it" if resume else "it"
-        raise FcpragError(f"--out {out} is a non-empty directory and {what} holds no training run "
-                          f"({CHECKPOINT_DIR}/); choose a new directory or pass --overwrite to write the run into it")
-    if not resume:
-        raise FcpragError(f"--out {out} already holds a training run ({CHECKPOINT_DIR}/); pass --resume to continue "
-                          "it or --overwrite to start over")
+    if not (out / ARGS_NAME).exists():
+        raise FcpragError(f"--out {out} is a non-empty directory and it holds no training run ({ARGS_NAME}); "
+                          "choose a new directory or pass --overwrite to write the run into it")
+    raise FcpragError(f"--out {out} already holds a training run ({ARGS_NAME}); pass --overwrite to train again from "
+                      "the start")
 
 
 def _tree(path: Path) -> set[str] | None:
@@ -195,37 +195,14 @@ def _remove_new(path: Path, before: set[str] | None) -> None:
                     shutil.rmtree(p, ignore_errors=True)
 
 
-def _command(argv: list[str], add: str | None = None, drop: str | None = None) -> str:
-    """The command line ``fcprag ARGV`` as a shell would take it, with one flag added and one dropped."""
-    words = [w for w in argv if w != drop]
-    return shlex.join(["fcprag", *words, *([add] if add and add not in words else [])])
-
-
-def _after_interrupt(args: argparse.Namespace, out: Path, before: set[str] | None,
-                     state_before: dict | None) -> str:
-    """What an interrupted ``fcprag train`` leaves, said honestly, with the command that goes on from there.
-
-    A checkpoint written by this run (or the one ``--resume`` started from) is kept and resumable. Without one,
-    everything this run created under ``--out`` is removed, so that the same command runs again unrefused.
-    """
-    try:
-        state = read_checkpoint_state(out)
-    except FcpragError:  # a checkpoint cut off mid-write is no checkpoint
-        state = None
-    if state is not None and not (args.overwrite and state == state_before):  # not the run --overwrite replaces
-        return (f"interrupted after epoch {state.get('epoch')}, which {out}/{CHECKPOINT_DIR} holds; this continues "
-                f"the run: {_command(args.argv, add='--resume', drop='--overwrite')}")
+def _after_interrupt(args: argparse.Namespace, out: Path, before: set[str] | None) -> str:
+    """What an interrupted ``fcprag train`` leaves, said honestly: everything this run created under ``--out`` is
+    removed (a run restarts from its start), so that the same command runs again unrefused."""
     _remove_new(out, before)
     kept = ("nothing was kept" if not before else
             f"what this run had written into {out} was removed (the rest was there before)")
-    try:
-        check_train_out(out, args.overwrite, args.resume)
-    except FcpragError:  # e.g. --resume, and this run had already removed the checkpoint it would restart from
-        return (f"interrupted before the first epoch (an unfinished cross-validation is done again); {kept}, and "
-                f"{out} holds no checkpoint to resume: "
-                f"start over with {_command(args.argv, add='--overwrite', drop='--resume')}")
-    return (f"interrupted before the first epoch (an unfinished cross-validation is done again); {kept}: run the "
-            f"same command again: {_command(args.argv)}")
+    return f"interrupted (training restarts from the start); {kept}: run the same command again: " + shlex.join(
+        ["fcprag", *args.argv])
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -233,25 +210,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     refuse_inputs("--out", args.out, [("labels", args.labels)])
     out = Path(args.out)
-    check_train_out(out, args.overwrite, args.resume)
+    check_train_out(out, args.overwrite)
     if args.plots:
         _pyplot()  # a missing matplotlib stops the run before training, not after
-    before, state_before = _tree(out), read_checkpoint_state(out)
-    args.interrupt_hint = lambda: _after_interrupt(args, out, before, state_before)
+    before = _tree(out)
+    args.interrupt_hint = lambda: _after_interrupt(args, out, before)
     train_set = read_label_file(args.labels, args.on_error, args.t_label)
     _print_skipped(train_set)
     controller = {k: getattr(args, k) for k in ("score_hidden", "calib_hidden") if getattr(args, k)}
-    if args.resume:
-        done = int(state_before["epoch"]) if state_before else 0
-        if done >= args.epochs:
-            print(f"{args.out}: the checkpoint has already trained {done} epochs (>= --epochs {args.epochs}): no "
-                  f"training; the epoch-{done} controller is re-evaluated and written again. To train longer, pass "
-                  f"--epochs above {done}")
-        elif state_before:
-            print(f"{args.out}: resuming after epoch {done}, training epochs {done + 1}..{args.epochs}")
     set_threads(args.threads)  # --threads (the trainer sets it again for its run), else the free cores
-    res = train_controller(train_set, args.out, encoder=args.encoder, resume=args.resume,
-                           overwrite=args.overwrite, progress=args.progress, controller=controller,
+    res = train_controller(train_set, args.out, encoder=args.encoder, overwrite=args.overwrite, progress=args.progress, controller=controller,
                            **{k: getattr(args, k) for k in _TRAIN_ARGS
                               if not (k in _RECIPE_SET and getattr(args, k) is None)})
     if args.plots:
@@ -310,6 +278,8 @@ def _check_eval_encoder(controller: str, encoder: str) -> None:
 
 class _Removed(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if self.dest == "resume":
+            parser.error(RESUME_GONE)
         parser.error(keywords_to_flags(FcpragError(REMOVED[self.dest], params=[(self.dest, BARE), ("cv_folds", BARE)]),
                                        TRAIN_FLAGS))
 
@@ -330,7 +300,7 @@ def _train_options(d: TrainArgs) -> dict[str, dict]:
     float): each field's help text, and the types, choices and metavars that differ."""
     return {
         "epochs": dict(type=int_at_least(1, MAX_EPOCHS), help=f"total epochs (default {d.epochs}, at most "
-                       f"{MAX_EPOCHS}); with --resume, the total including the finished ones"),
+                       f"{MAX_EPOCHS})"),
         "batch_size": dict(type=positive_int, help=f"records per optimizer step (default {d.batch_size})"),
         "lr": dict(help=f"AdamW learning rate (default {d.lr:g})"),
         "weight_decay": dict(help=f"AdamW weight decay (default {d.weight_decay:g})"),
@@ -406,7 +376,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="score net hidden sizes, e.g. 2048,1024 (default)")
     t.add_argument("--calib-hidden", type=int_at_least(1, MAX_HIDDEN), metavar="N",
                    help="calibration net hidden size (default 256)")
-    t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint (the last finished epoch)")
+    t.add_argument("--resume", nargs=0, help=argparse.SUPPRESS, action=_Removed)
     t.add_argument("--overwrite", action="store_true", help="start over in a directory that holds a run")
     t.add_argument("--plots", action="store_true", help="write DIR/plots/*.png (needs matplotlib)")
     t.set_defaults(func=_cmd_train, flag_names=TRAIN_FLAGS)

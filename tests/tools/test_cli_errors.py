@@ -313,23 +313,20 @@ def test_label_line_length_bound(tmp_path):
         check_line_lengths(str(f), limit=2 * 2**20)
 
 
-def test_train_skip_list_printed_once_and_resume_note(labelled, capsys):
+def test_train_skip_list_printed_once(labelled, capsys):
     tmp, cache = labelled
     bad = tmp / "bad.jsonl"
     bad.write_text((tmp / "train.jsonl").read_text().replace('"deltas": [', '"deltas": [7, ', 1))
     out = tmp / "run"
     base = ["train", str(bad), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache), "--on-error",
-            "skip", "--recipe", "paper", *SMALL]  # the paper's recipe saves its network: the epoch is checkpointed
+            "skip", "--recipe", "paper", *SMALL]
     assert main(base + ["--epochs", "1"]) == 0
     cap = capsys.readouterr()
     assert (cap.out + cap.err).count(f"{bad}:1: field 'deltas'") == 1
-    assert main(base + ["--epochs", "1", "--resume"]) == 0
-    text = capsys.readouterr().out
-    assert "already trained 1 epochs (>= --epochs 1): no training" in text and "--epochs above 1" in text
 
 
 def test_train_ctrl_c_before_training_says_run_it_again(labelled, capsys, monkeypatch):
-    """Interrupted before the trainer wrote anything: no checkpoint, so no --resume advice (tests/tools/
+    """Interrupted before the trainer wrote anything: nothing kept, the same command (tests/tools/
     test_train_interrupt.py interrupts real runs)."""
     from fcprag_plugin.training import trainer
 
@@ -341,8 +338,8 @@ def test_train_ctrl_c_before_training_says_run_it_again(labelled, capsys, monkey
     rc = main(["train", str(tmp / "train.jsonl"), "--out", str(tmp / "run"), "--encoder", "syn8", *SMALL])
     err = capsys.readouterr().err
     assert rc == 130 and "Traceback" not in err and "--resume" not in err
-    assert ("interrupted before the first epoch (an unfinished cross-validation is done again); nothing was kept: run "
-            "the same command again: ") in err
+    assert ("interrupted (training restarts from the start); nothing was kept: run the same command again: "
+            "fcprag train ") in err
     assert not (tmp / "run").exists()
 
 

@@ -1,7 +1,6 @@
 """Command-line errors name flags, Python errors name keyword arguments: each translation of a library message into
 the running command's flags, tested with the message the library really raises."""
 
-import json
 
 import pytest
 import torch
@@ -54,30 +53,20 @@ def test_train_run_exists_message(labelled, capsys):
     with pytest.raises(FcpragError) as raised:  # the trainer's own message, in Python's words
         train_controller(tmp / "train.jsonl", out, encoder="syn8", cache_dir=cache, epochs=1, progress=False)
     library = str(raised.value)
-    assert "pass resume=True" in library and "overwrite=True" in library
+    assert library.endswith("pass overwrite=True to start over")
     said = keywords_to_flags(raised.value, TRAIN_FLAGS)
-    assert "pass --resume to continue it or --overwrite to start over" in said and "=True" not in said, said
+    assert said.endswith("pass --overwrite to start over") and "=True" not in said, said
     # the command refuses it before any work, in its own words
     line = one_line(main(base), capsys.readouterr().err)
-    assert line.endswith("already holds a training run (checkpoint/); pass --resume to continue it or --overwrite to "
-                         "start over"), line
-
-
-def test_train_precision_message(labelled, capsys):
-    tmp, cache = labelled
-    out = tmp / "ctrl"
-    base = ["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
-            "--cv-folds", "0", *SMALL]
-    assert main(base + ["--epochs", "1"]) == 0
-    state_file = out / "checkpoint" / "state.json"
-    state = json.loads(state_file.read_text())
-    other = "bf16" if state["precision"] == "fp32" else "fp32"
-    state["precision"] = other  # as if the checkpoint came from a machine that resolved 'auto' the other way
-    state_file.write_text(json.dumps(state))
-    capsys.readouterr()
-    line = one_line(main(base + ["--epochs", "2", "--resume"]), capsys.readouterr().err)
-    assert f"checkpoint trained in {other}" in line and f"pass --precision {other}" in line, line
-    assert "precision=" not in line and "(--precision)" not in line
+    assert line.endswith("already holds a training run (training_args.json); pass --overwrite to train again from "
+                         "the start"), line
+    # --resume of earlier versions: refused in one line before any work, saying that training restarts
+    with pytest.raises(SystemExit) as ei:  # argparse's
+        main(base + ["--resume"])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("fcprag train: error: --resume is gone: training restarts from the start (it takes seconds "
+                          "to minutes); pass --overwrite"), err
 
 
 def test_train_refuses_retrieval_score_naming_the_flags(labelled, capsys):
@@ -108,8 +97,7 @@ def test_run_names_use_slot(tmp_path, capsys):
 
 @pytest.mark.parametrize("message,params,table,expected", [
     # the forms the library uses (name= and name=VALUE, each declared in the error's params)
-    ("x: pass resume=True to continue it or overwrite=True to start over", [("resume", True), ("overwrite", True)],
-     TRAIN_FLAGS, "x: pass --resume to continue it or --overwrite to start over"),
+    ("x: pass overwrite=True to start over", [("overwrite", True)], TRAIN_FLAGS, "x: pass --overwrite to start over"),
     ("pass precision='bf16'.", [("precision", "bf16")], TRAIN_FLAGS, "pass --precision bf16."),
     ("pass epochs=3 or side_features=['retrieval_rank', 'adapter_stats']",
      [("epochs", 3), ("side_features", ["retrieval_rank", "adapter_stats"])], TRAIN_FLAGS,
@@ -123,8 +111,8 @@ def test_run_names_use_slot(tmp_path, capsys):
      [("max_adapters", 2)], RUN_FLAGS,
      "the fused slot holds --slot-max-adapters 2; raise --slot-max-adapters or leave it unset"),
     # left alone: a keyword not in the table, a switch with another value, what the error does not declare
-    ("pass model=x or resume=False", [("model", "x"), ("resume", False)], TRAIN_FLAGS,
-     "pass model=x or resume=False"),
+    ("pass model=x or overwrite=False", [("model", "x"), ("overwrite", False)], TRAIN_FLAGS,
+     "pass model=x or overwrite=False"),
     ("differs (ControllerConfig(embed_dim=8, score_hidden=[32]))", [], TRAIN_FLAGS,
      "differs (ControllerConfig(embed_dim=8, score_hidden=[32]))"),
     ("/runs/epochs=3/cv.json: not JSON", [], TRAIN_FLAGS, "/runs/epochs=3/cv.json: not JSON"),

@@ -46,15 +46,15 @@ def test_cli_train_then_eval(labelled, capsys):
         assert (tmp / "plots" / name).read_bytes()[:8] == PNG
 
 
-def test_cli_resume_and_errors(labelled, capsys):
+def test_cli_overwrite_and_errors(labelled, capsys):
     tmp, cache = labelled
     out = tmp / "ctrl"
     base = ["train", str(tmp / "train.jsonl"), "--out", str(out), "--encoder", "syn8", "--cache-dir", str(cache),
-            "--recipe", "paper", *SMALL]  # the paper's recipe saves the network: its epochs are checkpointed
+            "--recipe", "paper", *SMALL]  # the paper's recipe saves the network: its epochs are logged
     assert main(base + ["--epochs", "1"]) == 0
     assert main(base + ["--epochs", "2"]) == 2
     assert "already holds a training run" in capsys.readouterr().err
-    assert main(base + ["--epochs", "2", "--resume"]) == 0
+    assert main(base + ["--epochs", "2", "--overwrite"]) == 0
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in log] == [1, 2]
     bad = tmp / "bad.jsonl"

@@ -1,7 +1,7 @@
 """Ctrl-C anywhere in a real ``fcprag train``: what it prints is true, and the command it prints goes on.
 
-Either a checkpoint of this run survives (the printed command has --resume and continues it), or everything the
-run created under --out is gone and the same command runs again unrefused.
+Everything the run created under --out is gone (a run restarts from its start) and the same command runs again
+unrefused.
 """
 
 import json
@@ -79,8 +79,7 @@ def test_ctrl_c_in_cross_validation_keeps_nothing_and_the_same_command_runs(labe
     err = capsys.readouterr().err
     assert wrote, "the run had written nothing into --out before the cross-validation: the test proves nothing"
     assert "Traceback" not in err
-    assert ("interrupted before the first epoch (an unfinished cross-validation is done again); nothing was kept: run "
-            "the same command again: ") in err
+    assert "interrupted (training restarts from the start); nothing was kept: run the same command again: " in err
     if before == "absent":
         assert not out.exists()
     else:
@@ -109,51 +108,26 @@ def test_ctrl_c_with_overwrite_keeps_what_was_there(labelled, capsys, interrupt_
     assert main(again) == 0 and (out / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("extra", [[], ["--overwrite"]])
-def test_ctrl_c_after_a_checkpoint_prints_a_resume_that_continues(labelled, capsys, monkeypatch, extra):
+def test_ctrl_c_after_an_epoch_keeps_nothing_and_the_same_command_runs(labelled, capsys, monkeypatch):
     from fcprag_plugin.training import trainer
 
     tmp, cache = labelled
     out = tmp / "run"
-    real = trainer.save_checkpoint
-    saved = []
+    real, logged = trainer.append_json_lines, []
 
-    def save_then_interrupt(*a, **k):
-        path = real(*a, **k)
-        saved.append(a[-1]["epoch"])
-        if a[-1]["epoch"] == 1:
-            raise KeyboardInterrupt  # right after the first epoch's checkpoint (the run's start saved epoch 0)
-        return path
+    def log_then_interrupt(path, rows, **k):
+        real(path, rows, **k)
+        logged.extend(r["epoch"] for r in rows)
+        raise KeyboardInterrupt  # right after the first epoch is logged
 
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_interrupt)
-    argv = _train_argv(tmp, cache, out, "--cv-folds", "0", "--epochs", "3", *extra)
+    monkeypatch.setattr(trainer, "append_json_lines", log_then_interrupt)
+    argv = _train_argv(tmp, cache, out, "--cv-folds", "0", "--epochs", "3")
     assert main(argv) == 130
     err = capsys.readouterr().err
-    assert saved == [0, 1] and "Traceback" not in err
-    assert f"interrupted after epoch 1, which {out}/checkpoint holds; this continues the run: " in err
-    again = _printed_command(err, "this continues the run: ")
-    assert "--resume" in again and "--overwrite" not in again
-    monkeypatch.setattr(trainer, "save_checkpoint", real)
+    assert logged == [1] and "Traceback" not in err and not out.exists()
+    again = _printed_command(err, "run the same command again: ")
+    assert again == argv
+    monkeypatch.setattr(trainer, "append_json_lines", real)
     assert main(again) == 0
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in log] == [1, 2, 3]
-    assert "resuming after epoch 1, training epochs 2..3" in capsys.readouterr().out
-
-
-def test_ctrl_c_while_resuming_keeps_the_checkpoint(labelled, capsys, interrupt_in_cv):
-    """A --resume that asks for more epochs redoes the cross-validation; Ctrl-C there leaves the checkpoint, and
-    the printed command (the same one) continues."""
-    tmp, cache = labelled
-    out = tmp / "run"
-    assert main(_train_argv(tmp, cache, out, "--epochs", "1")) == 0  # a whole first run
-    assert (out / "checkpoint").is_dir(), "cross-validation chose 0 epochs: no checkpoint to test with"
-    capsys.readouterr()
-    interrupt_in_cv.arm()
-    argv = _train_argv(tmp, cache, out, "--epochs", "3", "--resume")
-    assert main(argv) == 130
-    err = capsys.readouterr().err
-    assert (out / "checkpoint").is_dir()
-    again = _printed_command(err, "this continues the run: ")
-    assert again == argv
-    interrupt_in_cv.disarm()
-    assert main(again) == 0

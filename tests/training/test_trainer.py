@@ -1,4 +1,4 @@
-"""The trainer end to end on synthetic label sets with a known answer; outputs, round trip, resume, held-out
+"""The trainer end to end on synthetic label sets with a known answer; outputs, round trip, overwrite, held-out
 records."""
 
 import json
@@ -75,9 +75,8 @@ def test_pure_noise_gives_no_confident_weights(planted, noise):
 def test_output_directory_contents(planted):
     res, _, _ = planted
     out = res.out
-    for name in ("config.json", "model.safetensors", "training_args.json", "metrics.json", "train_log.jsonl",
-                 "checkpoint/model.safetensors", "checkpoint/optimizer.safetensors", "checkpoint/state.json"):
-        assert (out / name).is_file(), name
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "cv.json", "metrics.json", "model.safetensors",
+                                                     "train_log.jsonl", "training_args.json"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["embedding_model"] == "syn16" and cfg["embed_dim"] == 16 and cfg["score_hidden"] == [64, 32]
     args = json.loads((out / "training_args.json").read_text())
@@ -129,80 +128,20 @@ def test_the_validation_split_is_refused_saying_what_replaced_it(tmp_path, remov
     assert not (tmp_path / "r").exists()
 
 
-def test_resume_continues_from_the_checkpoint(tmp_path):
+def test_a_run_into_a_run_needs_overwrite_and_trains_from_the_start(tmp_path):
     recs, table = synthetic_records(120, (1, 4), 8, seed=5)  # N = 1 records included: gradients must stay finite
-    # cv_folds=0: exactly `epochs` epochs (cross-validation would choose the count; its resume is tested below)
-    kw = dict(name="syn8", controller={"score_hidden": [32], "calib_hidden": 16}, lr=1e-3, cv_folds=0)
-    straight = run(recs, table, tmp_path / "straight", epochs=4, **kw)
-    first = run(recs, table, tmp_path / "resumed", epochs=2, **kw)
-    assert len(first.history) == 2
-    with pytest.raises(FcpragError, match="already holds a training run"):
-        run(recs, table, tmp_path / "resumed", epochs=4, **kw)
-    with pytest.raises(FcpragError, match=r"cannot resume, argument\(s\) \['lr'\] differ"):
-        run(recs, table, tmp_path / "resumed", epochs=4, resume=True, **{**kw, "lr": 5e-4})
-    resumed = run(recs, table, tmp_path / "resumed", epochs=4, resume=True, **kw)
-    assert [h["epoch"] for h in resumed.history] == [1, 2, 3, 4]
-    assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history]
-    assert all(torch.isfinite(torch.tensor(h["train_loss"])) for h in resumed.history)
-    sd1, sd2 = straight.controller.state_dict(), resumed.controller.state_dict()
-    assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
-    log = (tmp_path / "resumed" / "train_log.jsonl").read_text().splitlines()
-    assert [json.loads(x)["epoch"] for x in log] == [1, 2, 3, 4]
-    # the label file changing under a checkpoint is refused
-    write_labels(recs, tmp_path / "a.jsonl")
-    run(tmp_path / "a.jsonl", table, tmp_path / "fromfile", epochs=1, **kw)
-    write_labels(recs[:-1], tmp_path / "a.jsonl")
-    with pytest.raises(FcpragError, match="label file\\(s\\) changed"):
-        run(tmp_path / "a.jsonl", table, tmp_path / "fromfile", epochs=2, resume=True, **kw)
-
-
-def test_a_crash_while_a_checkpoint_is_written_leaves_the_one_before_and_resume_goes_on(tmp_path, monkeypatch):
-    """The checkpoint goes through the one folder swap (fileio.write_dir): a crash in the middle of writing epoch 3's
-    leaves epoch 2's whole, and a resume from it ends where an uninterrupted run does."""
-    import safetensors.torch
-
-    recs, table = synthetic_records(60, (1, 4), 8, seed=6)
-    kw = dict(name="syn8", controller={"score_hidden": [16], "calib_hidden": 8}, lr=1e-3, cv_folds=0, epochs=4)
+    kw = dict(name="syn8", controller={"score_hidden": [32], "calib_hidden": 16}, lr=1e-3, cv_folds=0, epochs=3)
     straight = run(recs, table, tmp_path / "straight", **kw)
-    real, files = safetensors.torch.save_file, []
-
-    def crash_at_epoch_3(tensors, path, metadata=None):
-        files.append(path)
-        if len(files) == 1 + 2 * 3 + 1:  # 2 files a checkpoint (epoch 0 first); epoch 3's weights written, then
-            raise OSError("no space left on device")
-        return real(tensors, path, metadata=metadata)
-
-    monkeypatch.setattr(safetensors.torch, "save_file", crash_at_epoch_3)
-    with pytest.raises(OSError, match="no space left"):
-        run(recs, table, tmp_path / "run", **kw)
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
-    ckpt = tmp_path / "run" / "checkpoint"
-    assert json.loads((ckpt / "state.json").read_text())["epoch"] == 2
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint", "train_log.jsonl",
-                                                                     "training_args.json"]  # no half folder
-    resumed = run(recs, table, tmp_path / "run", resume=True, **kw)
-    assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in straight.history]
-
-
-def test_a_resume_of_a_run_made_with_the_per_query_scale_redoes_its_verdict(tmp_path):
-    """A run of the version before: its checkpoint's arguments name per_query_scale (removed: it never changed the
-    network, so the resume goes on) and its cv.json a per-query part, possibly shipped (redone: its parts were
-    adjusted over three)."""
-    recs, table = synthetic_records(60, 3, 8, kind="scale", seed=3, groups=30, scales=[0.5, 1.5, 2.0])
-    kw = dict(name="syn8", controller={"score_hidden": [16], "calib_hidden": 8}, epochs=2, cv_folds=2)
-    first = run(recs, table, tmp_path / "run", **kw)
-    state_path, cv_path = tmp_path / "run" / "checkpoint" / "state.json", tmp_path / "run" / "cv.json"
-    state, cv = json.loads(state_path.read_text()), json.loads(cv_path.read_text())
-    state["args"]["per_query_scale"] = True
-    state_path.write_text(json.dumps(state))
-    cv_path.write_text(json.dumps({**cv, "shipped": "query_scale", "query_scale": {"shown": True}}))
-    again = run(recs, table, tmp_path / "run", resume=True, **kw)
-    new = json.loads(cv_path.read_text())
-    assert "query_scale" not in new and new["shipped"] == "network" and again.controller.config.controller_mode == \
-        "learned"
-    drop = ("seconds", "shipped")  # shipped: keep_network sets it after the CV
-    assert {k: v for k, v in new.items() if k not in drop} == {k: v for k, v in cv.items() if k not in drop}
-    assert again.metrics["cv"]["gain"] == first.metrics["cv"]["gain"]
+    run(recs, table, tmp_path / "again", **{**kw, "epochs": 2, "lr": 5e-4})
+    with pytest.raises(FcpragError, match=r"already holds a training run; pass overwrite=True to start over$"):
+        run(recs, table, tmp_path / "again", **kw)
+    again = run(recs, table, tmp_path / "again", overwrite=True, **kw)
+    assert [h["train_loss"] for h in again.history] == [h["train_loss"] for h in straight.history]
+    assert all(torch.isfinite(torch.tensor(h["train_loss"])) for h in again.history)
+    sd1, sd2 = straight.controller.state_dict(), again.controller.state_dict()
+    assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    log = (tmp_path / "again" / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["epoch"] for x in log] == [1, 2, 3]  # the first run's epochs are gone
 
 
 def test_cache_prevents_re_encoding_across_runs(tmp_path):
@@ -265,7 +204,8 @@ def test_the_training_set_is_reported(tmp_path):
     assert res.n_train == 40 and set(res.metrics) >= {"train", "n_train"} and "val" not in res.metrics
     assert set(res.metrics["train"]) == {"learned", "uniform", "random"} and res.metrics["train"]["learned"]["n"] == 40
     assert "training set" in train_table(res.metrics)
-    # overwrite=True starts over: the old checkpoint is gone before the new run writes its own
-    res2 = run(recs, table, tmp_path / "run", epochs=1, name="syn8", overwrite=True, seed=1)
-    state = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
-    assert state["args"]["seed"] == 1 and res2.history[0]["epoch"] == 1
+    # overwrite=True starts over: without cross-validation, the first run's verdict (cv.json) is gone
+    assert (tmp_path / "run" / "cv.json").is_file()
+    res2 = run(recs, table, tmp_path / "run", epochs=1, name="syn8", overwrite=True, seed=1, cv_folds=0)
+    args = json.loads((tmp_path / "run" / "training_args.json").read_text())
+    assert args["seed"] == 1 and res2.history[0]["epoch"] == 1 and not (tmp_path / "run" / "cv.json").exists()

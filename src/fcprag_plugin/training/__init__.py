@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from ..controller_config import SHIPS  # noqa: F401
 from .args import CHOICES, MAX_EPOCHS, MAX_HIDDEN, RECIPES, REMOVED, TrainArgs  # noqa: F401
-from .checkpoint import CHECKPOINT_DIR, read_checkpoint_state  # noqa: F401
 from .data import LabelTensors, build_tensors  # noqa: F401
 from .evaluation import collect_outputs, entropy, evaluate, metrics_from_outputs  # noqa: F401
 from .embed_cache import open_cache, resolve_encoder  # noqa: F401

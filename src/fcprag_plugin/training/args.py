@@ -26,10 +26,6 @@ MAX_EPOCHS, MAX_HIDDEN = 10_000, 16_384
 REMOVED = {name: f"{kw(name)} is gone with the validation split: the nested cross-validation ({kw('cv_folds')}) "
                  "chooses the epochs and measures the gain on questions it did not train on; fcprag eval scores a "
                  "controller on other labels" for name in ("val", "val_fraction")}
-# arguments a resume may change (not what is learned; "auto" precision is compared resolved; per_query_scale and
-# val_fraction: removed arguments a checkpoint may still name)
-RESUME_FREE = {"epochs", "cache_dir", "on_error", "eval_batch_size", "threads", "keep_network", "precision",
-               "per_query_scale", "val_fraction"}
 
 
 @dataclass

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -17,10 +16,9 @@ import torch
 from ..controller import ControllerConfig, FusionController
 from ..errors import BARE, FcpragError, LabelFileError, kw
 from ..features import center_side
-from ..fileio import append_json_lines, finite_or_none, read_json_if_present, write_json, write_json_lines
+from ..fileio import append_json_lines, finite_or_none, write_json, write_json_lines
 from ..progress import progress_bar
-from .args import REMOVED, RESUME_FREE, TrainArgs
-from .checkpoint import CHECKPOINT_DIR, load_checkpoint, resumable_state, save_checkpoint
+from .args import REMOVED, TrainArgs
 from .data import LabelTensors, build_tensors, side_rows
 from .embed_cache import open_cache, resolve_encoder
 from ..labels import LabelRecord, LabelSet, as_label_set, drop_held_out
@@ -134,13 +132,12 @@ class Trainer:
         return total / weight if weight > 0 else 0.0
 
 
-def train_controller(labels: Any, out: str | Path, *, encoder: Any = None, resume: bool = False,
-                     overwrite: bool = False, progress: bool = True, **kwargs: Any) -> TrainResult:
+def train_controller(labels: Any, out: str | Path, *, encoder: Any = None, overwrite: bool = False,
+                     progress: bool = True, **kwargs: Any) -> TrainResult:
     """Train a controller from ``labels`` (a label file, a :class:`LabelSet` or records) into ``out`` (plus args,
-    metrics, log, checkpoint; the verdict in ``metrics["cv"]`` and the config's ``cv``). ``encoder``: a
-    ``TextEncoder``, a model name/path or None (the default, loaded on a cache miss only); ``resume``: continue from
-    ``out/checkpoint`` (arguments must match but ``epochs`` and a few others); ``overwrite``: replace a run there;
-    ``kwargs``: :class:`TrainArgs`."""
+    metrics, log; the verdict in ``metrics["cv"]`` and the config's ``cv``). ``encoder``: a ``TextEncoder``, a model
+    name/path or None (the default, loaded on a cache miss only); ``overwrite``: replace a run there (a run always
+    trains from its start: it takes seconds to minutes); ``kwargs``: :class:`TrainArgs`."""
     removed = sorted(set(kwargs) & set(REMOVED))
     if removed:
         raise FcpragError(f"train_controller: {REMOVED[removed[0]]}", params=[(removed[0], BARE), ("cv_folds", BARE)])
@@ -155,7 +152,7 @@ def train_controller(labels: Any, out: str | Path, *, encoder: Any = None, resum
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        run = Run.prepare(labels, Path(out), encoder, resume, overwrite, progress, args)
+        run = Run.prepare(labels, Path(out), encoder, overwrite, progress, args)
         cv = run.cross_validate()
         return run.finalise(cv, *run.fit(cv))
     finally:
@@ -169,7 +166,6 @@ class Run:
 
     args: TrainArgs
     out: Path
-    resume: bool
     progress: bool
     train_set: LabelSet
     train: LabelTensors
@@ -179,12 +175,13 @@ class Run:
     t_data: float
 
     @classmethod
-    def prepare(cls, labels: Any, out: Path, encoder: Any, resume: bool, overwrite: bool, progress: bool,
-                args: TrainArgs) -> "Run":
-        """Read and embed the labels, record provenance, ready ``out`` (a run there: ``resume`` or ``overwrite``)."""
-        if not resume and not overwrite and (out / CHECKPOINT_DIR).exists():
-            raise FcpragError(f"{out}: already holds a training run; pass {kw('resume', True)} to continue it or "
-                              f"{kw('overwrite', True)} to start over", params=[("resume", True), ("overwrite", True)])
+    def prepare(cls, labels: Any, out: Path, encoder: Any, overwrite: bool, progress: bool, args: TrainArgs
+                ) -> "Run":
+        """Read and embed the labels, record provenance, ready ``out`` (a run there, marked by its
+        ``training_args.json``: only with ``overwrite``)."""
+        if not overwrite and (out / ARGS_NAME).exists():
+            raise FcpragError(f"{out}: already holds a training run; pass {kw('overwrite', True)} to start over",
+                              params=[("overwrite", True)])
         t_start = time.perf_counter()
         train_set = as_label_set(labels, args.on_error, "labels")
         train_recs = drop_held_out(train_set.records, train_set.path)
@@ -207,71 +204,36 @@ class Run:
                 "cache_dir": str(cache.path) if cache is not None else None,
                 "skipped": {"labels": len(train_set.skipped)}, "versions": _versions(),
                 "trained_for": trained_for(train_recs)}
-        run = cls(args, out, resume, progress, train_set, train_t, name, info, t_start, time.perf_counter() - t_start)
+        run = cls(args, out, progress, train_set, train_t, name, info, t_start, time.perf_counter() - t_start)
         out.mkdir(parents=True, exist_ok=True)
-        if not resume:  # a later resume must never pick up the old run's state
-            if (out / CHECKPOINT_DIR).exists():
-                logger.warning("%s: overwriting the previous run", out)
-                shutil.rmtree(out / CHECKPOINT_DIR)
-            (out / CV_NAME).unlink(missing_ok=True)
-        write_json(out / ARGS_NAME, {**asdict(args), "resume": resume, "precision_used": resolve_precision(
-            args.precision), "risk_lambda_used": args.risk_lambda_for(train_t), **info})
+        if (out / ARGS_NAME).exists():
+            logger.warning("%s: overwriting the previous run", out)
+        (out / CV_NAME).unlink(missing_ok=True)  # a run with cv_folds=0 leaves no verdict of the one before
+        write_json(out / ARGS_NAME, {**asdict(args), "precision_used": resolve_precision(args.precision),
+                                     "risk_lambda_used": args.risk_lambda_for(train_t), **info})
         return run
 
     def cross_validate(self) -> dict[str, Any] | None:
-        """The nested cross-validation of :mod:`.selection` (None with ``cv_folds=0``), kept in ``cv.json`` once it is
-        finished, so that a resume does not redo it unless ``epochs`` changed (:meth:`fit` checks the rest; an
-        interrupted one is done again)."""
-        args, path = self.args, self.out / CV_NAME
+        """The nested cross-validation of :mod:`.selection` (None with ``cv_folds=0``), written to ``cv.json``."""
+        args = self.args
         if not args.cv_folds:
             return None
-        cv = read_json_if_present(path, FcpragError, fix="delete it to run the cross-validation again")
-        # a per-query scale part: an earlier version's verdict, Bonferroni-adjusted over three parts
-        if cv is None or cv.get("max_epochs") != args.epochs or "scale" not in cv or "query_scale" in cv:
-            cv = select(self.train, args, self.embedding_model, Trainer, args.scale_rule, self.progress)
-            write_json(path, cv)
-        if args.keep_network and cv["shipped"] != "network":  # keep_network may change on a resume
-            cv = {**cv, "shipped": "network"}
+        cv = select(self.train, args, self.embedding_model, Trainer, args.scale_rule, self.progress)
+        write_json(self.out / CV_NAME, cv)
         return cv
 
-    def _state(self, tr: Trainer, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """The checkpoint's ``state.json`` after ``history``."""
-        return {"epoch": len(history), "history": history, "args": asdict(self.args), "precision": tr.precision,
-                "info_label_sha256": self.train_set.sha256}
-
-    def _start(self, epochs: int) -> tuple[Trainer, list[dict[str, Any]]]:
-        """A trainer seeded afresh (the CV drew from the global RNG), or on a resume the checkpoint's, unless it has
-        more than ``epochs``; and its history."""
-        tr, ckpt = Trainer(self.train, self.args, self.embedding_model), self.out / CHECKPOINT_DIR
-        state = resumable_state(self.out, self._state(tr, []), RESUME_FREE) if self.resume else None
-        if state is None:
-            return tr, []
-        if int(state["epoch"]) > epochs:
-            logger.warning("%s: the checkpoint has %d epochs but %d are to be trained; training again from the "
-                           "start", ckpt, int(state["epoch"]), epochs)
-            shutil.rmtree(ckpt)
-            return tr, []
-        if int(state["epoch"]) == 0:
-            return tr, []
-        load_checkpoint(self.out, tr.controller, tr.optimizer, tr.shuffle_gen)
-        logger.info("resumed from %s at epoch %d", ckpt, int(state["epoch"]))
-        return tr, list(state["history"])
-
     def fit(self, cv: dict[str, Any] | None) -> tuple[FusionController, list[dict[str, Any]]]:
-        """``(controller, history)``: the network trained for the selected epochs, checkpointed after each (and
-        before the first: the folder holds a run from then on), or the scale-only controller the verdict ships (the
-        untrained network checkpointed for a resume with ``keep_network``)."""
+        """``(controller, history)``: the network trained for the selected epochs (each logged in
+        ``train_log.jsonl`` as it ends), or the scale-only controller the verdict ships."""
         shipped = "network" if cv is None else cv["shipped"]
         epochs = (self.args.epochs if cv is None else cv["selected_epochs"]) if shipped == "network" else 0
-        tr, history = self._start(epochs)
+        # seeded afresh: the cross-validation drew from the global RNG
+        tr, history = Trainer(self.train, self.args, self.embedding_model), []
         log_path = self.out / LOG_NAME
-        # the log always mirrors the checkpoint's history (an epoch after the checkpoint never happened)
-        write_json_lines(log_path, map(finite_or_none, history))
-        if not (self.out / CHECKPOINT_DIR).exists():
-            save_checkpoint(self.out, tr.controller, tr.optimizer, tr.shuffle_gen, self._state(tr, history))
-        with progress_bar("training", len(self.train) * (epochs - len(history)), unit="rec",
-                          enabled=self.progress and len(history) < epochs) as bar:
-            for epoch in range(len(history) + 1, epochs + 1):
+        write_json_lines(log_path, [])  # an overwritten run's log goes
+        with progress_bar("training", len(self.train) * epochs, unit="rec", enabled=self.progress and epochs > 0
+                          ) as bar:
+            for epoch in range(1, epochs + 1):
                 t0 = time.perf_counter()
                 bar.set_description(f"epoch {epoch}/{epochs}")
                 train_loss = tr.train_epoch(bar)
@@ -279,7 +241,6 @@ class Run:
                 row = {"epoch": epoch, "train_loss": train_loss, "seconds": round(train_s, 3),
                        "records_per_s": round(len(self.train) / max(train_s, 1e-9), 1), "lr": self.args.lr}
                 history.append(finite_or_none(row))
-                save_checkpoint(self.out, tr.controller, tr.optimizer, tr.shuffle_gen, self._state(tr, history))
                 append_json_lines(log_path, history[-1:])
                 logger.info("epoch %d: %s", epoch, {k: v for k, v in row.items() if k != "epoch"})
         if shipped == "network":
