@@ -330,15 +330,11 @@ def _train_options(d: TrainArgs) -> dict[str, dict]:
         "scale_max_loss_share": dict(metavar="X", help="--kappa auto: the largest mean gain among the scales whose "
                                      "share of questions losing more than --scale-loss-margin stays at most this "
                                      f"(default {d.scale_max_loss_share})"),
-        "scale_loss_margin": dict(metavar="M", help="the loss that counts against a scale, in the --scale-metric's "
+        "scale_loss_margin": dict(metavar="M", help="the loss that counts against a scale, in the label metric's "
                                   f"units (default {d.scale_loss_margin})"),
         "scale_bound": dict(help="upper (default): the loss share's 95%% Wilson upper bound must "
                             "stay under the allowed share, so the rule holds on new questions; observed: the share "
                             "on the training questions itself"),
-        "scale_metric": dict(help="what kappa is chosen on: label (default): the label "
-                             "metric (e.g. gold answer log-lik.); f1: the F1 of the greedy answers (the labels' "
-                             "f1_at_scales, written by 'fcprag labels build --scales' with generation). The verdict "
-                             "shows the scale part in both when both are there"),
         "keep_network": dict(help="save the learned network (default: not; its reweighting part is a first-order "
                              "estimate from leave-one-out deltas at PRAG's sum, not a measurement: measure it with "
                              "'fcprag study ... --controller DIR'); --recipe paper sets it"),

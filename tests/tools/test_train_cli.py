@@ -173,17 +173,6 @@ def test_recipe_paper_is_the_papers_setting_one_flag_away(labelled, capsys):
     assert json.loads((tmp / "paper2" / "config.json").read_text())["kappa"] == 2.0
 
 
-def test_scale_metric_f1_without_f1_labels_is_one_line(labelled, capsys):
-    tmp, cache = labelled
-    rc = main(["train", str(tmp / "train.jsonl"), "--out", str(tmp / "f1"), "--encoder", "syn8", "--cache-dir",
-               str(cache), "--scale-metric", "f1", *SMALL])
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert str(tmp / "train.jsonl") in lines[0] and "f1_at_scales" in lines[0] and "--scales" in lines[0]
-    assert not (tmp / "f1" / "config.json").exists()
-
-
 def _last_lines(text: str) -> list[str]:
     lines = text.splitlines()
     return lines[next(i for i, ln in enumerate(lines) if ln.startswith("In short (unit: ")):]

@@ -203,18 +203,6 @@ def test_the_final_controller_is_the_plain_run_of_the_selected_length(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_cv_resume_reuses_the_cross_validation(tmp_path):
-    recs, table = synthetic_records(90, 3, 8, seed=5, groups=30)
-    first = run(recs, table, tmp_path / "run", name="syn8", epochs=2, keep_network=True)
-    cv_path = tmp_path / "run" / "cv.json"
-    stamp = cv_path.stat().st_mtime_ns
-    again = run(recs, table, tmp_path / "run", name="syn8", epochs=2, resume=True, keep_network=True)
-    assert cv_path.stat().st_mtime_ns == stamp and again.metrics["cv"] == first.metrics["cv"]
-    more = run(recs, table, tmp_path / "run", name="syn8", epochs=3, resume=True,
-               keep_network=True)  # more epochs: a new CV
-    assert more.metrics["cv"]["max_epochs"] == 3 and more.metrics["epochs"] == more.metrics["cv"]["selected_epochs"]
-
-
 def test_argument_errors(tmp_path):
     recs, table = synthetic_records(10, 3, 8)
     from fcprag_plugin.errors import FcpragError

@@ -11,14 +11,14 @@ from ..controller_config import ControllerConfig
 from ..errors import FcpragError, kw
 from ..features import SIDE_FEATURES
 from .data import LabelTensors
-from .selection import BOUNDS, SCALE_METRICS, ScaleRule
+from .selection import BOUNDS, ScaleRule
 from .targets import DEFAULT_FLAT_EPS, DEFAULT_FLAT_WEIGHT, DEFAULT_T_LABEL, check_target_args, estimate_lambda
 
 # what a recipe sets unless the caller does: "measured" (the TrainArgs defaults) and "paper" (the network at total 1)
 RECIPES: dict[str, dict[str, Any]] = {"measured": {}, "paper": {"kappa": 1.0, "keep_network": True, "objective": "kl"}}
 # the fields that take one of a few words: TrainArgs.validate checks them, fcprag train offers them as choices
 CHOICES = {"precision": ("auto", "fp32", "bf16"), "objective": ("kl", "risk"), "scale_bound": BOUNDS,
-           "scale_metric": SCALE_METRICS, "recipe": tuple(RECIPES)}
+           "recipe": tuple(RECIPES)}
 # sizes refused before allocation: more epochs than anyone trains for (the CV keeps (epochs + 1) x records), a
 # wider layer than any controller needs (16384 x 16384 is 1 GiB)
 MAX_EPOCHS, MAX_HIDDEN = 10_000, 16_384
@@ -56,7 +56,6 @@ class TrainArgs:
     scale_max_loss_share: float = 0.1  # kappa "auto": the risk rule (selection.ScaleRule)
     scale_loss_margin: float = 0.1
     scale_bound: str = "upper"  # the share's 95% Wilson upper bound ("upper") or the observed share ("observed")
-    scale_metric: str = "label"  # kappa chosen on the label metric ("label") or on F1 ("f1": f1_at_scales)
     keep_network: bool = False  # ship the learned network (its reweighting part is first order, never measured)
     recipe: str = "measured"  # the name of the preset these arguments came from (RECIPES)
     allow_retrieval_score: bool = False  # see validate(): PRAG and DyPRAG keep no retrieval scores

@@ -92,19 +92,14 @@ def reweighting_gain(w_tilde: torch.Tensor, data: LabelTensors) -> torch.Tensor:
     return ((w_tilde.double() * m - totals(w_tilde, data).unsqueeze(1)) * m * data.deltas.double()).sum(1)
 
 
-def has_measured(data: LabelTensors, metric: str) -> bool:
-    """Whether ``data`` carries measured scale gains in ``metric`` for at least one record."""
-    g = data.gains(metric)
-    return g is not None and bool((~torch.isnan(g)).any())
-
-
 def fold_kappa(data: LabelTensors, args: Any, rule: ScaleRule) -> tuple[float, str, dict[str, Any] | None]:
     """``(kappa, how, grid)`` on ``data``: ``args.kappa`` if a number (``"fixed"``), else :func:`choose_scale` on the
-    gains in ``args.scale_metric`` (``"measured"``), else 1 (``"no_scales"``)."""
+    label metric's measured gains (``"measured"``), else 1 (``"no_scales"``)."""
     if args.kappa != "auto":
         return float(args.kappa), "fixed", None
-    if has_measured(data, args.scale_metric):
-        kappa, grid = choose_scale(data.scales, data.gains(args.scale_metric), data.groups, rule)
+    gains = data.gains("label")
+    if gains is not None and bool((~torch.isnan(gains)).any()):  # a record with a measured scale
+        kappa, grid = choose_scale(data.scales, gains, data.groups, rule)
         return kappa, "measured", grid
     return 1.0, "no_scales", None
 
@@ -158,7 +153,7 @@ def _outer_fold(data: LabelTensors, args: Any, f: int, folds: list[list[int]], e
     scale = {m: scale_gain(held_data, total, m) for m in metrics}
     return {"held": held, "curve": torch.stack([reweighting_gain(w, held_data) for w in held_w]),
             "reweighting": reweighting_gain(w_held, held_data),
-            "scale": {m: g for m, (g, _) in scale.items()}, "measured": scale[args.scale_metric][1],
+            "scale": {m: g for m, (g, _) in scale.items()}, "measured": scale["label"][1],
             "epochs": e_f, "kappa": kappa}
 
 
@@ -175,16 +170,17 @@ def _report(data: LabelTensors, args: Any, rule: ScaleRule, results: list[dict[s
             v[held] = r["scale"][m]
     pooled = curve.mean(1)
     kappa, how, grid = fold_kappa(data, args, rule)
-    sc = scales[args.scale_metric]
+    sc = scales["label"]
     measured = all(r["measured"] for r in results) and how != "no_scales"
     report: dict[str, Any] = {
         "method": "nested grouped CV: epochs chosen on an inner split, kappa on the outer training questions",
         "folds": len(results), "n_records": len(data), "n_groups": len(set(data.groups)), "max_epochs": args.epochs,
         "objective": args.objective,
         "selected_epochs": int(torch.argmax(pooled)),  # first maximum: the fewest epochs among ties (0 = uniform)
-        "fold_epochs": [int(r["epochs"]) for r in results], "scale_metric": args.scale_metric,
+        # kappa is chosen on the label metric (files of earlier versions may say "f1")
+        "fold_epochs": [int(r["epochs"]) for r in results], "scale_metric": "label",
         "scale": {**part_summary(sc, data.groups, args.seed), "kappa": kappa, "chosen_by": how,
-                  "metric": args.scale_metric, "measured": measured,
+                  "metric": "label", "measured": measured,
                   "fold_kappas": [float(r["kappa"]) for r in results],
                   "at_grid_edge": bool(grid and grid["at_grid_edge"]), "grid": grid,
                   "rule": asdict(rule) if how == "measured" else None,
@@ -206,8 +202,7 @@ def _ship(report: dict[str, Any], data: LabelTensors, args: Any, rw: torch.Tenso
     ship_kappa = report["scale"]["kappa"] if report["scale"]["shown"] or args.kappa != "auto" else 1.0
     shipped = "network" if args.keep_network else "scale_only" if ship_kappa != 1.0 else "prag_sum"
     zero = torch.zeros(len(data), dtype=torch.float64)
-    total = (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "network" and args.scale_metric == "label"
-                                                   else zero)
+    total = (sc if ship_kappa != 1.0 else zero) + (rw if shipped == "network" else zero)
     summary = part_summary(total, data.groups, args.seed)
     report.update(shipped=shipped, kappa=ship_kappa, gain=summary["gain"], ci95=summary["ci95"],
                   verdict="better_than_uniform" if summary["ci95"] and summary["ci95"][0] > 0 else "unproven")
@@ -226,7 +221,7 @@ def select(data: LabelTensors, args: Any, embedding_model: str, trainer: Callabl
     with progress_bar(f"nested {len(folds)}-fold CV", len(folds) * args.epochs, unit="epoch", enabled=progress) \
             as bar:
         results = [_outer_fold(data, args, f, folds, embedding_model, trainer, rule,
-                               list(dict.fromkeys([args.scale_metric, *metrics])), bar) for f in range(len(folds))]
+                               list(dict.fromkeys(["label", *metrics])), bar) for f in range(len(folds))]
     report = _report(data, args, rule, results, metrics)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     logger.info("cross-validation: ships %s at kappa %.4g, gain %s, %s", report["shipped"], report["kappa"],

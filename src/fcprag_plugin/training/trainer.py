@@ -24,7 +24,7 @@ from .embed_cache import open_cache, resolve_encoder
 from ..labels import LabelRecord, LabelSet, as_label_set, drop_held_out
 from .evaluation import evaluate
 from .precision import autocast, resolve_precision
-from .selection import CV_NAME, fold_kappa, has_measured, select
+from .selection import CV_NAME, fold_kappa, select
 from .targets import risk_loss, weighted_kl
 
 logger = logging.getLogger(__name__)
@@ -195,10 +195,6 @@ class Run:
         cache = open_cache(args.cache_dir, name, getattr(enc, "dim", None))
         train_t = build_tensors(train_recs, enc, cache, t_label=args.t_label, flat_eps=args.flat_eps,
                                 flat_weight=args.flat_weight, progress=progress, side_features=args.side_features)
-        if args.scale_metric == "f1" and args.kappa == "auto" and not has_measured(train_t, "f1"):
-            raise LabelFileError(f"{train_set.path}: no record has 'f1_at_scales' (with 'f1_all' and 'scales'); "
-                                 "scale_metric 'f1' chooses kappa on answer-level scale labels: build them with "
-                                 "'fcprag labels build --scales ...' (with generation), or choose on the label metric")
         info = {"labels": train_set.path, "train_labels_sha256": train_set.sha256, "n_train": len(train_recs),
                 "n_train_flat": int(train_t.flat.sum()), "embedding_model": name, "embed_dim": train_t.dim,
                 "cache_dir": str(cache.path) if cache is not None else None,

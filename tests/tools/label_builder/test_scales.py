@@ -312,9 +312,9 @@ def test_empty_generations_at_scales_are_counted_or_name_the_scale(tmp_path):
     assert describe_subset([0, 1], 2, 1.0) == "all 2 adapters"
 
 
-def test_f1_scale_labels_end_to_end_choose_kappa_on_f1(world, tmp_path):
-    """Build F1 scale labels on the tiny model, read them, and train with kappa chosen on F1: the grid's mean F1
-    gains are those of the file, written out here, and the verdict shows the scale part in both metrics."""
+def test_f1_scale_labels_end_to_end_show_the_scale_part_in_f1(world, tmp_path):
+    """Build F1 scale labels on the tiny model, read them, and train (kappa chosen on the label metric): the grid's
+    mean gains are those of the file, written out here, and the verdict shows the scale part in F1 too."""
     from fcprag_plugin.training import load_labels, train_controller
     from fcprag_tools.synthetic import table_encoder
 
@@ -328,13 +328,13 @@ def test_f1_scale_labels_end_to_end_choose_kappa_on_f1(world, tmp_path):
     gen = torch.Generator().manual_seed(0)
     table = {t: torch.randn(8, generator=gen) for r in raw for t in [r["query"], *r["passages"]]}
     res = train_controller(out, tmp_path / "ctrl", encoder=table_encoder(table, "tiny8"), cache_dir="",
-                           scale_metric="f1", cv_folds=2, epochs=1, progress=False, threads=1,
+                           cv_folds=2, epochs=1, progress=False, threads=1,
                            controller={"score_hidden": [8], "calib_hidden": 8}, scale_max_loss_share=1.0)
     cv = res.metrics["cv"]
     grid = cv["scale"]["grid"]
-    assert cv["scale_metric"] == "f1" and cv["scale"]["metric"] == "f1" and grid["grid"] == [0.5, 1.0, 2.0, 4.0]
+    assert cv["scale"]["metric"] == "label" and grid["grid"] == [0.5, 1.0, 2.0, 4.0]
     for j, s in enumerate(grid["grid"]):  # one record per question: the question mean is the record's gain
-        want = sum(r["f1_at_scales"][r["scales"].index(s)] - r["f1_all"] for r in raw) / len(raw)
+        want = sum(r["metric_at_scales"][r["scales"].index(s)] - r["metric_all"] for r in raw) / len(raw)
         assert grid["mean_gain"][j] == pytest.approx(want, abs=1e-12), s
     assert set(cv["scale"]["by_metric"]) == {"label", "f1"}
-    assert "the same scale in the label metric" in train_table(res.metrics)
+    assert "the same scale in F1" in train_table(res.metrics)
