@@ -1,5 +1,5 @@
 """File I/O of the library, one of each: strict JSON values, the record reader (a JSON array or JSON Lines, gzipped
-or not), the JSON object reader, the atomic file writer, the folder swap, the JSON Lines writers and the safetensors
+or not), the JSON object reader, the atomic file writer, the JSON Lines writers and the safetensors
 reader. Errors name the file (and the line)."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import shutil
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -52,29 +51,6 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
-
-
-def write_dir(out: str | Path, fill: Callable[[Path], Any]) -> Path:
-    """Folder ``out`` written whole or not at all: ``fill(tmp)`` writes a fresh folder beside it, which then replaces
-    ``out`` (the old one moved aside, and put back when the swap fails). An error in ``fill`` leaves ``out`` as it
-    was and no temporary folder behind."""
-    out = Path(out)
-    tmp, old = (out.with_name(f".{out.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
-    for leftover in (tmp, old):  # of this process id's earlier run, killed
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        fill(tmp)
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-    except BaseException:
-        if old.exists() and not out.exists():
-            os.replace(old, out)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return out
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

@@ -1,4 +1,4 @@
-"""Argument types, output-path checks and the library messages' keywords said as flags, shared by the
+"""Argument types, output-path checks, the folder swap and the library messages' keywords said as flags, shared by the
 ``fcprag`` commands (one-line errors naming the option); flags made from dataclass fields (:func:`add_flags`), and
 the parts and flags several commands share (:class:`ModelPart`, :class:`Runtime`, :data:`ENCODER`)."""
 
@@ -7,12 +7,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from fcprag_plugin.errors import BARE, FcpragError, kw
-from fcprag_plugin.fileio import write_dir as write_dir_atomically  # noqa: F401  (cli.py, study/stages/verdict.py)
+
+
+def write_dir_atomically(out: str | Path, fill: Callable[[Path], Any]) -> Path:
+    """Folder ``out`` written whole or not at all: ``fill(tmp)`` writes a fresh folder beside it, which then replaces
+    ``out`` (the old one moved aside, and put back when the swap fails). An error in ``fill`` leaves ``out`` as it
+    was and no temporary folder behind."""
+    out = Path(out)
+    tmp, old = (out.with_name(f".{out.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
+    for leftover in (tmp, old):  # of this process id's earlier run, killed
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except BaseException:
+        if old.exists() and not out.exists():
+            os.replace(old, out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 def read_text_arg(value: str, option: str) -> str:

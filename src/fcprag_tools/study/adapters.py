@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from fcprag_plugin.adapter import LoraAdapter, LoraModule
-from fcprag_plugin.fileio import write_dir
+
+from ..options import write_dir_atomically
 
 LORA = {"r": 2, "lora_alpha": 32, "target_modules": ["gate_proj", "up_proj", "down_proj"], "lora_dropout": 0.0}
 LEARNING_RATE = 3e-4
@@ -241,5 +242,6 @@ def seed_of(pid: str) -> int:
 
 
 def save_adapter(adapter: LoraAdapter, folder: Path) -> None:
-    """Save through the folder swap (``fileio.write_dir``): a killed process leaves no half-written adapter."""
-    write_dir(folder, lambda tmp: adapter.save_pretrained(tmp, dtype=torch.float32))
+    """Save through the folder swap (``options.write_dir_atomically``): a killed process leaves no half-written
+    adapter."""
+    write_dir_atomically(folder, lambda tmp: adapter.save_pretrained(tmp, dtype=torch.float32))
