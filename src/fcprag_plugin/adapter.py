@@ -61,19 +61,6 @@ class LoraAdapter:
         return load_adapter_dir(path, device=device)
 
     @classmethod
-    def from_safetensors(cls, file: str | Path, config: Mapping[str, Any] | str | Path, *,
-                         device: str | torch.device = "cpu") -> "LoraAdapter":
-        """Load a ``.safetensors`` file of PEFT-layout keys with a config (dict or path to a JSON file)."""
-        cfg = read_config(Path(config)) if isinstance(config, (str, Path)) else dict(config)
-        return adapter_from_state_dict(load_safetensors(Path(file), device), cfg, source=str(file))
-
-    @classmethod
-    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *,
-                        source: str = "<state_dict>") -> "LoraAdapter":
-        """Build from an in-memory PEFT-layout state dict (``...lora_A.weight`` / ``...lora_B.weight`` keys)."""
-        return adapter_from_state_dict(state_dict, config, source=source)
-
-    @classmethod
     def from_peft_model(cls, model: Any, adapter_name: str = "default") -> "LoraAdapter":
         """Copy the named adapter's ``A``, ``B`` and scaling out of a live model with LoRA layers."""
         where = f"live model adapter '{adapter_name}'"

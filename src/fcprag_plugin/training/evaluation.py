@@ -10,30 +10,26 @@ import torch
 from ..controller import FusionController
 from ..features import masked_max, masked_mean
 from .data import LabelTensors
-from .precision import autocast
 from .targets import first_order_gain, kl_per_sample
 
 _W_TIE = 1e-9
 
 
 @torch.no_grad()
-def collect_outputs(controller: FusionController, data: LabelTensors, batch_size: int = 512,
-                    precision: str = "fp32") -> dict[str, torch.Tensor]:
-    """Run ``controller`` (eval mode) over ``data``: ``w`` and ``wt`` (the merge weights ``w~``) ``[R, N_max]`` (0 on
-    padding), ``g [R]``, ``tau [R]``; ``precision`` ``"bf16"``: the MLPs under ``torch.autocast`` (``precision.py``)."""
-    context = autocast(precision)  # before eval(): an unknown precision leaves the mode alone
+def collect_outputs(controller: FusionController, data: LabelTensors, batch_size: int = 512) -> dict[str, torch.Tensor]:
+    """Run ``controller`` (eval mode, fp32: what metrics.json and the cross-validation read) over ``data``: ``w`` and
+    ``wt`` (the merge weights ``w~``) ``[R, N_max]`` (0 on padding), ``g [R]``, ``tau [R]``."""
     was_training = controller.training
     controller.eval()
     R, N = data.mask.shape
     w, wt = torch.zeros(R, N), torch.zeros(R, N)
     g, tau = torch.zeros(R), torch.zeros(R)
     try:
-        with context:
-            for b in data.batches(batch_size):
-                out = controller(b.e_q, b.E_p, b.mask, b.side)
-                w[b.index, : b.mask.shape[1]] = out.probabilities.float().cpu()
-                wt[b.index, : b.mask.shape[1]] = out.merge_weights.float().cpu()
-                g[b.index], tau[b.index] = out.g.float().cpu(), out.tau.float().cpu()
+        for b in data.batches(batch_size):
+            out = controller(b.e_q, b.E_p, b.mask, b.side)
+            w[b.index, : b.mask.shape[1]] = out.probabilities.float().cpu()
+            wt[b.index, : b.mask.shape[1]] = out.merge_weights.float().cpu()
+            g[b.index], tau[b.index] = out.g.float().cpu(), out.tau.float().cpu()
     finally:
         controller.train(was_training)
     return {"w": w, "wt": wt, "g": g, "tau": tau}
