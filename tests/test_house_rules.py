@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC, LIB = ROOT / "src", ROOT / "src" / "fcprag_plugin"
-LIBRARY_LINES = 6_800  # docs/layout.md says why this number and how it changes
+LIBRARY_LINES = 6_600  # docs/layout.md says why this number and how it changes
 MAX_FLOORS, MAX_FILE, MAX_FUNCTION, MAX_CLASS, TREE_BYTES = 6, 450, 80, 250, 12 * 2**20
 
 
