@@ -52,8 +52,9 @@ def _ids(out, name="eval.jsonl"):
     return [json.loads(x)["id"] for x in (out / name).read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
-def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kind):
+@pytest.mark.parametrize("kind,rank", [("llama", 2), ("llama", 4), pytest.param("qwen2", 2, marks=pytest.mark.slow)])
+def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kind, rank):
+    """rank 4: a user's checkpoint of another rank than PRAG's 2 is scored at its own rank."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     lm = save_tiny_lm(tmp_path / "lm", kind)
@@ -62,8 +63,8 @@ def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kin
         pytest.skip(f"this transformers reads the tiny word-level tokenizer of a {kind} folder as {type(tok).__name__}")
     questions = _with_support(tmp_path / "q.jsonl", 3)
     model = AutoModelForCausalLM.from_pretrained(lm).eval()
-    ckpt = save_translator(Translator(TranslatorShape.from_config(model.config, width=8), seed=4, init_std=0.15),
-                           tmp_path / "given.pt")
+    ckpt = save_translator(Translator(TranslatorShape.from_config(model.config, rank=rank, width=8), seed=4,
+                                      init_std=0.15), tmp_path / "given.pt")
     # PRAG's sum times 2, as the shipped controller (the default embedding model's size: the random rows embed)
     FusionController(embed_dim=384, controller_mode="uniform", kappa=2.0).save_pretrained(tmp_path / "ctrl")
     out = tmp_path / "out"
@@ -77,7 +78,8 @@ def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kin
     export = out / rec["export"]
     assert rec["source"] == "given" and export.read_bytes() == ckpt.read_bytes()  # the export is the file
     assert export == dy.export_path(out, 8, 1) and rec["dyprag_flags"]["projector_p"] == 8
-    double = double_for(model, 2, 8)
+    assert rec["shape"]["rank"] == rec["dyprag_flags"]["lora_rank"] == rank
+    double = double_for(model, rank, 8)
     double.load_state_dict(torch.load(export, weights_only=True)["model_state_dict"], strict=True)
     ev = {r["id"]: r for r in read_jsonl(out / "eval.jsonl")}
     qs = {r["id"]: r for r in read_jsonl(out / "questions.jsonl")}

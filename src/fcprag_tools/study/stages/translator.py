@@ -14,6 +14,7 @@ question the mean pairwise cosine of its passages' generated updates and of thei
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,12 @@ class DypragSource:
 
     def __post_init__(self) -> None:
         self.texts = {p["pid"]: p["text"] for q in self.qs.values() for p in q["passages"]}
+
+    @functools.cached_property
+    def rank(self) -> int:
+        """The rank of the generated updates (the translator's, read from its file: a given checkpoint's may be
+        other than PRAG's): what the fused slot that scores a DyPRAG row must hold."""
+        return shape_of(read_state_dict(self.path), self.path).rank
 
     def _generate(self, texts: dict[str, str]) -> None:
         """The updates of ``texts`` (``{pid: text}``) not made yet, in one call; their seconds appended once."""
