@@ -104,6 +104,7 @@ def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kin
     assert set(cos) == set(qs) and all(r["sha256"] == rec["sha256"] for r in cos.values())
     assert sorted(_ids(out, "dyprag_generated.jsonl")) == sorted({p["pid"] for q in qs.values()
                                                                   for p in q["passages"]})  # each passage once
+    assert {r["sha256"] for r in read_jsonl(out / "dyprag_generated.jsonl")} == {rec["sha256"]}  # its translator's
 
 
 def _dense_cosine(vectors):

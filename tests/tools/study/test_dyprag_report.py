@@ -96,7 +96,7 @@ def write_folder(out, qs, *, source="trained", train_seconds=120.0, gen=None, pr
          "training": training if source == "trained" else None}))
     gen = gen or {p: 0.05 for p in held}
     prag = prag or {p: 2.0 for p in held}
-    lines("dyprag_generated.jsonl", [{"id": p, "seconds": s, "tokens": 12} for p, s in gen.items()])
+    lines("dyprag_generated.jsonl", [{"id": p, "seconds": s, "tokens": 12, "sha256": SHA} for p, s in gen.items()])
     lines("adapters.jsonl", [{"id": p, "group_seconds": 2 * s, "group": 2} for p, s in prag.items()])
     cosines = cosines or {q: (0.95 + i / 1000, 0.1 + i / 100) for i, q in enumerate(test)}
     lines("dyprag_cosine.jsonl", [{"id": q, "dyprag": c[0], "prag": c[1], "sha256": SHA} for q, c in cosines.items()])
@@ -248,6 +248,25 @@ def test_the_cost_and_its_break_even_by_hand(tmp_path):
     assert c["break_even"] is None and c["break_even_with_augmentation"] == math.ceil(120 / (0.4 + 0.6 - 0.5))
     assert "counting the augmentation, the translator has paid for itself after about 240 passages" in \
         " ".join(dyprag_report.cost_lines({"cost": c, "why": None}))
+
+
+def test_the_cost_reads_only_the_generation_seconds_of_the_studys_translator(tmp_path):
+    """Another translator's timings (and lines without a translator's sha256) appended after the study's own never
+    enter its cost."""
+    qs, res = with_dyprag(*synthetic())
+    held = [p["pid"] for q in _test(qs) for p in qs[q]["passages"]]
+    write_folder(tmp_path, qs)
+    with (tmp_path / "dyprag_generated.jsonl").open("a") as f:
+        for p in held:
+            f.write(json.dumps({"id": p, "seconds": 9.0, "tokens": 12, "sha256": "0f" * 32}) + "\n")
+            f.write(json.dumps({"id": p, "seconds": 7.0, "tokens": 12}) + "\n")
+    c = asdict(cost(dy.dyprag_record(tmp_path)))
+    assert c["generation_seconds"] == pytest.approx(0.05) and c["passages_generated"] == len(held) == 120
+    assert c["break_even"] == math.ceil(120 / (2.0 - 0.05))
+    (tmp_path / "dyprag_generated.jsonl").write_text("".join(json.dumps({"id": p, "seconds": 0.05}) + "\n"
+                                                             for p in held))
+    c = asdict(cost(dy.dyprag_record(tmp_path)))  # a file from before the sha256 was written: no line read
+    assert c["generation_seconds"] is None and c["passages_generated"] == 0
 
 
 def test_the_fusion_and_the_ceiling_over_dyprags_loras(tmp_path):

@@ -6,9 +6,9 @@ launcher; or ``--dyprag-translator FILE`` is taken as it is (checked against the
 exported in DyPRAG's layout (:func:`..dyprag.export_path`) and recorded in ``OUT/translator/translator.json``.
 
 The rows then read it through a :class:`DypragSource`: each passage's generated update is made once per process, on
-first need, and kept in memory (never written); its seconds go once to ``dyprag_generated.jsonl``, and for a held-out
-question the mean pairwise cosine of its passages' generated updates and of their PRAG adapters to
-``dyprag_cosine.jsonl``, while the updates are in memory.
+first need, and kept in memory (never written); its seconds go once per translator to ``dyprag_generated.jsonl``
+(with the translator's ``sha256``), and for a held-out question the mean pairwise cosine of its passages' generated
+updates and of their PRAG adapters to ``dyprag_cosine.jsonl``, while the updates are in memory.
 """
 
 from __future__ import annotations
@@ -74,8 +74,10 @@ class DypragSource:
         store = run.store(dy.GENERATED)
         have = store.done()
         tokens = dict(zip(todo, map(len, passage_ids(run.tok, list(todo.values())))))
-        store.append([{"id": p, "seconds": round(s, 6), "tokens": tokens[p], "device": run.device()}
-                      for p, s in seconds.items() if p not in have])
+        # each line names its translator: the report's cost reads the study's current translator's lines only
+        store.append([{"id": p, "seconds": round(s, 6), "tokens": tokens[p], "device": run.device(),
+                       "sha256": self.sha256}
+                      for p, s in seconds.items() if have.get(p, {}).get("sha256") != self.sha256])
 
     def prepare(self, qids: Sequence[str]) -> None:
         """The updates of the questions' passages (one generation call), and each held-out question's cosines when
