@@ -30,7 +30,7 @@ from fcprag_tools.study.adapters import EPOCHS, LEARNING_RATE
 from fcprag_tools.study.options import Policy
 from fcprag_tools.study.verdict import dyprag_report, markdown, words
 from fcprag_tools.study.verdict.dyprag_section import cost, diversity, primary
-from fcprag_tools.study.verdict.records import ScoredRows
+from fcprag_tools.study.verdict.records import Comparison, ScoredRows
 from fcprag_tools.study.verdict.schema import check_summary
 
 from .test_summary import CV, SETTINGS_JSON, _ctrls, _cv, synthetic
@@ -172,6 +172,29 @@ def test_the_plans_three_comparisons_and_their_level_match_a_hand_computation(tm
     assert c["reading"] == "not_shown"
     assert (f"only a true difference of about {100 * c['mde_f1']:.1f} points or more would have been detected with "
             "80% power") in (tmp_path / "b" / "report.md").read_text()
+
+
+def test_a_comparison_shown_worse_is_shown_with_its_direction_in_words(tmp_path):
+    """``shown``: the interval excludes 0 on either side; which side is the reading (``better`` / ``worse``)."""
+    qs, res = synthetic()
+    test = _test(qs)
+
+    def plant(r):
+        for q in test:  # dyprag: prag_sum - 0.1 F1 everywhere, vanilla + 0.1 over dyprag
+            r[f"{q}|dyprag"]["f1"] = r[f"{q}|prag_sum"]["f1"] - 0.1
+            r[f"{q}|vanilla"]["f1"] = r[f"{q}|dyprag"]["f1"] + 0.1
+
+    s = report(tmp_path, *with_dyprag(qs, res, plant))
+    vs_sum, vs_none, _ = s["dyprag"]["primary"]["comparisons"]
+    for c in (vs_sum, vs_none):
+        assert c["ci_f1"] == pytest.approx([-0.1, -0.1]) and c["reading"] == "worse" and c["shown"] is True
+    text = (tmp_path / "report.md").read_text()
+    assert "`dyprag` against `prag_sum` -10.0 [-10.0, -10.0]: worse, shown;" in text
+    assert "`dyprag` against `vanilla` -10.0 [-10.0, -10.0]: worse, shown;" in text
+    for reading, ci in (("better", [0.01, 0.2]), ("worse", [-0.2, -0.01]), ("tie", [0.0, 0.0]),
+                        ("equivalent", [-0.01, 0.01]), ("not_shown", [-0.1, 0.2])):
+        c = Comparison("prag_sum", reading, sum(ci) / 2, ci).to_json()
+        assert c["shown"] is (reading in ("better", "worse")), reading
 
 
 def test_the_level_counts_only_the_comparisons_made():
