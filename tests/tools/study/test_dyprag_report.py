@@ -397,7 +397,10 @@ def test_a_dyprag_rows_next_step_copies_the_translator_where_dyprags_script_load
     assert (args.host, args.controller, args.mode) == ("dyprag", controller, "separate" if controller else None)
     assert [w for w in rest if w != "--"][0] == "src/inference_dyprag.py"
     got = dyprag_parse(words_[len(head) + 2:])  # every flag DyPRAG requires, of the type it parses
-    loaded = checkout / "projector" / got.projector_path / f"epoch_{got.inference_epoch - 1}.pt"  # its own join
+    # DyPRAG joins ROOT_DIR (its src/root_dir_path.py), "projector", --projector_path, epoch_<E-1>.pt: the copy is
+    # found when ROOT_DIR is the checkout the lines run in, which the note under the command says to set
+    root_dir = str(checkout)
+    loaded = Path(os.path.join(root_dir, "projector", got.projector_path, f"epoch_{got.inference_epoch - 1}.pt"))
     assert loaded.read_bytes() == b"translator" and not os.path.isabs(got.projector_path)
     assert (got.model_name, got.dataset, got.max_new_tokens, got.inference_method) == \
         ("qwen2.5-1.5b-instruct", "2wikimultihopqa", 24, method)  # DyPRAG's names, as PRAG's
@@ -405,6 +408,11 @@ def test_a_dyprag_rows_next_step_copies_the_translator_where_dyprags_script_load
         (32, 2, 32, EPOCHS, LEARNING_RATE)
     said = lines[-2]
     assert said.count(". ") == 0 and "DyPRAG checkout" in said and "cannot know" in said
+    assert "with `ROOT_DIR` in its `src/root_dir_path.py` set to that checkout's absolute path" in said, said
+    assert "loads the translator from `ROOT_DIR/projector/<--projector_path>/epoch_<--inference_epoch - 1>.pt`, not " \
+        "from the folder it runs in" in said and "`ROOT_DIR/data_aug/`" in said
+    first = next(x for x in lines if "the first line copies" in x)
+    assert "into `projector/` of the DyPRAG checkout the lines run in, which must be `ROOT_DIR`" in first, first
     assert "model table" in said and "`llama` or `qwen`" in said
 
 
