@@ -28,7 +28,7 @@ from fcprag_tools.study import dyprag as dy
 from fcprag_tools.study import summary
 from fcprag_tools.study.adapters import EPOCHS, LEARNING_RATE
 from fcprag_tools.study.options import Policy
-from fcprag_tools.study.verdict import dyprag_report, markdown, words
+from fcprag_tools.study.verdict import dyprag_report, markdown, plot, words
 from fcprag_tools.study.verdict.dyprag_section import cost, diversity, primary
 from fcprag_tools.study.verdict.records import Comparison, ScoredRows
 from fcprag_tools.study.verdict.schema import check_summary
@@ -543,3 +543,37 @@ def test_committed_studies_without_dyprag_rows_report_byte_for_byte_as_before(tm
     for name in ("summary.json", "report.md"):
         assert (tmp_path / folder / name).read_bytes() == (ROOT / folder / name).read_bytes(), name
     assert "dyprag" not in json.loads((tmp_path / folder / "summary.json").read_text())
+
+
+def _plotted(monkeypatch, s, path):
+    """``{row: (bar colours, hatches)}`` of ``report.png`` as :func:`plot.write_plot` draws it for ``s``."""
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    assert plot.write_plot(s, path) == path.name
+    (ax,) = figs[0].axes
+    return {c.get_label(): ({p.get_facecolor() for p in c.patches}, {p.get_hatch() for p in c.patches})
+            for c in ax.containers if c.get_label() in s["methods"]}
+
+
+def test_report_png_draws_dyprags_rows_in_colours_of_their_own(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    qs, res = with_dyprag(*synthetic())
+    s = report(tmp_path, qs, res)
+    drawn = _plotted(monkeypatch, s, tmp_path / "a.png")
+    dyprag_rows = [n for n in drawn if dy.is_dyprag(n)]
+    assert len(dyprag_rows) == 4 and len(drawn) >= 8 and set(plot.COLOURS) == set(plot.PAPER_ROWS)
+    assert all(len(c) == 1 for c, _ in drawn.values())  # one colour a row
+    colour = {n: next(iter(c)) for n, (c, _) in drawn.items()}
+    assert len(set(colour.values())) == len(colour)  # no two rows alike
+    theirs = {colour[n] for n in dyprag_rows}
+    assert not theirs & {colour[n] for n in drawn if n not in dyprag_rows}
+    assert all(drawn[n][1] == {plot.DYPRAG_HATCH} for n in dyprag_rows)  # and hatched, as a family
+    assert all(drawn[n][1] == {None} for n in drawn if n not in dyprag_rows)
+    # a row's colour is its own, not its place: without PRAG's combine rows DyPRAG's keep theirs
+    fewer = copy.deepcopy(s)
+    for n in ("prag_sum_combine", "standard_rag"):
+        fewer["methods"].pop(n)
+    again = _plotted(monkeypatch, fewer, tmp_path / "b.png")
+    assert {n: next(iter(c)) for n, (c, _) in again.items()} == {n: colour[n] for n in again}
