@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 
 import pytest
 import torch
@@ -167,9 +168,21 @@ def test_an_interrupted_translator_stage_resumes_and_ends_where_one_run_ends(tin
             study(_opts(tiny_study, translator_epochs=2))
     out = tiny_study["root"] / "out"
     assert (out / "translator" / "train" / "train_state.pt").is_file() and dy.recorded(out) is None
+    # what a process killed mid-write (no except clause ran) leaves: its temporaries, named by its process id
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    export_dir = out / "translator" / "projector" / "fcprag_hidden32"
+    export_dir.mkdir(parents=True)
+    stale = [out / "translator" / "train" / f".train_state.pt.tmp-{gone.pid}",
+             export_dir / f".epoch_1.pt.tmp-{gone.pid}", out / "translator" / f".translator.json.tmp-{gone.pid}"]
+    others = [out / "translator" / "train" / "notes.tmp", export_dir / f".epoch_1.pt.tmp-{gone.pid}x",
+              out / f".eval.jsonl.tmp-{gone.pid}"]  # not the stage's temporaries: kept
+    for f in stale + others:
+        f.write_bytes(b"half a file")
     caplog.set_level(logging.INFO, "fcprag_tools.study")
     study(_opts(tiny_study, translator_epochs=2))
     assert "translator: 6 of 12 steps kept, 6 to do" in caplog.text
+    assert not [f for f in stale if f.exists()] and all(f.read_bytes() == b"half a file" for f in others)
     study(_opts(tiny_study, out="whole", translator_epochs=2))
     resumed, whole = (torch.load(tiny_study["root"] / d / "translator" / "projector" / "fcprag_hidden32" /
                                  "epoch_1.pt", weights_only=True)["model_state_dict"] for d in ("out", "whole"))

@@ -25,7 +25,7 @@ from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.fileio import write_json
 from ...translator import (dyprag_adapter, generate_adapters, load_translator, mean_pairwise_cosine, read_state_dict,
                            shape_of, train_translator)
-from ...translator.checkpoint import copy_checkpoint
+from ...translator.checkpoint import copy_checkpoint, remove_stale_temporaries
 from ...translator.embed import passage_ids
 from .. import adapters as ad
 from .. import dyprag as dy
@@ -194,6 +194,9 @@ def translator_stage(run: StudyRun, qs: Questions, augs: dict[str, dict[str, Any
         return None
     translator = None
     if run.shard.rank == 0:
+        # a run killed mid-write leaves its temporaries: the export's folder is copied whole into DyPRAG's projector/
+        for f in remove_stale_temporaries(run.out / dy.TRANSLATOR_DIR):
+            logger.info("translator: removed %s, left by an interrupted run", f)
         if part.dyprag_translator is not None:
             rec = _given(run, part)
         else:
