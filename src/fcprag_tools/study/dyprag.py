@@ -10,7 +10,9 @@
   copy ``OUT/translator/projector/<projector_path>`` into DyPRAG's ``projector/`` and run ``inference_dyprag.py
   --projector_path <projector_path> --inference_epoch <E> --projector_p <width>``;
 - ``OUT/dyprag_generated.jsonl`` (:data:`GENERATED`): per passage (``id``) the seconds of its generated update
-  (embedding forward and translator, its share of the batch) and its tokens, appended once;
+  (embedding forward and translator, its share of the batch), its tokens and the ``sha256`` of the translator that
+  generated it, appended once per translator; the report reads only the lines of the study's current translator
+  (another translator's timings never mix in; a line without ``sha256`` is not read);
 - ``OUT/dyprag_cosine.jsonl`` (:data:`COSINE`): per held-out question (``id``) the mean pairwise cosine of the
   passages' generated updates (``dyprag``) and of their PRAG adapters (``prag``), with the translator's ``sha256``.
 """
@@ -106,18 +108,24 @@ def wanted_rows(q: dict[str, Any], settings: Sequence[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the report's record
-def _rows(path: Path) -> dict[str, dict[str, Any]]:
-    """``{id: row}`` of the study's store ``path`` (``name.jsonl``; an interrupted last line ignored), or of its
-    gzipped copy ``name.jsonl.gz`` (a committed study's); empty when neither is there."""
+def _lines(path: Path) -> list[dict[str, Any]]:
+    """Every line of the study's store ``path`` (``name.jsonl``; an interrupted last line ignored), or of its
+    gzipped copy ``name.jsonl.gz`` (a committed study's), in file order; empty when neither is there."""
     from fcprag_plugin.fileio import read_records
 
     from ..lm.store import read_label_lines
 
     if path.is_file():
-        return {sl.record["id"]: sl.record for sl in read_label_lines(path, partial="ignore")}
+        return [sl.record for sl in read_label_lines(path, partial="ignore")]
     gz = path.with_name(path.name + ".gz")
     rows = read_records(gz, FcpragError) if gz.is_file() else []
-    return {r["id"]: r for _, r in rows if isinstance(r, dict) and isinstance(r.get("id"), str)}
+    return [r for _, r in rows if isinstance(r, dict) and isinstance(r.get("id"), str)]
+
+
+def _rows(path: Path, sha256: str | None = None) -> dict[str, dict[str, Any]]:
+    """``{id: row}`` of :func:`_lines` (the last line of an id wins); given ``sha256``, only the lines that carry
+    that translator's ``sha256``."""
+    return {r["id"]: r for r in _lines(path) if sha256 is None or r.get("sha256") == sha256}
 
 
 def spread(xs: Sequence[float]) -> dict[str, Any]:
@@ -150,12 +158,12 @@ def dyprag_record(out: str | Path) -> dict[str, Any] | None:
     ``translator``: :data:`RECORD`'s content (source, file, sha256, export, DyPRAG's flags, options, training
     seconds, passages trained on, first / last loss). ``cost``: :func:`fcprag_tools.translator.cost_summary` over
     the held-out questions' passages: the translator's training seconds (0 for a given one), the median seconds a
-    passage's generated update took (embedding forward + translator) against the median seconds of its PRAG adapter
-    (``adapters.jsonl``: the adapter's training alone, its share of the stacked group; PRAG's augmentation of the
-    passage, which DyPRAG skips at inference too, is ``augment_seconds_per_passage`` beside it, from
-    ``timings.jsonl``). ``diversity``: per held-out question the mean pairwise cosine of the passages' updates,
-    DyPRAG's generated ones (``dyprag``) and PRAG's adapters (``prag``), as :func:`spread` over the questions scored
-    with this translator."""
+    passage's generated update took (embedding forward + translator; the :data:`GENERATED` lines of this
+    translator's ``sha256`` only) against the median seconds of its PRAG adapter (``adapters.jsonl``: the adapter's
+    training alone, its share of the stacked group; PRAG's augmentation of the passage, which DyPRAG skips at
+    inference too, is ``augment_seconds_per_passage`` beside it, from ``timings.jsonl``). ``diversity``: per
+    held-out question the mean pairwise cosine of the passages' updates, DyPRAG's generated ones (``dyprag``) and
+    PRAG's adapters (``prag``), as :func:`spread` over the questions scored with this translator."""
     from ..translator import cost_summary, prag_adapter_seconds
 
     out = Path(out)
@@ -165,7 +173,8 @@ def dyprag_record(out: str | Path) -> dict[str, Any] | None:
     qs = _rows(out / "questions.jsonl")
     test = [q for q, r in qs.items() if r.get("split") == "test"]
     held = {p["pid"] for q in test for p in qs[q]["passages"]}
-    gen = {p: float(r["seconds"]) for p, r in _rows(out / f"{GENERATED}.jsonl").items() if p in held}
+    gen = {p: float(r["seconds"]) for p, r in _rows(out / f"{GENERATED}.jsonl", rec["sha256"]).items()
+           if p in held}
     prag = {p: s for p, s in prag_adapter_seconds(_rows(out / "adapters.jsonl").values()).items() if p in held}
     train = rec.get("training") or {}
     cost = {**cost_summary(float(train.get("seconds") or 0.0), gen, prag),

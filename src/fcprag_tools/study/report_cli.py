@@ -72,7 +72,10 @@ def controller_of(folder: Path, setting: str, settings: dict[str, Any], old: dic
 
 
 def rebuild(folder: str | Path, policy: Policy) -> dict[str, Any]:
-    """Rebuild ``summary.json``, ``report.md`` and ``report.png`` of study folder ``folder`` (returns the summary)."""
+    """Rebuild ``summary.json``, ``report.md`` and ``report.png`` of study folder ``folder`` (returns the summary;
+    its ``shared_rows`` counted from ``eval.jsonl``'s copies as the study's own summary counts them)."""
+    from .stages.verdict import shared_rows
+
     folder = Path(folder)
     if not folder.is_dir():
         raise FcpragError(f"DIR {folder}: not a folder; expected a study folder (fcprag study --out)")
@@ -81,7 +84,8 @@ def rebuild(folder: str | Path, policy: Policy) -> dict[str, Any]:
         raise FcpragError(f"DIR {folder}: no study settings.json there; expected a study folder (fcprag study --out)")
     old = _json(folder / "summary.json")
     qs = {q: r for q, r in read_rows(folder, "questions").items() if r.get("split") in ("train", "test")}
-    rows = ScoredRows.from_dicts(qs, read_rows(folder, "eval"))
+    scored = read_rows(folder, "eval")
+    rows = ScoredRows.from_dicts(qs, scored)
     if not rows.test or not any(rows.has(q, "prag_sum") for q in rows.test):
         raise FcpragError(f"DIR {folder}: eval rows of no held-out question; run fcprag study to evaluate first")
     given = bool(settings.get("controller"))
@@ -91,7 +95,8 @@ def rebuild(folder: str | Path, policy: Policy) -> dict[str, Any]:
     full = {**kept, **settings, "out": str(folder), "device": kept.get("device", "not recorded"),
             "dtype": kept.get("dtype", settings.get("dtype", "not recorded")), "controller_trained": not given}
     try:  # a re-report runs no stage: its stage times are the study's (timings.jsonl), none of this invocation
-        out = summary.finish(rows, ctrls, given=given, settings=full, out=folder, policy=policy, stage_seconds={})
+        out = summary.finish(rows, ctrls, given=given, settings=full, out=folder, policy=policy, stage_seconds={},
+                             shared=shared_rows(scored))  # the copies counted as the study counts them
     except FcpragError as e:  # the rows of an unfinished study: not every row the summary needs is there
         raise FcpragError(f"DIR {folder}: its rows do not make a complete summary: {e}; run its fcprag study "
                           "command again to finish it") from None

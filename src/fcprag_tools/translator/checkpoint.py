@@ -43,6 +43,32 @@ def write_binary(path: str | Path, fill: Callable[[BinaryIO], None]) -> Path:
     return path
 
 
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")  # write_binary's and fileio.write_atomic's temporaries
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():  # this process writes none yet: an earlier one of the same id left it
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Remove, under ``folder``, the temporary files of atomic writes (``.<name>.tmp-<pid>``: :func:`write_binary`,
+    :func:`fcprag_plugin.fileio.write_atomic`) whose process is gone (killed mid-write, so its own clean-up never
+    ran); nothing else is touched. Returns the files removed."""
+    gone = [f for f in sorted(Path(folder).rglob(".*.tmp-*")) if f.is_file() and
+            (m := _TEMP.match(f.name)) is not None and not _running(int(m["pid"]))]
+    for f in gone:
+        f.unlink(missing_ok=True)
+    return gone
+
+
 def save_torch(obj: Any, path: str | Path) -> Path:
     """``torch.save(obj)`` to ``path`` atomically (:func:`write_binary`)."""
     return write_binary(path, lambda f: torch.save(obj, f))

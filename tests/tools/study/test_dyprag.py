@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 
 import pytest
 import torch
@@ -52,8 +53,9 @@ def _ids(out, name="eval.jsonl"):
     return [json.loads(x)["id"] for x in (out / name).read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
-def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kind):
+@pytest.mark.parametrize("kind,rank", [("llama", 2), ("llama", 4), pytest.param("qwen2", 2, marks=pytest.mark.slow)])
+def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kind, rank):
+    """rank 4: a user's checkpoint of another rank than PRAG's 2 is scored at its own rank."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     lm = save_tiny_lm(tmp_path / "lm", kind)
@@ -62,8 +64,8 @@ def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kin
         pytest.skip(f"this transformers reads the tiny word-level tokenizer of a {kind} folder as {type(tok).__name__}")
     questions = _with_support(tmp_path / "q.jsonl", 3)
     model = AutoModelForCausalLM.from_pretrained(lm).eval()
-    ckpt = save_translator(Translator(TranslatorShape.from_config(model.config, width=8), seed=4, init_std=0.15),
-                           tmp_path / "given.pt")
+    ckpt = save_translator(Translator(TranslatorShape.from_config(model.config, rank=rank, width=8), seed=4,
+                                      init_std=0.15), tmp_path / "given.pt")
     # PRAG's sum times 2, as the shipped controller (the default embedding model's size: the random rows embed)
     FusionController(embed_dim=384, controller_mode="uniform", kappa=2.0).save_pretrained(tmp_path / "ctrl")
     out = tmp_path / "out"
@@ -77,7 +79,8 @@ def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kin
     export = out / rec["export"]
     assert rec["source"] == "given" and export.read_bytes() == ckpt.read_bytes()  # the export is the file
     assert export == dy.export_path(out, 8, 1) and rec["dyprag_flags"]["projector_p"] == 8
-    double = double_for(model, 2, 8)
+    assert rec["shape"]["rank"] == rec["dyprag_flags"]["lora_rank"] == rank
+    double = double_for(model, rank, 8)
     double.load_state_dict(torch.load(export, weights_only=True)["model_state_dict"], strict=True)
     ev = {r["id"]: r for r in read_jsonl(out / "eval.jsonl")}
     qs = {r["id"]: r for r in read_jsonl(out / "questions.jsonl")}
@@ -102,6 +105,7 @@ def test_given_translator_rows_equal_an_independent_dyprag(tmp_path, capsys, kin
     assert set(cos) == set(qs) and all(r["sha256"] == rec["sha256"] for r in cos.values())
     assert sorted(_ids(out, "dyprag_generated.jsonl")) == sorted({p["pid"] for q in qs.values()
                                                                   for p in q["passages"]})  # each passage once
+    assert {r["sha256"] for r in read_jsonl(out / "dyprag_generated.jsonl")} == {rec["sha256"]}  # its translator's
 
 
 def _dense_cosine(vectors):
@@ -164,9 +168,21 @@ def test_an_interrupted_translator_stage_resumes_and_ends_where_one_run_ends(tin
             study(_opts(tiny_study, translator_epochs=2))
     out = tiny_study["root"] / "out"
     assert (out / "translator" / "train" / "train_state.pt").is_file() and dy.recorded(out) is None
+    # what a process killed mid-write (no except clause ran) leaves: its temporaries, named by its process id
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    export_dir = out / "translator" / "projector" / "fcprag_hidden32"
+    export_dir.mkdir(parents=True)
+    stale = [out / "translator" / "train" / f".train_state.pt.tmp-{gone.pid}",
+             export_dir / f".epoch_1.pt.tmp-{gone.pid}", out / "translator" / f".translator.json.tmp-{gone.pid}"]
+    others = [out / "translator" / "train" / "notes.tmp", export_dir / f".epoch_1.pt.tmp-{gone.pid}x",
+              out / f".eval.jsonl.tmp-{gone.pid}"]  # not the stage's temporaries: kept
+    for f in stale + others:
+        f.write_bytes(b"half a file")
     caplog.set_level(logging.INFO, "fcprag_tools.study")
     study(_opts(tiny_study, translator_epochs=2))
     assert "translator: 6 of 12 steps kept, 6 to do" in caplog.text
+    assert not [f for f in stale if f.exists()] and all(f.read_bytes() == b"half a file" for f in others)
     study(_opts(tiny_study, out="whole", translator_epochs=2))
     resumed, whole = (torch.load(tiny_study["root"] / d / "translator" / "projector" / "fcprag_hidden32" /
                                  "epoch_1.pt", weights_only=True)["model_state_dict"] for d in ("out", "whole"))

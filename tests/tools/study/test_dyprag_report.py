@@ -28,9 +28,9 @@ from fcprag_tools.study import dyprag as dy
 from fcprag_tools.study import summary
 from fcprag_tools.study.adapters import EPOCHS, LEARNING_RATE
 from fcprag_tools.study.options import Policy
-from fcprag_tools.study.verdict import dyprag_report, markdown, words
+from fcprag_tools.study.verdict import dyprag_report, markdown, plot, words
 from fcprag_tools.study.verdict.dyprag_section import cost, diversity, primary
-from fcprag_tools.study.verdict.records import ScoredRows
+from fcprag_tools.study.verdict.records import Comparison, ScoredRows
 from fcprag_tools.study.verdict.schema import check_summary
 
 from .test_summary import CV, SETTINGS_JSON, _ctrls, _cv, synthetic
@@ -96,7 +96,7 @@ def write_folder(out, qs, *, source="trained", train_seconds=120.0, gen=None, pr
          "training": training if source == "trained" else None}))
     gen = gen or {p: 0.05 for p in held}
     prag = prag or {p: 2.0 for p in held}
-    lines("dyprag_generated.jsonl", [{"id": p, "seconds": s, "tokens": 12} for p, s in gen.items()])
+    lines("dyprag_generated.jsonl", [{"id": p, "seconds": s, "tokens": 12, "sha256": SHA} for p, s in gen.items()])
     lines("adapters.jsonl", [{"id": p, "group_seconds": 2 * s, "group": 2} for p, s in prag.items()])
     cosines = cosines or {q: (0.95 + i / 1000, 0.1 + i / 100) for i, q in enumerate(test)}
     lines("dyprag_cosine.jsonl", [{"id": q, "dyprag": c[0], "prag": c[1], "sha256": SHA} for q, c in cosines.items()])
@@ -174,6 +174,29 @@ def test_the_plans_three_comparisons_and_their_level_match_a_hand_computation(tm
             "80% power") in (tmp_path / "b" / "report.md").read_text()
 
 
+def test_a_comparison_shown_worse_is_shown_with_its_direction_in_words(tmp_path):
+    """``shown``: the interval excludes 0 on either side; which side is the reading (``better`` / ``worse``)."""
+    qs, res = synthetic()
+    test = _test(qs)
+
+    def plant(r):
+        for q in test:  # dyprag: prag_sum - 0.1 F1 everywhere, vanilla + 0.1 over dyprag
+            r[f"{q}|dyprag"]["f1"] = r[f"{q}|prag_sum"]["f1"] - 0.1
+            r[f"{q}|vanilla"]["f1"] = r[f"{q}|dyprag"]["f1"] + 0.1
+
+    s = report(tmp_path, *with_dyprag(qs, res, plant))
+    vs_sum, vs_none, _ = s["dyprag"]["primary"]["comparisons"]
+    for c in (vs_sum, vs_none):
+        assert c["ci_f1"] == pytest.approx([-0.1, -0.1]) and c["reading"] == "worse" and c["shown"] is True
+    text = (tmp_path / "report.md").read_text()
+    assert "`dyprag` against `prag_sum` -10.0 [-10.0, -10.0]: worse, shown;" in text
+    assert "`dyprag` against `vanilla` -10.0 [-10.0, -10.0]: worse, shown;" in text
+    for reading, ci in (("better", [0.01, 0.2]), ("worse", [-0.2, -0.01]), ("tie", [0.0, 0.0]),
+                        ("equivalent", [-0.01, 0.01]), ("not_shown", [-0.1, 0.2])):
+        c = Comparison("prag_sum", reading, sum(ci) / 2, ci).to_json()
+        assert c["shown"] is (reading in ("better", "worse")), reading
+
+
 def test_the_level_counts_only_the_comparisons_made():
     qs, res = with_dyprag(*synthetic())
     rows = ScoredRows.from_dicts(qs, res)
@@ -248,6 +271,25 @@ def test_the_cost_and_its_break_even_by_hand(tmp_path):
     assert c["break_even"] is None and c["break_even_with_augmentation"] == math.ceil(120 / (0.4 + 0.6 - 0.5))
     assert "counting the augmentation, the translator has paid for itself after about 240 passages" in \
         " ".join(dyprag_report.cost_lines({"cost": c, "why": None}))
+
+
+def test_the_cost_reads_only_the_generation_seconds_of_the_studys_translator(tmp_path):
+    """Another translator's timings (and lines without a translator's sha256) appended after the study's own never
+    enter its cost."""
+    qs, res = with_dyprag(*synthetic())
+    held = [p["pid"] for q in _test(qs) for p in qs[q]["passages"]]
+    write_folder(tmp_path, qs)
+    with (tmp_path / "dyprag_generated.jsonl").open("a") as f:
+        for p in held:
+            f.write(json.dumps({"id": p, "seconds": 9.0, "tokens": 12, "sha256": "0f" * 32}) + "\n")
+            f.write(json.dumps({"id": p, "seconds": 7.0, "tokens": 12}) + "\n")
+    c = asdict(cost(dy.dyprag_record(tmp_path)))
+    assert c["generation_seconds"] == pytest.approx(0.05) and c["passages_generated"] == len(held) == 120
+    assert c["break_even"] == math.ceil(120 / (2.0 - 0.05))
+    (tmp_path / "dyprag_generated.jsonl").write_text("".join(json.dumps({"id": p, "seconds": 0.05}) + "\n"
+                                                             for p in held))
+    c = asdict(cost(dy.dyprag_record(tmp_path)))  # a file from before the sha256 was written: no line read
+    assert c["generation_seconds"] is None and c["passages_generated"] == 0
 
 
 def test_the_fusion_and_the_ceiling_over_dyprags_loras(tmp_path):
@@ -355,7 +397,10 @@ def test_a_dyprag_rows_next_step_copies_the_translator_where_dyprags_script_load
     assert (args.host, args.controller, args.mode) == ("dyprag", controller, "separate" if controller else None)
     assert [w for w in rest if w != "--"][0] == "src/inference_dyprag.py"
     got = dyprag_parse(words_[len(head) + 2:])  # every flag DyPRAG requires, of the type it parses
-    loaded = checkout / "projector" / got.projector_path / f"epoch_{got.inference_epoch - 1}.pt"  # its own join
+    # DyPRAG joins ROOT_DIR (its src/root_dir_path.py), "projector", --projector_path, epoch_<E-1>.pt: the copy is
+    # found when ROOT_DIR is the checkout the lines run in, which the note under the command says to set
+    root_dir = str(checkout)
+    loaded = Path(os.path.join(root_dir, "projector", got.projector_path, f"epoch_{got.inference_epoch - 1}.pt"))
     assert loaded.read_bytes() == b"translator" and not os.path.isabs(got.projector_path)
     assert (got.model_name, got.dataset, got.max_new_tokens, got.inference_method) == \
         ("qwen2.5-1.5b-instruct", "2wikimultihopqa", 24, method)  # DyPRAG's names, as PRAG's
@@ -363,6 +408,11 @@ def test_a_dyprag_rows_next_step_copies_the_translator_where_dyprags_script_load
         (32, 2, 32, EPOCHS, LEARNING_RATE)
     said = lines[-2]
     assert said.count(". ") == 0 and "DyPRAG checkout" in said and "cannot know" in said
+    assert "with `ROOT_DIR` in its `src/root_dir_path.py` set to that checkout's absolute path" in said, said
+    assert "loads the translator from `ROOT_DIR/projector/<--projector_path>/epoch_<--inference_epoch - 1>.pt`, not " \
+        "from the folder it runs in" in said and "`ROOT_DIR/data_aug/`" in said
+    first = next(x for x in lines if "the first line copies" in x)
+    assert "into `projector/` of the DyPRAG checkout the lines run in, which must be `ROOT_DIR`" in first, first
     assert "model table" in said and "`llama` or `qwen`" in said
 
 
@@ -493,3 +543,37 @@ def test_committed_studies_without_dyprag_rows_report_byte_for_byte_as_before(tm
     for name in ("summary.json", "report.md"):
         assert (tmp_path / folder / name).read_bytes() == (ROOT / folder / name).read_bytes(), name
     assert "dyprag" not in json.loads((tmp_path / folder / "summary.json").read_text())
+
+
+def _plotted(monkeypatch, s, path):
+    """``{row: (bar colours, hatches)}`` of ``report.png`` as :func:`plot.write_plot` draws it for ``s``."""
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    assert plot.write_plot(s, path) == path.name
+    (ax,) = figs[0].axes
+    return {c.get_label(): ({p.get_facecolor() for p in c.patches}, {p.get_hatch() for p in c.patches})
+            for c in ax.containers if c.get_label() in s["methods"]}
+
+
+def test_report_png_draws_dyprags_rows_in_colours_of_their_own(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    qs, res = with_dyprag(*synthetic())
+    s = report(tmp_path, qs, res)
+    drawn = _plotted(monkeypatch, s, tmp_path / "a.png")
+    dyprag_rows = [n for n in drawn if dy.is_dyprag(n)]
+    assert len(dyprag_rows) == 4 and len(drawn) >= 8 and set(plot.COLOURS) == set(plot.PAPER_ROWS)
+    assert all(len(c) == 1 for c, _ in drawn.values())  # one colour a row
+    colour = {n: next(iter(c)) for n, (c, _) in drawn.items()}
+    assert len(set(colour.values())) == len(colour)  # no two rows alike
+    theirs = {colour[n] for n in dyprag_rows}
+    assert not theirs & {colour[n] for n in drawn if n not in dyprag_rows}
+    assert all(drawn[n][1] == {plot.DYPRAG_HATCH} for n in dyprag_rows)  # and hatched, as a family
+    assert all(drawn[n][1] == {None} for n in drawn if n not in dyprag_rows)
+    # a row's colour is its own, not its place: without PRAG's combine rows DyPRAG's keep theirs
+    fewer = copy.deepcopy(s)
+    for n in ("prag_sum_combine", "standard_rag"):
+        fewer["methods"].pop(n)
+    again = _plotted(monkeypatch, fewer, tmp_path / "b.png")
+    assert {n: next(iter(c)) for n, (c, _) in again.items()} == {n: colour[n] for n in again}

@@ -76,3 +76,11 @@ def test_equal_rows_are_scored_once_and_equal_their_separate_scoring(tiny_study,
         assert alone["logprob"] == pytest.approx(rec["logprob"], abs=1e-4), rid
         assert {k: alone[k] for k in ("generation", "prediction", "f1", "em", "acc")} == \
             {k: rec[k] for k in ("generation", "prediction", "f1", "em", "acc")}, rid
+    # fcprag report on the folder counts the copies as the study's own summary does: the same summary.json
+    from fcprag_tools.cli import main
+
+    assert main(["report", str(out)]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["shared_rows"] == s["shared_rows"] != {}
+    assert {k: v for k, v in again.items() if k != "stage_seconds"} == \
+        {k: v for k, v in s.items() if k != "stage_seconds"}

@@ -98,7 +98,9 @@ def _score_chunk(run: StudyRun, qs: Questions, want: dict[str, Rows], chunk: lis
 
     st = run.store("eval")
     pids = [p["pid"] for qid in chunk for p in qs[qid]["passages"]]
-    slot = FusedSlot.for_model(run.model, run.adapter(pids[0]), max_adapters=len(pids), max_rank=ad.LORA["r"])
+    # a DyPRAG row's update has its translator's rank, which need not be PRAG's
+    rank = max(ad.LORA["r"], dyprag.rank if dyprag is not None else 0)
+    slot = FusedSlot.for_model(run.model, run.adapter(pids[0]), max_adapters=len(pids), max_rank=rank)
     rows = [scoring.Row(qid, n, [p["pid"] for p in qs[qid]["passages"]], w, prompt,
                         translator=_identity(dyprag, n))
             for qid in chunk for n, (prompt, w) in want[qid].items()

@@ -6,14 +6,15 @@ launcher; or ``--dyprag-translator FILE`` is taken as it is (checked against the
 exported in DyPRAG's layout (:func:`..dyprag.export_path`) and recorded in ``OUT/translator/translator.json``.
 
 The rows then read it through a :class:`DypragSource`: each passage's generated update is made once per process, on
-first need, and kept in memory (never written); its seconds go once to ``dyprag_generated.jsonl``, and for a held-out
-question the mean pairwise cosine of its passages' generated updates and of their PRAG adapters to
-``dyprag_cosine.jsonl``, while the updates are in memory.
+first need, and kept in memory (never written); its seconds go once per translator to ``dyprag_generated.jsonl``
+(with the translator's ``sha256``), and for a held-out question the mean pairwise cosine of its passages' generated
+updates and of their PRAG adapters to ``dyprag_cosine.jsonl``, while the updates are in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from fcprag_plugin.adapter import LoraAdapter
 from fcprag_plugin.fileio import write_json
 from ...translator import (dyprag_adapter, generate_adapters, load_translator, mean_pairwise_cosine, read_state_dict,
                            shape_of, train_translator)
-from ...translator.checkpoint import copy_checkpoint
+from ...translator.checkpoint import copy_checkpoint, remove_stale_temporaries
 from ...translator.embed import passage_ids
 from .. import adapters as ad
 from .. import dyprag as dy
@@ -52,6 +53,12 @@ class DypragSource:
     def __post_init__(self) -> None:
         self.texts = {p["pid"]: p["text"] for q in self.qs.values() for p in q["passages"]}
 
+    @functools.cached_property
+    def rank(self) -> int:
+        """The rank of the generated updates (the translator's, read from its file: a given checkpoint's may be
+        other than PRAG's): what the fused slot that scores a DyPRAG row must hold."""
+        return shape_of(read_state_dict(self.path), self.path).rank
+
     def _generate(self, texts: dict[str, str]) -> None:
         """The updates of ``texts`` (``{pid: text}``) not made yet, in one call; their seconds appended once."""
         todo = {p: t for p, t in texts.items() if p not in self.generated}
@@ -67,8 +74,10 @@ class DypragSource:
         store = run.store(dy.GENERATED)
         have = store.done()
         tokens = dict(zip(todo, map(len, passage_ids(run.tok, list(todo.values())))))
-        store.append([{"id": p, "seconds": round(s, 6), "tokens": tokens[p], "device": run.device()}
-                      for p, s in seconds.items() if p not in have])
+        # each line names its translator: the report's cost reads the study's current translator's lines only
+        store.append([{"id": p, "seconds": round(s, 6), "tokens": tokens[p], "device": run.device(),
+                       "sha256": self.sha256}
+                      for p, s in seconds.items() if have.get(p, {}).get("sha256") != self.sha256])
 
     def prepare(self, qids: Sequence[str]) -> None:
         """The updates of the questions' passages (one generation call), and each held-out question's cosines when
@@ -185,6 +194,9 @@ def translator_stage(run: StudyRun, qs: Questions, augs: dict[str, dict[str, Any
         return None
     translator = None
     if run.shard.rank == 0:
+        # a run killed mid-write leaves its temporaries: the export's folder is copied whole into DyPRAG's projector/
+        for f in remove_stale_temporaries(run.out / dy.TRANSLATOR_DIR):
+            logger.info("translator: removed %s, left by an interrupted run", f)
         if part.dyprag_translator is not None:
             rec = _given(run, part)
         else:

@@ -103,8 +103,9 @@ def prag_unknown(settings: Mapping[str, Any], datasets: Sequence[str]) -> str:
     return _unknown(settings, datasets, "PRAG") + "."
 
 
-def _unknown(settings: Mapping[str, Any], datasets: Sequence[str], host: str) -> str:
-    """:func:`prag_unknown`'s sentence without its full stop."""
+def _unknown(settings: Mapping[str, Any], datasets: Sequence[str], host: str,
+             where: str = "(its `src/root_dir_path.py` set to it), after its") -> str:
+    """:func:`prag_unknown`'s sentence without its full stop; ``where``: what follows "your HOST checkout"."""
     odd = [d for d in datasets if prag_dataset(d) is None]
     named = str(settings.get("model_name") or settings.get("model") or "")
     gguf = settings.get("gguf_file")
@@ -117,7 +118,7 @@ def _unknown(settings: Mapping[str, Any], datasets: Sequence[str], host: str) ->
                  f"never an absolute path ({host} joins the name under its own folders)")
     else:
         model = ""
-    return (f"Run them in your {host} checkout (its `src/root_dir_path.py` set to it), after its `src/augment.py` has "
+    return (f"Run them in your {host} checkout {where} `src/augment.py` has "
             "written `data_aug/` for the same `--model_name` and dataset: this study cannot know where your checkout "
             "and data are" + model
             + (f"; {host} knows the datasets {', '.join(sorted(set(PRAG_DATASETS.values())))}, not "
@@ -159,8 +160,13 @@ def dyprag_setup(settings: Mapping[str, Any]) -> str:
 
 def dyprag_unknown(settings: Mapping[str, Any], datasets: Sequence[str]) -> str:
     """What a DyPRAG command cannot know, in one sentence."""
-    return (_unknown(settings, datasets, "DyPRAG") + "; DyPRAG's `--model_name` is a key of its own model table ("
-            + ", ".join(f"`{v}`" for v in PRAG_MODELS.values()) + ", folders under the path set in its "
+    # DyPRAG's script joins every path under ROOT_DIR (as it ships, its authors' own path), never the current folder
+    where = ("with `ROOT_DIR` in its `src/root_dir_path.py` set to that checkout's absolute path (`src/"
+             "inference_dyprag.py` loads the translator from `ROOT_DIR/projector/<--projector_path>/epoch_"
+             "<--inference_epoch - 1>.pt`, not from the folder it runs in, reads `ROOT_DIR/data_aug/` and writes "
+             "under `ROOT_DIR/output/`; as DyPRAG ships it, `ROOT_DIR` is its authors' own path), after its")
+    return (_unknown(settings, datasets, "DyPRAG", where) + "; DyPRAG's `--model_name` is a key of its own model "
+            "table (" + ", ".join(f"`{v}`" for v in PRAG_MODELS.values()) + ", folders under the path set in its "
             "`src/utils.py`) or a name it loads as it is, and it picks its model class by `llama` or `qwen` in that "
             "name (a Llama-architecture model of another name needs a folder name with `llama` in it); the "
             "translator fits only the model it was made for, and its folder above is the study's as this study "
@@ -190,8 +196,9 @@ HOSTS = {"prag": Host("prag", "src/inference.py", "--inference_method", prag_arg
                       "inference.py` looks them up by its epochs, learning rate, rank and alpha)"),
          "dyprag": Host("dyprag", "src/inference_dyprag.py", "--inference_method", dyprag_args, dyprag_unknown,
                         prepared="the first line copies the study's translator, exported in DyPRAG's format, into "
-                                 "DyPRAG's `projector/`, where `src/inference_dyprag.py` loads it "
-                                 "(`projector/<--projector_path>/epoch_<--inference_epoch - 1>.pt`)",
+                                 "`projector/` of the DyPRAG checkout the lines run in, which must be `ROOT_DIR` of "
+                                 "its `src/root_dir_path.py`: `src/inference_dyprag.py` loads `ROOT_DIR/projector/"
+                                 "<--projector_path>/epoch_<--inference_epoch - 1>.pt`",
                         setup=dyprag_setup, mode=" --mode separate")}
 
 

@@ -1,12 +1,25 @@
-"""``report.png``: each table row's held-out F1 with its 95% CI, one group per dataset (with matplotlib)."""
+"""``report.png``: each table row's held-out F1 with its 95% CI, one group per dataset (with matplotlib).
+
+Each row has its own colour, fixed by its name (:data:`COLOURS`), so a row looks the same in every study: PRAG's
+rows and the others in one palette, DyPRAG's rows in shades of purple that no other row uses, and hatched
+(:data:`DYPRAG_HATCH`), so the two hosts' rows are told apart at a glance."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from ..dyprag import is_dyprag
 from .markdown import model_name
 from .tables import PAPER_ROWS
+
+DYPRAG_HATCH = "//"
+COLOURS = {"vanilla": "#7f7f7f", "standard_rag": "#bcbd22", "prag_sum": "#1f77b4", "prag_sum_combine": "#17becf",
+           "recommended": "#2ca02c", "recommended_combine": "#98df8a", "random_controller": "#d62728",
+           "random_controller_combine": "#ff9896",
+           # DyPRAG's: purples only (no other row's colour is one)
+           "dyprag": "#3f007d", "dyprag_combine": "#6a51a3", "dyprag_recommended": "#9e9ac8",
+           "dyprag_recommended_combine": "#cbc9e2"}
 
 
 def write_plot(s: dict[str, Any], path: Path) -> str | None:
@@ -33,7 +46,8 @@ def write_plot(s: dict[str, Any], path: Path) -> str | None:
             ys.append(100 * b["f1"])
             lo.append(100 * (b["f1"] - ci[0]))
             hi.append(100 * (ci[1] - b["f1"]))
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=n)
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=n, color=COLOURS.get(n),
+               hatch=DYPRAG_HATCH if is_dyprag(n) else None, edgecolor="white" if is_dyprag(n) else None)
     ax.set_xticks(range(len(datasets)), [f"{d} (n={s['datasets'][d]['n_test']})" for d in datasets])
     ax.set_ylabel("F1 (points), held-out, 95% CI")
     ax.set_title(f"{model_name(s['settings'])}: what each row answers")

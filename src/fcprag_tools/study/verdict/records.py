@@ -275,7 +275,9 @@ class SettingVerdict:
 class Comparison:
     """The choice's held-out F1 against another ``row``: the paired mean, its interval at the choice's level, its
     ``reading`` (``tie``, ``better``, ``worse``, ``equivalent``, ``not_shown``) and what it could detect
-    (``n_needed`` at the family's level; ``n_needed_95`` for one planned follow-up test at 95%)."""
+    (``n_needed`` at the family's level; ``n_needed_95`` for one planned follow-up test at 95%). In JSON ``shown``
+    is true when the interval excludes 0 on either side: shown better or shown worse, the direction being the
+    ``reading``."""
 
     row: str
     reading: str
@@ -288,8 +290,8 @@ class Comparison:
     n_needed_95: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"row": self.row, "delta_f1": self.delta_f1, "ci_f1": self.ci_f1, "shown": self.reading == "better",
-                "reading": self.reading, "mde_f1": self.mde_f1, "n_needed": self.n_needed,
+        return {"row": self.row, "delta_f1": self.delta_f1, "ci_f1": self.ci_f1,
+                "shown": self.reading in ("better", "worse"), "reading": self.reading, "mde_f1": self.mde_f1, "n_needed": self.n_needed,
                 "n_needed_95": self.n_needed_95, "n_nonzero": self.n_nonzero, "sd_f1": self.sd_f1}
 
 
