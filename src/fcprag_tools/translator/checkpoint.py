@@ -10,6 +10,7 @@ key and both shapes.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Mapping
 
 import torch
+
+from fcprag_plugin.fileio import write_atomic
 
 from .network import MODULES, Translator, TranslatorError, TranslatorShape
 
@@ -26,21 +29,12 @@ _KEY = re.compile(r"^projector\.(?P<module>[A-Za-z_]+)_(?P<layer>\d+)\.projector
 
 
 def write_binary(path: str | Path, fill: Callable[[BinaryIO], None]) -> Path:
-    """``fill(f)`` writes ``path``'s bytes, atomically: a temp file beside it, ``fsync``, then ``os.replace`` (the
-    temp-and-rename of :func:`fcprag_plugin.fileio.write_atomic`, which writes text only)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    """``fill(f)`` writes ``path``'s bytes, atomically: into memory first, then
+    :func:`fcprag_plugin.fileio.write_atomic` (a temp file beside it, ``fsync``, ``os.replace``); a failing ``fill``
+    writes nothing."""
+    buf = io.BytesIO()
+    fill(buf)
+    return write_atomic(path, buf.getvalue())
 
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")  # write_binary's and fileio.write_atomic's temporaries
