@@ -290,6 +290,9 @@ def test_the_cost_reads_only_the_generation_seconds_of_the_studys_translator(tmp
                                                              for p in held))
     c = asdict(cost(dy.dyprag_record(tmp_path)))  # a file from before the sha256 was written: no line read
     assert c["generation_seconds"] is None and c["passages_generated"] == 0
+    text = " ".join(dyprag_report.cost_lines({"cost": c, "why": None}))  # no figure, and no claim made on none
+    assert "generation seconds are not known" in text and "2.00 s of a PRAG adapter" in text
+    assert "pays for itself" not in text and "saves no time" not in text
 
 
 def test_the_fusion_and_the_ceiling_over_dyprags_loras(tmp_path):

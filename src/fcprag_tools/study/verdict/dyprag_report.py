@@ -114,6 +114,10 @@ def cost_lines(d: dict[str, Any]) -> list[str]:
         train = "The translator was given: its training was done elsewhere and its seconds are not known here. "
     ratio = (f"; {c['prag_seconds'] / c['generation_seconds']:.0f} times as long" if c["prag_seconds"] is not None
              and c["generation_seconds"] else "")
+    if not c["passages_generated"]:  # dyprag_generated.jsonl holds no line of this translator: no figure
+        return [f"**The cost.** {train}Per passage, its generation seconds are not known: the study's "
+                "`dyprag_generated.jsonl` holds no line of this translator (its sha256), so nothing is compared with "
+                f"the {_secs(c['prag_seconds'])} s of a PRAG adapter's training here.", ""]
     per = (f"Per passage, generating its update took {_secs(c['generation_seconds'])} s (the median over "
            f"{c['passages_generated']} held-out passages: the passage's forward and the translator) against "
            f"{_secs(c['prag_seconds'])} s to train its PRAG adapter (the median over {c['prag_adapters']}{ratio}) "
