@@ -580,3 +580,23 @@ def test_report_png_draws_dyprags_rows_in_colours_of_their_own(tmp_path, monkeyp
         fewer["methods"].pop(n)
     again = _plotted(monkeypatch, fewer, tmp_path / "b.png")
     assert {n: next(iter(c)) for n, (c, _) in again.items()} == {n: colour[n] for n in again}
+
+
+def test_the_committed_dyprag_study_reports_byte_for_byte_with_its_translators_cost(tmp_path, monkeypatch, capsys):
+    """benchmarks/efficacy/dyprag (issue 51's study on SmolLM2) re-reported from its committed rows: the same
+    summary.json and report.md, its three planned comparisons at 1 - 0.05/3, its cost read from the generation lines
+    of its own translator (the sha256 its translator.json records)."""
+    folder = "benchmarks/efficacy/dyprag"
+    shutil.copytree(ROOT / folder, tmp_path / folder)
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", folder]) == 0, capsys.readouterr().err
+    for name in ("summary.json", "report.md"):
+        assert (tmp_path / folder / name).read_bytes() == (ROOT / folder / name).read_bytes(), name
+    d = json.loads((tmp_path / folder / "summary.json").read_text())["dyprag"]
+    sha = json.loads((ROOT / folder / "translator/translator.json").read_text())["sha256"]
+    with gzip.open(ROOT / folder / "dyprag_generated.jsonl.gz", "rt") as f:
+        lines = [json.loads(x) for x in f]
+    assert {x["sha256"] for x in lines} == {sha}
+    assert [c["key"] for c in d["primary"]["comparisons"]] == \
+        ["dyprag_vs_prag_sum", "dyprag_vs_vanilla", "dyprag_combine_vs_standard_rag"]
+    assert d["primary"]["level"] == pytest.approx(1 - 0.05 / 3) and d["cost"]["passages_generated"] > 0
