@@ -7,7 +7,7 @@ STUDY``: the table study's ``eval.jsonl`` rows of these questions are written to
 study has started, so that it holds its ``settings.json``), but for the ``prag_sum`` rows of the first 5 held-out
 questions of each dataset, written to ``STUDY/heldback_prag_sum.jsonl`` for the reproducibility check.
 
-    python benchmarks/efficacy/dyprag/select.py runs/table-q runs/dyq [--seed-eval runs/dyprag-table]
+    python benchmarks/efficacy/dyprag/select_questions.py runs/table-q runs/dyq [--seed-eval runs/dyprag-table]
 """
 
 import argparse
